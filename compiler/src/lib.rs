@@ -1,1 +1,7 @@
-//! placeholder
+//! rcoa's compiler: from the `.plan` syntax tree to a lowered training plan.
+//!
+//! One direction of flow (see `DESIGN.md`):
+//! `ast::PlanFile` → [`resolve`] → [`spec::Spec`] → graph → passes → [`lowered::LoweredPlan`].
+
+pub mod lowered;
+pub mod spec;

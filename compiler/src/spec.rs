@@ -1,0 +1,443 @@
+//! The resolved plan: every name looked up, every unit turned into bytes or
+//! counts, every default applied and every constraint of `DSL.md` checked.
+//!
+//! A `Spec` is what the resolver promises the rest of the compiler: numbers
+//! are consistent (heads divisible by kv_heads, dimensions positive, ...), so
+//! later stages do not re-validate. Values the user left to the compiler are
+//! [`Choice::Auto`]; the passes turn them into [`Choice::Fixed`] and the
+//! lowered plan ([`crate::lowered`]) holds only concrete values.
+
+use serde::{Deserialize, Serialize};
+
+/// A value the user fixed, or left to the compiler (`auto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Choice<T> {
+    Auto,
+    Fixed(T),
+}
+
+impl<T: Copy> Choice<T> {
+    pub fn fixed(self) -> Option<T> {
+        match self {
+            Choice::Auto => None,
+            Choice::Fixed(v) => Some(v),
+        }
+    }
+    pub fn is_auto(&self) -> bool {
+        matches!(self, Choice::Auto)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Spec {
+    pub model: ModelSpec,
+    pub adapter: Option<AdapterSpec>,
+    pub hardware: HardwareSpec,
+    pub precision: PrecisionSpec,
+    pub optimizer: OptimizerSpec,
+    pub train: TrainSpec,
+    pub parallel: ParallelSpec,
+    pub fit: FitSpec,
+    pub target: Target,
+}
+
+impl Spec {
+    pub fn gpu_count(&self) -> u64 {
+        self.hardware.gpus_per_node * self.hardware.nodes
+    }
+}
+
+// ---------------------------------------------------------------- model
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    Decoder,
+    Encoder,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mlp {
+    Swiglu,
+    Gelu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Norm {
+    Rmsnorm,
+    Layernorm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Positions {
+    Rope,
+    Learned,
+}
+
+/// The architecture of the model being trained.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// Preset name, `hf:<path>`, or `custom`.
+    pub name: String,
+    pub arch: Arch,
+    pub layers: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    /// Intermediate size of the MLP.
+    pub ffn: u64,
+    pub mlp: Mlp,
+    pub norm: Norm,
+    pub positions: Positions,
+    pub vocab: u64,
+    pub max_positions: u64,
+    pub tie_embeddings: bool,
+    /// Mixture of experts: experts per layer (1 = dense).
+    pub experts: u64,
+    pub experts_per_token: u64,
+    /// Dropout probability (0 = no dropout masks are kept).
+    pub dropout: f64,
+}
+
+// ---------------------------------------------------------------- adapter
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterKind {
+    Lora,
+    Qlora,
+}
+
+/// A projection an adapter can be attached to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Proj {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Proj {
+    pub const ALL: [Proj; 7] = [Proj::Q, Proj::K, Proj::V, Proj::O, Proj::Gate, Proj::Up, Proj::Down];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Proj::Q => "q",
+            Proj::K => "k",
+            Proj::V => "v",
+            Proj::O => "o",
+            Proj::Gate => "gate",
+            Proj::Up => "up",
+            Proj::Down => "down",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdapterSpec {
+    pub kind: AdapterKind,
+    pub rank: u64,
+    pub alpha: f64,
+    /// Sorted, without duplicates.
+    pub targets: Vec<Proj>,
+    pub dropout: f64,
+    /// Storage dtype of the frozen base weights (`nf4` for QLoRA, else the params dtype).
+    pub base: Dtype,
+}
+
+// ---------------------------------------------------------------- hardware
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuSpec {
+    /// Catalog name, or `custom`.
+    pub name: String,
+    pub memory_bytes: u64,
+    /// Dense bf16 tensor-core throughput, TFLOP/s.
+    pub bf16_tflops: f64,
+    /// Memory bandwidth, bytes/s.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HardwareSpec {
+    pub gpu: GpuSpec,
+    pub gpus_per_node: u64,
+    pub nodes: u64,
+    /// Host memory per node available for offload.
+    pub host_memory_bytes: Option<u64>,
+    /// NVMe capacity per node available for offload.
+    pub nvme_bytes: Option<u64>,
+    /// GPU-to-GPU bandwidth inside a node, bytes/s.
+    pub intra_node_bytes_per_s: f64,
+    /// Node-to-node bandwidth per node, bytes/s.
+    pub inter_node_bytes_per_s: f64,
+}
+
+// ---------------------------------------------------------------- precision
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    Fp32,
+    /// fp32 storage, tf32 tensor-core matmuls.
+    Tf32,
+    Bf16,
+    Fp16,
+    Fp8,
+    Int8,
+    /// 4-bit NormalFloat (QLoRA base weights).
+    Nf4,
+}
+
+impl Dtype {
+    /// Storage bytes per element (nf4: half a byte, plus its block scales counted elsewhere).
+    pub fn bytes(self) -> f64 {
+        match self {
+            Dtype::Fp32 | Dtype::Tf32 => 4.0,
+            Dtype::Bf16 | Dtype::Fp16 => 2.0,
+            Dtype::Fp8 | Dtype::Int8 => 1.0,
+            Dtype::Nf4 => 0.5,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Fp32 => "fp32",
+            Dtype::Tf32 => "tf32",
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8 => "fp8",
+            Dtype::Int8 => "int8",
+            Dtype::Nf4 => "nf4",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrecisionSpec {
+    /// Weights the forward pass reads.
+    pub params: Dtype,
+    /// Matmuls and activations. `params = fp32, compute = bf16` is autocast.
+    pub compute: Dtype,
+    /// Master copy kept by the optimizer (`None`: the params are updated in place).
+    pub master: Option<Dtype>,
+    pub grads: Dtype,
+}
+
+impl PrecisionSpec {
+    /// fp32 weights with 16-bit compute: autocast casts weight copies per op.
+    pub fn is_autocast(&self) -> bool {
+        self.params.bytes() > self.compute.bytes()
+    }
+}
+
+// ---------------------------------------------------------------- optimizer
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    Adamw,
+    Adam,
+    Adam8bit,
+    Adafactor,
+    Lion,
+    Sgd,
+    AdamMini,
+}
+
+impl OptimizerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::Adam8bit => "adam8bit",
+            OptimizerKind::Adafactor => "adafactor",
+            OptimizerKind::Lion => "lion",
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::AdamMini => "adam-mini",
+        }
+    }
+}
+
+/// How the optimizer step is implemented (as in `torch.optim`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptImpl {
+    Foreach,
+    Fused,
+    Plain,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSpec {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub momentum: f64,
+    pub weight_decay: f64,
+    /// Dtype of the optimizer state.
+    pub state: Dtype,
+    pub implementation: OptImpl,
+}
+
+// ---------------------------------------------------------------- train
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Attention {
+    Sdpa,
+    Flash,
+    Eager,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Loss {
+    CausalLm,
+    MaskedLm,
+    Contrastive,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSpec {
+    pub seq_len: u64,
+    /// Sequences (anchors, for contrastive with positives/negatives) per optimizer step, all GPUs.
+    pub global_batch: u64,
+    /// Per GPU per forward.
+    pub micro_batch: Choice<u64>,
+    pub grad_accum: Choice<u64>,
+    pub steps: Option<u64>,
+    pub attention: Attention,
+    pub loss: Loss,
+    /// Contrastive: positives and negatives per anchor (0, 0 = micro_batch counts sequences).
+    pub positives: u64,
+    pub negatives: u64,
+}
+
+impl TrainSpec {
+    /// Sequences encoded per counted batch item.
+    pub fn sequences_per_item(&self) -> u64 {
+        if self.loss == Loss::Contrastive && self.positives + self.negatives > 0 {
+            1 + self.positives + self.negatives
+        } else {
+            1
+        }
+    }
+}
+
+// ---------------------------------------------------------------- parallel
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParallelSpec {
+    pub data: Choice<u64>,
+    pub zero: Choice<u8>,
+    pub tensor: Choice<u64>,
+    pub pipeline: Choice<u64>,
+    pub sequence: Choice<bool>,
+    pub context: Choice<u64>,
+    pub expert: Choice<u64>,
+}
+
+// ---------------------------------------------------------------- fit
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Budget {
+    Bytes(u64),
+    /// Share of GPU memory, 0 < f <= 1.
+    Fraction(f64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointChoice {
+    None,
+    Full,
+    /// Recompute attention internals only.
+    Selective,
+    Auto,
+    /// Every Nth layer is recomputed.
+    Every(u64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadWhat {
+    Optimizer,
+    Params,
+    Grads,
+    Activations,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadTo {
+    Cpu,
+    Nvme,
+}
+
+/// One thing the compiler may move off the GPU, and where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Offload {
+    pub what: OffloadWhat,
+    pub to: OffloadTo,
+}
+
+impl std::fmt::Display for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.what {
+            OffloadWhat::Optimizer => "optimizer",
+            OffloadWhat::Params => "params",
+            OffloadWhat::Grads => "grads",
+            OffloadWhat::Activations => "activations",
+        };
+        let to = match self.to {
+            OffloadTo::Cpu => "cpu",
+            OffloadTo::Nvme => "nvme",
+        };
+        write!(f, "{what}:{to}")
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    Throughput,
+    Memory,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FitSpec {
+    pub budget: Budget,
+    /// Bytes kept out of the budget; `None`: the runtime profile decides.
+    pub reserve: Option<u64>,
+    pub checkpoint: CheckpointChoice,
+    /// What may move off the GPU (allowed, not required). Sorted.
+    pub offload: Vec<Offload>,
+    pub objective: Objective,
+}
+
+impl FitSpec {
+    /// The budget in bytes for a GPU with `gpu_memory` bytes.
+    pub fn budget_bytes(&self, gpu_memory: u64) -> u64 {
+        match self.budget {
+            Budget::Bytes(b) => b,
+            Budget::Fraction(f) => (gpu_memory as f64 * f).floor() as u64,
+        }
+    }
+}
+
+/// The executor the prediction is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    Burn,
+    Pytorch,
+}

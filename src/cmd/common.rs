@@ -1,0 +1,1 @@
+//! Shared by the subcommands: loading plans and rendering diagnostics.

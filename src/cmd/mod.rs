@@ -1,0 +1,8 @@
+//! One module per subcommand; `common` holds loading and diagnostic rendering shared by them.
+
+pub mod catalog;
+pub mod check;
+pub mod common;
+pub mod compile;
+pub mod fmt;
+pub mod run;
