@@ -4,8 +4,16 @@
 //! Knows nothing of GPUs, models or memory: which sections and keys exist is
 //! the resolver's business (`rcoa-compiler`).
 //!
-//! Entry points: [`parse`] and [`format()`].
+//! Entry points: [`decode_utf8`], [`parse`] and (for `rcoa fmt`) [`format()`];
+//! [`render::render_plain`] turns any diagnostic into deterministic text.
 
 pub mod ast;
+pub mod error;
+mod lex;
+mod parse;
+#[cfg(test)]
+mod testutil;
 
 pub use ast::*;
+pub use error::{Expected, ParseError, SyntaxError};
+pub use parse::{decode_utf8, parse};
