@@ -20,8 +20,15 @@ pub enum SyntaxError {
     UnterminatedString { open: Span },
     /// `\n`, `\t`, ... inside a string; only `\"` and `\\` exist.
     InvalidEscape { at: Span, text: String },
-    /// A `{`, `[` or `(` never closed; `eof` is where the file ends.
-    UnclosedDelimiter { open: Span, delim: char, eof: usize },
+    /// A `{`, `[` or `(` never closed. `next_section` is a later line that
+    /// looks like the start of a new section (where the closer probably
+    /// belongs); `eof` is the end of the file's last text.
+    UnclosedDelimiter {
+        open: Span,
+        delim: char,
+        next_section: Option<Span>,
+        eof: usize,
+    },
     /// A closer that does not match the innermost open delimiter.
     MismatchedDelimiter {
         open: Span,
@@ -255,7 +262,11 @@ impl SyntaxError {
             }
             SyntaxError::NumberOutOfRange { .. } => "number out of range".into(),
             SyntaxError::UnexpectedCharacter { ch, .. } => {
-                format!("unexpected character `{}`", ch.escape_debug())
+                if ch.is_control() || ch.is_whitespace() {
+                    format!("unexpected character `{}`", ch.escape_unicode())
+                } else {
+                    format!("unexpected character `{ch}`")
+                }
             }
             SyntaxError::UnexpectedToken {
                 found_text,
@@ -280,12 +291,20 @@ impl SyntaxError {
                 vec![(*open, "this string is never closed".into())]
             }
             SyntaxError::InvalidEscape { at, .. } => vec![(*at, "unknown escape".into())],
-            SyntaxError::UnclosedDelimiter { open, delim, eof } => vec![
+            SyntaxError::UnclosedDelimiter {
+                open,
+                delim,
+                next_section,
+                eof,
+            } => vec![
                 (
                     *open,
                     format!("this {} is never closed", delim_name(*delim)),
                 ),
-                (Span::new(*eof, *eof), "the file ends here".into()),
+                match next_section {
+                    Some(s) => (*s, "a new section starts here, still inside it".into()),
+                    None => (Span::new(*eof, *eof), "the file ends here".into()),
+                },
             ],
             SyntaxError::MismatchedDelimiter {
                 open,
@@ -351,11 +370,20 @@ impl SyntaxError {
             SyntaxError::InvalidEscape { .. } => {
                 "the only escapes are `\\\"` (a quote) and `\\\\` (a backslash)".into()
             }
-            SyntaxError::UnclosedDelimiter { delim, .. } => format!(
-                "a {} opened here is never closed; add `{}`",
-                delim_name(*delim),
-                closer_of(*delim)
-            ),
+            SyntaxError::UnclosedDelimiter {
+                delim,
+                next_section,
+                ..
+            } => {
+                let closer = closer_of(*delim);
+                let name = delim_name(*delim);
+                match next_section {
+                    Some(_) => format!(
+                        "a {name} opened here is never closed; add `{closer}` before the next section"
+                    ),
+                    None => format!("a {name} opened here is never closed; add `{closer}`"),
+                }
+            }
             SyntaxError::MismatchedDelimiter { open_delim, .. } => format!(
                 "close the {} with `{}` first",
                 delim_name(*open_delim),

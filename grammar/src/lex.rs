@@ -41,7 +41,6 @@ pub(crate) struct Token {
 }
 
 impl Token {
-    #[allow(dead_code)]
     pub fn text<'s>(&self, source: &'s str) -> &'s str {
         source.get(self.span.start..self.span.end).unwrap_or("")
     }
@@ -204,6 +203,7 @@ pub(crate) enum Structural {
     Unclosed {
         open: Span,
         delim: char,
+        next_section: Option<Span>,
         eof: usize,
     },
     /// `[ ... }`: the closer does not match the innermost opener.
@@ -284,7 +284,29 @@ pub(crate) fn prescan(source: &str, toks: &[Token]) -> Option<Structural> {
     stack.pop().map(|(delim, open)| Structural::Unclosed {
         open,
         delim,
-        eof: source.len(),
+        next_section: next_section_after(source, toks, open),
+        eof: source.trim_end().len(),
+    })
+}
+
+/// Columns of indentation on the line holding byte `at`.
+fn indent_of(source: &str, at: usize) -> usize {
+    let start = source[..at].rfind(['\n', '\r']).map_or(0, |i| i + 1);
+    source[start..at]
+        .chars()
+        .take_while(|c| matches!(c, ' ' | '\t'))
+        .count()
+}
+
+fn next_section_after(source: &str, toks: &[Token], open: Span) -> Option<Span> {
+    let base = indent_of(source, open.start);
+    let after = toks.iter().position(|t| t.span.start > open.start)?;
+    toks[after..].windows(3).find_map(|w| {
+        let starts_line = w[0].tok == Tok::Newline;
+        let is_name = w[1].tok == Tok::Word { glued: false };
+        let not_entry = w[2].tok != Tok::Punct('=');
+        (starts_line && is_name && not_entry && indent_of(source, w[1].span.start) <= base)
+            .then_some(w[1].span)
     })
 }
 
@@ -297,7 +319,6 @@ pub(crate) fn closer(open: char) -> char {
 }
 
 /// The innermost delimiter open at byte `pos`, if any.
-#[allow(dead_code)] // used by diagnose (next commit)
 pub(crate) fn enclosing(toks: &[Token], pos: usize) -> Option<char> {
     let mut stack = Vec::new();
     for t in toks.iter().take_while(|t| t.span.start < pos) {
@@ -362,10 +383,22 @@ mod tests {
                 at: Span::new(8, 10)
             })
         );
+        let s = "a {\n  b = 1\n  c { d = 1 }\nx = 2\ntrain {}\n";
+        assert!(matches!(
+            prescan(s, &tokens(s)),
+            Some(Structural::Unclosed {
+                next_section: Some(Span { start: 32, end: 37 }),
+                ..
+            })
+        ));
         let s = "a { b = 1";
         assert!(matches!(
             prescan(s, &tokens(s)),
-            Some(Structural::Unclosed { delim: '{', .. })
+            Some(Structural::Unclosed {
+                delim: '{',
+                next_section: None,
+                ..
+            })
         ));
     }
 

@@ -11,6 +11,7 @@ pub mod ast;
 pub mod error;
 mod lex;
 mod parse;
+pub mod render;
 #[cfg(test)]
 mod testutil;
 

@@ -12,7 +12,7 @@
 
 use crate::ast::*;
 use crate::error::{Expected, ParseError, SyntaxError};
-use crate::lex::{self, Structural, Token};
+use crate::lex::{self, Structural, Tok, Token};
 use pest::iterators::Pair;
 use pest::Parser as _;
 
@@ -84,9 +84,17 @@ fn structural(source: &str, s: Structural) -> SyntaxError {
             at,
             text: source.get(at.start..at.end).unwrap_or("\\").to_string(),
         },
-        Structural::Unclosed { open, delim, eof } => {
-            SyntaxError::UnclosedDelimiter { open, delim, eof }
-        }
+        Structural::Unclosed {
+            open,
+            delim,
+            next_section,
+            eof,
+        } => SyntaxError::UnclosedDelimiter {
+            open,
+            delim,
+            next_section,
+            eof,
+        },
         Structural::Mismatched {
             open,
             open_delim,
@@ -331,17 +339,180 @@ pub(crate) const ALL_UNITS: [Unit; 19] = [
 // ---------------------------------------------------------------------------
 // Failure → SyntaxError
 
+/// Turns pest's failure into the most specific [`SyntaxError`] we can name.
+///
+/// pest says where it stopped and which rules it tried there; the tokens
+/// around that point say what the writer probably meant. Checks go from the
+/// most specific shape to the generic fallback.
 fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> SyntaxError {
     let pos = match err.location {
         pest::error::InputLocation::Pos(p) => p,
         pest::error::InputLocation::Span((s, _)) => s,
     };
-    let _ = toks;
-    SyntaxError::UnexpectedToken {
-        found: Span::new(pos, pos),
-        found_text: source.get(pos..).unwrap_or("").chars().take(1).collect(),
-        expected: vec![Expected::Value],
+    let positives: &[Rule] = match &err.variant {
+        pest::error::ErrorVariant::ParsingError { positives, .. } => positives,
+        pest::error::ErrorVariant::CustomError { .. } => &[],
+    };
+    let tried = |r: Rule| positives.contains(&r);
+    let idx = toks
+        .iter()
+        .position(|t| t.span.end > pos)
+        .unwrap_or(toks.len());
+    let tok_at = |i: usize| toks.get(i);
+    let text = |t: &Token| t.text(source).to_string();
+    let (found, found_text) = match tok_at(idx) {
+        Some(t) if t.tok == Tok::Newline => (Span::new(t.span.start, t.span.start), text(t)),
+        Some(t) => (t.span, text(t)),
+        None => (Span::new(source.len(), source.len()), String::new()),
+    };
+    let prev = idx.checked_sub(1).and_then(tok_at);
+    let prev_is_number = prev.is_some_and(|t| t.tok == Tok::Number);
+    let context = lex::enclosing(toks, found.start);
+
+    match tok_at(idx).map(|t| &t.tok) {
+        Some(Tok::Other(ch)) => return SyntaxError::UnexpectedCharacter { at: found, ch: *ch },
+        Some(Tok::Word { glued: true }) => {
+            return SyntaxError::UnknownUnit {
+                at: found,
+                suggestion: unit_like(&found_text),
+                word: found_text,
+            }
+        }
+        Some(Tok::Word { glued: false })
+            if found_text.starts_with(|c: char| c.is_ascii_uppercase()) =>
+        {
+            if prev_is_number {
+                if matches!(found_text.as_str(), "K" | "M" | "T") {
+                    let number = prev.map(text).unwrap_or_default();
+                    return SyntaxError::DetachedSuffix {
+                        at: found,
+                        number,
+                        suffix: found_text,
+                    };
+                }
+                return SyntaxError::UnknownUnit {
+                    at: found,
+                    suggestion: unit_like(&found_text),
+                    word: found_text,
+                };
+            }
+            if unit_of(&found_text).is_some() {
+                return SyntaxError::UnitWithoutNumber {
+                    at: found,
+                    unit: found_text,
+                };
+            }
+            return SyntaxError::UppercaseName {
+                at: found,
+                word: found_text,
+            };
+        }
+        Some(Tok::Punct('%')) if !prev_is_number => {
+            return SyntaxError::UnitWithoutNumber {
+                at: found,
+                unit: found_text,
+            }
+        }
+        _ => {}
     }
+
+    if tried(Rule::eq) {
+        // pest read a key and wants `=`. If that "key" is a lower-case unit
+        // after a number (`40 gib`), the real mistake is the unit's case.
+        if let Some(key) = prev.filter(|t| matches!(t.tok, Tok::Word { .. })) {
+            let key_text = text(key);
+            let before = idx.checked_sub(2).and_then(tok_at);
+            if before.is_some_and(|t| t.tok == Tok::Number) {
+                if let Some(u) = unit_like(&key_text) {
+                    return SyntaxError::UnknownUnit {
+                        at: key.span,
+                        word: key_text,
+                        suggestion: Some(u),
+                    };
+                }
+            }
+            return SyntaxError::ExpectedEquals {
+                key: key.span,
+                key_text,
+                found,
+            };
+        }
+    }
+
+    if tried(Rule::value) {
+        if let Some(eq) = prev.filter(|t| t.tok == Tok::Punct('=')) {
+            let key_text = idx
+                .checked_sub(2)
+                .and_then(tok_at)
+                .filter(|t| matches!(t.tok, Tok::Word { .. }))
+                .map(text);
+            return SyntaxError::ExpectedValue {
+                eq: eq.span,
+                key_text,
+                found,
+            };
+        }
+    }
+
+    if context.is_none() {
+        if found_text == "=" {
+            let key = prev
+                .filter(|t| matches!(t.tok, Tok::Word { .. }))
+                .map(|t| (t.span, text(t)));
+            return SyntaxError::EntryOutsideBlock { eq: found, key };
+        }
+        let line_start = prev.is_none_or(|t| t.tok == Tok::Newline || t.tok == Tok::Punct('}'));
+        if line_start {
+            return SyntaxError::ExpectedSectionName { found, found_text };
+        }
+    }
+
+    if context == Some('{') && tried(Rule::ident) {
+        let entry_start =
+            prev.is_none_or(|t| matches!(t.tok, Tok::Newline | Tok::Punct('{') | Tok::Punct(',')));
+        if entry_start && found_text != "}" {
+            return SyntaxError::ExpectedKey { found, found_text };
+        }
+    }
+
+    let mut expected: Vec<Expected> = positives
+        .iter()
+        .filter_map(|r| match r {
+            Rule::ident if context.is_none() => Some(Expected::SectionName),
+            Rule::ident if context == Some('{') => Some(Expected::Key),
+            Rule::ident | Rule::value | Rule::arg => Some(Expected::Value),
+            Rule::eq => Some(Expected::Equals),
+            Rule::block => Some(Expected::BlockStart),
+            Rule::unit | Rule::suffix => Some(Expected::Unit),
+            Rule::EOI => Some(Expected::LineEnd),
+            _ => None,
+        })
+        .collect();
+    match context {
+        Some('{') => expected.push(Expected::BlockEnd),
+        Some('[') => expected.push(Expected::ListEnd),
+        Some('(') => expected.push(Expected::TupleEnd),
+        _ => {}
+    }
+    // A unit is never what the writer missed when something else fits.
+    if expected.len() > 1 {
+        expected.retain(|e| *e != Expected::Unit);
+    }
+    expected.sort();
+    expected.dedup();
+    SyntaxError::UnexpectedToken {
+        found,
+        found_text,
+        expected,
+    }
+}
+
+/// The unit a wrongly-cased word stands for (`gib` → `GiB`), if any.
+fn unit_like(word: &str) -> Option<&'static str> {
+    ALL_UNITS
+        .iter()
+        .map(|u| u.as_str())
+        .find(|u| u.eq_ignore_ascii_case(word))
 }
 
 #[cfg(test)]
