@@ -9,6 +9,7 @@
 
 pub mod ast;
 pub mod error;
+pub mod format;
 mod lex;
 mod parse;
 pub mod render;
@@ -17,4 +18,5 @@ mod testutil;
 
 pub use ast::*;
 pub use error::{Expected, ParseError, SyntaxError};
+pub use format::format;
 pub use parse::{decode_utf8, parse};
