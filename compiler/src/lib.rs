@@ -3,5 +3,6 @@
 //! One direction of flow (see `DESIGN.md`):
 //! `ast::PlanFile` → [`resolve`] → [`spec::Spec`] → graph → passes → [`lowered::LoweredPlan`].
 
+pub mod emit;
 pub mod lowered;
 pub mod spec;
