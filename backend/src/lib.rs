@@ -1,1 +1,368 @@
-//! placeholder
+//! `rcoa-backend`: executes a `LoweredPlan` with Burn 0.21.
+//!
+//! The transformer is built from the plan (`model`), trained by one generic
+//! step (`train`, over `B: AutodiffBackend`) that carries out the plan's
+//! decisions: per-layer activation checkpointing by segment recomputation,
+//! precision (fp32, autocast, 16-bit weights with an fp32 master), the
+//! optimizer, gradient accumulation and the micro-batch. Memory is measured
+//! (`memory`) and reported beside the prediction.
+//!
+//! The executor is instantiated twice, no more (each instantiation costs
+//! minutes of compile time): `Autodiff<NdArray>` on the CPU, always built, and
+//! `Autodiff<Cuda>` behind the `cuda` feature (`cuda` module: preflight of the
+//! driver, NVRTC and headers; CubeCL's persistent kernel cache).
+//!
+//! What this executor does not do is an error before anything runs
+//! (`check_plan`): more than one GPU, offload, QLoRA's 4-bit base, mixture of
+//! experts, selective checkpointing, optimizers Burn lacks.
+
+pub mod data;
+pub mod loss;
+pub mod memory;
+pub mod model;
+pub mod testing;
+pub mod train;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use burn::tensor::backend::AutodiffBackend;
+use data::{Batcher, Source};
+use memory::MemoryProbe;
+use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_compiler::spec::{AdapterKind, Arch, Loss, Positions};
+use std::path::PathBuf;
+use train::{StepReport, Trainer, TrainerConfig};
+
+/// Why a run could not start or stopped.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum RunError {
+    #[error("{0}")]
+    #[diagnostic(code(rcoa::run_unsupported), help("change the plan, or run it on an engine that supports this (`target pytorch` plans are for PyTorch engines)"))]
+    Unsupported(String),
+    #[error("{0}")]
+    #[diagnostic(code(rcoa::run_data))]
+    Data(String),
+    #[error("{0}")]
+    #[diagnostic(code(rcoa::run_checkpoint))]
+    Checkpoint(String),
+    #[error("{0}")]
+    #[diagnostic(code(rcoa::cuda_unavailable), help("install the NVIDIA driver and the CUDA toolkit (NVRTC and headers), set CUDA_PATH, or use `--device cpu`"))]
+    CudaUnavailable(String),
+    #[error("this rcoa was built without CUDA support")]
+    #[diagnostic(
+        code(rcoa::cuda_not_built),
+        help("rebuild with `cargo build --release --features cuda`, or use `--device cpu`")
+    )]
+    CudaNotBuilt,
+    #[error("the backend failed: {0}")]
+    #[diagnostic(code(rcoa::backend_failed))]
+    Backend(String),
+    #[error("the loss is {loss} at step {step}: training diverged")]
+    #[diagnostic(
+        code(rcoa::diverged),
+        help("lower optimizer.lr, or use fp32/bf16 rather than fp16")
+    )]
+    Diverged { step: u64, loss: f64 },
+}
+
+/// Refuse what this executor cannot carry out faithfully.
+pub fn check_plan(plan: &LoweredPlan) -> Result<(), RunError> {
+    let r = &plan.resolved;
+    let u = |s: String| Err(RunError::Unsupported(s));
+    let devices = r.data * r.tensor * r.pipeline * r.context;
+    if devices > 1 {
+        return u(format!(
+            "the plan uses {devices} GPUs (data {} × tensor {} × pipeline {} × context {}); `rcoa run` executes single-device plans",
+            r.data, r.tensor, r.pipeline, r.context
+        ));
+    }
+    if !r.offload.is_empty() {
+        let list: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
+        return u(format!(
+            "the plan offloads {}; Burn 0.21 keeps optimizer state and activations on the device",
+            list.join(", ")
+        ));
+    }
+    if r.checkpoint == "selective" {
+        return u("selective checkpointing (attention internals only) is not executed by the Burn executor; it recomputes whole layers (`checkpoint = full` or `every N`)".into());
+    }
+    if let Some(a) = &plan.adapter {
+        if a.kind == AdapterKind::Qlora {
+            return u("QLoRA's 4-bit (nf4) base weights are not executed by the Burn executor; use `adapter lora`".into());
+        }
+    }
+    let m = &plan.model;
+    if m.experts > 1 {
+        return u(format!(
+            "mixture of experts ({} experts) is not executed by the Burn executor",
+            m.experts
+        ));
+    }
+    if m.heads == 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 || m.head_dim == 0 {
+        return u(format!(
+            "heads {} must be a positive multiple of kv_heads {}",
+            m.heads, m.kv_heads
+        ));
+    }
+    if m.positions == Positions::Rope && m.head_dim % 2 != 0 {
+        return u(format!("RoPE needs an even head_dim, not {}", m.head_dim));
+    }
+    if m.positions == Positions::Learned && plan.train.seq_len > m.max_positions {
+        return u(format!(
+            "seq_len {} exceeds the learned positions ({})",
+            plan.train.seq_len, m.max_positions
+        ));
+    }
+    if plan.train.loss == Loss::CausalLm && m.arch == Arch::Encoder {
+        return u(
+            "a causal LM loss on an encoder (bidirectional attention) would see the answer".into(),
+        );
+    }
+    if plan.train.loss == Loss::Contrastive {
+        let grouped = plan.train.positives + plan.train.negatives > 0;
+        if grouped && plan.train.positives == 0 {
+            return u(
+                "contrastive training with negatives needs at least one positive per anchor".into(),
+            );
+        }
+        if !grouped && r.micro_batch < 2 {
+            return u("contrastive training with in-batch pairs needs micro_batch >= 2".into());
+        }
+    }
+    if r.micro_batch == 0 || plan.train.seq_len == 0 {
+        return u("micro_batch and seq_len must be positive".into());
+    }
+    Ok(())
+}
+
+/// How to run, besides the plan.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub steps: u64,
+    pub seed: u64,
+    /// Train on this text file instead of synthetic tokens.
+    pub data: Option<PathBuf>,
+    /// Save a checkpoint here every `save_every` steps and at the end.
+    pub save: Option<PathBuf>,
+    pub save_every: Option<u64>,
+    pub resume: Option<PathBuf>,
+}
+
+/// What the run tells its caller as it goes.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// Built and about to train.
+    Started(Started),
+    /// The first step may compile kernels (CUDA, cold cache).
+    Compiling {
+        cold: bool,
+    },
+    Step(StepReport),
+    Saved {
+        step: u64,
+        dir: PathBuf,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct Started {
+    pub device: String,
+    pub params: u64,
+    pub trainable: u64,
+    pub precision: String,
+    pub precision_note: Option<String>,
+    pub checkpointed_layers: usize,
+    pub layers: usize,
+    pub micro_batch: u64,
+    pub grad_accum: u64,
+    pub data: String,
+    /// First step to run (1-based): > 1 after `--resume`.
+    pub first_step: u64,
+    pub memory_measure: &'static str,
+}
+
+/// The end of a run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub first_loss: f64,
+    pub last_loss: f64,
+    pub first_step_seconds: f64,
+    /// Median step time excluding the first step (compilation, warm-up).
+    pub steady_step_seconds: f64,
+    pub tokens_per_second: f64,
+    pub measured_peak_bytes: u64,
+    pub measured_reserved_bytes: Option<u64>,
+    pub predicted_peak_bytes: u64,
+    /// (measured - predicted) / predicted.
+    pub peak_error: f64,
+    pub memory_measure: String,
+}
+
+/// Build the batcher for a plan.
+pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunError> {
+    let seq = plan.train.seq_len as usize;
+    let source = match &opts.data {
+        Some(p) => Source::from_file(p, plan.model.vocab, seq + 1)?,
+        None => Source::Synthetic {
+            vocab: plan.model.vocab,
+        },
+    };
+    let grouped =
+        plan.train.loss == Loss::Contrastive && plan.train.positives + plan.train.negatives > 0;
+    Ok(Batcher {
+        source,
+        seed: opts.seed,
+        loss: plan.train.loss,
+        micro_batch: plan.resolved.micro_batch as usize,
+        seq,
+        vocab: plan.model.vocab,
+        group: if grouped {
+            (1 + plan.train.positives + plan.train.negatives) as usize
+        } else {
+            2
+        },
+        positives: plan.train.positives as usize,
+        grouped,
+    })
+}
+
+/// Train `plan` for `opts.steps` steps on backend `B`.
+pub fn execute<B: AutodiffBackend>(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    device: B::Device,
+    device_name: String,
+    sixteen_bit: bool,
+    probe: &mut dyn MemoryProbe,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
+    let batcher = batcher(plan, opts)?;
+    let data = batcher.source.describe();
+    let mut trainer = Trainer::<B>::new(
+        plan,
+        TrainerConfig {
+            seed: opts.seed,
+            batcher,
+            sixteen_bit,
+        },
+        device,
+    )?;
+    if let Some(dir) = &opts.resume {
+        trainer.resume(dir)?;
+    }
+    let (params, trainable) = trainer.param_counts();
+    on_event(Event::Started(Started {
+        device: device_name,
+        params,
+        trainable,
+        precision: trainer.precision.describe(),
+        precision_note: trainer.precision_note.clone(),
+        checkpointed_layers: trainer.checkpointed.iter().filter(|&&c| c).count(),
+        layers: trainer.checkpointed.len(),
+        micro_batch: plan.resolved.micro_batch,
+        grad_accum: trainer.grad_accum,
+        data,
+        first_step: trainer.step + 1,
+        memory_measure: probe.what(),
+    }));
+    let mut reports = Vec::new();
+    while trainer.step < opts.steps {
+        let r = trainer.train_step(probe)?;
+        on_event(Event::Step(r.clone()));
+        reports.push(r);
+        if let Some(dir) = &opts.save {
+            let due = opts
+                .save_every
+                .is_some_and(|n| n > 0 && trainer.step % n == 0)
+                || trainer.step == opts.steps;
+            if due {
+                trainer.save(dir)?;
+                on_event(Event::Saved {
+                    step: trainer.step,
+                    dir: dir.clone(),
+                });
+            }
+        }
+    }
+    Ok(summarize(plan, &reports, probe))
+}
+
+fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe) -> Summary {
+    let first = reports.first();
+    let mut steady: Vec<&StepReport> = reports.iter().skip(1).collect();
+    if steady.is_empty() {
+        steady = reports.iter().collect();
+    }
+    let mut times: Vec<f64> = steady.iter().map(|r| r.step_seconds).collect();
+    times.sort_by(|a, b| a.total_cmp(b));
+    let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
+    let tokens = first.map(|r| r.tokens).unwrap_or(0);
+    let predicted = plan.prediction.peak_bytes;
+    let measured = probe.peak();
+    Summary {
+        steps: reports.len() as u64,
+        first_loss: first.map(|r| r.loss).unwrap_or(f64::NAN),
+        last_loss: reports.last().map(|r| r.loss).unwrap_or(f64::NAN),
+        first_step_seconds: first.map(|r| r.step_seconds).unwrap_or(0.0),
+        steady_step_seconds: median,
+        tokens_per_second: if median > 0.0 {
+            tokens as f64 / median
+        } else {
+            0.0
+        },
+        measured_peak_bytes: measured,
+        measured_reserved_bytes: probe.peak_reserved(),
+        predicted_peak_bytes: predicted,
+        peak_error: if predicted > 0 {
+            (measured as f64 - predicted as f64) / predicted as f64
+        } else {
+            f64::NAN
+        },
+        memory_measure: probe.what().to_string(),
+    }
+}
+
+/// The CPU executor: `Autodiff<NdArray<f32>>`. The probe is created before
+/// the model so its baseline excludes the weights.
+pub fn run_cpu(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
+    type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+    let mut probe = memory::RssProbe::new();
+    execute::<Cpu>(
+        plan,
+        opts,
+        Default::default(),
+        "cpu (ndarray)".into(),
+        false,
+        &mut probe,
+        on_event,
+    )
+}
+
+/// The CUDA executor, or an error saying this build has none.
+pub fn run_cuda(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::run(plan, opts, on_event)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plan, opts, on_event);
+        Err(RunError::CudaNotBuilt)
+    }
+}
+
+/// Whether this build can run on CUDA.
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+#[cfg(test)]
+mod tests;

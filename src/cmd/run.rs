@@ -1,11 +1,247 @@
-//! `rcoa run` (being built).
+//! `rcoa run`: train with a lowered plan on Burn (CPU or CUDA) and report the
+//! measured step time and peak memory beside the compiler's prediction.
+//!
+//! The plan comes from a `.plan` file (parsed, resolved and compiled here) or
+//! from `--lowered FILE.json` (a serialized `LoweredPlan`, e.g. written by
+//! another tool). Text mode shows a progress bar; JSON mode prints one object
+//! per step and a final summary, one per line, on stdout. Exit status: 0 done,
+//! 1 the run failed while training (divergence, backend failure), 2 bad plan,
+//! bad usage, or an unavailable device.
 
+use rcoa_backend::{Event, RunError, RunOptions, Summary};
+use rcoa_compiler::lowered::LoweredPlan;
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(clap::Args)]
-pub struct Args {}
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
 
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("rcoa run: not built yet");
-    ExitCode::from(2)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The `.plan` file to compile and run.
+    #[arg(required_unless_present = "lowered")]
+    plan: Option<PathBuf>,
+    /// Run a serialized LoweredPlan (JSON) instead of compiling a `.plan`.
+    #[arg(long, value_name = "FILE.json", conflicts_with = "plan")]
+    lowered: Option<PathBuf>,
+    /// Optimizer steps to train (in total, counting those before `--resume`).
+    #[arg(long)]
+    steps: u64,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+    /// Train on this text file (byte-level tokens) instead of synthetic tokens.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Save model and optimizer state here (atomically) at the end, and every `--save-every` steps.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    #[arg(long, value_name = "N", requires = "save")]
+    save_every: Option<u64>,
+    /// Continue from a checkpoint written by `--save`.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Seed of the initialisation, the data and dropout.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
+    if let Some(path) = &args.lowered {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            eprintln!("error: cannot read `{}`: {e}", path.display());
+            ExitCode::from(2)
+        })?;
+        return serde_json::from_str(&text).map_err(|e| {
+            eprintln!("error: `{}` is not a lowered plan: {e}", path.display());
+            ExitCode::from(2)
+        });
+    }
+    let path = args.plan.as_ref().ok_or(ExitCode::from(2))?;
+    lower_plan(path)
+}
+
+/// Parse, resolve and compile a `.plan` file.
+fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
+    eprintln!(
+        "error: this build cannot compile `{}` yet (the compiler entry point has not landed); pass a serialized plan with --lowered",
+        path.display()
+    );
+    Err(ExitCode::from(2))
+}
+
+fn print_diagnostic(e: &RunError) {
+    eprintln!("{}", rcoa_grammar::render::render_plain(e));
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+pub fn run(args: Args) -> ExitCode {
+    let plan = match load(&args) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    if let Err(e) = rcoa_backend::check_plan(&plan) {
+        print_diagnostic(&e);
+        return ExitCode::from(2);
+    }
+    let opts = RunOptions {
+        steps: args.steps,
+        seed: args.seed,
+        data: args.data.clone(),
+        save: args.save.clone(),
+        save_every: args.save_every,
+        resume: args.resume.clone(),
+    };
+    let json = args.format == Format::Json;
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let steps = args.steps;
+    let mut on_event = |e: Event| match e {
+        Event::Compiling { cold } => {
+            if cold && !json {
+                eprintln!("CUDA kernel cache is cold: kernels are compiled once by NVRTC (the first step can take minutes; later runs reuse the cache)");
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "event": "cuda_cache", "cold": cold })
+                );
+            }
+        }
+        Event::Started(s) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "event": "start", "device": s.device, "params": s.params, "trainable_params": s.trainable,
+                        "precision": s.precision, "precision_note": s.precision_note,
+                        "checkpointed_layers": s.checkpointed_layers, "layers": s.layers,
+                        "micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "data": s.data,
+                        "first_step": s.first_step, "memory_measure": s.memory_measure,
+                    })
+                );
+            } else {
+                eprintln!("device     {}", s.device);
+                eprintln!(
+                    "model      {} parameters, {} trainable",
+                    s.params, s.trainable
+                );
+                eprintln!("precision  {}", s.precision);
+                if let Some(n) = &s.precision_note {
+                    eprintln!("note       {n}");
+                }
+                eprintln!(
+                    "step       micro-batch {} × grad_accum {}; {} of {} layers recomputed in backward (segment recomputation)",
+                    s.micro_batch, s.grad_accum, s.checkpointed_layers, s.layers
+                );
+                eprintln!("data       {}", s.data);
+                eprintln!("memory     {}", s.memory_measure);
+                let b = indicatif::ProgressBar::new(steps);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                );
+                b.set_position(s.first_step.saturating_sub(1));
+                b.set_message(if s.first_step == 1 {
+                    "first step (warm-up)".to_string()
+                } else {
+                    String::new()
+                });
+                bar = Some(b);
+            }
+        }
+        Event::Step(r) => {
+            let tps = r.tokens as f64 / r.step_seconds.max(1e-9);
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "step": r.step, "loss": r.loss, "step_seconds": r.step_seconds,
+                        "tokens_per_second": tps, "peak_bytes": r.peak_bytes,
+                    })
+                );
+                let _ = std::io::stdout().flush();
+            } else if let Some(b) = &bar {
+                b.set_position(r.step);
+                b.set_message(format!(
+                    "loss {:.4}  {:.3} s/step  {:.0} tok/s  peak {}",
+                    r.loss,
+                    r.step_seconds,
+                    tps,
+                    mib(r.peak_bytes)
+                ));
+            }
+        }
+        Event::Saved { step, dir } => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "event": "saved", "step": step, "dir": dir.display().to_string() })
+                );
+            } else if let Some(b) = &bar {
+                b.println(format!("saved step {step} to {}", dir.display()));
+            }
+        }
+    };
+    let result = match args.device {
+        Device::Cpu => rcoa_backend::run_cpu(&plan, &opts, &mut on_event),
+        Device::Cuda => rcoa_backend::run_cuda(&plan, &opts, &mut on_event),
+    };
+    if let Some(b) = bar.take() {
+        b.finish();
+    }
+    match result {
+        Ok(s) => {
+            report(&s, json);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            print_diagnostic(&e);
+            match e {
+                RunError::Diverged { .. } | RunError::Backend(_) => ExitCode::from(1),
+                _ => ExitCode::from(2),
+            }
+        }
+    }
+}
+
+fn report(s: &Summary, json: bool) {
+    if json {
+        let mut v = serde_json::to_value(s).unwrap_or_default();
+        v["event"] = "summary".into();
+        println!("{v}");
+        return;
+    }
+    println!("steps            {}", s.steps);
+    println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
+    println!("first step       {:.3} s", s.first_step_seconds);
+    println!(
+        "steady step      {:.4} s  ({:.0} tokens/s)",
+        s.steady_step_seconds, s.tokens_per_second
+    );
+    println!(
+        "measured peak    {}  ({})",
+        mib(s.measured_peak_bytes),
+        s.memory_measure
+    );
+    if let Some(r) = s.measured_reserved_bytes {
+        println!("reserved peak    {}", mib(r));
+    }
+    println!("predicted peak   {}", mib(s.predicted_peak_bytes));
+    if s.peak_error.is_finite() {
+        println!("error            {:+.1}%", s.peak_error * 100.0);
+    }
 }

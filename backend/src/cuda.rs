@@ -1,0 +1,285 @@
+//! CUDA: preflight, CubeCL's persistent caches, memory sampling, and the
+//! `Autodiff<Cuda>` instantiation of the executor.
+//!
+//! cudarc loads libcuda and libnvrtc with dlopen at first use and panics when
+//! one is missing; NVRTC then needs the CUDA headers. So before any Burn call
+//! the preflight opens both libraries itself, initialises the driver, reads the
+//! GPU's name and the driver version, and looks for `cuda_fp16.h` where
+//! CubeCL will (`$CUDA_PATH/include`, else `/usr/local/cuda/include`, ...).
+//! Anything missing is a `RunError::CudaUnavailable` (exit 2), never a panic.
+//! When NVRTC is not on the loader path but sits in `$CUDA_PATH/lib64`, the
+//! preflight loads it from there and keeps it loaded, so cudarc's later
+//! dlopen by name finds it (the loader matches already-loaded sonames).
+//!
+//! Kernels are compiled at run time by NVRTC (minutes for a new model shape)
+//! and matmul kernels are autotuned. Both caches are made persistent under
+//! `$RCOA_CACHE_DIR` or `$XDG_CACHE_HOME/rcoa/cubecl/<gpu>-driver<version>`
+//! (`~/.cache/...`), keyed by GPU and driver because compiled kernels and
+//! tuning results are only valid for them. A cold cache is reported so the
+//! user knows the first step compiles.
+
+use crate::memory::MemoryProbe;
+use crate::{execute, Event, RunError, RunOptions, Summary};
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::Runtime;
+use rcoa_compiler::lowered::LoweredPlan;
+use std::path::PathBuf;
+
+/// What the preflight found.
+#[derive(Clone, Debug)]
+pub struct CudaInfo {
+    pub gpu: String,
+    /// e.g. 13000 for CUDA 13.0.
+    pub driver_version: i32,
+    pub include_dir: PathBuf,
+}
+
+const DRIVER_NAMES: &[&str] = &["libcuda.so", "libcuda.so.1"];
+const NVRTC_NAMES: &[&str] = &[
+    "libnvrtc.so",
+    "libnvrtc.so.13",
+    "libnvrtc.so.12",
+    "libnvrtc.so.11",
+];
+
+fn open_any(names: &[&str]) -> Option<libloading::Library> {
+    names
+        .iter()
+        .find_map(|n| unsafe { libloading::Library::new(n) }.ok())
+}
+
+/// Check the driver, NVRTC and headers; never panics.
+pub fn preflight() -> Result<CudaInfo, RunError> {
+    let unavailable = |s: String| RunError::CudaUnavailable(s);
+    let driver = open_any(DRIVER_NAMES).ok_or_else(|| {
+        unavailable("the NVIDIA driver library (libcuda.so) was not found: is there a GPU and its driver on this machine?".into())
+    })?;
+    let cuda_path = cubecl::cuda::install::cuda_path();
+    if open_any(NVRTC_NAMES).is_none() {
+        // Load it from the toolkit directory and keep it loaded for cudarc.
+        let dirs: Vec<PathBuf> = cuda_path
+            .iter()
+            .flat_map(|p| [p.join("lib64"), p.join("lib")])
+            .collect();
+        let found = dirs.iter().find_map(|d| {
+            let entries = std::fs::read_dir(d).ok()?;
+            let mut libs: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("libnvrtc.so"))
+                })
+                .collect();
+            libs.sort();
+            libs.into_iter()
+                .find_map(|p| unsafe { libloading::Library::new(&p) }.ok())
+        });
+        match found {
+            Some(lib) => std::mem::forget(lib),
+            None => {
+                return Err(unavailable(format!(
+                    "NVRTC (libnvrtc.so), which compiles CubeCL's kernels, was not found on the library path{}; \
+                     install the CUDA toolkit and add its lib64 to LD_LIBRARY_PATH",
+                    cuda_path.as_ref().map(|p| format!(" nor in {}/lib64", p.display())).unwrap_or_default()
+                )))
+            }
+        }
+    }
+    let include_dir = cuda_path.as_ref().map(|p| p.join("include")).filter(|d| d.join("cuda_fp16.h").exists()).ok_or_else(|| {
+        unavailable(format!(
+            "the CUDA headers NVRTC needs (cuda_fp16.h, cuda_bf16.h) were not found in {}; set CUDA_PATH to the toolkit",
+            cuda_path.map(|p| p.join("include").display().to_string()).unwrap_or_else(|| "$CUDA_PATH/include or /usr/local/cuda/include".into())
+        ))
+    })?;
+    let (gpu, driver_version) = unsafe { query_driver(&driver) }.map_err(unavailable)?;
+    // Keep the driver loaded: cudarc opens it again by name.
+    std::mem::forget(driver);
+    Ok(CudaInfo {
+        gpu,
+        driver_version,
+        include_dir,
+    })
+}
+
+/// `cuInit`, `cuDriverGetVersion`, `cuDeviceGet(0)`, `cuDeviceGetName`.
+unsafe fn query_driver(lib: &libloading::Library) -> Result<(String, i32), String> {
+    type Init = unsafe extern "C" fn(u32) -> i32;
+    type Version = unsafe extern "C" fn(*mut i32) -> i32;
+    type Count = unsafe extern "C" fn(*mut i32) -> i32;
+    type Get = unsafe extern "C" fn(*mut i32, i32) -> i32;
+    type Name = unsafe extern "C" fn(*mut std::os::raw::c_char, i32, i32) -> i32;
+    let sym = |name: &[u8]| {
+        format!(
+            "libcuda has no {}",
+            String::from_utf8_lossy(&name[..name.len() - 1])
+        )
+    };
+    let init: libloading::Symbol<Init> = lib.get(b"cuInit\0").map_err(|_| sym(b"cuInit\0"))?;
+    let rc = init(0);
+    if rc != 0 {
+        return Err(format!(
+            "the CUDA driver failed to initialise (cuInit error {rc}): no usable GPU?"
+        ));
+    }
+    let version: libloading::Symbol<Version> = lib
+        .get(b"cuDriverGetVersion\0")
+        .map_err(|_| sym(b"cuDriverGetVersion\0"))?;
+    let mut v = 0;
+    version(&mut v);
+    let count: libloading::Symbol<Count> = lib
+        .get(b"cuDeviceGetCount\0")
+        .map_err(|_| sym(b"cuDeviceGetCount\0"))?;
+    let mut n = 0;
+    if count(&mut n) != 0 || n == 0 {
+        return Err("the CUDA driver sees no GPU".into());
+    }
+    let get: libloading::Symbol<Get> = lib
+        .get(b"cuDeviceGet\0")
+        .map_err(|_| sym(b"cuDeviceGet\0"))?;
+    let mut dev = 0;
+    get(&mut dev, 0);
+    let name_fn: libloading::Symbol<Name> = lib
+        .get(b"cuDeviceGetName\0")
+        .map_err(|_| sym(b"cuDeviceGetName\0"))?;
+    let mut buf = [0 as std::os::raw::c_char; 256];
+    name_fn(buf.as_mut_ptr(), buf.len() as i32, dev);
+    let name = std::ffi::CStr::from_ptr(buf.as_ptr())
+        .to_string_lossy()
+        .into_owned();
+    Ok((name, v))
+}
+
+/// The persistent cache directory for this GPU and driver.
+pub fn cache_dir(info: &CudaInfo) -> PathBuf {
+    let root = std::env::var_os("RCOA_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                .unwrap_or_else(std::env::temp_dir);
+            base.join("rcoa").join("cubecl")
+        });
+    let gpu: String = info
+        .gpu
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    root.join(format!("{gpu}-driver{}", info.driver_version))
+}
+
+/// Point CubeCL's compilation and autotune caches at `dir`. Returns whether
+/// the cache was cold (empty). Must run before the first CubeCL call.
+pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
+    use cubecl::config::cache::CacheConfig;
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let cold = std::fs::read_dir(dir)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(true);
+    std::fs::create_dir_all(dir).map_err(|e| {
+        RunError::CudaUnavailable(format!(
+            "cannot create the kernel cache {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let mut cfg = CubeClRuntimeConfig::default();
+    cfg.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
+    cfg.autotune.cache = CacheConfig::File(dir.to_path_buf());
+    // `set` panics if CubeCL already read its configuration (a second run in
+    // one process); the first configuration then stays, which is fine.
+    let _ = std::panic::catch_unwind(|| CubeClRuntimeConfig::set(cfg));
+    Ok(cold)
+}
+
+/// CubeCL's memory manager: live bytes and pool reservations.
+pub struct CudaProbe {
+    client: cubecl::client::ComputeClient<CudaRuntime>,
+    baseline: u64,
+    step_peak: u64,
+    peak: u64,
+    reserved: u64,
+}
+
+impl CudaProbe {
+    pub fn new(device: &CudaDevice) -> Self {
+        let client = CudaRuntime::client(device);
+        let baseline = client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0);
+        CudaProbe {
+            client,
+            baseline,
+            step_peak: 0,
+            peak: 0,
+            reserved: 0,
+        }
+    }
+}
+
+impl MemoryProbe for CudaProbe {
+    fn sample(&mut self) {
+        if let Ok(m) = self.client.memory_usage() {
+            let v = m.bytes_in_use.saturating_sub(self.baseline);
+            self.step_peak = self.step_peak.max(v);
+            self.peak = self.peak.max(v);
+            self.reserved = self.reserved.max(m.bytes_reserved);
+        }
+    }
+    fn begin_step(&mut self) {
+        self.step_peak = 0;
+    }
+    fn step_peak(&self) -> u64 {
+        self.step_peak
+    }
+    fn peak(&self) -> u64 {
+        self.peak
+    }
+    fn peak_reserved(&self) -> Option<u64> {
+        Some(self.reserved)
+    }
+    fn what(&self) -> &'static str {
+        "CubeCL bytes in use (live tensors), sampled after every layer's forward and backward and the optimizer step"
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Train on GPU 0.
+pub fn run(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
+    type B = burn::backend::Autodiff<burn::backend::Cuda<f32>>;
+    let info = preflight()?;
+    let dir = cache_dir(&info);
+    let cold = configure_cache(&dir)?;
+    on_event(Event::Compiling { cold });
+    let name = format!(
+        "cuda:0 {} (driver {}.{}, kernel cache {})",
+        info.gpu,
+        info.driver_version / 1000,
+        (info.driver_version % 1000) / 10,
+        dir.display()
+    );
+    // Backend panics (cudarc, CubeCL, out of memory) become errors.
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let device = CudaDevice::new(0);
+        let mut probe = CudaProbe::new(&device);
+        execute::<B>(plan, opts, device, name, true, &mut probe, on_event)
+    }));
+    std::panic::set_hook(previous);
+    result.unwrap_or_else(|p| Err(RunError::Backend(panic_text(p.as_ref()))))
+}

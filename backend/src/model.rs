@@ -1,0 +1,582 @@
+//! The transformer, built from the lowered plan's `ModelSpec` and `AdapterSpec`.
+//!
+//! One set of module types covers both families of `DSL.md`:
+//! - decoder: pre-norm blocks, causal attention, RoPE or learned positions,
+//!   grouped-query attention (`kv_heads < heads`), SwiGLU or GELU MLP;
+//! - encoder: post-norm blocks (BERT / XLM-R), bidirectional attention,
+//!   learned positions and an embedding norm.
+//!
+//! Linear layers have biases exactly when the norm is LayerNorm (GPT-2, BERT
+//! style); RMSNorm models (LLaMA style) have none. Weights are stored
+//! `[in, out]`. LoRA adapters sit on the targeted projections: the base weight
+//! is a frozen parameter (`require_grad = false`, so no gradient and no
+//! optimizer state exist for it), `A` is random and `B` is zero, so training
+//! starts from the base model.
+//!
+//! Every forward function is generic over `B: Backend` so the same code runs
+//! with the autodiff graph (`Autodiff<_>`) and without it (the inner backend)
+//! when a checkpointed layer is run forward without keeping its graph
+//! (see `train.rs`). Parameter ids are assigned in construction order
+//! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
+
+use burn::module::{Module, Param, ParamId};
+use burn::tensor::activation;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
+use rcoa_compiler::spec::{AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
+
+/// Standard deviation of the random initialisation (GPT-2 / LLaMA use 0.02).
+const INIT_STD: f64 = 0.02;
+/// Large negative score for masked attention positions; finite so it also
+/// stays finite in bf16 and `softmax` never sees `-inf - -inf`.
+const MASK_VALUE: f64 = -1.0e9;
+const NORM_EPS: f64 = 1e-5;
+
+/// Hands out parameter ids in construction order.
+pub struct Ids(u64);
+
+impl Ids {
+    pub fn new() -> Self {
+        Ids(1)
+    }
+    fn next(&mut self) -> ParamId {
+        self.0 += 1;
+        ParamId::from(self.0)
+    }
+}
+
+impl Default for Ids {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn param<B: Backend, const D: usize>(
+    ids: &mut Ids,
+    t: Tensor<B, D>,
+    trainable: bool,
+) -> Param<Tensor<B, D>> {
+    Param::initialized(ids.next(), t.set_require_grad(trainable))
+}
+
+fn normal<B: Backend, const D: usize>(
+    shape: [usize; D],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, D>::random(shape, Distribution::Normal(0.0, INIT_STD), device).cast(dtype)
+}
+
+/// Cast `t` to `dtype` unless it already is (a cast is a copy and an autodiff node).
+pub fn to_dtype<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: FloatDType) -> Tensor<B, D> {
+    if t.dtype() == dtype.into() {
+        t
+    } else {
+        t.cast(dtype)
+    }
+}
+
+// ---------------------------------------------------------------- context
+
+/// Run-time constants shared by every layer of one forward pass: shapes,
+/// the compute dtype, and the RoPE tables and causal mask for this sequence
+/// length (built once per run on each backend that needs them).
+#[derive(Clone, Debug)]
+pub struct Ctx<B: Backend> {
+    pub compute: FloatDType,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub causal: bool,
+    pub lora_scale: f64,
+    pub lora_dropout: f64,
+    pub dropout: f64,
+    /// Dropout masks are drawn only while training (never in a gradient check).
+    pub train: bool,
+    /// `[seq, head_dim / 2]` cosines and sines, in the compute dtype.
+    pub rope: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
+    /// `[seq, seq]`, true above the diagonal (future positions).
+    pub mask: Option<Tensor<B, 2, Bool>>,
+}
+
+impl<B: Backend> Ctx<B> {
+    pub fn new(
+        model: &ModelSpec,
+        adapter: Option<&AdapterSpec>,
+        seq: usize,
+        compute: FloatDType,
+        device: &B::Device,
+    ) -> Self {
+        let head_dim = model.head_dim as usize;
+        let rope = (model.positions == Positions::Rope).then(|| {
+            // theta_i = 10000^(-2i/d); angle[p, i] = p * theta_i.
+            let half = head_dim / 2;
+            let inv: Vec<f32> = (0..half)
+                .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
+                .collect();
+            let mut cos = Vec::with_capacity(seq * half);
+            let mut sin = Vec::with_capacity(seq * half);
+            for p in 0..seq {
+                for f in &inv {
+                    let a = p as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+            let mk = |v: Vec<f32>| {
+                to_dtype(
+                    Tensor::<B, 1>::from_floats(v.as_slice(), device).reshape([seq, half]),
+                    compute,
+                )
+            };
+            (mk(cos), mk(sin))
+        });
+        let causal = model.arch == Arch::Decoder;
+        let mask = causal.then(|| Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, device));
+        Ctx {
+            compute,
+            heads: model.heads as usize,
+            kv_heads: model.kv_heads as usize,
+            head_dim,
+            causal,
+            lora_scale: adapter.map(|a| a.alpha / a.rank as f64).unwrap_or(0.0),
+            lora_dropout: adapter.map(|a| a.dropout).unwrap_or(0.0),
+            dropout: model.dropout,
+            train: true,
+            rope,
+            mask,
+        }
+    }
+}
+
+fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64, ctx: &Ctx<B>) -> Tensor<B, D> {
+    if !ctx.train || p <= 0.0 {
+        return x;
+    }
+    // The mask comes from the backend's RNG, which the trainer re-seeds before
+    // every layer (and before its recomputation), so a recomputed layer draws
+    // the same mask as its first forward.
+    let keep = Tensor::<B, D>::random(x.shape(), Distribution::Bernoulli(1.0 - p), &x.device());
+    let keep = to_dtype(keep, ctx.compute);
+    x * keep.div_scalar(1.0 - p)
+}
+
+// ---------------------------------------------------------------- linear
+
+/// Low-rank adapter `x A B * alpha / rank`.
+#[derive(Module, Debug)]
+pub struct Lora<B: Backend> {
+    a: Param<Tensor<B, 2>>,
+    b: Param<Tensor<B, 2>>,
+}
+
+/// `y = x W (+ b) (+ LoRA)`, `W` stored `[in, out]`.
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    weight: Param<Tensor<B, 2>>,
+    bias: Option<Param<Tensor<B, 1>>>,
+    lora: Option<Lora<B>>,
+}
+
+/// How to build one linear layer.
+struct LinearInit<'a> {
+    d_in: usize,
+    d_out: usize,
+    bias: bool,
+    proj: Option<Proj>,
+    adapter: Option<&'a AdapterSpec>,
+    dtype: FloatDType,
+}
+
+impl<B: Backend> Linear<B> {
+    fn new(ids: &mut Ids, c: LinearInit<'_>, device: &B::Device) -> Self {
+        let lora_on = matches!((c.adapter, c.proj), (Some(a), Some(p)) if a.targets.contains(&p));
+        // With an adapter every base weight is frozen, targeted or not.
+        let base_trainable = c.adapter.is_none();
+        let weight = param(
+            ids,
+            normal::<B, 2>([c.d_in, c.d_out], c.dtype, device),
+            base_trainable,
+        );
+        let bias = c.bias.then(|| {
+            param(
+                ids,
+                Tensor::<B, 1>::zeros([c.d_out], device).cast(c.dtype),
+                base_trainable,
+            )
+        });
+        let lora = if lora_on {
+            let r = c.adapter.map(|a| a.rank as usize).unwrap_or(1);
+            Some(Lora {
+                a: param(ids, normal::<B, 2>([c.d_in, r], c.dtype, device), true),
+                b: param(
+                    ids,
+                    Tensor::<B, 2>::zeros([r, c.d_out], device).cast(c.dtype),
+                    true,
+                ),
+            })
+        } else {
+            None
+        };
+        Linear { weight, bias, lora }
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let w = to_dtype(self.weight.val(), ctx.compute);
+        let mut y = x.clone().matmul(w.unsqueeze());
+        if let Some(b) = &self.bias {
+            y = y + to_dtype(b.val(), ctx.compute).unsqueeze();
+        }
+        if let Some(l) = &self.lora {
+            let xa = dropout(x, ctx.lora_dropout, ctx)
+                .matmul(to_dtype(l.a.val(), ctx.compute).unsqueeze());
+            let xab = xa.matmul(to_dtype(l.b.val(), ctx.compute).unsqueeze());
+            y = y + xab.mul_scalar(ctx.lora_scale);
+        }
+        y
+    }
+}
+
+// ---------------------------------------------------------------- norm
+
+/// RMSNorm (weight only) or LayerNorm (weight and bias).
+#[derive(Module, Debug)]
+pub struct NormLayer<B: Backend> {
+    weight: Param<Tensor<B, 1>>,
+    bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> NormLayer<B> {
+    fn new(
+        ids: &mut Ids,
+        kind: Norm,
+        d: usize,
+        dtype: FloatDType,
+        trainable: bool,
+        device: &B::Device,
+    ) -> Self {
+        let weight = param(
+            ids,
+            Tensor::<B, 1>::ones([d], device).cast(dtype),
+            trainable,
+        );
+        let bias = (kind == Norm::Layernorm).then(|| {
+            param(
+                ids,
+                Tensor::<B, 1>::zeros([d], device).cast(dtype),
+                trainable,
+            )
+        });
+        NormLayer { weight, bias }
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let w = to_dtype(self.weight.val(), ctx.compute).unsqueeze::<3>();
+        match &self.bias {
+            None => {
+                let rms = x
+                    .clone()
+                    .powi_scalar(2)
+                    .mean_dim(2)
+                    .add_scalar(NORM_EPS)
+                    .sqrt();
+                x / rms * w
+            }
+            Some(b) => {
+                let mean = x.clone().mean_dim(2);
+                let centered = x - mean;
+                let var = centered.clone().powi_scalar(2).mean_dim(2);
+                centered / var.add_scalar(NORM_EPS).sqrt() * w
+                    + to_dtype(b.val(), ctx.compute).unsqueeze::<3>()
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- attention
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+}
+
+fn rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+    // Rotate-half form (as in Hugging Face LLaMA): pairs (i, i + d/2).
+    let [_, _, _, d] = x.dims();
+    let half = d / 2;
+    let x1 = x.clone().narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    let c = cos.clone().unsqueeze::<4>();
+    let s = sin.clone().unsqueeze::<4>();
+    Tensor::cat(
+        vec![
+            x1.clone() * c.clone() - x2.clone() * s.clone(),
+            x1 * s + x2 * c,
+        ],
+        3,
+    )
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (h, kvh, hd) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
+        let split = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
+        let mut q = split(self.q.forward(x.clone(), ctx), h);
+        let mut k = split(self.k.forward(x.clone(), ctx), kvh);
+        let mut v = split(self.v.forward(x, ctx), kvh);
+        if let Some((cos, sin)) = &ctx.rope {
+            q = rope(q, cos, sin);
+            k = rope(k, cos, sin);
+        }
+        if kvh != h {
+            // Grouped-query attention: each kv head serves h / kvh query heads.
+            let g = h / kvh;
+            let rep = |t: Tensor<B, 4>| {
+                t.unsqueeze_dim::<5>(2)
+                    .expand([b, kvh, g, s, hd])
+                    .reshape([b, h, s, hd])
+            };
+            k = rep(k);
+            v = rep(v);
+        }
+        // Eager attention: the [b, h, s, s] scores and probabilities are kept
+        // for the backward pass (Burn 0.21 has no fused training attention).
+        let mut scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (hd as f64).sqrt());
+        if let Some(mask) = &ctx.mask {
+            scores = scores.mask_fill(
+                mask.clone().unsqueeze::<4>().expand([b, h, s, s]),
+                MASK_VALUE,
+            );
+        }
+        let probs = activation::softmax(scores, 3);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);
+        self.o.forward(out, ctx)
+    }
+}
+
+// ---------------------------------------------------------------- mlp
+
+#[derive(Module, Debug)]
+pub struct MlpLayer<B: Backend> {
+    /// SwiGLU only.
+    gate: Option<Linear<B>>,
+    up: Linear<B>,
+    down: Linear<B>,
+}
+
+impl<B: Backend> MlpLayer<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let hidden = match &self.gate {
+            Some(gate) => activation::silu(gate.forward(x.clone(), ctx)) * self.up.forward(x, ctx),
+            None => activation::gelu(self.up.forward(x, ctx)),
+        };
+        self.down.forward(hidden, ctx)
+    }
+}
+
+// ---------------------------------------------------------------- block
+
+/// One transformer layer: the unit of activation checkpointing.
+#[derive(Module, Debug)]
+pub struct Layer<B: Backend> {
+    norm1: NormLayer<B>,
+    attn: Attention<B>,
+    norm2: NormLayer<B>,
+    mlp: MlpLayer<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        if ctx.causal {
+            // Pre-norm (GPT-2, LLaMA).
+            let h = x.clone()
+                + dropout(
+                    self.attn.forward(self.norm1.forward(x, ctx), ctx),
+                    ctx.dropout,
+                    ctx,
+                );
+            h.clone()
+                + dropout(
+                    self.mlp.forward(self.norm2.forward(h, ctx), ctx),
+                    ctx.dropout,
+                    ctx,
+                )
+        } else {
+            // Post-norm (BERT, XLM-R).
+            let h = self.norm1.forward(
+                x.clone() + dropout(self.attn.forward(x, ctx), ctx.dropout, ctx),
+                ctx,
+            );
+            self.norm2.forward(
+                h.clone() + dropout(self.mlp.forward(h, ctx), ctx.dropout, ctx),
+                ctx,
+            )
+        }
+    }
+}
+
+// ---------------------------------------------------------------- embeddings and head
+
+/// Token embeddings, learned positions (if any) and the encoder's embedding norm.
+#[derive(Module, Debug)]
+pub struct Embed<B: Backend> {
+    tokens: Param<Tensor<B, 2>>,
+    positions: Option<Param<Tensor<B, 2>>>,
+    norm: Option<NormLayer<B>>,
+}
+
+impl<B: Backend> Embed<B> {
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let [_, s] = tokens.dims();
+        let table = to_dtype(self.tokens.val(), ctx.compute);
+        let mut x = burn::tensor::module::embedding(table, tokens);
+        if let Some(p) = &self.positions {
+            x = x + to_dtype(p.val(), ctx.compute)
+                .narrow(0, 0, s)
+                .unsqueeze::<3>();
+        }
+        if let Some(n) = &self.norm {
+            x = n.forward(x, ctx);
+        }
+        dropout(x, ctx.dropout, ctx)
+    }
+
+    /// The token table, for a tied head.
+    pub fn table(&self) -> Tensor<B, 2> {
+        self.tokens.val()
+    }
+}
+
+/// The final norm (pre-norm models) and the vocabulary head (untied) — what
+/// runs after the last layer.
+#[derive(Module, Debug)]
+pub struct Head<B: Backend> {
+    norm: Option<NormLayer<B>>,
+    /// `[hidden, vocab]`; `None` when tied to the embeddings or when no head runs.
+    out: Option<Param<Tensor<B, 2>>>,
+}
+
+impl<B: Backend> Head<B> {
+    /// Hidden states after the final norm.
+    pub fn normed(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        match &self.norm {
+            Some(n) => n.forward(x, ctx),
+            None => x,
+        }
+    }
+
+    /// Vocabulary logits `[b, s, vocab]` in the compute dtype.
+    pub fn logits(&self, x: Tensor<B, 3>, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let w = match &self.out {
+            Some(w) => to_dtype(w.val(), ctx.compute),
+            None => to_dtype(embed.table(), ctx.compute).transpose(),
+        };
+        x.matmul(w.unsqueeze())
+    }
+}
+
+/// The whole model. Split into parts because the trainer runs each part as
+/// its own autodiff segment (embedding, each layer, head + loss).
+#[derive(Module, Debug)]
+pub struct Model<B: Backend> {
+    pub embed: Embed<B>,
+    pub layers: Vec<Layer<B>>,
+    pub head: Head<B>,
+}
+
+/// Everything `Model::new` needs to know.
+pub struct ModelInit<'a> {
+    pub model: &'a ModelSpec,
+    pub adapter: Option<&'a AdapterSpec>,
+    /// Whether a vocabulary head runs (not for contrastive training).
+    pub lm_head: bool,
+    /// Storage dtype of the parameters.
+    pub dtype: FloatDType,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn new(init: &ModelInit<'_>, device: &B::Device) -> Self {
+        let m = init.model;
+        let dt = init.dtype;
+        let mut ids = Ids::new();
+        let (d, v) = (m.hidden as usize, m.vocab as usize);
+        let (h, kvh, hd, ffn) = (
+            m.heads as usize,
+            m.kv_heads as usize,
+            m.head_dim as usize,
+            m.ffn as usize,
+        );
+        let bias = m.norm == Norm::Layernorm;
+        let base_trainable = init.adapter.is_none();
+        let lin = |ids: &mut Ids, d_in, d_out, proj| {
+            Linear::new(
+                ids,
+                LinearInit {
+                    d_in,
+                    d_out,
+                    bias,
+                    proj,
+                    adapter: init.adapter,
+                    dtype: dt,
+                },
+                device,
+            )
+        };
+        let embed = Embed {
+            tokens: param(&mut ids, normal::<B, 2>([v, d], dt, device), base_trainable),
+            positions: (m.positions == Positions::Learned).then(|| {
+                param(
+                    &mut ids,
+                    normal::<B, 2>([m.max_positions as usize, d], dt, device),
+                    base_trainable,
+                )
+            }),
+            norm: (m.arch == Arch::Encoder)
+                .then(|| NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device)),
+        };
+        let layers = (0..m.layers)
+            .map(|_| Layer {
+                norm1: NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device),
+                attn: Attention {
+                    q: lin(&mut ids, d, h * hd, Some(Proj::Q)),
+                    k: lin(&mut ids, d, kvh * hd, Some(Proj::K)),
+                    v: lin(&mut ids, d, kvh * hd, Some(Proj::V)),
+                    o: lin(&mut ids, h * hd, d, Some(Proj::O)),
+                },
+                norm2: NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device),
+                mlp: MlpLayer {
+                    gate: (m.mlp == Mlp::Swiglu).then(|| lin(&mut ids, d, ffn, Some(Proj::Gate))),
+                    up: lin(&mut ids, d, ffn, Some(Proj::Up)),
+                    down: lin(&mut ids, ffn, d, Some(Proj::Down)),
+                },
+            })
+            .collect();
+        let head = Head {
+            norm: (m.arch == Arch::Decoder)
+                .then(|| NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device)),
+            out: (init.lm_head && !m.tie_embeddings)
+                .then(|| param(&mut ids, normal::<B, 2>([d, v], dt, device), base_trainable)),
+        };
+        Model {
+            embed,
+            layers,
+            head,
+        }
+    }
+
+    /// The whole forward to the last hidden state (after the final norm), with
+    /// one graph: the reference the segmented trainer is tested against.
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let mut x = self.embed.forward(tokens, ctx);
+        for l in &self.layers {
+            x = l.forward(x, ctx);
+        }
+        self.head.normed(x, ctx)
+    }
+}

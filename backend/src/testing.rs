@@ -1,0 +1,113 @@
+//! Small lowered plans built in Rust, for tests here and in the CLI (they do
+//! not need the parser or the compiler). The prediction is a placeholder of
+//! zero bytes: these plans are for checking the executor, not the memory model.
+
+use rcoa_compiler::lowered::{LoweredPlan, Prediction, Resolved, LOWERED_PLAN_VERSION};
+use rcoa_compiler::spec::*;
+use std::collections::BTreeMap;
+
+/// A 2-layer decoder (hidden 32, GQA 4/2 heads, SwiGLU, RoPE, untied head),
+/// seq 16, micro-batch 2, AdamW, fp32.
+pub fn tiny_plan() -> LoweredPlan {
+    let model = ModelSpec {
+        name: "tiny".into(),
+        arch: Arch::Decoder,
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        ffn: 64,
+        mlp: Mlp::Swiglu,
+        norm: Norm::Rmsnorm,
+        positions: Positions::Rope,
+        vocab: 64,
+        max_positions: 64,
+        tie_embeddings: false,
+        experts: 1,
+        experts_per_token: 1,
+        dropout: 0.0,
+    };
+    LoweredPlan {
+        version: LOWERED_PLAN_VERSION,
+        model,
+        adapter: None,
+        hardware: HardwareSpec {
+            gpu: GpuSpec {
+                name: "cpu".into(),
+                memory_bytes: 1 << 30,
+                bf16_tflops: 1.0,
+                bandwidth_bytes_per_s: 1e10,
+            },
+            gpus_per_node: 1,
+            nodes: 1,
+            host_memory_bytes: None,
+            nvme_bytes: None,
+            intra_node_bytes_per_s: 1e10,
+            inter_node_bytes_per_s: 1e9,
+        },
+        precision: PrecisionSpec {
+            params: Dtype::Fp32,
+            compute: Dtype::Fp32,
+            master: None,
+            grads: Dtype::Fp32,
+        },
+        optimizer: OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: 3e-3,
+            betas: (0.9, 0.95),
+            momentum: 0.0,
+            weight_decay: 0.0,
+            state: Dtype::Fp32,
+            implementation: OptImpl::Foreach,
+        },
+        train: TrainSpec {
+            seq_len: 16,
+            global_batch: 2,
+            micro_batch: Choice::Fixed(2),
+            grad_accum: Choice::Fixed(1),
+            steps: None,
+            attention: Attention::Eager,
+            loss: Loss::CausalLm,
+            positives: 0,
+            negatives: 0,
+        },
+        target: Target::Burn,
+        resolved: Resolved {
+            micro_batch: 2,
+            grad_accum: 1,
+            data: 1,
+            zero: 0,
+            tensor: 1,
+            pipeline: 1,
+            context: 1,
+            expert: 1,
+            sequence: false,
+            checkpoint: "none".into(),
+            checkpoint_layers: vec![],
+            offload: vec![],
+        },
+        prediction: Prediction {
+            peak_bytes: 0,
+            budget_bytes: 1 << 30,
+            fits: true,
+            breakdown: BTreeMap::new(),
+            peak_at: String::new(),
+            step_seconds: 0.0,
+            tokens_per_second: 0.0,
+        },
+    }
+}
+
+/// The tiny plan as an encoder (LayerNorm, GELU, learned positions, tied).
+pub fn tiny_encoder_plan(loss: Loss) -> LoweredPlan {
+    let mut p = tiny_plan();
+    p.model.arch = Arch::Encoder;
+    p.model.norm = Norm::Layernorm;
+    p.model.mlp = Mlp::Gelu;
+    p.model.positions = Positions::Learned;
+    p.model.kv_heads = 4;
+    p.model.tie_embeddings = true;
+    p.train.loss = loss;
+    p
+}

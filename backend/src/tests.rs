@@ -1,0 +1,250 @@
+//! Executor tests on the CPU backend, with tiny models so CI stays fast.
+
+use super::*;
+use crate::memory::RssProbe;
+use crate::testing::{tiny_encoder_plan, tiny_plan};
+use burn::optim::GradientsParams;
+use burn::tensor::ElementConversion;
+use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, OptimizerKind, Proj};
+
+type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+/// The ndarray backend's RNG is global to the process: tests running in
+/// parallel would draw from it between a reseed and a dropout mask. Every
+/// test that trains holds this lock.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn opts(steps: u64) -> RunOptions {
+    RunOptions {
+        steps,
+        seed: 11,
+        data: None,
+        save: None,
+        save_every: None,
+        resume: None,
+    }
+}
+
+fn trainer(plan: &LoweredPlan) -> Trainer<Cpu> {
+    let b = batcher(plan, &opts(1)).unwrap();
+    Trainer::<Cpu>::new(
+        plan,
+        TrainerConfig {
+            seed: 11,
+            batcher: b,
+            sixteen_bit: false,
+        },
+        Default::default(),
+    )
+    .unwrap()
+}
+
+fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len(), "same number of parameter gradients");
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// Segmented gradients (with the given layers recomputed) equal one graph's.
+fn check_gradients(plan: &LoweredPlan) {
+    let mut t = trainer(plan);
+    let batch = t.batcher.batch(0, 0);
+    let (ref_loss, ref_grads) = t.reference_grads(&batch, 0, 0);
+    let reference = t.flatten(&ref_grads);
+    assert!(!reference.is_empty());
+    let n = plan.model.layers as usize;
+    for pattern in [
+        vec![false; n],
+        vec![true; n],
+        (0..n).map(|i| i % 2 == 0).collect(),
+    ] {
+        t.set_checkpointed(pattern.clone());
+        let mut acc = GradientsParams::new();
+        let mut probe = RssProbe::new();
+        let loss = t
+            .micro_step(&batch, 0, 0, 1.0, &mut acc, &mut probe)
+            .into_scalar()
+            .elem::<f64>();
+        assert!((loss - ref_loss).abs() < 1e-5, "loss {loss} vs {ref_loss}");
+        let got = t.flatten(&acc);
+        let d = max_rel_diff(&got, &reference);
+        assert!(
+            d < 1e-4,
+            "checkpoint pattern {pattern:?}: gradients differ by {d}"
+        );
+    }
+}
+
+#[test]
+fn checkpointed_gradients_equal_the_full_graph_decoder() {
+    let _serial = serial();
+    check_gradients(&tiny_plan());
+}
+
+#[test]
+fn checkpointed_gradients_equal_with_lora_and_dropout() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.model.layers = 3;
+    plan.model.dropout = 0.1;
+    plan.adapter = Some(AdapterSpec {
+        kind: AdapterKind::Lora,
+        rank: 4,
+        alpha: 8.0,
+        targets: vec![Proj::Q, Proj::V, Proj::Down],
+        dropout: 0.05,
+        base: Dtype::Fp32,
+    });
+    let t = trainer(&plan);
+    let (all, trainable) = t.param_counts();
+    // Only the adapters train: 3 layers × (q 32·4+4·32, v 32·4+4·16, down 64·4+4·32).
+    assert_eq!(
+        trainable,
+        3 * ((32 * 4 + 4 * 32) + (32 * 4 + 4 * 16) + (64 * 4 + 4 * 32))
+    );
+    assert!(all > trainable);
+    check_gradients(&plan);
+}
+
+#[test]
+fn checkpointed_gradients_equal_the_full_graph_encoder() {
+    let _serial = serial();
+    check_gradients(&tiny_encoder_plan(Loss::MaskedLm));
+    let mut p = tiny_encoder_plan(Loss::Contrastive);
+    p.resolved.micro_batch = 4;
+    check_gradients(&p);
+}
+
+fn losses(plan: &LoweredPlan, o: &RunOptions) -> Vec<f64> {
+    let mut out = Vec::new();
+    run_cpu(plan, o, &mut |e| {
+        if let Event::Step(r) = e {
+            out.push(r.loss)
+        }
+    })
+    .unwrap();
+    out
+}
+
+#[test]
+fn loss_falls_and_memory_is_measured() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.resolved.checkpoint_layers = vec![1];
+    let mut seen = Vec::new();
+    let s = run_cpu(&plan, &opts(12), &mut |e| {
+        if let Event::Step(r) = e {
+            seen.push(r.loss)
+        }
+    })
+    .unwrap();
+    assert_eq!(s.steps, 12);
+    assert!(
+        s.last_loss < s.first_loss * 0.9,
+        "loss {} -> {}",
+        s.first_loss,
+        s.last_loss
+    );
+    assert!(seen.iter().all(|l| l.is_finite()));
+    assert!(s.tokens_per_second > 0.0);
+}
+
+#[test]
+fn resume_continues_the_same_loss_curve() {
+    let _serial = serial();
+    let plan = tiny_plan();
+    let full = losses(&plan, &opts(6));
+    let dir = std::env::temp_dir().join(format!("rcoa-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = losses(
+        &plan,
+        &RunOptions {
+            save: Some(dir.clone()),
+            ..opts(3)
+        },
+    );
+    assert!(dir.join("state.json").exists());
+    let rest = losses(
+        &plan,
+        &RunOptions {
+            resume: Some(dir.clone()),
+            ..opts(6)
+        },
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(rest.len(), 3);
+    for (a, b) in first.iter().chain(&rest).zip(&full) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "resumed {a} vs uninterrupted {b}"
+        );
+    }
+}
+
+#[test]
+fn optimizers_and_accumulation_run() {
+    let _serial = serial();
+    for (kind, momentum) in [(OptimizerKind::Sgd, 0.9), (OptimizerKind::Adam, 0.0)] {
+        let mut plan = tiny_plan();
+        plan.optimizer.kind = kind;
+        plan.optimizer.momentum = momentum;
+        plan.optimizer.lr = 0.05;
+        plan.resolved.grad_accum = 2;
+        plan.resolved.micro_batch = 1;
+        let l = losses(&plan, &opts(2));
+        assert_eq!(l.len(), 2);
+        assert!(l.iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn unsupported_plans_are_errors() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.optimizer.kind = OptimizerKind::Lion;
+    let e = run_cpu(&plan, &opts(1), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("lion"), "{e}");
+    let mut plan = tiny_plan();
+    plan.resolved.data = 2;
+    assert!(matches!(
+        run_cpu(&plan, &opts(1), &mut |_| {}),
+        Err(RunError::Unsupported(_))
+    ));
+    let mut plan = tiny_plan();
+    plan.precision.params = Dtype::Fp8;
+    assert!(matches!(
+        run_cpu(&plan, &opts(1), &mut |_| {}),
+        Err(RunError::Unsupported(_))
+    ));
+}
+
+#[test]
+fn bf16_plans_run_in_fp32_on_the_cpu_with_a_note() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.precision = rcoa_compiler::spec::PrecisionSpec {
+        params: Dtype::Bf16,
+        compute: Dtype::Bf16,
+        master: Some(Dtype::Fp32),
+        grads: Dtype::Bf16,
+    };
+    let mut note = None;
+    run_cpu(&plan, &opts(1), &mut |e| {
+        if let Event::Started(s) = e {
+            note = s.precision_note
+        }
+    })
+    .unwrap();
+    assert!(note.unwrap().contains("fp32"));
+}

@@ -1,0 +1,694 @@
+//! The training step, generic over one `B: AutodiffBackend`.
+//!
+//! **Per-layer activation checkpointing by segment recomputation.** Burn 0.21
+//! only offers one checkpointing strategy for the whole autodiff backend, but
+//! the plan says per layer (`resolved.checkpoint_layers`). So the step cuts
+//! the autodiff graph at every layer boundary:
+//! - forward: the embedding runs with its graph; each layer's input becomes a
+//!   fresh leaf. A non-checkpointed layer runs with its graph (kept until its
+//!   backward). A checkpointed layer runs on the inner backend (no graph at
+//!   all) and only its input is kept.
+//! - the head and loss run with their graph from the last leaf, and
+//!   `loss.backward()` yields the head's parameter gradients and the gradient
+//!   `g` of the last hidden state.
+//! - backward, last layer first: a checkpointed layer is recomputed from its
+//!   kept input with the graph on; then `(y * g).sum().backward()` gives the
+//!   layer's parameter gradients and the gradient of its input, the next `g`.
+//! The gradients equal those of one graph over the whole model (tested below
+//! for none / all / alternate layers checkpointed).
+//!
+//! **Precision** (`Precision`): fp32; autocast (fp32 weights, 16-bit
+//! compute: weights are cast per use, activations are 16-bit); 16-bit weights
+//! with an fp32 master copy (the optimizer steps the fp32 master; the 16-bit
+//! working copy is re-cast from it after every step and its 16-bit gradients
+//! are cast to fp32 first); 16-bit weights without a master.
+//!
+//! **Dropout** masks are drawn from the backend RNG, re-seeded from (seed,
+//! step, micro-batch, layer) before each layer and its recomputation, so a
+//! recomputed layer sees the masks of its first forward.
+
+use crate::data::{Batch, Batcher};
+use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout};
+use crate::memory::MemoryProbe;
+use crate::model::{Ctx, Model, ModelInit};
+use crate::RunError;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig,
+};
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, FloatDType, Int, Tensor, TensorData};
+use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_compiler::spec::{Dtype, Loss, OptimizerKind};
+use std::path::Path;
+
+// ---------------------------------------------------------------- precision
+
+/// How parameters are stored and activations computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    /// Storage dtype of the parameters the forward reads.
+    pub params: FloatDType,
+    /// Dtype of matmuls and activations.
+    pub compute: FloatDType,
+    /// An fp32 master copy is stepped by the optimizer (only with 16-bit params).
+    pub master: bool,
+}
+
+impl Precision {
+    pub fn describe(&self) -> String {
+        let n = |d: FloatDType| match d {
+            FloatDType::BF16 => "bf16",
+            FloatDType::F16 => "fp16",
+            FloatDType::F64 => "fp64",
+            _ => "fp32",
+        };
+        let mode = if self.master {
+            "16-bit weights, fp32 master copy"
+        } else if self.params == self.compute {
+            "uniform"
+        } else {
+            "autocast: fp32 weights cast per use"
+        };
+        format!(
+            "params {} compute {} ({mode})",
+            n(self.params),
+            n(self.compute)
+        )
+    }
+
+    /// The precision this executor runs for `plan`. `sixteen_bit` says whether
+    /// the backend computes in bf16/fp16 (the ndarray CPU backend does not:
+    /// then everything runs in fp32 and `note` says so).
+    pub fn for_plan(
+        plan: &LoweredPlan,
+        sixteen_bit: bool,
+    ) -> Result<(Precision, Option<String>), RunError> {
+        let p = &plan.precision;
+        let map = |d: Dtype, what: &str| -> Result<FloatDType, RunError> {
+            match d {
+                Dtype::Fp32 | Dtype::Tf32 => Ok(FloatDType::F32),
+                Dtype::Bf16 => Ok(FloatDType::BF16),
+                Dtype::Fp16 => Ok(FloatDType::F16),
+                other => Err(RunError::Unsupported(format!(
+                    "precision {what} = {} is not executed by the Burn executor (fp32, tf32, bf16 and fp16 are)",
+                    other.as_str()
+                ))),
+            }
+        };
+        let params = map(p.params, "params")?;
+        let compute = map(p.compute, "compute")?;
+        let wanted = Precision {
+            params,
+            compute,
+            master: params != FloatDType::F32 && p.master == Some(Dtype::Fp32),
+        };
+        if !sixteen_bit && (params != FloatDType::F32 || compute != FloatDType::F32) {
+            let note = format!(
+                "this backend has no 16-bit floats: the plan's {} runs in fp32 here (memory and speed differ from the prediction)",
+                wanted.describe()
+            );
+            return Ok((
+                Precision {
+                    params: FloatDType::F32,
+                    compute: FloatDType::F32,
+                    master: false,
+                },
+                Some(note),
+            ));
+        }
+        Ok((wanted, None))
+    }
+}
+
+/// Casts every float parameter to `dtype`, keeping ids and trainability.
+struct CastParams(FloatDType);
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastParams {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, t, _) = param.consume();
+        let trainable = t.is_require_grad();
+        let inner = crate::model::to_dtype(t.inner(), self.0);
+        Param::initialized(id, Tensor::from_inner(inner).set_require_grad(trainable))
+    }
+}
+
+/// Moves the gradients of `from` into `into`, adding where both have one,
+/// and casting to `cast` (fp32 master gradients) when given.
+struct MergeGrads<'a> {
+    into: &'a mut GradientsParams,
+    from: &'a mut GradientsParams,
+    cast: Option<FloatDType>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(mut g) = self.from.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        if let Some(dt) = self.cast {
+            g = crate::model::to_dtype(g, dt);
+        }
+        let g = match self.into.remove::<B::InnerBackend, D>(param.id) {
+            Some(acc) => acc + g,
+            None => g,
+        };
+        self.into.register::<B::InnerBackend, D>(param.id, g);
+    }
+}
+
+// ---------------------------------------------------------------- optimizer
+
+/// The optimizers Burn provides that the DSL names.
+pub enum Optim<B: AutodiffBackend> {
+    AdamW(OptimizerAdaptor<AdamW, Model<B>, B>),
+    Adam(OptimizerAdaptor<Adam, Model<B>, B>),
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, Model<B>, B>),
+}
+
+impl<B: AutodiffBackend> Optim<B> {
+    pub fn for_plan(plan: &LoweredPlan) -> Result<Self, RunError> {
+        let o = &plan.optimizer;
+        let (b1, b2) = (o.betas.0 as f32, o.betas.1 as f32);
+        // PyTorch's default epsilon, so runs compare with the ground truth.
+        let eps = 1e-8;
+        let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig {
+            penalty: o.weight_decay as f32,
+        });
+        Ok(match o.kind {
+            OptimizerKind::Adamw => Optim::AdamW(
+                AdamWConfig::new().with_beta_1(b1).with_beta_2(b2).with_epsilon(eps).with_weight_decay(o.weight_decay as f32).init(),
+            ),
+            OptimizerKind::Adam => {
+                Optim::Adam(AdamConfig::new().with_beta_1(b1).with_beta_2(b2).with_epsilon(eps).with_weight_decay(decay).init())
+            }
+            OptimizerKind::Sgd => {
+                let momentum = (o.momentum > 0.0).then(|| MomentumConfig { momentum: o.momentum, dampening: 0.0, nesterov: false });
+                Optim::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
+            }
+            other => {
+                return Err(RunError::Unsupported(format!(
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam and sgd are; Burn 0.21 has no {})",
+                    other.as_str(),
+                    other.as_str()
+                )))
+            }
+        })
+    }
+
+    fn step(&mut self, lr: f64, model: Model<B>, grads: GradientsParams) -> Model<B> {
+        match self {
+            Optim::AdamW(o) => o.step(lr, model, grads),
+            Optim::Adam(o) => o.step(lr, model, grads),
+            Optim::Sgd(o) => o.step(lr, model, grads),
+        }
+    }
+
+    fn save(
+        &self,
+        rec: &BinFileRecorder<FullPrecisionSettings>,
+        path: std::path::PathBuf,
+    ) -> Result<(), RunError> {
+        let r = match self {
+            Optim::AdamW(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::Adam(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::Sgd(o) => Recorder::<B>::record(rec, o.to_record(), path),
+        };
+        r.map_err(|e| RunError::Checkpoint(format!("cannot write the optimizer state: {e}")))
+    }
+
+    fn load(
+        self,
+        rec: &BinFileRecorder<FullPrecisionSettings>,
+        path: std::path::PathBuf,
+        device: &B::Device,
+    ) -> Result<Self, RunError> {
+        let err = |e: burn::record::RecorderError| {
+            RunError::Checkpoint(format!("cannot read the optimizer state: {e}"))
+        };
+        Ok(match self {
+            Optim::AdamW(o) => {
+                Optim::AdamW(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
+            Optim::Adam(o) => {
+                Optim::Adam(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
+            Optim::Sgd(o) => {
+                Optim::Sgd(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
+        })
+    }
+}
+
+// ---------------------------------------------------------------- trainer
+
+/// What one optimizer step measured.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// 1-based.
+    pub step: u64,
+    pub loss: f64,
+    pub step_seconds: f64,
+    pub tokens: u64,
+    /// Highest memory sample during this step (see `MemoryProbe`).
+    pub peak_bytes: u64,
+}
+
+/// What the trainer needs besides the plan.
+pub struct TrainerConfig {
+    pub seed: u64,
+    pub batcher: Batcher,
+    /// Whether the backend computes in 16-bit floats.
+    pub sixteen_bit: bool,
+}
+
+/// A kept segment of the forward pass.
+enum Saved<B: AutodiffBackend> {
+    /// Checkpointed layer: only its input.
+    Input(Tensor<B::InnerBackend, 3>),
+    /// Graph kept: the leaf input and the output.
+    Graph(Tensor<B, 3>, Tensor<B, 3>),
+}
+
+pub struct Trainer<B: AutodiffBackend> {
+    pub device: B::Device,
+    /// The parameters the optimizer steps (the fp32 master in master mode).
+    model: Model<B>,
+    /// The 16-bit working copy in master mode.
+    work: Option<Model<B>>,
+    optim: Optim<B>,
+    pub precision: Precision,
+    pub precision_note: Option<String>,
+    ctx: Ctx<B>,
+    ictx: Ctx<B::InnerBackend>,
+    /// Per layer: recomputed in the backward pass?
+    pub checkpointed: Vec<bool>,
+    pub batcher: Batcher,
+    loss: Loss,
+    layout: ContrastiveLayout,
+    lr: f64,
+    pub grad_accum: u64,
+    seed: u64,
+    /// Optimizer steps completed.
+    pub step: u64,
+    reseed: bool,
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    pub fn new(
+        plan: &LoweredPlan,
+        cfg: TrainerConfig,
+        device: B::Device,
+    ) -> Result<Self, RunError> {
+        crate::check_plan(plan)?;
+        let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
+        let optim = Optim::for_plan(plan)?;
+        B::seed(&device, cfg.seed);
+        let lm_head = plan.train.loss != Loss::Contrastive;
+        let init = ModelInit {
+            model: &plan.model,
+            adapter: plan.adapter.as_ref(),
+            lm_head,
+            dtype: FloatDType::F32,
+        };
+        let mut model = Model::<B>::new(&init, &device);
+        let mut work = None;
+        if precision.master {
+            work = Some(model.clone().map(&mut CastParams(precision.params)));
+        } else if precision.params != FloatDType::F32 {
+            model = model.map(&mut CastParams(precision.params));
+        }
+        let seq = plan.train.seq_len as usize;
+        let ctx = Ctx::new(
+            &plan.model,
+            plan.adapter.as_ref(),
+            seq,
+            precision.compute,
+            &device,
+        );
+        let ictx = Ctx::new(
+            &plan.model,
+            plan.adapter.as_ref(),
+            seq,
+            precision.compute,
+            &device,
+        );
+        let checkpointed = (0..plan.model.layers)
+            .map(|i| plan.layer_checkpointed(i))
+            .collect();
+        let layout = ContrastiveLayout {
+            group: cfg.batcher.group,
+            positives: cfg.batcher.positives,
+            grouped: cfg.batcher.grouped,
+        };
+        let reseed =
+            plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
+        Ok(Trainer {
+            device,
+            model,
+            work,
+            optim,
+            precision,
+            precision_note,
+            ctx,
+            ictx,
+            checkpointed,
+            loss: plan.train.loss,
+            layout,
+            batcher: cfg.batcher,
+            lr: plan.optimizer.lr,
+            grad_accum: plan.resolved.grad_accum.max(1),
+            seed: cfg.seed,
+            step: 0,
+            reseed,
+        })
+    }
+
+    /// Override which layers are recomputed (tests compare the variants).
+    pub fn set_checkpointed(&mut self, layers: Vec<bool>) {
+        self.checkpointed = layers;
+    }
+
+    /// Turn dropout off (gradient checks).
+    pub fn set_train_mode(&mut self, train: bool) {
+        self.ctx.train = train;
+        self.ictx.train = train;
+    }
+
+    fn working(&self) -> &Model<B> {
+        self.work.as_ref().unwrap_or(&self.model)
+    }
+
+    fn reseed_for(&self, step: u64, micro: u64, segment: u64) {
+        if self.reseed {
+            let mut r = crate::data::Rng::keyed(self.seed, step, micro, 1_000_000 + segment);
+            B::seed(&self.device, r.next());
+        }
+    }
+
+    fn tokens(&self, batch: &Batch) -> Tensor<B, 2, Int> {
+        let data =
+            TensorData::new(batch.inputs.clone(), [batch.rows, batch.seq]).convert::<B::IntElem>();
+        Tensor::from_data(data, &self.device)
+    }
+
+    /// The objective on the last layer's output `x`.
+    fn objective<X: Backend>(
+        &self,
+        m: &Model<X>,
+        x: Tensor<X, 3>,
+        batch: &Batch,
+        ctx: &Ctx<X>,
+        device: &X::Device,
+    ) -> Tensor<X, 1> {
+        let h = m.head.normed(x, ctx);
+        match self.loss {
+            Loss::CausalLm | Loss::MaskedLm => {
+                let targets = TensorData::new(batch.targets.clone(), [batch.rows, batch.seq])
+                    .convert::<X::IntElem>();
+                let targets = Tensor::<X, 2, Int>::from_data(targets, device);
+                let weights = (self.loss == Loss::MaskedLm).then(|| {
+                    Tensor::<X, 2>::from_data(
+                        TensorData::new(batch.weights.clone(), [batch.rows, batch.seq]),
+                        device,
+                    )
+                });
+                lm_loss(m.head.logits(h, &m.embed, ctx), targets, weights)
+            }
+            Loss::Contrastive => contrastive_loss(h, self.layout),
+        }
+    }
+
+    /// Forward and backward of one micro-batch with segment recomputation;
+    /// gradients (of `loss * scale`) are added into `acc`. Returns the loss.
+    pub fn micro_step(
+        &self,
+        batch: &Batch,
+        step: u64,
+        micro: u64,
+        scale: f64,
+        acc: &mut GradientsParams,
+        probe: &mut dyn MemoryProbe,
+    ) -> Tensor<B::InnerBackend, 1> {
+        let m = self.working();
+        let cast = self.precision.master.then_some(FloatDType::F32);
+        let merge = |grads: B::Gradients, acc: &mut GradientsParams| {
+            let mut from = GradientsParams::from_grads(grads, m);
+            // Visit the master (same ids) so casts land on its parameters.
+            self.model.visit(&mut MergeGrads {
+                into: acc,
+                from: &mut from,
+                cast,
+            });
+        };
+
+        self.reseed_for(step, micro, 0);
+        let emb = m.embed.forward(self.tokens(batch), &self.ctx);
+        let mut x = emb.clone().inner();
+        let mut saved: Vec<Saved<B>> = Vec::with_capacity(m.layers.len());
+        for (i, layer) in m.layers.iter().enumerate() {
+            self.reseed_for(step, micro, i as u64 + 1);
+            if self.checkpointed.get(i).copied().unwrap_or(false) {
+                let y = layer.valid().forward(x.clone(), &self.ictx);
+                saved.push(Saved::Input(x));
+                x = y;
+            } else {
+                let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+                let y = layer.forward(leaf.clone(), &self.ctx);
+                x = y.clone().inner();
+                saved.push(Saved::Graph(leaf, y));
+            }
+            probe.sample();
+        }
+        let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+        let loss = self.objective(m, leaf.clone(), batch, &self.ctx, &self.device);
+        let value = loss.clone().inner();
+        probe.sample();
+        let grads = loss.mul_scalar(scale).backward();
+        let mut g = leaf
+            .grad(&grads)
+            .expect("the loss depends on the last hidden state");
+        merge(grads, acc);
+        probe.sample();
+
+        for i in (0..m.layers.len()).rev() {
+            let (leaf, y) = match saved.pop().expect("one saved segment per layer") {
+                Saved::Graph(leaf, y) => (leaf, y),
+                Saved::Input(x) => {
+                    self.reseed_for(step, micro, i as u64 + 1);
+                    let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+                    let y = m.layers[i].forward(leaf.clone(), &self.ctx);
+                    probe.sample();
+                    (leaf, y)
+                }
+            };
+            let grads = (y * Tensor::from_inner(g)).sum().backward();
+            g = leaf
+                .grad(&grads)
+                .expect("a layer's output depends on its input");
+            merge(grads, acc);
+            probe.sample();
+        }
+        let grads = (emb * Tensor::from_inner(g)).sum().backward();
+        merge(grads, acc);
+        probe.sample();
+        value
+    }
+
+    /// The same gradients from one graph over the whole model (the reference
+    /// the segmented step is tested against).
+    pub fn reference_grads(&self, batch: &Batch, step: u64, micro: u64) -> (f64, GradientsParams) {
+        let m = self.working();
+        self.reseed_for(step, micro, 0);
+        let mut x = m.embed.forward(self.tokens(batch), &self.ctx);
+        for (i, layer) in m.layers.iter().enumerate() {
+            self.reseed_for(step, micro, i as u64 + 1);
+            x = layer.forward(x, &self.ctx);
+        }
+        let loss = self.objective(m, x, batch, &self.ctx, &self.device);
+        let value = loss.clone().into_scalar().elem::<f64>();
+        let grads = loss.backward();
+        let mut from = GradientsParams::from_grads(grads, m);
+        let mut acc = GradientsParams::new();
+        self.model.visit(&mut MergeGrads {
+            into: &mut acc,
+            from: &mut from,
+            cast: None,
+        });
+        (value, acc)
+    }
+
+    /// Gradient of every trainable parameter, flattened in parameter order.
+    pub fn flatten(&self, grads: &GradientsParams) -> Vec<Vec<f32>> {
+        struct Flat<'a> {
+            grads: &'a GradientsParams,
+            out: Vec<Vec<f32>>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Flat<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                    let v = g
+                        .cast(FloatDType::F32)
+                        .into_data()
+                        .convert::<f32>()
+                        .to_vec::<f32>()
+                        .unwrap_or_default();
+                    self.out.push(v);
+                }
+            }
+        }
+        let mut f = Flat {
+            grads,
+            out: Vec::new(),
+        };
+        self.model.visit(&mut f);
+        f.out
+    }
+
+    /// One optimizer step: `grad_accum` micro-batches, then the update.
+    pub fn train_step(&mut self, probe: &mut dyn MemoryProbe) -> Result<StepReport, RunError> {
+        let start = std::time::Instant::now();
+        probe.begin_step();
+        let step = self.step;
+        let scale = 1.0 / self.grad_accum as f64;
+        let mut acc = GradientsParams::new();
+        let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
+        for micro in 0..self.grad_accum {
+            let batch = self.batcher.batch(step, micro);
+            let l = self.micro_step(&batch, step, micro, scale, &mut acc, probe);
+            total = Some(match total {
+                Some(t) => t + l,
+                None => l,
+            });
+        }
+        let model = self.model.clone();
+        self.model = self.optim.step(self.lr, model, acc);
+        if self.precision.master {
+            self.work = Some(
+                self.model
+                    .clone()
+                    .map(&mut CastParams(self.precision.params)),
+            );
+        }
+        probe.sample();
+        let loss = total
+            .map(|t| t.into_scalar().elem::<f64>())
+            .unwrap_or(f64::NAN)
+            / self.grad_accum as f64;
+        B::sync(&self.device).map_err(|e| RunError::Backend(e.to_string()))?;
+        probe.sample();
+        if !loss.is_finite() {
+            return Err(RunError::Diverged {
+                step: step + 1,
+                loss,
+            });
+        }
+        self.step += 1;
+        let tokens = self.grad_accum * (self.batcher.rows() * self.batcher.seq) as u64;
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            step_seconds: start.elapsed().as_secs_f64(),
+            tokens,
+            peak_bytes: probe.step_peak(),
+        })
+    }
+
+    // ------------------------------------------------------------ checkpoints
+
+    /// Write model, optimizer state and the step counter to `dir` atomically:
+    /// everything goes to a sibling temporary directory first, which then
+    /// replaces `dir` by renames.
+    pub fn save(&self, dir: &Path) -> Result<(), RunError> {
+        let err = |what: &str, e: &dyn std::fmt::Display| {
+            RunError::Checkpoint(format!("{what} `{}`: {e}", dir.display()))
+        };
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "checkpoint".into());
+        let parent = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(|e| err("cannot create the parent of", &e))?;
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)
+            .map_err(|e| err("cannot create a temporary directory beside", &e))?;
+        let rec = BinFileRecorder::<FullPrecisionSettings>::new();
+        Recorder::<B>::record(&rec, self.model.clone().into_record(), tmp.join("model"))
+            .map_err(|e| RunError::Checkpoint(format!("cannot write the model: {e}")))?;
+        self.optim.save(&rec, tmp.join("optimizer"))?;
+        let state = serde_json::json!({ "step": self.step, "seed": self.seed, "format": 1 });
+        std::fs::write(tmp.join("state.json"), state.to_string())
+            .map_err(|e| err("cannot write the state of", &e))?;
+        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::rename(dir, &old).map_err(|e| err("cannot move aside", &e))?;
+        }
+        std::fs::rename(&tmp, dir).map_err(|e| err("cannot move the new checkpoint into", &e))?;
+        let _ = std::fs::remove_dir_all(&old);
+        Ok(())
+    }
+
+    /// Load a checkpoint written by `save`; training continues after its step.
+    pub fn resume(&mut self, dir: &Path) -> Result<(), RunError> {
+        let state = std::fs::read_to_string(dir.join("state.json")).map_err(|e| {
+            RunError::Checkpoint(format!(
+                "`{}` is not a checkpoint (state.json: {e})",
+                dir.display()
+            ))
+        })?;
+        let state: serde_json::Value = serde_json::from_str(&state)
+            .map_err(|e| RunError::Checkpoint(format!("bad state.json: {e}")))?;
+        let step = state["step"]
+            .as_u64()
+            .ok_or_else(|| RunError::Checkpoint("state.json has no step".into()))?;
+        let rec = BinFileRecorder::<FullPrecisionSettings>::new();
+        let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
+            .map_err(|e| RunError::Checkpoint(format!("cannot read the model: {e}")))?;
+        let mut model = self.model.clone().load_record(record);
+        // Records hold fp32; restore the storage dtype.
+        if !self.precision.master && self.precision.params != FloatDType::F32 {
+            model = model.map(&mut CastParams(self.precision.params));
+        }
+        self.model = model;
+        if self.precision.master {
+            self.work = Some(
+                self.model
+                    .clone()
+                    .map(&mut CastParams(self.precision.params)),
+            );
+        }
+        let optim = std::mem::replace(&mut self.optim, Optim::Sgd(SgdConfig::new().init()));
+        self.optim = optim.load(&rec, dir.join("optimizer"), &self.device)?;
+        if let Some(seed) = state["seed"].as_u64() {
+            self.seed = seed;
+            self.batcher.seed = seed;
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    /// Number of parameters (all, trainable).
+    pub fn param_counts(&self) -> (u64, u64) {
+        struct Count(u64, u64);
+        impl<B: Backend> ModuleVisitor<B> for Count {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let n = param.shape().num_elements() as u64;
+                self.0 += n;
+                if param.is_require_grad() {
+                    self.1 += n;
+                }
+            }
+        }
+        let mut c = Count(0, 0);
+        self.model.visit(&mut c);
+        (c.0, c.1)
+    }
+}
