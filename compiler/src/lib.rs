@@ -5,4 +5,6 @@
 
 pub mod emit;
 pub mod lowered;
+pub mod memory;
+pub mod profile;
 pub mod spec;

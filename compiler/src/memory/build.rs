@@ -1,0 +1,717 @@
+//! Builds the tape of one training micro-step from the resolved model.
+//!
+//! Each helper mirrors what the executor's code does for one module — which
+//! tensors it creates, in which dtype, and which it saves for the backward —
+//! following autograd's rules: `mm(x, w)` saves `w` when `x` needs a gradient
+//! and `x` when `w` does; element-wise `mul` saves each operand for the other;
+//! an op none of whose inputs needs a gradient saves nothing. So frozen base
+//! weights (LoRA), the first layer of an adapter run and fp32 upcasts fall
+//! out of the same code instead of being special cases. Shapes are per
+//! device: tensor parallelism divides the projected widths, context and
+//! sequence parallelism divide the tokens.
+
+use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo};
+use crate::memory::Candidate;
+use crate::profile::Profile;
+use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
+
+/// Where a parameter's bytes live (its role in the step's breakdown).
+#[derive(Clone, Copy)]
+struct Param {
+    id: TensorId,
+    /// `[out, in]` of a matrix, `[n]` of a vector.
+    rows: u64,
+    cols: u64,
+}
+
+pub(crate) struct Builder<'a> {
+    pub tape: Tape,
+    spec: &'a Spec,
+    profile: &'a Profile,
+    cand: &'a Candidate,
+    autocast: bool,
+    /// dtype of matmul outputs and most activations.
+    act: Dtype,
+    /// dtype of the weights as stored.
+    param: Dtype,
+    layer: Option<u32>,
+    /// Tokens per device flowing through the layers' projections.
+    tokens: u64,
+    /// Divisor of parameter bytes kept per device (ZeRO-3 / params offloaded).
+    param_shard: u64,
+    /// Parameters are gathered per use (ZeRO-3).
+    gather: bool,
+    /// Parameters the optimizer updates: (id, elements).
+    pub trainable: Vec<(TensorId, u64)>,
+}
+
+fn storage(d: Dtype) -> Dtype {
+    match d {
+        Dtype::Tf32 => Dtype::Fp32,
+        d => d,
+    }
+}
+
+/// The wider of two dtypes (PyTorch's type promotion for float tensors).
+fn promote(a: Dtype, b: Dtype) -> Dtype {
+    if a.bytes() >= b.bytes() {
+        a
+    } else {
+        b
+    }
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
+        let param = storage(spec.precision.params);
+        let compute = storage(spec.precision.compute);
+        let autocast = profile.autocast && spec.precision.is_autocast();
+        let act = if autocast || !profile.autocast {
+            compute
+        } else {
+            param
+        };
+        let seqs = cand.micro_batch * spec.train.sequences_per_item();
+        let tokens = (seqs * spec.train.seq_len).div_ceil(cand.context.max(1));
+        let zero3 = cand.zero >= 3 && cand.data > 1;
+        let param_shard = if zero3 { cand.data } else { 1 };
+        Builder {
+            tape: Tape::default(),
+            spec,
+            profile,
+            cand,
+            autocast,
+            act,
+            param,
+            layer: None,
+            tokens,
+            param_shard,
+            gather: zero3,
+            trainable: Vec::new(),
+        }
+    }
+
+    fn bytes(&self, elems: u64, dtype: Dtype) -> u64 {
+        let raw = (elems as f64 * dtype.bytes()).ceil() as u64;
+        let r = self.profile.alloc_round.max(1);
+        raw.div_ceil(r) * r
+    }
+
+    fn tensor(&mut self, name: &'static str, shape: &[u64], dtype: Dtype, rg: bool) -> TensorId {
+        let elems: u64 = shape.iter().product();
+        let bytes = self.bytes(elems, dtype);
+        self.tape.add_tensor(TensorInfo {
+            name,
+            shape: shape.to_vec(),
+            dtype,
+            bytes,
+            requires_grad: rg,
+            role: Role::Activation,
+            grad_bytes: 0,
+            producer: None,
+            held_until_forward_end: false,
+        })
+    }
+
+    fn rg(&self, t: TensorId) -> bool {
+        self.tape.tensor(t).requires_grad
+    }
+    fn dtype(&self, t: TensorId) -> Dtype {
+        self.tape.tensor(t).dtype
+    }
+    fn shape(&self, t: TensorId) -> Vec<u64> {
+        self.tape.tensor(t).shape.clone()
+    }
+    fn elems(&self, t: TensorId) -> u64 {
+        self.tape.tensor(t).shape.iter().product()
+    }
+
+    fn op(
+        &mut self,
+        name: &'static str,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+        saved: &[TensorId],
+    ) -> usize {
+        let any_rg = inputs.iter().any(|t| self.rg(*t));
+        let moved: u64 = inputs
+            .iter()
+            .chain(outputs)
+            .map(|t| self.tape.tensor(*t).bytes)
+            .sum();
+        let saved = if any_rg { saved.to_vec() } else { Vec::new() };
+        self.tape.add_op(OpInfo {
+            name,
+            layer: self.layer,
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            saved,
+            fwd_workspace: 0,
+            bwd_workspace: 0,
+            flops: 0.0,
+            bwd_flops: 0.0,
+            bytes_moved: moved as f64,
+        });
+        self.tape.ops.len() - 1
+    }
+
+    /// An element-wise op producing a tensor shaped like `x`.
+    fn pointwise(
+        &mut self,
+        name: &'static str,
+        inputs: &[TensorId],
+        dtype: Dtype,
+        saved: &[TensorId],
+    ) -> TensorId {
+        let shape = self.shape(inputs[0]);
+        let rg = inputs.iter().any(|t| self.rg(*t));
+        let out = self.tensor(name, &shape, dtype, rg);
+        self.op(name, inputs, &[out], saved);
+        out
+    }
+
+    /// `x.to(dtype)`: a copy when the dtype differs; saves nothing.
+    fn cast(&mut self, x: TensorId, dtype: Dtype) -> TensorId {
+        if self.dtype(x) == dtype {
+            return x;
+        }
+        self.pointwise("cast", &[x], dtype, &[])
+    }
+
+    fn param(
+        &mut self,
+        name: &'static str,
+        rows: u64,
+        cols: u64,
+        trainable: bool,
+        dtype: Dtype,
+    ) -> Param {
+        let elems = rows * cols;
+        let stored = self.bytes(elems, dtype).div_ceil(self.param_shard);
+        let grad = if trainable {
+            self.bytes(elems, storage(self.spec.precision.grads))
+        } else {
+            0
+        };
+        let id = self.tape.add_tensor(TensorInfo {
+            name,
+            shape: if cols == 1 {
+                vec![rows]
+            } else {
+                vec![rows, cols]
+            },
+            dtype,
+            bytes: stored,
+            requires_grad: trainable,
+            role: Role::Param,
+            grad_bytes: grad,
+            producer: None,
+            held_until_forward_end: false,
+        });
+        if trainable {
+            self.trainable.push((id, elems));
+        }
+        Param { id, rows, cols }
+    }
+
+    fn base_trainable(&self) -> bool {
+        self.spec.adapter.is_none()
+    }
+
+    /// The weight tensor a matmul reads: autocast's 16-bit copy (cached for the forward when
+    /// trainable), a dequantized copy of 4-bit weights, or the parameter itself.
+    fn weight(&mut self, p: Param) -> (TensorId, u64) {
+        let t = self.tape.tensor(p.id).clone();
+        let elems = p.rows * p.cols;
+        let gathered = if self.gather {
+            self.bytes(elems, t.dtype)
+        } else {
+            0
+        };
+        if t.dtype == Dtype::Nf4 {
+            // bitsandbytes dequantizes per use and again in the backward: a transient copy.
+            return (p.id, self.bytes(elems, self.act) + gathered);
+        }
+        if self.autocast && t.dtype.bytes() > self.act.bytes() {
+            let copy = self.tape.add_tensor(TensorInfo {
+                name: "weight_copy",
+                shape: t.shape.clone(),
+                dtype: self.act,
+                bytes: self.bytes(elems, self.act),
+                requires_grad: t.requires_grad,
+                role: Role::WeightCopy,
+                grad_bytes: 0,
+                producer: None,
+                // torch.autocast caches casts of leaf tensors that require grad until the
+                // autocast region (the forward) ends.
+                held_until_forward_end: t.requires_grad,
+            });
+            let o = self.op("cast", &[p.id], &[copy], &[]);
+            self.tape.ops[o].fwd_workspace = gathered;
+            return (copy, 0);
+        }
+        (p.id, gathered)
+    }
+
+    /// `F.linear(x, w, b)` with autocast's per-call input cast.
+    fn linear(
+        &mut self,
+        name: &'static str,
+        x: TensorId,
+        p: Param,
+        bias: Option<Param>,
+    ) -> TensorId {
+        let xc = if self.autocast {
+            self.cast(x, self.act)
+        } else {
+            x
+        };
+        let (w, ws) = self.weight(p);
+        let mut shape = self.shape(xc);
+        let last = shape.len() - 1;
+        let inf = shape[last];
+        shape[last] = p.rows;
+        let rg = self.rg(xc) || self.rg(w) || bias.is_some_and(|b| self.rg(b.id));
+        let out_dtype = if self.autocast {
+            self.act
+        } else {
+            promote(self.dtype(xc), self.dtype(p.id))
+        };
+        let out = self.tensor(name, &shape, out_dtype, rg);
+        let mut saved = Vec::new();
+        if self.rg(xc) {
+            saved.push(w);
+        }
+        if self.rg(w) {
+            saved.push(xc);
+        }
+        let mut inputs = vec![xc, w];
+        if let Some(b) = bias {
+            inputs.push(b.id);
+        }
+        let o = self.op(name, &inputs, &[out], &saved);
+        let rows: u64 = shape[..last].iter().product();
+        let f = 2.0 * rows as f64 * inf as f64 * p.rows as f64;
+        let bwd = f * (self.rg(xc) as u8 as f64) + f * (self.rg(w) as u8 as f64);
+        let info = &mut self.tape.ops[o];
+        info.flops = f;
+        info.bwd_flops = bwd;
+        info.fwd_workspace = ws;
+        info.bwd_workspace = ws;
+        out
+    }
+
+    fn dropout(&mut self, x: TensorId, p: f64) -> TensorId {
+        if p <= 0.0 {
+            return x;
+        }
+        let shape = self.shape(x);
+        let rg = self.rg(x);
+        let mask = self.tensor("dropout_mask", &shape, Dtype::Int8, false);
+        let out = self.tensor("dropout", &shape, self.dtype(x), rg);
+        self.op("dropout", &[x], &[out, mask], &[mask]);
+        out
+    }
+
+    /// A projection, with a LoRA adapter when the plan targets it (PEFT's `lora.Linear`).
+    fn proj(
+        &mut self,
+        which: Proj,
+        name: &'static str,
+        x: TensorId,
+        inf: u64,
+        outf: u64,
+        bias: bool,
+    ) -> TensorId {
+        let base_dtype = match &self.spec.adapter {
+            Some(a) if a.kind == AdapterKind::Qlora => Dtype::Nf4,
+            _ => self.param,
+        };
+        let trainable = self.base_trainable();
+        let w = self.param(name, outf, inf, trainable, base_dtype);
+        let b = bias.then(|| self.param("bias", outf, 1, trainable, self.param));
+        let base = self.linear(name, x, w, b);
+        let Some(ad) = self.spec.adapter.clone() else {
+            return base;
+        };
+        if !self.adapter_targets(&ad.targets, which) {
+            return base;
+        }
+        let ad_dtype = if self.profile.adapters_fp32 {
+            Dtype::Fp32
+        } else {
+            self.param
+        };
+        let a = self.param("lora_a", ad.rank, inf, true, ad_dtype);
+        let bm = self.param("lora_b", outf, ad.rank, true, ad_dtype);
+        let xa = self.cast(x, ad_dtype);
+        let xd = self.dropout(xa, ad.dropout);
+        let h = self.linear("lora_a", xd, a, None);
+        let h = self.linear("lora_b", h, bm, None);
+        let dt = self.dtype(h);
+        let scaled = self.pointwise("lora_scale", &[h], dt, &[]);
+        let sum_dtype = promote(self.dtype(base), dt);
+        let y = self.pointwise("lora_add", &[base, scaled], sum_dtype, &[]);
+        let out = self.dtype(base);
+        self.cast(y, out)
+    }
+
+    /// Is projection `which` adapted? PEFT matches target names by suffix: on BERT-style
+    /// encoders the attention output projection is `dense`, and so are the MLP's
+    /// `intermediate.dense` and `output.dense`, so targeting `o` adapts all three.
+    fn adapter_targets(&self, targets: &[Proj], which: Proj) -> bool {
+        if targets.contains(&which) {
+            return true;
+        }
+        self.profile.adapter_suffix_match
+            && self.spec.model.arch == Arch::Encoder
+            && matches!(which, Proj::Up | Proj::Down)
+            && targets.contains(&Proj::O)
+    }
+
+    fn norm(&mut self, x: TensorId, h: u64) -> TensorId {
+        let trainable = self.base_trainable();
+        match self.spec.model.norm {
+            Norm::Rmsnorm => {
+                let w = self.param("norm", h, 1, trainable, self.param);
+                // HF LlamaRMSNorm: x.float(); x * rsqrt(mean(x^2) + eps); w * x.to(dtype)
+                let dt = if self.profile.norm_in_fp32 {
+                    Dtype::Fp32
+                } else {
+                    self.dtype(x)
+                };
+                let x32 = self.cast(x, dt);
+                let rows = self.elems(x32) / h;
+                let rg = self.rg(x32);
+                let r = self.tensor("rsqrt", &[rows], dt, rg);
+                let o = self.op("rms", &[x32], &[r], &[x32, r]);
+                self.tape.ops[o].fwd_workspace = self.tape.tensor(x32).bytes;
+                let xn = self.pointwise("normalize", &[x32, r], dt, &[x32, r]);
+                let back = self.dtype(x);
+                let xc = self.cast(xn, back);
+                let mut saved = Vec::new();
+                if self.rg(xc) {
+                    saved.push(w.id);
+                }
+                if trainable {
+                    saved.push(xc);
+                }
+                self.pointwise("norm_scale", &[xc, w.id], back, &saved)
+            }
+            Norm::Layernorm => {
+                let w = self.param("norm", h, 1, trainable, self.param);
+                let b = self.param("norm_bias", h, 1, trainable, self.param);
+                // F.layer_norm runs in fp32 under autocast; saves its input, mean and rstd.
+                let xin = if self.autocast {
+                    self.cast(x, Dtype::Fp32)
+                } else {
+                    x
+                };
+                let dt = self.dtype(xin);
+                let rows = self.elems(xin) / h;
+                let rg = self.rg(xin) || trainable;
+                let stats = self.tensor("ln_stats", &[2 * rows], Dtype::Fp32, false);
+                let shape = self.shape(xin);
+                let out = self.tensor("layernorm", &shape, dt, rg);
+                self.op(
+                    "layernorm",
+                    &[xin, w.id, b.id],
+                    &[out, stats],
+                    &[xin, stats],
+                );
+                out
+            }
+        }
+    }
+
+    fn rope(&mut self, x: TensorId) -> TensorId {
+        // q*cos + rotate_half(q)*sin: cos/sin need no grad, so nothing large is saved.
+        let dt = self.dtype(x);
+        let o = self.pointwise("rope", &[x], dt, &[]);
+        let b = self.tape.tensor(x).bytes;
+        let op = self.tape.ops.len() - 1;
+        self.tape.ops[op].fwd_workspace = 2 * b;
+        self.tape.ops[op].bwd_workspace = 2 * b;
+        o
+    }
+
+    fn attention(&mut self, x: TensorId) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (h, hd) = (m.hidden, m.head_dim);
+        let heads = m.heads.div_ceil(t);
+        let kv = m.kv_heads.div_ceil(t);
+        let encoder = m.arch == Arch::Encoder;
+        let rope = m.positions == Positions::Rope;
+        let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd, encoder);
+        let k = self.proj(Proj::K, "k_proj", x, h, kv * hd, encoder);
+        let v = self.proj(Proj::V, "v_proj", x, h, kv * hd, encoder);
+        let (q, k) = if rope {
+            (self.rope(q), self.rope(k))
+        } else {
+            (q, k)
+        };
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        let causal = if m.arch == Arch::Decoder { 0.5 } else { 1.0 };
+        let score_flops = 2.0 * 2.0 * (seqs * heads) as f64 * (s * s) as f64 * hd as f64 * causal;
+        // SDPA picks a fused kernel when one takes the inputs: flash needs 16-bit inputs,
+        // the memory-efficient kernel takes fp32 but not grouped-query attention; otherwise
+        // it runs the math backend, which materialises the scores like eager attention.
+        let sixteen_bit = self.act.bytes() <= 2.0;
+        let fused = self.profile.fused_attention
+            && self.spec.train.attention != Attention::Eager
+            && (sixteen_bit || kv == heads || !self.profile.gqa_without_repeat);
+        let act = self.dtype(q);
+        let out = if fused {
+            let (k, v) = if kv < heads && !self.profile.gqa_without_repeat {
+                (self.repeat_kv(k, heads * hd), self.repeat_kv(v, heads * hd))
+            } else {
+                (k, v)
+            };
+            let rg = self.rg(q) || self.rg(k) || self.rg(v);
+            let out = self.tensor("attention", &[self.tokens, heads * hd], act, rg);
+            let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
+            let o = self.op("attention", &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
+            // Flash backward accumulates dq in fp32.
+            let dq = self.bytes(self.tokens * heads * hd, Dtype::Fp32);
+            let info = &mut self.tape.ops[o];
+            info.flops = score_flops;
+            info.bwd_flops = 2.5 * score_flops;
+            info.bwd_workspace = dq;
+            out
+        } else {
+            let kr = if kv < heads {
+                self.repeat_kv(k, heads * hd)
+            } else {
+                k
+            };
+            let vr = if kv < heads {
+                self.repeat_kv(v, heads * hd)
+            } else {
+                v
+            };
+            let scores_shape = [seqs, heads, s, s];
+            let rg = self.rg(q) || self.rg(kr);
+            let sc = self.tensor("scores", &scores_shape, act, rg);
+            let o = self.op("scores", &[q, kr], &[sc], &[q, kr]);
+            self.tape.ops[o].flops = score_flops / 2.0;
+            self.tape.ops[o].bwd_flops = score_flops;
+            let sc = self.pointwise("scale", &[sc], act, &[]);
+            let sc = if m.arch == Arch::Decoder {
+                self.pointwise("mask", &[sc], act, &[])
+            } else {
+                sc
+            };
+            // softmax(dtype=float32) on PyTorch; the element type on Burn.
+            let sm_dtype = if self.profile.autocast {
+                Dtype::Fp32
+            } else {
+                act
+            };
+            let p = self.pointwise("softmax", &[sc], sm_dtype, &[]);
+            let op = self.tape.ops.len() - 1;
+            self.tape.ops[op].saved = if self.rg(sc) { vec![p] } else { vec![] };
+            let p = self.cast(p, act);
+            let p = self.dropout(p, m.dropout);
+            let rg = self.rg(p) || self.rg(vr);
+            let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+            let o = self.op("probs_v", &[p, vr], &[out], &[p, vr]);
+            self.tape.ops[o].flops = score_flops / 2.0;
+            self.tape.ops[o].bwd_flops = score_flops;
+            // transpose(1, 2).reshape(...) of a non-contiguous tensor copies.
+            self.pointwise("transpose", &[out], act, &[])
+        };
+        let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, encoder);
+        self.dropout(out, m.dropout)
+    }
+
+    fn repeat_kv(&mut self, x: TensorId, width: u64) -> TensorId {
+        let dt = self.dtype(x);
+        let rg = self.rg(x);
+        let out = self.tensor("repeat_kv", &[self.tokens, width], dt, rg);
+        self.op("repeat_kv", &[x], &[out], &[]);
+        out
+    }
+
+    fn mlp(&mut self, x: TensorId) -> TensorId {
+        let m = &self.spec.model;
+        let (h, ffn) = (m.hidden, m.ffn.div_ceil(self.cand.tensor.max(1)));
+        let out = match m.mlp {
+            Mlp::Swiglu => {
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, false);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, false);
+                let dt = self.dtype(g);
+                let a = self.pointwise("silu", &[g], dt, &[g]);
+                let mdt = promote(dt, self.dtype(u));
+                let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
+                self.proj(Proj::Down, "down_proj", p, ffn, h, false)
+            }
+            Mlp::Gelu => {
+                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, true);
+                let dt = self.dtype(i);
+                let a = self.pointwise("gelu", &[i], dt, &[i]);
+                self.proj(Proj::Down, "down_proj", a, ffn, h, true)
+            }
+        };
+        self.dropout(out, m.dropout)
+    }
+
+    fn residual(&mut self, x: TensorId, y: TensorId) -> TensorId {
+        let dt = promote(self.dtype(x), self.dtype(y));
+        self.pointwise("residual", &[x, y], dt, &[])
+    }
+
+    fn layer(&mut self, index: u32, x: TensorId) -> TensorId {
+        let first_op = self.tape.ops.len() as u32;
+        self.layer = Some(index);
+        let h = self.spec.model.hidden;
+        let out = match self.spec.model.arch {
+            // Pre-norm decoder (Llama): x + attn(norm(x)); h + mlp(norm(h)).
+            Arch::Decoder => {
+                let n = self.norm(x, h);
+                let a = self.attention(n);
+                let h1 = self.residual(x, a);
+                let n2 = self.norm(h1, h);
+                let f = self.mlp(n2);
+                self.residual(h1, f)
+            }
+            // Post-norm encoder (BERT/RoBERTa): norm(x + attn(x)); norm(h + mlp(h)).
+            Arch::Encoder => {
+                let a = self.attention(x);
+                let s = self.residual(a, x);
+                let h1 = self.norm(s, h);
+                let f = self.mlp(h1);
+                let s2 = self.residual(f, h1);
+                self.norm(s2, h)
+            }
+        };
+        let end_op = self.tape.ops.len() as u32;
+        let checkpointed = self
+            .cand
+            .checkpoint_layers
+            .binary_search(&(index as u64))
+            .is_ok();
+        self.tape.layers.push(LayerSpan {
+            index,
+            first_op,
+            end_op,
+            input: x,
+            checkpointed,
+        });
+        self.layer = None;
+        out
+    }
+
+    /// The whole micro-step: embeddings, `layers` (the stage's share), head and loss.
+    pub fn build(
+        mut self,
+        layers: std::ops::Range<u64>,
+        with_embedding: bool,
+        with_head: bool,
+    ) -> Self {
+        let m = self.spec.model.clone();
+        let h = m.hidden;
+        let trainable = self.base_trainable();
+        let ids = self.tensor("token_ids", &[self.tokens], Dtype::Fp32, false);
+        self.tape.tensors[ids.0 as usize].role = Role::Input;
+        let vocab_shard = m.vocab.div_ceil(self.cand.tensor.max(1));
+        let embed = self.param("embed_tokens", vocab_shard, h, trainable, self.param);
+        let mut x = if with_embedding {
+            let rg = trainable;
+            let e = self.tensor("embedding", &[self.tokens, h], self.param, rg);
+            let o = self.op("embedding", &[ids, embed.id], &[e], &[ids]);
+            let _ = o;
+            let mut e = e;
+            if m.positions == Positions::Learned {
+                let pos = self.param("embed_positions", m.max_positions, h, trainable, self.param);
+                let pe = self.tensor("position_embedding", &[self.tokens, h], self.param, rg);
+                self.op("position_embedding", &[ids, pos.id], &[pe], &[ids]);
+                e = self.residual(e, pe);
+            }
+            if m.arch == Arch::Encoder {
+                e = self.norm(e, h);
+            }
+            self.dropout(e, m.dropout)
+        } else {
+            // A later pipeline stage receives the activations of the previous one.
+            let dt = if self.autocast { self.param } else { self.act };
+            let t = self.tensor("stage_input", &[self.tokens, h], dt, true);
+            self.tape.tensors[t.0 as usize].role = Role::Input;
+            t
+        };
+        for i in layers {
+            x = self.layer(i as u32, x);
+        }
+        if !with_head {
+            // The stage's output is sent on; its gradient comes back: model as the loss.
+            self.tape.loss = Some(x);
+            return self;
+        }
+        if m.arch == Arch::Decoder {
+            x = self.norm(x, h);
+        }
+        let loss = match self.spec.train.loss {
+            Loss::Contrastive => {
+                // Mean-pooled embeddings scored against each other: tiny next to the layers.
+                let seqs = self.tokens / self.spec.train.seq_len.max(1);
+                let dt = self.dtype(x);
+                let rg = self.rg(x);
+                let pooled = self.tensor("pooled", &[seqs, h], dt, rg);
+                self.op("mean_pool", &[x], &[pooled], &[]);
+                let sim = self.tensor("similarity", &[seqs, seqs], Dtype::Fp32, rg);
+                self.op("similarity", &[pooled], &[sim], &[pooled]);
+                let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
+                self.op("cross_entropy", &[sim], &[loss], &[sim]);
+                loss
+            }
+            loss => {
+                if loss == Loss::MaskedLm {
+                    // RobertaLMHead: dense + gelu + layer_norm before the decoder.
+                    let d = self.param("lm_head_dense", h, h, trainable, self.param);
+                    let db = self.param("lm_head_dense_bias", h, 1, trainable, self.param);
+                    let y = self.linear("lm_head_dense", x, d, Some(db));
+                    let dt = self.dtype(y);
+                    let y = self.pointwise("gelu", &[y], dt, &[y]);
+                    x = self.norm(y, h);
+                }
+                let head = if m.tie_embeddings {
+                    embed
+                } else {
+                    self.param("lm_head", vocab_shard, h, trainable, self.param)
+                };
+                let bias = (loss == Loss::MaskedLm)
+                    .then(|| self.param("lm_head_bias", vocab_shard, 1, trainable, self.param));
+                let logits = self.linear("lm_head", x, head, bias);
+                // The model returns the logits; the caller drops them after the forward.
+                self.tape.tensors[logits.0 as usize].held_until_forward_end = true;
+                // HF's causal-LM loss upcasts explicitly (`logits.float()`); the MLM loss
+                // runs log_softmax in the logits' dtype and autocast runs nll_loss in fp32,
+                // so it saves an fp32 copy of the log-probabilities.
+                let upcast = self.profile.loss_upcasts_logits && loss == Loss::CausalLm;
+                let l = if upcast {
+                    self.cast(logits, Dtype::Fp32)
+                } else {
+                    logits
+                };
+                let dt = self.dtype(l);
+                let lsm = self.pointwise("log_softmax", &[l], dt, &[]);
+                let op = self.tape.ops.len() - 1;
+                if self.rg(l) {
+                    self.tape.ops[op].saved = vec![lsm];
+                }
+                let nll_in = if self.autocast {
+                    self.cast(lsm, Dtype::Fp32)
+                } else {
+                    lsm
+                };
+                let rg = self.rg(nll_in);
+                let loss_t = self.tensor("loss", &[1], Dtype::Fp32, rg);
+                self.op("nll_loss", &[nll_in], &[loss_t], &[nll_in]);
+                loss_t
+            }
+        };
+        self.tape.loss = Some(loss);
+        self
+    }
+}

@@ -1,0 +1,332 @@
+//! The peak-memory model: what one GPU holds at every point of a training step.
+//!
+//! [`evaluate`] builds the step's tape for one [`Candidate`] (micro-batch,
+//! parallel degrees, checkpointed layers, offloads) and walks it: the forward
+//! (activations saved for the backward, autocast's weight copies, the logits),
+//! the backward (gradients created as each op's backward runs, saved tensors
+//! released, checkpointed layers recomputed from their input), and the
+//! optimizer step (state, gradients and the implementation's temporaries).
+//! The result, a [`MemoryReport`], holds the peak, where it happens, the
+//! breakdown at the peak and a timeline. The walk is linear in the number of
+//! ops (a few thousand for the largest presets), so a search can evaluate
+//! thousands of candidates per second; layers are alike, so the tape repeats
+//! one layer's ops with fresh ids.
+//!
+//! Invariants: the peak is over a steady-state step (the optimizer state
+//! exists from step 2 on and only adds to step 1); every count is per device;
+//! no constant here is fitted to a configuration — executor facts live in
+//! [`crate::profile::Profile`].
+
+pub mod build;
+pub mod optimizer;
+pub mod tape;
+
+use crate::profile::Profile;
+use crate::spec::{Offload, OffloadWhat, Spec};
+use serde::Serialize;
+use std::collections::BTreeMap;
+pub use tape::{Phase, Sample};
+
+/// Byte categories of the breakdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    Weights,
+    /// Autocast's 16-bit copies of fp32 weights.
+    WeightCopies,
+    Grads,
+    Optimizer,
+    Activations,
+    /// Gradients of activations in flight during the backward.
+    ActivationGrads,
+    /// Library workspaces, kernel scratch, optimizer temporaries.
+    Workspace,
+}
+
+impl Category {
+    pub const COUNT: usize = 7;
+    pub const ALL: [Category; 7] = [
+        Category::Weights,
+        Category::WeightCopies,
+        Category::Grads,
+        Category::Optimizer,
+        Category::Activations,
+        Category::ActivationGrads,
+        Category::Workspace,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Category::Weights => "weights",
+            Category::WeightCopies => "weight_copies",
+            Category::Grads => "grads",
+            Category::Optimizer => "optimizer",
+            Category::Activations => "activations",
+            Category::ActivationGrads => "activation_grads",
+            Category::Workspace => "workspace",
+        }
+    }
+}
+
+/// One point of the search space: every value a pass may choose.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Candidate {
+    /// Sequences (or contrastive anchors) per GPU per forward.
+    pub micro_batch: u64,
+    pub grad_accum: u64,
+    pub data: u64,
+    pub zero: u8,
+    pub tensor: u64,
+    pub pipeline: u64,
+    pub context: u64,
+    /// Sequence parallelism (with tensor parallelism).
+    pub sequence: bool,
+    /// Indices of the layers recomputed in the backward, sorted.
+    pub checkpoint_layers: Vec<u64>,
+    pub offload: Vec<Offload>,
+}
+
+impl Candidate {
+    fn offloads(&self, what: OffloadWhat) -> bool {
+        self.offload.iter().any(|o| o.what == what)
+    }
+}
+
+/// Where the peak happens.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PeakLocation {
+    pub phase: Phase,
+    pub op: String,
+    pub layer: Option<u64>,
+}
+
+impl std::fmt::Display for PeakLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.layer {
+            Some(l) => write!(f, "{}: layer {} {}", self.phase.as_str(), l, self.op),
+            None => write!(f, "{}: {}", self.phase.as_str(), self.op),
+        }
+    }
+}
+
+/// The memory model's answer for one candidate on one GPU (the worst rank).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryReport {
+    /// Highest bytes allocated during a steady-state step.
+    pub peak_bytes: u64,
+    pub peak: PeakLocation,
+    /// Bytes per category at the peak (sums to `peak_bytes`).
+    pub breakdown: BTreeMap<String, u64>,
+    /// Highest bytes per phase.
+    pub phase_peaks: BTreeMap<String, u64>,
+    /// Live bytes through the step, one sample per op group (forward, backward, optimizer).
+    pub timeline: Vec<Sample>,
+    /// Bytes kept out of the budget (context, communication buffers, fragmentation).
+    pub reserve_bytes: u64,
+    /// Parameter counts (all, trainable), per model (not per device).
+    pub params_total: u64,
+    pub params_trainable: u64,
+    /// Forward + backward FLOPs of one micro-step on this device (recompute included).
+    pub step_flops: f64,
+    /// Bytes moved by memory-bound ops in one micro-step.
+    pub step_bytes_moved: f64,
+}
+
+/// Evaluate one candidate. `timeline`: collect the samples (the search can skip them).
+pub fn evaluate(spec: &Spec, cand: &Candidate, profile: &Profile, timeline: bool) -> MemoryReport {
+    let layers = spec.model.layers;
+    let stages = cand.pipeline.max(1);
+    let per_stage = layers.div_ceil(stages);
+    // Pipeline: the first stage holds the most micro-batches in flight (1F1B), the last
+    // holds the head; evaluate both and keep the worse.
+    let mut variants = vec![(
+        0..per_stage.min(layers),
+        true,
+        stages == 1,
+        stages.min(cand.grad_accum.max(1)),
+    )];
+    if stages > 1 {
+        variants.push((layers - per_stage.min(layers)..layers, false, true, 1));
+    }
+    let mut best: Option<MemoryReport> = None;
+    for (range, emb, head, in_flight) in variants {
+        let r = evaluate_stage(spec, cand, profile, range, emb, head, in_flight, timeline);
+        if best.as_ref().is_none_or(|b| r.peak_bytes > b.peak_bytes) {
+            best = Some(r);
+        }
+    }
+    best.expect("at least one stage")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn evaluate_stage(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    range: std::ops::Range<u64>,
+    with_embedding: bool,
+    with_head: bool,
+    in_flight: u64,
+    timeline: bool,
+) -> MemoryReport {
+    let b = build::Builder::new(spec, profile, cand).build(range, with_embedding, with_head);
+    let trainable = b.trainable.clone();
+    let tape = b.tape;
+    let dp = cand.data.max(1);
+    let opt = optimizer::model(spec, profile, &tape, &trainable, cand);
+    let mut persistent = tape::Persistent {
+        grad_divisor: 1,
+        ..Default::default()
+    };
+    let opt_on_gpu = !cand.offloads(OffloadWhat::Optimizer);
+    let state = if opt_on_gpu {
+        opt.state_bytes
+            .div_ceil(if cand.zero >= 1 { dp } else { 1 })
+    } else {
+        0
+    };
+    persistent.fixed[Category::Optimizer as usize] = state;
+    persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
+    if cand.zero >= 2 || cand.offloads(OffloadWhat::Grads) {
+        persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads) {
+            u64::MAX
+        } else {
+            dp
+        };
+    }
+    // Micro-batches in flight on a pipeline stage keep their saved activations.
+    if in_flight > 1 {
+        let probe = tape::walk(&tape, &persistent, false);
+        let fwd_end = probe.peak.by_category[Category::Activations as usize];
+        persistent.fixed[Category::Activations as usize] += (in_flight - 1) * fwd_end / 2;
+    }
+    let first = tape::walk(&tape, &persistent, timeline);
+    let mut peak = first.peak.clone();
+    let mut samples = first.samples;
+    let mut phase_peaks: BTreeMap<String, u64> = BTreeMap::new();
+    for s in &samples {
+        let e = phase_peaks.entry(s.phase.as_str().to_string()).or_default();
+        *e = (*e).max(s.bytes);
+    }
+    if cand.grad_accum > 1 {
+        // Later micro-batches start with every gradient already allocated.
+        let mut p2 = persistent.clone();
+        p2.grads_exist = true;
+        let second = tape::walk(&tape, &p2, timeline);
+        if second.peak.bytes > peak.bytes {
+            peak = second.peak.clone();
+        }
+        for s in &second.samples {
+            let e = phase_peaks.entry(s.phase.as_str().to_string()).or_default();
+            *e = (*e).max(s.bytes);
+        }
+        if timeline {
+            samples.extend(second.samples);
+        }
+    }
+    // The optimizer step: what the backward left (params, grads, state) plus temporaries.
+    let mut at_opt = first.end;
+    at_opt[Category::ActivationGrads as usize] = 0;
+    at_opt[Category::Activations as usize] = persistent.fixed[Category::Activations as usize];
+    at_opt[Category::WeightCopies as usize] = 0;
+    if opt_on_gpu {
+        at_opt[Category::Workspace as usize] +=
+            opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 });
+    }
+    let opt_total: u64 = at_opt.iter().sum();
+    if timeline {
+        samples.push(Sample {
+            phase: Phase::Optimizer,
+            op: opt.name.to_string(),
+            layer: None,
+            bytes: opt_total,
+        });
+    }
+    let e = phase_peaks.entry("optimizer".to_string()).or_default();
+    *e = (*e).max(opt_total);
+    if opt_total > peak.bytes {
+        peak = tape::Peak {
+            bytes: opt_total,
+            phase: Phase::Optimizer,
+            op: opt.name.to_string(),
+            layer: None,
+            by_category: at_opt,
+        };
+    }
+    let mut breakdown = BTreeMap::new();
+    for c in Category::ALL {
+        breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
+    }
+    let (flops, moved) = tape_work(&tape);
+    let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes);
+    let (total, trainable_count) = param_counts(&tape);
+    MemoryReport {
+        peak_bytes: peak.bytes,
+        peak: PeakLocation {
+            phase: peak.phase,
+            op: peak.op,
+            layer: peak.layer,
+        },
+        breakdown,
+        phase_peaks,
+        timeline: compress(samples),
+        reserve_bytes: reserve,
+        params_total: total,
+        params_trainable: trainable_count,
+        step_flops: flops,
+        step_bytes_moved: moved,
+    }
+}
+
+fn param_counts(tape: &tape::Tape) -> (u64, u64) {
+    let mut total = 0;
+    let mut trainable = 0;
+    for t in &tape.tensors {
+        if t.role == tape::Role::Param {
+            let n: u64 = t.shape.iter().product();
+            total += n;
+            if t.requires_grad {
+                trainable += n;
+            }
+        }
+    }
+    (total, trainable)
+}
+
+/// FLOPs (forward, backward and recompute) and bytes moved by one micro-step.
+fn tape_work(tape: &tape::Tape) -> (f64, f64) {
+    let mut flops = 0.0;
+    let mut moved = 0.0;
+    for op in &tape.ops {
+        let recomputed = op
+            .layer
+            .and_then(|l| tape.layers.get(l as usize))
+            .is_some_and(|l| l.checkpointed);
+        let fwd_times = if recomputed { 2.0 } else { 1.0 };
+        flops += op.flops * fwd_times
+            + if op.has_backward(tape) {
+                op.bwd_flops
+            } else {
+                0.0
+            };
+        if op.flops == 0.0 {
+            moved += op.bytes_moved * (fwd_times + 2.0);
+        }
+    }
+    (flops, moved)
+}
+
+/// Keep one sample per run of (phase, layer): the highest.
+fn compress(samples: Vec<Sample>) -> Vec<Sample> {
+    let mut out: Vec<Sample> = Vec::new();
+    for s in samples {
+        match out.last_mut() {
+            Some(last) if last.phase == s.phase && last.layer == s.layer && s.layer.is_some() => {
+                if s.bytes > last.bytes {
+                    *last = s;
+                }
+            }
+            _ => out.push(s),
+        }
+    }
+    out
+}

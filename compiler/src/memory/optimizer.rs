@@ -1,0 +1,139 @@
+//! Optimizer state and the temporaries of one optimizer step.
+//!
+//! State is created at the first step (step 1 has none), so the steady-state
+//! step carries it for its whole length. Temporaries depend on the
+//! implementation: `torch.optim` foreach kernels allocate a list of tensors
+//! as large as all trainable parameters (AdamW's `sqrt(v)`), fused kernels
+//! allocate nothing, a per-parameter loop only the largest parameter's
+//! temporaries; Adafactor keeps factored row/column statistics for matrices
+//! and allocates two full-size temporaries of the parameter being updated.
+
+use crate::memory::tape::{Tape, TensorId};
+use crate::memory::Candidate;
+use crate::profile::Profile;
+use crate::spec::{Dtype, OptImpl, OptimizerKind, Spec};
+
+pub struct OptimizerModel {
+    pub name: &'static str,
+    pub state_bytes: u64,
+    pub temp_bytes: u64,
+}
+
+fn round(b: f64, r: u64) -> u64 {
+    let r = r.max(1);
+    (b.ceil() as u64).div_ceil(r) * r
+}
+
+pub fn model(
+    spec: &Spec,
+    profile: &Profile,
+    tape: &Tape,
+    trainable: &[(TensorId, u64)],
+    _c: &Candidate,
+) -> OptimizerModel {
+    let o = &spec.optimizer;
+    let p = &spec.precision;
+    // torch.optim keeps state like the parameter (`zeros_like(p)`) unless a master copy is
+    // kept; an explicitly smaller state dtype (bf16, int8) wins.
+    let param_dtype = if p.params == Dtype::Tf32 {
+        Dtype::Fp32
+    } else {
+        p.params
+    };
+    let state_dtype = match (o.kind, p.master) {
+        (OptimizerKind::Adam8bit, _) => Dtype::Int8,
+        (_, Some(m)) => {
+            if o.state.bytes() < m.bytes() {
+                o.state
+            } else {
+                m
+            }
+        }
+        (_, None) => {
+            if o.state.bytes() < param_dtype.bytes() {
+                o.state
+            } else {
+                param_dtype
+            }
+        }
+    };
+    let sb = state_dtype.bytes();
+    let r = profile.alloc_round;
+    let full = |elems: u64, copies: f64| round(elems as f64 * sb * copies, r);
+    let total_elems: u64 = trainable.iter().map(|(_, n)| n).sum();
+    let largest: u64 = trainable.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    let mut state: u64 = 0;
+    let mut temp: u64 = 0;
+    let name;
+    match o.kind {
+        OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => {
+            name = if o.kind == OptimizerKind::Adam {
+                "adam"
+            } else {
+                "adamw"
+            };
+            for (_, n) in trainable {
+                state += 2 * full(*n, 1.0);
+            }
+            if o.kind == OptimizerKind::Adam8bit {
+                // bitsandbytes: 8-bit states with one fp32 absmax per 2048-element block; fused.
+                state += round(total_elems as f64 / 2048.0 * 4.0 * 2.0, r);
+            } else {
+                temp = match o.implementation {
+                    OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
+                    OptImpl::Fused => 0,
+                    OptImpl::Plain => 2 * full(largest, 1.0),
+                };
+            }
+        }
+        OptimizerKind::Lion => {
+            name = "lion";
+            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+            temp = match o.implementation {
+                OptImpl::Foreach => state,
+                OptImpl::Fused => 0,
+                OptImpl::Plain => full(largest, 1.0),
+            };
+        }
+        OptimizerKind::Sgd => {
+            name = "sgd";
+            if o.momentum > 0.0 {
+                state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+            }
+        }
+        OptimizerKind::Adafactor => {
+            name = "adafactor";
+            // Factored second moment for matrices (row + column, fp32), full for vectors.
+            for (id, n) in trainable {
+                let shape = &tape.tensor(*id).shape;
+                state += if shape.len() >= 2 {
+                    round((shape[0] + shape[1]) as f64 * 4.0, r)
+                } else {
+                    round(*n as f64 * 4.0, r)
+                };
+            }
+            // `update = grad**2 + eps` then `update = approx_sq_grad(...)`: two fp32
+            // temporaries of the parameter being updated (groundtruth llama1b_adafactor:
+            // optimizer peak - end = 2 x the 1.05 GB embedding).
+            temp = 2 * round(largest as f64 * 4.0, r);
+        }
+        OptimizerKind::AdamMini => {
+            name = "adam-mini";
+            // First moment in full, second moment one value per block (head / neuron).
+            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+            temp = 2 * full(largest, 1.0);
+        }
+    }
+    if let Some(m) = p.master {
+        if m.bytes() > param_dtype.bytes() {
+            // fp32 master copy of 16-bit weights, and the fp32 gradient cast for the update.
+            state += round(total_elems as f64 * m.bytes(), r);
+            temp += round(largest as f64 * m.bytes(), r);
+        }
+    }
+    OptimizerModel {
+        name,
+        state_bytes: state,
+        temp_bytes: temp,
+    }
+}

@@ -1,0 +1,490 @@
+//! The step's schedule as a tape of operations, and the liveness walk over it.
+//!
+//! A [`Tape`] lists the operations of one forward pass in execution order,
+//! each with the tensors it reads, the tensors it creates and the tensors it
+//! saves for its backward — the same bookkeeping PyTorch's autograd does. The
+//! walk ([`walk`]) replays the schedule: forward (tensors freed after their
+//! last use unless saved or held), backward in reverse (gradients created,
+//! saved tensors released as each op's backward finishes, checkpointed layers
+//! recomputed from their saved input first), then the optimizer. It tracks
+//! live bytes per category and records the peak and a timeline.
+//!
+//! Invariants: tensor and op ids are indices into the tape and never
+//! change (the tape only grows); every byte count already includes the
+//! allocator's rounding; the walk never frees a parameter.
+
+use crate::memory::Category;
+use serde::Serialize;
+use std::fmt;
+
+/// A tensor of the tape (prints as `t3`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct TensorId(pub u32);
+
+/// An operation of the tape (prints as `op3`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct OpId(pub u32);
+
+impl fmt::Display for TensorId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+impl fmt::Display for OpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "op{}", self.0)
+    }
+}
+
+/// What a tensor is, for the breakdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A parameter (trainable or frozen); lives for the whole run.
+    Param,
+    /// A 16-bit copy of a weight made by autocast (cached for the forward when trainable).
+    WeightCopy,
+    /// An activation, a mask or any other forward tensor.
+    Activation,
+    /// Token ids, labels, positions: inputs of the step.
+    Input,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorInfo {
+    pub name: &'static str,
+    pub shape: Vec<u64>,
+    pub dtype: crate::spec::Dtype,
+    /// Allocated bytes (rounded to the allocator granularity).
+    pub bytes: u64,
+    pub requires_grad: bool,
+    pub role: Role,
+    /// Bytes of this parameter's gradient (params only; 0 when frozen).
+    pub grad_bytes: u64,
+    pub producer: Option<OpId>,
+    /// Held from creation until the end of the forward (autocast's weight cache, the logits
+    /// the model returns).
+    pub held_until_forward_end: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OpInfo {
+    pub name: &'static str,
+    pub layer: Option<u32>,
+    pub inputs: Vec<TensorId>,
+    pub outputs: Vec<TensorId>,
+    /// Tensors kept for the backward (only when some input requires grad).
+    pub saved: Vec<TensorId>,
+    /// Scratch bytes alive only while the forward kernel runs.
+    pub fwd_workspace: u64,
+    /// Scratch bytes alive only while the backward kernel runs (beyond the gradients).
+    pub bwd_workspace: u64,
+    /// Forward FLOPs (multiply-adds count 2).
+    pub flops: f64,
+    /// Backward FLOPs.
+    pub bwd_flops: f64,
+    /// Bytes read and written by the forward (memory-bound ops).
+    pub bytes_moved: f64,
+}
+
+impl OpInfo {
+    /// Autograd records the op only when some input requires grad.
+    pub fn has_backward(&self, tape: &Tape) -> bool {
+        self.inputs.iter().any(|t| tape.tensor(*t).requires_grad)
+    }
+}
+
+/// One transformer layer's span of ops on the tape.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerSpan {
+    pub index: u32,
+    pub first_op: u32,
+    /// One past the last op.
+    pub end_op: u32,
+    pub input: TensorId,
+    pub checkpointed: bool,
+}
+
+/// The forward schedule of one training micro-step.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Tape {
+    pub tensors: Vec<TensorInfo>,
+    pub ops: Vec<OpInfo>,
+    pub layers: Vec<LayerSpan>,
+    /// The scalar the backward starts from.
+    pub loss: Option<TensorId>,
+}
+
+impl Tape {
+    pub fn tensor(&self, t: TensorId) -> &TensorInfo {
+        &self.tensors[t.0 as usize]
+    }
+    pub fn op(&self, o: OpId) -> &OpInfo {
+        &self.ops[o.0 as usize]
+    }
+    pub fn add_tensor(&mut self, info: TensorInfo) -> TensorId {
+        self.tensors.push(info);
+        TensorId(self.tensors.len() as u32 - 1)
+    }
+    pub fn add_op(&mut self, info: OpInfo) -> OpId {
+        let id = OpId(self.ops.len() as u32);
+        for out in &info.outputs {
+            self.tensors[out.0 as usize].producer = Some(id);
+        }
+        self.ops.push(info);
+        id
+    }
+    fn layer_of_op(&self, op: usize) -> Option<&LayerSpan> {
+        let l = self.ops[op].layer?;
+        self.layers.get(l as usize)
+    }
+}
+
+/// The phase of the step an event belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Forward,
+    Backward,
+    Optimizer,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+        }
+    }
+}
+
+/// Live bytes per category.
+pub type Bytes = [u64; Category::COUNT];
+
+/// One point of the memory timeline: the live bytes while `op` runs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Sample {
+    pub phase: Phase,
+    pub op: String,
+    pub layer: Option<u64>,
+    pub bytes: u64,
+}
+
+/// Where the walk saw the most bytes live.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Peak {
+    pub bytes: u64,
+    pub phase: Phase,
+    pub op: String,
+    pub layer: Option<u64>,
+    /// Live bytes per category at the peak.
+    pub by_category: Bytes,
+}
+
+/// The persistent state around the micro-step being walked.
+#[derive(Clone, Debug, Default)]
+pub struct Persistent {
+    /// Bytes that live through the whole step and are not tensors of the tape, per category
+    /// (optimizer state, workspaces, ...).
+    pub fixed: Bytes,
+    /// Gradients already exist when the micro-step starts (gradient accumulation after the
+    /// first micro-batch): new gradients are temporaries added in place.
+    pub grads_exist: bool,
+    /// Divide parameter gradient bytes by this (ZeRO-2/3 keeps a shard of each gradient).
+    pub grad_divisor: u64,
+}
+
+/// The liveness walk's state.
+struct Walk<'a> {
+    tape: &'a Tape,
+    refs: Vec<u32>,
+    alive: Vec<bool>,
+    grad_alive: Vec<bool>,
+    param_grad: Vec<bool>,
+    live: Bytes,
+    peak: Option<Peak>,
+    samples: Vec<Sample>,
+    record: bool,
+    persistent: &'a Persistent,
+}
+
+impl<'a> Walk<'a> {
+    fn category(&self, t: TensorId) -> Category {
+        match self.tape.tensor(t).role {
+            Role::Param => Category::Weights,
+            Role::WeightCopy => Category::WeightCopies,
+            Role::Activation | Role::Input => Category::Activations,
+        }
+    }
+    fn alloc(&mut self, t: TensorId, refs: u32) {
+        let i = t.0 as usize;
+        if self.alive[i] {
+            self.refs[i] += refs;
+            return;
+        }
+        self.alive[i] = true;
+        self.refs[i] = refs;
+        let c = self.category(t) as usize;
+        self.live[c] += self.tape.tensor(t).bytes;
+    }
+    fn release(&mut self, t: TensorId) {
+        let i = t.0 as usize;
+        if !self.alive[i] || self.tape.tensor(t).role == Role::Param {
+            return;
+        }
+        self.refs[i] = self.refs[i].saturating_sub(1);
+        if self.refs[i] == 0 {
+            self.alive[i] = false;
+            let c = self.category(t) as usize;
+            self.live[c] -= self.tape.tensor(t).bytes;
+        }
+    }
+    fn observe(&mut self, phase: Phase, op: &str, layer: Option<u32>, extra: Bytes) {
+        let mut now = self.live;
+        for (n, e) in now.iter_mut().zip(extra.iter()) {
+            *n += e;
+        }
+        let total: u64 = now.iter().sum();
+        if self.record {
+            self.samples.push(Sample {
+                phase,
+                op: op.to_string(),
+                layer: layer.map(u64::from),
+                bytes: total,
+            });
+        }
+        if self.peak.as_ref().is_none_or(|p| total > p.bytes) {
+            self.peak = Some(Peak {
+                bytes: total,
+                phase,
+                op: op.to_string(),
+                layer: layer.map(u64::from),
+                by_category: now,
+            });
+        }
+    }
+
+    /// Run ops `range` forward. `recompute`: a checkpointed layer replayed in the backward,
+    /// so uses outside the layer do not count and its saves do.
+    fn forward_ops(&mut self, range: std::ops::Range<usize>, recompute: bool) {
+        let tape = self.tape;
+        let counts_saves = |op: usize| -> bool {
+            recompute || !tape.layer_of_op(op).is_some_and(|l| l.checkpointed)
+        };
+        // References a tensor starts with: forward uses within the range, saves that count,
+        // holds. Counted once per range.
+        let mut refs_of: std::collections::BTreeMap<TensorId, u32> =
+            std::collections::BTreeMap::new();
+        for op in range.clone() {
+            let l = &tape.ops[op];
+            for &x in &l.inputs {
+                *refs_of.entry(x).or_default() += 1;
+            }
+            if counts_saves(op) && l.has_backward(tape) {
+                for &x in &l.saved {
+                    *refs_of.entry(x).or_default() += 1;
+                }
+            }
+        }
+        for op in range.clone() {
+            let info = &tape.ops[op];
+            for &out in &info.outputs {
+                let mut refs = refs_of.get(&out).copied().unwrap_or(0);
+                if !recompute {
+                    let t = tape.tensor(out);
+                    if t.held_until_forward_end {
+                        refs += 1;
+                    }
+                    if tape.loss == Some(out) {
+                        refs += 1;
+                    }
+                    if tape.layers.iter().any(|l| l.checkpointed && l.input == out) {
+                        refs += 1;
+                    }
+                }
+                self.alloc(out, refs);
+            }
+            let ws = info.fwd_workspace;
+            let mut extra = [0u64; Category::COUNT];
+            extra[Category::Workspace as usize] = ws;
+            self.observe(Phase::Forward, info.name, info.layer, extra);
+            // Inputs: one forward use done.
+            let mut seen: Vec<TensorId> = Vec::with_capacity(info.inputs.len());
+            for &inp in &info.inputs {
+                if tape
+                    .tensor(inp)
+                    .producer
+                    .is_some_and(|p| (p.0 as usize) < range.start)
+                    && recompute
+                {
+                    // Produced outside the recomputed layer: its uses there were not counted.
+                    continue;
+                }
+                if !seen.contains(&inp) {
+                    seen.push(inp);
+                }
+                self.release(inp);
+            }
+            for &out in &info.outputs {
+                let i = out.0 as usize;
+                if self.alive[i] && self.refs[i] == 0 {
+                    self.alive[i] = false;
+                    let c = self.category(out) as usize;
+                    self.live[c] -= tape.tensor(out).bytes;
+                }
+            }
+        }
+    }
+
+    fn backward_op(&mut self, op: usize) {
+        let tape = self.tape;
+        let info = &tape.ops[op];
+        if !info.has_backward(tape) {
+            return;
+        }
+        let mut extra = [0u64; Category::COUNT];
+        let mut new_bufs: Vec<TensorId> = Vec::new();
+        let mut seen: Vec<TensorId> = Vec::new();
+        for &inp in &info.inputs {
+            let t = tape.tensor(inp);
+            if !t.requires_grad || seen.contains(&inp) {
+                continue;
+            }
+            seen.push(inp);
+            let i = inp.0 as usize;
+            if t.role == Role::Param {
+                let g = t.grad_bytes / self.persistent.grad_divisor.max(1);
+                if self.param_grad[i] || self.persistent.grads_exist {
+                    // A new gradient added in place into the existing `.grad`.
+                    extra[Category::ActivationGrads as usize] += t.grad_bytes;
+                } else {
+                    self.param_grad[i] = true;
+                    self.live[Category::Grads as usize] += g;
+                    if g < t.grad_bytes {
+                        // Full gradient exists until reduce-scattered.
+                        extra[Category::ActivationGrads as usize] += t.grad_bytes - g;
+                    }
+                }
+            } else if self.grad_alive[i] {
+                extra[Category::ActivationGrads as usize] += t.bytes;
+            } else {
+                new_bufs.push(inp);
+            }
+        }
+        for &b in &new_bufs {
+            self.grad_alive[b.0 as usize] = true;
+            self.live[Category::ActivationGrads as usize] += tape.tensor(b).bytes;
+        }
+        extra[Category::Workspace as usize] += info.bwd_workspace;
+        self.observe(Phase::Backward, info.name, info.layer, extra);
+        // The op's output gradients are consumed; its saved tensors released.
+        for &out in &info.outputs {
+            let i = out.0 as usize;
+            if self.grad_alive[i] {
+                self.grad_alive[i] = false;
+                self.live[Category::ActivationGrads as usize] -= tape.tensor(out).bytes;
+            }
+        }
+        for &s in &info.saved {
+            self.release(s);
+        }
+    }
+}
+
+/// The result of walking one micro-step (forward + backward) of a tape.
+pub struct WalkResult {
+    pub peak: Peak,
+    pub samples: Vec<Sample>,
+    /// Live bytes per category after the backward.
+    pub end: Bytes,
+}
+
+/// Walk one micro-step of `tape` on top of `persistent` bytes.
+pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
+    let n = tape.tensors.len();
+    let mut w = Walk {
+        tape,
+        refs: vec![0; n],
+        alive: vec![false; n],
+        grad_alive: vec![false; n],
+        param_grad: vec![false; n],
+        live: persistent.fixed,
+        peak: None,
+        samples: Vec::new(),
+        record,
+        persistent,
+    };
+    // Parameters and step inputs exist before the forward.
+    for (i, t) in tape.tensors.iter().enumerate() {
+        if t.producer.is_none() {
+            w.alloc(TensorId(i as u32), 1);
+        }
+    }
+    if persistent.grads_exist {
+        for (i, t) in tape.tensors.iter().enumerate() {
+            if t.role == Role::Param && t.grad_bytes > 0 {
+                w.param_grad[i] = true;
+                w.live[Category::Grads as usize] += t.grad_bytes / persistent.grad_divisor.max(1);
+            }
+        }
+    }
+    w.forward_ops(0..tape.ops.len(), false);
+    // The forward returns: autocast's cache is cleared, the model outputs are dropped.
+    for (i, t) in tape.tensors.iter().enumerate() {
+        if t.held_until_forward_end && w.alive[i] {
+            w.release(TensorId(i as u32));
+        }
+    }
+    w.observe(Phase::Forward, "forward end", None, [0; Category::COUNT]);
+    // Backward: the loss gradient is a scalar; ops in reverse.
+    let mut op = tape.ops.len();
+    while op > 0 {
+        op -= 1;
+        if let Some(span) = tape
+            .layer_of_op(op)
+            .filter(|l| l.checkpointed && op + 1 == l.end_op as usize)
+        {
+            let span = span.clone();
+            // Non-reentrant checkpoint: the layer's saved tensors are recomputed from its input
+            // (and the saves of tensors made before the layer count again).
+            for o in span.first_op as usize..span.end_op as usize {
+                let info = &tape.ops[o];
+                if !info.has_backward(tape) {
+                    continue;
+                }
+                for &s in &info.saved {
+                    let p = tape.tensor(s).producer.map_or(0, |p| p.0);
+                    if p < span.first_op && w.alive[s.0 as usize] {
+                        w.refs[s.0 as usize] += 1;
+                    }
+                }
+            }
+            w.forward_ops(span.first_op as usize..span.end_op as usize, true);
+            for o in (span.first_op as usize..span.end_op as usize).rev() {
+                w.backward_op(o);
+            }
+            w.release(span.input);
+            op = span.first_op as usize;
+            continue;
+        }
+        w.backward_op(op);
+    }
+    if let Some(l) = tape.loss {
+        w.release(l);
+    }
+    w.observe(Phase::Backward, "backward end", None, [0; Category::COUNT]);
+    let end = w.live;
+    let peak = w.peak.unwrap_or(Peak {
+        bytes: 0,
+        phase: Phase::Forward,
+        op: String::new(),
+        layer: None,
+        by_category: [0; Category::COUNT],
+    });
+    WalkResult {
+        peak,
+        samples: w.samples,
+        end,
+    }
+}

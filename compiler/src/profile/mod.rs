@@ -1,0 +1,141 @@
+//! Runtime profiles: what differs between the executors a plan can target.
+//!
+//! The memory model ([`crate::memory`]) is written once, as mechanisms (which
+//! tensors exist, which are saved for the backward pass, which temporaries an
+//! optimizer allocates). What an executor adds on top — autocast, attention
+//! kernels, allocator rounding, library workspaces, the CUDA context — lives
+//! here as data, one constant per fact, each commented with where it was
+//! measured. Invariant: a profile holds no per-configuration corrections;
+//! every number applies to every plan that targets that executor.
+
+use crate::spec::Target;
+use serde::Serialize;
+
+/// What differs between executors, for the memory and time models.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Profile {
+    pub name: &'static str,
+    /// `params = fp32, compute = bf16` runs as autocast: per-op casts of
+    /// activations, cached 16-bit copies of trainable weights for the whole
+    /// forward, fp32 residual stream. Without it the executor computes in the
+    /// element type of the weights.
+    pub autocast: bool,
+    /// SDPA/flash kernels exist: attention keeps q, k, v, the output and a
+    /// log-sum-exp, never the `[batch, heads, seq, seq]` scores.
+    pub fused_attention: bool,
+    /// Grouped-query attention runs without materialising repeated k/v
+    /// (`enable_gqa` in SDPA).
+    pub gqa_without_repeat: bool,
+    /// The causal-LM loss upcasts the logits to fp32 before the cross entropy
+    /// (the fp32 copy and the fp32 log-softmax both exist at the loss).
+    pub loss_upcasts_logits: bool,
+    /// LoRA adapter weights are kept in fp32 whatever the base dtype (PEFT),
+    /// and the adapter input is cast to the adapter dtype before `lora_A`.
+    pub adapters_fp32: bool,
+    /// Adapter targets match module names by suffix (PEFT): on encoders `o` (`dense`)
+    /// also adapts the MLP's `intermediate.dense` and `output.dense`.
+    pub adapter_suffix_match: bool,
+    /// RMSNorm computes in fp32 whatever the input dtype (HF's `LlamaRMSNorm`).
+    pub norm_in_fp32: bool,
+    /// Allocation granularity of the device allocator, bytes.
+    pub alloc_round: u64,
+    /// Library workspaces allocated through the allocator and kept for the
+    /// whole run (counted in the peak), bytes.
+    pub workspace_bytes: u64,
+    /// Device memory the executor uses outside its allocator (CUDA context,
+    /// kernels, communication buffers): not in the predicted peak, kept out
+    /// of the budget when `fit.reserve` is not given.
+    pub default_reserve_bytes: u64,
+    /// Fraction of the GPU's dense bf16 rate a step's matmuls reach.
+    pub matmul_efficiency: f64,
+    /// Fraction of the memory bandwidth element-wise ops reach.
+    pub bandwidth_efficiency: f64,
+    /// Fixed time per step (optimizer launch, Python overhead), seconds.
+    pub step_overhead_s: f64,
+}
+
+impl Profile {
+    pub fn for_target(target: Target) -> Profile {
+        match target {
+            Target::Pytorch => Profile::pytorch(),
+            Target::Burn => Profile::burn(),
+        }
+    }
+
+    /// PyTorch eager with Hugging Face modules and PEFT adapters, calibrated on
+    /// `../shared/groundtruth/h100-pytorch.jsonl` (torch 2.11, H100 80GB).
+    pub fn pytorch() -> Profile {
+        Profile {
+            name: "pytorch",
+            // DSL.md: `target pytorch` runs fp32 weights with bf16 compute as autocast.
+            autocast: true,
+            // groundtruth llama*_base vs llama350m_eager: SDPA rows save no score matrix.
+            fused_attention: true,
+            // groundtruth llama1b_eager_s512 vs llama1b_s512: SDPA saves k/v at kv_heads width
+            // (12.6 MB per layer less than eager, which repeats k/v to all heads).
+            gqa_without_repeat: true,
+            // transformers' ForCausalLMLoss calls `logits.float()`; MLM/CE under autocast
+            // runs log_softmax in fp32: the backward peak of every `lm` row is
+            // 2 x tokens x vocab x 4 bytes above the end of the forward (llama1b_base).
+            loss_upcasts_logits: true,
+            // groundtruth README: PEFT adapter weights are fp32 even with bf16 base weights.
+            adapters_fp32: true,
+            // PEFT `target_modules=["query","key","value","dense"]` on XLM-R adapts every
+            // `*.dense` module: groundtruth xlmrl_con_lora32_b64 saves the MLP adapters'
+            // inputs (4.2 GB more at the end of the forward than q/k/v/o alone).
+            adapter_suffix_match: true,
+            // LlamaRMSNorm: `hidden_states.to(torch.float32)`; the fp32 copy is saved
+            // (groundtruth llama1b_bf16 activations).
+            norm_in_fp32: true,
+            // CUDA caching allocator: every block is a multiple of 512 bytes.
+            alloc_round: 512,
+            // Allocated bytes after `zero_grad` minus params and optimizer state is
+            // 67,108,864 in every llama1b row: two 32 MiB cuBLAS workspaces (main
+            // thread and the autograd device thread) on sm90.
+            workspace_bytes: 64 << 20,
+            // `device_used_after_init_B` = 552,402,944 (CUDA context + kernels) plus
+            // headroom for the allocator's fragmentation at the peak.
+            default_reserve_bytes: 1 << 30,
+            // groundtruth tokens_per_s: llama1b_base reaches ~21% of 989 TFLOP/s.
+            matmul_efficiency: 0.22,
+            bandwidth_efficiency: 0.6,
+            step_overhead_s: 0.015,
+        }
+    }
+
+    /// rcoa's Burn 0.21 executor (`rcoa run`). From `../shared/BURN.md`: no
+    /// autocast (bf16 is an element type), attention keeps the full score
+    /// matrix, no flash kernels, no PyTorch-style caching allocator. Not yet
+    /// calibrated on a GPU: the constants below are the documented facts and
+    /// conservative defaults until the Burn executor is measured.
+    pub fn burn() -> Profile {
+        Profile {
+            name: "burn",
+            // BURN.md: "bf16/f16 are element types of the backend".
+            autocast: false,
+            // BURN.md: "Burn's multi-head attention keeps the full [batch, heads, seq, seq]
+            // score matrix; model it as eager attention".
+            fused_attention: false,
+            gqa_without_repeat: false,
+            // Burn's cross entropy runs in the element type (no fp32 upcast is written).
+            loss_upcasts_logits: false,
+            // rcoa's adapters are built in the model's element type.
+            adapters_fp32: false,
+            // rcoa's DSL names projections, not module paths.
+            adapter_suffix_match: false,
+            // Burn's RmsNorm computes in the element type.
+            norm_in_fp32: false,
+            // CubeCL memory pools hand out pages; not measured yet, 512 B as a floor.
+            alloc_round: 512,
+            // No cuBLAS workspace: CubeCL matmul kernels take no workspace buffer.
+            workspace_bytes: 0,
+            // BURN.md probe: reserved reached 15.4 GB with 8.2 GB in use; keep 2 GiB back
+            // until measured.
+            default_reserve_bytes: 2 << 30,
+            // BURN.md probe: 47k tokens/s f32, 73k tokens/s bf16 on an 8-layer encoder.
+            matmul_efficiency: 0.12,
+            bandwidth_efficiency: 0.4,
+            step_overhead_s: 0.02,
+        }
+    }
+}
