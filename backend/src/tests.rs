@@ -248,3 +248,14 @@ fn bf16_plans_run_in_fp32_on_the_cpu_with_a_note() {
     .unwrap();
     assert!(note.unwrap().contains("fp32"));
 }
+
+#[test]
+fn lowered_plans_round_trip_through_json() {
+    let p = tiny_plan();
+    let text = serde_json::to_string_pretty(&p).unwrap();
+    if let Ok(path) = std::env::var("RCOA_DUMP_TINY_PLAN") {
+        std::fs::write(path, &text).unwrap();
+    }
+    let back: LoweredPlan = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, p);
+}

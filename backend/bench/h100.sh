@@ -1,0 +1,35 @@
+#!/bin/bash
+# Runs `rcoa run --device cuda` on the plans named, on the device machine,
+# from the repository root. Each argument is NAME:STEPS:TIMEOUT_S[:TAG]; the
+# plan is backend/bench/NAME.json. Per run: the JSON lines in $OUT/NAME-TAG.jsonl,
+# stderr in .err; nvidia-smi's memory.used is sampled every 0.5 s into
+# $OUT/smi.csv (driver view: includes the CUDA context and CubeCL's pools).
+# The CubeCL kernel/autotune cache lives in .rcoa-cache; if a previous call
+# carried it back as .rcoa-cache-tgz/part-*, it is restored first, and it is
+# packed into $OUT/cache-part-* at the end (16 MB pieces) to carry to the next call.
+set -u
+export CUDA_PATH=/usr/local/cuda
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export RCOA_CACHE_DIR=$PWD/.rcoa-cache
+OUT=${OUT:-/tmp/rcoa-out}; mkdir -p "$OUT"
+BIN=${BIN:-target/release/rcoa}
+if ls .rcoa-cache-tgz/part-* >/dev/null 2>&1; then cat .rcoa-cache-tgz/part-* | tar xzf - ; echo "cache restored: $(du -sh .rcoa-cache | cut -f1)"; fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+(while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)"; sleep 0.5; done) > "$OUT/smi.csv" &
+SMI=$!
+for spec in "$@"; do
+  IFS=: read -r name steps tmo tag <<< "$spec"
+  tag=${tag:-run}
+  echo "=== $name ($tag) steps=$steps $(date +%T)"
+  t0=$(date +%s.%N)
+  timeout "$tmo" "$BIN" run --lowered "backend/bench/$name.json" --device cuda --steps "$steps" --format json > "$OUT/$name-$tag.jsonl" 2> "$OUT/$name-$tag.err"
+  rc=$?
+  echo "rc=$rc wall=$(python3 -c "import time;print(round(time.time()-$t0,1))")s"
+  grep -h '"step"' "$OUT/$name-$tag.jsonl" | head -3 | cut -c1-200
+  tail -n1 "$OUT/$name-$tag.jsonl" | cut -c1-600
+  tail -n4 "$OUT/$name-$tag.err" | cut -c1-400
+done
+kill $SMI
+echo "cache: $(du -sh .rcoa-cache 2>/dev/null | cut -f1)"
+tar czf - .rcoa-cache 2>/dev/null | split -b 15M - "$OUT/cache-part-"
+ls -la "$OUT"

@@ -1,0 +1,184 @@
+//! End-to-end tests of `rcoa run` on the CPU: JSON lines per step and the
+//! summary, falling loss, save/resume continuing the same loss curve, and
+//! clean errors (exit 2) for an unavailable device or a bad plan.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn rcoa() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_rcoa"))
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rcoa-cli-run-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn tiny_plan_file(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.json");
+    std::fs::write(
+        &p,
+        serde_json::to_string(&rcoa_backend::testing::tiny_plan()).unwrap(),
+    )
+    .unwrap();
+    p
+}
+
+/// Run and parse the JSON lines; returns (per-step objects, summary).
+fn run_json(args: &[&str]) -> (Vec<serde_json::Value>, serde_json::Value) {
+    let out = rcoa()
+        .arg("run")
+        .args(args)
+        .args(["--format", "json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "rcoa run failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    let steps = lines
+        .iter()
+        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
+        .cloned()
+        .collect();
+    let summary = lines
+        .iter()
+        .find(|v| v["event"] == "summary")
+        .cloned()
+        .expect("a summary line");
+    (steps, summary)
+}
+
+fn losses(steps: &[serde_json::Value]) -> Vec<f64> {
+    steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect()
+}
+
+#[test]
+fn json_lines_report_every_step_and_the_peaks() {
+    let dir = temp("json");
+    let plan = tiny_plan_file(&dir);
+    let (steps, summary) = run_json(&["--lowered", plan.to_str().unwrap(), "--steps", "8"]);
+    assert_eq!(steps.len(), 8);
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["step"].as_u64(), Some(i as u64 + 1));
+        for key in ["loss", "step_seconds", "tokens_per_second", "peak_bytes"] {
+            assert!(s[key].is_number(), "step line lacks {key}: {s}");
+        }
+    }
+    let l = losses(&steps);
+    assert!(l[7] < l[0], "loss should fall: {l:?}");
+    assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
+    assert!(summary.get("predicted_peak_bytes").is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn resume_continues_the_loss_curve() {
+    let dir = temp("resume");
+    let plan = tiny_plan_file(&dir);
+    let plan = plan.to_str().unwrap();
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let (full, _) = run_json(&["--lowered", plan, "--steps", "6"]);
+    let (first, _) = run_json(&["--lowered", plan, "--steps", "3", "--save", ckpt]);
+    let (rest, _) = run_json(&["--lowered", plan, "--steps", "6", "--resume", ckpt]);
+    assert_eq!(rest.first().and_then(|s| s["step"].as_u64()), Some(4));
+    let joined: Vec<f64> = losses(&first).into_iter().chain(losses(&rest)).collect();
+    let full = losses(&full);
+    assert_eq!(joined.len(), full.len());
+    for (a, b) in joined.iter().zip(&full) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "resumed {joined:?} vs uninterrupted {full:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trains_on_a_text_file() {
+    let dir = temp("data");
+    let plan = tiny_plan_file(&dir);
+    let text = dir.join("text.txt");
+    // Few distinct characters: the tiny model's 64 ids hold them.
+    std::fs::write(&text, "the cat sat on the mat. ".repeat(40)).unwrap();
+    let (steps, _) = run_json(&[
+        "--lowered",
+        plan.to_str().unwrap(),
+        "--steps",
+        "6",
+        "--data",
+        text.to_str().unwrap(),
+    ]);
+    let l = losses(&steps);
+    assert!(l[5] < l[0], "loss on text should fall: {l:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unavailable_cuda_is_a_clean_error() {
+    // Either this build has no CUDA, or (with the feature) CI has no GPU:
+    // both must exit 2 with a message, not a panic. On a GPU machine with a
+    // CUDA build the run may succeed, which is fine too.
+    let dir = temp("cuda");
+    let plan = tiny_plan_file(&dir);
+    let out = rcoa()
+        .args([
+            "run",
+            "--lowered",
+            plan.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--device",
+            "cuda",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("cuda") || stderr.contains("CUDA"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_bad_lowered_file_exits_2() {
+    let dir = temp("bad");
+    let p = dir.join("bad.json");
+    std::fs::write(&p, "{\"version\": 1}").unwrap();
+    let out = rcoa()
+        .args(["run", "--lowered", p.to_str().unwrap(), "--steps", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a lowered plan"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tiny_cpu_plan_trains_20_steps() {
+    let plan = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
+    if !plan.exists() {
+        eprintln!("plans/tiny-cpu.plan is absent; skipped");
+        return;
+    }
+    let (steps, summary) = run_json(&[plan.to_str().unwrap(), "--steps", "20"]);
+    assert_eq!(steps.len(), 20);
+    let l = losses(&steps);
+    assert!(l[19] < l[0], "loss should fall: {l:?}");
+    assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
+    assert!(summary["predicted_peak_bytes"].as_u64().unwrap() > 0);
+}
