@@ -3,8 +3,14 @@
 //! One direction of flow (see `DESIGN.md`):
 //! `ast::PlanFile` → [`resolve`] → [`spec::Spec`] → graph → passes → [`lowered::LoweredPlan`].
 
+pub mod compile;
+pub mod cost;
 pub mod emit;
+pub mod explain;
+pub mod graph;
 pub mod lowered;
 pub mod memory;
 pub mod profile;
 pub mod spec;
+
+pub use compile::{compile, Compilation, CompileError};

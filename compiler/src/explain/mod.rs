@@ -1,0 +1,315 @@
+//! Explaining a compilation to people (text) and machines (JSON).
+//!
+//! The decision log is data: every pass (and, for now, the defaults that
+//! stand in for the search) appends a [`Decision`] saying what it set and
+//! why, with the numbers that drove it. Rendering is separate and
+//! deterministic: no timings of the compiler itself, no paths, no colours, so
+//! `--explain` output can be a golden file.
+
+use crate::compile::Compilation;
+use crate::memory::{Category, Phase, Sample};
+use crate::profile::Profile;
+use crate::spec::{CheckpointChoice, Choice, Spec};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+/// One thing the compiler set, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Decision {
+    /// The pass (or `given` / `defaults` / `model`) that made it.
+    pub pass: String,
+    pub what: String,
+    pub why: String,
+}
+
+impl Decision {
+    pub fn new(pass: impl Into<String>, what: impl Into<String>, why: impl Into<String>) -> Self {
+        Decision {
+            pass: pass.into(),
+            what: what.into(),
+            why: why.into(),
+        }
+    }
+}
+
+/// The decision log of one compilation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Explain {
+    pub decisions: Vec<Decision>,
+}
+
+/// The settings the plan fixed, and what the runtime profile makes of them.
+pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
+    let p = &spec.precision;
+    let autocast = profile.autocast && p.is_autocast();
+    log.push(Decision::new(
+        "given",
+        format!("precision params = {} compute = {}", p.params.as_str(), p.compute.as_str()),
+        if autocast {
+            "autocast: fp32 weights, 16-bit matmuls; trainable weights get cached 16-bit copies for the forward, the residual stream stays fp32".to_string()
+        } else {
+            format!("{} runs in the weights' element type, no casts", profile.name)
+        },
+    ));
+    let fixed = |c: Choice<u64>| c.fixed().map(|v| v.to_string());
+    for (name, v) in [
+        ("micro_batch", fixed(spec.train.micro_batch)),
+        ("grad_accum", fixed(spec.train.grad_accum)),
+        ("data", fixed(spec.parallel.data)),
+        ("tensor", fixed(spec.parallel.tensor)),
+        ("pipeline", fixed(spec.parallel.pipeline)),
+        ("context", fixed(spec.parallel.context)),
+        ("zero", spec.parallel.zero.fixed().map(|z| z.to_string())),
+    ] {
+        if let Some(v) = v {
+            log.push(Decision::new(
+                "given",
+                format!("{name} = {v}"),
+                "fixed by the plan",
+            ));
+        }
+    }
+    match spec.fit.checkpoint {
+        CheckpointChoice::None => log.push(Decision::new("given", "checkpoint = none", "fixed by the plan: every layer keeps its saved activations")),
+        CheckpointChoice::Full => log.push(Decision::new(
+            "given",
+            "checkpoint = full",
+            format!("fixed by the plan: every layer keeps only its input and is recomputed in the backward ({})", mechanism(profile)),
+        )),
+        CheckpointChoice::Every(n) => log.push(Decision::new(
+            "given",
+            format!("checkpoint = every {n}"),
+            format!("fixed by the plan: layers 0, {n}, {}, ... are recomputed ({})", 2 * n, mechanism(profile)),
+        )),
+        _ => {}
+    }
+    if profile.fused_attention && spec.train.attention != crate::spec::Attention::Eager {
+        log.push(Decision::new("model", format!("attention = {:?}", spec.train.attention).to_lowercase(), "fused kernel: no [batch, heads, seq, seq] scores are kept (math backend when fp32 with grouped-query attention)"));
+    } else {
+        log.push(Decision::new(
+            "model",
+            "attention = eager",
+            format!(
+                "{}: the [batch, heads, seq, seq] scores and softmax are saved per layer",
+                profile.name
+            ),
+        ));
+    }
+    if let Some(a) = &spec.adapter {
+        if profile.adapter_suffix_match
+            && spec.model.arch == crate::spec::Arch::Encoder
+            && a.targets.contains(&crate::spec::Proj::O)
+        {
+            log.push(Decision::new("model", "adapter on o also adapts up and down", "PEFT matches `dense` by suffix: attention.output.dense, intermediate.dense and output.dense"));
+        }
+        if profile.adapters_fp32 {
+            log.push(Decision::new(
+                "model",
+                "adapter weights fp32",
+                "PEFT keeps adapter weights in fp32 and casts their input to fp32",
+            ));
+        }
+    }
+}
+
+fn mechanism(profile: &Profile) -> &'static str {
+    match profile.name {
+        "pytorch" => "per-layer non-reentrant torch.utils.checkpoint",
+        _ => "rcoa's per-layer segment recomputation",
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+
+/// A row of bars for `samples` (at most `width` columns, each the max of its bucket).
+fn sparkline(samples: &[&Sample], peak: u64, width: usize) -> String {
+    if samples.is_empty() || peak == 0 {
+        return String::new();
+    }
+    let cols = samples.len().min(width);
+    let mut out = String::new();
+    for c in 0..cols {
+        let lo = c * samples.len() / cols;
+        let hi = ((c + 1) * samples.len() / cols).max(lo + 1);
+        let m = samples[lo..hi].iter().map(|s| s.bytes).max().unwrap_or(0);
+        let i = ((m as f64 / peak as f64) * 7.0).round() as usize;
+        out.push(BARS[i.min(7)]);
+    }
+    out
+}
+
+/// The `--explain` text.
+pub fn render_text(c: &Compilation) -> String {
+    let l = &c.lowered;
+    let m = &l.model;
+    let r = &l.resolved;
+    let pr = &l.prediction;
+    let rep = &c.report;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "model     {:?} {} layers, hidden {}, heads {}/{}, ffn {}, vocab {}: {:.3} B params, {:.3} B trainable",
+        m.arch,
+        m.layers,
+        m.hidden,
+        m.heads,
+        m.kv_heads,
+        m.ffn,
+        m.vocab,
+        rep.params_total as f64 / 1e9,
+        rep.params_trainable as f64 / 1e9
+    );
+    let _ = writeln!(
+        s,
+        "target    {} on {} × {}",
+        c.profile.name,
+        l.hardware.gpus_per_node * l.hardware.nodes,
+        l.hardware.gpu.name
+    );
+    let _ = writeln!(
+        s,
+        "resolved  micro_batch {} × grad_accum {} × data {}; zero {}; tensor {}; pipeline {}; context {}; checkpoint {}; offload [{}]",
+        r.micro_batch,
+        r.grad_accum,
+        r.data,
+        r.zero,
+        r.tensor,
+        r.pipeline,
+        r.context,
+        r.checkpoint,
+        r.offload.iter().map(|o| o.to_string()).collect::<Vec<_>>().join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "graph     {} ops ({} per layer), {} tensors, {} parameters ({} trainable); one layer saves {}",
+        c.graph.ops,
+        c.graph.ops_per_layer,
+        c.graph.tensors,
+        c.graph.params,
+        c.graph.trainable_params,
+        gib(c.graph.saved_bytes_per_layer)
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(s, "memory per GPU at the peak");
+    for cat in Category::ALL {
+        let b = rep.breakdown.get(cat.as_str()).copied().unwrap_or(0);
+        let share = if rep.peak_bytes > 0 {
+            100.0 * b as f64 / rep.peak_bytes as f64
+        } else {
+            0.0
+        };
+        let _ = writeln!(s, "  {:<18} {:>11}  {:>5.1}%", cat.as_str(), gib(b), share);
+    }
+    let _ = writeln!(s, "  {:<18} {:>11}", "peak", gib(pr.peak_bytes));
+    let _ = writeln!(
+        s,
+        "  {:<18} {:>11}  (kept out of the budget)",
+        "reserved",
+        gib(rep.reserve_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "  {:<18} {:>11}  {}",
+        "budget",
+        gib(pr.budget_bytes),
+        if pr.fits {
+            format!(
+                "fits, {} to spare",
+                gib(pr.budget_bytes - pr.peak_bytes - rep.reserve_bytes)
+            )
+        } else {
+            format!(
+                "DOES NOT FIT: {} over",
+                gib(pr.peak_bytes + rep.reserve_bytes
+                    - pr.budget_bytes.min(pr.peak_bytes + rep.reserve_bytes))
+            )
+        }
+    );
+    let _ = writeln!(s, "peak at   {}", rep.peak);
+    let _ = writeln!(
+        s,
+        "phases    {}",
+        rep.phase_peaks
+            .iter()
+            .map(|(k, v)| format!("{k} {}", gib(*v)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(s, "timeline (live bytes; █ = peak {})", gib(rep.peak_bytes));
+    for phase in [Phase::Forward, Phase::Backward, Phase::Optimizer] {
+        let samples: Vec<&Sample> = rep.timeline.iter().filter(|x| x.phase == phase).collect();
+        let top = samples.iter().map(|x| x.bytes).max().unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "  {:<9} {:<64} max {}",
+            phase.as_str(),
+            sparkline(&samples, rep.peak_bytes, 64),
+            gib(top)
+        );
+    }
+    let _ = writeln!(s);
+    let t = &c.time;
+    let _ = writeln!(
+        s,
+        "time      {:.3} s per step, {:.0} tokens/s (matmuls {:.3} s, memory-bound {:.3} s, optimizer {:.3} s, communication {:.3} s)",
+        t.step_seconds, t.tokens_per_second, t.compute_seconds, t.memory_seconds, t.optimizer_seconds, t.communication_seconds
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(s, "decisions");
+    for d in &c.explain.decisions {
+        let _ = writeln!(s, "  [{}] {}: {}", d.pass, d.what, d.why);
+    }
+    s
+}
+
+/// The `--format json` object (DESIGN.md's contract, plus detail).
+pub fn to_json(c: &Compilation) -> Value {
+    let l = &c.lowered;
+    let r = &l.resolved;
+    let pr = &l.prediction;
+    let rep = &c.report;
+    json!({
+        "target": c.profile.name,
+        "memory": {
+            "peak_bytes": pr.peak_bytes,
+            "budget_bytes": pr.budget_bytes,
+            "fits": pr.fits,
+            "reserve_bytes": rep.reserve_bytes,
+            "breakdown": pr.breakdown,
+            "peak_at": { "phase": rep.peak.phase, "op": rep.peak.op, "layer": rep.peak.layer, "text": pr.peak_at },
+            "phase_peaks": rep.phase_peaks,
+            "timeline": rep.timeline,
+        },
+        "decisions": c.explain.decisions,
+        "time": {
+            "step_seconds": pr.step_seconds,
+            "tokens_per_second": pr.tokens_per_second,
+            "compute_seconds": c.time.compute_seconds,
+            "memory_seconds": c.time.memory_seconds,
+            "optimizer_seconds": c.time.optimizer_seconds,
+            "communication_seconds": c.time.communication_seconds,
+        },
+        "resolved": {
+            "micro_batch": r.micro_batch,
+            "grad_accum": r.grad_accum,
+            "data": r.data,
+            "zero": r.zero,
+            "tensor": r.tensor,
+            "pipeline": r.pipeline,
+            "context": r.context,
+            "expert": r.expert,
+            "sequence": r.sequence,
+            "checkpoint": r.checkpoint,
+            "checkpoint_layers": r.checkpoint_layers,
+            "offload": r.offload.iter().map(|o| o.to_string()).collect::<Vec<_>>(),
+        },
+        "params": { "total": rep.params_total, "trainable": rep.params_trainable },
+        "graph": c.graph,
+    })
+}
