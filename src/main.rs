@@ -28,6 +28,8 @@ enum Command {
     Compile(cmd::compile::Args),
     /// Train with the compiled plan on Burn (CPU or CUDA).
     Run(cmd::run::Args),
+    /// Write the compiled plan as DeepSpeed, torchrun, Slurm or Accelerate configuration.
+    Emit(cmd::emit::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,5 +40,6 @@ fn main() -> ExitCode {
         Command::Catalog(a) => cmd::catalog::run(a),
         Command::Compile(a) => cmd::compile::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::Emit(a) => cmd::emit::run(a),
     }
 }

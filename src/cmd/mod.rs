@@ -4,5 +4,6 @@ pub mod catalog;
 pub mod check;
 pub mod common;
 pub mod compile;
+pub mod emit;
 pub mod fmt;
 pub mod run;

@@ -1,0 +1,284 @@
+//! `rcoa emit PLAN --target deepspeed|torchrun|slurm|accelerate [-o DIR]`:
+//! the compiled decisions of a plan written as the configuration a cluster
+//! engine reads.
+//!
+//! PLAN is a `.plan` file (loaded, resolved and compiled like `rcoa compile`)
+//! or a lowered plan saved as JSON (`*.json`, the `LoweredPlan` serde form),
+//! so a plan compiled once can be emitted for several engines. Without `-o`
+//! the files go to stdout (a `==> NAME <==` header before each when there
+//! are several); with `-o DIR` each is written atomically (a temporary file
+//! in DIR, then a rename) and the written paths are printed. Notes — what the
+//! files cannot say — go to stderr either way.
+//!
+//! Exit status: 0 written; 1 the plan is predicted not to fit (nothing is
+//! written unless `--force`); 2 a bad plan, a setting the engine cannot
+//! express (`rcoa::emit_unsupported`, pointing at the setting in the plan
+//! when the file names it), or an I/O error.
+
+use rcoa_compiler::emit::{self, Emission, EmitError, Engine, Setting};
+use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_grammar::ast::{PlanFile, Span};
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The plan: a `.plan` file, or a lowered plan as JSON (`*.json`).
+    pub plan: PathBuf,
+    /// The engine to write configuration for.
+    #[arg(long, value_enum)]
+    pub target: Target,
+    /// Write the files into this directory (created if missing) instead of stdout.
+    #[arg(short = 'o', long = "out", value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Emit even when the plan is predicted not to fit its memory budget.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `--target` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// DeepSpeed configuration JSON (ds_config.json).
+    Deepspeed,
+    /// torchrun launch script (torchrun.sh), plus ds_config.json when the plan needs DeepSpeed.
+    Torchrun,
+    /// Slurm batch script running torchrun on every node (job.sbatch), plus ds_config.json when needed.
+    Slurm,
+    /// Accelerate launch configuration (accelerate_config.yaml), plus ds_config.json when needed.
+    Accelerate,
+}
+
+impl Target {
+    fn engine(self) -> Engine {
+        match self {
+            Target::Deepspeed => Engine::Deepspeed,
+            Target::Torchrun => Engine::Torchrun,
+            Target::Slurm => Engine::Slurm,
+            Target::Accelerate => Engine::Accelerate,
+        }
+    }
+}
+
+/// Where a lowered plan came from: its `.plan` source, when there is one, lets
+/// errors point at the setting they are about.
+struct Loaded {
+    lowered: LoweredPlan,
+    source: Option<(String, String, PlanFile)>,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    let loaded = match load(&args.plan) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let engine = args.target.engine();
+    if !loaded.lowered.prediction.fits && !args.force {
+        let p = &loaded.lowered.prediction;
+        eprintln!(
+            "error[rcoa::emit_does_not_fit]: {} is predicted not to fit: {:.2} GiB peak per GPU over a {:.2} GiB \
+             budget; nothing written\n  help: change the plan until `rcoa compile` says it fits, or pass --force \
+             to write {} configuration anyway",
+            args.plan.display(),
+            p.peak_bytes as f64 / GIB,
+            p.budget_bytes as f64 / GIB,
+            engine
+        );
+        return ExitCode::from(1);
+    }
+    let emission = match emit::emit(engine, &loaded.lowered) {
+        Ok(e) => e,
+        Err(err) => {
+            let located = Located::new(err, loaded.source.as_ref());
+            eprint!("{}", rcoa_grammar::render::render_plain(&located));
+            return ExitCode::from(2);
+        }
+    };
+    let written = match &args.out {
+        Some(dir) => write_dir(dir, &emission),
+        None => print_stdout(&emission).map_err(|e| format!("cannot write to stdout: {e}")),
+    };
+    if let Err(e) = written {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    for n in &emission.notes {
+        eprintln!("note: {n}");
+    }
+    ExitCode::SUCCESS
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Reads PLAN: a lowered plan JSON, or a `.plan` file to compile.
+fn load(path: &Path) -> Result<Loaded, ExitCode> {
+    if path.extension().is_some_and(|e| e == "json") {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            eprintln!("error: cannot read {}: {e}", path.display());
+            ExitCode::from(2)
+        })?;
+        let lowered: LoweredPlan = serde_json::from_str(&text).map_err(|e| {
+            eprintln!(
+                "error[rcoa::bad_lowered_plan]: {} is not a lowered plan: {e}",
+                path.display()
+            );
+            ExitCode::from(2)
+        })?;
+        return Ok(Loaded {
+            lowered,
+            source: None,
+        });
+    }
+    compile_plan(path)
+}
+
+/// `.plan` → LoweredPlan through the same loading and compilation as `rcoa compile`.
+fn compile_plan(path: &Path) -> Result<Loaded, ExitCode> {
+    // The loader (`cmd::common::load_spec`) and `rcoa_compiler::compile` are
+    // being written alongside this command; until both are in the tree a
+    // `.plan` cannot be compiled here, and saying so beats a wrong answer.
+    eprintln!(
+        "error[rcoa::emit_needs_compile]: cannot compile {} here yet: this build of rcoa has no plan \
+         compiler\n  help: pass a lowered plan saved as JSON (`*.json`)",
+        path.display()
+    );
+    Err(ExitCode::from(2))
+}
+
+/// Prints the files to stdout; a `==> NAME <==` header before each when there are several.
+fn print_stdout(emission: &Emission) -> std::io::Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let several = emission.files.len() > 1;
+    for (i, f) in emission.files.iter().enumerate() {
+        if several {
+            if i > 0 {
+                writeln!(out)?;
+            }
+            writeln!(out, "==> {} <==", f.name)?;
+        }
+        out.write_all(f.contents.as_bytes())?;
+    }
+    out.flush()
+}
+
+/// Writes each file into `dir` atomically (temporary file, then rename) and prints its path.
+fn write_dir(dir: &Path, emission: &Emission) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    for f in &emission.files {
+        let target = dir.join(&f.name);
+        let tmp = dir.join(format!(".{}.rcoa-tmp-{}", f.name, std::process::id()));
+        let result = (|| -> std::io::Result<()> {
+            let mut file = std::fs::File::create(&tmp)?;
+            file.write_all(f.contents.as_bytes())?;
+            file.sync_all()?;
+            drop(file);
+            set_mode(&tmp, f.executable)?;
+            std::fs::rename(&tmp, &target)
+        })();
+        if let Err(e) = result {
+            // Leave no temporary behind; the error says what failed.
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!("cannot write {}: {e}", target.display()));
+        }
+        println!("wrote {}", target.display());
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn set_mode(path: &Path, executable: bool) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = if executable { 0o755 } else { 0o644 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+#[cfg(not(unix))]
+fn set_mode(_path: &Path, _executable: bool) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// An [`EmitError`] with the plan's source attached and a label on the
+/// setting it is about, when the `.plan` file writes that setting.
+#[derive(Debug)]
+struct Located {
+    inner: EmitError,
+    source: Option<miette::NamedSource<String>>,
+    span: Option<(Span, String)>,
+}
+
+impl Located {
+    fn new(inner: EmitError, source: Option<&(String, String, PlanFile)>) -> Self {
+        let (source, span) = match (source, inner.setting()) {
+            (Some((name, text, file)), Some(setting)) => {
+                let span = find_setting(file, setting);
+                (
+                    Some(miette::NamedSource::new(name.clone(), text.clone())),
+                    span,
+                )
+            }
+            _ => (None, None),
+        };
+        Located {
+            inner,
+            source,
+            span,
+        }
+    }
+}
+
+/// The span of `section.key` in the file (the entry), else of the section's name.
+fn find_setting(file: &PlanFile, setting: Setting) -> Option<(Span, String)> {
+    let section = file
+        .sections
+        .iter()
+        .find(|s| s.name.name == setting.section)?;
+    if let Some(key) = setting.key {
+        if let Some(entry) = section
+            .body
+            .as_ref()
+            .and_then(|b| b.entries.iter().find(|e| e.key.name == key))
+        {
+            return Some((entry.span, format!("{setting} is set here")));
+        }
+    }
+    Some((
+        section.name.span,
+        format!("{setting} is decided from this section"),
+    ))
+}
+
+impl fmt::Display for Located {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.inner, f)
+    }
+}
+
+impl std::error::Error for Located {}
+
+impl miette::Diagnostic for Located {
+    fn code<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
+        self.inner.code()
+    }
+    fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
+        self.inner.help()
+    }
+    fn source_code(&self) -> Option<&dyn miette::SourceCode> {
+        match (&self.source, &self.span) {
+            (Some(s), Some(_)) => Some(s as &dyn miette::SourceCode),
+            _ => None,
+        }
+    }
+    fn labels(&self) -> Option<Box<dyn Iterator<Item = miette::LabeledSpan> + '_>> {
+        let (span, label) = self.span.as_ref()?;
+        self.source.as_ref()?;
+        Some(Box::new(std::iter::once(
+            miette::LabeledSpan::new_with_span(
+                Some(label.clone()),
+                miette::SourceSpan::from(*span),
+            ),
+        )))
+    }
+}
