@@ -3,6 +3,7 @@
 //! One direction of flow (see `DESIGN.md`):
 //! `ast::PlanFile` → [`resolve`] → [`spec::Spec`] → graph → passes → [`lowered::LoweredPlan`].
 
+pub mod catalog;
 pub mod compile;
 pub mod cost;
 pub mod emit;
@@ -11,6 +12,7 @@ pub mod graph;
 pub mod lowered;
 pub mod memory;
 pub mod profile;
+pub mod resolve;
 pub mod spec;
 
 pub use compile::{compile, Compilation, CompileError};

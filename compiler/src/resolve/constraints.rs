@@ -1,0 +1,341 @@
+//! Constraints that span sections (`DSL.md`): model dimensions against the
+//! tensor degree, the parallel product against the GPU count, the batch
+//! arithmetic, positions, budget and offload against the hardware, adapter
+//! targets against the model.
+//!
+//! Each check runs only when the sections it reads resolved cleanly (a
+//! `None` part is skipped), so a typo elsewhere does not produce follow-on
+//! errors. Arithmetic is done in `u128`: no product of user numbers can
+//! overflow. The problems point at the text that set the value (the span
+//! table), or at the section when the value is a default.
+
+use super::model::divisors;
+use super::problem::{ParallelProduct, Problem};
+use super::values::Cx;
+use crate::spec::{
+    AdapterSpec, Budget, CheckpointChoice, Choice, FitSpec, HardwareSpec, Mlp, ModelSpec,
+    OffloadTo, ParallelSpec, Positions, Proj, TrainSpec,
+};
+use rcoa_grammar::Span;
+
+/// The sections that resolved cleanly.
+pub(super) struct Parts<'a> {
+    pub model: Option<&'a ModelSpec>,
+    pub adapter: Option<&'a Option<AdapterSpec>>,
+    pub hardware: Option<&'a HardwareSpec>,
+    pub train: Option<&'a TrainSpec>,
+    pub parallel: Option<&'a ParallelSpec>,
+    pub fit: Option<&'a FitSpec>,
+}
+
+pub(super) fn check(cx: &mut Cx, p: Parts) {
+    if let (Some(m), Some(par)) = (p.model, p.parallel) {
+        model_vs_parallel(cx, m, par, p.hardware);
+    }
+    if let Some(par) = p.parallel {
+        sequence_needs_tensor(cx, par);
+    }
+    let mut product_ok = true;
+    if let (Some(par), Some(hw)) = (p.parallel, p.hardware) {
+        product_ok = parallel_vs_gpus(cx, par, hw);
+    }
+    if let (Some(t), Some(par)) = (p.train, p.parallel) {
+        let hw = p.hardware.filter(|_| product_ok);
+        batch(cx, t, par, hw);
+        if let Choice::Fixed(c) = par.context {
+            if c > 1 && t.seq_len % c != 0 {
+                let span = span_or(cx, "train.seq_len", "train");
+                cx.report(Problem::NotDivisible {
+                    what: "seq_len",
+                    value: t.seq_len,
+                    by_what: "context",
+                    by: c,
+                    span,
+                    by_span: cx.spans.get("parallel.context"),
+                    divisor_is_primary: false,
+                    options: vec![],
+                });
+            }
+        }
+    }
+    if let (Some(t), Some(m)) = (p.train, p.model) {
+        if m.positions == Positions::Learned && t.seq_len > m.max_positions {
+            let span = span_or(cx, "train.seq_len", "train");
+            cx.report(Problem::SeqLenTooLong {
+                seq_len: t.seq_len,
+                max_positions: m.max_positions,
+                span,
+            });
+        }
+    }
+    if let (Some(f), Some(hw)) = (p.fit, p.hardware) {
+        fit_vs_hardware(cx, f, hw);
+    }
+    if let (Some(f), Some(m)) = (p.fit, p.model) {
+        if let CheckpointChoice::Every(n) = f.checkpoint {
+            if n > m.layers {
+                let span = span_or(cx, "fit.checkpoint", "fit");
+                cx.report(Problem::CheckpointEveryTooLarge {
+                    every: n,
+                    layers: m.layers,
+                    span,
+                });
+            }
+        }
+    }
+    if let (Some(Some(a)), Some(m)) = (p.adapter, p.model) {
+        if m.mlp == Mlp::Gelu && a.targets.contains(&Proj::Gate) {
+            let span = span_or(cx, "adapter.targets.gate", "adapter");
+            cx.report(Problem::TargetNotInModel {
+                target: "gate",
+                span,
+            });
+        }
+    }
+}
+
+fn span_or(cx: &Cx, path: &str, fallback: &str) -> Span {
+    cx.spans
+        .get(path)
+        .or_else(|| cx.spans.get(fallback))
+        .unwrap_or_default()
+}
+
+/// Tensor parallelism splits heads, kv heads, the hidden and MLP dimensions
+/// and the vocabulary (embedding and head) evenly; pipeline stages need a
+/// layer each; expert parallelism splits the experts.
+fn model_vs_parallel(cx: &mut Cx, m: &ModelSpec, par: &ParallelSpec, hw: Option<&HardwareSpec>) {
+    if let Choice::Fixed(t) = par.tensor {
+        let dims = [
+            ("heads", m.heads),
+            ("kv_heads", m.kv_heads),
+            ("hidden", m.hidden),
+            ("ffn", m.ffn),
+            ("vocab", m.vocab),
+        ];
+        if let Some((what, value)) = dims.iter().copied().find(|(_, v)| v % t != 0) {
+            // Degrees that split every dimension (and, with hardware, the GPU count).
+            let gpus = hw.map(|h| h.gpus_per_node as u128 * h.nodes as u128);
+            let options = divisors(m.heads)
+                .into_iter()
+                .filter(|d| {
+                    dims.iter().all(|(_, v)| v % d == 0) && gpus.is_none_or(|g| g % *d as u128 == 0)
+                })
+                .collect();
+            let span = span_or(cx, "parallel.tensor", "parallel");
+            cx.report(Problem::NotDivisible {
+                what,
+                value,
+                by_what: "tensor",
+                by: t,
+                span,
+                by_span: None,
+                divisor_is_primary: true,
+                options,
+            });
+        }
+    }
+    if let Choice::Fixed(pp) = par.pipeline {
+        if pp > m.layers {
+            let span = span_or(cx, "parallel.pipeline", "parallel");
+            cx.report(Problem::PipelineTooDeep {
+                pipeline: pp,
+                layers: m.layers,
+                span,
+            });
+        }
+    }
+    if let Choice::Fixed(e) = par.expert {
+        if e > 1 && (m.experts <= 1 || !m.experts.is_multiple_of(e)) {
+            let span = span_or(cx, "parallel.expert", "parallel");
+            cx.report(Problem::ExpertNeedsExperts {
+                expert: e,
+                experts: m.experts,
+                span,
+            });
+        }
+    }
+}
+
+fn sequence_needs_tensor(cx: &mut Cx, par: &ParallelSpec) {
+    if par.sequence == Choice::Fixed(true) && par.tensor == Choice::Fixed(1) {
+        let span = span_or(cx, "parallel.sequence", "parallel");
+        cx.report(Problem::SequenceNeedsTensor {
+            span,
+            tensor_span: cx.spans.get("parallel.tensor"),
+        });
+    }
+}
+
+/// data × tensor × pipeline × context = GPUs (or divides it, with autos).
+/// Returns whether the check passed.
+fn parallel_vs_gpus(cx: &mut Cx, par: &ParallelSpec, hw: &HardwareSpec) -> bool {
+    let gpus = hw.gpus_per_node as u128 * hw.nodes as u128;
+    let all = [
+        ("data", par.data),
+        ("tensor", par.tensor),
+        ("pipeline", par.pipeline),
+        ("context", par.context),
+    ];
+    let terms: Vec<(&'static str, u64)> = all
+        .iter()
+        .filter_map(|(n, c)| c.fixed().map(|v| (*n, v)))
+        .collect();
+    let product: u128 = terms.iter().map(|(_, v)| *v as u128).product();
+    let complete = terms.len() == all.len();
+    let ok = if complete {
+        product == gpus
+    } else {
+        gpus.is_multiple_of(product)
+    };
+    if ok {
+        return true;
+    }
+    let written: Vec<Span> = terms
+        .iter()
+        .filter_map(|(n, _)| cx.spans.get(&format!("parallel.{n}")))
+        .collect();
+    let hw_spans = ["hardware.gpus_per_node", "hardware.nodes"]
+        .iter()
+        .filter_map(|k| cx.spans.get(k));
+    let span = written
+        .first()
+        .copied()
+        .unwrap_or_else(|| span_or(cx, "parallel", "hardware"));
+    let others = written.iter().skip(1).copied().chain(hw_spans).collect();
+    cx.report(Problem::ParallelMismatch {
+        check: ParallelProduct {
+            terms,
+            product: product.min(u64::MAX as u128) as u64,
+            gpus_per_node: hw.gpus_per_node,
+            nodes: hw.nodes,
+            complete,
+        },
+        span,
+        others,
+    });
+    false
+}
+
+/// global_batch = micro_batch × grad_accum × data, as far as the fixed values tell.
+fn batch(cx: &mut Cx, t: &TrainSpec, par: &ParallelSpec, hw: Option<&HardwareSpec>) {
+    // The data degree is known when written, or when every other degree is
+    // fixed and the hardware resolved: the GPUs left over.
+    let data: Option<(u64, bool)> = match par.data {
+        Choice::Fixed(d) => Some((d, false)),
+        Choice::Auto => match (
+            hw,
+            par.tensor.fixed(),
+            par.pipeline.fixed(),
+            par.context.fixed(),
+        ) {
+            (Some(h), Some(tp), Some(pp), Some(c)) => {
+                let gpus = h.gpus_per_node as u128 * h.nodes as u128;
+                let rest = tp as u128 * pp as u128 * c as u128;
+                gpus.is_multiple_of(rest)
+                    .then(|| ((gpus / rest).min(u64::MAX as u128) as u64, true))
+            }
+            _ => None,
+        },
+    };
+    let global = t.global_batch;
+    let span = span_or(cx, "train.global_batch", "train");
+    let others: Vec<Span> = ["train.micro_batch", "train.grad_accum", "parallel.data"]
+        .iter()
+        .filter_map(|k| cx.spans.get(k))
+        .collect();
+    match (t.micro_batch.fixed(), t.grad_accum.fixed(), data) {
+        (Some(m), Some(a), Some((d, derived))) => {
+            if m as u128 * a as u128 * d as u128 != global as u128 {
+                cx.report(Problem::BatchMismatch {
+                    micro: m,
+                    accum: a,
+                    data: d,
+                    data_derived: derived,
+                    global,
+                    span,
+                    others,
+                });
+            }
+        }
+        (None, None, Some((d, derived))) => {
+            if !global.is_multiple_of(d) {
+                cx.report(Problem::NotDivisible {
+                    what: "global_batch",
+                    value: global,
+                    by_what: "data",
+                    by: d,
+                    span,
+                    by_span: if derived {
+                        None
+                    } else {
+                        cx.spans.get("parallel.data")
+                    },
+                    divisor_is_primary: false,
+                    options: vec![],
+                });
+            }
+        }
+        (m, a, d) => {
+            let mut factors = Vec::new();
+            if let Some(m) = m {
+                factors.push(("micro_batch", m));
+            }
+            if let Some(a) = a {
+                factors.push(("grad_accum", a));
+            }
+            if let Some((d, _)) = d {
+                factors.push(("data", d));
+            }
+            let product: u128 = factors.iter().map(|(_, v)| *v as u128).product();
+            if !(global as u128).is_multiple_of(product) {
+                cx.report(Problem::BatchNotMultiple {
+                    factors,
+                    global,
+                    span,
+                    others,
+                });
+            }
+        }
+    }
+}
+
+fn fit_vs_hardware(cx: &mut Cx, f: &FitSpec, hw: &HardwareSpec) {
+    let memory = hw.gpu.memory_bytes;
+    if let Budget::Bytes(b) = f.budget {
+        if b > memory {
+            let span = span_or(cx, "fit.budget", "fit");
+            cx.report(Problem::BudgetTooLarge {
+                budget: b,
+                gpu: hw.gpu.name.clone(),
+                memory,
+                span,
+            });
+            return;
+        }
+    }
+    if let Some(r) = f.reserve {
+        let budget = f.budget_bytes(memory);
+        if r >= budget {
+            let span = span_or(cx, "fit.reserve", "fit");
+            cx.report(Problem::ReserveTooLarge {
+                reserve: r,
+                budget,
+                span,
+            });
+        }
+    }
+    for o in &f.offload {
+        let missing = match o.to {
+            OffloadTo::Nvme => hw.nvme_bytes.is_none(),
+            OffloadTo::Cpu => hw.host_memory_bytes.is_none(),
+        };
+        if missing {
+            let span = span_or(cx, &format!("fit.offload.{o}"), "fit");
+            cx.report(Problem::OffloadNeedsStorage {
+                nvme: o.to == OffloadTo::Nvme,
+                span,
+            });
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! `model hf "path/config.json"`: an architecture read from a Hugging Face
+//! `config.json` on disk (relative to the plan's folder).
+//!
+//! Supported `model_type`s and the keys read:
+//! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
+//!   `num_attention_heads`, `num_key_value_heads` (default: heads),
+//!   `head_dim` (default: hidden/heads), `intermediate_size`, `vocab_size`,
+//!   `max_position_embeddings`, `tie_word_embeddings` (default false),
+//!   `attention_dropout` (default 0); SwiGLU, RMSNorm, RoPE, decoder.
+//! - `gpt2`: `n_layer`, `n_embd`, `n_head`, `n_inner` (null: 4 × n_embd),
+//!   `vocab_size`, `n_positions`, `tie_word_embeddings` (default true),
+//!   `resid_pdrop` (default 0.1); GELU, LayerNorm, learned positions, decoder.
+//! - `xlm-roberta`, `xlm-roberta-xl`, `roberta`, `bert`: `num_hidden_layers`,
+//!   `hidden_size`, `num_attention_heads`, `intermediate_size`, `vocab_size`,
+//!   `max_position_embeddings`, `tie_word_embeddings` (default true),
+//!   `hidden_dropout_prob` (default 0.1); GELU, LayerNorm, learned
+//!   positions, encoder.
+//!
+//! The defaults are those of the `transformers` config classes, so a config
+//! saved without a key means what it means to `transformers`. Any problem is
+//! one `rcoa::hf_config` diagnostic on the path string.
+
+use super::problem::{HfDetail, Problem};
+use super::values::Cx;
+use crate::spec::{Arch, Mlp, ModelSpec, Norm, Positions};
+use rcoa_grammar::Span;
+use serde_json::{Map, Value as Json};
+
+pub(crate) const MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "gpt2",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "roberta",
+    "bert",
+];
+
+pub(super) fn load(cx: &mut Cx, path: &str, span: Span) -> Option<ModelSpec> {
+    match read(cx, path) {
+        Ok(spec) => {
+            if let Err(p) = check_heads(&spec, span) {
+                cx.report(p);
+                return None;
+            }
+            Some(spec)
+        }
+        Err(detail) => {
+            cx.report(Problem::HfConfig { detail, span });
+            None
+        }
+    }
+}
+
+fn check_heads(m: &ModelSpec, span: Span) -> Result<(), Problem> {
+    if m.head_dim == 0 {
+        return Err(Problem::NotDivisible {
+            what: "hidden",
+            value: m.hidden,
+            by_what: "heads",
+            by: m.heads,
+            span,
+            by_span: None,
+            divisor_is_primary: false,
+            options: vec![],
+        });
+    }
+    Ok(())
+}
+
+fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
+    let full = cx.ctx.base_dir.join(path);
+    // The message shows the path as written: absolute paths would make
+    // diagnostics depend on where the plan lives.
+    let text = std::fs::read_to_string(&full).map_err(|e| HfDetail::Read {
+        path: path.to_string(),
+        error: io_error_text(&e),
+    })?;
+    let json: Json = serde_json::from_str(&text).map_err(|e| HfDetail::Json(e.to_string()))?;
+    let Json::Object(obj) = json else {
+        return Err(HfDetail::NotObject);
+    };
+    let model_type = match obj.get("model_type") {
+        Some(Json::String(t)) => t.clone(),
+        Some(_) => {
+            return Err(HfDetail::WrongType {
+                key: "model_type",
+                expected: "a string",
+            })
+        }
+        None => return Err(HfDetail::NoModelType),
+    };
+    let c = Config {
+        obj: &obj,
+        model_type: &model_type,
+    };
+    let name = format!("hf:{path}");
+    match model_type.as_str() {
+        "llama" | "mistral" => {
+            let layers = c.req("num_hidden_layers")?;
+            let hidden = c.req("hidden_size")?;
+            let heads = c.req("num_attention_heads")?;
+            Ok(ModelSpec {
+                name,
+                arch: Arch::Decoder,
+                layers,
+                hidden,
+                heads,
+                kv_heads: c.opt("num_key_value_heads")?.unwrap_or(heads),
+                head_dim: c.opt("head_dim")?.unwrap_or(if hidden % heads == 0 {
+                    hidden / heads
+                } else {
+                    0
+                }),
+                ffn: c.req("intermediate_size")?,
+                mlp: Mlp::Swiglu,
+                norm: Norm::Rmsnorm,
+                positions: Positions::Rope,
+                vocab: c.req("vocab_size")?,
+                max_positions: c.req("max_position_embeddings")?,
+                tie_embeddings: c.flag("tie_word_embeddings", false)?,
+                experts: 1,
+                experts_per_token: 1,
+                dropout: c.prob("attention_dropout", 0.0)?,
+            })
+        }
+        "gpt2" => {
+            let layers = c.req("n_layer")?;
+            let hidden = c.req("n_embd")?;
+            let heads = c.req("n_head")?;
+            Ok(ModelSpec {
+                name,
+                arch: Arch::Decoder,
+                layers,
+                hidden,
+                heads,
+                kv_heads: heads,
+                head_dim: if hidden % heads == 0 {
+                    hidden / heads
+                } else {
+                    0
+                },
+                ffn: c.opt("n_inner")?.unwrap_or(4 * hidden),
+                mlp: Mlp::Gelu,
+                norm: Norm::Layernorm,
+                positions: Positions::Learned,
+                vocab: c.req("vocab_size")?,
+                max_positions: c.req("n_positions")?,
+                tie_embeddings: c.flag("tie_word_embeddings", true)?,
+                experts: 1,
+                experts_per_token: 1,
+                dropout: c.prob("resid_pdrop", 0.1)?,
+            })
+        }
+        "xlm-roberta" | "xlm-roberta-xl" | "roberta" | "bert" => {
+            let layers = c.req("num_hidden_layers")?;
+            let hidden = c.req("hidden_size")?;
+            let heads = c.req("num_attention_heads")?;
+            Ok(ModelSpec {
+                name,
+                arch: Arch::Encoder,
+                layers,
+                hidden,
+                heads,
+                kv_heads: heads,
+                head_dim: if hidden % heads == 0 {
+                    hidden / heads
+                } else {
+                    0
+                },
+                ffn: c.req("intermediate_size")?,
+                mlp: Mlp::Gelu,
+                norm: Norm::Layernorm,
+                positions: Positions::Learned,
+                vocab: c.req("vocab_size")?,
+                max_positions: c.req("max_position_embeddings")?,
+                tie_embeddings: c.flag("tie_word_embeddings", true)?,
+                experts: 1,
+                experts_per_token: 1,
+                dropout: c.prob("hidden_dropout_prob", 0.1)?,
+            })
+        }
+        _ => Err(HfDetail::UnknownModelType(model_type.clone())),
+    }
+}
+
+/// The OS error without the platform-specific `(os error N)` suffix.
+fn io_error_text(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file".into(),
+        std::io::ErrorKind::PermissionDenied => "permission denied".into(),
+        std::io::ErrorKind::InvalidData => "not UTF-8 text".into(),
+        _ => {
+            let s = e.to_string();
+            match s.find(" (os error") {
+                Some(i) => s[..i].to_string(),
+                None => s,
+            }
+        }
+    }
+}
+
+struct Config<'a> {
+    obj: &'a Map<String, Json>,
+    model_type: &'a str,
+}
+
+impl Config<'_> {
+    /// A positive integer the config must have.
+    fn req(&self, key: &'static str) -> Result<u64, HfDetail> {
+        self.opt(key)?.ok_or_else(|| HfDetail::MissingKey {
+            model_type: self.model_type.to_string(),
+            key,
+        })
+    }
+
+    /// A positive integer, absent or `null` allowed.
+    fn opt(&self, key: &'static str) -> Result<Option<u64>, HfDetail> {
+        match self.obj.get(key) {
+            None | Some(Json::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => Ok(Some(n)),
+                _ => Err(HfDetail::WrongType {
+                    key,
+                    expected: "a positive integer",
+                }),
+            },
+        }
+    }
+
+    fn flag(&self, key: &'static str, default: bool) -> Result<bool, HfDetail> {
+        match self.obj.get(key) {
+            None | Some(Json::Null) => Ok(default),
+            Some(Json::Bool(b)) => Ok(*b),
+            Some(_) => Err(HfDetail::WrongType {
+                key,
+                expected: "a boolean",
+            }),
+        }
+    }
+
+    fn prob(&self, key: &'static str, default: f64) -> Result<f64, HfDetail> {
+        match self.obj.get(key) {
+            None | Some(Json::Null) => Ok(default),
+            Some(v) => match v.as_f64() {
+                Some(p) if (0.0..1.0).contains(&p) => Ok(p),
+                _ => Err(HfDetail::WrongType {
+                    key,
+                    expected: "a probability from 0 up to 1",
+                }),
+            },
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! From the syntax tree to a typed [`Spec`]: names to catalog entries, units
+//! to bytes and counts, every default of `DSL.md` applied, every constraint
+//! checked.
+//!
+//! Flow: [`resolve_with_spans`] sorts the file's sections (unknown and
+//! duplicated ones are reported), resolves each section on its own (one
+//! module per section), then checks the constraints that span sections
+//! ([`constraints`]). Problems are collected, never thrown: every section is
+//! read even after an error, and the result is all problems sorted by
+//! location. Cross-section checks only look at sections that resolved
+//! cleanly, so one typo does not cascade into follow-on errors.
+//!
+//! Detection and wording are apart: checks build [`problem::Problem`]
+//! values; [`wording`] holds every sentence a user reads.
+//!
+//! Invariant: no input makes the resolver panic (a proptest in
+//! `tests/resolve_props.rs` feeds it mutated plans).
+
+mod adapter;
+mod constraints;
+mod error;
+mod fit;
+mod hardware;
+mod hf;
+mod model;
+mod optimizer;
+mod parallel;
+mod precision;
+mod problem;
+mod spans;
+mod suggest;
+mod train;
+mod values;
+mod wording;
+
+pub use error::{ResolveError, ResolveErrors};
+pub use spans::SpanTable;
+
+use crate::spec::{Spec, Target};
+use problem::{NameKind, Problem};
+use rcoa_grammar::{PlanFile, Section};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use values::Cx;
+
+/// Every section a plan may have, in reference order.
+pub const SECTIONS: &[&str] = &[
+    "model",
+    "adapter",
+    "hardware",
+    "precision",
+    "optimizer",
+    "train",
+    "parallel",
+    "fit",
+    "target",
+];
+
+/// What the resolver needs besides the tree.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResolveContext {
+    /// The file's name, as diagnostics show it.
+    pub name: String,
+    /// The file's text (the tree's spans index into it).
+    pub source: String,
+    /// Where `model hf "config.json"` paths are relative to: the plan's folder.
+    pub base_dir: PathBuf,
+}
+
+impl ResolveContext {
+    pub fn new(
+        name: impl Into<String>,
+        source: impl Into<String>,
+        base_dir: impl Into<PathBuf>,
+    ) -> Self {
+        ResolveContext {
+            name: name.into(),
+            source: source.into(),
+            base_dir: base_dir.into(),
+        }
+    }
+}
+
+/// Resolves a parsed plan, or returns every problem found in it.
+pub fn resolve(file: &PlanFile, ctx: &ResolveContext) -> Result<Spec, ResolveErrors> {
+    resolve_with_spans(file, ctx).map(|(spec, _)| spec)
+}
+
+/// [`resolve`], also returning where each value was written (for later diagnostics).
+pub fn resolve_with_spans(
+    file: &PlanFile,
+    ctx: &ResolveContext,
+) -> Result<(Spec, SpanTable), ResolveErrors> {
+    let mut cx = Cx::new(ctx);
+    let sections = collect_sections(&mut cx, file);
+    let get = |name: &str| sections.get(name).copied();
+
+    // Order matters only for defaults that depend on another section: the
+    // train loss defaults by the model's arch, the LoRA base dtype is the
+    // params dtype.
+    let model = match get("model") {
+        Some(s) => model::resolve(&mut cx, s),
+        None => missing(&mut cx, "model"),
+    };
+    let hardware = match get("hardware") {
+        Some(s) => hardware::resolve(&mut cx, s),
+        None => missing(&mut cx, "hardware"),
+    };
+    let precision = match get("precision") {
+        Some(s) => precision::resolve(&mut cx, s),
+        None => Some(precision::default()),
+    };
+    let optimizer = match get("optimizer") {
+        Some(s) => optimizer::resolve(&mut cx, s),
+        None => Some(optimizer::default()),
+    };
+    let train = match get("train") {
+        Some(s) => train::resolve(&mut cx, s, model.as_ref().map(|m| m.arch)),
+        None => missing(&mut cx, "train"),
+    };
+    let parallel = match get("parallel") {
+        Some(s) => parallel::resolve(&mut cx, s),
+        None => Some(parallel::default()),
+    };
+    let fit = match get("fit") {
+        Some(s) => fit::resolve(&mut cx, s),
+        None => Some(fit::default()),
+    };
+    let adapter = match get("adapter") {
+        Some(s) => adapter::resolve(&mut cx, s, precision.as_ref().map(|p| p.params)).map(Some),
+        None => Some(None),
+    };
+    let target = match get("target") {
+        Some(s) => resolve_target(&mut cx, s),
+        None => Some(Target::Burn),
+    };
+
+    constraints::check(
+        &mut cx,
+        constraints::Parts {
+            model: model.as_ref(),
+            adapter: adapter.as_ref(),
+            hardware: hardware.as_ref(),
+            train: train.as_ref(),
+            parallel: parallel.as_ref(),
+            fit: fit.as_ref(),
+        },
+    );
+
+    if cx.problems.is_empty() {
+        if let (
+            Some(model),
+            Some(adapter),
+            Some(hardware),
+            Some(precision),
+            Some(optimizer),
+            Some(train),
+            Some(parallel),
+            Some(fit),
+            Some(target),
+        ) = (
+            model, adapter, hardware, precision, optimizer, train, parallel, fit, target,
+        ) {
+            let spec = Spec {
+                model,
+                adapter,
+                hardware,
+                precision,
+                optimizer,
+                train,
+                parallel,
+                fit,
+                target,
+            };
+            return Ok((spec, cx.spans));
+        }
+    }
+    let mut problems = std::mem::take(&mut cx.problems);
+    // Stable: problems at the same place keep the order they were found in.
+    problems.sort_by_key(|p| p.position());
+    let errors: Vec<ResolveError> = problems.into_iter().map(wording::word).collect();
+    Err(ResolveErrors::new(
+        &ctx.name,
+        &ctx.source,
+        errors_or_internal(errors),
+    ))
+}
+
+/// A section resolver returns `None` only after reporting; should that ever
+/// not hold, say so rather than succeed with a half-built plan.
+fn errors_or_internal(errors: Vec<ResolveError>) -> Vec<ResolveError> {
+    if errors.is_empty() {
+        vec![ResolveError {
+            code: "rcoa::internal",
+            message: "the plan could not be resolved, but no problem was recorded (a bug in rcoa)"
+                .into(),
+            labels: vec![],
+            help: Some("please report this plan".into()),
+        }]
+    } else {
+        errors
+    }
+}
+
+fn missing<T>(cx: &mut Cx, name: &'static str) -> Option<T> {
+    cx.report(Problem::MissingSection { name });
+    None
+}
+
+/// The known sections by name; unknown and repeated ones are reported.
+fn collect_sections<'f>(cx: &mut Cx, file: &'f PlanFile) -> BTreeMap<&'static str, &'f Section> {
+    let mut found: BTreeMap<&'static str, &'f Section> = BTreeMap::new();
+    for s in &file.sections {
+        let Some(name) = SECTIONS.iter().copied().find(|n| *n == s.name.name) else {
+            cx.report(Problem::UnknownSection {
+                name: s.name.name.clone(),
+                span: s.name.span,
+            });
+            continue;
+        };
+        if let Some(first) = found.get(name) {
+            cx.report(Problem::DuplicateSection {
+                name: name.to_string(),
+                first: first.name.span,
+                again: s.name.span,
+            });
+            continue;
+        }
+        cx.spans.insert(name, s.name.span);
+        found.insert(name, s);
+    }
+    found
+}
+
+/// `target burn` | `target pytorch`.
+fn resolve_target(cx: &mut Cx, s: &Section) -> Option<Target> {
+    let mark = cx.mark();
+    if let Some(b) = &s.body {
+        cx.report(Problem::UnexpectedBlock {
+            section: "target",
+            span: b.span,
+        });
+    }
+    let target = match s.args.as_slice() {
+        [] => {
+            cx.report(Problem::MissingArgument {
+                section: "target",
+                span: s.name.span,
+            });
+            None
+        }
+        [v, rest @ ..] => {
+            for extra in rest {
+                cx.report(Problem::UnexpectedArgument {
+                    section: "target",
+                    span: extra.span,
+                });
+            }
+            cx.spans.insert("target.args", v.span);
+            values::pick(
+                cx,
+                v,
+                "target",
+                NameKind::Target,
+                &[("burn", Target::Burn), ("pytorch", Target::Pytorch)],
+            )
+        }
+    };
+    if cx.clean_since(mark) {
+        target
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;
