@@ -74,7 +74,15 @@ pub enum SyntaxError {
         key: Option<(Span, String)>,
     },
     /// Something that cannot start a section at the top level.
-    ExpectedSectionName { found: Span, found_text: String },
+    /// `after_name` is set when the line before held only a section name,
+    /// so the found value was probably meant as its argument.
+    ExpectedSectionName {
+        found: Span,
+        found_text: String,
+        after_name: Option<String>,
+    },
+    /// `1.`, `1_`, `2e`, `1.5.3`: digits that do not form a number.
+    MalformedNumber { at: Span, text: String },
     /// Inside a block, something that cannot start an entry.
     ExpectedKey { found: Span, found_text: String },
     /// A number too large to represent (`1e999`).
@@ -191,6 +199,7 @@ impl SyntaxError {
             SyntaxError::UppercaseName { .. } => "rcoa::syntax::uppercase_name",
             SyntaxError::EntryOutsideBlock { .. } => "rcoa::syntax::entry_outside_block",
             SyntaxError::ExpectedSectionName { .. } => "rcoa::syntax::expected_section",
+            SyntaxError::MalformedNumber { .. } => "rcoa::syntax::malformed_number",
             SyntaxError::ExpectedKey { .. } => "rcoa::syntax::expected_key",
             SyntaxError::NumberOutOfRange { .. } => "rcoa::syntax::number_out_of_range",
             SyntaxError::UnexpectedCharacter { .. } => "rcoa::syntax::unexpected_character",
@@ -254,6 +263,9 @@ impl SyntaxError {
                 Some((_, k)) => format!("`{k} = ...` is outside any block"),
                 None => "`=` outside any block".into(),
             },
+            SyntaxError::MalformedNumber { text, .. } => {
+                format!("malformed number `{}`", shown(text))
+            }
             SyntaxError::ExpectedSectionName { found_text, .. } => {
                 format!("expected a section name, found {}", found_words(found_text))
             }
@@ -346,6 +358,7 @@ impl SyntaxError {
                 }
                 v
             }
+            SyntaxError::MalformedNumber { at, .. } => vec![(*at, "not a number".into())],
             SyntaxError::ExpectedSectionName { found, .. } => {
                 vec![(*found, "a section starts with a lower-case name".into())]
             }
@@ -423,6 +436,13 @@ impl SyntaxError {
                 Some((_, k)) => format!("put it in its section's block, e.g. `train {{ {k} = ... }}`"),
                 None => "put entries in a section's block: `name { key = value }`".into(),
             },
+            SyntaxError::MalformedNumber { .. } => {
+                "numbers look like `42`, `1_000`, `0.95` or `2e-5`, with an optional unit: `40 GiB`".into()
+            }
+            SyntaxError::ExpectedSectionName {
+                after_name: Some(name),
+                ..
+            } => format!("a section's arguments go on the same line as its name: `{name} ...`"),
             SyntaxError::ExpectedSectionName { .. } => {
                 "a file is a list of sections such as `model \"llama-3.1-8b\"` or `train { seq_len = 2048 }`".into()
             }
@@ -435,6 +455,7 @@ impl SyntaxError {
             SyntaxError::UnexpectedCharacter { ch, .. } => match ch {
                 ';' => "entries are separated by newlines or `,`, not `;`".into(),
                 '\'' => "strings use double quotes: `\"...\"`".into(),
+                '.' => "numbers start with a digit: write `0.5`, not `.5`".into(),
                 _ => "remove it; outside strings and comments a plan uses a-z, 0-9, `_ . - : % /`, `=`, `,` and brackets".into(),
             },
             SyntaxError::UnexpectedToken { .. } => VALUE_SHAPES.into(),

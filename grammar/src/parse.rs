@@ -371,6 +371,27 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
 
     match tok_at(idx).map(|t| &t.tok) {
         Some(Tok::Other(ch)) => return SyntaxError::UnexpectedCharacter { at: found, ch: *ch },
+        // pest stopped inside a number (`1_`), or a number is followed by
+        // something that continues it wrongly (`1.`, `2e`, `1.5.3`).
+        Some(Tok::Number) if pos > found.start => {
+            let end = toks
+                .get(idx + 1)
+                .filter(|t| t.tok == (Tok::Word { glued: true }))
+                .map_or(found.end, |t| t.span.end);
+            let at = Span::new(found.start, end);
+            return SyntaxError::MalformedNumber {
+                at,
+                text: source.get(at.start..at.end).unwrap_or("").to_string(),
+            };
+        }
+        Some(Tok::Word { glued: true }) if continues_number(&found_text) => {
+            let start = prev.map_or(found.start, |t| t.span.start);
+            let at = Span::new(start, found.end);
+            return SyntaxError::MalformedNumber {
+                at,
+                text: source.get(at.start..at.end).unwrap_or("").to_string(),
+            };
+        }
         Some(Tok::Word { glued: true }) => {
             return SyntaxError::UnknownUnit {
                 at: found,
@@ -463,7 +484,21 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
         }
         let line_start = prev.is_none_or(|t| t.tok == Tok::Newline || t.tok == Tok::Punct('}'));
         if line_start {
-            return SyntaxError::ExpectedSectionName { found, found_text };
+            // `model` NEWLINE `"llama-3.1-8b"`: an argument that wandered
+            // onto the next line after a lone section name.
+            let lone_name = idx
+                .checked_sub(2)
+                .and_then(tok_at)
+                .filter(|t| matches!(t.tok, Tok::Word { glued: false }))
+                .filter(|_| idx < 3 || tok_at(idx - 3).is_some_and(|t| t.tok == Tok::Newline))
+                .filter(|_| prev.is_some_and(|t| t.tok == Tok::Newline))
+                .filter(|_| found_text != "=")
+                .map(text);
+            return SyntaxError::ExpectedSectionName {
+                found,
+                found_text,
+                after_name: lone_name,
+            };
         }
     }
 
@@ -505,6 +540,14 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
         found_text,
         expected,
     }
+}
+
+/// Whether a word glued to a number reads as a broken continuation of the
+/// number rather than a unit: `.`, `_`, `.5`, `e`, `E+`.
+fn continues_number(word: &str) -> bool {
+    let starts_odd = word.starts_with(['.', '_', '-']);
+    let bare_exponent = matches!(word, "e" | "E");
+    starts_odd || bare_exponent
 }
 
 /// The unit a wrongly-cased word stands for (`gib` → `GiB`), if any.
@@ -682,6 +725,33 @@ mod tests {
         let e = &t.body.as_ref().unwrap().entries[0];
         assert_eq!(&src[e.span.start..e.span.end], "seq_len = 2048");
         assert_eq!(&src[e.value.span.start..e.value.span.end], "2048");
+    }
+
+    /// The deepest nesting the pre-scan allows must parse without
+    /// exhausting a test thread's stack (debug build, 2 MiB).
+    #[test]
+    fn deepest_allowed_nesting_parses() {
+        let depth = lex::MAX_DEPTH - 1; // one level is the block itself
+        let src = format!("s {{ k = {}1{} }}", "[".repeat(depth), "]".repeat(depth));
+        let f = ok(&src);
+        let _ = crate::format(&f, &src);
+        let src = format!(
+            "s {{ k = {}1{} }}",
+            "[".repeat(depth + 1),
+            "]".repeat(depth + 1)
+        );
+        assert_eq!(
+            parse("t", &src).unwrap_err().code_str(),
+            "rcoa::syntax::too_deep"
+        );
+    }
+
+    #[test]
+    fn malformed_numbers() {
+        for bad in ["1.", "1_", "2e", "1.5.3", "3e+"] {
+            let e = parse("t", &format!("s {{ k = {bad} }}")).unwrap_err();
+            assert_eq!(e.code_str(), "rcoa::syntax::malformed_number", "{bad}");
+        }
     }
 
     #[test]

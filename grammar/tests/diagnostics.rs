@@ -69,6 +69,11 @@ golden!(
     &format!("x {{ v = {}1{} }}\n", "[".repeat(70), "]".repeat(70))
 );
 
+golden!(malformed_number, "train { steps = 1. }\n");
+golden!(bare_exponent, "optimizer adamw { lr = 2e }\n");
+golden!(argument_on_next_line, "model\n  \"llama-3.1-8b\"\n");
+golden!(leading_dot, "fit { budget = .5 }\n");
+
 #[test]
 fn invalid_utf8() {
     let bytes = b"model \"llama\xff-3\"\n";
