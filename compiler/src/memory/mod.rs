@@ -309,7 +309,8 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64) {
                 0.0
             };
         if op.flops == 0.0 {
-            moved += op.bytes_moved * (fwd_times + 2.0);
+            // Forward (and recompute), and about as many bytes again in the backward.
+            moved += op.bytes_moved * (fwd_times + 1.0);
         }
     }
     (flops, moved)

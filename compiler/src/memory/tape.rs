@@ -207,6 +207,8 @@ struct Walk<'a> {
     samples: Vec<Sample>,
     record: bool,
     persistent: &'a Persistent,
+    /// Inputs of checkpointed layers: held until that layer's backward.
+    ckpt_input: Vec<bool>,
 }
 
 impl<'a> Walk<'a> {
@@ -273,24 +275,23 @@ impl<'a> Walk<'a> {
             recompute || !tape.layer_of_op(op).is_some_and(|l| l.checkpointed)
         };
         // References a tensor starts with: forward uses within the range, saves that count,
-        // holds. Counted once per range.
-        let mut refs_of: std::collections::BTreeMap<TensorId, u32> =
-            std::collections::BTreeMap::new();
+        // holds. Counted once per range (indexed by tensor id).
+        let mut refs_of: Vec<u32> = vec![0; tape.tensors.len()];
         for op in range.clone() {
             let l = &tape.ops[op];
             for &x in &l.inputs {
-                *refs_of.entry(x).or_default() += 1;
+                refs_of[x.0 as usize] += 1;
             }
             if counts_saves(op) && l.has_backward(tape) {
                 for &x in &l.saved {
-                    *refs_of.entry(x).or_default() += 1;
+                    refs_of[x.0 as usize] += 1;
                 }
             }
         }
         for op in range.clone() {
             let info = &tape.ops[op];
             for &out in &info.outputs {
-                let mut refs = refs_of.get(&out).copied().unwrap_or(0);
+                let mut refs = refs_of[out.0 as usize];
                 if !recompute {
                     let t = tape.tensor(out);
                     if t.held_until_forward_end {
@@ -299,7 +300,7 @@ impl<'a> Walk<'a> {
                     if tape.loss == Some(out) {
                         refs += 1;
                     }
-                    if tape.layers.iter().any(|l| l.checkpointed && l.input == out) {
+                    if self.ckpt_input[out.0 as usize] {
                         refs += 1;
                     }
                 }
@@ -414,7 +415,13 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         samples: Vec::new(),
         record,
         persistent,
+        ckpt_input: vec![false; n],
     };
+    for l in &tape.layers {
+        if l.checkpointed {
+            w.ckpt_input[l.input.0 as usize] = true;
+        }
+    }
     // Parameters and step inputs exist before the forward.
     for (i, t) in tape.tensors.iter().enumerate() {
         if t.producer.is_none() {

@@ -1,0 +1,353 @@
+//! Properties of the memory model, the step graph and `compile` that hold for any plan:
+//! sharding and checkpointing never add memory, the optimizer's implementation only
+//! changes its temporaries, unsupported features are errors, the JSON contract is complete.
+
+use rcoa_compiler::explain::to_json;
+use rcoa_compiler::graph::{Node, TrainGraph};
+use rcoa_compiler::memory::{evaluate, Candidate, Category};
+use rcoa_compiler::profile::Profile;
+use rcoa_compiler::spec::*;
+use rcoa_compiler::{compile, CompileError};
+
+fn spec(layers: u64, gpus: u64) -> Spec {
+    Spec {
+        model: ModelSpec {
+            name: "custom".into(),
+            arch: Arch::Decoder,
+            layers,
+            hidden: 1024,
+            heads: 16,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 2816,
+            mlp: Mlp::Swiglu,
+            norm: Norm::Rmsnorm,
+            positions: Positions::Rope,
+            vocab: 32000,
+            max_positions: 2048,
+            tie_embeddings: false,
+            experts: 1,
+            experts_per_token: 1,
+            dropout: 0.0,
+        },
+        adapter: None,
+        hardware: HardwareSpec {
+            gpu: GpuSpec {
+                name: "h100-80gb".into(),
+                memory_bytes: 85_017_493_504,
+                bf16_tflops: 989.4,
+                bandwidth_bytes_per_s: 3.35e12,
+            },
+            gpus_per_node: gpus,
+            nodes: 1,
+            host_memory_bytes: None,
+            nvme_bytes: None,
+            intra_node_bytes_per_s: 900e9,
+            inter_node_bytes_per_s: 50e9,
+        },
+        precision: PrecisionSpec {
+            params: Dtype::Fp32,
+            compute: Dtype::Bf16,
+            master: None,
+            grads: Dtype::Fp32,
+        },
+        optimizer: OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: 1e-4,
+            betas: (0.9, 0.95),
+            momentum: 0.0,
+            weight_decay: 0.0,
+            state: Dtype::Fp32,
+            implementation: OptImpl::Foreach,
+        },
+        train: TrainSpec {
+            seq_len: 1024,
+            global_batch: 8 * gpus,
+            micro_batch: Choice::Fixed(8),
+            grad_accum: Choice::Fixed(1),
+            steps: None,
+            attention: Attention::Sdpa,
+            loss: Loss::CausalLm,
+            positives: 0,
+            negatives: 0,
+        },
+        parallel: ParallelSpec {
+            data: Choice::Fixed(gpus),
+            zero: Choice::Fixed(0),
+            tensor: Choice::Fixed(1),
+            pipeline: Choice::Fixed(1),
+            sequence: Choice::Fixed(false),
+            context: Choice::Fixed(1),
+            expert: Choice::Fixed(1),
+        },
+        fit: FitSpec {
+            budget: Budget::Fraction(1.0),
+            reserve: None,
+            checkpoint: CheckpointChoice::None,
+            offload: vec![],
+            objective: Objective::Throughput,
+        },
+        target: Target::Pytorch,
+    }
+}
+
+fn cand(data: u64) -> Candidate {
+    Candidate {
+        micro_batch: 8,
+        grad_accum: 1,
+        data,
+        zero: 0,
+        tensor: 1,
+        pipeline: 1,
+        context: 1,
+        sequence: false,
+        checkpoint_layers: vec![],
+        offload: vec![],
+    }
+}
+
+fn bytes(r: &rcoa_compiler::memory::MemoryReport, c: Category) -> u64 {
+    r.breakdown[c.as_str()]
+}
+
+#[test]
+fn zero_stages_never_add_memory_and_shard_state() {
+    let s = spec(8, 8);
+    let p = Profile::pytorch();
+    let mut last = u64::MAX;
+    let mut peaks = Vec::new();
+    for zero in 0..=3u8 {
+        let mut c = cand(8);
+        c.zero = zero;
+        let r = evaluate(&s, &c, &p, false);
+        assert!(
+            r.peak_bytes <= last,
+            "zero {zero}: {} > {last}",
+            r.peak_bytes
+        );
+        last = r.peak_bytes;
+        peaks.push(r);
+    }
+    // At the optimizer step, ZeRO-1 holds an eighth of the state.
+    let c0 = cand(8);
+    let mut c1 = cand(8);
+    c1.zero = 1;
+    let s0 = rcoa_compiler::memory::evaluate(&s, &c0, &p, true);
+    let s1 = rcoa_compiler::memory::evaluate(&s, &c1, &p, true);
+    let opt0 = s0.phase_peaks["optimizer"];
+    let opt1 = s1.phase_peaks["optimizer"];
+    assert!(opt1 < opt0);
+    assert!(peaks[3].peak_bytes < peaks[0].peak_bytes);
+}
+
+#[test]
+fn checkpointing_trades_activations_for_recompute() {
+    let s = spec(8, 1);
+    let p = Profile::pytorch();
+    let none = evaluate(&s, &cand(1), &p, true);
+    let mut every2 = cand(1);
+    every2.checkpoint_layers = vec![0, 2, 4, 6];
+    let half = evaluate(&s, &every2, &p, true);
+    let mut full = cand(1);
+    full.checkpoint_layers = (0..8).collect();
+    let all = evaluate(&s, &full, &p, true);
+    let fwd_end = |r: &rcoa_compiler::memory::MemoryReport| {
+        r.timeline
+            .iter()
+            .find(|x| x.op == "forward end")
+            .unwrap()
+            .bytes
+    };
+    assert!(fwd_end(&all) < fwd_end(&half) && fwd_end(&half) < fwd_end(&none));
+    assert!(all.step_flops > none.step_flops, "recompute costs FLOPs");
+}
+
+#[test]
+fn optimizer_implementation_changes_only_temporaries() {
+    let mut s = spec(4, 1);
+    let p = Profile::pytorch();
+    let foreach = evaluate(&s, &cand(1), &p, true);
+    s.optimizer.implementation = OptImpl::Fused;
+    let fused = evaluate(&s, &cand(1), &p, true);
+    assert!(fused.phase_peaks["optimizer"] < foreach.phase_peaks["optimizer"]);
+    assert_eq!(fused.phase_peaks["forward"], foreach.phase_peaks["forward"]);
+    s.optimizer.kind = OptimizerKind::Adafactor;
+    let ada = evaluate(&s, &cand(1), &p, true);
+    assert!(
+        ada.phase_peaks["forward"] < foreach.phase_peaks["forward"],
+        "factored state is smaller"
+    );
+}
+
+#[test]
+fn gradient_accumulation_keeps_gradients_through_later_micro_batches() {
+    let s = spec(4, 1);
+    let p = Profile::pytorch();
+    let one = evaluate(&s, &cand(1), &p, false);
+    let mut c = cand(1);
+    c.grad_accum = 4;
+    let four = evaluate(&s, &c, &p, false);
+    assert!(four.peak_bytes > one.peak_bytes);
+    assert!(bytes(&four, Category::Grads) > 0);
+}
+
+#[test]
+fn tensor_parallelism_divides_layer_weights() {
+    let s = spec(8, 2);
+    let p = Profile::pytorch();
+    let mut c = cand(1);
+    c.tensor = 2;
+    let tp = evaluate(&s, &c, &p, false);
+    let single = evaluate(&s, &cand(1), &p, false);
+    assert!(tp.peak_bytes < single.peak_bytes);
+}
+
+#[test]
+fn burn_profile_keeps_attention_scores() {
+    let mut s = spec(4, 1);
+    s.target = Target::Burn;
+    s.precision = PrecisionSpec {
+        params: Dtype::Bf16,
+        compute: Dtype::Bf16,
+        master: None,
+        grads: Dtype::Bf16,
+    };
+    let burn = TrainGraph::build(&s, &cand(1), &Profile::burn()).summary();
+    let torch = TrainGraph::build(&s, &cand(1), &Profile::pytorch()).summary();
+    // 8 x 16 heads x 1024 x 1024 bf16 scores: 268 MB a layer that SDPA never keeps.
+    assert!(
+        burn.saved_bytes_per_layer > torch.saved_bytes_per_layer + 200_000_000,
+        "{burn:?} {torch:?}"
+    );
+    assert!(burn.op_counts.contains_key("softmax") && !torch.op_counts.contains_key("softmax"));
+}
+
+#[test]
+fn unsupported_features_are_errors_not_guesses() {
+    let mut s = spec(4, 1);
+    s.model.experts = 8;
+    assert!(matches!(compile(&s), Err(CompileError::Unsupported { .. })));
+    let mut s = spec(4, 1);
+    s.precision.compute = Dtype::Fp8;
+    let e = compile(&s).unwrap_err();
+    assert!(e.to_string().contains("fp8"), "{e}");
+    let code = miette::Diagnostic::code(&e).map(|c| c.to_string());
+    assert_eq!(code.as_deref(), Some("rcoa::unsupported"));
+}
+
+#[test]
+fn json_has_the_contract_fields() {
+    let s = spec(4, 1);
+    let c = compile(&s).unwrap();
+    let v = to_json(&c);
+    for k in ["peak_bytes", "budget_bytes", "fits", "breakdown"] {
+        assert!(v["memory"].get(k).is_some(), "memory.{k}");
+    }
+    for k in [
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "workspace",
+        "reserved",
+    ] {
+        assert!(v["memory"]["breakdown"][k].is_u64(), "breakdown.{k}");
+    }
+    for k in [
+        "micro_batch",
+        "grad_accum",
+        "data",
+        "zero",
+        "tensor",
+        "pipeline",
+        "context",
+    ] {
+        assert!(v["resolved"][k].is_u64(), "resolved.{k}");
+    }
+    assert_eq!(v["resolved"]["checkpoint"], "none");
+    assert!(v["resolved"]["offload"].is_array());
+    assert!(v["time"]["step_seconds"].as_f64().unwrap() > 0.0);
+    assert!(v["time"]["tokens_per_second"].as_f64().unwrap() > 0.0);
+    assert!(v["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|d| d["pass"].is_string() && d["what"].is_string() && d["why"].is_string()));
+    let sum: u64 = c.report.breakdown.values().sum();
+    assert_eq!(
+        sum, c.report.peak_bytes,
+        "the breakdown adds up to the peak"
+    );
+}
+
+#[test]
+fn autos_get_defaults_and_a_decision() {
+    let mut s = spec(4, 1);
+    s.train.micro_batch = Choice::Auto;
+    s.train.grad_accum = Choice::Auto;
+    s.train.global_batch = 64;
+    s.fit.checkpoint = CheckpointChoice::Auto;
+    let c = compile(&s).unwrap();
+    let r = &c.lowered.resolved;
+    assert_eq!(r.micro_batch * r.grad_accum, 64);
+    assert!(c
+        .explain
+        .decisions
+        .iter()
+        .any(|d| d.what.starts_with("micro_batch")));
+    assert!(c
+        .explain
+        .decisions
+        .iter()
+        .any(|d| d.what.starts_with("checkpoint")));
+    assert!(c.lowered.prediction.fits);
+}
+
+#[test]
+fn graph_has_a_node_per_op_and_an_update_sink() {
+    let s = spec(2, 1);
+    let g = TrainGraph::build(&s, &cand(1), &Profile::pytorch());
+    let ops = g
+        .graph
+        .node_weights()
+        .filter(|n| matches!(n, Node::Op { .. }))
+        .count();
+    assert_eq!(ops, g.tape.ops.len());
+    assert_eq!(
+        g.graph
+            .node_weights()
+            .filter(|n| matches!(n, Node::OptimizerUpdate))
+            .count(),
+        1
+    );
+    let sum = g.summary();
+    assert!(sum.ops_per_layer > 10);
+    assert!(sum.saved_bytes_per_layer > 0);
+    for name in [
+        "embedding",
+        "q_proj",
+        "attention",
+        "silu",
+        "lm_head",
+        "nll_loss",
+    ] {
+        assert!(sum.op_counts.contains_key(name), "{name}");
+    }
+    assert!(g.graph.edge_weights().all(|e| e.bytes > 0));
+}
+
+#[test]
+fn evaluation_is_cheap_enough_to_search() {
+    let s = spec(32, 1);
+    let p = Profile::pytorch();
+    let start = std::time::Instant::now();
+    let n = 20;
+    for mb in 1..=n {
+        let mut c = cand(1);
+        c.micro_batch = mb;
+        evaluate(&s, &c, &p, false);
+    }
+    let per = start.elapsed().as_secs_f64() / n as f64;
+    // Debug builds are ~20x slower than release; still well under the bar.
+    assert!(per < 0.25, "{per} s per evaluation");
+}
