@@ -424,3 +424,80 @@ fn stdout_puts_a_header_before_each_file_when_there_are_several() {
         "a single file is printed as is"
     );
 }
+
+/// The `.plan` fixtures under tests/emit/plans.
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/emit/plans")
+        .join(name)
+}
+
+#[test]
+fn a_plan_file_is_compiled_and_emitted_for_every_target() {
+    let plan = fixture("llama8b-2x8-zero3.plan");
+    for target in ["deepspeed", "torchrun", "slurm", "accelerate"] {
+        let dir = scratch(&format!("plan-file-{target}"));
+        let out = rcoa()
+            .arg("emit")
+            .arg(&plan)
+            .args(["--target", target, "-o", "out"])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{target}: {}", text(&out.stderr));
+        // Every target that needs DeepSpeed ships the same, valid ds_config.json.
+        let ds: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("out/ds_config.json")).unwrap())
+                .unwrap();
+        let problems = schema::deepspeed_keys().check(&ds);
+        assert!(problems.is_empty(), "{target}: {problems:?}");
+        assert_eq!(ds["train_batch_size"], 512, "the plan's global batch");
+        assert_eq!(ds["zero_optimization"]["stage"], 3);
+        assert_eq!(
+            ds["activation_checkpointing"]["number_checkpoints"], 16,
+            "checkpoint = every 2 of 32 layers"
+        );
+    }
+}
+
+#[test]
+fn a_refusal_points_at_the_setting_in_the_plan() {
+    // Run from the repository with a relative path, so the diagnostic names the file as a user would.
+    let out = rcoa()
+        .args([
+            "emit",
+            "tests/emit/plans/pipeline-zero3.plan",
+            "--target",
+            "deepspeed",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(err.contains("parallel.pipeline is set here"), "{err}");
+    assert!(out.stdout.is_empty(), "nothing is printed on a refusal");
+    snapshot("refused_pipeline_zero3_plan", err);
+}
+
+#[test]
+fn a_bad_plan_file_exits_2_with_its_diagnostic() {
+    let dir = scratch("bad-plan");
+    std::fs::write(
+        dir.join("bad.plan"),
+        "model \"llama-3.1-8b\"\ntrain { seq_len 2048 }\n",
+    )
+    .unwrap();
+    let out = rcoa()
+        .args(["emit", "bad.plan", "--target", "deepspeed"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("rcoa::"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(out.stdout.is_empty());
+}

@@ -17,7 +17,10 @@
 
 use rcoa_compiler::emit::{self, Emission, EmitError, Engine, Setting};
 use rcoa_compiler::lowered::LoweredPlan;
-use rcoa_grammar::ast::{PlanFile, Span};
+use rcoa_compiler::resolve::{resolve_with_spans, ResolveContext, SpanTable};
+use rcoa_compiler::spec::Spec;
+use rcoa_grammar::ast::Span;
+use rcoa_grammar::render::render_plain;
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -66,7 +69,7 @@ impl Target {
 /// errors point at the setting they are about.
 struct Loaded {
     lowered: LoweredPlan,
-    source: Option<(String, String, PlanFile)>,
+    source: Option<(String, String, SpanTable)>,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -92,7 +95,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(e) => e,
         Err(err) => {
             let located = Located::new(err, loaded.source.as_ref());
-            eprint!("{}", rcoa_grammar::render::render_plain(&located));
+            eprint!("{}", render_plain(&located));
             return ExitCode::from(2);
         }
     };
@@ -134,17 +137,39 @@ fn load(path: &Path) -> Result<Loaded, ExitCode> {
     compile_plan(path)
 }
 
-/// `.plan` → LoweredPlan through the same loading and compilation as `rcoa compile`.
+/// `.plan` → LoweredPlan: read, decode, parse, resolve, compile — the same
+/// stages as `rcoa compile`, diagnostics rendered to stderr, exit 2 on a bad plan.
 fn compile_plan(path: &Path) -> Result<Loaded, ExitCode> {
-    // The loader (`cmd::common::load_spec`) and `rcoa_compiler::compile` are
-    // being written alongside this command; until both are in the tree a
-    // `.plan` cannot be compiled here, and saying so beats a wrong answer.
-    eprintln!(
-        "error[rcoa::emit_needs_compile]: cannot compile {} here yet: this build of rcoa has no plan \
-         compiler\n  help: pass a lowered plan saved as JSON (`*.json`)",
-        path.display()
-    );
-    Err(ExitCode::from(2))
+    let (name, source, spans, spec) = load_plan(path)?;
+    let compilation = rcoa_compiler::compile(&spec).map_err(|e| {
+        eprint!("{}", render_plain(&e));
+        ExitCode::from(2)
+    })?;
+    Ok(Loaded {
+        lowered: compilation.lowered,
+        source: Some((name, source, spans)),
+    })
+}
+
+/// Reads and resolves a `.plan` file.
+// `cmd::common::load_spec` is meant to own this; until it is in the tree the
+// stages are called here directly, with the same diagnostics and exit codes.
+fn load_plan(path: &Path) -> Result<(String, String, SpanTable, Spec), ExitCode> {
+    let name = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| {
+        eprintln!("error: cannot read {name}: {e}");
+        ExitCode::from(2)
+    })?;
+    let bad = |d: &dyn miette::Diagnostic| {
+        eprint!("{}", render_plain(d));
+        ExitCode::from(2)
+    };
+    let text = rcoa_grammar::decode_utf8(&name, &bytes).map_err(|e| bad(&e))?;
+    let file = rcoa_grammar::parse(&name, text).map_err(|e| bad(&e))?;
+    let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let ctx = ResolveContext::new(name.clone(), text, base_dir);
+    let (spec, spans) = resolve_with_spans(&file, &ctx).map_err(|e| bad(&e))?;
+    Ok((name, text.to_string(), spans, spec))
 }
 
 /// Prints the files to stdout; a `==> NAME <==` header before each when there are several.
@@ -210,10 +235,10 @@ struct Located {
 }
 
 impl Located {
-    fn new(inner: EmitError, source: Option<&(String, String, PlanFile)>) -> Self {
+    fn new(inner: EmitError, source: Option<&(String, String, SpanTable)>) -> Self {
         let (source, span) = match (source, inner.setting()) {
-            (Some((name, text, file)), Some(setting)) => {
-                let span = find_setting(file, setting);
+            (Some((name, text, spans)), Some(setting)) => {
+                let span = find_setting(spans, setting);
                 (
                     Some(miette::NamedSource::new(name.clone(), text.clone())),
                     span,
@@ -229,25 +254,15 @@ impl Located {
     }
 }
 
-/// The span of `section.key` in the file (the entry), else of the section's name.
-fn find_setting(file: &PlanFile, setting: Setting) -> Option<(Span, String)> {
-    let section = file
-        .sections
-        .iter()
-        .find(|s| s.name.name == setting.section)?;
+/// The span of `section.key`'s value in the file, else of the section's name.
+fn find_setting(spans: &SpanTable, setting: Setting) -> Option<(Span, String)> {
     if let Some(key) = setting.key {
-        if let Some(entry) = section
-            .body
-            .as_ref()
-            .and_then(|b| b.entries.iter().find(|e| e.key.name == key))
-        {
-            return Some((entry.span, format!("{setting} is set here")));
+        if let Some(span) = spans.get(&format!("{}.{key}", setting.section)) {
+            return Some((span, format!("{setting} is set here")));
         }
     }
-    Some((
-        section.name.span,
-        format!("{setting} is decided from this section"),
-    ))
+    let span = spans.get(setting.section)?;
+    Some((span, format!("{setting} is decided from this section")))
 }
 
 impl fmt::Display for Located {
