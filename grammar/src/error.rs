@@ -45,7 +45,10 @@ pub enum SyntaxError {
         key: Span,
         key_text: String,
         found: Span,
+        found_text: String,
     },
+    /// `a = "x" "y"`, `a = 1 2`: a second value where an entry should end.
+    ExtraValue { found: Span, found_text: String },
     /// `key =` followed by the end of the line, a `}` or a `,`.
     ExpectedValue {
         eq: Span,
@@ -192,6 +195,7 @@ impl SyntaxError {
             SyntaxError::UnmatchedClose { .. } => "rcoa::syntax::unmatched_close",
             SyntaxError::TooDeep { .. } => "rcoa::syntax::too_deep",
             SyntaxError::ExpectedEquals { .. } => "rcoa::syntax::expected_equals",
+            SyntaxError::ExtraValue { .. } => "rcoa::syntax::extra_value",
             SyntaxError::ExpectedValue { .. } => "rcoa::syntax::expected_value",
             SyntaxError::UnitWithoutNumber { .. } => "rcoa::syntax::unit_without_number",
             SyntaxError::UnknownUnit { .. } => "rcoa::syntax::unknown_unit",
@@ -244,6 +248,9 @@ impl SyntaxError {
             }
             SyntaxError::ExpectedEquals { key_text, .. } => {
                 format!("expected `=` after `{key_text}`")
+            }
+            SyntaxError::ExtraValue { found_text, .. } => {
+                format!("unexpected second value {}", found_words(found_text))
             }
             SyntaxError::ExpectedValue { key_text, .. } => match key_text {
                 Some(k) => format!("`{k} =` has no value"),
@@ -337,6 +344,9 @@ impl SyntaxError {
                 vec![(*close, "nothing to close".into())]
             }
             SyntaxError::TooDeep { at, .. } => vec![(*at, "too deep".into())],
+            SyntaxError::ExtraValue { found, .. } => {
+                vec![(*found, "a key takes one value".into())]
+            }
             SyntaxError::ExpectedEquals { key, found, .. } => vec![
                 (*found, "expected `=` before this".into()),
                 (*key, "this key".into()),
@@ -406,8 +416,18 @@ impl SyntaxError {
                 format!("remove this `{delim}`, or add the `{}` it should close", opener_of(*delim))
             }
             SyntaxError::TooDeep { .. } => "flatten the value; plans need only a few levels".into(),
+            SyntaxError::ExpectedEquals {
+                key_text,
+                found_text,
+                ..
+            } if found_text == ":" => {
+                format!("entries use `=`, not `:` (which only joins a placement such as `optimizer:cpu`): `{key_text} = ...`")
+            }
             SyntaxError::ExpectedEquals { key_text, .. } => {
                 format!("entries are written `key = value`, e.g. `{key_text} = ...`")
+            }
+            SyntaxError::ExtraValue { .. } => {
+                "for several values write a list `[a, b]` or a tuple `(a, b)`".into()
             }
             SyntaxError::ExpectedValue { .. } => {
                 format!("{VALUE_SHAPES}; the value goes on the same line as `=`")
@@ -458,7 +478,18 @@ impl SyntaxError {
                 '.' => "numbers start with a digit: write `0.5`, not `.5`".into(),
                 _ => "remove it; outside strings and comments a plan uses a-z, 0-9, `_ . - : % /`, `=`, `,` and brackets".into(),
             },
-            SyntaxError::UnexpectedToken { .. } => VALUE_SHAPES.into(),
+            SyntaxError::UnexpectedToken { found_text, .. } if found_text == ":" => {
+                "`:` joins a placement with no spaces around it, as in `optimizer:cpu`".into()
+            }
+            SyntaxError::UnexpectedToken { expected, .. } => {
+                if expected.contains(&Expected::Value) {
+                    VALUE_SHAPES.into()
+                } else if expected.contains(&Expected::Key) {
+                    "a block holds entries `key = value`, separated by newlines or `,`".into()
+                } else {
+                    "a file is a list of sections such as `model \"llama-3.1-8b\"` or `train { seq_len = 2048 }`".into()
+                }
+            }
         })
     }
 }

@@ -456,6 +456,7 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
                 key: key.span,
                 key_text,
                 found,
+                found_text,
             };
         }
     }
@@ -508,12 +509,22 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
         if entry_start && found_text != "}" {
             return SyntaxError::ExpectedKey { found, found_text };
         }
+        let value_like = tok_at(idx).is_some_and(|t| {
+            matches!(
+                t.tok,
+                Tok::Str { .. } | Tok::Number | Tok::Punct('[') | Tok::Punct('(')
+            )
+        });
+        if value_like {
+            return SyntaxError::ExtraValue { found, found_text };
+        }
     }
+    let at_line_start = prev.is_none_or(|t| t.tok == Tok::Newline || t.tok == Tok::Punct('}'));
 
     let mut expected: Vec<Expected> = positives
         .iter()
         .filter_map(|r| match r {
-            Rule::ident if context.is_none() => Some(Expected::SectionName),
+            Rule::ident if context.is_none() && at_line_start => Some(Expected::SectionName),
             Rule::ident if context == Some('{') => Some(Expected::Key),
             Rule::ident | Rule::value | Rule::arg => Some(Expected::Value),
             Rule::eq => Some(Expected::Equals),
@@ -725,6 +736,24 @@ mod tests {
         let e = &t.body.as_ref().unwrap().entries[0];
         assert_eq!(&src[e.span.start..e.span.end], "seq_len = 2048");
         assert_eq!(&src[e.value.span.start..e.value.span.end], "2048");
+    }
+
+    #[test]
+    fn codes_for_common_mistakes() {
+        for (src, code) in [
+            ("t { a = \"x\" \"y\" }", "rcoa::syntax::extra_value"),
+            ("t { a = 1 2 }", "rcoa::syntax::extra_value"),
+            ("t { a: 1 }", "rcoa::syntax::expected_equals"),
+            ("model: \"x\"", "rcoa::syntax::unexpected_token"),
+            ("t { a = 4 KIB }", "rcoa::syntax::unknown_unit"),
+            ("t { , }", "rcoa::syntax::expected_key"),
+            ("x = 1", "rcoa::syntax::entry_outside_block"),
+        ] {
+            let e = parse("t", src).unwrap_err();
+            assert_eq!(e.code_str(), code, "{src}: {e}");
+        }
+        let e = parse("t", "model: \"x\"").unwrap_err();
+        assert!(!e.to_string().contains("section name"), "{e}");
     }
 
     /// The deepest nesting the pre-scan allows must parse without

@@ -74,6 +74,12 @@ golden!(bare_exponent, "optimizer adamw { lr = 2e }\n");
 golden!(argument_on_next_line, "model\n  \"llama-3.1-8b\"\n");
 golden!(leading_dot, "fit { budget = .5 }\n");
 
+golden!(extra_value, "optimizer adamw { betas = 0.9 0.95 }\n");
+golden!(
+    colon_instead_of_equals,
+    "model \"llama-3.1-8b\" {\n  layers: 2\n}\n"
+);
+
 #[test]
 fn invalid_utf8() {
     let bytes = b"model \"llama\xff-3\"\n";
