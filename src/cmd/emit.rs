@@ -15,12 +15,11 @@
 //! express (`rcoa::emit_unsupported`, pointing at the setting in the plan
 //! when the file names it), or an I/O error.
 
+use super::common::{load_spec, render, BAD_PLAN};
 use rcoa_compiler::emit::{self, Emission, EmitError, Engine, Setting};
 use rcoa_compiler::lowered::LoweredPlan;
-use rcoa_compiler::resolve::{resolve_with_spans, ResolveContext, SpanTable};
-use rcoa_compiler::spec::Spec;
+use rcoa_compiler::resolve::SpanTable;
 use rcoa_grammar::ast::Span;
-use rcoa_grammar::render::render_plain;
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -95,8 +94,8 @@ pub fn run(args: Args) -> ExitCode {
         Ok(e) => e,
         Err(err) => {
             let located = Located::new(err, loaded.source.as_ref());
-            eprint!("{}", render_plain(&located));
-            return ExitCode::from(2);
+            eprint!("{}", render(&located));
+            return ExitCode::from(BAD_PLAN);
         }
     };
     let written = match &args.out {
@@ -105,7 +104,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     if let Err(e) = written {
         eprintln!("error: {e}");
-        return ExitCode::from(2);
+        return ExitCode::from(BAD_PLAN);
     }
     for n in &emission.notes {
         eprintln!("note: {n}");
@@ -120,14 +119,14 @@ fn load(path: &Path) -> Result<Loaded, ExitCode> {
     if path.extension().is_some_and(|e| e == "json") {
         let text = std::fs::read_to_string(path).map_err(|e| {
             eprintln!("error: cannot read {}: {e}", path.display());
-            ExitCode::from(2)
+            ExitCode::from(BAD_PLAN)
         })?;
         let lowered: LoweredPlan = serde_json::from_str(&text).map_err(|e| {
             eprintln!(
                 "error[rcoa::bad_lowered_plan]: {} is not a lowered plan: {e}",
                 path.display()
             );
-            ExitCode::from(2)
+            ExitCode::from(BAD_PLAN)
         })?;
         return Ok(Loaded {
             lowered,
@@ -137,39 +136,18 @@ fn load(path: &Path) -> Result<Loaded, ExitCode> {
     compile_plan(path)
 }
 
-/// `.plan` → LoweredPlan: read, decode, parse, resolve, compile — the same
-/// stages as `rcoa compile`, diagnostics rendered to stderr, exit 2 on a bad plan.
+/// `.plan` → LoweredPlan: loaded like every subcommand does ([`load_spec`]),
+/// then compiled; diagnostics go to stderr and a bad plan exits 2.
 fn compile_plan(path: &Path) -> Result<Loaded, ExitCode> {
-    let (name, source, spans, spec) = load_plan(path)?;
-    let compilation = rcoa_compiler::compile(&spec).map_err(|e| {
-        eprint!("{}", render_plain(&e));
-        ExitCode::from(2)
+    let loaded = load_spec(path)?;
+    let compilation = rcoa_compiler::compile(&loaded.spec).map_err(|e| {
+        eprint!("{}", render(&e));
+        ExitCode::from(BAD_PLAN)
     })?;
     Ok(Loaded {
         lowered: compilation.lowered,
-        source: Some((name, source, spans)),
+        source: Some((path.display().to_string(), loaded.source, loaded.spans)),
     })
-}
-
-/// Reads and resolves a `.plan` file.
-// `cmd::common::load_spec` is meant to own this; until it is in the tree the
-// stages are called here directly, with the same diagnostics and exit codes.
-fn load_plan(path: &Path) -> Result<(String, String, SpanTable, Spec), ExitCode> {
-    let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| {
-        eprintln!("error: cannot read {name}: {e}");
-        ExitCode::from(2)
-    })?;
-    let bad = |d: &dyn miette::Diagnostic| {
-        eprint!("{}", render_plain(d));
-        ExitCode::from(2)
-    };
-    let text = rcoa_grammar::decode_utf8(&name, &bytes).map_err(|e| bad(&e))?;
-    let file = rcoa_grammar::parse(&name, text).map_err(|e| bad(&e))?;
-    let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    let ctx = ResolveContext::new(name.clone(), text, base_dir);
-    let (spec, spans) = resolve_with_spans(&file, &ctx).map_err(|e| bad(&e))?;
-    Ok((name, text.to_string(), spans, spec))
 }
 
 /// Prints the files to stdout; a `==> NAME <==` header before each when there are several.
