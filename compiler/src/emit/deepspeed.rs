@@ -412,8 +412,10 @@ fn parallelism(
         root.insert("tensor_parallel".into(), json!({ "autotp_size": r.tensor }));
         notes.push(format!(
             "tensor parallelism of degree {} is DeepSpeed AutoTP (`tensor_parallel.autotp_size`): it needs a \
-             DeepSpeed release with AutoTP training and a model AutoTP can partition",
-            r.tensor
+             DeepSpeed release with AutoTP training, a model AutoTP can partition, and tensor- and data-parallel \
+             groups handed to deepspeed.initialize (an mpu) so that DeepSpeed counts {} data-parallel ranks in \
+             train_batch_size",
+            r.tensor, r.data
         ));
     }
     if r.expert > 1 {
