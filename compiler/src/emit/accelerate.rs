@@ -28,7 +28,7 @@
 use super::deepspeed::{deepspeed, DS_CONFIG};
 use super::{
     adapter_sentence, check_consistent, checkpoint_sentence, describe, needs_deepspeed,
-    unsupported, Emission, EmitError, EmittedFile, Engine, Setting,
+    target_sentence, unsupported, Emission, EmitError, EmittedFile, Engine, Setting,
 };
 use crate::lowered::LoweredPlan;
 use crate::spec::Dtype;
@@ -166,9 +166,13 @@ pub fn accelerate(plan: &LoweredPlan) -> Result<Emission, EmitError> {
             ));
         }
         notes.extend(
-            [checkpoint_sentence(plan), adapter_sentence(plan)]
-                .into_iter()
-                .flatten(),
+            [
+                checkpoint_sentence(plan),
+                adapter_sentence(plan),
+                target_sentence(plan),
+            ]
+            .into_iter()
+            .flatten(),
         );
         notes.push(format!(
             "Accelerate does not read batch sizes from its config: use micro_batch {} per GPU and \

@@ -34,8 +34,8 @@
 //! do not keep.
 
 use super::{
-    adapter_sentence, check_consistent, checkpoint_sentence, describe, offload_of, unsupported,
-    Emission, EmitError, EmittedFile, Engine, Setting,
+    adapter_sentence, check_consistent, checkpoint_sentence, describe, offload_of, target_sentence,
+    unsupported, Emission, EmitError, EmittedFile, Engine, Setting,
 };
 use crate::lowered::LoweredPlan;
 use crate::spec::{Dtype, OffloadTo, OffloadWhat, OptImpl, OptimizerKind};
@@ -97,9 +97,11 @@ pub(crate) fn config(plan: &LoweredPlan) -> Result<(Value, Vec<String>), EmitErr
     zero(plan, &mut root, &mut notes)?;
     activation_checkpointing(plan, &mut root, &mut notes)?;
 
-    if let Some(s) = adapter_sentence(plan) {
-        notes.push(s);
-    }
+    notes.extend(
+        [adapter_sentence(plan), target_sentence(plan)]
+            .into_iter()
+            .flatten(),
+    );
     Ok((Value::Object(root), notes))
 }
 

@@ -15,8 +15,8 @@
 
 use super::deepspeed::{deepspeed, DS_CONFIG};
 use super::{
-    adapter_sentence, check_consistent, checkpoint_sentence, describe, needs_deepspeed, Emission,
-    EmitError, EmittedFile, Engine,
+    adapter_sentence, check_consistent, checkpoint_sentence, describe, needs_deepspeed,
+    target_sentence, Emission, EmitError, EmittedFile, Engine,
 };
 use crate::lowered::LoweredPlan;
 
@@ -157,10 +157,14 @@ fn companion(plan: &LoweredPlan) -> Result<(Option<EmittedFile>, Vec<String>), E
         let file = e.files.remove(0);
         Ok((Some(file), e.notes))
     } else {
-        let notes = [checkpoint_sentence(plan), adapter_sentence(plan)]
-            .into_iter()
-            .flatten()
-            .collect();
+        let notes = [
+            checkpoint_sentence(plan),
+            adapter_sentence(plan),
+            target_sentence(plan),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         Ok((None, notes))
     }
 }

@@ -333,6 +333,18 @@ pub(crate) fn checkpoint_sentence(plan: &LoweredPlan) -> Option<String> {
     ))
 }
 
+/// The prediction's executor, when it is not the PyTorch engines these files launch.
+pub(crate) fn target_sentence(plan: &LoweredPlan) -> Option<String> {
+    match plan.target {
+        crate::spec::Target::Pytorch => None,
+        crate::spec::Target::Burn => Some(
+            "the plan's memory prediction is for rcoa's Burn executor (`target burn`), not for the PyTorch \
+             engines these files launch: add `target pytorch` to the plan and compile again to predict them"
+                .to_string(),
+        ),
+    }
+}
+
 /// The adapter in words, when the plan trains one.
 pub(crate) fn adapter_sentence(plan: &LoweredPlan) -> Option<String> {
     let a = plan.adapter.as_ref()?;
@@ -355,6 +367,29 @@ pub(crate) fn adapter_sentence(plan: &LoweredPlan) -> Option<String> {
 mod tests {
     use super::*;
     use crate::emit::testing::PlanBuilder;
+
+    #[test]
+    fn a_burn_prediction_is_flagged_for_every_engine() {
+        let mut plan = PlanBuilder::llama_8b().build();
+        plan.target = crate::spec::Target::Burn;
+        for engine in Engine::ALL {
+            let notes = emit(engine, &plan).unwrap().notes;
+            assert_eq!(
+                notes
+                    .iter()
+                    .filter(|n| n.contains("target pytorch"))
+                    .count(),
+                1,
+                "{engine}: {notes:?}"
+            );
+        }
+        let pytorch = PlanBuilder::llama_8b().build();
+        assert!(emit(Engine::Deepspeed, &pytorch)
+            .unwrap()
+            .notes
+            .iter()
+            .all(|n| !n.contains("target pytorch")));
+    }
 
     #[test]
     fn layer_ranges_compress_runs() {
