@@ -45,7 +45,7 @@ const NVRTC_NAMES: &[&str] = &[
 fn open_any(names: &[&str]) -> Option<libloading::Library> {
     names
         .iter()
-        .find_map(|n| unsafe { libloading::Library::new(n) }.ok())
+        .find_map(|n| unsafe { libloading::Library::new(*n) }.ok())
 }
 
 /// Check the driver, NVRTC and headers; never panics.

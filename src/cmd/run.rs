@@ -109,8 +109,10 @@ pub fn run(args: Args) -> ExitCode {
     let json = args.format == Format::Json;
     let mut bar: Option<indicatif::ProgressBar> = None;
     let steps = args.steps;
+    let mut cold_cache = false;
     let mut on_event = |e: Event| match e {
         Event::Compiling { cold } => {
+            cold_cache = cold;
             if cold && !json {
                 eprintln!("CUDA kernel cache is cold: kernels are compiled once by NVRTC (the first step can take minutes; later runs reuse the cache)");
             }
