@@ -191,18 +191,18 @@ fn parallel_vs_gpus(cx: &mut Cx, par: &ParallelSpec, hw: &HardwareSpec) -> bool 
     if ok {
         return true;
     }
-    let written: Vec<Span> = terms
+    let written: Vec<(Span, &'static str, u64)> = terms
         .iter()
-        .filter_map(|(n, _)| cx.spans.get(&format!("parallel.{n}")))
+        .filter_map(|(n, v)| cx.spans.get(&format!("parallel.{n}")).map(|s| (s, *n, *v)))
         .collect();
-    let hw_spans = ["hardware.gpus_per_node", "hardware.nodes"]
-        .iter()
-        .filter_map(|k| cx.spans.get(k));
+    let hw_written = [("gpus_per_node", hw.gpus_per_node), ("nodes", hw.nodes)]
+        .into_iter()
+        .filter_map(|(n, v)| cx.spans.get(&format!("hardware.{n}")).map(|s| (s, n, v)));
     let span = written
         .first()
-        .copied()
+        .map(|w| w.0)
         .unwrap_or_else(|| span_or(cx, "parallel", "hardware"));
-    let others = written.iter().skip(1).copied().chain(hw_spans).collect();
+    let others = written.iter().skip(1).copied().chain(hw_written).collect();
     cx.report(Problem::ParallelMismatch {
         check: ParallelProduct {
             terms,
@@ -240,10 +240,14 @@ fn batch(cx: &mut Cx, t: &TrainSpec, par: &ParallelSpec, hw: Option<&HardwareSpe
     };
     let global = t.global_batch;
     let span = span_or(cx, "train.global_batch", "train");
-    let others: Vec<Span> = ["train.micro_batch", "train.grad_accum", "parallel.data"]
-        .iter()
-        .filter_map(|k| cx.spans.get(k))
-        .collect();
+    let others: Vec<(Span, &'static str, u64)> = [
+        ("train.micro_batch", "micro_batch", t.micro_batch.fixed()),
+        ("train.grad_accum", "grad_accum", t.grad_accum.fixed()),
+        ("parallel.data", "data", par.data.fixed()),
+    ]
+    .into_iter()
+    .filter_map(|(path, name, v)| Some((cx.spans.get(path)?, name, v?)))
+    .collect();
     match (t.micro_batch.fixed(), t.grad_accum.fixed(), data) {
         (Some(m), Some(a), Some((d, derived))) => {
             if m as u128 * a as u128 * d as u128 != global as u128 {

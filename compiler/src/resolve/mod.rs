@@ -39,7 +39,7 @@ pub use spans::SpanTable;
 use crate::spec::{Spec, Target};
 use problem::{NameKind, Problem};
 use rcoa_grammar::{PlanFile, Section};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use values::Cx;
 
@@ -92,7 +92,7 @@ pub fn resolve_with_spans(
     ctx: &ResolveContext,
 ) -> Result<(Spec, SpanTable), ResolveErrors> {
     let mut cx = Cx::new(ctx);
-    let sections = collect_sections(&mut cx, file);
+    let (sections, misspelt) = collect_sections(&mut cx, file);
     let get = |name: &str| sections.get(name).copied();
 
     // Order matters only for defaults that depend on another section: the
@@ -100,11 +100,11 @@ pub fn resolve_with_spans(
     // params dtype.
     let model = match get("model") {
         Some(s) => model::resolve(&mut cx, s),
-        None => missing(&mut cx, "model"),
+        None => missing(&mut cx, &misspelt, "model"),
     };
     let hardware = match get("hardware") {
         Some(s) => hardware::resolve(&mut cx, s),
-        None => missing(&mut cx, "hardware"),
+        None => missing(&mut cx, &misspelt, "hardware"),
     };
     let precision = match get("precision") {
         Some(s) => precision::resolve(&mut cx, s),
@@ -116,7 +116,7 @@ pub fn resolve_with_spans(
     };
     let train = match get("train") {
         Some(s) => train::resolve(&mut cx, s, model.as_ref().map(|m| m.arch)),
-        None => missing(&mut cx, "train"),
+        None => missing(&mut cx, &misspelt, "train"),
     };
     let parallel = match get("parallel") {
         Some(s) => parallel::resolve(&mut cx, s),
@@ -202,16 +202,27 @@ fn errors_or_internal(errors: Vec<ResolveError>) -> Vec<ResolveError> {
     }
 }
 
-fn missing<T>(cx: &mut Cx, name: &'static str) -> Option<T> {
-    cx.report(Problem::MissingSection { name });
+/// Reports a required section as missing, unless an unknown section looks
+/// like a misspelling of it: that was reported already ("did you mean
+/// `model`?"), and saying it is missing as well adds nothing.
+fn missing<T>(cx: &mut Cx, misspelt: &BTreeSet<String>, name: &'static str) -> Option<T> {
+    if !misspelt.contains(name) {
+        cx.report(Problem::MissingSection { name });
+    }
     None
 }
 
-/// The known sections by name; unknown and repeated ones are reported.
-fn collect_sections<'f>(cx: &mut Cx, file: &'f PlanFile) -> BTreeMap<&'static str, &'f Section> {
+/// The known sections by name (unknown and repeated ones are reported), and
+/// the sections the unknown ones look like misspellings of.
+fn collect_sections<'f>(
+    cx: &mut Cx,
+    file: &'f PlanFile,
+) -> (BTreeMap<&'static str, &'f Section>, BTreeSet<String>) {
     let mut found: BTreeMap<&'static str, &'f Section> = BTreeMap::new();
+    let mut misspelt = BTreeSet::new();
     for s in &file.sections {
         let Some(name) = SECTIONS.iter().copied().find(|n| *n == s.name.name) else {
+            misspelt.extend(suggest::nearest(&s.name.name, SECTIONS.iter().copied()));
             cx.report(Problem::UnknownSection {
                 name: s.name.name.clone(),
                 span: s.name.span,
@@ -229,7 +240,7 @@ fn collect_sections<'f>(cx: &mut Cx, file: &'f PlanFile) -> BTreeMap<&'static st
         cx.spans.insert(name, s.name.span);
         found.insert(name, s);
     }
-    found
+    (found, misspelt)
 }
 
 /// `target burn` | `target pytorch`.

@@ -206,7 +206,8 @@ pub(crate) enum Problem {
         data_derived: bool,
         global: u64,
         span: Span,
-        others: Vec<Span>,
+        /// Other values that took part: where, which key, its value.
+        others: Vec<(Span, &'static str, u64)>,
     },
     /// global_batch is not a multiple of the fixed factors.
     BatchNotMultiple {
@@ -214,12 +215,14 @@ pub(crate) enum Problem {
         factors: Vec<(&'static str, u64)>,
         global: u64,
         span: Span,
-        others: Vec<Span>,
+        /// Other values that took part: where, which key, its value.
+        others: Vec<(Span, &'static str, u64)>,
     },
     ParallelMismatch {
         check: ParallelProduct,
         span: Span,
-        others: Vec<Span>,
+        /// Other values that took part: where, which key, its value.
+        others: Vec<(Span, &'static str, u64)>,
     },
     KvHeadsExceedHeads {
         kv_heads: u64,

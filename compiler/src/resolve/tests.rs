@@ -335,11 +335,14 @@ fn unknown_section_and_key_suggest() {
     let src = format!("{BASE}optimiser adamw\n");
     let e = one(&src, "rcoa::unknown_section");
     assert_eq!(e.help(), Some("did you mean `optimizer`?"));
+    // A misspelt required section is not also reported as missing.
+    let e = one(&BASE.replace("model ", "modle "), "rcoa::unknown_section");
+    assert_eq!(e.help(), Some("did you mean `model`?"));
     let src = BASE.replace("seq_len", "sq_len");
     let e = errs(&src);
-    // The missing key is reported at the section name, before the typo.
-    assert_eq!(e.codes(), vec!["rcoa::missing_key", "rcoa::unknown_key"]);
-    assert_eq!(e.errors()[1].help(), Some("did you mean `seq_len`?"));
+    // The typo is reported, not also the key it misspells as missing.
+    assert_eq!(e.codes(), vec!["rcoa::unknown_key"]);
+    assert_eq!(e.errors()[0].help(), Some("did you mean `seq_len`?"));
 }
 
 // ------------------------------------------------------------------ structure
@@ -477,7 +480,6 @@ fn heads_not_divisible_by_tensor() {
         help.starts_with("32 heads are not divisible by tensor = 3"),
         "{help}"
     );
-    assert!(help.ends_with("1, 2"), "{help}");
 }
 
 #[test]

@@ -62,6 +62,8 @@ pub(crate) struct Fields<'a> {
     section: &'static str,
     header: Span,
     entries: BTreeMap<&'static str, &'a Entry>,
+    /// Keys the unknown ones look like misspellings of (already reported).
+    misspelt: Vec<String>,
 }
 
 impl<'a> Fields<'a> {
@@ -76,8 +78,13 @@ impl<'a> Fields<'a> {
         allowed: &'static [&'static str],
     ) -> Self {
         let mut entries: BTreeMap<&'static str, &'a Entry> = BTreeMap::new();
+        let mut misspelt = Vec::new();
         for e in block.map(|b| b.entries.as_slice()).unwrap_or(&[]) {
             let Some(key) = allowed.iter().copied().find(|k| *k == e.key.name) else {
+                misspelt.extend(super::suggest::nearest(
+                    &e.key.name,
+                    allowed.iter().copied(),
+                ));
                 cx.report(Problem::UnknownKey {
                     section,
                     key: e.key.name.clone(),
@@ -101,6 +108,7 @@ impl<'a> Fields<'a> {
             section,
             header,
             entries,
+            misspelt,
         }
     }
 
@@ -108,10 +116,11 @@ impl<'a> Fields<'a> {
         self.entries.get(key).map(|e| &e.value)
     }
 
-    /// The value of a key the section cannot do without.
+    /// The value of a key the section cannot do without. A missing key that
+    /// an unknown key looks like a misspelling of is not reported again.
     pub(crate) fn require(&self, cx: &mut Cx, key: &'static str) -> Option<&'a Value> {
         let v = self.get(key);
-        if v.is_none() {
+        if v.is_none() && !self.misspelt.iter().any(|m| m == key) {
             cx.report(Problem::MissingKey {
                 section: self.section,
                 key,

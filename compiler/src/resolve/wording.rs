@@ -292,7 +292,14 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             err(
                 code,
                 message,
-                vec![(span, format!("not a known {what}"))],
+                vec![(
+                    span,
+                    match kind {
+                        NameKind::Dtype => format!("not a `{slot}` dtype"),
+                        NameKind::Value => format!("not a valid `{slot}`"),
+                        _ => format!("not a known {what}"),
+                    },
+                )],
                 Some(match near {
                     Some(n) => format!("did you mean `{n}`? {list}"),
                     None => list,
@@ -345,15 +352,14 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             divisor_is_primary,
             options,
         } => {
-            let primary = if divisor_is_primary { format!("does not divide {value} {what}") } else { format!("{value} is not a multiple of {by}") };
+            let amount = quantity(what, value);
+            let primary = if divisor_is_primary { format!("does not divide {amount}") } else { format!("{value} is not a multiple of {by}") };
             let mut labels = vec![(span, primary)];
             if let Some(b) = by_span {
                 labels.push((b, format!("{by_what} = {by}")));
             }
-            let mut help = format!("{value} {what} are not divisible by {by_what} = {by}");
-            if what == "global_batch" {
-                help = format!("global_batch {value} is not divisible by {by_what} = {by}");
-            }
+            let verb = if what == "heads" || what == "kv_heads" { "are" } else { "is" };
+            let mut help = format!("{amount} {verb} not divisible by {by_what} = {by}");
             if !options.is_empty() {
                 help.push_str(&format!("; {by_what} degrees that divide it: {}", options.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")));
             }
@@ -366,7 +372,7 @@ pub(crate) fn word(p: Problem) -> ResolveError {
         }
         BatchMismatch { micro, accum, data, data_derived, global, span, others } => {
             let mut labels = vec![(span, format!("global_batch = {global}"))];
-            labels.extend(others.into_iter().map(|s| (s, String::new())));
+            labels.extend(others.into_iter().map(|(s, n, v)| (s, format!("{n} = {v}"))));
             let data_note = if data_derived { " (the GPUs left over by tensor, pipeline and context)" } else { "" };
             err(
                 "rcoa::batch_mismatch",
@@ -382,7 +388,7 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             let product: u128 = factors.iter().map(|(_, v)| *v as u128).product();
             let written = factors.iter().map(|(n, v)| format!("{n} {v}")).collect::<Vec<_>>().join(" × ");
             let mut labels = vec![(span, format!("global_batch = {global}"))];
-            labels.extend(others.into_iter().map(|s| (s, String::new())));
+            labels.extend(others.into_iter().map(|(s, n, v)| (s, format!("{n} = {v}"))));
             err(
                 "rcoa::batch_mismatch",
                 format!("global_batch {global} cannot be split into {}", factors.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" × ")),
@@ -396,7 +402,7 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             let written = check.terms.iter().map(|(n, v)| format!("{n} {v}")).collect::<Vec<_>>().join(" × ");
             let gpus = check.gpus_per_node as u128 * check.nodes as u128;
             let mut labels = vec![(span, format!("{written} = {}", check.product))];
-            labels.extend(others.into_iter().map(|s| (s, String::new())));
+            labels.extend(others.into_iter().map(|(s, n, v)| (s, format!("{n} = {v}"))));
             let help = if check.complete {
                 format!(
                     "{written} = {}, but the plan has {gpus} GPUs (gpus_per_node {} × nodes {}); the product must equal the GPU count",
@@ -545,6 +551,18 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             };
             err("rcoa::hf_config", message, vec![(span, label)], Some(help))
         }
+    }
+}
+
+/// A model dimension or count, said the way people say it ("32 heads").
+fn quantity(what: &str, value: u64) -> String {
+    match what {
+        "heads" => format!("{value} heads"),
+        "kv_heads" => format!("{value} kv heads"),
+        "hidden" => format!("hidden size {value}"),
+        "ffn" => format!("ffn size {value}"),
+        "vocab" => format!("a vocabulary of {value}"),
+        _ => format!("{what} {value}"),
     }
 }
 
