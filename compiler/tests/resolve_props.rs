@@ -204,7 +204,7 @@ fn check_invariants(s: &Spec) -> Result<(), String> {
         "positive dims",
     )?;
     ensure(
-        m.kv_heads > 0 && m.heads % m.kv_heads == 0,
+        m.kv_heads > 0 && m.heads.is_multiple_of(m.kv_heads),
         "kv_heads divides heads",
     )?;
     ensure(m.head_dim > 0, "head_dim")?;
@@ -224,7 +224,7 @@ fn check_invariants(s: &Spec) -> Result<(), String> {
     let p = &s.parallel;
     if let Choice::Fixed(t) = p.tensor {
         ensure(
-            m.heads % t == 0 && m.kv_heads % t == 0 && m.vocab % t == 0,
+            m.heads.is_multiple_of(t) && m.kv_heads.is_multiple_of(t) && m.vocab.is_multiple_of(t),
             "tensor divides",
         )?;
     }
