@@ -70,6 +70,8 @@ pub(crate) enum Range {
     UnitInterval,
     /// A percentage in (0 %, 100 %].
     Percent,
+    /// A size of at least this many bytes.
+    Bytes(u64),
 }
 
 /// Why a `hf "config.json"` could not be used.

@@ -306,6 +306,7 @@ pub(crate) fn number(cx: &mut Cx, v: &Value, slot: &'static str, range: Range) -
             Range::Percent => x > 0.0 && x <= 1.0,
             Range::AtLeast(n) => x >= n as f64,
             Range::Between(lo, hi) => x >= lo as f64 && x <= hi as f64,
+            Range::Bytes(n) => x >= n as f64,
         };
     if !ok {
         out_of_range(cx, v, slot, range);
@@ -382,7 +383,7 @@ fn size_as(
     let bytes = (n.value * scale).round();
     // 2^62 bytes (4 EiB) is far beyond any device or host.
     if !bytes.is_finite() || bytes < min as f64 || bytes > (1u64 << 62) as f64 {
-        out_of_range(cx, v, slot, Range::AtLeast(min.max(1)));
+        out_of_range(cx, v, slot, Range::Bytes(min));
         return None;
     }
     Some(bytes as u64)

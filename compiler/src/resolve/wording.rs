@@ -151,6 +151,8 @@ fn range_text(r: Range) -> String {
         Range::NonNegative => "a number of at least 0".into(),
         Range::UnitInterval => "a number from 0 up to, but not including, 1".into(),
         Range::Percent => "a percentage above 0% and at most 100%".into(),
+        Range::Bytes(0) => "a size of 0 bytes or more".into(),
+        Range::Bytes(_) => "a size above 0 bytes".into(),
     }
 }
 
