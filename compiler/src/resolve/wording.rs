@@ -6,10 +6,11 @@
 //! values, or the arithmetic that failed). Review this file as prose: the
 //! checks elsewhere only build `Problem` values.
 //!
-//! Conventions: messages are lower case and name the plan's own spelling in
-//! backticks; numbers are printed as integers with `_` grouping only when the
-//! user wrote them so (we print plain digits); help lines are sentences that
-//! start with a verb or "did you mean".
+//! Conventions: messages start lower case and quote the plan's own spelling
+//! in backticks; values the user wrote are echoed as written, computed ones
+//! as plain digits (sizes in GiB); help lines say what to write instead and
+//! start with a verb or "did you mean". Error codes are stable: tests and
+//! users match on them, so rename one only with the golden files.
 
 use super::error::ResolveError;
 use super::problem::{Expected, HfDetail, Inapplicable, NameKind, Problem, Range};
