@@ -100,6 +100,13 @@ fn golden_per_target() {
         assert!(out.status.success(), "{target}: {}", text(&out.stderr));
         snapshot(&format!("cluster_{target}"), transcript(&out));
     }
+    let fsdp = PlanBuilder::llama_8b()
+        .nodes(2, 8)
+        .checkpoint_full()
+        .build();
+    let (out, _) = run_emit(&fsdp, "golden-fsdp", &["--target", "accelerate", "--fsdp"]);
+    assert!(out.status.success(), "fsdp: {}", text(&out.stderr));
+    snapshot("cluster_accelerate_fsdp", transcript(&out));
     for target in ["torchrun", "accelerate"] {
         let (out, _) = run_emit(
             &ddp_plan(),
@@ -223,8 +230,14 @@ fn bash_syntax_ok(name: &str, script: &str) {
 fn every_emitted_key_is_one_the_engine_knows() {
     let mut checked = 0;
     for (label, plan) in plan_matrix() {
-        for engine in Engine::ALL {
-            let emission = match emit::emit(engine, &plan) {
+        let fsdp = (Engine::Accelerate, true);
+        for (engine, with_fsdp) in Engine::ALL.iter().map(|e| (*e, false)).chain([fsdp]) {
+            let emitted = if with_fsdp {
+                emit::accelerate_with(&plan, emit::Sharding::Fsdp)
+            } else {
+                emit::emit(engine, &plan)
+            };
+            let emission = match emitted {
                 Ok(e) => e,
                 // Refusals are tested below; a refusal must be the documented kind.
                 Err(emit::EmitError::Unsupported { .. }) => continue,
@@ -401,6 +414,12 @@ fn bad_input_exits_2() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+    let out = rcoa()
+        .args(["emit", "broken.json", "--target", "slurm", "--fsdp"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "--fsdp is for accelerate only");
     let out = rcoa()
         .args(["emit", "broken.json", "--target", "kubernetes"])
         .current_dir(&dir)

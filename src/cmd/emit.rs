@@ -1,4 +1,4 @@
-//! `rcoa emit PLAN --target deepspeed|torchrun|slurm|accelerate [-o DIR]`:
+//! `rcoa emit PLAN --target deepspeed|torchrun|slurm|accelerate [--fsdp] [-o DIR]`:
 //! the compiled decisions of a plan written as the configuration a cluster
 //! engine reads.
 //!
@@ -16,7 +16,7 @@
 //! when the file names it), or an I/O error.
 
 use super::common::{load_spec, render, BAD_PLAN};
-use rcoa_compiler::emit::{self, Emission, EmitError, Engine, Setting};
+use rcoa_compiler::emit::{self, Emission, EmitError, Engine, Setting, Sharding};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::resolve::SpanTable;
 use rcoa_grammar::ast::Span;
@@ -38,6 +38,10 @@ pub struct Args {
     /// Emit even when the plan is predicted not to fit its memory budget.
     #[arg(long)]
     pub force: bool,
+    /// With `--target accelerate`: shard with PyTorch FSDP instead of DeepSpeed
+    /// (ZeRO-3 as FULL_SHARD, ZeRO-2 as SHARD_GRAD_OP).
+    #[arg(long)]
+    pub fsdp: bool,
 }
 
 /// `--target` values.
@@ -77,6 +81,10 @@ pub fn run(args: Args) -> ExitCode {
         Err(code) => return code,
     };
     let engine = args.target.engine();
+    if args.fsdp && engine != Engine::Accelerate {
+        eprintln!("error: --fsdp applies to --target accelerate only");
+        return ExitCode::from(BAD_PLAN);
+    }
     if !loaded.lowered.prediction.fits && !args.force {
         let p = &loaded.lowered.prediction;
         eprintln!(
@@ -90,7 +98,12 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(1);
     }
-    let emission = match emit::emit(engine, &loaded.lowered) {
+    let emitted = if args.fsdp {
+        emit::accelerate_with(&loaded.lowered, Sharding::Fsdp)
+    } else {
+        emit::emit(engine, &loaded.lowered)
+    };
+    let emission = match emitted {
         Ok(e) => e,
         Err(err) => {
             let located = Located::new(err, loaded.source.as_ref());

@@ -13,9 +13,11 @@
 //! - `MULTI_GPU` (DDP) for plain data parallelism on several GPUs, `NO` on one,
 //!   with `mixed_precision` from the compute dtype (Accelerate autocasts).
 //!
-//! ZeRO is not mapped to FSDP: ZeRO-1 has no FSDP strategy and FSDP's CPU
-//! offload moves parameters, gradients and optimizer together, so the memory
-//! the plan predicted would not be the memory FSDP uses.
+//! - `FSDP` on request ([`accelerate_with`] and [`Sharding::Fsdp`], `rcoa emit
+//!   --fsdp`): ZeRO-3 as FULL_SHARD, ZeRO-2 as SHARD_GRAD_OP. It is not the
+//!   default because it fits fewer plans exactly: FSDP has no ZeRO-1, and its
+//!   CPU offload moves parameters, gradients and the optimizer step together,
+//!   so any other offload set is refused rather than approximated.
 //!
 //! Refused: pipeline, tensor, context, expert or sequence parallelism (an
 //! Accelerate launch config has no degree for them; Megatron-LM or
@@ -73,8 +75,23 @@ fn s(v: &str) -> Y {
     Y::Str(v.to_string())
 }
 
+/// Which engine Accelerate hands sharding to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharding {
+    /// DeepSpeed, when the plan needs it (ZeRO, offload, fp32 master copy); DDP otherwise.
+    #[default]
+    Deepspeed,
+    /// PyTorch FSDP: ZeRO-3 as FULL_SHARD, ZeRO-2 as SHARD_GRAD_OP.
+    Fsdp,
+}
+
 /// `accelerate_config.yaml` (and `ds_config.json` when the plan needs DeepSpeed).
 pub fn accelerate(plan: &LoweredPlan) -> Result<Emission, EmitError> {
+    accelerate_with(plan, Sharding::Deepspeed)
+}
+
+/// `accelerate_config.yaml` with the given sharding engine.
+pub fn accelerate_with(plan: &LoweredPlan, sharding: Sharding) -> Result<Emission, EmitError> {
     check_consistent(plan)?;
     let r = &plan.resolved;
     let refuse = |key: &'static str, value: String| {
@@ -112,7 +129,9 @@ pub fn accelerate(plan: &LoweredPlan) -> Result<Emission, EmitError> {
     let mut notes = Vec::new();
     let mut ds_file = None;
 
-    if needs_deepspeed(plan) {
+    if sharding == Sharding::Fsdp {
+        fsdp(plan, &mut items, &mut notes)?;
+    } else if needs_deepspeed(plan) {
         let mut ds = deepspeed(plan)?;
         ds_file = Some(ds.files.remove(0));
         notes.append(&mut ds.notes);
@@ -260,6 +279,157 @@ pub fn accelerate(plan: &LoweredPlan) -> Result<Emission, EmitError> {
     Ok(Emission { files, notes })
 }
 
+/// The FSDP items: sharding strategy from the ZeRO stage, CPU offload, mixed
+/// precision, activation checkpointing. Refuses what FSDP cannot do the plan's way.
+fn fsdp(
+    plan: &LoweredPlan,
+    items: &mut Vec<Item>,
+    notes: &mut Vec<String>,
+) -> Result<(), EmitError> {
+    use crate::spec::{OffloadTo, OffloadWhat};
+    let r = &plan.resolved;
+    let p = &plan.precision;
+    let strategy = match r.zero {
+        3 => "FULL_SHARD",
+        2 => "SHARD_GRAD_OP",
+        z => return Err(unsupported(
+            E,
+            Setting::new("parallel", "zero"),
+            z,
+            "FSDP shards gradients and optimizer state (SHARD_GRAD_OP, as ZeRO-2) or everything \
+                 (FULL_SHARD, as ZeRO-3); it has no mode for ZeRO stages 0 and 1",
+            "set parallel.zero = 2 or 3 for FSDP, or emit without --fsdp (DeepSpeed or DDP)",
+        )),
+    };
+    // FSDP's CPU offload moves parameters and gradients and runs the optimizer
+    // step on the CPU, all three together: only that exact set maps onto it.
+    let all_cpu = [
+        OffloadWhat::Optimizer,
+        OffloadWhat::Params,
+        OffloadWhat::Grads,
+    ];
+    let offload_params = if r.offload.is_empty() {
+        false
+    } else if r.offload.len() == 3
+        && all_cpu.iter().all(|w| {
+            r.offload
+                .iter()
+                .any(|o| o.what == *w && o.to == OffloadTo::Cpu)
+        })
+    {
+        true
+    } else {
+        let list: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
+        return Err(unsupported(
+            E,
+            Setting::new("fit", "offload"),
+            format!("[{}]", list.join(", ")),
+            "FSDP's CPU offload (fsdp_offload_params) moves parameters, gradients and the optimizer step to \
+             the CPU together, and nothing to NVMe; it cannot move a part of them",
+            "offload optimizer, params and grads to cpu together, or emit without --fsdp (DeepSpeed)",
+        ));
+    };
+    let sixteen = |d: Dtype| matches!(d, Dtype::Bf16 | Dtype::Fp16);
+    if p.compute == Dtype::Fp8 || (sixteen(p.params) && p.compute != p.params) {
+        return Err(unsupported(
+            E,
+            Setting::new("precision", "compute"),
+            p.compute.as_str(),
+            format!(
+                "FSDP's mixed precision computes in bf16 or fp16 from fp32 or same-dtype weights, not in {} \
+                 from {} weights",
+                p.compute.as_str(),
+                p.params.as_str()
+            ),
+            "use bf16 or fp16 compute",
+        ));
+    }
+    let mp = match p.compute {
+        Dtype::Bf16 => "bf16",
+        Dtype::Fp16 => "fp16",
+        _ => "no",
+    };
+    let load = if !sixteen(p.params) {
+        format!(
+            "load the model in fp32: FSDP shards the fp32 weights and computes in {}",
+            p.compute.as_str()
+        )
+    } else if p.master.is_some_and(|m| m.bytes() > p.params.bytes()) {
+        format!(
+            "load the model in fp32: FSDP's sharded fp32 weights are the plan's fp32 master copy, and \
+             mixed_precision computes in {}",
+            p.compute.as_str()
+        )
+    } else {
+        format!(
+            "load the model in {}: the plan keeps no fp32 master copy",
+            p.params.as_str()
+        )
+    };
+    notes.push(load);
+    let layers = plan.model.layers;
+    let full = r.checkpoint_layers.len() as u64 == layers;
+    if !full {
+        notes.extend(checkpoint_sentence(plan));
+    }
+    notes.extend(
+        [adapter_sentence(plan), target_sentence(plan)]
+            .into_iter()
+            .flatten(),
+    );
+    notes.push(format!(
+        "Accelerate does not read batch sizes from its config: use micro_batch {} per GPU and \
+         gradient_accumulation_steps {} in the training script",
+        r.micro_batch, r.grad_accum
+    ));
+
+    items.push(item("distributed_type", s("FSDP")));
+    items.push(commented(
+        &["FSDP casts the gathered weights to this dtype for compute."],
+        "mixed_precision",
+        s(mp),
+    ));
+    let sharded = if strategy == "FULL_SHARD" {
+        "ZeRO-3"
+    } else {
+        "ZeRO-2"
+    };
+    let strategy_comment = format!("The plan's {sharded}.");
+    let offload_comment = if offload_params {
+        "Parameters, gradients and the optimizer step on the CPU, as the plan offloads them."
+    } else {
+        "Nothing leaves the GPU."
+    };
+    let ckpt_comment = if full {
+        "Every layer is recomputed in the backward pass, as the plan decided."
+    } else {
+        "The plan recomputes no layer, or only some: the training script applies it."
+    };
+    let fsdp = vec![
+        commented(&[strategy_comment.as_str()], "fsdp_sharding_strategy", s(strategy)),
+        commented(&[offload_comment], "fsdp_offload_params", Y::Bool(offload_params)),
+        commented(
+            &["Wrap each decoder layer (a Transformers model's `_no_split_modules`); other models name their",
+              "layer class in fsdp_transformer_layer_cls_to_wrap."],
+            "fsdp_auto_wrap_policy",
+            s("TRANSFORMER_BASED_WRAP"),
+        ),
+        item("fsdp_backward_prefetch", s("BACKWARD_PRE")),
+        item("fsdp_forward_prefetch", Y::Bool(false)),
+        item("fsdp_state_dict_type", s("SHARDED_STATE_DICT")),
+        item("fsdp_use_orig_params", Y::Bool(true)),
+        item("fsdp_cpu_ram_efficient_loading", Y::Bool(true)),
+        item("fsdp_sync_module_states", Y::Bool(true)),
+        commented(&[ckpt_comment], "fsdp_activation_checkpointing", Y::Bool(full)),
+    ];
+    items.push(Item {
+        comments: vec![],
+        key: "fsdp_config",
+        value: Y::Map(fsdp),
+    });
+    Ok(())
+}
+
 /// YAML single-quoted scalar: `'` doubled, nothing else escaped.
 fn quote(v: &str) -> String {
     format!("'{}'", v.replace('\'', "''"))
@@ -376,6 +546,70 @@ mod tests {
             (b().experts(8, 2).expert(2).build(), "parallel.expert"),
         ] {
             match accelerate(&plan) {
+                Err(EmitError::Unsupported {
+                    engine, setting, ..
+                }) => {
+                    assert_eq!(engine, Engine::Accelerate);
+                    assert_eq!(setting.to_string(), key);
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn fsdp_maps_zero_stages_offload_and_checkpointing() {
+        let plan = PlanBuilder::llama_8b()
+            .nodes(2, 8)
+            .checkpoint_full()
+            .build();
+        let e = accelerate_with(&plan, Sharding::Fsdp).unwrap();
+        assert_eq!(e.files.len(), 1, "FSDP ships no DeepSpeed config");
+        let y = &e.files[0].contents;
+        assert!(y.contains("distributed_type: 'FSDP'\n"));
+        assert!(y.contains("  fsdp_sharding_strategy: 'FULL_SHARD'\n"));
+        assert!(y.contains("  fsdp_activation_checkpointing: true\n"));
+        assert!(y.contains("mixed_precision: 'bf16'\n"));
+        assert!(e.notes.iter().any(|n| n.contains("fp32 master copy")));
+
+        let zero2 = PlanBuilder::llama_8b().zero(2).build();
+        let y = accelerate_with(&zero2, Sharding::Fsdp)
+            .unwrap()
+            .files
+            .remove(0)
+            .contents;
+        assert!(y.contains("'SHARD_GRAD_OP'"));
+        assert!(y.contains("  fsdp_activation_checkpointing: false\n"));
+
+        let offload = PlanBuilder::llama_8b()
+            .offload(OffloadWhat::Optimizer, OffloadTo::Cpu)
+            .offload(OffloadWhat::Params, OffloadTo::Cpu)
+            .offload(OffloadWhat::Grads, OffloadTo::Cpu)
+            .build();
+        let y = accelerate_with(&offload, Sharding::Fsdp)
+            .unwrap()
+            .files
+            .remove(0)
+            .contents;
+        assert!(y.contains("  fsdp_offload_params: true\n"));
+    }
+
+    #[test]
+    fn fsdp_refuses_what_it_cannot_do_exactly() {
+        let b = PlanBuilder::llama_8b;
+        for (plan, key) in [
+            (b().zero(1).build(), "parallel.zero"),
+            (
+                b().offload(OffloadWhat::Optimizer, OffloadTo::Cpu).build(),
+                "fit.offload",
+            ),
+            (
+                b().precision(Dtype::Bf16, Dtype::Fp16, Some(Dtype::Fp32))
+                    .build(),
+                "precision.compute",
+            ),
+        ] {
+            match accelerate_with(&plan, Sharding::Fsdp) {
                 Err(EmitError::Unsupported {
                     engine, setting, ..
                 }) => {

@@ -39,7 +39,7 @@ pub mod schema;
 #[doc(hidden)]
 pub mod testing;
 
-pub use accelerate::accelerate;
+pub use accelerate::{accelerate, accelerate_with, Sharding};
 pub use deepspeed::deepspeed;
 pub use launch::{slurm, torchrun};
 
