@@ -1,11 +1,98 @@
-//! `rcoa compile` (being built).
+//! `rcoa compile FILE [--explain] [--format text|json] [--report FILE.html]`: predict memory and
+//! time, decide every `auto`, and say why.
+//!
+//! Exit status: 0 the plan fits, 1 it does not (the report is still
+//! printed), 2 a bad plan (diagnostics on stderr) or a plan the memory model
+//! cannot express.
 
+use super::common::load_spec;
+use rcoa_compiler::explain;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(clap::Args)]
-pub struct Args {}
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Text,
+    Json,
+}
 
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("rcoa compile: not built yet");
-    ExitCode::from(2)
+#[derive(clap::Args)]
+pub struct Args {
+    /// The `.plan` file to compile.
+    pub file: PathBuf,
+    /// Show the memory breakdown, where the peak happens, the timeline and every decision.
+    #[arg(long)]
+    pub explain: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Also write a self-contained HTML memory report (charts, decisions, settings) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    let loaded = match load_spec(&args.file) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let compilation = match rcoa_compiler::compile(&loaded.spec) {
+        Ok(c) => c,
+        Err(e) => {
+            eprint!("{}", super::common::render(&e));
+            return ExitCode::from(2);
+        }
+    };
+    let fits = compilation.lowered.prediction.fits;
+    if let Some(path) = &args.report {
+        // The plan's file name titles the page (no absolute path: the page stays reproducible).
+        let name = args.file.file_name().map_or_else(
+            || args.file.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let html = rcoa_compiler::report::compile_html(&compilation, &name);
+        if let Err(e) = rcoa_compiler::report::write_atomic(path, &html) {
+            eprintln!(
+                "rcoa compile: cannot write the report `{}`: {e}",
+                path.display()
+            );
+            return ExitCode::from(2);
+        }
+    }
+    match args.format {
+        Format::Json => {
+            let value = explain::to_json(&compilation);
+            match serde_json::to_string_pretty(&value) {
+                Ok(s) => println!("{s}"),
+                Err(e) => {
+                    eprintln!("rcoa compile: cannot serialize the report: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        Format::Text if args.explain => print!("{}", explain::render_text(&compilation)),
+        Format::Text => {
+            let p = &compilation.lowered.prediction;
+            let r = &compilation.lowered.resolved;
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            println!(
+                "{}: peak {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}",
+                if fits { "fits" } else { "does not fit" },
+                gib(p.peak_bytes),
+                gib(p.budget_bytes),
+                compilation.profile.name,
+                p.peak_at,
+                p.step_seconds,
+                p.tokens_per_second,
+                r.micro_batch,
+                r.grad_accum,
+                r.checkpoint
+            );
+        }
+    }
+    if fits {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
 }
