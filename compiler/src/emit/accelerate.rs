@@ -123,7 +123,7 @@ pub fn accelerate_with(plan: &LoweredPlan, sharding: Sharding) -> Result<Emissio
     }
 
     let h = &plan.hardware;
-    let processes = h.nodes * h.gpus_per_node;
+    let processes = h.nodes.saturating_mul(h.gpus_per_node);
     let multi_node = h.nodes > 1;
     let mut items = vec![item("compute_environment", s("LOCAL_MACHINE"))];
     let mut notes = Vec::new();

@@ -451,7 +451,8 @@ fn zero(
     let r = &plan.resolved;
     let stage = r.zero;
     let hidden = plan.model.hidden;
-    let bucket = hidden * hidden;
+    // Saturating: a custom model's hidden size is the user's number, not a bounded one.
+    let bucket = hidden.saturating_mul(hidden);
     let mut z = Map::new();
     z.insert("stage".into(), json!(stage));
     match stage {
@@ -467,10 +468,10 @@ fn zero(
             z.insert("overlap_comm".into(), json!(true));
             z.insert("contiguous_gradients".into(), json!(true));
             z.insert("reduce_bucket_size".into(), json!(bucket));
-            z.insert("stage3_prefetch_bucket_size".into(), json!(bucket * 9 / 10));
+            z.insert("stage3_prefetch_bucket_size".into(), json!(bucket.saturating_mul(9) / 10));
             z.insert(
                 "stage3_param_persistence_threshold".into(),
-                json!(10 * hidden),
+                json!(hidden.saturating_mul(10)),
             );
             z.insert("stage3_max_live_parameters".into(), json!(1_000_000_000u64));
             z.insert("stage3_max_reuse_distance".into(), json!(1_000_000_000u64));

@@ -99,7 +99,7 @@ pub fn slurm(plan: &LoweredPlan) -> Result<Emission, EmitError> {
     );
     s.push_str(&format!(
         "#SBATCH --cpus-per-task={}\n",
-        8 * h.gpus_per_node
+        h.gpus_per_node.saturating_mul(8)
     ));
     match time_limit(plan) {
         Some((limit, why)) => {

@@ -228,7 +228,8 @@ pub fn needs_deepspeed(plan: &LoweredPlan) -> bool {
 /// Checks every emitter relies on before writing anything.
 pub(crate) fn check_consistent(plan: &LoweredPlan) -> Result<(), EmitError> {
     let r = &plan.resolved;
-    let gpus = plan.hardware.gpus_per_node * plan.hardware.nodes;
+    let show = |v: Option<u64>| v.map_or("more than 2^64".to_string(), |v| v.to_string());
+    let gpus = plan.hardware.gpus_per_node.checked_mul(plan.hardware.nodes);
     let inconsistent = |what: String| Err(EmitError::Inconsistent { what });
     if plan.hardware.gpus_per_node == 0 || plan.hardware.nodes == 0 {
         return inconsistent(format!(
@@ -248,18 +249,32 @@ pub(crate) fn check_consistent(plan: &LoweredPlan) -> Result<(), EmitError> {
             r.micro_batch, r.grad_accum, r.data, r.tensor, r.pipeline, r.context
         ));
     }
-    let product = r.data * r.tensor * r.pipeline * r.context;
-    if product != gpus {
+    let product = [r.tensor, r.pipeline, r.context]
+        .iter()
+        .try_fold(r.data, |acc, d| acc.checked_mul(*d));
+    if product.is_none() || product != gpus {
         return inconsistent(format!(
-            "data {} x tensor {} x pipeline {} x context {} = {product}, but the plan has {gpus} GPUs",
-            r.data, r.tensor, r.pipeline, r.context
+            "data {} x tensor {} x pipeline {} x context {} = {}, but the plan has {} GPUs",
+            r.data,
+            r.tensor,
+            r.pipeline,
+            r.context,
+            show(product),
+            show(gpus)
         ));
     }
-    let batch = r.micro_batch * r.grad_accum * r.data;
-    if batch != plan.train.global_batch {
+    let batch = r
+        .micro_batch
+        .checked_mul(r.grad_accum)
+        .and_then(|b| b.checked_mul(r.data));
+    if batch != Some(plan.train.global_batch) {
         return inconsistent(format!(
-            "micro_batch {} x grad_accum {} x data {} = {batch}, but global_batch is {}",
-            r.micro_batch, r.grad_accum, r.data, plan.train.global_batch
+            "micro_batch {} x grad_accum {} x data {} = {}, but global_batch is {}",
+            r.micro_batch,
+            r.grad_accum,
+            r.data,
+            show(batch),
+            plan.train.global_batch
         ));
     }
     if r.zero > 3 {
@@ -410,6 +425,26 @@ mod tests {
                 "{engine}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn huge_numbers_are_refused_not_overflowed() {
+        let mut plan = PlanBuilder::llama_8b().build();
+        plan.resolved.data = u64::MAX;
+        plan.resolved.tensor = 2;
+        for engine in Engine::ALL {
+            assert!(matches!(
+                emit(engine, &plan),
+                Err(EmitError::Inconsistent { .. })
+            ));
+        }
+        let mut wide = PlanBuilder::llama_8b().build();
+        wide.model.hidden = u64::MAX / 2;
+        let c = deepspeed(&wide).unwrap();
+        assert!(
+            c.files[0].contents.contains(&u64::MAX.to_string()),
+            "bucket sizes saturate"
+        );
     }
 
     #[test]
