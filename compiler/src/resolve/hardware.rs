@@ -25,6 +25,11 @@ pub(crate) const KEYS: &[&str] = &[
 ];
 pub(crate) const GPU_KEYS: &[&str] = &["memory", "bf16_tflops", "bandwidth"];
 
+/// Caps far above real machines (NVL72 racks, 100k-GPU clusters), so the
+/// GPU count stays below 2^30.
+const MAX_GPUS_PER_NODE: u64 = 1 << 10;
+const MAX_NODES: u64 = 1 << 20;
+
 /// PCIe 4.0 x16, both directions added (how `intra_node` is counted).
 const CUSTOM_INTRA_NODE_BYTES_PER_S: f64 = 64e9;
 /// 100 Gb/s Ethernet.
@@ -110,12 +115,12 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<HardwareSpec> {
         }
     });
 
-    let gpus_per_node = f
-        .get("gpus_per_node")
-        .map_or(Some(1), |v| values::integer(cx, v, "gpus_per_node", 1));
-    let nodes = f
-        .get("nodes")
-        .map_or(Some(1), |v| values::integer(cx, v, "nodes", 1));
+    let gpus_per_node = f.get("gpus_per_node").map_or(Some(1), |v| {
+        values::integer_in(cx, v, "gpus_per_node", 1, MAX_GPUS_PER_NODE)
+    });
+    let nodes = f.get("nodes").map_or(Some(1), |v| {
+        values::integer_in(cx, v, "nodes", 1, MAX_NODES)
+    });
     let host = f
         .get("host_memory")
         .map(|v| values::size(cx, v, "host_memory", 1));

@@ -140,7 +140,7 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 } else {
                     0
                 },
-                ffn: c.opt("n_inner")?.unwrap_or(4 * hidden),
+                ffn: c.opt("n_inner")?.unwrap_or(hidden.saturating_mul(4)),
                 mlp: Mlp::Gelu,
                 norm: Norm::Layernorm,
                 positions: Positions::Learned,
@@ -218,11 +218,12 @@ impl Config<'_> {
     fn opt(&self, key: &'static str) -> Result<Option<u64>, HfDetail> {
         match self.obj.get(key) {
             None | Some(Json::Null) => Ok(None),
+            // Capped like explicit model keys (16M), so that later arithmetic cannot overflow.
             Some(v) => match v.as_u64() {
-                Some(n) if n > 0 => Ok(Some(n)),
+                Some(n) if n > 0 && n <= 1 << 24 => Ok(Some(n)),
                 _ => Err(HfDetail::WrongType {
                     key,
-                    expected: "a positive integer",
+                    expected: "a positive integer (at most 16777216)",
                 }),
             },
         }

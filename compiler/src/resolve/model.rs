@@ -311,9 +311,22 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
     cx.clean_since(mark).then_some(spec)
 }
 
+/// Upper bounds on model dimensions: 100x the largest real models, and low
+/// enough that parameter and activation arithmetic cannot overflow `u64`.
+fn max_of(key: &str) -> u64 {
+    match key {
+        "layers" => 1 << 16,
+        "hidden" | "head_dim" => 1 << 20,
+        "heads" | "kv_heads" | "experts" | "experts_per_token" => 1 << 16,
+        "ffn" => 1 << 22,
+        // Vocabulary and positions: 16M entries.
+        _ => 1 << 24,
+    }
+}
+
 fn read_u64(cx: &mut Cx, f: &Fields, key: &'static str, into: &mut Option<u64>) {
     if let Some(v) = f.get(key) {
-        if let Some(x) = values::integer(cx, v, key, 1) {
+        if let Some(x) = values::integer_in(cx, v, key, 1, max_of(key)) {
             *into = Some(x);
         }
     }

@@ -456,6 +456,27 @@ fn out_of_range_values() {
 }
 
 #[test]
+fn absurd_sizes_are_capped() {
+    let e = one(
+        &BASE.replace("gpu = h100-80gb", "gpu = h100-80gb nodes = 2000000"),
+        "rcoa::out_of_range",
+    );
+    assert!(e.help().unwrap().contains("from 1 to 1048576"), "{e:?}");
+    one(
+        &BASE.replace("\"llama-3.1-8b\"", "\"llama-3.1-8b\" { hidden = 99999999 }"),
+        "rcoa::out_of_range",
+    );
+    one(
+        &BASE.replace("seq_len = 2048", "seq_len = 1T"),
+        "rcoa::out_of_range",
+    );
+    one(
+        &BASE.replace("global_batch = 8", "global_batch = 99999999999999999999"),
+        "rcoa::out_of_range",
+    );
+}
+
+#[test]
 fn budget_within_gpu_memory() {
     let e = one(
         &(BASE.replace("h100-80gb", "a100-40gb") + "fit { budget = 45 GiB }\n"),

@@ -55,7 +55,7 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
     let f = Fields::read(cx, "train", "train", s.name.span, s.body.as_ref(), KEYS);
     let seq_len = f
         .require(cx, "seq_len")
-        .and_then(|v| values::integer(cx, v, "seq_len", 1));
+        .and_then(|v| values::integer_in(cx, v, "seq_len", 1, 1 << 24));
     let global = f
         .require(cx, "global_batch")
         .and_then(|v| values::integer(cx, v, "global_batch", 1));

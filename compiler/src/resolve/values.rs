@@ -18,8 +18,10 @@ use crate::spec::Choice;
 use rcoa_grammar::{Block, Entry, Number, Span, Unit, Value, ValueKind};
 use std::collections::BTreeMap;
 
-/// Integers above this are not exact in an `f64`; no real count is this big.
-const MAX_EXACT: u64 = 1 << 53;
+/// The largest count any slot takes unless it says otherwise (4.3 billion):
+/// far beyond any real job, and small enough that the products later stages
+/// form (tokens × hidden × bytes, GPUs × ...) stay far from `u64` overflow.
+pub(crate) const MAX_COUNT: u64 = 1 << 32;
 
 /// The resolver's working state: the problems found so far and the spans of
 /// what was read.
@@ -184,7 +186,7 @@ fn count(
 
 /// A whole number of at least `min`.
 pub(crate) fn integer(cx: &mut Cx, v: &Value, slot: &'static str, min: u64) -> Option<u64> {
-    integer_in(cx, v, slot, min, MAX_EXACT)
+    integer_in(cx, v, slot, min, MAX_COUNT)
 }
 
 /// A whole number in `lo..=hi`.
@@ -221,22 +223,14 @@ fn integer_as(
         });
         return None;
     }
-    let range = if hi == MAX_EXACT {
-        Range::AtLeast(lo)
-    } else {
-        Range::Between(lo, hi)
-    };
     if x < lo as f64 || x > hi as f64 {
-        out_of_range(
-            cx,
-            v,
-            slot,
-            if x > MAX_EXACT as f64 {
-                Range::Between(lo, hi)
-            } else {
-                range
-            },
-        );
+        // Below the minimum, say the minimum; above the cap, say both ends.
+        let range = if x < lo as f64 && hi == MAX_COUNT {
+            Range::AtLeast(lo)
+        } else {
+            Range::Between(lo, hi)
+        };
+        out_of_range(cx, v, slot, range);
         return None;
     }
     Some(x as u64)
@@ -249,7 +243,7 @@ pub(crate) fn auto_integer(
     slot: &'static str,
     min: u64,
 ) -> Option<Choice<u64>> {
-    auto_integer_in(cx, v, slot, min, MAX_EXACT)
+    auto_integer_in(cx, v, slot, min, MAX_COUNT)
 }
 
 pub(crate) fn auto_integer_in(
