@@ -468,7 +468,10 @@ fn zero(
             z.insert("overlap_comm".into(), json!(true));
             z.insert("contiguous_gradients".into(), json!(true));
             z.insert("reduce_bucket_size".into(), json!(bucket));
-            z.insert("stage3_prefetch_bucket_size".into(), json!(bucket.saturating_mul(9) / 10));
+            z.insert(
+                "stage3_prefetch_bucket_size".into(),
+                json!(bucket.saturating_mul(9) / 10),
+            );
             z.insert(
                 "stage3_param_persistence_threshold".into(),
                 json!(hidden.saturating_mul(10)),
