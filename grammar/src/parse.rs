@@ -775,6 +775,21 @@ mod tests {
         );
     }
 
+    /// Regression: a recursive `every` operand made failing input like
+    /// this take 2^depth steps (20 levels: 10 s).
+    #[test]
+    fn nested_every_is_not_exponential() {
+        let n = 60;
+        let src = format!("s {{ k = {}x ={} }}", "every [".repeat(n), "]".repeat(n));
+        let start = std::time::Instant::now();
+        assert!(parse("t", &src).is_err());
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
     #[test]
     fn malformed_numbers() {
         for bad in ["1.", "1_", "2e", "1.5.3", "3e+"] {
