@@ -15,6 +15,24 @@
 //!
 //! Invariant: no input makes the resolver panic (a proptest in
 //! `tests/resolve_props.rs` feeds it mutated plans).
+//!
+//! Error codes (stable; the golden files in `tests/diagnostics` use them):
+//! - structure: `rcoa::unknown_section`, `rcoa::duplicate_section`,
+//!   `rcoa::missing_section`, `rcoa::missing_argument`,
+//!   `rcoa::unexpected_argument`, `rcoa::missing_block`,
+//!   `rcoa::unexpected_block`, `rcoa::unknown_key`, `rcoa::duplicate_key`,
+//!   `rcoa::missing_key`;
+//! - names: `rcoa::unknown_model`, `rcoa::unknown_gpu`, `rcoa::unknown_dtype`,
+//!   `rcoa::unknown_optimizer`, `rcoa::unknown_adapter`,
+//!   `rcoa::unknown_target`, `rcoa::unknown_value`;
+//! - values: `rcoa::wrong_kind` (a string where a number goes, `auto` where
+//!   it is not allowed, ...), `rcoa::wrong_unit` (a unit of the wrong family
+//!   for the slot), `rcoa::out_of_range`;
+//! - constraints: `rcoa::not_divisible`, `rcoa::batch_mismatch`,
+//!   `rcoa::parallel_mismatch`, `rcoa::conflict` (two settings that exclude
+//!   each other), `rcoa::not_applicable` (a key meaningless here);
+//! - `rcoa::hf_config` for `model hf "..."`; `rcoa::invalid_plan` heads a
+//!   report of several problems.
 
 mod adapter;
 mod constraints;
