@@ -12,6 +12,7 @@ pub mod graph;
 pub mod lowered;
 pub mod memory;
 pub mod profile;
+pub mod report;
 pub mod resolve;
 pub mod spec;
 

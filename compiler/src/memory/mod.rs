@@ -239,6 +239,7 @@ fn evaluate_stage(
             op: opt.name.to_string(),
             layer: None,
             bytes: opt_total,
+            by_category: at_opt,
         });
     }
     let e = phase_peaks.entry("optimizer".to_string()).or_default();

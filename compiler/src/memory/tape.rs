@@ -169,6 +169,10 @@ pub struct Sample {
     pub op: String,
     pub layer: Option<u64>,
     pub bytes: u64,
+    /// Live bytes per category (sums to `bytes`); for the HTML report's stacked timeline.
+    /// Not serialized: the JSON timeline stays one number per sample.
+    #[serde(skip_serializing)]
+    pub by_category: Bytes,
 }
 
 /// Where the walk saw the most bytes live.
@@ -254,6 +258,7 @@ impl<'a> Walk<'a> {
                 op: op.to_string(),
                 layer: layer.map(u64::from),
                 bytes: total,
+                by_category: now,
             });
         }
         if self.peak.as_ref().is_none_or(|p| total > p.bytes) {
