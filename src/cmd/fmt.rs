@@ -10,8 +10,7 @@
 //! 1 with `--check`, some file would change; 2 a file could not be read,
 //! parsed or written.
 
-use rcoa_grammar::render::render_plain;
-use std::io::IsTerminal;
+use super::common::render;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -66,6 +65,7 @@ fn fmt_file(path: &Path, check: bool) -> Outcome {
     let (text, file) = match parsed {
         Ok(ok) => ok,
         Err(diag) => {
+            // Plain text unless stderr is a terminal, like every subcommand.
             eprint!("{}", render(&diag));
             return Outcome::Failed;
         }
@@ -84,19 +84,6 @@ fn fmt_file(path: &Path, check: bool) -> Outcome {
             Outcome::Failed
         }
     }
-}
-
-/// Plain text when stderr is a file or pipe (deterministic, as in golden
-/// tests); colours and unicode when a person is watching.
-fn render(diag: &dyn miette::Diagnostic) -> String {
-    if std::io::stderr().is_terminal() {
-        let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode());
-        let mut out = String::new();
-        if handler.render_report(&mut out, diag).is_ok() {
-            return out;
-        }
-    }
-    render_plain(diag)
 }
 
 /// Writes `text` to a sibling temporary file, copies the original's
