@@ -222,18 +222,23 @@ impl<B: Backend> Linear<B> {
     }
 
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        // One 2-D GEMM over all tokens: a batched matmul against a broadcast
+        // weight would make the backward materialise one weight gradient per
+        // batch row and sum them (memory and time).
+        let [b, s, d_in] = x.dims();
+        let x = x.reshape([b * s, d_in]);
         let w = to_dtype(self.weight.val(), ctx.compute);
-        let mut y = x.clone().matmul(w.unsqueeze());
-        if let Some(b) = &self.bias {
-            y = y + to_dtype(b.val(), ctx.compute).unsqueeze();
+        let mut y = x.clone().matmul(w);
+        if let Some(bias) = &self.bias {
+            y = y + to_dtype(bias.val(), ctx.compute).unsqueeze();
         }
         if let Some(l) = &self.lora {
-            let xa = dropout(x, ctx.lora_dropout, ctx)
-                .matmul(to_dtype(l.a.val(), ctx.compute).unsqueeze());
-            let xab = xa.matmul(to_dtype(l.b.val(), ctx.compute).unsqueeze());
+            let xa = dropout(x, ctx.lora_dropout, ctx).matmul(to_dtype(l.a.val(), ctx.compute));
+            let xab = xa.matmul(to_dtype(l.b.val(), ctx.compute));
             y = y + xab.mul_scalar(ctx.lora_scale);
         }
-        y
+        let d_out = y.dims()[1];
+        y.reshape([b, s, d_out])
     }
 }
 
@@ -477,7 +482,9 @@ impl<B: Backend> Head<B> {
             Some(w) => to_dtype(w.val(), ctx.compute),
             None => to_dtype(embed.table(), ctx.compute).transpose(),
         };
-        x.matmul(w.unsqueeze())
+        let [b, s, d] = x.dims();
+        let v = w.dims()[1];
+        x.reshape([b * s, d]).matmul(w).reshape([b, s, v])
     }
 }
 

@@ -296,6 +296,10 @@ pub struct Trainer<B: AutodiffBackend> {
     /// Optimizer steps completed.
     pub step: u64,
     reseed: bool,
+    /// Sample memory after every layer (default); `RCOA_MEMORY_SAMPLES=step`
+    /// samples only after the loss, the backward and the optimizer (to
+    /// measure what the per-layer samples cost).
+    per_layer_samples: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -365,6 +369,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             seed: cfg.seed,
             step: 0,
             reseed,
+            per_layer_samples: std::env::var("RCOA_MEMORY_SAMPLES")
+                .map(|v| v != "step")
+                .unwrap_or(true),
         })
     }
 
@@ -462,7 +469,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 x = y.clone().inner();
                 saved.push(Saved::Graph(leaf, y));
             }
-            probe.sample();
+            if self.per_layer_samples {
+                probe.sample();
+            }
         }
         let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
         let loss = self.objective(m, leaf.clone(), batch, &self.ctx, &self.device);
@@ -482,7 +491,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                     self.reseed_for(step, micro, i as u64 + 1);
                     let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
                     let y = m.layers[i].forward(leaf.clone(), &self.ctx);
-                    probe.sample();
+                    if self.per_layer_samples {
+                        probe.sample();
+                    }
                     (leaf, y)
                 }
             };
@@ -491,7 +502,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .grad(&grads)
                 .expect("a layer's output depends on its input");
             merge(grads, acc);
-            probe.sample();
+            if self.per_layer_samples {
+                probe.sample();
+            }
         }
         let grads = (emb * Tensor::from_inner(g)).sum().backward();
         merge(grads, acc);
