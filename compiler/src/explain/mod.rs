@@ -153,8 +153,11 @@ pub fn render_text(c: &Compilation) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "model     {:?} {} layers, hidden {}, heads {}/{}, ffn {}, vocab {}: {:.3} B params, {:.3} B trainable",
-        m.arch,
+        "model     {} {} layers, hidden {}, heads {}/{}, ffn {}, vocab {}: {:.3} B params, {:.3} B trainable",
+        match m.arch {
+            crate::spec::Arch::Decoder => "decoder",
+            crate::spec::Arch::Encoder => "encoder",
+        },
         m.layers,
         m.hidden,
         m.heads,

@@ -74,7 +74,10 @@ impl<'a> Builder<'a> {
         let seqs = cand.micro_batch * spec.train.sequences_per_item();
         let tokens = (seqs * spec.train.seq_len).div_ceil(cand.context.max(1));
         let zero3 = cand.zero >= 3 && cand.data > 1;
-        let param_shard = if zero3 { cand.data } else { 1 };
+        let on_host = cand.offloads(crate::spec::OffloadWhat::Params);
+        // Offloaded parameters live in host memory and are fetched per layer like ZeRO-3's
+        // gathers; a shard of 2^40 rounds their resident bytes to nothing.
+        let param_shard = if on_host { 1 << 40 } else if zero3 { cand.data } else { 1 };
         Builder {
             tape: Tape::default(),
             spec,
@@ -86,7 +89,7 @@ impl<'a> Builder<'a> {
             layer: None,
             tokens,
             param_shard,
-            gather: zero3,
+            gather: zero3 || on_host,
             trainable: Vec::new(),
         }
     }

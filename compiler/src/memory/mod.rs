@@ -86,7 +86,8 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    fn offloads(&self, what: OffloadWhat) -> bool {
+    /// Does this candidate move `what` off the GPU?
+    pub fn offloads(&self, what: OffloadWhat) -> bool {
         self.offload.iter().any(|o| o.what == what)
     }
 }
@@ -193,11 +194,13 @@ fn evaluate_stage(
             dp
         };
     }
-    // Micro-batches in flight on a pipeline stage keep their saved activations.
+    // Micro-batches in flight on a pipeline stage (1F1B: the first stage holds `stages`) keep
+    // what their forward saved until their backward runs.
     if in_flight > 1 {
         let probe = tape::walk(&tape, &persistent, false);
-        let fwd_end = probe.peak.by_category[Category::Activations as usize];
-        persistent.fixed[Category::Activations as usize] += (in_flight - 1) * fwd_end / 2;
+        let a = Category::Activations as usize;
+        let saved = probe.forward_end[a].saturating_sub(persistent.fixed[a]);
+        persistent.fixed[a] += (in_flight - 1) * saved;
     }
     let first = tape::walk(&tape, &persistent, timeline);
     let mut peak = first.peak.clone();
@@ -220,7 +223,9 @@ fn evaluate_stage(
             *e = (*e).max(s.bytes);
         }
         if timeline {
-            samples.extend(second.samples);
+            // Later micro-batches dominate the first (same ops, gradients already allocated):
+            // the timeline shows one of them.
+            samples = second.samples;
         }
     }
     // The optimizer step: what the backward left (params, grads, state) plus temporaries.
@@ -297,11 +302,8 @@ fn param_counts(tape: &tape::Tape) -> (u64, u64) {
 fn tape_work(tape: &tape::Tape) -> (f64, f64) {
     let mut flops = 0.0;
     let mut moved = 0.0;
-    for op in &tape.ops {
-        let recomputed = op
-            .layer
-            .and_then(|l| tape.layers.get(l as usize))
-            .is_some_and(|l| l.checkpointed);
+    for (i, op) in tape.ops.iter().enumerate() {
+        let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         flops += op.flops * fwd_times
             + if op.has_backward(tape) {

@@ -134,9 +134,12 @@ impl Tape {
         self.ops.push(info);
         id
     }
-    fn layer_of_op(&self, op: usize) -> Option<&LayerSpan> {
+    /// The span of the layer `op` belongs to (layer indices are the model's, so a later
+    /// pipeline stage's tape starts at its first layer).
+    pub fn layer_of_op(&self, op: usize) -> Option<&LayerSpan> {
         let l = self.ops[op].layer?;
-        self.layers.get(l as usize)
+        let first = self.layers.first()?.index;
+        self.layers.get(l.checked_sub(first)? as usize)
     }
 }
 
@@ -401,6 +404,8 @@ impl<'a> Walk<'a> {
 /// The result of walking one micro-step (forward + backward) of a tape.
 pub struct WalkResult {
     pub peak: Peak,
+    /// Live bytes per category when the forward has returned.
+    pub forward_end: Bytes,
     pub samples: Vec<Sample>,
     /// Live bytes per category after the backward.
     pub end: Bytes,
@@ -449,6 +454,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         }
     }
     w.observe(Phase::Forward, "forward end", None, [0; Category::COUNT]);
+    let forward_end = w.live;
     // Backward: the loss gradient is a scalar; ops in reverse.
     let mut op = tape.ops.len();
     while op > 0 {
@@ -496,6 +502,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
     });
     WalkResult {
         peak,
+        forward_end,
         samples: w.samples,
         end,
     }
