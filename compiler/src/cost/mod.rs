@@ -43,7 +43,8 @@ pub fn estimate(
     let bw = gpu.bandwidth_bytes_per_s * profile.bandwidth_efficiency;
     let ga = cand.grad_accum.max(1) as f64;
     let compute_s = ga * report.step_flops / flops_rate.max(1.0);
-    let memory_s = ga * report.step_bytes_moved / bw.max(1.0);
+    let launch_s = ga * report.step_kernels as f64 * profile.kernel_overhead_s;
+    let memory_s = ga * report.step_bytes_moved / bw.max(1.0) + launch_s;
     let persistent: u64 = ["weights", "grads", "optimizer"]
         .iter()
         .filter_map(|k| report.breakdown.get(*k))

@@ -130,6 +130,8 @@ pub struct MemoryReport {
     pub step_flops: f64,
     /// Bytes moved by memory-bound ops in one micro-step.
     pub step_bytes_moved: f64,
+    /// Kernels launched by one micro-step (forward, recompute, backward).
+    pub step_kernels: u64,
 }
 
 /// Evaluate one candidate. `timeline`: collect the samples (the search can skip them).
@@ -262,7 +264,7 @@ fn evaluate_stage(
     for c in Category::ALL {
         breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
     }
-    let (flops, moved) = tape_work(&tape);
+    let (flops, moved, kernels) = tape_work(&tape);
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes);
     let (total, trainable_count) = param_counts(&tape);
     MemoryReport {
@@ -280,6 +282,7 @@ fn evaluate_stage(
         params_trainable: trainable_count,
         step_flops: flops,
         step_bytes_moved: moved,
+        step_kernels: kernels,
     }
 }
 
@@ -298,13 +301,16 @@ fn param_counts(tape: &tape::Tape) -> (u64, u64) {
     (total, trainable)
 }
 
-/// FLOPs (forward, backward and recompute) and bytes moved by one micro-step.
-fn tape_work(tape: &tape::Tape) -> (f64, f64) {
+/// FLOPs (forward, backward and recompute), bytes moved and kernels launched by one
+/// micro-step.
+fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
     let mut flops = 0.0;
     let mut moved = 0.0;
+    let mut kernels = 0u64;
     for (i, op) in tape.ops.iter().enumerate() {
         let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
+        kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         flops += op.flops * fwd_times
             + if op.has_backward(tape) {
                 op.bwd_flops
@@ -316,7 +322,7 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64) {
             moved += op.bytes_moved * (fwd_times + 1.0);
         }
     }
-    (flops, moved)
+    (flops, moved, kernels)
 }
 
 /// Keep one sample per run of (phase, layer): the highest.
