@@ -11,9 +11,11 @@ pub mod explain;
 pub mod graph;
 pub mod lowered;
 pub mod memory;
+pub mod passes;
 pub mod profile;
 pub mod report;
 pub mod resolve;
+pub mod search;
 pub mod spec;
 
 pub use compile::{compile, Compilation, CompileError};

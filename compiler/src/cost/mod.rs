@@ -10,6 +10,8 @@
 //! (pessimistic). Invariant: the model is monotone — more FLOPs, bytes or
 //! traffic never predict a faster step.
 
+pub mod parallel;
+
 use crate::memory::{Candidate, MemoryReport};
 use crate::profile::Profile;
 use crate::spec::{Dtype, Spec};

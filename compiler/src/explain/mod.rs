@@ -34,9 +34,23 @@ impl Decision {
 }
 
 /// The decision log of one compilation.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Explain {
     pub decisions: Vec<Decision>,
+    /// The best alternatives the fit search rejected, per setting, and why they lost.
+    pub rejected: Vec<Rejected>,
+}
+
+/// A setting the fit search did not choose, with its best numbers and why it lost.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Rejected {
+    /// The setting, e.g. `zero = 2`.
+    pub what: String,
+    /// Predicted peak of the best candidate with this setting (reserve not included).
+    pub peak_bytes: u64,
+    pub step_seconds: f64,
+    /// e.g. `44.10 GiB > 37.60 GiB budget`, `1.234 s/step vs 1.100 s (+12.2%)`.
+    pub why: String,
 }
 
 /// The settings the plan fixed, and what the runtime profile makes of them.
@@ -268,6 +282,13 @@ pub fn render_text(c: &Compilation) -> String {
     for d in &c.explain.decisions {
         let _ = writeln!(s, "  [{}] {}: {}", d.pass, d.what, d.why);
     }
+    if !c.explain.rejected.is_empty() {
+        let _ = writeln!(s);
+        let _ = writeln!(s, "rejected alternatives (best candidate of each)");
+        for r in &c.explain.rejected {
+            let _ = writeln!(s, "  {}: {}", r.what, r.why);
+        }
+    }
     s
 }
 
@@ -290,6 +311,7 @@ pub fn to_json(c: &Compilation) -> Value {
             "timeline": rep.timeline,
         },
         "decisions": c.explain.decisions,
+        "rejected": c.explain.rejected,
         "time": {
             "step_seconds": pr.step_seconds,
             "tokens_per_second": pr.tokens_per_second,

@@ -19,6 +19,7 @@
 
 pub mod build;
 pub mod optimizer;
+pub mod parallel;
 pub mod tape;
 
 use crate::profile::Profile;
@@ -173,7 +174,12 @@ fn evaluate_stage(
 ) -> MemoryReport {
     let b = build::Builder::new(spec, profile, cand).build(range, with_embedding, with_head);
     let trainable = b.trainable.clone();
-    let tape = b.tape;
+    let mut tape = b.tape;
+    if cand.sequence && cand.tensor > 1 {
+        let tokens = (cand.micro_batch * spec.train.sequences_per_item() * spec.train.seq_len)
+            .div_ceil(cand.context.max(1));
+        parallel::shard_sequence(&mut tape, tokens, spec.model.hidden, cand.tensor);
+    }
     let dp = cand.data.max(1);
     let opt = optimizer::model(spec, profile, &tape, &trainable, cand);
     let mut persistent = tape::Persistent {

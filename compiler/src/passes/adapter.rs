@@ -1,0 +1,95 @@
+//! The adapter pass: with LoRA/QLoRA the base stays frozen and only the
+//! adapters train, so gradients and optimizer state shrink to the adapters'
+//! parameters. Records the trainable count and the bytes it saves; narrows
+//! nothing (ZeRO and offload still apply, to far fewer bytes).
+
+use super::{decide, gib, Pass, Plan};
+use crate::compile::CompileError;
+use crate::explain::Decision;
+use crate::memory::parallel::model_params;
+use crate::spec::{AdapterSpec, Arch, ModelSpec, Proj};
+
+pub struct Adapter<'a> {
+    adapter: Option<&'a AdapterSpec>,
+    model: &'a ModelSpec,
+}
+
+/// Trainable parameters of `a` on `m`: rank × (in + out) per adapted projection per layer.
+pub fn adapter_params(m: &ModelSpec, a: &AdapterSpec) -> u64 {
+    let (h, q, kv, ffn) = (
+        m.hidden,
+        m.heads * m.head_dim,
+        m.kv_heads * m.head_dim,
+        m.ffn,
+    );
+    let per_layer: u64 = a
+        .targets
+        .iter()
+        .map(|p| match p {
+            Proj::Q => h + q,
+            Proj::K | Proj::V => h + kv,
+            Proj::O => q + h,
+            Proj::Gate | Proj::Up | Proj::Down => h + ffn,
+        })
+        .sum();
+    // Encoders' `dense` suffix also adapts the MLP (see the memory model's profile).
+    let extra = if m.arch == Arch::Encoder && a.targets.contains(&Proj::O) {
+        2 * (h + ffn)
+    } else {
+        0
+    };
+    m.layers * a.rank * (per_layer + extra)
+}
+
+impl<'a> Adapter<'a> {
+    pub fn new(adapter: Option<&'a AdapterSpec>, model: &'a ModelSpec) -> Self {
+        Adapter { adapter, model }
+    }
+}
+
+impl Pass for Adapter<'_> {
+    fn name(&self) -> &'static str {
+        "adapter"
+    }
+
+    fn run(&self, _plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
+        let total = model_params(self.model) as f64;
+        match self.adapter {
+            None => decide(
+                log,
+                self,
+                "full fine-tuning",
+                format!(
+                    "all {:.3} B parameters train: each has a gradient and optimizer state",
+                    total / 1e9
+                ),
+            ),
+            Some(a) => {
+                let n = adapter_params(self.model, a) as f64;
+                decide(
+                    log,
+                    self,
+                    format!(
+                        "{:?} rank {} on [{}]: {:.1} M trainable of {:.3} B",
+                        a.kind,
+                        a.rank,
+                        a.targets
+                            .iter()
+                            .map(|p| p.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        n / 1e6,
+                        total / 1e9
+                    )
+                    .to_lowercase(),
+                    format!(
+                        "frozen base in {}: no gradients or optimizer state for {} of weights",
+                        a.base.as_str(),
+                        gib((total - n).max(0.0) * a.base.bytes())
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}

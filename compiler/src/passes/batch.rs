@@ -1,0 +1,67 @@
+//! The batch pass: micro-batch and gradient accumulation consistent with the
+//! global batch and each layout's data-parallel degree
+//! (`global_batch = micro_batch × grad_accum × data`).
+//!
+//! A fixed micro-batch is the only value; `auto` ranges over the divisors
+//! of the global batch, and the search keeps, per layout, those dividing
+//! its per-rank batch (and matching a fixed `grad_accum`).
+
+use super::{decide, Pass, Plan};
+use crate::compile::CompileError;
+use crate::explain::Decision;
+use crate::spec::{Choice, TrainSpec};
+
+pub struct Batch<'a> {
+    train: &'a TrainSpec,
+}
+
+impl<'a> Batch<'a> {
+    pub fn new(train: &'a TrainSpec) -> Self {
+        Batch { train }
+    }
+}
+
+impl Pass for Batch<'_> {
+    fn name(&self) -> &'static str {
+        "batch"
+    }
+
+    fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
+        let g = self.train.global_batch.max(1);
+        plan.space.grad_accum = self.train.grad_accum.fixed();
+        plan.space.micro_batch = match self.train.micro_batch {
+            Choice::Fixed(mb) => vec![mb],
+            Choice::Auto => {
+                let v: Vec<u64> = (1..=g).filter(|m| g.is_multiple_of(*m)).collect();
+                decide(
+                    log,
+                    self,
+                    format!("micro_batch ∈ divisors of {g} ({} values)", v.len()),
+                    "per layout, those dividing global_batch / data; memory grows with it, the pipeline bubble shrinks with more micro-batches",
+                );
+                v
+            }
+        };
+        let ok = plan.space.layouts.iter().any(|l| {
+            plan.space.micro_batch.iter().any(|&mb| {
+                let per_rank = g / l.data.max(1);
+                per_rank.is_multiple_of(mb)
+                    && plan.space.grad_accum.is_none_or(|ga| mb * ga == per_rank)
+            })
+        });
+        if !ok {
+            return Err(CompileError::Inconsistent {
+                what: format!(
+                    "global_batch = {g} is not micro_batch × grad_accum × data for any layout"
+                ),
+                help: format!(
+                    "micro_batch {:?}, grad_accum {:?}, data {{{}}}: choose values whose product is {g}",
+                    self.train.micro_batch,
+                    self.train.grad_accum,
+                    plan.space.layouts.iter().map(|l| l.data.to_string()).collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
+        Ok(())
+    }
+}

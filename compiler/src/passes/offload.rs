@@ -1,0 +1,102 @@
+//! The offload pass: which sets of tensors the search may move off the GPU.
+//!
+//! Only what `fit.offload` allows is tried, and never required: every
+//! subset of the allowed items is a candidate (the empty one first).
+//! Parameters move only with ZeRO-3 (DeepSpeed's `offload_param`); the
+//! search skips other stages. Activations are not offered: the memory model
+//! does not model moving checkpointed inputs to the host, and a move it
+//! cannot price is not one the compiler may choose. Host and NVMe capacity
+//! are checked per candidate by the search. The Burn executor cannot move
+//! anything (its optimizer state lives on the gradient's device), and it runs
+//! one-GPU plans; multi-GPU plans run on engines that can (DeepSpeed).
+
+use super::{decide, Pass, Plan};
+use crate::compile::CompileError;
+use crate::explain::Decision;
+use crate::spec::{HardwareSpec, Offload as Item, OffloadWhat, Target};
+
+pub struct Offload<'a> {
+    allowed: &'a [Item],
+    hardware: &'a HardwareSpec,
+    target: Target,
+}
+
+impl<'a> Offload<'a> {
+    pub fn new(allowed: &'a [Item], hardware: &'a HardwareSpec, target: Target) -> Self {
+        Offload {
+            allowed,
+            hardware,
+            target,
+        }
+    }
+}
+
+impl Pass for Offload<'_> {
+    fn name(&self) -> &'static str {
+        "offload"
+    }
+
+    fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
+        let mut items: Vec<Item> = Vec::new();
+        // `rcoa run` executes one-GPU plans only; multi-GPU plans run on the engines the
+        // emitters configure (DeepSpeed moves optimizer state and parameters).
+        let gpus = self.hardware.gpus_per_node * self.hardware.nodes;
+        if self.target == Target::Burn && gpus <= 1 && !self.allowed.is_empty() {
+            decide(log, self, "offload = []",
+                "the Burn executor keeps optimizer state on the gradient's device (BURN.md): nothing can move");
+            plan.space.offload = vec![Vec::new()];
+            return Ok(());
+        }
+        for o in self.allowed {
+            if o.what == OffloadWhat::Activations {
+                decide(log, self, format!("{o} not used"),
+                    "moving activations to the host is not modelled by the memory model; checkpointing covers the same memory");
+                continue;
+            }
+            items.push(*o);
+        }
+        let mut sets: Vec<Vec<Item>> = Vec::new();
+        for mask in 0u32..(1 << items.len()) {
+            let set: Vec<Item> = items
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .map(|(_, o)| *o)
+                .collect();
+            // One place per tensor kind.
+            let mut whats: Vec<OffloadWhat> = set.iter().map(|o| o.what).collect();
+            whats.dedup();
+            if whats.len() == set.len() {
+                sets.push(set);
+            }
+        }
+        sets.sort_by_key(|s| s.len());
+        if !items.is_empty() {
+            let host = match self.hardware.host_memory_bytes {
+                Some(b) => format!(
+                    "{:.0} GiB of host memory per node",
+                    b as f64 / (1u64 << 30) as f64
+                ),
+                None => "host memory not given: capacity not checked".to_string(),
+            };
+            decide(
+                log,
+                self,
+                format!(
+                    "offload ⊆ [{}]",
+                    items
+                        .iter()
+                        .map(|o| o.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                format!(
+                    "allowed by the plan, used only when it pays: {} subsets; {host}",
+                    sets.len()
+                ),
+            );
+        }
+        plan.space.offload = sets;
+        Ok(())
+    }
+}

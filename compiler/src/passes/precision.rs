@@ -1,0 +1,137 @@
+//! The precision pass: the dtypes of weights, gradients, master copy and
+//! optimizer state, and what each costs per GPU before any sharding.
+//!
+//! Precision is never `auto` in the DSL, so this pass narrows nothing; it
+//! records the bytes per parameter the later passes and the search trade
+//! against (e.g. "fp32 master copy: +29.92 GiB"), counted arithmetically
+//! from the architecture (the memory model's tape counts the same tensors).
+
+use super::{decide, gib, Pass, Plan};
+use crate::compile::CompileError;
+use crate::explain::Decision;
+use crate::memory::parallel::model_params;
+use crate::spec::{AdapterSpec, Dtype, ModelSpec, OptimizerKind, OptimizerSpec, PrecisionSpec};
+
+pub struct Precision<'a> {
+    precision: &'a PrecisionSpec,
+    optimizer: &'a OptimizerSpec,
+    model: &'a ModelSpec,
+    adapter: Option<&'a AdapterSpec>,
+}
+
+impl<'a> Precision<'a> {
+    pub fn new(
+        precision: &'a PrecisionSpec,
+        optimizer: &'a OptimizerSpec,
+        model: &'a ModelSpec,
+        adapter: Option<&'a AdapterSpec>,
+    ) -> Self {
+        Precision {
+            precision,
+            optimizer,
+            model,
+            adapter,
+        }
+    }
+
+    /// Optimizer state tensors per trainable parameter, and their dtype.
+    fn state(&self) -> (f64, Dtype) {
+        let o = self.optimizer;
+        let p = self.precision;
+        let dtype = match (o.kind, p.master) {
+            (OptimizerKind::Adam8bit, _) => Dtype::Int8,
+            (_, Some(m)) if o.state.bytes() >= m.bytes() => m,
+            (_, None) if o.state.bytes() >= p.params.bytes() => p.params,
+            _ => o.state,
+        };
+        let copies = match o.kind {
+            OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => 2.0,
+            OptimizerKind::Lion | OptimizerKind::AdamMini => 1.0,
+            OptimizerKind::Sgd if o.momentum > 0.0 => 1.0,
+            OptimizerKind::Sgd => 0.0,
+            // Factored second moment: rows + columns, negligible next to the weights.
+            OptimizerKind::Adafactor => 0.0,
+        };
+        (copies, dtype)
+    }
+}
+
+impl Pass for Precision<'_> {
+    fn name(&self) -> &'static str {
+        "precision"
+    }
+
+    fn run(&self, _plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
+        let p = self.precision;
+        let total = model_params(self.model) as f64;
+        let trainable = match self.adapter {
+            None => total,
+            Some(a) => super::adapter::adapter_params(self.model, a) as f64,
+        };
+        let weight_dtype = match self.adapter {
+            Some(a) if a.base == Dtype::Nf4 => Dtype::Nf4,
+            _ => p.params,
+        };
+        decide(
+            log,
+            self,
+            format!(
+                "weights {}: {}",
+                weight_dtype.as_str(),
+                gib(total * weight_dtype.bytes())
+            ),
+            format!(
+                "{:.3} B parameters × {} B, before sharding",
+                total / 1e9,
+                weight_dtype.bytes()
+            ),
+        );
+        decide(
+            log,
+            self,
+            format!(
+                "gradients {}: +{}",
+                p.grads.as_str(),
+                gib(trainable * p.grads.bytes())
+            ),
+            format!(
+                "{:.3} B trainable parameters × {} B",
+                trainable / 1e9,
+                p.grads.bytes()
+            ),
+        );
+        match p.master {
+            Some(m) if m.bytes() > p.params.bytes() => decide(
+                log,
+                self,
+                format!("{} master copy: +{}", m.as_str(), gib(trainable * m.bytes())),
+                format!(
+                    "the optimizer updates {} copies of the {} weights ({} B per trainable parameter)",
+                    m.as_str(),
+                    p.params.as_str(),
+                    m.bytes()
+                ),
+            ),
+            _ => decide(
+                log,
+                self,
+                "no master copy: +0 GiB",
+                format!("the optimizer updates the {} weights in place", p.params.as_str()),
+            ),
+        }
+        let (copies, dtype) = self.state();
+        decide(
+            log,
+            self,
+            format!(
+                "{} state {} × {}: +{}",
+                self.optimizer.kind.as_str(),
+                copies,
+                dtype.as_str(),
+                gib(trainable * copies * dtype.bytes())
+            ),
+            "per trainable parameter; ZeRO ≥ 1 divides it by the data-parallel degree, offload moves it to the host",
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,208 @@
+//! The sharding pass: which data × tensor × pipeline × context layouts,
+//! ZeRO stages and sequence-parallel settings the search may use.
+//!
+//! Fixed degrees are kept; `auto` ones range over what the model and the
+//! hardware allow: tensor parallelism divides the attention heads and the
+//! key/value heads and stays inside a node (its per-layer all-reduces need
+//! NVLink), pipeline parallelism gives every stage at least one layer,
+//! context parallelism splits the sequence evenly and stays inside a node,
+//! and data parallelism takes the GPUs left over and must divide the
+//! global batch. ZeRO `auto` tries every stage (stages only differ with
+//! data > 1). Sequence parallelism `auto` is on wherever tensor > 1: it
+//! moves the same bytes as tensor parallelism's all-reduces and divides
+//! the activations between them. Expert parallelism: dense models only.
+
+use super::{decide, Layout, Pass, Plan};
+use crate::compile::CompileError;
+use crate::explain::Decision;
+use crate::spec::{Choice, HardwareSpec, ModelSpec, ParallelSpec, TrainSpec};
+
+pub struct Sharding<'a> {
+    parallel: &'a ParallelSpec,
+    hardware: &'a HardwareSpec,
+    model: &'a ModelSpec,
+    train: &'a TrainSpec,
+}
+
+fn divisors(n: u64) -> Vec<u64> {
+    let mut out: Vec<u64> = Vec::new();
+    let mut i = 1;
+    while i * i <= n {
+        if n.is_multiple_of(i) {
+            out.push(i);
+            if i != n / i {
+                out.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    out.sort_unstable();
+    out
+}
+
+fn list(v: &[u64]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl<'a> Sharding<'a> {
+    pub fn new(
+        parallel: &'a ParallelSpec,
+        hardware: &'a HardwareSpec,
+        model: &'a ModelSpec,
+        train: &'a TrainSpec,
+    ) -> Self {
+        Sharding {
+            parallel,
+            hardware,
+            model,
+            train,
+        }
+    }
+
+    fn domain(&self, c: Choice<u64>, auto: impl Fn() -> Vec<u64>) -> Vec<u64> {
+        match c {
+            Choice::Fixed(v) => vec![v],
+            Choice::Auto => auto(),
+        }
+    }
+}
+
+impl Pass for Sharding<'_> {
+    fn name(&self) -> &'static str {
+        "sharding"
+    }
+
+    fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
+        let gpus = (self.hardware.gpus_per_node * self.hardware.nodes).max(1);
+        let per_node = self.hardware.gpus_per_node.max(1);
+        let m = self.model;
+        let tensor = self.domain(self.parallel.tensor, || {
+            divisors(per_node)
+                .into_iter()
+                .filter(|t| m.heads.is_multiple_of(*t) && m.kv_heads.is_multiple_of(*t))
+                .collect()
+        });
+        let pipeline = self.domain(self.parallel.pipeline, || {
+            divisors(gpus)
+                .into_iter()
+                .filter(|p| *p <= m.layers)
+                .collect()
+        });
+        let context = self.domain(self.parallel.context, || {
+            divisors(per_node)
+                .into_iter()
+                .filter(|c| self.train.seq_len.is_multiple_of(*c))
+                .collect()
+        });
+        if self.parallel.tensor.is_auto() {
+            decide(log, self, format!("tensor ∈ {{{}}}", list(&tensor)),
+                format!("divisors of the {per_node} GPUs of a node that divide heads {} and kv_heads {}: tensor-parallel all-reduces run every layer and need intra-node links", m.heads, m.kv_heads));
+        }
+        if self.parallel.pipeline.is_auto() {
+            decide(
+                log,
+                self,
+                format!("pipeline ∈ {{{}}}", list(&pipeline)),
+                format!(
+                    "divisors of {gpus} GPUs with at least one of the {} layers per stage",
+                    m.layers
+                ),
+            );
+        }
+        if self.parallel.context.is_auto() {
+            decide(
+                log,
+                self,
+                format!("context ∈ {{{}}}", list(&context)),
+                format!(
+                    "divisors of the {per_node} GPUs of a node that split seq_len {} evenly",
+                    self.train.seq_len
+                ),
+            );
+        }
+        let mut layouts = Vec::new();
+        for &t in &tensor {
+            for &p in &pipeline {
+                for &c in &context {
+                    let mp = t * p * c;
+                    if mp == 0 || !gpus.is_multiple_of(mp) {
+                        continue;
+                    }
+                    let d = match self.parallel.data {
+                        Choice::Fixed(d) => d,
+                        Choice::Auto => gpus / mp,
+                    };
+                    if d * mp != gpus || d == 0 || !self.train.global_batch.is_multiple_of(d) {
+                        continue;
+                    }
+                    layouts.push(Layout {
+                        data: d,
+                        tensor: t,
+                        pipeline: p,
+                        context: c,
+                    });
+                }
+            }
+        }
+        if layouts.is_empty() {
+            return Err(CompileError::Inconsistent {
+                what: format!(
+                    "no data × tensor × pipeline × context layout uses the {gpus} GPUs with global_batch = {}",
+                    self.train.global_batch
+                ),
+                help: format!(
+                    "the degrees' product must be {gpus} and data must divide global_batch; tried tensor {{{}}}, pipeline {{{}}}, context {{{}}}",
+                    list(&tensor),
+                    list(&pipeline),
+                    list(&context)
+                ),
+            });
+        }
+        if self.parallel.data.is_auto() {
+            let mut ds: Vec<u64> = layouts.iter().map(|l| l.data).collect();
+            ds.sort_unstable();
+            ds.dedup();
+            decide(
+                log,
+                self,
+                format!("data ∈ {{{}}}", list(&ds)),
+                format!(
+                    "the GPUs left after tensor × pipeline × context, dividing global_batch {}",
+                    self.train.global_batch
+                ),
+            );
+        }
+        plan.space.layouts = layouts;
+        plan.space.zero = match self.parallel.zero {
+            Choice::Fixed(z) => vec![z],
+            Choice::Auto => {
+                decide(log, self, "zero ∈ {0, 1, 2, 3}",
+                    "each stage shards more (optimizer state, + gradients, + parameters) for more traffic; the search weighs memory against time");
+                vec![0, 1, 2, 3]
+            }
+        };
+        plan.space.sequence = match self.parallel.sequence {
+            Choice::Fixed(s) => vec![s],
+            Choice::Auto => {
+                decide(log, self, "sequence = true where tensor > 1",
+                    "sequence parallelism swaps each tensor-parallel all-reduce for a reduce-scatter and an all-gather (the same bytes) and divides the activations between them");
+                vec![true]
+            }
+        };
+        if self.parallel.expert.is_auto() {
+            decide(
+                log,
+                self,
+                "expert = 1",
+                format!(
+                    "a dense model ({} expert per layer): nothing to distribute",
+                    m.experts
+                ),
+            );
+        }
+        Ok(())
+    }
+}
