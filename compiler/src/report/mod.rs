@@ -248,7 +248,21 @@ pub fn compile_html(c: &Compilation, plan_name: &str) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    // Timeline.
+    // Timeline. Bytes a sample holds beyond its categories are the breakdown's extra
+    // entries (communication buffers on several GPUs).
+    let residual = {
+        let extra: Vec<&str> = rep
+            .breakdown
+            .keys()
+            .filter(|k| !Category::ALL.iter().any(|c| c.as_str() == k.as_str()))
+            .map(|k| k.as_str())
+            .collect();
+        if extra.is_empty() {
+            "other".to_string()
+        } else {
+            extra.join(" + ")
+        }
+    };
     let _ = write!(
         s,
         "<section id=\"timeline\">\n<h2>Memory over one step</h2>\n<p class=\"lede\">Live bytes on one GPU while each operation runs, stacked by category (colours as above){}.</p>\n{}\n{}</section>\n",
@@ -268,11 +282,13 @@ pub fn compile_html(c: &Compilation, plan_name: &str) -> String {
                 peak_layer: rep.peak.layer,
                 budget_bytes: pr.budget_bytes,
                 reserve_bytes: rep.reserve_bytes,
+                residual_name: &residual,
             }
         ),
-        timeline_legend(c),
+        timeline_legend(c, &residual),
     );
     s.push_str(&decisions_section(c));
+    s.push_str(&rejected_section(c));
     s.push_str(&resolved_section(c));
     s.push_str(&time_section(c));
     s.push_str(page_end());
@@ -288,19 +304,15 @@ fn peak_text(c: &Compilation) -> String {
     }
 }
 
-/// A compact legend for the timeline (the categories it draws).
-fn timeline_legend(c: &Compilation) -> String {
+/// A compact legend for the timeline (the layers it draws).
+fn timeline_legend(c: &Compilation, residual: &str) -> String {
     let mut s = String::from("<ul class=\"key\">");
-    for cat in Category::ALL {
-        let i = cat as usize;
-        if c.report.timeline.iter().all(|x| x.by_category[i] == 0) {
-            continue;
-        }
+    for (key, _) in svg::stack(&c.report.timeline, residual) {
         let _ = write!(
             s,
             r#"<li><span class="swatch" style="background:{}" aria-hidden="true"></span>{}</li>"#,
-            svg::colour(cat.as_str()),
-            escape(&svg::label(cat.as_str()))
+            svg::colour(&key),
+            escape(&svg::label(&key))
         );
     }
     s.push_str("</ul>\n");
@@ -318,6 +330,71 @@ fn decisions_section(c: &Compilation) -> String {
             escape(&d.pass),
             escape(&d.what),
             escape(&d.why)
+        );
+    }
+    s.push_str("</tbody>\n</table>\n</section>\n");
+    s
+}
+
+/// The alternatives the fit search rejected, beside the chosen plan: each with a small bar
+/// of its peak (plus the reserve, hatched) against the budget line, so "too big" and "too
+/// slow" read at a glance.
+fn rejected_section(c: &Compilation) -> String {
+    let rej = &c.explain.rejected;
+    if rej.is_empty() {
+        return String::new();
+    }
+    let pr = &c.lowered.prediction;
+    let reserve = c.report.reserve_bytes;
+    let scale = rej
+        .iter()
+        .map(|r| r.peak_bytes + reserve)
+        .chain([pr.peak_bytes + reserve, pr.budget_bytes])
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mini = |peak: u64| -> String {
+        let w = 180.0;
+        let x = |b: u64| w * (b as f64 / scale as f64).min(1.0);
+        let over = peak + reserve > pr.budget_bytes;
+        format!(
+            r##"<svg class="mini" viewBox="0 0 180 16" width="180" height="16" role="img" aria-label="{label}"><rect x="0" y="3" width="180" height="10" fill="#f4f4f2"/><rect x="0" y="3" width="{pw:.1}" height="10" fill="{fill}"/><rect x="{pw:.1}" y="3" width="{rw:.1}" height="10" fill="#c9c9c4"/><line x1="{bx:.1}" y1="0" x2="{bx:.1}" y2="16" stroke="#1d1d1b" stroke-width="2"/></svg>"##,
+            label = escape(&format!(
+                "{} plus reserve {} against a {} budget{}",
+                gib(peak),
+                gib(reserve),
+                gib(pr.budget_bytes),
+                if over { ": over" } else { "" }
+            )),
+            pw = x(peak),
+            rw = x(peak + reserve) - x(peak),
+            bx = x(pr.budget_bytes).min(179.0),
+            fill = if over { "#b8473a" } else { "#6f8fb3" },
+        )
+    };
+    let mut s = String::from(
+        "<section id=\"rejected\">\n<h2>Alternatives considered</h2>\n<p class=\"lede\">The best candidate the search found for each setting it did not choose, beside the chosen plan. Bars: peak plus reserve (grey) against the budget (black line); red bars do not fit.</p>\n<table class=\"rejected\">\n<thead><tr><th scope=\"col\">setting</th><th scope=\"col\">peak against budget</th><th scope=\"col\" class=\"num\">peak</th><th scope=\"col\" class=\"num\">step</th><th scope=\"col\">why not</th></tr></thead>\n<tbody>\n",
+    );
+    let _ = writeln!(
+        s,
+        r#"<tr class="chosen"><td class="what">chosen</td><td>{}</td>{}<td class="num">{:.3} s</td><td>the plan above</td></tr>"#,
+        mini(pr.peak_bytes),
+        size_cell(pr.peak_bytes),
+        pr.step_seconds
+    );
+    for r in rej {
+        let _ = writeln!(
+            s,
+            r#"<tr><td class="what">{}</td><td>{}</td>{}<td class="num">{}</td><td>{}</td></tr>"#,
+            escape(&r.what),
+            mini(r.peak_bytes),
+            size_cell(r.peak_bytes),
+            if r.step_seconds.is_finite() {
+                format!("{:.3} s", r.step_seconds)
+            } else {
+                "–".to_string()
+            },
+            escape(&r.why)
         );
     }
     s.push_str("</tbody>\n</table>\n</section>\n");

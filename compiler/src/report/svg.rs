@@ -27,6 +27,7 @@ pub fn colour(key: &str) -> &'static str {
         "activations" => "#4b9462",
         "activation_grads" => "#a5cfa9",
         "workspace" => "#8a78b0",
+        "communication" => "#4f9fa6",
         "measured" => "#55554f",
         _ => "#9a9a9a",
     }
@@ -307,6 +308,44 @@ fn recomputed(samples: &[Sample], bands: &[Band]) -> Vec<usize> {
     out
 }
 
+/// The timeline's layers, bottom to top: the categories with bytes somewhere, then what a
+/// sample's total holds beyond its categories (bytes added per rank after the walk, such
+/// as communication buffers) under `residual_name`. When a total is below the sum of its
+/// categories (weights offloaded after the walk), the difference comes off the weights,
+/// so the stack always tops out at the sample's total.
+pub fn stack(samples: &[Sample], residual_name: &str) -> Vec<(String, Vec<u64>)> {
+    let mut layers: Vec<(String, Vec<u64>)> = Category::ALL
+        .iter()
+        .map(|c| {
+            let i = *c as usize;
+            (
+                c.as_str().to_string(),
+                samples.iter().map(|x| x.by_category[i]).collect(),
+            )
+        })
+        .collect();
+    let mut extra = vec![0u64; samples.len()];
+    for (j, x) in samples.iter().enumerate() {
+        let sum: u64 = x.by_category.iter().sum();
+        if x.bytes >= sum {
+            extra[j] = x.bytes - sum;
+        } else {
+            let mut over = sum - x.bytes;
+            for layer in layers.iter_mut() {
+                let take = over.min(layer.1[j]);
+                layer.1[j] -= take;
+                over -= take;
+                if over == 0 {
+                    break;
+                }
+            }
+        }
+    }
+    layers.push((residual_name.to_string(), extra));
+    layers.retain(|(_, v)| v.iter().any(|b| *b > 0));
+    layers
+}
+
 /// What the timeline needs besides the samples.
 pub struct TimelineInput<'a> {
     pub samples: &'a [Sample],
@@ -319,6 +358,8 @@ pub struct TimelineInput<'a> {
     pub peak_layer: Option<u64>,
     pub budget_bytes: u64,
     pub reserve_bytes: u64,
+    /// What to call bytes in a sample's total beyond its categories (see [`stack`]).
+    pub residual_name: &'a str,
 }
 
 /// The live bytes over one step as stacked areas per category, phases shaded and
@@ -362,6 +403,7 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
         xs.push(x0 + (x1 - x0) * acc / total_w);
     }
     let bands = bands(samples);
+    let mut below = vec![0u64; samples.len()];
     let mut s = String::new();
     let _ = write!(
         s,
@@ -455,18 +497,13 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
         f(x0 - 8.0),
         f(y0 - 30.0)
     );
+    // The reserve sits behind the areas: a step that reaches into it stays visible.
+    const BEHIND: &str = "\u{0}behind\u{0}";
+    let mut back = String::new();
+    s.push_str(BEHIND);
     // Stacked areas: one path per category present, bottom to top in breakdown order.
-    let mut below = vec![0u64; samples.len()];
-    for c in Category::ALL {
-        let ci = c as usize;
-        if samples.iter().all(|x| x.by_category[ci] == 0) {
-            continue;
-        }
-        let top: Vec<u64> = below
-            .iter()
-            .zip(samples)
-            .map(|(b, x)| b + x.by_category[ci])
-            .collect();
+    for (key, values) in stack(samples, t.residual_name) {
+        let top: Vec<u64> = below.iter().zip(&values).map(|(b, v)| b + v).collect();
         let mut d = String::new();
         for (i, v) in top.iter().enumerate() {
             let _ = write!(
@@ -482,15 +519,15 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
             let _ = write!(d, "L{} {}H{}", f(xs[i + 1]), f(y_of(below[i])), f(xs[i]));
         }
         d.push('Z');
-        let most = samples.iter().map(|x| x.by_category[ci]).max().unwrap_or(0);
+        let most = values.iter().copied().max().unwrap_or(0);
         let _ = write!(
             s,
             r#"<path class="area" data-category="{k}" d="{d}" fill="{fill}"><title>{t}</title></path>"#,
-            k = c.as_str(),
-            fill = colour(c.as_str()),
+            k = escape(&key),
+            fill = colour(&key),
             t = escape(&format!(
                 "{}: up to {} ({})",
-                label(c.as_str()),
+                label(&key),
                 gib(most),
                 bytes_exact(most)
             )),
@@ -549,8 +586,8 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
         let yr = y_of(limit.saturating_sub(t.reserve_bytes));
         if t.reserve_bytes > 0 {
             let _ = write!(
-                s,
-                r##"<rect class="reserve" x="{}" y="{}" width="{}" height="{}" fill="url(#{id}-hatch)" opacity="0.8"><title>{}</title></rect>"##,
+                back,
+                r##"<rect class="reserve" x="{}" y="{}" width="{}" height="{}" fill="url(#{id}-hatch)"><title>{}</title></rect>"##,
                 f(x0),
                 f(yb),
                 f(x1 - x0),
@@ -573,19 +610,31 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
         }
         let _ = write!(
             s,
-            r##"<g class="budget"><line class="budget-line" x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#1d1d1b" stroke-width="2" stroke-dasharray="6 3"><title>budget: {}</title></line><text class="budget-label" x="{}" y="{}" text-anchor="end">budget {}</text></g>"##,
+            r##"<g class="budget"><line class="budget-line" x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#1d1d1b" stroke-width="2" stroke-dasharray="6 3"><title>budget: {}</title></line><text class="budget-label" x="{}" y="{}">budget {}</text></g>"##,
             f(x0),
             f(x1),
-            escape(&format!("{} ({})", gib(limit), bytes_exact(limit))),
-            f(x1 - 4.0),
-            f(yb + 17.0),
+            escape(&format!(
+                "{} ({})",
+                if t.reserve_bytes > 0 && yr - yb <= 14.0 {
+                    format!(
+                        "{} · reserve {} hatched below",
+                        gib(limit),
+                        gib(t.reserve_bytes)
+                    )
+                } else {
+                    gib(limit)
+                },
+                bytes_exact(limit)
+            )),
+            f(x0 + 6.0),
+            f(yb - 6.0),
             gib(limit),
             y = f(yb),
         );
     } else if limit > 0 {
         let _ = write!(
             s,
-            r#"<g class="budget"><text class="budget-label off-scale" x="{}" y="{}" text-anchor="end">budget {} (far above this scale: the step uses {:.1}% of it)<title>{}</title></text></g>"#,
+            r#"<g class="budget"><text class="budget-label off-scale" x="{}" y="{}" text-anchor="end">budget {} is above this scale (the step uses {:.1}% of it)<title>{}</title></text></g>"#,
             f(x1),
             f(y0 - 30.0),
             gib(limit),
@@ -640,7 +689,7 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
         f(y1)
     );
     s.push_str("</svg>");
-    s
+    s.replacen(BEHIND, &back, 1)
 }
 
 /// A sample as people read it: `backward · layer 3 · attention`.
@@ -876,6 +925,23 @@ mod tests {
     }
 
     #[test]
+    fn the_stack_always_tops_out_at_the_sample_total() {
+        let mut a = sample(Phase::Forward, "x", None, 10);
+        a.by_category[Category::Activations as usize] = 5;
+        a.bytes = 18; // 3 bytes added after the walk (communication)
+        let mut b = sample(Phase::Forward, "y", None, 10);
+        b.bytes = 7; // 3 bytes of weights offloaded after the walk
+        let layers = stack(&[a, b], "communication");
+        let names: Vec<&str> = layers.iter().map(|l| l.0.as_str()).collect();
+        assert_eq!(names, ["weights", "activations", "communication"]);
+        for j in 0..2 {
+            let total: u64 = layers.iter().map(|l| l.1[j]).sum();
+            assert_eq!(total, [18, 7][j]);
+        }
+        assert_eq!(layers[0].1, vec![10, 7]);
+    }
+
+    #[test]
     fn ticks_cover_the_scale_in_round_steps() {
         let g = 1u64 << 30;
         assert_eq!(
@@ -900,6 +966,7 @@ mod tests {
                 peak_layer: None,
                 budget_bytes: 0,
                 reserve_bytes: 0,
+                residual_name: "other",
             },
         );
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>"));

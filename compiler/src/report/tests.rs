@@ -106,6 +106,44 @@ fn page_has_every_part() {
 }
 
 #[test]
+fn rejected_alternatives_are_listed_and_escaped() {
+    let mut c = compile_src(PLAN);
+    let budget = c.lowered.prediction.budget_bytes;
+    c.explain.rejected = vec![
+        crate::explain::Rejected {
+            what: "zero = <2>".into(),
+            peak_bytes: budget + (1 << 20),
+            step_seconds: 0.5,
+            why: "over the budget & slower".into(),
+        },
+        crate::explain::Rejected {
+            what: "micro_batch = 2".into(),
+            peak_bytes: budget / 2,
+            step_seconds: f64::NAN,
+            why: "slower".into(),
+        },
+    ];
+    let html = compile_html(&c, "report.plan");
+    save("rejected.html", &html);
+    let sec = &html[html.find(r#"id="rejected""#).expect("a rejected section")..];
+    let sec = &sec[..sec.find("</section>").unwrap()];
+    assert!(sec.contains("zero = &lt;2&gt;") && sec.contains("over the budget &amp; slower"));
+    assert_eq!(
+        sec.matches("<tr").count(),
+        4,
+        "header, chosen, two alternatives"
+    );
+    assert_eq!(
+        sec.matches(": over\"").count(),
+        1,
+        "only the first is over the budget"
+    );
+    // Without alternatives there is no section.
+    c.explain.rejected.clear();
+    assert!(!compile_html(&c, "report.plan").contains(r#"id="rejected""#));
+}
+
+#[test]
 fn far_budget_is_named_and_the_bar_is_zoomed() {
     let src = PLAN.replace(
         "gpu { memory = 400 MiB  bf16_tflops = 100  bandwidth = 1000 GB/s }",
@@ -114,7 +152,7 @@ fn far_budget_is_named_and_the_bar_is_zoomed() {
     let c = compile_src(&src);
     let html = compile_html(&c, "far.plan");
     save("far.html", &html);
-    assert!(html.contains("far above this scale"));
+    assert!(html.contains("is above this scale"));
     assert!(html.contains(r#"id="bar-zoom""#));
 }
 
