@@ -77,7 +77,13 @@ impl<'a> Builder<'a> {
         let on_host = cand.offloads(crate::spec::OffloadWhat::Params);
         // Offloaded parameters live in host memory and are fetched per layer like ZeRO-3's
         // gathers; a shard of 2^40 rounds their resident bytes to nothing.
-        let param_shard = if on_host { 1 << 40 } else if zero3 { cand.data } else { 1 };
+        let param_shard = if on_host {
+            1 << 40
+        } else if zero3 {
+            cand.data
+        } else {
+            1
+        };
         Builder {
             tape: Tape::default(),
             spec,
