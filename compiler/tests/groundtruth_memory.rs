@@ -266,6 +266,18 @@ fn pytorch_profile_tracks_groundtruth() {
                 mbp / 1e9
             );
         }
+        if std::env::var("RCOA_GT_ROW").is_ok_and(|r| r == name) {
+            println!("breakdown {:?}", rep.breakdown);
+            for smp in &rep.timeline {
+                println!(
+                    "  {:?} {:?} {} {:.3}",
+                    smp.phase,
+                    smp.layer,
+                    smp.op,
+                    smp.bytes as f64 / 1e9
+                );
+            }
+        }
         assert!(fits, "{name}: fits in reality, predicted not to");
         errs.push(err.abs());
     }

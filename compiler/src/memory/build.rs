@@ -43,6 +43,8 @@ pub(crate) struct Builder<'a> {
     gather: bool,
     /// Parameters the optimizer updates: (id, elements).
     pub trainable: Vec<(TensorId, u64)>,
+    /// Tensors a calling frame references until the current layer's last op.
+    frame_holds: Vec<TensorId>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -97,6 +99,7 @@ impl<'a> Builder<'a> {
             param_shard,
             gather: zero3 || on_host,
             trainable: Vec::new(),
+            frame_holds: Vec::new(),
         }
     }
 
@@ -160,6 +163,7 @@ impl<'a> Builder<'a> {
             flops: 0.0,
             bwd_flops: 0.0,
             bytes_moved: moved as f64,
+            holds: Vec::new(),
         });
         self.tape.ops.len() - 1
     }
@@ -177,6 +181,13 @@ impl<'a> Builder<'a> {
         let out = self.tensor(name, &shape, dtype, rg);
         self.op(name, inputs, &[out], saved);
         out
+    }
+
+    /// Keep `t` referenced until the last op added so far has run.
+    fn hold_to_last_op(&mut self, t: TensorId) {
+        if let Some(op) = self.tape.ops.last_mut() {
+            op.holds.push(t);
+        }
     }
 
     /// `x.to(dtype)`: a copy when the dtype differs; saves nothing.
@@ -362,7 +373,10 @@ impl<'a> Builder<'a> {
         let sum_dtype = promote(self.dtype(base), dt);
         let y = self.pointwise("lora_add", &[base, scaled], sum_dtype, &[]);
         let out = self.dtype(base);
-        self.cast(y, out)
+        let y = self.cast(y, out);
+        // PEFT rebinds its local `x` to the fp32 copy: it lives until the forward returns.
+        self.hold_to_last_op(xa);
+        y
     }
 
     /// Is projection `which` adapted? PEFT matches target names by suffix: on BERT-style
@@ -560,6 +574,10 @@ impl<'a> Builder<'a> {
                 let i = self.proj(Proj::Up, "up_proj", x, h, ffn, true);
                 let dt = self.dtype(i);
                 let a = self.pointwise("gelu", &[i], dt, &[i]);
+                // BERT-style layers call `self.output(intermediate_output, ...)`: the caller's
+                // frame keeps the activation until the output block (dense, dropout, residual,
+                // norm) returns.
+                self.frame_holds.push(a);
                 self.proj(Proj::Down, "down_proj", a, ffn, h, true)
             }
         };
@@ -595,6 +613,9 @@ impl<'a> Builder<'a> {
                 self.norm(s2, h)
             }
         };
+        for t in std::mem::take(&mut self.frame_holds) {
+            self.hold_to_last_op(t);
+        }
         let end_op = self.tape.ops.len() as u32;
         let checkpointed = self
             .cand
@@ -666,8 +687,11 @@ impl<'a> Builder<'a> {
                 let seqs = self.tokens / self.spec.train.seq_len.max(1);
                 let dt = self.dtype(x);
                 let rg = self.rg(x);
+                // Masked mean pooling: `(hidden * mask[..., None]).sum(1) / mask.sum(1)` makes a
+                // hidden-sized product before the sum (the mask needs no grad: nothing saved).
+                let masked = self.pointwise("pool_mask", &[x], dt, &[]);
                 let pooled = self.tensor("pooled", &[seqs, h], dt, rg);
-                self.op("mean_pool", &[x], &[pooled], &[]);
+                self.op("mean_pool", &[masked], &[pooled], &[]);
                 let sim = self.tensor("similarity", &[seqs, seqs], Dtype::Fp32, rg);
                 self.op("similarity", &[pooled], &[sim], &[pooled]);
                 let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);

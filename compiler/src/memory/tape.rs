@@ -85,6 +85,9 @@ pub struct OpInfo {
     pub bwd_flops: f64,
     /// Bytes read and written by the forward (memory-bound ops).
     pub bytes_moved: f64,
+    /// Tensors the executor's code still references until this op has run (a Python local
+    /// or the caller's argument), beyond their last use as an input. Forward only.
+    pub holds: Vec<TensorId>,
 }
 
 impl OpInfo {
@@ -250,6 +253,17 @@ impl<'a> Walk<'a> {
         }
     }
     fn observe(&mut self, phase: Phase, op: &str, layer: Option<u32>, extra: Bytes) {
+        self.observe_at(phase, false, op, layer, extra);
+    }
+
+    fn observe_at(
+        &mut self,
+        phase: Phase,
+        recompute: bool,
+        op: &str,
+        layer: Option<u32>,
+        extra: Bytes,
+    ) {
         let mut now = self.live;
         for (n, e) in now.iter_mut().zip(extra.iter()) {
             *n += e;
@@ -265,10 +279,15 @@ impl<'a> Walk<'a> {
             });
         }
         if self.peak.as_ref().is_none_or(|p| total > p.bytes) {
+            let (phase, op) = if recompute {
+                (Phase::Backward, format!("recompute {op}"))
+            } else {
+                (phase, op.to_string())
+            };
             self.peak = Some(Peak {
                 bytes: total,
                 phase,
-                op: op.to_string(),
+                op,
                 layer: layer.map(u64::from),
                 by_category: now,
             });
@@ -287,7 +306,7 @@ impl<'a> Walk<'a> {
         let mut refs_of: Vec<u32> = vec![0; tape.tensors.len()];
         for op in range.clone() {
             let l = &tape.ops[op];
-            for &x in &l.inputs {
+            for &x in l.inputs.iter().chain(&l.holds) {
                 refs_of[x.0 as usize] += 1;
             }
             if counts_saves(op) && l.has_backward(tape) {
@@ -317,10 +336,10 @@ impl<'a> Walk<'a> {
             let ws = info.fwd_workspace;
             let mut extra = [0u64; Category::COUNT];
             extra[Category::Workspace as usize] = ws;
-            self.observe(Phase::Forward, info.name, info.layer, extra);
-            // Inputs: one forward use done.
-            let mut seen: Vec<TensorId> = Vec::with_capacity(info.inputs.len());
-            for &inp in &info.inputs {
+            // A recomputed layer's ops are forward ops (so the timeline shows them as such,
+            // inside the backward); a peak there is reported as the backward's.
+            self.observe_at(Phase::Forward, recompute, info.name, info.layer, extra);
+            for &inp in info.inputs.iter().chain(&info.holds) {
                 if tape
                     .tensor(inp)
                     .producer
@@ -329,9 +348,6 @@ impl<'a> Walk<'a> {
                 {
                     // Produced outside the recomputed layer: its uses there were not counted.
                     continue;
-                }
-                if !seen.contains(&inp) {
-                    seen.push(inp);
                 }
                 self.release(inp);
             }
