@@ -24,12 +24,18 @@ for spec in "$@"; do
   t0=$(date +%s.%N)
   timeout "$tmo" "$BIN" run --lowered "backend/bench/$name.json" --device cuda --steps "$steps" --format json > "$OUT/$name-$tag.jsonl" 2> "$OUT/$name-$tag.err"
   rc=$?
+  [ -s "$OUT/$name-$tag.err" ] || rm -f "$OUT/$name-$tag.err"
+  echo "nvidia-smi max memory.used during the run: $(python3 -c "
+import sys
+m=[int(l.split(',')[1]) for l in open('$OUT/smi.csv') if l.count(',')==1 and l.split(',')[1].strip().isdigit() and float(l.split(',')[0])>=$t0]
+print(max(m) if m else 'n/a', 'MiB')")"
   echo "rc=$rc wall=$(python3 -c "import time;print(round(time.time()-$t0,1))")s"
   grep -h '"step"' "$OUT/$name-$tag.jsonl" | head -3 | cut -c1-200
   tail -n1 "$OUT/$name-$tag.jsonl" | cut -c1-600
   tail -n4 "$OUT/$name-$tag.err" | cut -c1-400
 done
 kill $SMI
+rm -f "$OUT/smi.csv"
 echo "cache: $(du -sh .rcoa-cache 2>/dev/null | cut -f1)"
 tar czf - .rcoa-cache 2>/dev/null | split -b 15M - "$OUT/cache-part-"
 ls -la "$OUT"

@@ -72,13 +72,16 @@ fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
     lower_plan(path)
 }
 
-/// Parse, resolve and compile a `.plan` file.
+/// Parse, resolve and compile a `.plan` file; diagnostics go to stderr (exit 2).
 fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
-    eprintln!(
-        "error: this build cannot compile `{}` yet (the compiler entry point has not landed); pass a serialized plan with --lowered",
-        path.display()
-    );
-    Err(ExitCode::from(2))
+    let loaded = super::common::load_spec(path)?;
+    match rcoa_compiler::compile(&loaded.spec) {
+        Ok(c) => Ok(c.lowered),
+        Err(e) => {
+            eprint!("{}", super::common::render(&e));
+            Err(ExitCode::from(2))
+        }
+    }
 }
 
 fn print_diagnostic(e: &RunError) {
