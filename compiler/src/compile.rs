@@ -25,6 +25,10 @@ pub struct Compilation {
     pub candidate: Candidate,
     pub graph: GraphSummary,
     pub profile: Profile,
+    /// When nothing fits: the smallest plan, its peak against the budget and what would fit.
+    pub does_not_fit: Option<crate::search::diagnose::DoesNotFit>,
+    /// How much of the space the fit search walked.
+    pub search: crate::search::SearchStats,
 }
 
 /// A plan the memory model cannot express. Never a silent guess.
@@ -142,16 +146,19 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         tokens_per_second: time.tokens_per_second,
     };
     let lowered = LoweredPlan::from_parts(spec, resolved, prediction);
+    let does_not_fit = (!fits).then(|| crate::search::diagnose::diagnose(spec, &profile, &outcome));
     Ok(Compilation {
         lowered,
         explain: Explain {
             decisions,
-            rejected: outcome.rejected,
+            rejected: outcome.rejected.clone(),
         },
         report,
         time,
         candidate: cand,
         graph,
         profile,
+        does_not_fit,
+        search: plan.stats,
     })
 }

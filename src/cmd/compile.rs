@@ -93,6 +93,10 @@ pub fn run(args: Args) -> ExitCode {
     if fits {
         ExitCode::SUCCESS
     } else {
+        // The report went to stdout; the diagnostic says what would make the plan fit.
+        if let Some(d) = &compilation.does_not_fit {
+            eprint!("{}", super::common::render(d));
+        }
         ExitCode::from(1)
     }
 }

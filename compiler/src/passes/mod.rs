@@ -111,29 +111,6 @@ impl SearchSpace {
             reserve_bytes: spec.fit.reserve.unwrap_or(profile.default_reserve_bytes),
         }
     }
-
-    /// Number of candidates in the product (with `AnyBlock` counted per layout).
-    pub fn size(&self, layers: u64) -> u64 {
-        let mut n = 0u64;
-        for l in &self.layouts {
-            let ck = match self.checkpoint {
-                CheckpointDomain::Fixed(_) => 1,
-                CheckpointDomain::AnyBlock => layers.div_ceil(l.pipeline.max(1)) + 1,
-            };
-            let zero = if l.data > 1 {
-                self.zero.len() as u64
-            } else {
-                1
-            };
-            let seq = if l.tensor > 1 {
-                self.sequence.len() as u64
-            } else {
-                1
-            };
-            n += zero * seq * self.micro_batch.len() as u64 * ck * self.offload.len() as u64;
-        }
-        n
-    }
 }
 
 /// The plan the passes work on: the space and, after the fit pass, its outcome.

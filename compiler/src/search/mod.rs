@@ -27,6 +27,8 @@
 //! [`crate::compile`]; the search records, per setting, the best rejected
 //! alternatives and why they lost.
 
+pub mod diagnose;
+
 use crate::cost::parallel::{self as cost, StepTime};
 use crate::memory::{self, Candidate};
 use crate::passes::{CheckpointDomain, Layout, Recompute, SearchSpace};
@@ -317,6 +319,11 @@ fn groups(spec: &Spec, space: &SearchSpace) -> Vec<Vec<Group>> {
     out
 }
 
+/// Candidates in the groups (the size of the space the searches see).
+fn count(all: &[Vec<Group>]) -> u64 {
+    all.iter().flatten().map(|g| g.ks.len() as u64).sum()
+}
+
 /// The best candidate by evaluating every point (the reference for tests and the benchmark).
 pub fn exhaustive(
     spec: &Spec,
@@ -325,7 +332,9 @@ pub fn exhaustive(
 ) -> (Option<(Point, Eval)>, SearchStats) {
     let mut ev = Evaluator::new(spec, profile, space);
     let mut best: Option<(Point, Eval)> = None;
-    for list in groups(spec, space) {
+    let all = groups(spec, space);
+    let size = count(&all);
+    for list in all {
         for g in list {
             for &k in &g.ks {
                 let p = Point {
@@ -343,7 +352,7 @@ pub fn exhaustive(
         }
     }
     let stats = SearchStats {
-        space: space.size(spec.model.layers),
+        space: size,
         evaluated: ev.evaluated(),
         pruned_groups: 0,
     };
@@ -382,7 +391,9 @@ pub fn search<'a>(
             *best = Some((p, e));
         }
     };
-    for list in groups(spec, space) {
+    let all = groups(spec, space);
+    let size = count(&all);
+    for list in all {
         for g in list {
             let at = |i: usize| Point {
                 recompute: g.ks[i],
@@ -456,7 +467,7 @@ pub fn search<'a>(
         }
     }
     let stats = SearchStats {
-        space: space.size(spec.model.layers),
+        space: size,
         evaluated: ev.evaluated(),
         pruned_groups: pruned,
     };

@@ -1,0 +1,297 @@
+//! The fit search against an exhaustive search of the same space, and the
+//! properties it relies on: memory never falls when the micro-batch or the
+//! sequence grows, never rises with more recomputed layers; a fitting plan's
+//! peak is within its budget; allowing more options never makes the chosen
+//! plan slower.
+
+use proptest::prelude::*;
+use rcoa_compiler::compile;
+use rcoa_compiler::memory::parallel::evaluate;
+use rcoa_compiler::memory::Candidate;
+use rcoa_compiler::passes::{self, Plan};
+use rcoa_compiler::profile::Profile;
+use rcoa_compiler::search::{exhaustive, search};
+use rcoa_compiler::spec::*;
+
+/// A small decoder on `gpus` GPUs (4 per node) with every parallel setting `auto`.
+fn spec(layers: u64, gpus: u64, budget_gib: f64) -> Spec {
+    Spec {
+        model: ModelSpec {
+            name: "custom".into(),
+            arch: Arch::Decoder,
+            layers,
+            hidden: 512,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 64,
+            ffn: 1408,
+            mlp: Mlp::Swiglu,
+            norm: Norm::Rmsnorm,
+            positions: Positions::Rope,
+            vocab: 8000,
+            max_positions: 2048,
+            tie_embeddings: false,
+            experts: 1,
+            experts_per_token: 1,
+            dropout: 0.0,
+        },
+        adapter: None,
+        hardware: HardwareSpec {
+            gpu: GpuSpec {
+                name: "custom".into(),
+                memory_bytes: 80 << 30,
+                bf16_tflops: 989.4,
+                bandwidth_bytes_per_s: 3.35e12,
+            },
+            gpus_per_node: gpus.min(4),
+            nodes: gpus.div_ceil(4),
+            host_memory_bytes: Some(64 << 30),
+            nvme_bytes: None,
+            intra_node_bytes_per_s: 900e9,
+            inter_node_bytes_per_s: 50e9,
+        },
+        precision: PrecisionSpec {
+            params: Dtype::Bf16,
+            compute: Dtype::Bf16,
+            master: Some(Dtype::Fp32),
+            grads: Dtype::Bf16,
+        },
+        optimizer: OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: 1e-4,
+            betas: (0.9, 0.95),
+            momentum: 0.0,
+            weight_decay: 0.0,
+            state: Dtype::Fp32,
+            implementation: OptImpl::Fused,
+        },
+        train: TrainSpec {
+            seq_len: 1024,
+            global_batch: 16,
+            micro_batch: Choice::Auto,
+            grad_accum: Choice::Auto,
+            steps: None,
+            attention: Attention::Sdpa,
+            loss: Loss::CausalLm,
+            positives: 0,
+            negatives: 0,
+        },
+        parallel: ParallelSpec {
+            data: Choice::Auto,
+            zero: Choice::Auto,
+            tensor: Choice::Auto,
+            pipeline: Choice::Auto,
+            sequence: Choice::Auto,
+            context: Choice::Fixed(1),
+            expert: Choice::Fixed(1),
+        },
+        fit: FitSpec {
+            budget: Budget::Bytes((budget_gib * (1u64 << 30) as f64) as u64),
+            reserve: Some(256 << 20),
+            checkpoint: CheckpointChoice::Auto,
+            offload: vec![],
+            objective: Objective::Throughput,
+        },
+        target: Target::Pytorch,
+    }
+}
+
+fn space(s: &Spec) -> (Plan, Profile) {
+    let profile = Profile::for_target(s.target);
+    let plan = passes::run(s, &profile, &mut Vec::new()).expect("the passes accept the plan");
+    (plan, profile)
+}
+
+/// Budgets from roomy to impossible, both objectives, with and without offload.
+fn variants() -> Vec<Spec> {
+    let mut out = Vec::new();
+    for &budget in &[40.0, 2.0, 1.2, 0.9, 0.6, 0.05] {
+        for &gpus in &[1u64, 4, 8] {
+            for objective in [Objective::Throughput, Objective::Memory] {
+                let mut s = spec(4, gpus, budget);
+                s.fit.objective = objective;
+                out.push(s.clone());
+                s.fit.offload = vec![
+                    Offload {
+                        what: OffloadWhat::Optimizer,
+                        to: OffloadTo::Cpu,
+                    },
+                    Offload {
+                        what: OffloadWhat::Params,
+                        to: OffloadTo::Cpu,
+                    },
+                ];
+                out.push(s);
+            }
+        }
+    }
+    // Fixed settings narrow the space: a fixed grad_accum, a fixed checkpoint, longer sequences.
+    let mut s = spec(6, 4, 1.0);
+    s.train.grad_accum = Choice::Fixed(2);
+    out.push(s);
+    let mut s = spec(6, 8, 1.0);
+    s.fit.checkpoint = CheckpointChoice::Every(2);
+    out.push(s);
+    let mut s = spec(5, 4, 1.5);
+    s.train.seq_len = 2048;
+    s.parallel.sequence = Choice::Fixed(false);
+    out.push(s);
+    out
+}
+
+#[test]
+fn search_returns_the_exhaustive_searchs_plan() {
+    let mut fitting = 0;
+    for s in variants() {
+        let (plan, profile) = space(&s);
+        let (fast, ev, stats) = search(&s, &profile, &plan.space);
+        let (slow, all) = exhaustive(&s, &profile, &plan.space);
+        let (fp, fe) = fast.expect("fast search found a candidate");
+        let (sp, se) = slow.expect("exhaustive search found a candidate");
+        assert_eq!(fe.fits, se.fits, "fits differ for {:?}", s.fit);
+        if se.fits {
+            fitting += 1;
+            assert_eq!(
+                fp, sp,
+                "budget {:?} objective {:?}",
+                s.fit.budget, s.fit.objective
+            );
+            assert_eq!(fe, se);
+        } else {
+            // Nothing fits: both report the smallest peak.
+            assert_eq!(fe.peak_bytes, se.peak_bytes, "smallest peak differs");
+        }
+        assert!(stats.evaluated <= all.evaluated);
+        assert_eq!(
+            all.evaluated, all.space,
+            "the exhaustive search walks every candidate"
+        );
+        drop(ev);
+    }
+    assert!(
+        fitting >= 10,
+        "the variants exercise fitting plans ({fitting})"
+    );
+}
+
+#[test]
+fn a_fitting_plan_is_within_its_budget() {
+    for s in variants() {
+        let c = compile(&s).expect("compiles");
+        let p = &c.lowered.prediction;
+        if p.fits {
+            assert!(p.peak_bytes + c.report.reserve_bytes <= p.budget_bytes);
+            // The lowered plan's batch is consistent.
+            let r = &c.lowered.resolved;
+            assert_eq!(r.micro_batch * r.grad_accum * r.data, s.train.global_batch);
+            assert_eq!(r.data * r.tensor * r.pipeline * r.context, s.gpu_count());
+        }
+    }
+}
+
+#[test]
+fn recomputing_more_layers_never_adds_memory_and_always_adds_time() {
+    for s in variants().into_iter().take(12) {
+        let (plan, profile) = space(&s);
+        for l in &plan.space.layouts {
+            let per_stage = s.model.layers.div_ceil(l.pipeline);
+            let mut last: Option<(u64, f64)> = None;
+            for k in 0..=per_stage {
+                let p = rcoa_compiler::search::Point {
+                    layout: *l,
+                    zero: 1,
+                    sequence: l.tensor > 1,
+                    micro_batch: 2,
+                    grad_accum: s.train.global_batch / l.data / 2,
+                    recompute: passes::Recompute::Block(k),
+                    offload: vec![],
+                };
+                let (e, _) = rcoa_compiler::search::evaluate_point(&s, &profile, &plan.space, &p);
+                if let Some((m, t)) = last {
+                    assert!(e.peak_bytes <= m, "{l}: k={k} peak {} > {m}", e.peak_bytes);
+                    assert!(e.step_seconds > t, "{l}: k={k} is not slower");
+                }
+                last = Some((e.peak_bytes, e.step_seconds));
+            }
+        }
+    }
+}
+
+fn candidate(mb: u64, tensor: u64, pipeline: u64, zero: u8, ckpt: Vec<u64>) -> Candidate {
+    Candidate {
+        micro_batch: mb,
+        grad_accum: 1,
+        data: 8 / (tensor * pipeline),
+        zero,
+        tensor,
+        pipeline,
+        context: 1,
+        sequence: tensor > 1,
+        checkpoint_layers: ckpt,
+        offload: vec![],
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn memory_never_falls_with_a_larger_micro_batch_or_sequence(
+        mb in 1u64..6,
+        seq_pow in 7u32..11,
+        tensor in prop::sample::select(vec![1u64, 2, 4]),
+        pipeline in prop::sample::select(vec![1u64, 2]),
+        zero in 0u8..4,
+        ckpt in 0u64..5,
+    ) {
+        let mut s = spec(4, 8, 80.0);
+        s.train.seq_len = 1 << seq_pow;
+        let profile = Profile::pytorch();
+        let layers: Vec<u64> = (0..4).filter(|i| i % 2 < ckpt.min(2)).collect();
+        let base = evaluate(&s, &candidate(mb, tensor, pipeline, zero, layers.clone()), &profile, false);
+        let more_mb = evaluate(&s, &candidate(mb + 1, tensor, pipeline, zero, layers.clone()), &profile, false);
+        prop_assert!(more_mb.peak_bytes >= base.peak_bytes);
+        let mut longer = s.clone();
+        longer.train.seq_len *= 2;
+        let more_seq = evaluate(&longer, &candidate(mb, tensor, pipeline, zero, layers), &profile, false);
+        prop_assert!(more_seq.peak_bytes >= base.peak_bytes);
+    }
+}
+
+#[test]
+fn allowing_more_options_never_makes_the_plan_slower() {
+    for &budget in &[40.0, 1.2, 0.9] {
+        let roomy = spec(4, 8, budget);
+        let mut narrow = roomy.clone();
+        narrow.parallel.zero = Choice::Fixed(0);
+        narrow.parallel.tensor = Choice::Fixed(1);
+        narrow.parallel.pipeline = Choice::Fixed(1);
+        narrow.fit.checkpoint = CheckpointChoice::Full;
+        narrow.train.micro_batch = Choice::Fixed(1);
+        let mut wider = roomy.clone();
+        wider.fit.offload = vec![Offload {
+            what: OffloadWhat::Optimizer,
+            to: OffloadTo::Cpu,
+        }];
+        let n = compile(&narrow).unwrap();
+        let r = compile(&roomy).unwrap();
+        let w = compile(&wider).unwrap();
+        let (pn, pr, pw) = (
+            &n.lowered.prediction,
+            &r.lowered.prediction,
+            &w.lowered.prediction,
+        );
+        if pn.fits {
+            assert!(
+                pr.fits && pr.step_seconds <= pn.step_seconds,
+                "budget {budget}"
+            );
+        }
+        if pr.fits {
+            assert!(
+                pw.fits && pw.step_seconds <= pr.step_seconds,
+                "budget {budget}"
+            );
+        }
+    }
+}
