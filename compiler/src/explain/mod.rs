@@ -237,13 +237,14 @@ pub fn render_text(c: &Compilation) -> String {
         if pr.fits {
             format!(
                 "fits, {} to spare",
-                gib(pr.budget_bytes - pr.peak_bytes - rep.reserve_bytes)
+                gib(pr
+                    .budget_bytes
+                    .saturating_sub(pr.peak_bytes + rep.reserve_bytes))
             )
         } else {
             format!(
                 "DOES NOT FIT: {} over",
-                gib(pr.peak_bytes + rep.reserve_bytes
-                    - pr.budget_bytes.min(pr.peak_bytes + rep.reserve_bytes))
+                gib((pr.peak_bytes + rep.reserve_bytes).saturating_sub(pr.budget_bytes))
             )
         }
     );
