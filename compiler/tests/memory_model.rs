@@ -351,3 +351,173 @@ fn evaluation_is_cheap_enough_to_search() {
     // Debug builds are ~20x slower than release; still well under the bar.
     assert!(per < 0.25, "{per} s per evaluation");
 }
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_spec() -> impl Strategy<Value = Spec> {
+        (
+            (
+                1u64..6,
+                prop::sample::select(vec![256u64, 512, 768]),
+                prop::sample::select(vec![4u64, 8]),
+            ),
+            (
+                any::<bool>(),
+                any::<bool>(),
+                any::<bool>(),
+                prop::sample::select(vec![0.0, 0.1]),
+            ),
+            (0usize..7, 0usize..3, 0usize..3, 0usize..3),
+            (
+                any::<bool>(),
+                any::<bool>(),
+                prop::sample::select(vec![64u64, 256]),
+            ),
+        )
+            .prop_map(
+                |(
+                    (layers, hidden, heads),
+                    (encoder, tie, lora, dropout),
+                    (opt, prec, attn, loss),
+                    (burn, qlora, seq),
+                )| {
+                    let mut s = spec(layers, 8);
+                    s.model.hidden = hidden;
+                    s.model.heads = heads;
+                    s.model.kv_heads = if encoder { heads } else { heads / 2 };
+                    s.model.head_dim = hidden / heads;
+                    s.model.ffn = hidden * 3;
+                    s.model.vocab = 1000;
+                    s.model.dropout = dropout;
+                    s.model.tie_embeddings = tie;
+                    if encoder {
+                        s.model.arch = Arch::Encoder;
+                        s.model.mlp = Mlp::Gelu;
+                        s.model.norm = Norm::Layernorm;
+                        s.model.positions = Positions::Learned;
+                    }
+                    s.train.seq_len = seq;
+                    s.train.attention = [Attention::Sdpa, Attention::Flash, Attention::Eager][attn];
+                    s.train.loss = match (encoder, loss) {
+                        (_, 0) => Loss::Contrastive,
+                        (true, _) => Loss::MaskedLm,
+                        (false, _) => Loss::CausalLm,
+                    };
+                    let (kind, implementation) = [
+                        (OptimizerKind::Adamw, OptImpl::Foreach),
+                        (OptimizerKind::Adam, OptImpl::Fused),
+                        (OptimizerKind::Adam8bit, OptImpl::Plain),
+                        (OptimizerKind::Adafactor, OptImpl::Foreach),
+                        (OptimizerKind::Lion, OptImpl::Plain),
+                        (OptimizerKind::Sgd, OptImpl::Foreach),
+                        (OptimizerKind::AdamMini, OptImpl::Foreach),
+                    ][opt];
+                    s.optimizer.kind = kind;
+                    s.optimizer.implementation = implementation;
+                    s.optimizer.momentum = 0.9;
+                    s.precision = [
+                        PrecisionSpec {
+                            params: Dtype::Fp32,
+                            compute: Dtype::Bf16,
+                            master: None,
+                            grads: Dtype::Fp32,
+                        },
+                        PrecisionSpec {
+                            params: Dtype::Bf16,
+                            compute: Dtype::Bf16,
+                            master: Some(Dtype::Fp32),
+                            grads: Dtype::Bf16,
+                        },
+                        PrecisionSpec {
+                            params: Dtype::Fp32,
+                            compute: Dtype::Tf32,
+                            master: None,
+                            grads: Dtype::Fp32,
+                        },
+                    ][prec];
+                    if lora {
+                        s.adapter = Some(AdapterSpec {
+                            kind: if qlora {
+                                AdapterKind::Qlora
+                            } else {
+                                AdapterKind::Lora
+                            },
+                            rank: 8,
+                            alpha: 16.0,
+                            targets: vec![Proj::Q, Proj::V, Proj::Down],
+                            dropout,
+                            base: if qlora {
+                                Dtype::Nf4
+                            } else {
+                                s.precision.params
+                            },
+                        });
+                    }
+                    s.target = if burn { Target::Burn } else { Target::Pytorch };
+                    s
+                },
+            )
+    }
+
+    fn arb_cand() -> impl Strategy<Value = Candidate> {
+        (
+            1u64..6,
+            1u64..4,
+            0u8..4,
+            prop::sample::select(vec![1u64, 2, 4]),
+            1u64..4,
+            1u64..3,
+            any::<u8>(),
+            0usize..4,
+        )
+            .prop_map(
+                |(mb, ga, zero, tensor, pipeline, context, ckpt_mask, off)| {
+                    let offload = match off {
+                        0 => vec![],
+                        1 => vec![Offload {
+                            what: OffloadWhat::Optimizer,
+                            to: OffloadTo::Cpu,
+                        }],
+                        2 => vec![Offload {
+                            what: OffloadWhat::Params,
+                            to: OffloadTo::Cpu,
+                        }],
+                        _ => vec![Offload {
+                            what: OffloadWhat::Grads,
+                            to: OffloadTo::Nvme,
+                        }],
+                    };
+                    Candidate {
+                        micro_batch: mb,
+                        grad_accum: ga,
+                        data: (8 / (tensor * pipeline)).max(1),
+                        zero,
+                        tensor,
+                        pipeline,
+                        context,
+                        sequence: false,
+                        checkpoint_layers: (0..6).filter(|i| ckpt_mask & (1 << i) != 0).collect(),
+                        offload,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Any plan the model accepts evaluates without panicking, its breakdown adds up to
+        /// its peak, and the peak is at least the resident weights.
+        #[test]
+        fn evaluation_is_total_and_consistent(s in arb_spec(), c in arb_cand()) {
+            let p = Profile::for_target(s.target);
+            let r = evaluate(&s, &c, &p, true);
+            let sum: u64 = r.breakdown.values().sum();
+            prop_assert_eq!(sum, r.peak_bytes);
+            prop_assert!(r.peak_bytes >= bytes(&r, Category::Weights));
+            prop_assert!(r.timeline.iter().all(|x| x.bytes <= r.peak_bytes));
+            prop_assert!(r.step_flops > 0.0);
+        }
+    }
+}
