@@ -252,7 +252,8 @@ impl<'a> Builder<'a> {
             // bitsandbytes dequantizes per use and again in the backward: a transient copy.
             return (p.id, self.bytes(elems, self.act) + gathered);
         }
-        if self.autocast && t.dtype.bytes() > self.act.bytes() {
+        let casts = self.autocast || self.profile.weight_cast_per_use;
+        if casts && t.dtype.bytes() > self.act.bytes() {
             let copy = self.tape.add_tensor(TensorInfo {
                 name: "weight_copy",
                 shape: t.shape.clone(),
@@ -263,8 +264,8 @@ impl<'a> Builder<'a> {
                 grad_bytes: 0,
                 producer: None,
                 // torch.autocast caches casts of leaf tensors that require grad until the
-                // autocast region (the forward) ends.
-                held_until_forward_end: t.requires_grad,
+                // autocast region (the forward) ends; a per-use cast is not cached.
+                held_until_forward_end: self.autocast && t.requires_grad,
             });
             let o = self.op("cast", &[p.id], &[copy], &[]);
             self.tape.ops[o].fwd_workspace = gathered;
@@ -721,7 +722,8 @@ impl<'a> Builder<'a> {
                 // HF's causal-LM loss upcasts explicitly (`logits.float()`); the MLM loss
                 // runs log_softmax in the logits' dtype and autocast runs nll_loss in fp32,
                 // so it saves an fp32 copy of the log-probabilities.
-                let upcast = self.profile.loss_upcasts_logits && loss == Loss::CausalLm;
+                let upcast = self.profile.loss_upcasts_logits
+                    && (loss == Loss::CausalLm || self.profile.mlm_upcasts_logits);
                 let l = if upcast {
                     self.cast(logits, Dtype::Fp32)
                 } else {

@@ -29,6 +29,11 @@ pub struct Profile {
     /// The causal-LM loss upcasts the logits to fp32 before the cross entropy
     /// (the fp32 copy and the fp32 log-softmax both exist at the loss).
     pub loss_upcasts_logits: bool,
+    /// The masked-LM loss upcasts too (otherwise log_softmax runs in the logits' dtype).
+    pub mlm_upcasts_logits: bool,
+    /// Weights stored wider than the compute dtype are cast at every use (not cached); the
+    /// copies are saved for the backward like any matmul operand.
+    pub weight_cast_per_use: bool,
     /// LoRA adapter weights are kept in fp32 whatever the base dtype (PEFT),
     /// and the adapter input is cast to the adapter dtype before `lora_A`.
     pub adapters_fp32: bool,
@@ -81,6 +86,11 @@ impl Profile {
             // runs log_softmax in fp32: the backward peak of every `lm` row is
             // 2 x tokens x vocab x 4 bytes above the end of the forward (llama1b_base).
             loss_upcasts_logits: true,
+            // XLMRobertaForMaskedLM calls CrossEntropyLoss on the bf16 logits
+            // (groundtruth xlmrl_mlm_b16: no fp32 copy of the logits at the forward peak).
+            mlm_upcasts_logits: false,
+            // Autocast's casts (cached for trainable weights) stand for this.
+            weight_cast_per_use: false,
             // groundtruth README: PEFT adapter weights are fp32 even with bf16 base weights.
             adapters_fp32: true,
             // PEFT `target_modules=["query","key","value","dense"]` on XLM-R adapts every
@@ -112,11 +122,12 @@ impl Profile {
         }
     }
 
-    /// rcoa's Burn 0.21 executor (`rcoa run`). From `../shared/BURN.md`: no
-    /// autocast (bf16 is an element type), attention keeps the full score
-    /// matrix, no flash kernels, no PyTorch-style caching allocator. Not yet
-    /// calibrated on a GPU: the constants below are the documented facts and
-    /// conservative defaults until the Burn executor is measured.
+    /// rcoa's Burn 0.21 executor (`rcoa run`). From `../shared/BURN.md` and the executor's
+    /// code (`backend/src/model.rs`, `loss.rs`): no autocast (bf16 is an element type,
+    /// weights are cast to the compute dtype at every use), attention keeps the full score
+    /// matrix, no flash kernels, the LM losses upcast logits to f32, no PyTorch-style
+    /// caching allocator. Not yet calibrated on a GPU: the constants below are those facts
+    /// and conservative defaults until the Burn executor is measured.
     pub fn burn() -> Profile {
         Profile {
             name: "burn",
@@ -126,8 +137,11 @@ impl Profile {
             // score matrix; model it as eager attention".
             fused_attention: false,
             gqa_without_repeat: false,
-            // Burn's cross entropy runs in the element type (no fp32 upcast is written).
-            loss_upcasts_logits: false,
+            // backend/src/loss.rs: `log_softmax(logits.cast(F32))` for causal and masked LM.
+            loss_upcasts_logits: true,
+            mlm_upcasts_logits: true,
+            // backend/src/model.rs `Linear::forward`: `to_dtype(weight, compute)` per call.
+            weight_cast_per_use: true,
             // rcoa's adapters are built in the model's element type.
             adapters_fp32: false,
             // rcoa's DSL names projections, not module paths.
