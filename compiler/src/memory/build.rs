@@ -105,8 +105,7 @@ impl<'a> Builder<'a> {
 
     fn bytes(&self, elems: u64, dtype: Dtype) -> u64 {
         let raw = (elems as f64 * dtype.bytes()).ceil() as u64;
-        let r = self.profile.alloc_round.max(1);
-        raw.div_ceil(r) * r
+        self.profile.allocated(raw)
     }
 
     fn tensor(&mut self, name: &'static str, shape: &[u64], dtype: Dtype, rg: bool) -> TensorId {

@@ -19,11 +19,6 @@ pub struct OptimizerModel {
     pub temp_bytes: u64,
 }
 
-fn round(b: f64, r: u64) -> u64 {
-    let r = r.max(1);
-    (b.ceil() as u64).div_ceil(r) * r
-}
-
 pub fn model(
     spec: &Spec,
     profile: &Profile,
@@ -58,8 +53,9 @@ pub fn model(
         }
     };
     let sb = state_dtype.bytes();
-    let r = profile.alloc_round;
-    let full = |elems: u64, copies: f64| round(elems as f64 * sb * copies, r);
+    // Every state tensor and temporary is one allocation of the executor's allocator.
+    let alloc = |b: f64| profile.allocated(b.ceil() as u64);
+    let full = |elems: u64, copies: f64| alloc(elems as f64 * sb * copies);
     let total_elems: u64 = trainable.iter().map(|(_, n)| n).sum();
     let largest: u64 = trainable.iter().map(|(_, n)| *n).max().unwrap_or(0);
     let mut state: u64 = 0;
@@ -77,7 +73,7 @@ pub fn model(
             }
             if o.kind == OptimizerKind::Adam8bit {
                 // bitsandbytes: 8-bit states with one fp32 absmax per 2048-element block; fused.
-                state += round(total_elems as f64 / 2048.0 * 4.0 * 2.0, r);
+                state += alloc(total_elems as f64 / 2048.0 * 4.0 * 2.0);
             } else {
                 temp = match o.implementation {
                     OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
@@ -107,15 +103,15 @@ pub fn model(
             for (id, n) in trainable {
                 let shape = &tape.tensor(*id).shape;
                 state += if shape.len() >= 2 {
-                    round((shape[0] + shape[1]) as f64 * 4.0, r)
+                    alloc((shape[0] + shape[1]) as f64 * 4.0)
                 } else {
-                    round(*n as f64 * 4.0, r)
+                    alloc(*n as f64 * 4.0)
                 };
             }
             // `update = grad**2 + eps` then `update = approx_sq_grad(...)`: two fp32
             // temporaries of the parameter being updated (groundtruth llama1b_adafactor:
             // optimizer peak - end = 2 x the 1.05 GB embedding).
-            temp = 2 * round(largest as f64 * 4.0, r);
+            temp = 2 * alloc(largest as f64 * 4.0);
         }
         OptimizerKind::AdamMini => {
             name = "adam-mini";
@@ -127,8 +123,8 @@ pub fn model(
     if let Some(m) = p.master {
         if m.bytes() > param_dtype.bytes() {
             // fp32 master copy of 16-bit weights, and the fp32 gradient cast for the update.
-            state += round(total_elems as f64 * m.bytes(), r);
-            temp += round(largest as f64 * m.bytes(), r);
+            state += alloc(total_elems as f64 * m.bytes());
+            temp += alloc(largest as f64 * m.bytes());
         }
     }
     OptimizerModel {

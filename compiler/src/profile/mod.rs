@@ -44,6 +44,14 @@ pub struct Profile {
     pub norm_in_fp32: bool,
     /// Allocation granularity of the device allocator, bytes.
     pub alloc_round: u64,
+    /// Large allocations come from segments rounded up to this (0: no such rule), and a
+    /// block whose leftover is at most `split_min` is handed out whole, so the leftover
+    /// counts as allocated.
+    pub large_segment_round: u64,
+    pub split_min: u64,
+    /// Below this size a large allocation is carved from a fresh `large_buffer` segment.
+    pub min_large_alloc: u64,
+    pub large_buffer: u64,
     /// Library workspaces allocated through the allocator and kept for the
     /// whole run (counted in the peak), bytes.
     pub workspace_bytes: u64,
@@ -63,6 +71,25 @@ pub struct Profile {
 }
 
 impl Profile {
+    /// Bytes the allocator counts for a request of `raw` bytes.
+    pub fn allocated(&self, raw: u64) -> u64 {
+        let r = self.alloc_round.max(1);
+        let size = raw.div_ceil(r) * r;
+        if self.large_segment_round == 0 || size <= self.split_min {
+            return size;
+        }
+        let segment = if size < self.min_large_alloc {
+            self.large_buffer
+        } else {
+            size.div_ceil(self.large_segment_round) * self.large_segment_round
+        };
+        if segment.saturating_sub(size) > self.split_min {
+            size
+        } else {
+            segment.max(size)
+        }
+    }
+
     pub fn for_target(target: Target) -> Profile {
         match target {
             Target::Pytorch => Profile::pytorch(),
@@ -100,8 +127,16 @@ impl Profile {
             // LlamaRMSNorm: `hidden_states.to(torch.float32)`; the fp32 copy is saved
             // (groundtruth llama1b_bf16 activations).
             norm_in_fp32: true,
-            // CUDA caching allocator: every block is a multiple of 512 bytes.
+            // CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): blocks are multiples
+            // of 512 B; allocations over 1 MiB come from segments of 20 MiB (under 10 MiB) or
+            // rounded up to 2 MiB, and a leftover of at most 1 MiB is not split off. groundtruth
+            // xlmrxl_*: each 2560x2560 fp32 weight (exactly 25 MiB) takes 26 MiB, 151 MB over
+            // the parameter bytes at setup.
             alloc_round: 512,
+            large_segment_round: 2 << 20,
+            split_min: 1 << 20,
+            min_large_alloc: 10 << 20,
+            large_buffer: 20 << 20,
             // Allocated bytes after `zero_grad` minus params and optimizer state is
             // 67,108,864 in every llama1b row: two 32 MiB cuBLAS workspaces (main
             // thread and the autograd device thread) on sm90.
@@ -150,6 +185,10 @@ impl Profile {
             norm_in_fp32: false,
             // CubeCL memory pools hand out pages; not measured yet, 512 B as a floor.
             alloc_round: 512,
+            large_segment_round: 0,
+            split_min: 0,
+            min_large_alloc: 0,
+            large_buffer: 0,
             // No cuBLAS workspace: CubeCL matmul kernels take no workspace buffer.
             workspace_bytes: 0,
             // BURN.md probe: reserved reached 15.4 GB with 8.2 GB in use; keep 2 GiB back
@@ -162,5 +201,28 @@ impl Profile {
             // CubeCL launches (fused element-wise kernels are fewer than PyTorch's).
             kernel_overhead_s: 10e-6,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Profile;
+
+    #[test]
+    fn caching_allocator_rounding() {
+        let p = Profile::pytorch();
+        const MIB: u64 = 1 << 20;
+        assert_eq!(p.allocated(1), 512);
+        assert_eq!(p.allocated(513), 1024);
+        // Under 10 MiB: carved from a 20 MiB segment, the rest split off.
+        assert_eq!(p.allocated(4 * MIB), 4 * MIB);
+        // Exactly 16 MiB: a 16 MiB segment, nothing left.
+        assert_eq!(p.allocated(16 * MIB), 16 * MIB);
+        // 25 MiB (a 2560x2560 fp32 weight): a 26 MiB segment, the 1 MiB left is not split.
+        assert_eq!(p.allocated(25 * MIB), 26 * MIB);
+        // 24.5 MiB: leftover 1.5 MiB is split off.
+        assert_eq!(p.allocated(24 * MIB + MIB / 2), 24 * MIB + MIB / 2);
+        // Burn has no such rule.
+        assert_eq!(Profile::burn().allocated(25 * MIB), 25 * MIB);
     }
 }
