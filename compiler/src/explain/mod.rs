@@ -313,6 +313,7 @@ pub fn to_json(c: &Compilation) -> Value {
         },
         "decisions": c.explain.decisions,
         "rejected": c.explain.rejected,
+        "search": c.search,
         "time": {
             "step_seconds": pr.step_seconds,
             "tokens_per_second": pr.tokens_per_second,

@@ -32,7 +32,7 @@ impl Pass for Batch<'_> {
         plan.space.micro_batch = match self.train.micro_batch {
             Choice::Fixed(mb) => vec![mb],
             Choice::Auto => {
-                let v: Vec<u64> = (1..=g).filter(|m| g.is_multiple_of(*m)).collect();
+                let v = super::divisors(g);
                 decide(
                     log,
                     self,

@@ -140,6 +140,23 @@ pub(crate) fn decide(
     log.push(Decision::new(pass.name(), what, why));
 }
 
+/// The divisors of `n`, ascending (O(√n)).
+pub(crate) fn divisors(n: u64) -> Vec<u64> {
+    let mut out: Vec<u64> = Vec::new();
+    let mut i = 1;
+    while i * i <= n {
+        if n.is_multiple_of(i) {
+            out.push(i);
+            if i != n / i {
+                out.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    out.sort_unstable();
+    out
+}
+
 pub(crate) fn gib(b: f64) -> String {
     format!("{:.2} GiB", b / (1u64 << 30) as f64)
 }

@@ -12,7 +12,7 @@
 //! moves the same bytes as tensor parallelism's all-reduces and divides
 //! the activations between them. Expert parallelism: dense models only.
 
-use super::{decide, Layout, Pass, Plan};
+use super::{decide, divisors, Layout, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
 use crate::spec::{Choice, HardwareSpec, ModelSpec, ParallelSpec, TrainSpec};
@@ -22,22 +22,6 @@ pub struct Sharding<'a> {
     hardware: &'a HardwareSpec,
     model: &'a ModelSpec,
     train: &'a TrainSpec,
-}
-
-fn divisors(n: u64) -> Vec<u64> {
-    let mut out: Vec<u64> = Vec::new();
-    let mut i = 1;
-    while i * i <= n {
-        if n.is_multiple_of(i) {
-            out.push(i);
-            if i != n / i {
-                out.push(n / i);
-            }
-        }
-        i += 1;
-    }
-    out.sort_unstable();
-    out
 }
 
 fn list(v: &[u64]) -> String {
