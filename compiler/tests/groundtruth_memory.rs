@@ -3,7 +3,8 @@
 //! `../shared/tools/accuracy.py` writes its `.plan` file, and the predicted peak is
 //! compared with the measured one. Skips cleanly when `../shared` is absent.
 //! `RCOA_GT_VERBOSE=1 cargo test -p rcoa-compiler --test groundtruth_memory -- --nocapture`
-//! prints every row.
+//! prints every row (with the predicted/measured forward end, forward peak and backward
+//! peak of step 2); `RCOA_GT_ROW=<name>` adds that row's breakdown and timeline.
 
 use rcoa_compiler::memory::{evaluate, Candidate};
 use rcoa_compiler::profile::Profile;
