@@ -1,7 +1,7 @@
 #!/bin/bash
 # Runs `rcoa run --device cuda` on the plans named, on the device machine,
 # from the repository root. Each argument is NAME:STEPS:TIMEOUT_S[:TAG]; the
-# plan is backend/bench/NAME.json. Per run: the JSON lines in $OUT/NAME-TAG.jsonl,
+# plan is backend/bench/NAME.json, or backend/bench/NAME.plan when NAME ends in .plan. Per run: the JSON lines in $OUT/NAME-TAG.jsonl,
 # stderr in .err; nvidia-smi's memory.used is sampled every 0.5 s into
 # $OUT/smi.csv (driver view: includes the CUDA context and CubeCL's pools).
 # The CubeCL kernel/autotune cache lives in .rcoa-cache; if a previous call
@@ -12,7 +12,7 @@ export CUDA_PATH=/usr/local/cuda
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export RCOA_CACHE_DIR=$PWD/.rcoa-cache
 OUT=${OUT:-/tmp/rcoa-out}; mkdir -p "$OUT"
-BIN=${BIN:-target/release/rcoa}
+BIN=${BIN:-.rcoa-bin/rcoa}
 if ls .rcoa-cache-tgz/part-* >/dev/null 2>&1; then cat .rcoa-cache-tgz/part-* | tar xzf - ; echo "cache restored: $(du -sh .rcoa-cache | cut -f1)"; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)"; sleep 0.5; done) > "$OUT/smi.csv" &
@@ -22,7 +22,9 @@ for spec in "$@"; do
   tag=${tag:-run}
   echo "=== $name ($tag) steps=$steps $(date +%T)"
   t0=$(date +%s.%N)
-  timeout "$tmo" "$BIN" run --lowered "backend/bench/$name.json" --device cuda --steps "$steps" --format json > "$OUT/$name-$tag.jsonl" 2> "$OUT/$name-$tag.err"
+  # NAME.plan runs the .plan (compiled here, so the prediction is reported); NAME the .json.
+  case "$name" in *.plan) src=("backend/bench/$name") ;; *) src=(--lowered "backend/bench/$name.json") ;; esac
+  timeout "$tmo" "$BIN" run "${src[@]}" --device cuda --steps "$steps" --format json > "$OUT/$name-$tag.jsonl" 2> "$OUT/$name-$tag.err"
   rc=$?
   [ -s "$OUT/$name-$tag.err" ] || rm -f "$OUT/$name-$tag.err"
   echo "nvidia-smi max memory.used during the run: $(python3 -c "

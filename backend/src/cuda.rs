@@ -222,13 +222,15 @@ impl CudaProbe {
 }
 
 impl MemoryProbe for CudaProbe {
-    fn sample(&mut self) {
-        if let Ok(m) = self.client.memory_usage() {
-            let v = m.bytes_in_use.saturating_sub(self.baseline);
-            self.step_peak = self.step_peak.max(v);
-            self.peak = self.peak.max(v);
-            self.reserved = self.reserved.max(m.bytes_reserved);
-        }
+    fn sample(&mut self) -> u64 {
+        let Ok(m) = self.client.memory_usage() else {
+            return 0;
+        };
+        let v = m.bytes_in_use.saturating_sub(self.baseline);
+        self.step_peak = self.step_peak.max(v);
+        self.peak = self.peak.max(v);
+        self.reserved = self.reserved.max(m.bytes_reserved);
+        v
     }
     fn begin_step(&mut self) {
         self.step_peak = 0;

@@ -15,8 +15,8 @@
 
 /// A source of memory samples.
 pub trait MemoryProbe {
-    /// Read the device's memory now and fold it into the peaks.
-    fn sample(&mut self);
+    /// Read the device's memory now, fold it into the peaks, and return it.
+    fn sample(&mut self) -> u64;
     /// Start a new step's peak.
     fn begin_step(&mut self);
     /// Highest sample since `begin_step`.
@@ -66,12 +66,14 @@ impl Default for RssProbe {
 }
 
 impl MemoryProbe for RssProbe {
-    fn sample(&mut self) {
-        if let Some((hwm, _)) = proc_status() {
-            let v = hwm.saturating_sub(self.baseline);
-            self.step_peak = self.step_peak.max(v);
-            self.peak = self.peak.max(v);
-        }
+    fn sample(&mut self) -> u64 {
+        let Some((hwm, _)) = proc_status() else {
+            return 0;
+        };
+        let v = hwm.saturating_sub(self.baseline);
+        self.step_peak = self.step_peak.max(v);
+        self.peak = self.peak.max(v);
+        v
     }
     fn begin_step(&mut self) {
         self.step_peak = 0;

@@ -95,8 +95,10 @@ pub struct Ctx<B: Backend> {
     pub train: bool,
     /// `[seq, head_dim / 2]` cosines and sines, in the compute dtype.
     pub rope: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
-    /// `[seq, seq]`, true above the diagonal (future positions).
-    pub mask: Option<Tensor<B, 2, Bool>>,
+    /// `[1, 1, seq, seq]` additive causal mask in the compute dtype: 0, or a
+    /// large negative number above the diagonal (future positions). Added
+    /// rather than `mask_fill`ed so the backward keeps no `[b, h, s, s]` mask.
+    pub bias: Option<Tensor<B, 4>>,
 }
 
 impl<B: Backend> Ctx<B> {
@@ -132,7 +134,10 @@ impl<B: Backend> Ctx<B> {
             (mk(cos), mk(sin))
         });
         let causal = model.arch == Arch::Decoder;
-        let mask = causal.then(|| Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, device));
+        let bias = causal.then(|| {
+            let future = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, device).float();
+            to_dtype(future.mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
+        });
         Ctx {
             compute,
             heads: model.heads as usize,
@@ -144,7 +149,7 @@ impl<B: Backend> Ctx<B> {
             dropout: model.dropout,
             train: true,
             rope,
-            mask,
+            bias,
         }
     }
 }
@@ -350,14 +355,13 @@ impl<B: Backend> Attention<B> {
         }
         // Eager attention: the [b, h, s, s] scores and probabilities are kept
         // for the backward pass (Burn 0.21 has no fused training attention).
+        // The 1/sqrt(d) scale on q ([b, h, s, d]) rather than on the scores
+        // ([b, h, s, s]): one pass over the small tensor instead of the big one.
         let mut scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (hd as f64).sqrt());
-        if let Some(mask) = &ctx.mask {
-            scores = scores.mask_fill(
-                mask.clone().unsqueeze::<4>().expand([b, h, s, s]),
-                MASK_VALUE,
-            );
+            .mul_scalar(1.0 / (hd as f64).sqrt())
+            .matmul(k.swap_dims(2, 3));
+        if let Some(bias) = &ctx.bias {
+            scores = scores + bias.clone();
         }
         let probs = activation::softmax(scores, 3);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);

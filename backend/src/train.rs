@@ -300,6 +300,10 @@ pub struct Trainer<B: AutodiffBackend> {
     /// samples only after the loss, the backward and the optimizer (to
     /// measure what the per-layer samples cost).
     per_layer_samples: bool,
+    /// `RCOA_MEMORY_TRACE=1`: print every sample of the second step to
+    /// stderr (`memory <where> <bytes>`), the timeline that calibrates the
+    /// compiler's `burn` profile.
+    trace: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -372,6 +376,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             per_layer_samples: std::env::var("RCOA_MEMORY_SAMPLES")
                 .map(|v| v != "step")
                 .unwrap_or(true),
+            trace: std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -384,6 +389,17 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub fn set_train_mode(&mut self, train: bool) {
         self.ctx.train = train;
         self.ictx.train = train;
+    }
+
+    /// Take a memory sample; `per_layer` samples can be turned off.
+    fn mark(&self, probe: &mut dyn MemoryProbe, per_layer: bool, at: &dyn Fn() -> String) {
+        if per_layer && !self.per_layer_samples {
+            return;
+        }
+        let v = probe.sample();
+        if self.trace && self.step == 1 {
+            eprintln!("memory {} {v}", at());
+        }
     }
 
     fn working(&self) -> &Model<B> {
@@ -469,20 +485,18 @@ impl<B: AutodiffBackend> Trainer<B> {
                 x = y.clone().inner();
                 saved.push(Saved::Graph(leaf, y));
             }
-            if self.per_layer_samples {
-                probe.sample();
-            }
+            self.mark(probe, true, &|| format!("forward:layer{i}"));
         }
         let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
         let loss = self.objective(m, leaf.clone(), batch, &self.ctx, &self.device);
         let value = loss.clone().inner();
-        probe.sample();
+        self.mark(probe, false, &|| "forward:loss".into());
         let grads = loss.mul_scalar(scale).backward();
         let mut g = leaf
             .grad(&grads)
             .expect("the loss depends on the last hidden state");
         merge(grads, acc);
-        probe.sample();
+        self.mark(probe, false, &|| "backward:head".into());
 
         for i in (0..m.layers.len()).rev() {
             let (leaf, y) = match saved.pop().expect("one saved segment per layer") {
@@ -491,9 +505,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     self.reseed_for(step, micro, i as u64 + 1);
                     let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
                     let y = m.layers[i].forward(leaf.clone(), &self.ctx);
-                    if self.per_layer_samples {
-                        probe.sample();
-                    }
+                    self.mark(probe, true, &|| format!("recompute:layer{i}"));
                     (leaf, y)
                 }
             };
@@ -502,13 +514,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .grad(&grads)
                 .expect("a layer's output depends on its input");
             merge(grads, acc);
-            if self.per_layer_samples {
-                probe.sample();
-            }
+            self.mark(probe, true, &|| format!("backward:layer{i}"));
         }
         let grads = (emb * Tensor::from_inner(g)).sum().backward();
         merge(grads, acc);
-        probe.sample();
+        self.mark(probe, false, &|| "backward:embedding".into());
         value
     }
 
@@ -587,13 +597,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                     .map(&mut CastParams(self.precision.params)),
             );
         }
-        probe.sample();
+        self.mark(probe, false, &|| "optimizer".into());
         let loss = total
             .map(|t| t.into_scalar().elem::<f64>())
             .unwrap_or(f64::NAN)
             / self.grad_accum as f64;
         B::sync(&self.device).map_err(|e| RunError::Backend(e.to_string()))?;
-        probe.sample();
+        self.mark(probe, false, &|| "end".into());
         if !loss.is_finite() {
             return Err(RunError::Diverged {
                 step: step + 1,
