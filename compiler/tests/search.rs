@@ -295,3 +295,40 @@ fn allowing_more_options_never_makes_the_plan_slower() {
         }
     }
 }
+
+#[test]
+fn one_gpu_plans_get_exactly_the_single_gpu_models() {
+    // The ground-truth calibration is of `memory::evaluate` and `cost::estimate` on one GPU:
+    // the layout terms must add nothing there.
+    let s = spec(4, 1, 80.0);
+    let profile = Profile::pytorch();
+    for ckpt in [vec![], vec![0, 2], vec![0, 1, 2, 3]] {
+        let mut c = candidate(4, 1, 1, 0, ckpt);
+        c.data = 1;
+        c.grad_accum = 4;
+        let one = rcoa_compiler::memory::evaluate(&s, &c, &profile, true);
+        let par = evaluate(&s, &c, &profile, true);
+        assert_eq!(one, par);
+        let t1 = rcoa_compiler::cost::estimate(&s, &c, &profile, &one);
+        let t2 = rcoa_compiler::cost::parallel::estimate(&s, &c, &profile, &par).to_estimate();
+        assert_eq!(t1, t2);
+    }
+    // A fully fixed plan evaluates exactly its own candidate: a space of one.
+    let mut fixed = s.clone();
+    fixed.train.micro_batch = Choice::Fixed(4);
+    fixed.train.grad_accum = Choice::Fixed(4);
+    fixed.parallel = ParallelSpec {
+        data: Choice::Auto,
+        zero: Choice::Fixed(0),
+        tensor: Choice::Fixed(1),
+        pipeline: Choice::Fixed(1),
+        sequence: Choice::Fixed(false),
+        context: Choice::Fixed(1),
+        expert: Choice::Fixed(1),
+    };
+    fixed.fit.checkpoint = CheckpointChoice::Every(2);
+    let c = compile(&fixed).unwrap();
+    assert_eq!(c.search.space, 1);
+    assert_eq!(c.lowered.resolved.checkpoint_layers, vec![0, 2]);
+    assert_eq!(c.lowered.resolved.checkpoint, "every 2");
+}
