@@ -99,6 +99,7 @@ fn spec(layers: u64, gpus: u64, budget_gib: f64) -> Spec {
 fn space(s: &Spec) -> (Plan, Profile) {
     let profile = Profile::for_target(s.target);
     let plan = passes::run(s, &profile, &mut Vec::new()).expect("the passes accept the plan");
+    assert_eq!(passes::verify(s, &plan), Vec::<String>::new());
     (plan, profile)
 }
 

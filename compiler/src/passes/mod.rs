@@ -188,5 +188,75 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
     batch::Batch::new(&spec.train).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.
     fit::Fit::new(spec, profile).run(&mut plan, log)?;
+    if cfg!(debug_assertions) {
+        let problems = verify(spec, &plan);
+        if !problems.is_empty() {
+            return Err(CompileError::Inconsistent {
+                what: format!(
+                    "the pass pipeline broke its invariants: {}",
+                    problems.join("; ")
+                ),
+                help: "this is a bug in rcoa's passes; please report the plan".into(),
+            });
+        }
+    }
     Ok(plan)
+}
+
+/// The invariants of a plan after the pipeline, all of them (debug builds and tests run
+/// this after [`run`]): every layout uses every GPU and divides the global batch, every
+/// domain is non-empty, the chosen point comes from the domains and is consistent with
+/// the batch, and a fitting outcome is within the budget.
+pub fn verify(spec: &Spec, plan: &Plan) -> Vec<String> {
+    let mut out = Vec::new();
+    let s = &plan.space;
+    let gpus = spec.gpu_count().max(1);
+    let g = spec.train.global_batch;
+    if s.layouts.is_empty() {
+        out.push("no layout".to_string());
+    }
+    for l in &s.layouts {
+        if l.data * l.tensor * l.pipeline * l.context != gpus {
+            out.push(format!("{l} does not use the {gpus} GPUs"));
+        }
+        if !g.is_multiple_of(l.data.max(1)) {
+            out.push(format!("{l}: data does not divide global_batch {g}"));
+        }
+    }
+    for (name, empty) in [
+        ("zero", s.zero.is_empty()),
+        ("sequence", s.sequence.is_empty()),
+        ("micro_batch", s.micro_batch.is_empty()),
+        ("offload", s.offload.is_empty()),
+    ] {
+        if empty {
+            out.push(format!("empty {name} domain"));
+        }
+    }
+    match &plan.outcome {
+        None => out.push("no outcome after the fit pass".to_string()),
+        Some(o) => {
+            let p = &o.point;
+            if !s.layouts.contains(&p.layout) {
+                out.push(format!("chosen {} is not in the space", p.layout));
+            }
+            if p.layout.data > 1 && !s.zero.contains(&p.zero) {
+                out.push(format!("chosen zero {} is not in the space", p.zero));
+            }
+            if !s.micro_batch.contains(&p.micro_batch) || !s.offload.contains(&p.offload) {
+                out.push("chosen micro_batch or offload is not in the space".to_string());
+            }
+            if p.micro_batch * p.grad_accum * p.layout.data != g {
+                out.push(format!(
+                    "micro_batch {} × grad_accum {} × data {} ≠ global_batch {g}",
+                    p.micro_batch, p.grad_accum, p.layout.data
+                ));
+            }
+            let e = &o.eval;
+            if o.fits && e.peak_bytes + e.reserve_bytes > e.budget_bytes {
+                out.push("a fitting outcome is over its budget".to_string());
+            }
+        }
+    }
+    out
 }
