@@ -7,8 +7,9 @@
 //! does not model moving checkpointed inputs to the host, and a move it
 //! cannot price is not one the compiler may choose. Host and NVMe capacity
 //! are checked per candidate by the search. The Burn executor cannot move
-//! anything (its optimizer state lives on the gradient's device), and it runs
-//! one-GPU plans; multi-GPU plans run on engines that can (DeepSpeed).
+//! anything (its optimizer state lives on the gradient's device): a plan that
+//! needs offload runs on an engine that has it (DeepSpeed, via `rcoa emit`)
+//! and says `target pytorch`, so its memory is predicted for that runtime.
 
 use super::{decide, Pass, Plan};
 use crate::compile::CompileError;
@@ -38,12 +39,10 @@ impl Pass for Offload<'_> {
 
     fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
         let mut items: Vec<Item> = Vec::new();
-        // `rcoa run` executes one-GPU plans only; multi-GPU plans run on the engines the
-        // emitters configure (DeepSpeed moves optimizer state and parameters).
-        let gpus = self.hardware.gpus_per_node * self.hardware.nodes;
-        if self.target == Target::Burn && gpus <= 1 && !self.allowed.is_empty() {
+        if self.target == Target::Burn && !self.allowed.is_empty() {
             decide(log, self, "offload = []",
-                "the Burn executor keeps optimizer state on the gradient's device (BURN.md): nothing can move");
+                "the Burn executor keeps optimizer state on the gradient's device (BURN.md): nothing can move; \
+                 plans that need offload run on DeepSpeed (`rcoa emit`) with `target pytorch`");
             plan.space.offload = vec![Vec::new()];
             return Ok(());
         }
