@@ -1,9 +1,9 @@
 //! The pipeline entry: a resolved [`Spec`] in, a [`Compilation`] out.
 //!
 //! Reads top to bottom: check that the model can express the plan, decide
-//! every `auto` (for now simple defaults, each recorded as a decision; the
-//! search passes replace them later), evaluate memory and time for the chosen
-//! candidate, lower. Nothing here prints; the CLI renders the result.
+//! every `auto` with the pass pipeline and its fit search, evaluate memory
+//! and time for the chosen candidate with its full timeline, lower. Nothing
+//! here prints; the CLI renders the result.
 
 use crate::cost::{self, TimeEstimate};
 use crate::explain::Explain;
@@ -42,6 +42,13 @@ pub enum CompileError {
         help: String,
     },
     #[error("{what}")]
+    #[diagnostic(code(rcoa::too_large))]
+    TooLarge {
+        what: String,
+        #[help]
+        help: String,
+    },
+    #[error("{what}")]
     #[diagnostic(code(rcoa::inconsistent_plan))]
     Inconsistent {
         what: String,
@@ -55,6 +62,58 @@ fn unsupported(feature: impl Into<String>, help: impl Into<String>) -> CompileEr
         feature: feature.into(),
         help: help.into(),
     }
+}
+
+/// Elements in one tensor beyond which a plan is rejected: 2^40 bf16 elements are 2 TiB,
+/// far past any GPU, and below it the memory model's u64 byte sums stay exact (a layer
+/// holds a few dozen tensors, a model at most 65,536 layers).
+const MAX_TENSOR_ELEMENTS: u128 = 1 << 40;
+
+/// Reject plans whose tensors are too large to hold anywhere, before the memory model's
+/// integer arithmetic sees them. The search may try every divisor of the global batch as
+/// the micro-batch, so an `auto` micro-batch is bounded by the global batch.
+fn check_scale(spec: &Spec) -> Result<(), CompileError> {
+    let m = &spec.model;
+    let t = &spec.train;
+    let micro = t.micro_batch.fixed().unwrap_or(t.global_batch) as u128;
+    let sequences = micro * t.sequences_per_item() as u128;
+    let tokens = sequences * t.seq_len as u128;
+    let widest = [
+        m.hidden,
+        m.ffn,
+        m.vocab,
+        m.heads * m.head_dim,
+        m.kv_heads * m.head_dim,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u128;
+    let candidates = [
+        ("an activation (tokens × width)", tokens * widest),
+        (
+            "the attention scores (sequences × heads × seq_len²)",
+            sequences * m.heads as u128 * (t.seq_len as u128).pow(2),
+        ),
+        (
+            "the embedding (vocab × hidden)",
+            m.vocab as u128 * m.hidden as u128,
+        ),
+        (
+            "an MLP weight (hidden × ffn)",
+            m.hidden as u128 * m.ffn as u128,
+        ),
+    ];
+    for (what, elements) in candidates {
+        if elements > MAX_TENSOR_ELEMENTS {
+            return Err(CompileError::TooLarge {
+                what: format!("{what} would hold {elements} elements, more than any GPU can hold"),
+                help: "rcoa models tensors of up to 2^40 elements; reduce micro_batch (or \
+                       global_batch when it is auto), seq_len or the model's widths"
+                    .to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Features a plan may name that the model does not cover yet.
@@ -103,6 +162,7 @@ fn check_supported(spec: &Spec) -> Result<(), CompileError> {
 /// Compile a resolved plan: decide the `auto`s, predict memory and time, lower.
 pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
     check_supported(spec)?;
+    check_scale(spec)?;
     let profile = Profile::for_target(spec.target);
     let mut decisions = Vec::new();
     crate::explain::record_given(spec, &profile, &mut decisions);
@@ -161,4 +221,33 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         does_not_fit,
         search: plan.stats,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::Choice;
+
+    fn tiny() -> Spec {
+        let src = "model \"tiny-decoder\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32  global_batch = 8 }\n";
+        let file = rcoa_grammar::parse("t.plan", src).unwrap();
+        let ctx = crate::resolve::ResolveContext::new("t.plan", src, std::path::PathBuf::from("."));
+        crate::resolve::resolve(&file, &ctx).unwrap()
+    }
+
+    #[test]
+    fn tensors_beyond_any_gpu_are_refused_before_the_memory_model() {
+        let mut spec = tiny();
+        assert!(compile(&spec).is_ok());
+        spec.model.layers = 65_536;
+        spec.model.hidden = 1 << 20;
+        spec.model.heads = 1 << 10;
+        spec.model.kv_heads = 1 << 10;
+        spec.model.head_dim = 1 << 10;
+        spec.train.seq_len = 1 << 24;
+        spec.train.global_batch = 1 << 22;
+        spec.train.micro_batch = Choice::Auto;
+        let err = compile(&spec).unwrap_err();
+        assert!(matches!(err, CompileError::TooLarge { .. }), "{err:?}");
+    }
 }
