@@ -1,5 +1,5 @@
-//! `rcoa compile FILE [--explain] [--format text|json] [--report FILE.html]`: predict memory and
-//! time, decide every `auto`, and say why.
+//! `rcoa compile FILE [--explain] [--format text|json] [--report FILE.html] [--lowered FILE.json]`:
+//! predict memory and time, decide every `auto`, and say why.
 //!
 //! Exit status: 0 the plan fits, 1 it does not (the report is still
 //! printed), 2 a bad plan (diagnostics on stderr) or a plan the memory model
@@ -29,6 +29,10 @@ pub struct Args {
     /// Also write a self-contained HTML memory report (charts, decisions, settings) to FILE.
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
+    /// Also write the lowered plan (every `auto` decided) as JSON to FILE, for
+    /// `rcoa run --lowered` and `rcoa emit`.
+    #[arg(long, value_name = "FILE")]
+    pub lowered: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -54,6 +58,20 @@ pub fn run(args: Args) -> ExitCode {
         if let Err(e) = rcoa_compiler::report::write_atomic(path, &html) {
             eprintln!(
                 "rcoa compile: cannot write the report `{}`: {e}",
+                path.display()
+            );
+            return ExitCode::from(2);
+        }
+    }
+    if let Some(path) = &args.lowered {
+        let written = serde_json::to_string_pretty(&compilation.lowered)
+            .map_err(|e| e.to_string())
+            .and_then(|json| {
+                rcoa_compiler::report::write_atomic(path, &(json + "\n")).map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            eprintln!(
+                "rcoa compile: cannot write the lowered plan `{}`: {e}",
                 path.display()
             );
             return ExitCode::from(2);

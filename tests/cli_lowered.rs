@@ -1,0 +1,102 @@
+//! `rcoa compile --lowered FILE` writes the lowered plan that `rcoa run --lowered`
+//! and `rcoa emit` read: the compiler's decisions travel to executors as data.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn rcoa() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_rcoa"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn a_lowered_plan_round_trips_from_compile_to_run_and_emit() {
+    let dir = std::env::temp_dir().join(format!("rcoa-lowered-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lowered = dir.join("tiny.json");
+    let out = rcoa()
+        .args([
+            "compile",
+            "plans/tiny-cpu.plan",
+            "--format",
+            "json",
+            "--lowered",
+        ])
+        .arg(&lowered)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&lowered).unwrap()).unwrap();
+    // The file holds what the report resolved and predicted.
+    assert_eq!(
+        plan["resolved"]["micro_batch"],
+        report["resolved"]["micro_batch"]
+    );
+    assert_eq!(
+        plan["resolved"]["grad_accum"],
+        report["resolved"]["grad_accum"]
+    );
+    assert_eq!(
+        plan["prediction"]["peak_bytes"],
+        report["memory"]["peak_bytes"]
+    );
+
+    let run = rcoa()
+        .args(["run", "--steps", "2", "--format", "json", "--lowered"])
+        .arg(&lowered)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let summary = String::from_utf8_lossy(&run.stdout);
+    let last: serde_json::Value = serde_json::from_str(summary.lines().last().unwrap()).unwrap();
+    assert_eq!(last["predicted_peak_bytes"], report["memory"]["peak_bytes"]);
+
+    let emit = rcoa()
+        .args(["emit", "--target", "deepspeed"])
+        .arg(&lowered)
+        .output()
+        .unwrap();
+    assert!(
+        emit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&emit.stderr)
+    );
+    let ds: serde_json::Value = serde_json::from_slice(&emit.stdout).unwrap();
+    assert_eq!(
+        ds["train_micro_batch_size_per_gpu"],
+        report["resolved"]["micro_batch"]
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_unwritable_lowered_path_is_a_clear_error() {
+    let out = rcoa()
+        .args([
+            "compile",
+            "plans/tiny-cpu.plan",
+            "--lowered",
+            "/nonexistent-dir/x/plan.json",
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot write the lowered plan"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
