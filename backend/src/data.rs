@@ -28,11 +28,11 @@ impl Rng {
         let mut r = Rng(seed ^ 0x9E37_79B9_7F4A_7C15);
         for k in [a, b, c] {
             r.0 ^= k.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            r.next();
+            r.next_u64();
         }
         r
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -43,11 +43,11 @@ impl Rng {
         if n == 0 {
             0
         } else {
-            self.next() % n
+            self.next_u64() % n
         }
     }
     pub fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

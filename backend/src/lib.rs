@@ -99,13 +99,13 @@ pub fn check_plan(plan: &LoweredPlan) -> Result<(), RunError> {
             m.experts
         ));
     }
-    if m.heads == 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 || m.head_dim == 0 {
+    if m.heads == 0 || m.kv_heads == 0 || !m.heads.is_multiple_of(m.kv_heads) || m.head_dim == 0 {
         return u(format!(
             "heads {} must be a positive multiple of kv_heads {}",
             m.heads, m.kv_heads
         ));
     }
-    if m.positions == Positions::Rope && m.head_dim % 2 != 0 {
+    if m.positions == Positions::Rope && !m.head_dim.is_multiple_of(2) {
         return u(format!("RoPE needs an even head_dim, not {}", m.head_dim));
     }
     if m.positions == Positions::Learned && plan.train.seq_len > m.max_positions {

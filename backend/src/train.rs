@@ -14,6 +14,7 @@
 //! - backward, last layer first: a checkpointed layer is recomputed from its
 //!   kept input with the graph on; then `(y * g).sum().backward()` gives the
 //!   layer's parameter gradients and the gradient of its input, the next `g`.
+//!
 //! The gradients equal those of one graph over the whole model (tested below
 //! for none / all / alternate layers checkpointed).
 //!
@@ -176,7 +177,7 @@ impl<B: AutodiffBackend> Optim<B> {
         let (b1, b2) = (o.betas.0 as f32, o.betas.1 as f32);
         // PyTorch's default epsilon, so runs compare with the ground truth.
         let eps = 1e-8;
-        let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig {
+        let decay = (o.weight_decay > 0.0).then_some(WeightDecayConfig {
             penalty: o.weight_decay as f32,
         });
         Ok(match o.kind {
@@ -187,7 +188,7 @@ impl<B: AutodiffBackend> Optim<B> {
                 Optim::Adam(AdamConfig::new().with_beta_1(b1).with_beta_2(b2).with_epsilon(eps).with_weight_decay(decay).init())
             }
             OptimizerKind::Sgd => {
-                let momentum = (o.momentum > 0.0).then(|| MomentumConfig { momentum: o.momentum, dampening: 0.0, nesterov: false });
+                let momentum = (o.momentum > 0.0).then_some(MomentumConfig { momentum: o.momentum, dampening: 0.0, nesterov: false });
                 Optim::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
             }
             other => {
@@ -409,7 +410,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     fn reseed_for(&self, step: u64, micro: u64, segment: u64) {
         if self.reseed {
             let mut r = crate::data::Rng::keyed(self.seed, step, micro, 1_000_000 + segment);
-            B::seed(&self.device, r.next());
+            B::seed(&self.device, r.next_u64());
         }
     }
 
