@@ -139,6 +139,42 @@ impl Source {
             }
         }
     }
+
+    /// View `view` of contrastive "document" `doc`: views of one document
+    /// share its motif (synthetic, with 60% of tokens replaced independently
+    /// and the motif's phase shifted) or overlap by half (a file window and
+    /// the window half a sequence later). Different documents draw from the
+    /// same small alphabet, so in-batch negatives look alike at first and
+    /// the model has to learn to tell them apart.
+    fn view(&self, doc: u64, view: u64, len: usize) -> Vec<u32> {
+        match self {
+            Source::Synthetic { vocab } => {
+                // A small shared alphabet and 60% noise keep documents alike,
+                // so the loss starts high instead of at zero.
+                let alphabet = (*vocab).clamp(2, 32);
+                let draw = |rng: &mut Rng| rng.below(alphabet) as u32;
+                let mut motif_rng = Rng::new(doc);
+                let motif: Vec<u32> = (0..8).map(|_| draw(&mut motif_rng)).collect();
+                let mut noise = Rng::keyed(doc, view, 7, 7);
+                let phase = noise.below(8) as usize;
+                (0..len)
+                    .map(|i| {
+                        if noise.unit() < 0.6 {
+                            draw(&mut noise)
+                        } else {
+                            motif[(i + phase) % motif.len()]
+                        }
+                    })
+                    .collect()
+            }
+            Source::File { tokens, .. } => {
+                let span = (len + len / 2).min(tokens.len());
+                let start = Rng::new(doc).below((tokens.len() - span + 1) as u64) as usize;
+                let offset = if view == 0 { 0 } else { span - len };
+                tokens[start + offset..start + offset + len].to_vec()
+            }
+        }
+    }
 }
 
 /// One micro-batch on the host.
@@ -213,27 +249,24 @@ impl Batcher {
                 }
             }
             Loss::Contrastive => {
-                // Groups of `group` rows: an anchor, its positives (noisy
-                // copies of it) and its negatives (unrelated sequences).
+                // Groups of `group` rows: an anchor, its positives (other
+                // views of its document) and its negatives (other documents).
                 let groups = rows / self.group.max(1);
                 for g in 0..groups {
-                    let mut rng = Rng::keyed(self.seed, step, micro, g as u64);
-                    let anchor = self.source.sequence(&mut rng, s);
-                    inputs.extend(anchor.iter().map(|&t| t as i64));
+                    let doc = Rng::keyed(self.seed, step, micro, g as u64).next_u64();
+                    inputs.extend(self.source.view(doc, 0, s).iter().map(|&t| t as i64));
                     for j in 1..self.group {
-                        let row: Vec<u32> = if j <= self.positives.max(1) {
-                            anchor
-                                .iter()
-                                .map(|&t| {
-                                    if rng.unit() < 0.1 {
-                                        rng.below(self.vocab) as u32
-                                    } else {
-                                        t
-                                    }
-                                })
-                                .collect()
+                        let row = if j <= self.positives.max(1) {
+                            self.source.view(doc, j as u64, s)
                         } else {
-                            self.source.sequence(&mut rng, s)
+                            let other = Rng::keyed(
+                                self.seed ^ 0x5EED,
+                                step,
+                                micro,
+                                (g * self.group + j) as u64,
+                            )
+                            .next_u64();
+                            self.source.view(other, 0, s)
                         };
                         inputs.extend(row.iter().map(|&t| t as i64));
                     }
