@@ -135,25 +135,77 @@ pub struct MemoryReport {
     pub step_kernels: u64,
 }
 
-/// Evaluate one candidate. `timeline`: collect the samples (the search can skip them).
-pub fn evaluate(spec: &Spec, cand: &Candidate, profile: &Profile, timeline: bool) -> MemoryReport {
+/// A pipeline stage the model evaluates: its layers, whether it holds the embedding and
+/// the head, and how many micro-batches' activations it keeps in flight.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Stage {
+    /// 0-based stage index (0 on one stage).
+    pub index: u64,
+    pub stages: u64,
+    /// Layer indices `first..end` of the stage.
+    pub first_layer: u64,
+    pub end_layer: u64,
+    pub embedding: bool,
+    pub head: bool,
+    pub in_flight: u64,
+}
+
+/// The stages [`evaluate`] compares: the first stage (most micro-batches in flight under
+/// 1F1B, the embedding) and, with a pipeline, the last (the head and the loss's logits).
+/// Middle stages hold no more than the first, so the worst rank is one of these.
+pub fn stages(spec: &Spec, cand: &Candidate) -> Vec<Stage> {
     let layers = spec.model.layers;
     let stages = cand.pipeline.max(1);
-    let per_stage = layers.div_ceil(stages);
-    // Pipeline: the first stage holds the most micro-batches in flight (1F1B), the last
-    // holds the head; evaluate both and keep the worse.
-    let mut variants = vec![(
-        0..per_stage.min(layers),
-        true,
-        stages == 1,
-        stages.min(cand.grad_accum.max(1)),
-    )];
+    let per_stage = layers.div_ceil(stages).min(layers);
+    let mut v = vec![Stage {
+        index: 0,
+        stages,
+        first_layer: 0,
+        end_layer: per_stage,
+        embedding: true,
+        head: stages == 1,
+        in_flight: stages.min(cand.grad_accum.max(1)),
+    }];
     if stages > 1 {
-        variants.push((layers - per_stage.min(layers)..layers, false, true, 1));
+        v.push(Stage {
+            index: stages - 1,
+            stages,
+            first_layer: layers - per_stage,
+            end_layer: layers,
+            embedding: false,
+            head: true,
+            in_flight: 1,
+        });
     }
+    v
+}
+
+/// Evaluate one candidate on one of its [`stages`].
+pub fn evaluate_on(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    stage: &Stage,
+    timeline: bool,
+) -> MemoryReport {
+    evaluate_stage(
+        spec,
+        cand,
+        profile,
+        stage.first_layer..stage.end_layer,
+        stage.embedding,
+        stage.head,
+        stage.in_flight,
+        timeline,
+    )
+}
+
+/// Evaluate one candidate. `timeline`: collect the samples (the search can skip them).
+/// The worst of [`stages`] (the first on a tie).
+pub fn evaluate(spec: &Spec, cand: &Candidate, profile: &Profile, timeline: bool) -> MemoryReport {
     let mut best: Option<MemoryReport> = None;
-    for (range, emb, head, in_flight) in variants {
-        let r = evaluate_stage(spec, cand, profile, range, emb, head, in_flight, timeline);
+    for stage in stages(spec, cand) {
+        let r = evaluate_on(spec, cand, profile, &stage, timeline);
         if best.as_ref().is_none_or(|b| r.peak_bytes > b.peak_bytes) {
             best = Some(r);
         }

@@ -15,6 +15,10 @@
 //!   layer's parameters) and reduce bucket, and the pipeline's send/receive
 //!   buffers (one stage boundary activation each way).
 //!
+//! [`evaluate`] compares the first and the last pipeline stage after these
+//! terms and reports the worse; [`ranks`] describes both for `--explain`
+//! (which layers, which shard of weights, gradients and optimizer state).
+//!
 //! These buffers exist for the whole step, so they are added as one
 //! `communication` category to the peak, to every timeline sample and to
 //! every phase peak: the peak's location does not move. Invariant: a plan on
@@ -23,9 +27,10 @@
 //! untouched. Sequence parallelism's division of norm/residual activations
 //! is not subtracted (conservative: it only lowers memory).
 
-use super::{evaluate as evaluate_one, Candidate, MemoryReport};
+use super::{evaluate_on, Candidate, MemoryReport, Stage};
 use crate::profile::Profile;
 use crate::spec::Spec;
+use serde::Serialize;
 
 /// PyTorch DDP's default `bucket_cap_mb`.
 pub const DDP_BUCKET_BYTES: u64 = 25 << 20;
@@ -109,12 +114,191 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     t
 }
 
-/// [`super::evaluate`] plus the layout's per-rank terms: the worst rank's report.
+/// [`super::evaluate_on`] plus the layout's per-rank terms, for each of [`super::stages`].
+pub fn evaluate_stages(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    timeline: bool,
+) -> Vec<(Stage, MemoryReport)> {
+    super::stages(spec, cand)
+        .into_iter()
+        .map(|stage| {
+            let mut r = evaluate_on(spec, cand, profile, &stage, timeline);
+            let t = terms(spec, cand, &r);
+            apply(&mut r, &t);
+            (stage, r)
+        })
+        .collect()
+}
+
+/// Index of the worst rank of [`evaluate_stages`]: the highest peak, the first on a tie.
+pub fn worst(stages: &[(Stage, MemoryReport)]) -> usize {
+    let mut w = 0;
+    for (i, (_, r)) in stages.iter().enumerate() {
+        if r.peak_bytes > stages[w].1.peak_bytes {
+            w = i;
+        }
+    }
+    w
+}
+
+/// The worst rank's report: [`super::evaluate`] plus the layout's per-rank terms, compared
+/// after the terms (the stages' communication buffers may differ).
 pub fn evaluate(spec: &Spec, cand: &Candidate, profile: &Profile, timeline: bool) -> MemoryReport {
-    let mut r = evaluate_one(spec, cand, profile, timeline);
-    let t = terms(spec, cand, &r);
-    apply(&mut r, &t);
-    r
+    let mut v = evaluate_stages(spec, cand, profile, timeline);
+    let w = worst(&v);
+    v.swap_remove(w).1
+}
+
+/// What one rank holds of the model's persistent state, at its peak.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Holding {
+    /// `weights`, `grads`, `optimizer` or `communication`.
+    pub what: &'static str,
+    /// Bytes on the GPU at the rank's peak.
+    pub bytes: u64,
+    /// Which part of the whole, e.g. `1/4 of the stage's optimizer state (ZeRO-1 over data = 4)`.
+    pub share: String,
+}
+
+/// One rank of the layout as `--explain` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RankMemory {
+    pub stage: Stage,
+    /// e.g. `layers 0–31 of 126 (pipeline stage 1 of 4) + embedding`.
+    pub layers: String,
+    /// How the stage is cut across the rank's tensor / context / data peers.
+    pub shards: Vec<String>,
+    pub holds: Vec<Holding>,
+    pub peak_bytes: u64,
+    /// The rank whose peak `memory.peak_bytes` reports.
+    pub worst: bool,
+}
+
+/// The ranks the model distinguishes (first and, with a pipeline, last stage), the worst
+/// marked: what each holds and how its slice of the model is cut.
+pub fn ranks(spec: &Spec, cand: &Candidate, profile: &Profile) -> Vec<RankMemory> {
+    let v = evaluate_stages(spec, cand, profile, false);
+    let w = worst(&v);
+    v.into_iter()
+        .enumerate()
+        .map(|(i, (stage, r))| describe(spec, cand, stage, &r, i == w))
+        .collect()
+}
+
+fn describe(
+    spec: &Spec,
+    cand: &Candidate,
+    stage: Stage,
+    r: &MemoryReport,
+    worst: bool,
+) -> RankMemory {
+    use crate::spec::OffloadWhat;
+    let (t, c, d) = (cand.tensor.max(1), cand.context.max(1), cand.data.max(1));
+    let total = spec.model.layers;
+    let mut layers = if stage.end_layer > stage.first_layer {
+        format!(
+            "layers {}–{} of {}",
+            stage.first_layer,
+            stage.end_layer - 1,
+            total
+        )
+    } else {
+        format!("no layers of {total}")
+    };
+    if stage.stages > 1 {
+        layers += &format!(" (pipeline stage {} of {})", stage.index + 1, stage.stages);
+    }
+    match (stage.embedding, stage.head) {
+        (true, true) => layers += " + embedding and head",
+        (true, false) => layers += " + embedding",
+        (false, true) => layers += " + head",
+        (false, false) => {}
+    }
+    let mut shards = Vec::new();
+    if t > 1 {
+        shards.push(format!("1/{t} of each layer's width (tensor = {t})"));
+        if cand.sequence {
+            shards.push(format!(
+                "1/{t} of the tokens outside attention and MLP (sequence parallel)"
+            ));
+        }
+    }
+    if c > 1 {
+        shards.push(format!("1/{c} of each sequence's tokens (context = {c})"));
+    }
+    if stage.in_flight > 1 {
+        shards.push(format!(
+            "activations of {} micro-batches in flight (1F1B)",
+            stage.in_flight
+        ));
+    }
+    let of = |n: u64, what: &str, why: String| {
+        if n > 1 {
+            format!("1/{n} of the stage's {what} ({why})")
+        } else {
+            format!("all the stage's {what}")
+        }
+    };
+    let dp = |zero: u8| format!("ZeRO-{zero} over data = {d}");
+    let weights = if cand.offloads(OffloadWhat::Params) {
+        "on the host; each layer's weights gathered for its use".to_string()
+    } else if cand.zero >= 3 && d > 1 {
+        of(d, "weights", dp(3)) + ", each layer gathered for its use"
+    } else if d > 1 {
+        format!("all the stage's weights (replicated over data = {d})")
+    } else {
+        of(1, "weights", String::new())
+    };
+    let grads = if cand.offloads(OffloadWhat::Grads) {
+        "on the host".to_string()
+    } else if cand.zero >= 2 && d > 1 {
+        of(d, "gradients", dp(cand.zero.min(3)))
+    } else {
+        of(1, "gradients", String::new())
+    };
+    let optimizer = if cand.offloads(OffloadWhat::Optimizer) {
+        "on the host (updated by the CPU)".to_string()
+    } else if cand.zero >= 1 && d > 1 {
+        of(d, "optimizer state", dp(cand.zero.min(3)))
+    } else {
+        of(1, "optimizer state", String::new())
+    };
+    let at = |k: &str| r.breakdown.get(k).copied().unwrap_or(0);
+    let mut holds = vec![
+        Holding {
+            what: "weights",
+            bytes: at("weights"),
+            share: weights,
+        },
+        Holding {
+            what: "grads",
+            bytes: at("grads"),
+            share: grads,
+        },
+        Holding {
+            what: "optimizer",
+            bytes: at("optimizer"),
+            share: optimizer,
+        },
+    ];
+    if at("communication") > 0 {
+        holds.push(Holding {
+            what: "communication",
+            bytes: at("communication"),
+            share: "gradient buckets, gather prefetch and pipeline send/receive buffers"
+                .to_string(),
+        });
+    }
+    RankMemory {
+        stage,
+        layers,
+        shards,
+        holds,
+        peak_bytes: r.peak_bytes,
+        worst,
+    }
 }
 
 /// Add `t` to every sample of `r` (the buffers live through the whole step).
@@ -205,5 +389,81 @@ pub fn shard_sequence(tape: &mut super::tape::Tape, tokens: u64, hidden: u64, te
         };
         o.fwd_workspace += gathered + partial;
         o.bwd_workspace += gathered + partial;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> Spec {
+        let src = "model \"tiny-decoder\"\nhardware { gpu = h100-80gb  gpus_per_node = 4 }\ntrain { seq_len = 128  global_batch = 64 }\n";
+        let file = rcoa_grammar::parse("t.plan", src).unwrap();
+        let ctx = crate::resolve::ResolveContext::new("t.plan", src, std::path::PathBuf::from("."));
+        crate::resolve::resolve(&file, &ctx).unwrap()
+    }
+
+    fn cand(data: u64, zero: u8, pipeline: u64) -> Candidate {
+        Candidate {
+            micro_batch: 2,
+            grad_accum: 4,
+            data,
+            zero,
+            tensor: 1,
+            pipeline,
+            context: 1,
+            sequence: false,
+            checkpoint_layers: vec![],
+            offload: vec![],
+        }
+    }
+
+    #[test]
+    fn ranks_name_both_pipeline_ends_and_mark_the_reported_one() {
+        let s = spec();
+        let p = Profile::for_target(s.target);
+        let c = cand(2, 1, 2);
+        let ranks = ranks(&s, &c, &p);
+        assert_eq!(ranks.len(), 2);
+        let (first, last) = (&ranks[0], &ranks[1]);
+        assert!(first.stage.embedding && !first.stage.head);
+        assert!(!last.stage.embedding && last.stage.head);
+        assert_eq!(first.stage.first_layer, 0);
+        assert_eq!(last.stage.end_layer, s.model.layers);
+        assert!(
+            first.layers.contains("pipeline stage 1 of 2"),
+            "{}",
+            first.layers
+        );
+        assert!(
+            last.layers.contains("pipeline stage 2 of 2"),
+            "{}",
+            last.layers
+        );
+        assert_eq!(ranks.iter().filter(|r| r.worst).count(), 1);
+        let worst = ranks.iter().find(|r| r.worst).unwrap();
+        assert_eq!(worst.peak_bytes, evaluate(&s, &c, &p, false).peak_bytes);
+        assert!(ranks.iter().all(|r| r.peak_bytes <= worst.peak_bytes));
+        let opt = &first.holds.iter().find(|h| h.what == "optimizer").unwrap();
+        assert!(opt.share.starts_with("1/2 of"), "{}", opt.share);
+        assert!(opt.share.contains("ZeRO-1 over data = 2"), "{}", opt.share);
+    }
+
+    #[test]
+    fn one_gpu_has_one_rank_holding_everything() {
+        let s = spec();
+        let p = Profile::for_target(s.target);
+        let c = cand(1, 0, 1);
+        let ranks = ranks(&s, &c, &p);
+        assert_eq!(ranks.len(), 1);
+        assert!(ranks[0].worst && ranks[0].shards.is_empty());
+        assert!(ranks[0]
+            .holds
+            .iter()
+            .all(|h| h.share.starts_with("all the stage's")));
+        assert_eq!(
+            ranks[0].peak_bytes,
+            crate::memory::evaluate(&s, &c, &p, false).peak_bytes
+        );
     }
 }
