@@ -22,6 +22,10 @@ pub struct Compilation {
     pub explain: Explain,
     pub report: MemoryReport,
     pub time: TimeEstimate,
+    /// The step time's terms and the worst rank's traffic, row by row (what `time` sums).
+    pub step: cost::parallel::StepTime,
+    /// The ranks the memory model distinguishes (first and last pipeline stage), worst marked.
+    pub ranks: Vec<memory::parallel::RankMemory>,
     pub candidate: Candidate,
     pub graph: GraphSummary,
     pub profile: Profile,
@@ -176,7 +180,9 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
     let cand = point.candidate(spec.model.layers);
     // The chosen candidate again, with the timeline (the search walks without one).
     let report = memory::parallel::evaluate(spec, &cand, &profile, true);
-    let time = cost::parallel::estimate(spec, &cand, &profile, &report).to_estimate();
+    let step = cost::parallel::estimate(spec, &cand, &profile, &report);
+    let time = step.to_estimate();
+    let ranks = memory::parallel::ranks(spec, &cand, &profile);
     let graph = TrainGraph::build(spec, &cand, &profile).summary();
     let budget = spec.fit.budget_bytes(spec.hardware.gpu.memory_bytes);
     let fits = outcome.fits && report.peak_bytes + report.reserve_bytes <= budget;
@@ -215,6 +221,8 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         },
         report,
         time,
+        step,
+        ranks,
         candidate: cand,
         graph,
         profile,

@@ -278,6 +278,7 @@ pub fn render_text(c: &Compilation) -> String {
         "time      {:.3} s per step, {:.0} tokens/s (matmuls {:.3} s, memory-bound {:.3} s, optimizer {:.3} s, communication {:.3} s)",
         t.step_seconds, t.tokens_per_second, t.compute_seconds, t.memory_seconds, t.optimizer_seconds, t.communication_seconds
     );
+    render_ranks(&mut s, c);
     let _ = writeln!(s);
     let _ = writeln!(s, "decisions");
     for d in &c.explain.decisions {
@@ -291,6 +292,132 @@ pub fn render_text(c: &Compilation) -> String {
         }
     }
     s
+}
+
+/// Bytes in the largest binary unit that keeps them above 1 (KiB, MiB or GiB).
+fn bytes_h(b: f64) -> String {
+    const K: f64 = 1024.0;
+    if b >= K * K * K {
+        format!("{:.2} GiB", b / (K * K * K))
+    } else if b >= K * K {
+        format!("{:.2} MiB", b / (K * K))
+    } else if b >= K {
+        format!("{:.2} KiB", b / K)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+/// Seconds with enough digits for millisecond-scale traffic.
+fn secs(x: f64) -> String {
+    format!("{x:.4} s")
+}
+
+/// The `per rank` section: what each distinct rank holds and what the worst rank sends.
+/// Shown when the plan spans more than one GPU or moves anything to the host.
+fn render_ranks(s: &mut String, c: &Compilation) {
+    let hw = &c.lowered.hardware;
+    let gpus = hw.gpus_per_node * hw.nodes;
+    let st = &c.step;
+    if gpus <= 1 && st.traffic.is_empty() {
+        return;
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "per rank ({gpus} GPUs on {} node{}; {})",
+        hw.nodes,
+        if hw.nodes == 1 { "" } else { "s" },
+        if c.ranks.len() > 1 {
+            "ranks differ by pipeline stage: the first and the last"
+        } else {
+            "every rank holds the same"
+        }
+    );
+    for r in &c.ranks {
+        let _ = writeln!(
+            s,
+            "  {}: peak {}{}",
+            r.layers,
+            gib(r.peak_bytes),
+            if r.worst && c.ranks.len() > 1 {
+                "  ← worst rank, the peak reported above"
+            } else {
+                ""
+            }
+        );
+        for sh in &r.shards {
+            let _ = writeln!(s, "    {sh}");
+        }
+        for h in &r.holds {
+            let _ = writeln!(s, "    {:<14} {:>11}  {}", h.what, gib(h.bytes), h.share);
+        }
+    }
+    let _ = writeln!(s);
+    if st.traffic.is_empty() {
+        let _ = writeln!(s, "traffic   none: nothing crosses a link");
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "traffic of the worst rank per step ({} micro-steps; ring collectives, nothing overlapped)",
+        c.candidate.grad_accum.max(1)
+    );
+    let _ = writeln!(
+        s,
+        "  {:<15} {:<12} {:<11} {:>11} {:>11}  {:<20} {:>10}  what",
+        "collective", "group", "link", "per call", "sent/call", "calls", "time/step"
+    );
+    for t in &st.traffic {
+        let calls = format!("{} per {}", t.calls, t.cadence.as_str());
+        let _ = writeln!(
+            s,
+            "  {:<15} {:<12} {:<11} {:>11} {:>11}  {:<20} {:>10}  {}",
+            t.collective.as_str(),
+            if t.group_size > 1 {
+                format!("{} × {}", t.group.as_str(), t.group_size)
+            } else {
+                t.group.as_str().to_string()
+            },
+            t.link.as_str(),
+            bytes_h(t.bytes_per_call),
+            bytes_h(t.sent_bytes_per_call),
+            calls,
+            secs(t.seconds_per_step),
+            t.what
+        );
+    }
+    let parts: Vec<String> = [
+        ("data", st.data_parallel_s),
+        ("tensor", st.tensor_parallel_s),
+        ("context", st.context_parallel_s),
+        ("pipeline", st.pipeline_p2p_s),
+    ]
+    .iter()
+    .filter(|(_, x)| *x > 0.0)
+    .map(|(k, x)| format!("{k} {}", secs(*x)))
+    .collect();
+    let mut total = format!(
+        "  total     communication {} ({})",
+        secs(st.communication_s()),
+        if parts.is_empty() {
+            "none".to_string()
+        } else {
+            parts.join(", ")
+        }
+    );
+    if st.offload_s > 0.0 {
+        let _ = write!(
+            total,
+            "; offload {} (CPU optimizer {} of it)",
+            secs(st.offload_s),
+            secs(st.host_optimizer_s)
+        );
+    }
+    if st.bubble_s > 0.0 {
+        let _ = write!(total, "; pipeline bubble {}", secs(st.bubble_s));
+    }
+    let _ = writeln!(s, "{total}");
 }
 
 /// The `--format json` object (DESIGN.md's contract, plus detail).
@@ -335,6 +462,14 @@ pub fn to_json(c: &Compilation) -> Value {
             "checkpoint": r.checkpoint,
             "checkpoint_layers": r.checkpoint_layers,
             "offload": r.offload.iter().map(|o| o.to_string()).collect::<Vec<_>>(),
+        },
+        "parallel": {
+            "ranks": c.ranks,
+            "traffic": c.step.traffic,
+            "communication_seconds": c.step.communication_s(),
+            "offload_seconds": c.step.offload_s,
+            "host_optimizer_seconds": c.step.host_optimizer_s,
+            "bubble_seconds": c.step.bubble_s,
         },
         "params": { "total": rep.params_total, "trainable": rep.params_trainable },
         "graph": c.graph,
