@@ -137,6 +137,24 @@ fn json_contract_for_every_example_plan() {
         ] {
             assert!(r[k].is_u64(), "{rel}: resolved.{k}");
         }
+        // The per-rank view: exactly one worst rank, whose peak is the reported one, and
+        // traffic rows whose network seconds are the step time's communication term.
+        let ranks = v["parallel"]["ranks"].as_array().unwrap();
+        let worst: Vec<_> = ranks.iter().filter(|r| r["worst"] == true).collect();
+        assert_eq!(worst.len(), 1, "{rel}");
+        assert_eq!(worst[0]["peak_bytes"], m["peak_bytes"], "{rel}");
+        let network: f64 = v["parallel"]["traffic"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["group"] != "host")
+            .map(|t| t["seconds_per_step"].as_f64().unwrap())
+            .sum();
+        let comm = v["time"]["communication_seconds"].as_f64().unwrap();
+        assert!(
+            (network - comm).abs() <= 1e-9 * comm.max(1e-9),
+            "{rel}: {network} vs {comm}"
+        );
         assert!(r["checkpoint"].is_string(), "{rel}");
         assert!(r["checkpoint_layers"].is_array(), "{rel}");
         assert!(
