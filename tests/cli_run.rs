@@ -182,3 +182,32 @@ fn tiny_cpu_plan_trains_20_steps() {
     assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
     assert!(summary["predicted_peak_bytes"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn run_report_shows_measured_beside_predicted() {
+    let dir = temp("report");
+    let plan = tiny_plan_file(&dir);
+    let html = dir.join("run.html");
+    let (steps, summary) = run_json(&[
+        "--lowered",
+        plan.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--report",
+        html.to_str().unwrap(),
+    ]);
+    assert_eq!(steps.len(), 3);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.starts_with("<!DOCTYPE html>"),
+        "{}",
+        &page[..60.min(page.len())]
+    );
+    assert!(page.contains("tiny.json"), "titled by the plan's file name");
+    assert!(page.contains("measured") && page.contains("predicted"));
+    // One row per step, and no scripts: the page is self-contained.
+    assert!(page.matches("<tr").count() >= 3);
+    assert!(!page.contains("<script"));
+    assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

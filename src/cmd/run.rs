@@ -55,6 +55,9 @@ pub struct Args {
     /// Seed of the initialisation, the data and dropout.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also write a self-contained HTML report of the run (measured beside predicted).
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
 }
 
 fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
@@ -82,6 +85,13 @@ fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
             Err(ExitCode::from(2))
         }
     }
+}
+
+/// The plan's file name (no directories: the report stays reproducible).
+fn plan_name(args: &Args) -> String {
+    let path = args.plan.as_ref().or(args.lowered.as_ref());
+    path.and_then(|p| p.file_name())
+        .map_or_else(|| "plan".to_string(), |n| n.to_string_lossy().into_owned())
 }
 
 fn print_diagnostic(e: &RunError) {
@@ -113,6 +123,8 @@ pub fn run(args: Args) -> ExitCode {
     let mut bar: Option<indicatif::ProgressBar> = None;
     let steps = args.steps;
     let mut cold_cache = false;
+    let mut device = String::new();
+    let mut steps_seen: Vec<rcoa_compiler::report::StepRecord> = Vec::new();
     let mut on_event = |e: Event| match e {
         Event::Compiling { cold } => {
             cold_cache = cold;
@@ -127,6 +139,7 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
         Event::Started(s) => {
+            device = s.device.clone();
             if json {
                 println!(
                     "{}",
@@ -169,6 +182,12 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
         Event::Step(r) => {
+            steps_seen.push(rcoa_compiler::report::StepRecord {
+                step: r.step,
+                loss: r.loss,
+                step_seconds: r.step_seconds,
+                peak_bytes: r.peak_bytes,
+            });
             let tps = r.tokens as f64 / r.step_seconds.max(1e-9);
             if json {
                 println!(
@@ -211,6 +230,26 @@ pub fn run(args: Args) -> ExitCode {
     match result {
         Ok(s) => {
             report(&s, json);
+            if let Some(path) = &args.report {
+                let record = rcoa_compiler::report::RunRecord {
+                    plan_name: plan_name(&args),
+                    device,
+                    memory_measure: s.memory_measure.clone(),
+                    steps: steps_seen,
+                    measured_peak_bytes: s.measured_peak_bytes,
+                    measured_reserved_bytes: s.measured_reserved_bytes,
+                    steady_step_seconds: s.steady_step_seconds,
+                    tokens_per_second: s.tokens_per_second,
+                };
+                let html = rcoa_compiler::report::run_html(&plan, &record);
+                if let Err(e) = rcoa_compiler::report::write_atomic(path, &html) {
+                    eprintln!(
+                        "rcoa run: cannot write the report `{}`: {e}",
+                        path.display()
+                    );
+                    return ExitCode::from(2);
+                }
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
