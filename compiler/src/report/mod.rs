@@ -291,6 +291,7 @@ pub fn compile_html(c: &Compilation, plan_name: &str) -> String {
     s.push_str(&rejected_section(c));
     s.push_str(&resolved_section(c));
     s.push_str(&time_section(c));
+    s.push_str(&traffic_section(c));
     s.push_str(page_end());
     s
 }
@@ -499,6 +500,36 @@ fn time_section(c: &Compilation) -> String {
         );
     }
     s.push_str("</tbody>\n</table>\n<p class=\"note\">Per optimizer step on each GPU; the parts are summed without overlap (a pessimistic estimate).</p>\n</section>\n");
+    s
+}
+
+/// The worst rank's traffic, the rows the step time sums (empty on one GPU without offload).
+fn traffic_section(c: &Compilation) -> String {
+    let st = &c.step;
+    if st.traffic.is_empty() {
+        return String::new();
+    }
+    let mut s = format!(
+        "<section id=\"traffic\">\n<h2>Traffic per step</h2>\n<p class=\"lede\">What the worst rank sends per optimizer step ({} micro-steps): each collective, its group and link, the bytes per call and how often it runs. Their seconds are the communication and offload parts above.</p>\n<table class=\"traffic\">\n<thead><tr><th scope=\"col\">collective</th><th scope=\"col\">what</th><th scope=\"col\">group</th><th scope=\"col\">link</th><th scope=\"col\" class=\"num\">per call</th><th scope=\"col\" class=\"num\">sent per call</th><th scope=\"col\" class=\"num\">calls</th><th scope=\"col\" class=\"num\">seconds</th></tr></thead>\n<tbody>\n",
+        c.candidate.grad_accum.max(1)
+    );
+    for t in &st.traffic {
+        let _ = writeln!(
+            s,
+            r#"<tr><th scope="row">{}</th><td>{}</td><td>{} × {}</td><td>{}</td>{}{}<td class="num">{} per {}</td><td class="num">{:.4}</td></tr>"#,
+            escape(t.collective.as_str()),
+            escape(t.what),
+            escape(t.group.as_str()),
+            t.group_size,
+            escape(t.link.as_str()),
+            size_cell(t.bytes_per_call as u64),
+            size_cell(t.sent_bytes_per_call as u64),
+            t.calls,
+            escape(t.cadence.as_str()),
+            t.seconds_per_step
+        );
+    }
+    s.push_str("</tbody>\n</table>\n<p class=\"note\">Ring collectives; nothing is overlapped with compute.</p>\n</section>\n");
     s
 }
 

@@ -218,3 +218,30 @@ fn atomic_write_replaces_the_file() {
     assert_eq!(left.len(), 1, "no temporary file left behind");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn multi_gpu_pages_list_the_traffic_single_gpu_pages_do_not() {
+    let one = compile_html(&compile_src(PLAN), "report.plan");
+    assert!(!one.contains("id=\"traffic\""));
+    let src = r#"
+model "tiny-decoder"
+hardware { gpu = h100-80gb  gpus_per_node = 4  nodes = 2 }
+precision bf16
+optimizer adamw { lr = 1e-3 }
+train { seq_len = 256  global_batch = 32  micro_batch = 2 }
+parallel { data = 4  tensor = 2  zero = 3 }
+fit { checkpoint = none }
+target pytorch
+"#;
+    let c = compile_src(src);
+    let html = compile_html(&c, "traffic.plan");
+    save("traffic.html", &html);
+    assert!(html.contains("<section id=\"traffic\">"));
+    assert!(html.contains("ZeRO-3 weight gather (forward)"));
+    assert!(html.contains("<td>tensor × 2</td><td>intra_node</td>"));
+    assert!(html.contains("<td>data × 4</td><td>inter_node</td>"));
+    let rows = html
+        .matches("<tr><th scope=\"row\">all-gather</th>")
+        .count();
+    assert_eq!(rows, 2, "forward and backward gathers");
+}
