@@ -10,7 +10,11 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "rcoa", version, about = "Compile a .plan training job into a plan that fits GPU memory, and run it.")]
+#[command(
+    name = "rcoa",
+    version,
+    about = "Compile a .plan training job into a plan that fits GPU memory, and run it."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

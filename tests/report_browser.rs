@@ -122,7 +122,9 @@ fn report_is_written_and_self_contained() {
     assert!(page.contains("<h1>llama-3.1-8b-full-1xh100.plan</h1>"));
     // Nothing to fetch, nothing to run, no path of this machine (the SVG namespace URI
     // names a namespace; it is never fetched).
-    for bad in ["<script", "src=", "href=", "url(http", "@import", "<link", "<img"] {
+    for bad in [
+        "<script", "src=", "href=", "url(http", "@import", "<link", "<img",
+    ] {
         assert!(!page.contains(bad), "found {bad}");
     }
     assert!(!page.contains(&*workspace().to_string_lossy()));

@@ -2,7 +2,10 @@
 //! cluster emitters). Every `auto` is decided; nothing here is optional
 //! guesswork. Serialized as JSON or TOML with serde.
 
-use crate::spec::{AdapterSpec, HardwareSpec, ModelSpec, Offload, OptimizerSpec, PrecisionSpec, Spec, Target, TrainSpec};
+use crate::spec::{
+    AdapterSpec, HardwareSpec, ModelSpec, Offload, OptimizerSpec, PrecisionSpec, Spec, Target,
+    TrainSpec,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
