@@ -183,7 +183,11 @@ pub fn ranks(spec: &Spec, cand: &Candidate, profile: &Profile) -> Vec<RankMemory
     let w = worst(&v);
     v.into_iter()
         .enumerate()
-        .map(|(i, (stage, r))| describe(spec, cand, stage, &r, i == w))
+        .map(|(i, (stage, r))| {
+            // The terms depend on the parameter counts only, which `apply` leaves alone.
+            let t = terms(spec, cand, &r);
+            describe(spec, cand, stage, &r, &t, i == w)
+        })
         .collect()
 }
 
@@ -192,6 +196,7 @@ fn describe(
     cand: &Candidate,
     stage: Stage,
     r: &MemoryReport,
+    terms: &ParallelTerms,
     worst: bool,
 ) -> RankMemory {
     use crate::spec::OffloadWhat;
@@ -283,12 +288,25 @@ fn describe(
             share: optimizer,
         },
     ];
-    if at("communication") > 0 {
+    if terms.added() > 0 {
+        let named = [
+            (terms.reduce_bucket, "gradient reduce bucket"),
+            (
+                terms.gather_bucket,
+                "prefetch of the next layer's gathered weights",
+            ),
+            (terms.pipeline_buffers, "pipeline send/receive buffers"),
+        ];
+        let share = named
+            .iter()
+            .filter(|(b, _)| *b > 0)
+            .map(|(b, what)| format!("{what} {:.2} GiB", *b as f64 / (1u64 << 30) as f64))
+            .collect::<Vec<_>>()
+            .join(", ");
         holds.push(Holding {
             what: "communication",
             bytes: at("communication"),
-            share: "gradient buckets, gather prefetch and pipeline send/receive buffers"
-                .to_string(),
+            share,
         });
     }
     RankMemory {
