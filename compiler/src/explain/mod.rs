@@ -5,6 +5,14 @@
 //! why, with the numbers that drove it. Rendering is separate and
 //! deterministic: no timings of the compiler itself, no paths, no colours, so
 //! `--explain` output can be a golden file.
+//!
+//! On more than one GPU (or with offload) the text adds a `per rank` section:
+//! what each rank the memory model distinguishes holds (its layers, its share
+//! of weights, gradients and optimizer state, its communication buffers; the
+//! worst marked) and the worst rank's traffic table. Those rows are the
+//! [`crate::cost::parallel::Traffic`] rows the step time sums, so the seconds
+//! shown are the seconds priced; the JSON carries them as `parallel.ranks` and
+//! `parallel.traffic`.
 
 use crate::compile::Compilation;
 use crate::memory::{Category, Phase, Sample};
