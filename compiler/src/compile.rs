@@ -68,56 +68,19 @@ fn unsupported(feature: impl Into<String>, help: impl Into<String>) -> CompileEr
     }
 }
 
-/// Elements in one tensor beyond which a plan is rejected: 2^40 bf16 elements are 2 TiB,
-/// far past any GPU, and below it the memory model's u64 byte sums stay exact (a layer
-/// holds a few dozen tensors, a model at most 65,536 layers).
-const MAX_TENSOR_ELEMENTS: u128 = 1 << 40;
-
-/// Reject plans whose tensors are too large to hold anywhere, before the memory model's
-/// integer arithmetic sees them. The search may try every divisor of the global batch as
-/// the micro-batch, so an `auto` micro-batch is bounded by the global batch.
+/// Reject plans whose tensors are too large to hold anywhere even at micro-batch 1,
+/// before the memory model's integer arithmetic sees them (see [`crate::scale`]).
 fn check_scale(spec: &Spec) -> Result<(), CompileError> {
-    let m = &spec.model;
-    let t = &spec.train;
-    let micro = t.micro_batch.fixed().unwrap_or(t.global_batch) as u128;
-    let sequences = micro * t.sequences_per_item() as u128;
-    let tokens = sequences * t.seq_len as u128;
-    let widest = [
-        m.hidden,
-        m.ffn,
-        m.vocab,
-        m.heads * m.head_dim,
-        m.kv_heads * m.head_dim,
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0) as u128;
-    let candidates = [
-        ("an activation (tokens × width)", tokens * widest),
-        (
-            "the attention scores (sequences × heads × seq_len²)",
-            sequences * m.heads as u128 * (t.seq_len as u128).pow(2),
-        ),
-        (
-            "the embedding (vocab × hidden)",
-            m.vocab as u128 * m.hidden as u128,
-        ),
-        (
-            "an MLP weight (hidden × ffn)",
-            m.hidden as u128 * m.ffn as u128,
-        ),
-    ];
-    for (what, elements) in candidates {
-        if elements > MAX_TENSOR_ELEMENTS {
-            return Err(CompileError::TooLarge {
-                what: format!("{what} would hold {elements} elements, more than any GPU can hold"),
-                help: "rcoa models tensors of up to 2^40 elements; reduce micro_batch (or \
-                       global_batch when it is auto), seq_len or the model's widths"
-                    .to_string(),
-            });
-        }
+    let micro = spec.train.micro_batch.fixed().unwrap_or(1);
+    match crate::scale::too_large(spec, micro) {
+        None => Ok(()),
+        Some((what, elements)) => Err(CompileError::TooLarge {
+            what: format!("{what} would hold {elements} elements, more than any GPU can hold"),
+            help: "rcoa models tensors of up to 2^40 elements; reduce micro_batch, seq_len or \
+                   the model's widths"
+                .to_string(),
+        }),
     }
-    Ok(())
 }
 
 /// Features a plan may name that the model does not cover yet.

@@ -15,6 +15,7 @@ pub mod passes;
 pub mod profile;
 pub mod report;
 pub mod resolve;
+pub mod scale;
 pub mod search;
 pub mod spec;
 

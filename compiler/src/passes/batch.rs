@@ -3,21 +3,27 @@
 //! (`global_batch = micro_batch × grad_accum × data`).
 //!
 //! A fixed micro-batch is the only value; `auto` ranges over the divisors
-//! of the global batch, and the search keeps, per layout, those dividing
-//! its per-rank batch (and matching a fixed `grad_accum`).
+//! of the global batch whose tensors stay within [`crate::scale`]'s bound, and
+//! the search keeps, per layout, those dividing its per-rank batch (and
+//! matching a fixed `grad_accum`).
 
 use super::{decide, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
-use crate::spec::{Choice, TrainSpec};
+use crate::spec::{Choice, Spec, TrainSpec};
 
 pub struct Batch<'a> {
     train: &'a TrainSpec,
+    /// The plan, only to size micro-batches against the tensor bound.
+    spec: &'a Spec,
 }
 
 impl<'a> Batch<'a> {
-    pub fn new(train: &'a TrainSpec) -> Self {
-        Batch { train }
+    pub fn new(spec: &'a Spec) -> Self {
+        Batch {
+            train: &spec.train,
+            spec,
+        }
     }
 }
 
@@ -32,7 +38,20 @@ impl Pass for Batch<'_> {
         plan.space.micro_batch = match self.train.micro_batch {
             Choice::Fixed(mb) => vec![mb],
             Choice::Auto => {
-                let v = super::divisors(g);
+                let all = super::divisors(g);
+                let v: Vec<u64> = all
+                    .iter()
+                    .copied()
+                    .filter(|&mb| crate::scale::too_large(self.spec, mb).is_none())
+                    .collect();
+                if v.len() < all.len() {
+                    decide(
+                        log,
+                        self,
+                        format!("micro_batch ≤ {}", v.last().copied().unwrap_or(1)),
+                        "larger micro-batches would make a tensor of over 2^40 elements, more than any GPU holds",
+                    );
+                }
                 decide(
                     log,
                     self,

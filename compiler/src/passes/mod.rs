@@ -185,7 +185,7 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
         .run(&mut plan, log)?;
     offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target).run(&mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
-    batch::Batch::new(&spec.train).run(&mut plan, log)?;
+    batch::Batch::new(spec).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.
     fit::Fit::new(spec, profile).run(&mut plan, log)?;
     if cfg!(debug_assertions) {
