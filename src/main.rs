@@ -32,6 +32,8 @@ enum Command {
     Compile(cmd::compile::Args),
     /// Train with the compiled plan on Burn (CPU or CUDA).
     Run(cmd::run::Args),
+    /// Serve the meeting point of a data-parallel `rcoa run` over several processes.
+    Orchestrate(cmd::orchestrate::Args),
     /// Write the compiled plan as DeepSpeed, torchrun, Slurm or Accelerate configuration.
     Emit(cmd::emit::Args),
 }
@@ -44,6 +46,7 @@ fn main() -> ExitCode {
         Command::Catalog(a) => cmd::catalog::run(a),
         Command::Compile(a) => cmd::compile::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),
     }
 }

@@ -1,7 +1,7 @@
 //! Training data: synthetic token streams (the default) or a local text file.
 //!
 //! Invariant: the batch for (step, micro-batch) is a pure function of the
-//! seed, the step and the micro-batch index. No iterator state is carried, so
+//! seed, the step, the micro-batch index and the data-parallel rank. No iterator state is carried, so
 //! a run resumed from a checkpoint at step k sees exactly the batches an
 //! uninterrupted run would have seen from step k on.
 //!
@@ -206,6 +206,10 @@ pub struct Batcher {
     /// Contrastive with explicit positives/negatives: `micro_batch` counts
     /// anchors, each encoding `group` rows. Otherwise it counts rows.
     pub grouped: bool,
+    /// Data-parallel rank: rank r's micro-batch holds rows (or groups)
+    /// `r*n .. (r+1)*n` of the global micro-batch, so R ranks with
+    /// micro-batch n see exactly the rows one process with R*n would see.
+    pub rank: u64,
 }
 
 /// Share of positions masked for masked-LM training (BERT).
@@ -225,10 +229,11 @@ impl Batcher {
         let mut inputs = Vec::with_capacity(rows * s);
         let mut targets = Vec::new();
         let mut weights = Vec::new();
+        let base = self.rank * rows as u64;
         match self.loss {
             Loss::CausalLm => {
                 for r in 0..rows {
-                    let mut rng = Rng::keyed(self.seed, step, micro, r as u64);
+                    let mut rng = Rng::keyed(self.seed, step, micro, base + r as u64);
                     let seq = self.source.sequence(&mut rng, s + 1);
                     inputs.extend(seq[..s].iter().map(|&t| t as i64));
                     targets.extend(seq[1..].iter().map(|&t| t as i64));
@@ -238,7 +243,7 @@ impl Batcher {
                 // The last id is the mask token.
                 let mask_id = self.vocab.saturating_sub(1) as i64;
                 for r in 0..rows {
-                    let mut rng = Rng::keyed(self.seed, step, micro, r as u64);
+                    let mut rng = Rng::keyed(self.seed, step, micro, base + r as u64);
                     let seq = self.source.sequence(&mut rng, s);
                     for &t in &seq {
                         let masked = rng.unit() < MLM_RATE;
@@ -252,8 +257,9 @@ impl Batcher {
                 // Groups of `group` rows: an anchor, its positives (other
                 // views of its document) and its negatives (other documents).
                 let groups = rows / self.group.max(1);
+                let base = self.rank * groups as u64;
                 for g in 0..groups {
-                    let doc = Rng::keyed(self.seed, step, micro, g as u64).next_u64();
+                    let doc = Rng::keyed(self.seed, step, micro, base + g as u64).next_u64();
                     inputs.extend(self.source.view(doc, 0, s).iter().map(|&t| t as i64));
                     for j in 1..self.group {
                         let row = if j <= self.positives.max(1) {
@@ -263,7 +269,7 @@ impl Batcher {
                                 self.seed ^ 0x5EED,
                                 step,
                                 micro,
-                                (g * self.group + j) as u64,
+                                (base as usize + g) as u64 * self.group as u64 + j as u64,
                             )
                             .next_u64();
                             self.source.view(other, 0, s)
@@ -302,7 +308,30 @@ mod tests {
             group: 2,
             positives: 0,
             grouped: false,
+            rank: 0,
         }
+    }
+
+    #[test]
+    fn ranks_hold_consecutive_rows_of_the_global_batch() {
+        let one = Batcher {
+            micro_batch: 4,
+            ..batcher(Loss::CausalLm)
+        };
+        let (a, b) = (
+            Batcher {
+                rank: 0,
+                ..batcher(Loss::CausalLm)
+            },
+            Batcher {
+                rank: 1,
+                ..batcher(Loss::CausalLm)
+            },
+        );
+        let whole = one.batch(2, 1);
+        let (a, b) = (a.batch(2, 1), b.batch(2, 1));
+        assert_eq!([a.inputs, b.inputs].concat(), whole.inputs);
+        assert_eq!([a.targets, b.targets].concat(), whole.targets);
     }
 
     #[test]

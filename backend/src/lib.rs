@@ -12,11 +12,16 @@
 //! `Autodiff<Cuda>` behind the `cuda` feature (`cuda` module: preflight of the
 //! driver, NVRTC and headers; CubeCL's persistent kernel cache).
 //!
+//! Data parallelism runs over processes, one device each (`distributed`:
+//! burn-collective's all-reduce of the gradients before every optimizer
+//! step); the plan's `data` must equal the number of processes.
+//!
 //! What this executor does not do is an error before anything runs
-//! (`check_plan`): more than one GPU, offload, QLoRA's 4-bit base, mixture of
+//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO sharding, offload, QLoRA's 4-bit base, mixture of
 //! experts, selective checkpointing, optimizers Burn lacks.
 
 pub mod data;
+pub mod distributed;
 pub mod loss;
 pub mod memory;
 pub mod model;
@@ -58,6 +63,12 @@ pub enum RunError {
     #[error("the backend failed: {0}")]
     #[diagnostic(code(rcoa::backend_failed))]
     Backend(String),
+    #[error("{0}")]
+    #[diagnostic(
+        code(rcoa::distributed),
+        help("start `rcoa orchestrate --port P` first, give every rank the same --nodes and --orchestrator, distinct --node-rank and --node-address")
+    )]
+    Distributed(String),
     #[error("the loss is {loss} at step {step}: training diverged")]
     #[diagnostic(
         code(rcoa::diverged),
@@ -66,15 +77,40 @@ pub enum RunError {
     Diverged { step: u64, loss: f64 },
 }
 
-/// Refuse what this executor cannot carry out faithfully.
+/// Refuse what this executor cannot carry out faithfully, run as one process.
 pub fn check_plan(plan: &LoweredPlan) -> Result<(), RunError> {
+    check_plan_ranks(plan, 1)
+}
+
+/// Refuse what this executor cannot carry out faithfully with `ranks`
+/// data-parallel processes (one device each).
+pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> {
     let r = &plan.resolved;
     let u = |s: String| Err(RunError::Unsupported(s));
-    let devices = r.data * r.tensor * r.pipeline * r.context;
-    if devices > 1 {
+    let model_parallel = r.tensor * r.pipeline * r.context;
+    if model_parallel > 1 {
         return u(format!(
-            "the plan uses {devices} GPUs (data {} × tensor {} × pipeline {} × context {}); `rcoa run` executes single-device plans",
-            r.data, r.tensor, r.pipeline, r.context
+            "the plan splits the model over {model_parallel} GPUs (tensor {} × pipeline {} × context {}); `rcoa run` executes data parallelism only",
+            r.tensor, r.pipeline, r.context
+        ));
+    }
+    if r.data != ranks {
+        return Err(RunError::Distributed(if ranks == 1 {
+            format!(
+                "the plan is data-parallel over {} GPUs; run one process per rank: `rcoa orchestrate --port P`, then `rcoa run PLAN --nodes {} --node-rank R --orchestrator HOST:P --node-address HOST:PORT` for R in 0..{}",
+                r.data, r.data, r.data
+            )
+        } else {
+            format!(
+                "the plan's data parallelism is {} but --nodes is {ranks}: every process is one data-parallel rank",
+                r.data
+            )
+        }));
+    }
+    if r.data > 1 && r.zero > 0 {
+        return u(format!(
+            "ZeRO stage {} shards state over the data-parallel ranks; the Burn executor replicates it (use `zero = 0`)",
+            r.zero
         ));
     }
     if !r.offload.is_empty() {
@@ -147,6 +183,8 @@ pub struct RunOptions {
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
     pub resume: Option<PathBuf>,
+    /// This process is one rank of a multi-process data-parallel run.
+    pub distributed: Option<distributed::Distributed>,
 }
 
 /// What the run tells its caller as it goes.
@@ -198,6 +236,9 @@ pub struct Summary {
     /// (measured - predicted) / predicted.
     pub peak_error: f64,
     pub memory_measure: String,
+    /// `Trainer::param_checksum` after the last step (equal on every
+    /// data-parallel rank).
+    pub param_checksum: f64,
 }
 
 /// Build the batcher for a plan.
@@ -225,6 +266,7 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
         },
         positives: plan.train.positives as usize,
         grouped,
+        rank: opts.distributed.as_ref().map_or(0, |d| d.rank as u64),
     })
 }
 
@@ -238,14 +280,24 @@ pub fn execute<B: AutodiffBackend>(
     probe: &mut dyn MemoryProbe,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
+    let ranks = opts.distributed.as_ref().map_or(1, |d| d.nodes as u64);
+    check_plan_ranks(plan, ranks)?;
     let batcher = batcher(plan, opts)?;
     let data = batcher.source.describe();
+    // Join before building the model: a rank that cannot join fails fast.
+    let collective = match &opts.distributed {
+        Some(d) => Some(distributed::Collective::<B::InnerBackend>::register(
+            d, &device,
+        )?),
+        None => None,
+    };
     let mut trainer = Trainer::<B>::new(
         plan,
         TrainerConfig {
             seed: opts.seed,
             batcher,
             sixteen_bit,
+            collective,
         },
         device,
     )?;
@@ -272,7 +324,9 @@ pub fn execute<B: AutodiffBackend>(
         let r = trainer.train_step(probe)?;
         on_event(Event::Step(r.clone()));
         reports.push(r);
-        if let Some(dir) = &opts.save {
+        // The ranks hold equal weights: rank 0 alone writes the checkpoint.
+        let writer = opts.distributed.as_ref().is_none_or(|d| d.rank == 0);
+        if let Some(dir) = opts.save.as_ref().filter(|_| writer) {
             let due = opts
                 .save_every
                 .is_some_and(|n| n > 0 && trainer.step % n == 0)
@@ -286,7 +340,9 @@ pub fn execute<B: AutodiffBackend>(
             }
         }
     }
-    Ok(summarize(plan, &reports, probe))
+    let mut summary = summarize(plan, &reports, probe);
+    summary.param_checksum = trainer.param_checksum();
+    Ok(summary)
 }
 
 fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe) -> Summary {
@@ -321,6 +377,7 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
             f64::NAN
         },
         memory_measure: probe.what().to_string(),
+        param_checksum: f64::NAN,
     }
 }
 

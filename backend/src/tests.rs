@@ -26,6 +26,7 @@ fn opts(steps: u64) -> RunOptions {
         save: None,
         save_every: None,
         resume: None,
+        distributed: None,
     }
 }
 
@@ -37,6 +38,7 @@ fn trainer(plan: &LoweredPlan) -> Trainer<Cpu> {
             seed: 11,
             batcher: b,
             sixteen_bit: false,
+            collective: None,
         },
         Default::default(),
     )
@@ -215,8 +217,15 @@ fn unsupported_plans_are_errors() {
     plan.optimizer.kind = OptimizerKind::Lion;
     let e = run_cpu(&plan, &opts(1), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("lion"), "{e}");
+    // Data parallelism needs one process per rank (`--nodes`).
     let mut plan = tiny_plan();
     plan.resolved.data = 2;
+    assert!(matches!(
+        run_cpu(&plan, &opts(1), &mut |_| {}),
+        Err(RunError::Distributed(_))
+    ));
+    let mut plan = tiny_plan();
+    plan.resolved.tensor = 2;
     assert!(matches!(
         run_cpu(&plan, &opts(1), &mut |_| {}),
         Err(RunError::Unsupported(_))

@@ -260,11 +260,14 @@ pub struct StepReport {
 }
 
 /// What the trainer needs besides the plan.
-pub struct TrainerConfig {
+pub struct TrainerConfig<B: AutodiffBackend> {
     pub seed: u64,
     pub batcher: Batcher,
     /// Whether the backend computes in 16-bit floats.
     pub sixteen_bit: bool,
+    /// Data-parallel rank: gradients and the loss are averaged over the
+    /// ranks before every optimizer step.
+    pub collective: Option<crate::distributed::Collective<B::InnerBackend>>,
 }
 
 /// A kept segment of the forward pass.
@@ -305,15 +308,18 @@ pub struct Trainer<B: AutodiffBackend> {
     /// stderr (`memory <where> <bytes>`), the timeline that calibrates the
     /// compiler's `burn` profile.
     trace: bool,
+    /// Data-parallel membership (`None`: a single process).
+    collective: Option<crate::distributed::Collective<B::InnerBackend>>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
     pub fn new(
         plan: &LoweredPlan,
-        cfg: TrainerConfig,
+        cfg: TrainerConfig<B>,
         device: B::Device,
     ) -> Result<Self, RunError> {
-        crate::check_plan(plan)?;
+        let ranks = cfg.collective.as_ref().map_or(1, |c| c.ranks() as u64);
+        crate::check_plan_ranks(plan, ranks)?;
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
         let optim = Optim::for_plan(plan)?;
         B::seed(&device, cfg.seed);
@@ -378,6 +384,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .map(|v| v != "step")
                 .unwrap_or(true),
             trace: std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"),
+            collective: cfg.collective,
         })
     }
 
@@ -589,6 +596,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                 None => l,
             });
         }
+        // Data parallel: every rank steps with the mean gradient (the same on
+        // every rank), so the weights stay equal. The loss reported is the
+        // mean over the ranks, the loss of the global batch.
+        if let Some(c) = &self.collective {
+            let loss = total.take().ok_or_else(|| {
+                RunError::Backend("a data-parallel step needs at least one micro-batch".into())
+            })?;
+            total = Some(c.mean_step::<B, _>(&self.model, &mut acc, loss)?);
+            self.mark(probe, false, &|| "all-reduce".into());
+        }
         let model = self.model.clone();
         self.model = self.optim.step(self.lr, model, acc);
         if self.precision.master {
@@ -612,6 +629,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             });
         }
         self.step += 1;
+        // Tokens this rank trained on (the throughput of one device).
         let tokens = self.grad_accum * (self.batcher.rows() * self.batcher.seq) as u64;
         Ok(StepReport {
             step: self.step,
@@ -697,6 +715,24 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         self.step = step;
         Ok(())
+    }
+
+    /// A checksum of the parameters the optimizer steps: the sum over
+    /// parameters of (sum of elements + sum of squares), in fp64 on the host.
+    /// Data-parallel ranks must agree on it exactly (the test of their sync).
+    pub fn param_checksum(&self) -> f64 {
+        struct Sum(f64);
+        impl<B: Backend> ModuleVisitor<B> for Sum {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let t = param.val().cast(FloatDType::F32);
+                let s = t.clone().sum().into_scalar().elem::<f64>();
+                let q = (t.clone() * t).sum().into_scalar().elem::<f64>();
+                self.0 += s + q;
+            }
+        }
+        let mut c = Sum(0.0);
+        self.model.visit(&mut c);
+        c.0
     }
 
     /// Number of parameters (all, trainable).

@@ -6,4 +6,5 @@ pub mod common;
 pub mod compile;
 pub mod emit;
 pub mod fmt;
+pub mod orchestrate;
 pub mod run;

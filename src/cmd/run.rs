@@ -7,7 +7,15 @@
 //! per step and a final summary, one per line, on stdout. Exit status: 0 done,
 //! 1 the run failed while training (divergence, backend failure), 2 bad plan,
 //! bad usage, or an unavailable device.
+//!
+//! Data parallelism: each process is one rank (`--nodes N --node-rank R
+//! --orchestrator HOST:PORT --node-address HOST:PORT`, after `rcoa
+//! orchestrate`), one device each; a single node with several GPUs runs one
+//! process per GPU the same way on loopback. Rank 0 alone shows the progress
+//! and writes the report and checkpoints; in JSON mode every rank prints its
+//! lines with `"rank"`, so a launcher can gather them.
 
+use rcoa_backend::distributed::Distributed;
 use rcoa_backend::{Event, RunError, RunOptions, Summary};
 use rcoa_compiler::lowered::LoweredPlan;
 use std::io::Write;
@@ -58,6 +66,48 @@ pub struct Args {
     /// Also write a self-contained HTML report of the run (measured beside predicted).
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
+    /// Data parallel over processes: the number of ranks (one device each); must equal the plan's `data`.
+    #[arg(long, value_name = "N", requires_all = ["node_rank", "orchestrator", "node_address"])]
+    nodes: Option<u32>,
+    /// This process's rank, 0..N.
+    #[arg(long, value_name = "R", requires = "nodes")]
+    node_rank: Option<u32>,
+    /// The `rcoa orchestrate` server every rank joins.
+    #[arg(long, value_name = "HOST:PORT", requires = "nodes")]
+    orchestrator: Option<String>,
+    /// How the other ranks reach this one (its tensor data service).
+    #[arg(long, value_name = "HOST:PORT", requires = "nodes")]
+    node_address: Option<String>,
+    /// Port the data service listens on (default: the port of --node-address).
+    #[arg(long, value_name = "P", requires = "nodes")]
+    data_port: Option<u16>,
+}
+
+/// The rank settings, when this process is one rank of several.
+fn distributed(args: &Args) -> Result<Option<Distributed>, RunError> {
+    let (Some(nodes), Some(rank), Some(orchestrator), Some(node_address)) = (
+        args.nodes,
+        args.node_rank,
+        args.orchestrator.clone(),
+        args.node_address.clone(),
+    ) else {
+        return Ok(None);
+    };
+    let port = node_address
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok());
+    let data_port = args.data_port.or(port).ok_or_else(|| {
+        RunError::Distributed(format!("--node-address `{node_address}` has no port"))
+    })?;
+    let d = Distributed {
+        nodes,
+        rank,
+        orchestrator,
+        node_address,
+        data_port,
+    };
+    d.validate()?;
+    Ok(Some(d))
 }
 
 fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
@@ -107,10 +157,28 @@ pub fn run(args: Args) -> ExitCode {
         Ok(p) => p,
         Err(code) => return code,
     };
-    if let Err(e) = rcoa_backend::check_plan(&plan) {
+    let dist = match distributed(&args) {
+        Ok(d) => d,
+        Err(e) => {
+            print_diagnostic(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let ranks = dist.as_ref().map_or(1, |d| d.nodes as u64);
+    if let Err(e) = rcoa_backend::check_plan_ranks(&plan, ranks) {
         print_diagnostic(&e);
         return ExitCode::from(2);
     }
+    // Rank 0 (or the only process) talks to the user; the others are quiet
+    // in text mode and tag their JSON lines with their rank.
+    let rank = dist.as_ref().map(|d| d.rank);
+    let lead = rank.is_none_or(|r| r == 0);
+    let tag = |mut v: serde_json::Value| {
+        if let Some(r) = rank {
+            v["rank"] = r.into();
+        }
+        v
+    };
     let opts = RunOptions {
         steps: args.steps,
         seed: args.seed,
@@ -118,8 +186,10 @@ pub fn run(args: Args) -> ExitCode {
         save: args.save.clone(),
         save_every: args.save_every,
         resume: args.resume.clone(),
+        distributed: dist,
     };
     let json = args.format == Format::Json;
+    let text = !json && lead;
     let mut bar: Option<indicatif::ProgressBar> = None;
     let steps = args.steps;
     let mut cold_cache = false;
@@ -128,13 +198,13 @@ pub fn run(args: Args) -> ExitCode {
     let mut on_event = |e: Event| match e {
         Event::Compiling { cold } => {
             cold_cache = cold;
-            if cold && !json {
+            if cold && text {
                 eprintln!("CUDA kernel cache is cold: kernels are compiled once by NVRTC (the first step can take minutes; later runs reuse the cache)");
             }
             if json {
                 println!(
                     "{}",
-                    serde_json::json!({ "event": "cuda_cache", "cold": cold })
+                    tag(serde_json::json!({ "event": "cuda_cache", "cold": cold }))
                 );
             }
         }
@@ -143,16 +213,20 @@ pub fn run(args: Args) -> ExitCode {
             if json {
                 println!(
                     "{}",
-                    serde_json::json!({
+                    tag(serde_json::json!({
                         "event": "start", "device": s.device, "params": s.params, "trainable_params": s.trainable,
                         "precision": s.precision, "precision_note": s.precision_note,
                         "checkpointed_layers": s.checkpointed_layers, "layers": s.layers,
                         "micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "data": s.data,
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
-                    })
+                        "ranks": ranks,
+                    }))
                 );
-            } else {
+            } else if text {
                 eprintln!("device     {}", s.device);
+                if ranks > 1 {
+                    eprintln!("ranks      {ranks} data-parallel processes (gradients averaged by all-reduce each step; this is rank 0)");
+                }
                 eprintln!(
                     "model      {} parameters, {} trainable",
                     s.params, s.trainable
@@ -192,10 +266,10 @@ pub fn run(args: Args) -> ExitCode {
             if json {
                 println!(
                     "{}",
-                    serde_json::json!({
+                    tag(serde_json::json!({
                         "step": r.step, "loss": r.loss, "step_seconds": r.step_seconds,
                         "tokens_per_second": tps, "peak_bytes": r.peak_bytes,
-                    })
+                    }))
                 );
                 let _ = std::io::stdout().flush();
             } else if let Some(b) = &bar {
@@ -213,7 +287,9 @@ pub fn run(args: Args) -> ExitCode {
             if json {
                 println!(
                     "{}",
-                    serde_json::json!({ "event": "saved", "step": step, "dir": dir.display().to_string() })
+                    tag(
+                        serde_json::json!({ "event": "saved", "step": step, "dir": dir.display().to_string() })
+                    )
                 );
             } else if let Some(b) = &bar {
                 b.println(format!("saved step {step} to {}", dir.display()));
@@ -229,8 +305,14 @@ pub fn run(args: Args) -> ExitCode {
     }
     match result {
         Ok(s) => {
-            report(&s, json);
-            if let Some(path) = &args.report {
+            if json {
+                let mut v = serde_json::to_value(&s).unwrap_or_default();
+                v["event"] = "summary".into();
+                println!("{}", tag(v));
+            } else if lead {
+                report(&s);
+            }
+            if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
                     plan_name: plan_name(&args),
                     device,
@@ -262,13 +344,7 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-fn report(s: &Summary, json: bool) {
-    if json {
-        let mut v = serde_json::to_value(s).unwrap_or_default();
-        v["event"] = "summary".into();
-        println!("{v}");
-        return;
-    }
+fn report(s: &Summary) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
     println!("first step       {:.3} s", s.first_step_seconds);

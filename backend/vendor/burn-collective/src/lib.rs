@@ -1,0 +1,11 @@
+mod global;
+pub use global::*;
+
+mod config;
+pub use config::*;
+
+mod api;
+pub use api::*;
+
+mod local;
+
