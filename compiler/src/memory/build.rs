@@ -163,8 +163,23 @@ impl<'a> Builder<'a> {
             bwd_flops: 0.0,
             bytes_moved: moved as f64,
             holds: Vec::new(),
+            inplace: false,
         });
         self.tape.ops.len() - 1
+    }
+
+    /// An element-wise op the executor may run in place (`Profile::inplace_elementwise`).
+    fn pointwise_inplace(
+        &mut self,
+        name: &'static str,
+        inputs: &[TensorId],
+        dtype: Dtype,
+        saved: &[TensorId],
+    ) -> TensorId {
+        let out = self.pointwise(name, inputs, dtype, saved);
+        let op = self.tape.ops.len() - 1;
+        self.tape.ops[op].inplace = self.profile.inplace_elementwise;
+        out
     }
 
     /// An element-wise op producing a tensor shaped like `x`.
@@ -207,8 +222,18 @@ impl<'a> Builder<'a> {
     ) -> Param {
         let elems = rows * cols;
         let stored = self.bytes(elems, dtype).div_ceil(self.param_shard);
+        let grad_dtype = if self.profile.burn_ops {
+            // backend/src/train.rs: gradients come in the parameter's dtype and are cast to
+            // the fp32 master's when there is one (`MergeGrads`), whatever `grads` says.
+            match self.spec.precision.master {
+                Some(m) if m.bytes() > dtype.bytes() => storage(m),
+                _ => storage(dtype),
+            }
+        } else {
+            storage(self.spec.precision.grads)
+        };
         let grad = if trainable {
-            self.bytes(elems, storage(self.spec.precision.grads))
+            self.bytes(elems, grad_dtype)
         } else {
             0
         };
@@ -295,7 +320,9 @@ impl<'a> Builder<'a> {
         let out_dtype = if self.autocast {
             self.act
         } else {
-            promote(self.dtype(xc), self.dtype(p.id))
+            // The weight read (a per-use cast copy when there is one): Burn multiplies the
+            // compute-dtype copy, so the output is in the compute dtype.
+            promote(self.dtype(xc), self.dtype(w))
         };
         let out = self.tensor(name, &shape, out_dtype, rg);
         let mut saved = Vec::new();
@@ -393,6 +420,9 @@ impl<'a> Builder<'a> {
     }
 
     fn norm(&mut self, x: TensorId, h: u64) -> TensorId {
+        if self.profile.burn_ops {
+            return self.burn_norm(x, h);
+        }
         let trainable = self.base_trainable();
         match self.spec.model.norm {
             Norm::Rmsnorm => {
@@ -503,6 +533,8 @@ impl<'a> Builder<'a> {
             info.bwd_flops = 2.5 * score_flops;
             info.bwd_workspace = dq;
             out
+        } else if self.profile.burn_ops {
+            self.burn_attention(q, k, v, heads * hd, score_flops)
         } else {
             let kr = if kv < heads {
                 self.repeat_kv(k, heads * hd)
@@ -549,6 +581,136 @@ impl<'a> Builder<'a> {
         self.dropout(out, m.dropout)
     }
 
+    /// Burn's eager attention after the projections and RoPE (`backend/src/model.rs`
+    /// `Attention::forward`): `q * 1/sqrt(d)` (in place), `q k^T` (saves q and k), the
+    /// causal bias added in place, Burn's composite softmax (`x - max` in place; `exp` saves
+    /// its input; `div` saves the `exp` output and the sum), `probs v` (saves both) and the
+    /// transposed copy. Three `[b, h, s, s]` tensors stay saved per layer: the 350M trace's
+    /// 1,229,800,000 B per layer has 3 x 268,435,456 B of them (docs/burn-h100.md).
+    fn burn_attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        width: u64,
+        score_flops: f64,
+    ) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (heads, kv, hd) = (m.heads.div_ceil(t), m.kv_heads.div_ceil(t), m.head_dim);
+        let decoder = m.arch == Arch::Decoder;
+        let dropout = m.dropout;
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        // Grouped-query attention: `expand` + `reshape` copies k and v to all heads.
+        let (k, v) = if kv < heads {
+            (self.repeat_kv(k, width), self.repeat_kv(v, width))
+        } else {
+            (k, v)
+        };
+        let act = self.dtype(q);
+        let qs = self.pointwise_inplace("scale_q", &[q], act, &[]);
+        let shape = [seqs, heads, s, s];
+        let rg = self.rg(qs) || self.rg(k);
+        let sc = self.tensor("scores", &shape, act, rg);
+        let o = self.op("scores", &[qs, k], &[sc], &[qs, k]);
+        self.tape.ops[o].flops = score_flops / 2.0;
+        self.tape.ops[o].bwd_flops = score_flops;
+        let sc = if decoder {
+            self.pointwise_inplace("mask", &[sc], act, &[])
+        } else {
+            sc
+        };
+        let shifted = self.pointwise_inplace("softmax_shift", &[sc], act, &[]);
+        let e = self.pointwise("softmax_exp", &[shifted], act, &[shifted]);
+        let sum = self.tensor("softmax_sum", &[seqs, heads, s], act, rg);
+        self.op("softmax_sum", &[e], &[sum], &[]);
+        let p = self.tensor("probs", &shape, act, rg);
+        self.op("softmax", &[e, sum], &[p], &[e, sum]);
+        let p = self.dropout(p, dropout);
+        let rg = self.rg(p) || self.rg(v);
+        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        let o = self.op("probs_v", &[p, v], &[out], &[p, v]);
+        self.tape.ops[o].flops = score_flops / 2.0;
+        self.tape.ops[o].bwd_flops = score_flops;
+        // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
+        let rg = self.rg(out);
+        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
+        self.op("transpose", &[out], &[flat], &[]);
+        flat
+    }
+
+    /// `backend/src/model.rs` `NormLayer::forward` in the element type, with Burn's save
+    /// rules: `powi` saves its input, `div` both operands, `mul` by the (cast) weight both.
+    /// RMSNorm keeps `x / rms` and the output beside its input (2 x 16.8 MB per 350M norm).
+    fn burn_norm(&mut self, x: TensorId, h: u64) -> TensorId {
+        let trainable = self.base_trainable();
+        let dt = self.dtype(x);
+        let rows = self.elems(x) / h;
+        let rg = self.rg(x);
+        let wp = self.param("norm", h, 1, trainable, self.param);
+        let (w, _) = self.weight(wp);
+        let (centered, denom) = match self.spec.model.norm {
+            Norm::Rmsnorm => {
+                let sq = self.pointwise("pow2", &[x], dt, &[x]);
+                let ms = self.tensor("mean_sq", &[rows], dt, rg);
+                self.op("mean", &[sq], &[ms], &[]);
+                let r = self.tensor("rms", &[rows], dt, rg);
+                self.op("sqrt", &[ms], &[r], &[r]);
+                (x, r)
+            }
+            Norm::Layernorm => {
+                let mean = self.tensor("mean", &[rows], dt, rg);
+                self.op("mean", &[x], &[mean], &[]);
+                let c = self.pointwise_inplace("center", &[x, mean], dt, &[]);
+                let sq = self.pointwise("pow2", &[c], dt, &[c]);
+                let var = self.tensor("var", &[rows], dt, rg);
+                self.op("var", &[sq], &[var], &[]);
+                let d = self.tensor("std", &[rows], dt, rg);
+                self.op("sqrt", &[var], &[d], &[d]);
+                (c, d)
+            }
+        };
+        let xn = self.pointwise("normalize", &[centered, denom], dt, &[centered, denom]);
+        let mut saved = Vec::new();
+        if self.rg(w) {
+            saved.push(xn);
+        }
+        if self.rg(xn) {
+            saved.push(w);
+        }
+        let y = self.pointwise("norm_scale", &[xn, w], dt, &saved);
+        if self.spec.model.norm == Norm::Layernorm {
+            let bp = self.param("norm_bias", h, 1, trainable, self.param);
+            let (b, _) = self.weight(bp);
+            return self.pointwise_inplace("norm_bias", &[y, b], dt, &[]);
+        }
+        y
+    }
+
+    /// `backend/src/loss.rs` `lm_loss`: `log_softmax(logits.cast(F32))` then `gather`.
+    /// Burn's log-softmax is composite: `x - max` (in place on the fp32 copy), `exp` (saves
+    /// its input, the shifted logits), `sum`, `log`, `shifted - lse`. The shifted fp32 logits
+    /// stay saved until the backward: +1,148 MB over the last layer in the 350M trace
+    /// (1,048,576,000 B of them, the rest the head's saves).
+    fn burn_lm_loss(&mut self, logits: TensorId) -> TensorId {
+        let c = self.cast(logits, Dtype::Fp32);
+        let rows = self.elems(c) / self.shape(c).last().copied().unwrap_or(1).max(1);
+        let rg = self.rg(c);
+        let shifted = self.pointwise_inplace("logsoftmax_shift", &[c], Dtype::Fp32, &[]);
+        let e = self.pointwise("logsoftmax_exp", &[shifted], Dtype::Fp32, &[shifted]);
+        let sum = self.tensor("logsumexp", &[rows], Dtype::Fp32, rg);
+        self.op("logsoftmax_sum", &[e], &[sum], &[]);
+        let lse = self.tensor("lse", &[rows], Dtype::Fp32, rg);
+        self.op("log", &[sum], &[lse], &[sum]);
+        let logp = self.pointwise("log_softmax", &[shifted, lse], Dtype::Fp32, &[]);
+        let nll = self.tensor("nll", &[rows], Dtype::Fp32, rg);
+        self.op("gather", &[logp], &[nll], &[]);
+        let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
+        self.op("mean", &[nll], &[loss], &[]);
+        loss
+    }
+
     fn repeat_kv(&mut self, x: TensorId, width: u64) -> TensorId {
         let dt = self.dtype(x);
         let rg = self.rg(x);
@@ -561,6 +723,25 @@ impl<'a> Builder<'a> {
         let m = &self.spec.model;
         let (h, ffn) = (m.hidden, m.ffn.div_ceil(self.cand.tensor.max(1)));
         let out = match m.mlp {
+            Mlp::Swiglu if self.profile.burn_ops => {
+                // backend/src/model.rs: `silu(gate(x)) * up(x)`; Burn's silu is
+                // `x * sigmoid(x)` and its sigmoid op saves its output: the MLP keeps five
+                // `[tokens, ffn]` tensors (gate, sigmoid, silu, up, product) for the
+                // backward — 5 x 46.1 MB per 350M layer in the trace.
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, false);
+                let dt = self.dtype(g);
+                let shape = self.shape(g);
+                let rg = self.rg(g);
+                let sg = self.tensor("sigmoid", &shape, dt, rg);
+                let o = self.op("sigmoid", &[g], &[sg], &[sg]);
+                // CubeCL's sigmoid runs in fp32 (`cast`, exp, log, ...): scratch while it runs.
+                self.tape.ops[o].fwd_workspace = self.bytes(self.elems(g), Dtype::Fp32);
+                let a = self.pointwise("silu", &[g, sg], dt, &[g, sg]);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, false);
+                let mdt = promote(dt, self.dtype(u));
+                let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
+                self.proj(Proj::Down, "down_proj", p, ffn, h, false)
+            }
             Mlp::Swiglu => {
                 let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, false);
                 let u = self.proj(Proj::Up, "up_proj", x, h, ffn, false);
@@ -586,6 +767,10 @@ impl<'a> Builder<'a> {
 
     fn residual(&mut self, x: TensorId, y: TensorId) -> TensorId {
         let dt = promote(self.dtype(x), self.dtype(y));
+        if self.profile.burn_ops {
+            // `x.clone() + f(x)`: the add writes into f(x)'s buffer (nothing else holds it).
+            return self.pointwise_inplace("residual", &[y, x], dt, &[]);
+        }
         self.pointwise("residual", &[x, y], dt, &[])
     }
 
@@ -649,9 +834,18 @@ impl<'a> Builder<'a> {
         let embed = self.param("embed_tokens", vocab_shard, h, trainable, self.param);
         let mut x = if with_embedding {
             let rg = trainable;
-            let e = self.tensor("embedding", &[self.tokens, h], self.param, rg);
-            let o = self.op("embedding", &[ids, embed.id], &[e], &[ids]);
-            let _ = o;
+            let e = if self.profile.burn_ops {
+                // backend/src/model.rs `Embed::forward`: `embedding(to_dtype(table), ids)`;
+                // Burn's embedding op saves the (cast) table and the ids for its backward.
+                let (table, _) = self.weight(embed);
+                let e = self.tensor("embedding", &[self.tokens, h], self.act, rg);
+                self.op("embedding", &[ids, table], &[e], &[table, ids]);
+                e
+            } else {
+                let e = self.tensor("embedding", &[self.tokens, h], self.param, rg);
+                self.op("embedding", &[ids, embed.id], &[e], &[ids]);
+                e
+            };
             let mut e = e;
             if m.positions == Positions::Learned {
                 let pos = self.param("embed_positions", m.max_positions, h, trainable, self.param);
@@ -697,6 +891,15 @@ impl<'a> Builder<'a> {
                 let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
                 self.op("cross_entropy", &[sim], &[loss], &[sim]);
                 loss
+            }
+            _ if self.profile.burn_ops => {
+                let head = if m.tie_embeddings {
+                    embed
+                } else {
+                    self.param("lm_head", vocab_shard, h, trainable, self.param)
+                };
+                let logits = self.linear("lm_head", x, head, None);
+                self.burn_lm_loss(logits)
             }
             loss => {
                 if loss == Loss::MaskedLm {

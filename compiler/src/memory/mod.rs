@@ -122,7 +122,8 @@ pub struct MemoryReport {
     pub phase_peaks: BTreeMap<String, u64>,
     /// Live bytes through the step, one sample per op group (forward, backward, optimizer).
     pub timeline: Vec<Sample>,
-    /// Bytes kept out of the budget (context, communication buffers, fragmentation).
+    /// Bytes kept out of the budget (context, communication buffers, fragmentation, and
+    /// the pool's pages beyond the bytes in use: `Profile::pool_factor`).
     pub reserve_bytes: u64,
     /// Parameter counts (all, trainable), per model (not per device).
     pub params_total: u64,
@@ -236,6 +237,7 @@ fn evaluate_stage(
     let opt = optimizer::model(spec, profile, &tape, &trainable, cand);
     let mut persistent = tape::Persistent {
         grad_divisor: 1,
+        sampled: profile.peak_sampled_at_segments,
         ..Default::default()
     };
     let opt_on_gpu = !cand.offloads(OffloadWhat::Optimizer);
@@ -263,7 +265,18 @@ fn evaluate_stage(
         persistent.fixed[a] += (in_flight - 1) * saved;
     }
     let first = tape::walk(&tape, &persistent, timeline);
-    let mut peak = first.peak.clone();
+    // An executor that samples its memory between segments (Burn) reports the highest
+    // boundary; the transients inside segments are covered by its pool factor.
+    let pick = |w: &tape::WalkResult| {
+        if profile.peak_sampled_at_segments {
+            w.boundary_peak.clone()
+        } else {
+            w.peak.clone()
+        }
+    };
+    let mut peak = pick(&first);
+    // The highest bytes in use at any op, transients inside segments included.
+    let mut in_use_max = first.peak.bytes;
     let mut samples = first.samples;
     let mut phase_peaks: BTreeMap<String, u64> = BTreeMap::new();
     for s in &samples {
@@ -275,8 +288,10 @@ fn evaluate_stage(
         let mut p2 = persistent.clone();
         p2.grads_exist = true;
         let second = tape::walk(&tape, &p2, timeline);
-        if second.peak.bytes > peak.bytes {
-            peak = second.peak.clone();
+        let second_peak = pick(&second);
+        in_use_max = in_use_max.max(second.peak.bytes);
+        if second_peak.bytes > peak.bytes {
+            peak = second_peak;
         }
         for s in &second.samples {
             let e = phase_peaks.entry(s.phase.as_str().to_string()).or_default();
@@ -307,6 +322,7 @@ fn evaluate_stage(
             by_category: at_opt,
         });
     }
+    in_use_max = in_use_max.max(opt_total);
     let e = phase_peaks.entry("optimizer".to_string()).or_default();
     *e = (*e).max(opt_total);
     if opt_total > peak.bytes {
@@ -323,7 +339,16 @@ fn evaluate_stage(
         breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
     }
     let (flops, moved, kernels) = tape_work(&tape);
-    let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes);
+    // The allocator's pool beyond the reported peak (CubeCL keeps the pages it grew): a
+    // measured factor of the highest bytes in use at any op (transients included), larger
+    // when layers are recomputed, minus what the reported peak already counts.
+    let factor = if cand.checkpoint_layers.is_empty() {
+        profile.pool_factor
+    } else {
+        profile.pool_factor_recompute
+    };
+    let pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
+    let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
     let (total, trainable_count) = param_counts(&tape);
     MemoryReport {
         peak_bytes: peak.bytes,

@@ -53,6 +53,13 @@ pub fn model(
         }
     };
     let sb = state_dtype.bytes();
+    // Burn's optimizers (`OptimizerAdaptor`) step one parameter at a time whatever the plan
+    // says: temporaries of the parameter being updated, never of all of them.
+    let implementation = if profile.burn_ops {
+        OptImpl::Plain
+    } else {
+        o.implementation
+    };
     // Every state tensor and temporary is one allocation of the executor's allocator.
     let alloc = |b: f64| profile.allocated(b.ceil() as u64);
     let full = |elems: u64, copies: f64| alloc(elems as f64 * sb * copies);
@@ -75,7 +82,7 @@ pub fn model(
                 // bitsandbytes: 8-bit states with one fp32 absmax per 2048-element block; fused.
                 state += alloc(total_elems as f64 / 2048.0 * 4.0 * 2.0);
             } else {
-                temp = match o.implementation {
+                temp = match implementation {
                     OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
                     OptImpl::Fused => 0,
                     OptImpl::Plain => 2 * full(largest, 1.0),
@@ -85,7 +92,7 @@ pub fn model(
         OptimizerKind::Lion => {
             name = "lion";
             state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
-            temp = match o.implementation {
+            temp = match implementation {
                 OptImpl::Foreach => state,
                 OptImpl::Fused => 0,
                 OptImpl::Plain => full(largest, 1.0),

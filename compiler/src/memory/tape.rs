@@ -88,6 +88,9 @@ pub struct OpInfo {
     /// Tensors the executor's code still references until this op has run (a Python local
     /// or the caller's argument), beyond their last use as an input. Forward only.
     pub holds: Vec<TensorId>,
+    /// The output may take the buffer of an input that dies at this op (an element-wise
+    /// kernel writing in place; `Profile::inplace_elementwise`).
+    pub inplace: bool,
 }
 
 impl OpInfo {
@@ -203,6 +206,9 @@ pub struct Persistent {
     pub grads_exist: bool,
     /// Divide parameter gradient bytes by this (ZeRO-2/3 keeps a shard of each gradient).
     pub grad_divisor: u64,
+    /// The executor samples its memory at segment boundaries only
+    /// (`Profile::peak_sampled_at_segments`): the timeline holds those samples.
+    pub sampled: bool,
 }
 
 /// The liveness walk's state.
@@ -219,6 +225,8 @@ struct Walk<'a> {
     persistent: &'a Persistent,
     /// Inputs of checkpointed layers: held until that layer's backward.
     ckpt_input: Vec<bool>,
+    /// The highest live bytes at segment boundaries (see [`Walk::boundary`]).
+    boundary_peak: Option<Peak>,
 }
 
 impl<'a> Walk<'a> {
@@ -269,7 +277,7 @@ impl<'a> Walk<'a> {
             *n += e;
         }
         let total: u64 = now.iter().sum();
-        if self.record {
+        if self.record && !self.persistent.sampled {
             self.samples.push(Sample {
                 phase,
                 op: op.to_string(),
@@ -290,6 +298,30 @@ impl<'a> Walk<'a> {
                 op,
                 layer: layer.map(u64::from),
                 by_category: now,
+            });
+        }
+    }
+
+    /// A segment boundary: where an executor that samples its memory between segments
+    /// (rcoa's Burn executor: after each layer's forward and backward, the loss) sees it.
+    fn boundary(&mut self, phase: Phase, op: &str, layer: Option<u32>) {
+        let total: u64 = self.live.iter().sum();
+        if self.record && self.persistent.sampled {
+            self.samples.push(Sample {
+                phase,
+                op: op.to_string(),
+                layer: layer.map(u64::from),
+                bytes: total,
+                by_category: self.live,
+            });
+        }
+        if self.boundary_peak.as_ref().is_none_or(|p| total > p.bytes) {
+            self.boundary_peak = Some(Peak {
+                bytes: total,
+                phase,
+                op: op.to_string(),
+                layer: layer.map(u64::from),
+                by_category: self.live,
             });
         }
     }
@@ -317,6 +349,29 @@ impl<'a> Walk<'a> {
         }
         for op in range.clone() {
             let info = &tape.ops[op];
+            if info.inplace {
+                // An input whose last reference is this op, of the output's size, lends
+                // its buffer: free it before the output is counted.
+                let out_bytes = info.outputs.first().map(|o| tape.tensor(*o).bytes);
+                let outside = |t: TensorId| {
+                    recompute
+                        && tape
+                            .tensor(t)
+                            .producer
+                            .is_none_or(|p| (p.0 as usize) < range.start)
+                };
+                let donor = info.inputs.iter().copied().find(|&t| {
+                    let i = t.0 as usize;
+                    self.alive[i]
+                        && self.refs[i] == 1
+                        && !outside(t)
+                        && tape.tensor(t).role == Role::Activation
+                        && Some(tape.tensor(t).bytes) == out_bytes
+                });
+                if let Some(d) = donor {
+                    self.release(d);
+                }
+            }
             for &out in &info.outputs {
                 let mut refs = refs_of[out.0 as usize];
                 if !recompute {
@@ -358,6 +413,17 @@ impl<'a> Walk<'a> {
                     let c = self.category(out) as usize;
                     self.live[c] -= tape.tensor(out).bytes;
                 }
+            }
+            let layer_end = tape
+                .layer_of_op(op)
+                .is_some_and(|l| op + 1 == l.end_op as usize);
+            if layer_end {
+                let (phase, name) = if recompute {
+                    (Phase::Backward, "recompute")
+                } else {
+                    (Phase::Forward, "output")
+                };
+                self.boundary(phase, name, info.layer);
             }
         }
     }
@@ -425,6 +491,9 @@ pub struct WalkResult {
     pub samples: Vec<Sample>,
     /// Live bytes per category after the backward.
     pub end: Bytes,
+    /// The highest live bytes at segment boundaries (after each layer's forward, the loss,
+    /// each layer's backward): what an executor sampling between segments measures.
+    pub boundary_peak: Peak,
 }
 
 /// Walk one micro-step of `tape` on top of `persistent` bytes.
@@ -442,6 +511,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         record,
         persistent,
         ckpt_input: vec![false; n],
+        boundary_peak: None,
     };
     for l in &tape.layers {
         if l.checkpointed {
@@ -463,6 +533,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         }
     }
     w.forward_ops(0..tape.ops.len(), false);
+    w.boundary(Phase::Forward, "loss", None);
     // The forward returns: autocast's cache is cleared, the model outputs are dropped.
     for (i, t) in tape.tensors.iter().enumerate() {
         if t.held_until_forward_end && w.alive[i] {
@@ -475,6 +546,17 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
     let mut op = tape.ops.len();
     while op > 0 {
         op -= 1;
+        if tape
+            .layer_of_op(op)
+            .is_some_and(|l| op + 1 == l.end_op as usize)
+        {
+            // The ops after this layer (the head, or the next layer) have run backward.
+            w.boundary(
+                Phase::Backward,
+                "backward",
+                tape.ops[op].layer.map(|l| l + 1),
+            );
+        }
         if let Some(span) = tape
             .layer_of_op(op)
             .filter(|l| l.checkpointed && op + 1 == l.end_op as usize)
@@ -508,6 +590,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         w.release(l);
     }
     w.observe(Phase::Backward, "backward end", None, [0; Category::COUNT]);
+    w.boundary(Phase::Backward, "backward end", None);
     let end = w.live;
     let peak = w.peak.unwrap_or(Peak {
         bytes: 0,
@@ -516,10 +599,12 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         layer: None,
         by_category: [0; Category::COUNT],
     });
+    let boundary_peak = w.boundary_peak.clone().unwrap_or_else(|| peak.clone());
     WalkResult {
         peak,
         forward_end,
         samples: w.samples,
         end,
+        boundary_peak,
     }
 }

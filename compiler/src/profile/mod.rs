@@ -59,6 +59,24 @@ pub struct Profile {
     /// kernels, communication buffers): not in the predicted peak, kept out
     /// of the budget when `fit.reserve` is not given.
     pub default_reserve_bytes: u64,
+    /// The tape mirrors rcoa's Burn executor op for op (`backend/src/model.rs`, `loss.rs`)
+    /// under Burn 0.21's autodiff save rules instead of PyTorch/Hugging Face's: see
+    /// `memory::build` (`burn_*` helpers) for each op and what its backward keeps.
+    pub burn_ops: bool,
+    /// An element-wise op writes into an input buffer nothing else references (CubeCL's
+    /// in-place kernels when a tensor handle is uniquely owned): the output takes no new
+    /// bytes when an input of the same size dies at that op.
+    pub inplace_elementwise: bool,
+    /// The executor measures bytes in use only at segment boundaries (after each layer's
+    /// forward and backward, the loss, the optimizer): `peak_bytes` is the highest of
+    /// those, and the transients inside a segment are covered by the pool factor below.
+    pub peak_sampled_at_segments: bool,
+    /// Device memory the allocator's pool reserves per byte in use at the highest point of
+    /// the step, transients inside segments included (1.0: the reserve covers it): `fits`
+    /// checks `highest in use x factor + reserve` against the budget.
+    pub pool_factor: f64,
+    /// The same when some layer is recomputed in the backward.
+    pub pool_factor_recompute: f64,
     /// Fraction of the GPU's dense bf16 rate a step's matmuls reach.
     pub matmul_efficiency: f64,
     /// Fraction of the memory bandwidth element-wise ops reach.
@@ -144,6 +162,12 @@ impl Profile {
             // `device_used_after_init_B` = 552,402,944 (CUDA context + kernels) plus
             // headroom for the allocator's fragmentation at the peak.
             default_reserve_bytes: 1 << 30,
+            burn_ops: false,
+            inplace_elementwise: false,
+            peak_sampled_at_segments: false,
+            // The 1 GiB reserve above covers the caching allocator's fragmentation.
+            pool_factor: 1.0,
+            pool_factor_recompute: 1.0,
             // groundtruth step3_ms: the large rows (llama8b_lora16_gc, xlmrxl_*_gc) reach
             // 35-45% of 989 TFLOP/s in their matmuls; 42% (with the per-kernel overhead
             // below) puts the median predicted/measured step time of the 45 measured rows
@@ -157,12 +181,21 @@ impl Profile {
         }
     }
 
-    /// rcoa's Burn 0.21 executor (`rcoa run`). From `../shared/BURN.md` and the executor's
-    /// code (`backend/src/model.rs`, `loss.rs`): no autocast (bf16 is an element type,
-    /// weights are cast to the compute dtype at every use), attention keeps the full score
-    /// matrix, no flash kernels, the LM losses upcast logits to f32, no PyTorch-style
-    /// caching allocator. Not yet calibrated on a GPU: the constants below are those facts
-    /// and conservative defaults until the Burn executor is measured.
+    /// rcoa's Burn 0.21 executor (`rcoa run`, CubeCL CUDA backend), calibrated on the H100
+    /// measurements of `docs/burn-h100.md` (raw samples in `backend/bench/h100-results/`).
+    /// The tape mirrors the executor's ops (`burn_ops`); what was measured:
+    /// - no autocast: bf16 is an element type; fp32 weights are cast at every use and the
+    ///   copy is saved by the matmul that reads it (25.7 MB per 350M layer, part of the
+    ///   1,229,800,000 B each layer's forward keeps in `llama350m_eager.plan-trace.err`);
+    ///   fp32 compute keeps fp32 activations (llama125m_fp32: 24.29 GB vs 13.74 GB);
+    /// - 16-bit weights with an fp32 master: a persistent 16-bit working copy, the fp32
+    ///   master and fp32 gradients (llama125m_bf16 measures exactly like autocast);
+    /// - Burn's composite softmax keeps three `[b, h, s, s]` tensors per layer (the shifted
+    ///   scores `exp` saves as its input, the `exp` output `div` saves, the probabilities
+    ///   the second matmul saves): 3 x 268,435,456 B of the 1,229,800,000 B per layer;
+    /// - the loss: `log_softmax(logits.cast(F32))` keeps the shifted fp32 logits (+1,148 MB
+    ///   over the last layer in the 350M trace, with the head's saves);
+    /// - the peak in use is sampled at segment boundaries (`backend/src/train.rs` `mark`).
     pub fn burn() -> Profile {
         Profile {
             name: "burn",
@@ -181,9 +214,10 @@ impl Profile {
             adapters_fp32: false,
             // rcoa's DSL names projections, not module paths.
             adapter_suffix_match: false,
-            // Burn's RmsNorm computes in the element type.
+            // backend/src/model.rs `NormLayer::forward` computes in the element type.
             norm_in_fp32: false,
-            // CubeCL memory pools hand out pages; not measured yet, 512 B as a floor.
+            // CubeCL's `bytes_in_use` counts tensor bytes: the 350M trace's per-layer and
+            // loss increments match the tensors' sizes to within 50 KB (docs/burn-h100.md).
             alloc_round: 512,
             large_segment_round: 0,
             split_min: 0,
@@ -191,9 +225,22 @@ impl Profile {
             large_buffer: 0,
             // No cuBLAS workspace: CubeCL matmul kernels take no workspace buffer.
             workspace_bytes: 0,
-            // BURN.md probe: reserved reached 15.4 GB with 8.2 GB in use; keep 2 GiB back
-            // until measured.
-            default_reserve_bytes: 2 << 30,
+            // docs/burn-h100.md: nvidia-smi's max memory.used is 0.57-0.59 GB above CubeCL's
+            // reserved peak on every measured row (CUDA context and kernels).
+            default_reserve_bytes: 640 << 20,
+            burn_ops: true,
+            inplace_elementwise: true,
+            // backend/src/train.rs samples `bytes_in_use` after every layer's forward and
+            // backward, the loss and the optimizer: what `rcoa run` reports as measured.
+            peak_sampled_at_segments: true,
+            // CubeCL's pool keeps pages once grown. Measured reserved over the model's highest
+            // bytes in use (the loss's fp32 log-softmax transients: +3.1 GB over the sampled
+            // peak): 1.250 (llama350m_eager), 1.181 (llama125m_base), 1.186 (llama125m_bf16),
+            // 1.184 (llama125m_fp32); with every layer recomputed 1.669 (llama350m_gc: the
+            // recompute's transients get pages of their own). The worst of each, rounded up,
+            // so a plan predicted to fit does not OOM (docs/burn-h100.md, "Calibration").
+            pool_factor: 1.26,
+            pool_factor_recompute: 1.68,
             // BURN.md probe: 47k tokens/s f32, 73k tokens/s bf16 on an 8-layer encoder.
             matmul_efficiency: 0.12,
             bandwidth_efficiency: 0.4,

@@ -185,7 +185,9 @@ pub fn evaluate_point(
     let (host_bytes, host_capacity) = host_need(spec, &cand, &report);
     let mut e = Eval {
         peak_bytes: report.peak_bytes,
-        reserve_bytes: space.reserve_bytes,
+        // The memory model's reserve: the plan's (or the profile's) plus the allocator pool's
+        // pages beyond the peak in use (`Profile::pool_factor`; 0 for PyTorch).
+        reserve_bytes: report.reserve_bytes.max(space.reserve_bytes),
         budget_bytes: space.budget_bytes,
         host_bytes,
         host_capacity,
