@@ -147,7 +147,7 @@ impl<I: Backend> Collective<I> {
     pub fn mean<const D: usize>(&self, t: Tensor<I, D>) -> Result<Tensor<I, D>, RunError> {
         let primitive = t.into_primitive().tensor();
         let reduced = burn_collective::all_reduce::<I>(self.peer, primitive, ReduceOperation::Mean)
-            .map_err(|e| collective_error("all-reduce failed", e))?;
+            .map_err(|e| RunError::Backend(format!("the all-reduce failed: {e:?}")))?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(reduced)))
     }
 
