@@ -310,7 +310,7 @@ pub fn run(args: Args) -> ExitCode {
                 v["event"] = "summary".into();
                 println!("{}", tag(v));
             } else if lead {
-                report(&s);
+                report(&s, ranks);
             }
             if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
@@ -344,14 +344,25 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-fn report(s: &Summary) {
+/// The text summary; `ranks` > 1: throughput per rank and in all.
+fn report(s: &Summary, ranks: u64) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
     println!("first step       {:.3} s", s.first_step_seconds);
-    println!(
-        "steady step      {:.4} s  ({:.0} tokens/s)",
-        s.steady_step_seconds, s.tokens_per_second
-    );
+    if ranks > 1 {
+        println!(
+            "steady step      {:.4} s  ({:.0} tokens/s per rank, {:.0} in all)",
+            s.steady_step_seconds,
+            s.tokens_per_second,
+            s.tokens_per_second * ranks as f64
+        );
+        println!("measured peak is this rank's (rank 0)");
+    } else {
+        println!(
+            "steady step      {:.4} s  ({:.0} tokens/s)",
+            s.steady_step_seconds, s.tokens_per_second
+        );
+    }
     println!(
         "measured peak    {}  ({})",
         mib(s.measured_peak_bytes),
