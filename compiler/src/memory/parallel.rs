@@ -88,6 +88,12 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
         // Full (unsharded) gradient bytes of this rank's stage.
         let full_grads = (trainable as f64 * grad_b) as u64;
         match cand.zero {
+            // rcoa's Burn executor (backend/src/distributed.rs) concatenates every gradient
+            // into one flat fp32 vector and all-reduces it: the vector and the reduced result
+            // coexist with the gradients. Counted over the whole step (the safe side).
+            0 if spec.target == crate::spec::Target::Burn => {
+                t.reduce_bucket = 2 * trainable * 4;
+            }
             0 => t.reduce_bucket = 2 * DDP_BUCKET_BYTES.min(full_grads),
             1 | 2 => {
                 t.reduce_bucket = ((ZERO_BUCKET_ELEMENTS as f64 * grad_b) as u64).min(full_grads);

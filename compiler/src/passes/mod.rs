@@ -179,8 +179,14 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
     .run(&mut plan, log)?;
     adapter::Adapter::new(spec.adapter.as_ref(), &spec.model).run(&mut plan, log)?;
     // Sharding before batch: the data degree of each layout sets its per-rank batch.
-    sharding::Sharding::new(&spec.parallel, &spec.hardware, &spec.model, &spec.train)
-        .run(&mut plan, log)?;
+    sharding::Sharding::new(
+        &spec.parallel,
+        &spec.hardware,
+        &spec.model,
+        &spec.train,
+        spec.target,
+    )
+    .run(&mut plan, log)?;
     checkpoint::Checkpoint::new(spec.fit.checkpoint, spec.model.layers, profile)
         .run(&mut plan, log)?;
     offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target).run(&mut plan, log)?;

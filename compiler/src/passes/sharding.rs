@@ -11,17 +11,21 @@
 //! data > 1). Sequence parallelism `auto` is on wherever tensor > 1: it
 //! moves the same bytes as tensor parallelism's all-reduces and divides
 //! the activations between them. Expert parallelism: dense models only.
+//! The Burn executor (`target burn`) runs data parallelism only, one process
+//! per rank with a plain all-reduce: its `auto` degrees stay at 1 and its
+//! `auto` ZeRO stage at 0, so the search never picks what `rcoa run` refuses.
 
 use super::{decide, divisors, Layout, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
-use crate::spec::{Choice, HardwareSpec, ModelSpec, ParallelSpec, TrainSpec};
+use crate::spec::{Choice, HardwareSpec, ModelSpec, ParallelSpec, Target, TrainSpec};
 
 pub struct Sharding<'a> {
     parallel: &'a ParallelSpec,
     hardware: &'a HardwareSpec,
     model: &'a ModelSpec,
     train: &'a TrainSpec,
+    target: Target,
 }
 
 fn list(v: &[u64]) -> String {
@@ -37,18 +41,26 @@ impl<'a> Sharding<'a> {
         hardware: &'a HardwareSpec,
         model: &'a ModelSpec,
         train: &'a TrainSpec,
+        target: Target,
     ) -> Self {
         Sharding {
             parallel,
             hardware,
             model,
             train,
+            target,
         }
+    }
+
+    /// The Burn executor has data parallelism only (BURN.md; `rcoa run` refuses the rest).
+    fn data_parallel_only(&self) -> bool {
+        self.target == Target::Burn
     }
 
     fn domain(&self, c: Choice<u64>, auto: impl Fn() -> Vec<u64>) -> Vec<u64> {
         match c {
             Choice::Fixed(v) => vec![v],
+            Choice::Auto if self.data_parallel_only() => vec![1],
             Choice::Auto => auto(),
         }
     }
@@ -81,11 +93,22 @@ impl Pass for Sharding<'_> {
                 .filter(|c| self.train.seq_len.is_multiple_of(*c))
                 .collect()
         });
-        if self.parallel.tensor.is_auto() {
+        let model_parallel_auto = [
+            self.parallel.tensor,
+            self.parallel.pipeline,
+            self.parallel.context,
+        ]
+        .iter()
+        .any(|c| c.is_auto());
+        if self.data_parallel_only() && (model_parallel_auto || self.parallel.zero.is_auto()) {
+            decide(log, self, "tensor = pipeline = context = 1, zero = 0 (where auto)",
+                "the Burn executor trains data-parallel only (one process per rank, gradients all-reduced); plans for model parallelism or ZeRO run on PyTorch engines (`target pytorch`, `rcoa emit`)");
+        }
+        if self.parallel.tensor.is_auto() && !self.data_parallel_only() {
             decide(log, self, format!("tensor ∈ {{{}}}", list(&tensor)),
                 format!("divisors of the {per_node} GPUs of a node that divide heads {} and kv_heads {}: tensor-parallel all-reduces run every layer and need intra-node links", m.heads, m.kv_heads));
         }
-        if self.parallel.pipeline.is_auto() {
+        if self.parallel.pipeline.is_auto() && !self.data_parallel_only() {
             decide(
                 log,
                 self,
@@ -96,7 +119,7 @@ impl Pass for Sharding<'_> {
                 ),
             );
         }
-        if self.parallel.context.is_auto() {
+        if self.parallel.context.is_auto() && !self.data_parallel_only() {
             decide(
                 log,
                 self,
@@ -162,6 +185,7 @@ impl Pass for Sharding<'_> {
         plan.space.layouts = layouts;
         plan.space.zero = match self.parallel.zero {
             Choice::Fixed(z) => vec![z],
+            Choice::Auto if self.data_parallel_only() => vec![0],
             Choice::Auto => {
                 decide(log, self, "zero ∈ {0, 1, 2, 3}",
                     "each stage shards more (optimizer state, + gradients, + parameters) for more traffic; the search weighs memory against time");
