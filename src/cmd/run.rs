@@ -310,7 +310,7 @@ pub fn run(args: Args) -> ExitCode {
                 v["event"] = "summary".into();
                 println!("{}", tag(v));
             } else if lead {
-                report(&s, ranks);
+                report(&s, ranks, args.device);
             }
             if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
@@ -345,7 +345,7 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// The text summary; `ranks` > 1: throughput per rank and in all.
-fn report(s: &Summary, ranks: u64) {
+fn report(s: &Summary, ranks: u64, device: Device) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
     println!("first step       {:.3} s", s.first_step_seconds);
@@ -374,5 +374,13 @@ fn report(s: &Summary, ranks: u64) {
     println!("predicted peak   {}", mib(s.predicted_peak_bytes));
     if s.peak_error.is_finite() {
         println!("error            {:+.1}%", s.peak_error * 100.0);
+    }
+    if device == Device::Cpu {
+        // The prediction counts tensor bytes on a GPU; RSS also holds the allocator's
+        // retained pages and the process's own buffers, which dominate a tiny model.
+        println!(
+            "note             on the CPU the measure is the process's RSS growth, an upper bound on \
+             tensor bytes; the prediction is checked against CUDA's allocator (docs/burn-h100.md)"
+        );
     }
 }
