@@ -96,3 +96,73 @@ pub fn render(diag: &dyn miette::Diagnostic) -> String {
     }
     render_plain(diag)
 }
+
+/// Write `contents` to `path` so that a reader sees the old file or the new one, never half
+/// of it: a temporary file beside `path`, written and synced, `prepare`d (permissions, mode),
+/// then renamed over `path`. The temporary is removed on any failure. Every file a
+/// subcommand writes (formatted plans, reports, lowered plans, emitted configs) goes here.
+pub fn write_atomic(
+    path: &Path,
+    contents: &[u8],
+    prepare: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.rcoa-{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(contents)?;
+        file.sync_all()?;
+        drop(file);
+        prepare(&tmp)?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rcoa-atomic-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn atomic_write_replaces_the_file_and_leaves_no_temporary() {
+        let dir = scratch("replace");
+        let path = dir.join("r.html");
+        write_atomic(&path, b"one", |_| Ok(())).unwrap();
+        write_atomic(&path, b"two", |_| Ok(())).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "no temporary file left behind");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_failed_prepare_keeps_the_old_file_and_removes_the_temporary() {
+        let dir = scratch("fail");
+        let path = dir.join("plan.plan");
+        std::fs::write(&path, "old").unwrap();
+        let err = write_atomic(&path, b"new", |_| Err(std::io::Error::other("no")));
+        assert!(err.is_err());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "old");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "no temporary file left behind");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

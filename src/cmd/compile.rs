@@ -55,7 +55,7 @@ pub fn run(args: Args) -> ExitCode {
             |n| n.to_string_lossy().into_owned(),
         );
         let html = rcoa_compiler::report::compile_html(&compilation, &name);
-        if let Err(e) = rcoa_compiler::report::write_atomic(path, &html) {
+        if let Err(e) = super::common::write_atomic(path, html.as_bytes(), |_| Ok(())) {
             eprintln!(
                 "rcoa compile: cannot write the report `{}`: {e}",
                 path.display()
@@ -67,7 +67,8 @@ pub fn run(args: Args) -> ExitCode {
         let written = serde_json::to_string_pretty(&compilation.lowered)
             .map_err(|e| e.to_string())
             .and_then(|json| {
-                rcoa_compiler::report::write_atomic(path, &(json + "\n")).map_err(|e| e.to_string())
+                super::common::write_atomic(path, (json + "\n").as_bytes(), |_| Ok(()))
+                    .map_err(|e| e.to_string())
             });
         if let Err(e) = written {
             eprintln!(

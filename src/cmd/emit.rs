@@ -185,18 +185,10 @@ fn write_dir(dir: &Path, emission: &Emission) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     for f in &emission.files {
         let target = dir.join(&f.name);
-        let tmp = dir.join(format!(".{}.rcoa-tmp-{}", f.name, std::process::id()));
-        let result = (|| -> std::io::Result<()> {
-            let mut file = std::fs::File::create(&tmp)?;
-            file.write_all(f.contents.as_bytes())?;
-            file.sync_all()?;
-            drop(file);
-            set_mode(&tmp, f.executable)?;
-            std::fs::rename(&tmp, &target)
-        })();
-        if let Err(e) = result {
-            // Leave no temporary behind; the error says what failed.
-            let _ = std::fs::remove_file(&tmp);
+        let written = super::common::write_atomic(&target, f.contents.as_bytes(), |tmp| {
+            set_mode(tmp, f.executable)
+        });
+        if let Err(e) = written {
             return Err(format!("cannot write {}: {e}", target.display()));
         }
         println!("wrote {}", target.display());

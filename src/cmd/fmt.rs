@@ -77,38 +77,18 @@ fn fmt_file(path: &Path, check: bool) -> Outcome {
     if check {
         return Outcome::Changed;
     }
-    match write_atomically(path, &formatted) {
+    // The formatted file keeps the original's permissions.
+    let keep_permissions = |tmp: &Path| match std::fs::metadata(path) {
+        Ok(meta) => std::fs::set_permissions(tmp, meta.permissions()),
+        Err(_) => Ok(()),
+    };
+    match super::common::write_atomic(path, formatted.as_bytes(), keep_permissions) {
         Ok(()) => Outcome::Changed,
         Err(e) => {
             eprintln!("rcoa fmt: cannot write {name}: {e}");
             Outcome::Failed
         }
     }
-}
-
-/// Writes `text` to a sibling temporary file, copies the original's
-/// permissions, then renames it over `path`.
-fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let file_name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{file_name}.rcoa-fmt-{}.tmp", std::process::id()));
-    let result = (|| {
-        std::fs::write(&tmp, text)?;
-        if let Ok(meta) = std::fs::metadata(path) {
-            std::fs::set_permissions(&tmp, meta.permissions())?;
-        }
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 #[cfg(test)]

@@ -324,7 +324,7 @@ pub fn run(args: Args) -> ExitCode {
                     tokens_per_second: s.tokens_per_second,
                 };
                 let html = rcoa_compiler::report::run_html(&plan, &record);
-                if let Err(e) = rcoa_compiler::report::write_atomic(path, &html) {
+                if let Err(e) = super::common::write_atomic(path, html.as_bytes(), |_| Ok(())) {
                     eprintln!(
                         "rcoa run: cannot write the report `{}`: {e}",
                         path.display()

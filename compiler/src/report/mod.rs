@@ -21,7 +21,6 @@ use crate::compile::Compilation;
 use crate::lowered::LoweredPlan;
 use crate::memory::Category;
 use std::fmt::Write;
-use std::path::Path;
 use svg::Segment;
 
 const CSS: &str = include_str!("style.css");
@@ -68,24 +67,6 @@ fn size_cell(b: u64) -> String {
         bytes_exact(b),
         gib(b)
     )
-}
-
-/// Write a report atomically: a temporary file beside `path`, then a rename, so a reader
-/// never sees half a page.
-pub fn write_atomic(path: &Path, html: &str) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "report.html".into());
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, html)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
 }
 
 fn page_start(title: &str) -> String {

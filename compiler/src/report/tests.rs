@@ -207,19 +207,6 @@ fn numbers_read_as_people_write_them() {
 }
 
 #[test]
-fn atomic_write_replaces_the_file() {
-    let dir = std::env::temp_dir().join(format!("rcoa-report-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("r.html");
-    write_atomic(&path, "one").unwrap();
-    write_atomic(&path, "two").unwrap();
-    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
-    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
-    assert_eq!(left.len(), 1, "no temporary file left behind");
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[test]
 fn multi_gpu_pages_list_the_traffic_single_gpu_pages_do_not() {
     let one = compile_html(&compile_src(PLAN), "report.plan");
     assert!(!one.contains("id=\"traffic\""));
