@@ -52,6 +52,16 @@ pub(super) fn load(cx: &mut Cx, path: &str, span: Span) -> Option<ModelSpec> {
     }
 }
 
+/// Hugging Face's default head size, `hidden / heads`; 0 when it does not divide,
+/// which [`check_heads`] reports.
+fn default_head_dim(hidden: u64, heads: u64) -> u64 {
+    if heads != 0 && hidden.is_multiple_of(heads) {
+        hidden / heads
+    } else {
+        0
+    }
+}
+
 fn check_heads(m: &ModelSpec, span: Span) -> Result<(), Problem> {
     if m.head_dim == 0 {
         return Err(Problem::NotDivisible {
@@ -107,11 +117,9 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 hidden,
                 heads,
                 kv_heads: c.opt("num_key_value_heads")?.unwrap_or(heads),
-                head_dim: c.opt("head_dim")?.unwrap_or(if hidden % heads == 0 {
-                    hidden / heads
-                } else {
-                    0
-                }),
+                head_dim: c
+                    .opt("head_dim")?
+                    .unwrap_or(default_head_dim(hidden, heads)),
                 ffn: c.req("intermediate_size")?,
                 mlp: Mlp::Swiglu,
                 norm: Norm::Rmsnorm,
@@ -135,11 +143,7 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 hidden,
                 heads,
                 kv_heads: heads,
-                head_dim: if hidden % heads == 0 {
-                    hidden / heads
-                } else {
-                    0
-                },
+                head_dim: default_head_dim(hidden, heads),
                 ffn: c.opt("n_inner")?.unwrap_or(hidden.saturating_mul(4)),
                 mlp: Mlp::Gelu,
                 norm: Norm::Layernorm,
@@ -163,11 +167,7 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 hidden,
                 heads,
                 kv_heads: heads,
-                head_dim: if hidden % heads == 0 {
-                    hidden / heads
-                } else {
-                    0
-                },
+                head_dim: default_head_dim(hidden, heads),
                 ffn: c.req("intermediate_size")?,
                 mlp: Mlp::Gelu,
                 norm: Norm::Layernorm,
