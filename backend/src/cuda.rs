@@ -201,6 +201,8 @@ pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
 /// CubeCL's memory manager: live bytes and pool reservations.
 pub struct CudaProbe {
     client: cubecl::client::ComputeClient<CudaRuntime>,
+    #[cfg_attr(not(feature = "fusion"), allow(dead_code))]
+    device: CudaDevice,
     baseline: u64,
     step_peak: u64,
     peak: u64,
@@ -213,6 +215,7 @@ impl CudaProbe {
         let baseline = client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0);
         CudaProbe {
             client,
+            device: device.clone(),
             baseline,
             step_peak: 0,
             peak: 0,
@@ -223,6 +226,10 @@ impl CudaProbe {
 
 impl MemoryProbe for CudaProbe {
     fn sample(&mut self) -> u64 {
+        // With fusion, ops wait in Burn's queue until a sync: without one the
+        // allocator has not yet seen the segment's tensors.
+        #[cfg(feature = "fusion")]
+        let _ = <burn::backend::Cuda<f32> as burn::tensor::backend::Backend>::sync(&self.device);
         let Ok(m) = self.client.memory_usage() else {
             return 0;
         };
@@ -268,10 +275,11 @@ pub fn run(
     let cold = configure_cache(&dir)?;
     on_event(Event::Compiling { cold });
     let name = format!(
-        "cuda:0 {} (driver {}.{}, kernel cache {})",
+        "cuda:0 {} (driver {}.{}, fusion {}, kernel cache {})",
         info.gpu,
         info.driver_version / 1000,
         (info.driver_version % 1000) / 10,
+        if cfg!(feature = "fusion") { "on" } else { "off" },
         dir.display()
     );
     // Backend panics (cudarc, CubeCL, out of memory) become errors.

@@ -25,13 +25,14 @@ pub mod distributed;
 pub mod loss;
 pub mod memory;
 pub mod model;
+pub mod ops;
 pub mod testing;
 pub mod train;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use burn::tensor::backend::AutodiffBackend;
+use ops::ExecAutodiff;
 use data::{Batcher, Source};
 use memory::MemoryProbe;
 use rcoa_compiler::lowered::LoweredPlan;
@@ -271,7 +272,7 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
 }
 
 /// Train `plan` for `opts.steps` steps on backend `B`.
-pub fn execute<B: AutodiffBackend>(
+pub fn execute<B: ExecAutodiff>(
     plan: &LoweredPlan,
     opts: &RunOptions,
     device: B::Device,

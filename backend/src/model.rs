@@ -23,6 +23,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
+use crate::ops::{softmax_last, ExecBackend};
 use rcoa_compiler::spec::{AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
 
 /// Standard deviation of the random initialisation (GPT-2 / LLaMA use 0.02).
@@ -330,7 +331,7 @@ fn rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> 
     )
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: ExecBackend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, kvh, hd) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
@@ -353,8 +354,9 @@ impl<B: Backend> Attention<B> {
             k = rep(k);
             v = rep(v);
         }
-        // Eager attention: the [b, h, s, s] scores and probabilities are kept
-        // for the backward pass (Burn 0.21 has no fused training attention).
+        // Eager attention (Burn 0.21 has no fused training attention): the
+        // [b, h, s, s] probabilities are kept for the backward pass, once
+        // (`softmax_last` saves only its output, which `probs · v` saves too).
         // The 1/sqrt(d) scale on q ([b, h, s, d]) rather than on the scores
         // ([b, h, s, s]): one pass over the small tensor instead of the big one.
         let mut scores = q
@@ -363,7 +365,7 @@ impl<B: Backend> Attention<B> {
         if let Some(bias) = &ctx.bias {
             scores = scores + bias.clone();
         }
-        let probs = activation::softmax(scores, 3);
+        let probs = softmax_last(scores);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);
         self.o.forward(out, ctx)
     }
@@ -400,7 +402,7 @@ pub struct Layer<B: Backend> {
     mlp: MlpLayer<B>,
 }
 
-impl<B: Backend> Layer<B> {
+impl<B: ExecBackend> Layer<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         if ctx.causal {
             // Pre-norm (GPT-2, LLaMA).
@@ -511,7 +513,7 @@ pub struct ModelInit<'a> {
     pub dtype: FloatDType,
 }
 
-impl<B: Backend> Model<B> {
+impl<B: ExecBackend> Model<B> {
     pub fn new(init: &ModelInit<'_>, device: &B::Device) -> Self {
         let m = init.model;
         let dt = init.dtype;

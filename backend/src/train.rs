@@ -42,6 +42,7 @@ use burn::optim::{
 };
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use crate::ops::ExecAutodiff;
 use burn::tensor::{ElementConversion, FloatDType, Int, Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Dtype, Loss, OptimizerKind};
@@ -165,13 +166,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_> {
 // ---------------------------------------------------------------- optimizer
 
 /// The optimizers Burn provides that the DSL names.
-pub enum Optim<B: AutodiffBackend> {
+pub enum Optim<B: ExecAutodiff> {
     AdamW(OptimizerAdaptor<AdamW, Model<B>, B>),
     Adam(OptimizerAdaptor<Adam, Model<B>, B>),
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, Model<B>, B>),
 }
 
-impl<B: AutodiffBackend> Optim<B> {
+impl<B: ExecAutodiff> Optim<B> {
     pub fn for_plan(plan: &LoweredPlan) -> Result<Self, RunError> {
         let o = &plan.optimizer;
         let (b1, b2) = (o.betas.0 as f32, o.betas.1 as f32);
@@ -260,7 +261,7 @@ pub struct StepReport {
 }
 
 /// What the trainer needs besides the plan.
-pub struct TrainerConfig<B: AutodiffBackend> {
+pub struct TrainerConfig<B: ExecAutodiff> {
     pub seed: u64,
     pub batcher: Batcher,
     /// Whether the backend computes in 16-bit floats.
@@ -271,14 +272,14 @@ pub struct TrainerConfig<B: AutodiffBackend> {
 }
 
 /// A kept segment of the forward pass.
-enum Saved<B: AutodiffBackend> {
+enum Saved<B: ExecAutodiff> {
     /// Checkpointed layer: only its input.
     Input(Tensor<B::InnerBackend, 3>),
     /// Graph kept: the leaf input and the output.
     Graph(Tensor<B, 3>, Tensor<B, 3>),
 }
 
-pub struct Trainer<B: AutodiffBackend> {
+pub struct Trainer<B: ExecAutodiff> {
     pub device: B::Device,
     /// The parameters the optimizer steps (the fp32 master in master mode).
     model: Model<B>,
@@ -312,7 +313,7 @@ pub struct Trainer<B: AutodiffBackend> {
     collective: Option<crate::distributed::Collective<B::InnerBackend>>,
 }
 
-impl<B: AutodiffBackend> Trainer<B> {
+impl<B: ExecAutodiff> Trainer<B> {
     pub fn new(
         plan: &LoweredPlan,
         cfg: TrainerConfig<B>,
@@ -559,7 +560,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             grads: &'a GradientsParams,
             out: Vec<Vec<f32>>,
         }
-        impl<B: AutodiffBackend> ModuleVisitor<B> for Flat<'_> {
+        impl<B: ExecAutodiff> ModuleVisitor<B> for Flat<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
                 if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
                     let v = g
