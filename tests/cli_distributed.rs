@@ -1,14 +1,17 @@
-//! Data-parallel `rcoa run` over processes on the CPU, on loopback only:
-//! `rcoa orchestrate` plus two ranks of a plan with `data = 2`. Both ranks
-//! must finish, report the same falling loss and end with the same parameter
-//! checksum (their weights stayed equal), and the loss curve must equal one
-//! process training the same global batch with twice the micro-batch. Every
-//! child is killed after a hard deadline, so a hang fails instead of
+//! Data-parallel `rcoa run` on the CPU, on loopback only: `rcoa orchestrate`
+//! plus two ranks (processes) of a plan with `data = 2`, the same two ranks
+//! as threads of one process (`--devices 2`, no orchestrator), and two
+//! processes of two threads each. Every run must finish, report the same
+//! falling loss on every rank and end with the same parameter checksum
+//! (their weights stayed equal), and the loss curve must equal one process
+//! training the same global batch with a larger micro-batch. A rank that
+//! never comes or dies must stop the others with `--collective-timeout`.
+//! Every child is killed after a hard deadline, so a hang fails instead of
 //! blocking the test run.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -28,6 +31,25 @@ train {
   steps = 20
 }
 parallel { data = 2  zero = 0 }
+fit { checkpoint = none }
+target burn
+"#;
+
+/// Four ranks of micro-batch 1 × grad_accum 2 = global batch 8, as
+/// `plans/tiny-cpu.plan` (1 × 4 × 2).
+const FOUR_RANKS: &str = r#"
+model "tiny-decoder"
+hardware { gpu = h100-80gb  gpus_per_node = 2  nodes = 2 }
+precision fp32
+optimizer adamw { lr = 1e-3  weight_decay = 0.0 }
+train {
+  seq_len = 32
+  global_batch = 8
+  micro_batch = 1
+  grad_accum = 2
+  steps = 20
+}
+parallel { data = 4  zero = 0 }
 fit { checkpoint = none }
 target burn
 "#;
@@ -91,15 +113,9 @@ fn summary(lines: &[serde_json::Value]) -> serde_json::Value {
         .expect("a summary line")
 }
 
-#[test]
-fn two_ranks_keep_equal_weights_and_match_one_process() {
-    let dir = temp("two");
-    let plan = dir.join("tiny-2ranks.plan");
-    std::fs::write(&plan, TWO_RANKS).unwrap();
-    let steps = "6";
-
+/// Start `rcoa orchestrate` on a free port and wait until it listens.
+fn orchestrator(children: &mut Children) -> u16 {
     let port = free_port();
-    let mut children = Children(Vec::new());
     children.0.push(
         rcoa()
             .args([
@@ -122,75 +138,64 @@ fn two_ranks_keep_equal_weights_and_match_one_process() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    port
+}
 
-    let mut outs = Vec::new();
-    for rank in 0..2 {
-        let (out, err) = (
-            dir.join(format!("r{rank}.out")),
-            dir.join(format!("r{rank}.err")),
-        );
-        let node = format!("127.0.0.1:{}", free_port());
-        children.0.push(
-            rcoa()
-                .arg("run")
-                .arg(&plan)
-                .args(["--steps", steps, "--format", "json", "--nodes", "2"])
-                .args(["--node-rank", &rank.to_string()])
-                .args(["--orchestrator", &format!("127.0.0.1:{port}")])
-                .args(["--node-address", &node])
-                .stdout(std::fs::File::create(&out).unwrap())
-                .stderr(std::fs::File::create(&err).unwrap())
-                .spawn()
-                .unwrap(),
-        );
-        outs.push((out, err));
-    }
-    let mut status = [None, None];
+/// Start `rcoa run PLAN ARGS` with stdout and stderr in `dir/NAME.out|err`.
+fn spawn_run(
+    children: &mut Children,
+    dir: &Path,
+    name: &str,
+    plan: &Path,
+    args: &[String],
+) -> (usize, PathBuf, PathBuf) {
+    let (out, err) = (
+        dir.join(format!("{name}.out")),
+        dir.join(format!("{name}.err")),
+    );
+    children.0.push(
+        rcoa()
+            .arg("run")
+            .arg(plan)
+            .args(args)
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    (children.0.len() - 1, out, err)
+}
+
+/// Wait for children `which` to exit, failing after `deadline` from `start`.
+fn wait_all(
+    children: &mut Children,
+    which: &[usize],
+    start: Instant,
+    deadline: Duration,
+    errs: &[&Path],
+) -> Vec<ExitStatus> {
+    let mut status: Vec<Option<ExitStatus>> = vec![None; which.len()];
     while status.iter().any(Option::is_none) {
-        for (i, s) in status.iter_mut().enumerate() {
+        for (s, &i) in status.iter_mut().zip(which) {
             if s.is_none() {
-                *s = children.0[i + 1].try_wait().unwrap();
+                *s = children.0[i].try_wait().unwrap();
             }
         }
-        if start.elapsed() > DEADLINE {
-            let errs: Vec<String> = outs
+        if start.elapsed() > deadline {
+            let errs: Vec<String> = errs
                 .iter()
-                .map(|(_, e)| std::fs::read_to_string(e).unwrap_or_default())
+                .map(|e| std::fs::read_to_string(e).unwrap_or_default())
                 .collect();
-            panic!("the ranks did not finish within {DEADLINE:?}: {errs:?}");
+            panic!("the runs did not finish within {deadline:?}: {errs:?}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    for (i, s) in status.iter().enumerate() {
-        assert!(
-            s.unwrap().success(),
-            "rank {i} failed: {}",
-            std::fs::read_to_string(&outs[i].1).unwrap_or_default()
-        );
-    }
+    status.into_iter().flatten().collect()
+}
 
-    let ranks: Vec<Vec<serde_json::Value>> = outs.iter().map(|(o, _)| json_lines(o)).collect();
-    for (r, lines) in ranks.iter().enumerate() {
-        assert!(
-            lines.iter().all(|v| v["rank"] == r),
-            "rank {r} tags its lines"
-        );
-    }
-    let (l0, l1) = (losses(&ranks[0]), losses(&ranks[1]));
-    assert_eq!(l0.len(), 6);
-    assert!(l0[5] < l0[0], "the loss falls: {l0:?}");
-    // Both ranks report the global batch's loss (all-reduced) ...
-    assert_eq!(l0, l1, "the ranks disagree on the loss");
-    // ... and stepped the same weights.
-    let (s0, s1) = (summary(&ranks[0]), summary(&ranks[1]));
-    let (c0, c1) = (
-        s0["param_checksum"].as_f64().unwrap(),
-        s1["param_checksum"].as_f64().unwrap(),
-    );
-    assert_eq!(c0, c1, "the ranks' weights diverged");
-
-    // One process, micro-batch 4: the same rows in every global batch, so
-    // the same loss curve up to the order of float sums.
+/// The losses of one process training `plans/tiny-cpu.plan` (micro-batch 4
+/// × grad_accum 2, the global batch of the data-parallel plans here).
+fn one_process(dir: &Path, steps: &str) -> (Vec<f64>, f64) {
     let single = dir.join("single.out");
     let plan1 = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
     let st = rcoa()
@@ -201,13 +206,225 @@ fn two_ranks_keep_equal_weights_and_match_one_process() {
         .status()
         .unwrap();
     assert!(st.success());
-    let one = losses(&json_lines(&single));
-    for (a, b) in l0.iter().zip(&one) {
+    let lines = json_lines(&single);
+    (
+        losses(&lines),
+        summary(&lines)["param_checksum"].as_f64().unwrap(),
+    )
+}
+
+/// Equal loss curves up to the order of float sums.
+fn assert_same_curve(what: &str, a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-4 * y.abs(), "{what}: {a:?} vs {b:?}");
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Two processes of one rank each: (losses of rank 0, its checksum).
+fn two_processes(dir: &Path, plan: &Path, steps: &str) -> (Vec<f64>, f64) {
+    let mut children = Children(Vec::new());
+    let port = orchestrator(&mut children);
+    let start = Instant::now();
+    let mut runs = Vec::new();
+    for rank in 0..2 {
+        let node = format!("127.0.0.1:{}", free_port());
+        let args = strings(&[
+            "--steps",
+            steps,
+            "--format",
+            "json",
+            "--nodes",
+            "2",
+            "--node-rank",
+            &rank.to_string(),
+            "--orchestrator",
+            &format!("127.0.0.1:{port}"),
+            "--node-address",
+            &node,
+        ]);
+        runs.push(spawn_run(
+            &mut children,
+            dir,
+            &format!("r{rank}"),
+            plan,
+            &args,
+        ));
+    }
+    let which: Vec<usize> = runs.iter().map(|r| r.0).collect();
+    let errs: Vec<&Path> = runs.iter().map(|r| r.2.as_path()).collect();
+    let status = wait_all(&mut children, &which, start, DEADLINE, &errs);
+    for (i, s) in status.iter().enumerate() {
         assert!(
-            (a - b).abs() <= 1e-4 * b.abs(),
-            "2 ranks × 2 {l0:?} vs 1 × 4 {one:?}"
+            s.success(),
+            "rank {i} failed: {}",
+            std::fs::read_to_string(&runs[i].2).unwrap_or_default()
         );
     }
+
+    let ranks: Vec<Vec<serde_json::Value>> = runs.iter().map(|r| json_lines(&r.1)).collect();
+    for (r, lines) in ranks.iter().enumerate() {
+        assert!(
+            lines.iter().all(|v| v["rank"] == r),
+            "rank {r} tags its lines"
+        );
+    }
+    let (l0, l1) = (losses(&ranks[0]), losses(&ranks[1]));
+    // Both ranks report the global batch's loss (all-reduced) ...
+    assert_eq!(l0, l1, "the ranks disagree on the loss");
+    // ... and stepped the same weights.
+    let (s0, s1) = (summary(&ranks[0]), summary(&ranks[1]));
+    let (c0, c1) = (
+        s0["param_checksum"].as_f64().unwrap(),
+        s1["param_checksum"].as_f64().unwrap(),
+    );
+    assert_eq!(c0, c1, "the ranks' weights diverged");
+    (l0, c0)
+}
+
+#[test]
+fn two_ranks_keep_equal_weights_and_match_one_process() {
+    let dir = temp("two");
+    let plan = dir.join("tiny-2ranks.plan");
+    std::fs::write(&plan, TWO_RANKS).unwrap();
+    let steps = "6";
+    let (l0, _) = two_processes(&dir, &plan, steps);
+    assert_eq!(l0.len(), 6);
+    assert!(l0[5] < l0[0], "the loss falls: {l0:?}");
+    // One process, micro-batch 4: the same rows in every global batch, so
+    // the same loss curve up to the order of float sums.
+    let (one, _) = one_process(&dir, steps);
+    assert_same_curve("2 ranks × 2 vs 1 × 4", &l0, &one);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The relative difference of two parameter checksums.
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// `--devices 2`: the plan's two ranks as two threads of one process, with
+/// no orchestrator. The same loss curve and final weights as two processes
+/// and as one process with twice the micro-batch; both threads end with
+/// equal weights.
+#[test]
+fn two_devices_in_one_process_match_two_processes() {
+    let dir = temp("devices");
+    let plan = dir.join("tiny-2ranks.plan");
+    std::fs::write(&plan, TWO_RANKS).unwrap();
+    let steps = "6";
+    let mut children = Children(Vec::new());
+    let start = Instant::now();
+    let args = strings(&[
+        "--steps",
+        steps,
+        "--format",
+        "json",
+        "--devices",
+        "2",
+        "--device",
+        "cpu",
+    ]);
+    let (i, out, err) = spawn_run(&mut children, &dir, "threads", &plan, &args);
+    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(status[0].success(), "--devices 2 failed: {stderr}");
+    let lines = json_lines(&out);
+    // Local rank 0 alone reports: one line per step.
+    let threads = losses(&lines);
+    assert_eq!(threads.len(), 6, "{lines:?}");
+    assert!(threads[5] < threads[0], "the loss falls: {threads:?}");
+    let s = summary(&lines);
+    let local: Vec<f64> = s["local_param_checksums"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(local.len(), 2, "{s}");
+    assert_eq!(local[0], local[1], "the threads' weights diverged");
+    let checksum = s["param_checksum"].as_f64().unwrap();
+    assert_eq!(checksum, local[0]);
+
+    let (procs, proc_checksum) = two_processes(&dir, &plan, steps);
+    assert_same_curve("2 threads vs 2 processes", &threads, &procs);
+    let (one, one_checksum) = one_process(&dir, steps);
+    assert_same_curve("2 threads × 2 vs 1 × 4", &threads, &one);
+    assert!(
+        rel(checksum, proc_checksum) <= 1e-5 && rel(checksum, one_checksum) <= 1e-5,
+        "final weights: threads {checksum}, processes {proc_checksum}, one process {one_checksum}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two processes × two devices: global rank = node × 2 + local, the mean
+/// over all four ranks, the curve of one process with micro-batch 4.
+#[test]
+fn two_processes_of_two_devices_match_one_process() {
+    let dir = temp("grid");
+    let plan = dir.join("tiny-4ranks.plan");
+    std::fs::write(&plan, FOUR_RANKS).unwrap();
+    let steps = "5";
+    let mut children = Children(Vec::new());
+    let port = orchestrator(&mut children);
+    let start = Instant::now();
+    let mut runs = Vec::new();
+    for node in 0..2 {
+        let args = strings(&[
+            "--steps",
+            steps,
+            "--format",
+            "json",
+            "--devices",
+            "2",
+            "--nodes",
+            "2",
+            "--node-rank",
+            &node.to_string(),
+            "--orchestrator",
+            &format!("127.0.0.1:{port}"),
+            "--node-address",
+            &format!("127.0.0.1:{}", free_port()),
+        ]);
+        runs.push(spawn_run(
+            &mut children,
+            &dir,
+            &format!("n{node}"),
+            &plan,
+            &args,
+        ));
+    }
+    let which: Vec<usize> = runs.iter().map(|r| r.0).collect();
+    let errs: Vec<&Path> = runs.iter().map(|r| r.2.as_path()).collect();
+    let status = wait_all(&mut children, &which, start, DEADLINE, &errs);
+    for (i, s) in status.iter().enumerate() {
+        assert!(
+            s.success(),
+            "node {i} failed: {}",
+            std::fs::read_to_string(&runs[i].2).unwrap_or_default()
+        );
+    }
+    let nodes: Vec<Vec<serde_json::Value>> = runs.iter().map(|r| json_lines(&r.1)).collect();
+    // Each process reports its local rank 0: global ranks 0 and 2.
+    for (n, lines) in nodes.iter().enumerate() {
+        assert!(
+            lines.iter().all(|v| v["rank"] == 2 * n),
+            "node {n}: {lines:?}"
+        );
+    }
+    let (l0, l1) = (losses(&nodes[0]), losses(&nodes[1]));
+    assert_eq!(l0, l1, "the nodes disagree on the loss");
+    let (s0, s1) = (summary(&nodes[0]), summary(&nodes[1]));
+    assert_eq!(
+        s0["param_checksum"], s1["param_checksum"],
+        "the nodes' weights diverged"
+    );
+    let (one, _) = one_process(&dir, steps);
+    assert_same_curve("2 nodes × 2 devices × 1 vs 1 × 4", &l0, &one);
     drop(children);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -255,4 +472,225 @@ fn rank_count_must_match_the_plan() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--node-rank must be below --nodes"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_device_counts_are_refused() {
+    let dir = temp("baddevices");
+    let plan = dir.join("tiny-2ranks.plan");
+    std::fs::write(&plan, TWO_RANKS).unwrap();
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
+    let cases: [(&Path, &[&str], &str); 5] = [
+        (&plan, &["--devices", "0"], "--devices"),
+        (&plan, &["--devices", "3"], "3 data-parallel ranks"),
+        (&tiny, &["--devices", "2"], "2 data-parallel ranks"),
+        (
+            &plan,
+            &["--devices", "2", "--collective-timeout", "0"],
+            "--collective-timeout must be at least 1 second",
+        ),
+        (
+            &plan,
+            &[
+                "--devices",
+                "2",
+                "--nodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--orchestrator",
+                "127.0.0.1:1",
+                "--node-address",
+                "127.0.0.1:2",
+            ],
+            "4 data-parallel ranks",
+        ),
+    ];
+    for (plan, args, expect) in cases {
+        let out = rcoa()
+            .arg("run")
+            .arg(plan)
+            .args(["--steps", "1"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts a run that waits for a rank that never comes or died, and
+/// returns its exit status, stderr and how long it took to stop.
+fn stopped_by_timeout(
+    children: &mut Children,
+    which: usize,
+    err: &Path,
+    start: Instant,
+) -> (ExitStatus, String, Duration) {
+    let status = wait_all(children, &[which], start, Duration::from_secs(60), &[err]);
+    let took = start.elapsed();
+    (
+        status[0],
+        std::fs::read_to_string(err).unwrap_or_default(),
+        took,
+    )
+}
+
+/// `--collective-timeout`: rank 1 never starts, so rank 0 cannot join; it
+/// must stop with an error naming what it waited for, not hang.
+#[test]
+fn a_missing_rank_stops_the_run_at_the_collective_timeout() {
+    let dir = temp("missing");
+    let plan = dir.join("tiny-2ranks.plan");
+    std::fs::write(&plan, TWO_RANKS).unwrap();
+    let mut children = Children(Vec::new());
+    let port = orchestrator(&mut children);
+    let start = Instant::now();
+    let args = strings(&[
+        "--steps",
+        "3",
+        "--format",
+        "json",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--orchestrator",
+        &format!("127.0.0.1:{port}"),
+        "--node-address",
+        &format!("127.0.0.1:{}", free_port()),
+        "--collective-timeout",
+        "5",
+    ]);
+    let (i, _, err) = spawn_run(&mut children, &dir, "alone", &plan, &args);
+    let (status, stderr, took) = stopped_by_timeout(&mut children, i, &err, start);
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("could not join the collective within 5 s"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("2 ranks"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        took >= Duration::from_secs(5),
+        "stopped before the timeout: {took:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two ranks with `--collective-timeout 5`; once rank 1 has finished its
+/// first step, `stop` is done to it. Returns rank 0's exit status, its
+/// stderr and how long it ran after `stop`.
+fn two_ranks_then(name: &str, stop: impl FnOnce(&mut Child)) -> (ExitStatus, String, Duration) {
+    let dir = temp(name);
+    let plan = dir.join("tiny-2ranks.plan");
+    std::fs::write(&plan, TWO_RANKS).unwrap();
+    let mut children = Children(Vec::new());
+    let port = orchestrator(&mut children);
+    let mut runs = Vec::new();
+    for rank in 0..2 {
+        let args = strings(&[
+            "--steps",
+            "1000000",
+            "--format",
+            "json",
+            "--nodes",
+            "2",
+            "--node-rank",
+            &rank.to_string(),
+            "--orchestrator",
+            &format!("127.0.0.1:{port}"),
+            "--node-address",
+            &format!("127.0.0.1:{}", free_port()),
+            "--collective-timeout",
+            "5",
+        ]);
+        runs.push(spawn_run(
+            &mut children,
+            &dir,
+            &format!("r{rank}"),
+            &plan,
+            &args,
+        ));
+    }
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&runs[1].1).unwrap_or_default();
+        if text
+            .lines()
+            .any(|l| l.starts_with('{') && l.contains("\"step\":1"))
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "rank 1 did not finish a step: {}",
+            std::fs::read_to_string(&runs[1].2).unwrap_or_default()
+        );
+        if let Some(s) = children.0[runs[1].0].try_wait().unwrap() {
+            panic!(
+                "rank 1 ended early ({s}): {}",
+                std::fs::read_to_string(&runs[1].2).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop(&mut children.0[runs[1].0]);
+    let stopped = Instant::now();
+    let status = wait_all(
+        &mut children,
+        &[runs[0].0],
+        stopped,
+        Duration::from_secs(60),
+        &[&runs[0].2],
+    );
+    let took = stopped.elapsed();
+    let stderr = std::fs::read_to_string(&runs[0].2).unwrap_or_default();
+    drop(children);
+    let _ = std::fs::remove_dir_all(&dir);
+    (status[0], stderr, took)
+}
+
+/// `--collective-timeout`: rank 1 hangs (SIGSTOP: its connections stay
+/// open) after its first step; rank 0, waiting in the next all-reduce, must
+/// stop with the timeout's error, not hang.
+#[test]
+fn a_hung_rank_stops_the_others_at_the_collective_timeout() {
+    let (status, stderr, took) = two_ranks_then("hung", |c| {
+        let st = Command::new("kill")
+            .args(["-STOP", &c.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    });
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("did not complete within 5 s") && stderr.contains("all-reduce of step"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("ranks: 2"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        took >= Duration::from_secs(4),
+        "stopped before the timeout: {took:?}"
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
+}
+
+/// A rank killed after its first step: rank 0 stops with an error, either
+/// the timeout's or burn-collective's own (its data service loses the
+/// peer's connection), with no panic report.
+#[test]
+fn a_dead_rank_stops_the_others() {
+    let (status, stderr, took) = two_ranks_then("dead", |c| c.kill().unwrap());
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("all-reduce of step"), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
 }

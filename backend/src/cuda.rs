@@ -19,7 +19,7 @@
 //! user knows the first step compiles.
 
 use crate::memory::MemoryProbe;
-use crate::{execute, Event, RunError, RunOptions, Summary};
+use crate::{Event, RunError, RunOptions, Summary};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use rcoa_compiler::lowered::LoweredPlan;
@@ -263,7 +263,8 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Train on GPU 0.
+/// Train on GPU 0, or with `--devices N` on GPUs 0..N, one rank (thread)
+/// each (`execute_ranks`).
 pub fn run(
     plan: &LoweredPlan,
     opts: &RunOptions,
@@ -274,21 +275,53 @@ pub fn run(
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
     on_event(Event::Compiling { cold });
-    let name = format!(
-        "cuda:0 {} (driver {}.{}, fusion {}, kernel cache {})",
-        info.gpu,
-        info.driver_version / 1000,
-        (info.driver_version % 1000) / 10,
-        if cfg!(feature = "fusion") { "on" } else { "off" },
-        dir.display()
-    );
-    // Backend panics (cudarc, CubeCL, out of memory) become errors.
+    let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
+    let name = |i: u32| {
+        format!(
+            "cuda:{i}{} {} (driver {}.{}, fusion {}, kernel cache {})",
+            if n > 1 {
+                format!(" (of {n} in this process)")
+            } else {
+                String::new()
+            },
+            info.gpu,
+            info.driver_version / 1000,
+            (info.driver_version % 1000) / 10,
+            if cfg!(feature = "fusion") {
+                "on"
+            } else {
+                "off"
+            },
+            dir.display()
+        )
+    };
+    let devices = (0..n)
+        .map(|i| crate::LocalDevice {
+            device: CudaDevice::new(i as usize),
+            name: name(i),
+        })
+        .collect();
+    // Backend panics (cudarc, CubeCL, out of memory) become errors; the
+    // ranks' threads catch theirs (`execute_ranks`), silently too.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let device = CudaDevice::new(0);
-        let mut probe = CudaProbe::new(&device);
-        execute::<B>(plan, opts, device, name, true, &mut probe, on_event)
+        if n > 1 {
+            let seen = CudaRuntime::client(&CudaDevice::new(0)).device_count(0);
+            if seen < n as usize {
+                return Err(RunError::CudaUnavailable(format!(
+                    "--devices {n} needs {n} GPUs but the CUDA driver sees {seen} (CUDA_VISIBLE_DEVICES limits them)"
+                )));
+            }
+        }
+        crate::execute_ranks::<B>(
+            plan,
+            opts,
+            devices,
+            true,
+            |d| Box::new(CudaProbe::new(d)),
+            on_event,
+        )
     }));
     std::panic::set_hook(previous);
     result.unwrap_or_else(|p| Err(RunError::Backend(panic_text(p.as_ref()))))

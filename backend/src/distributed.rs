@@ -1,13 +1,15 @@
-//! Data-parallel training over processes with Burn's collective engine
-//! (`burn-collective` 0.21).
+//! Data-parallel training with Burn's collective engine (`burn-collective`
+//! 0.21): over processes (nodes), over devices within a process, or both.
 //!
-//! One process is one data-parallel rank with one device. Every rank builds
-//! the same model from the same seed (identical initial weights), trains on
-//! its own shard of each global batch (`Batcher::rank`), and before every
-//! optimizer step all-reduces (mean) the accumulated gradient of every
-//! trainable parameter with `burn_collective::all_reduce`. The optimizer step
-//! is then the same computation on the same inputs on every rank, so the
-//! weights stay equal without ever being broadcast.
+//! A process drives `devices` data-parallel ranks, one thread and one device
+//! each (`crate::execute_ranks`); `nodes` processes meet through a global
+//! orchestrator. Rank `node_rank * devices + local` is the global rank. Every
+//! rank builds the same model from the same seed (identical initial
+//! weights), trains on its own shard of each global batch (`Batcher::rank`),
+//! and before every optimizer step all-reduces (mean) the accumulated
+//! gradient of every trainable parameter with `burn_collective::all_reduce`.
+//! The optimizer step is then the same computation on the same inputs on
+//! every rank, so the weights stay equal without ever being broadcast.
 //!
 //! Invariants the collective relies on:
 //! - every rank issues the same all-reduces in the same order: gradients are
@@ -17,11 +19,19 @@
 //! - the collective is registered on the *inner* backend (gradients live
 //!   there), as burn-collective asks for autodiff backends.
 //!
-//! Processes meet through a global orchestrator (`orchestrate`, run by
-//! `rcoa orchestrate`), a WebSocket server; tensors then travel peer to peer
-//! through each node's data service (host memory, WebSocket). burn-collective
+//! Within a process burn-collective reduces the ranks' tensors itself (a
+//! tree over the devices). Between processes they meet through the global
+//! orchestrator (`orchestrate`, run by `rcoa orchestrate`), a WebSocket
+//! server; tensors then travel peer to peer through each node's data service
+//! (host memory, WebSocket). One process alone (`nodes` = 1 without an
+//! orchestrator) never touches the network: burn-collective only starts its
+//! global layer when the configuration names an orchestrator. burn-collective
 //! binds both servers on all interfaces (0.0.0.0): that is the library's
 //! choice, not configurable in 0.21.
+//!
+//! burn-collective 0.21 has no timeout: a rank that died leaves the others
+//! waiting forever. Every blocking collective call here is bounded
+//! (`Timeouts`, see `bounded`).
 
 use crate::RunError;
 use burn::module::{ModuleVisitor, Param};
@@ -30,41 +40,133 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 use burn_communication::Address;
+use std::cell::Cell;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// Where this process sits in a multi-process data-parallel run.
+/// How long one collective call may wait for the other ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Joining the run and the first all-reduce. Joining waits for every
+    /// rank to start; the first all-reduce for every rank to build its model
+    /// and run its first step, which on CUDA with a cold kernel cache
+    /// compiles kernels (minutes for a new model shape), and a peer's cache
+    /// may be cold when this one's is warm.
+    pub first: Duration,
+    /// Every later all-reduce, and leaving the collective.
+    pub steady: Duration,
+}
+
+impl Timeouts {
+    /// 30 minutes to join and for the first step, 10 minutes afterwards
+    /// (PyTorch's NCCL default): a step of a large model takes seconds, so
+    /// 10 minutes without the peers' gradients means a rank died or hung.
+    pub const DEFAULT: Timeouts = Timeouts {
+        first: Duration::from_secs(1800),
+        steady: Duration::from_secs(600),
+    };
+
+    /// The same limit for every call (`--collective-timeout`).
+    pub fn uniform(limit: Duration) -> Self {
+        Timeouts {
+            first: limit,
+            steady: limit,
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts::DEFAULT
+    }
+}
+
+/// How the processes of a multi-node run meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Distributed {
-    /// Processes (ranks) in the run, one device each.
-    pub nodes: u32,
-    /// This process's rank, `0..nodes`.
-    pub rank: u32,
+pub struct Network {
     /// The orchestrator, `HOST:PORT` or `ws://HOST:PORT`.
     pub orchestrator: String,
-    /// How the other ranks reach this one, `HOST:PORT` or `ws://HOST:PORT`.
+    /// How the other processes reach this one, `HOST:PORT` or `ws://HOST:PORT`.
     pub node_address: String,
-    /// The port this rank's tensor data service listens on (the port of
+    /// The port this process's tensor data service listens on (the port of
     /// `node_address` unless a proxy sits between them).
     pub data_port: u16,
 }
 
+/// Where this process (and one of its threads) sits in a data-parallel run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Distributed {
+    /// Processes in the run.
+    pub nodes: u32,
+    /// This process's index, `0..nodes`.
+    pub node_rank: u32,
+    /// Devices this process drives, one data-parallel rank (a thread) each.
+    pub devices: u32,
+    /// Which of them this rank is, `0..devices` (`execute_ranks` sets it per
+    /// thread).
+    pub local: u32,
+    /// The orchestrator and this process's data service; `None`: this
+    /// process is the whole run (`nodes` = 1), its ranks reduce locally.
+    pub network: Option<Network>,
+    pub timeouts: Timeouts,
+}
+
 impl Distributed {
+    /// Data-parallel ranks in the run: `nodes × devices`.
+    pub fn ranks(&self) -> u64 {
+        self.nodes as u64 * self.devices as u64
+    }
+
+    /// This rank's global index (its burn-collective peer id).
+    pub fn rank(&self) -> u64 {
+        self.node_rank as u64 * self.devices as u64 + self.local as u64
+    }
+
     /// Refuse inconsistent settings before anything connects.
     pub fn validate(&self) -> Result<(), RunError> {
-        if self.nodes == 0 || self.rank >= self.nodes {
-            return Err(RunError::Distributed(format!(
+        let bad = |s: String| Err(RunError::Distributed(s));
+        if self.devices == 0 {
+            return bad("--devices must be at least 1".into());
+        }
+        if self.nodes == 0 || self.node_rank >= self.nodes {
+            return bad(format!(
                 "rank {} is not in 0..{} (--node-rank must be below --nodes)",
-                self.rank, self.nodes
-            )));
+                self.node_rank, self.nodes
+            ));
         }
-        for (what, a) in [
-            ("orchestrator", &self.orchestrator),
-            ("node address", &self.node_address),
-        ] {
-            ws_address(a).map_err(|e| RunError::Distributed(format!("the {what} {e}")))?;
+        if self.local >= self.devices {
+            return bad(format!(
+                "device {} is not in 0..{} (--devices)",
+                self.local, self.devices
+            ));
         }
-        Ok(())
+        if self.ranks() > u32::MAX as u64 {
+            return bad(format!(
+                "{} nodes × {} devices is more ranks than burn-collective can number",
+                self.nodes, self.devices
+            ));
+        }
+        if self.timeouts.first.is_zero() || self.timeouts.steady.is_zero() {
+            return bad("--collective-timeout must be at least 1 second".into());
+        }
+        match &self.network {
+            None if self.nodes > 1 => bad(format!(
+                "{} nodes need an orchestrator (--orchestrator, --node-address)",
+                self.nodes
+            )),
+            None => Ok(()),
+            Some(n) => {
+                for (what, a) in [
+                    ("orchestrator", &n.orchestrator),
+                    ("node address", &n.node_address),
+                ] {
+                    ws_address(a).map_err(|e| RunError::Distributed(format!("the {what} {e}")))?;
+                }
+                Ok(())
+            }
+        }
     }
 }
 
@@ -98,11 +200,38 @@ fn ws_address(a: &str) -> Result<Address, String> {
     Address::from_str(&url).map_err(|e| format!("`{a}`: {e}"))
 }
 
-/// This process's membership in the collective, registered on backend `I`
-/// (the inner backend of the autodiff backend being trained).
+/// What `execute` tells its rank's `Collective` while the trainer owns it.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// The optimizer step under way (1-based), named in timeout errors.
+    step: AtomicU64,
+    /// Every step ran: leaving the collective is due (after a failure it is
+    /// skipped, see `Collective::drop`).
+    done: AtomicBool,
+}
+
+impl Progress {
+    pub fn set_step(&self, step: u64) {
+        self.step.store(step, Ordering::Relaxed);
+    }
+
+    pub fn set_done(&self) {
+        self.done.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One rank's membership in the collective, registered on backend `I` (the
+/// inner backend of the autodiff backend being trained).
 pub struct Collective<I: Backend> {
     peer: PeerId,
     ranks: u32,
+    timeouts: Timeouts,
+    progress: Arc<Progress>,
+    /// All-reduces issued so far (the first one gets `Timeouts::first`).
+    calls: Cell<u64>,
+    /// A collective call failed or timed out: burn-collective's server may
+    /// still wait inside it, so nothing more is sent to it.
+    broken: Cell<bool>,
     finished: bool,
     _backend: std::marker::PhantomData<I>,
 }
@@ -111,25 +240,118 @@ fn collective_error(what: &str, e: burn_collective::CollectiveError) -> RunError
     RunError::Distributed(format!("{what}: {e:?}"))
 }
 
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Why a bounded call did not return a value.
+enum Unfinished {
+    TimedOut,
+    Panicked(String),
+}
+
+/// Run the blocking collective call `f` on a helper thread and wait for it
+/// at most `limit`.
+///
+/// burn-collective 0.21 waits on a channel without a timeout and has no way
+/// to cancel an operation: its server task is inside the operation, waiting
+/// for a peer. So the call cannot be interrupted, only abandoned: on timeout
+/// the helper thread is left blocked and the caller gets an error, which
+/// ends the run; `rcoa run` then returns from `main`, and the process exit
+/// ends the abandoned thread. No watchdog has to kill the process, since the
+/// error reaches the caller. The cost is one thread spawn per call (one
+/// all-reduce per optimizer step: microseconds against a step). A panic
+/// inside burn-collective (it unwraps its channels, e.g. after its server
+/// task died) is caught here too.
+fn bounded<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Unfinished> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new()
+        .name("rcoa-collective".into())
+        .spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+            let _ = tx.send(r.map_err(|p| panic_text(p.as_ref())));
+        });
+    if let Err(e) = spawned {
+        return Err(Unfinished::Panicked(format!("cannot start a thread: {e}")));
+    }
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(p)) => Err(Unfinished::Panicked(p)),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Unfinished::TimedOut),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Unfinished::Panicked(
+            "the collective call ended without a result".into(),
+        )),
+    }
+}
+
+fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{s:.1} s")
+    }
+}
+
 impl<I: Backend> Collective<I> {
-    /// Register with the orchestrator; returns once every rank has registered.
+    /// Join the collective; returns once every rank has joined (or with an
+    /// error after `Timeouts::first`).
     pub fn register(d: &Distributed, device: &I::Device) -> Result<Self, RunError> {
         d.validate()?;
         quiet_logs();
-        let global = ws_address(&d.orchestrator).map_err(RunError::Distributed)?;
-        let node = ws_address(&d.node_address).map_err(RunError::Distributed)?;
-        let config = CollectiveConfig::default()
-            .with_num_devices(1)
-            .with_num_nodes(d.nodes)
-            .with_global_address(global)
-            .with_node_address(node)
-            .with_data_service_port(d.data_port);
-        let peer = PeerId(d.rank);
-        burn_collective::register::<I>(peer, device.clone(), config)
-            .map_err(|e| collective_error("cannot join the collective", e))?;
+        let mut config = CollectiveConfig::default().with_num_devices(d.devices as usize);
+        let meeting = match &d.network {
+            Some(n) => {
+                let global = ws_address(&n.orchestrator).map_err(RunError::Distributed)?;
+                let node = ws_address(&n.node_address).map_err(RunError::Distributed)?;
+                let at = format!("the orchestrator at {global}");
+                config = config
+                    .with_num_nodes(d.nodes)
+                    .with_global_address(global)
+                    .with_node_address(node)
+                    .with_data_service_port(n.data_port);
+                at
+            }
+            None => "the other threads of this process".into(),
+        };
+        let rank = d.rank();
+        let peer = PeerId(rank as u32);
+        let device = device.clone();
+        let limit = d.timeouts.first;
+        match bounded(limit, move || {
+            burn_collective::register::<I>(peer, device, config)
+        }) {
+            Ok(r) => r.map_err(|e| collective_error("cannot join the collective", e))?,
+            Err(Unfinished::TimedOut) => {
+                return Err(RunError::Distributed(format!(
+                    "rank {rank} could not join the collective within {} (--collective-timeout): \
+                     waited for all {} ranks ({} process(es) × {} device(s)) to meet through {meeting}; \
+                     a rank may not have started, may have died, or may use other --nodes/--orchestrator",
+                    seconds(limit),
+                    d.ranks(),
+                    d.nodes,
+                    d.devices
+                )))
+            }
+            Err(Unfinished::Panicked(p)) => {
+                return Err(RunError::Distributed(format!(
+                    "rank {rank} could not join the collective: burn-collective failed: {p}"
+                )))
+            }
+        }
         Ok(Collective {
             peer,
-            ranks: d.nodes,
+            ranks: d.ranks() as u32,
+            timeouts: d.timeouts,
+            progress: Arc::new(Progress::default()),
+            calls: Cell::new(0),
+            broken: Cell::new(false),
             finished: false,
             _backend: std::marker::PhantomData,
         })
@@ -143,12 +365,52 @@ impl<I: Backend> Collective<I> {
         self.peer.0
     }
 
+    /// The handle `execute` reports the step and the end of the run through.
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
     /// Mean of `t` over all ranks.
     pub fn mean<const D: usize>(&self, t: Tensor<I, D>) -> Result<Tensor<I, D>, RunError> {
+        if self.broken.get() {
+            return Err(RunError::Backend(
+                "an earlier collective call of this rank failed".into(),
+            ));
+        }
+        let first = self.calls.get() == 0;
+        self.calls.set(self.calls.get() + 1);
+        let limit = if first {
+            self.timeouts.first
+        } else {
+            self.timeouts.steady
+        };
+        let step = self.progress.step.load(Ordering::Relaxed);
         let primitive = t.into_primitive().tensor();
-        let reduced = burn_collective::all_reduce::<I>(self.peer, primitive, ReduceOperation::Mean)
-            .map_err(|e| RunError::Backend(format!("the all-reduce failed: {e:?}")))?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(reduced)))
+        let peer = self.peer;
+        let reduced = bounded(limit, move || {
+            burn_collective::all_reduce::<I>(peer, primitive, ReduceOperation::Mean)
+        });
+        let what = format!("the all-reduce of step {step} (rank {})", self.peer.0);
+        let fail = |s: String| {
+            self.broken.set(true);
+            Err(RunError::Backend(s))
+        };
+        match reduced {
+            Ok(Ok(t)) => Ok(Tensor::from_primitive(TensorPrimitive::Float(t))),
+            Ok(Err(burn_collective::CollectiveError::LocalServerMissing)) => fail(format!(
+                "{what} failed: burn-collective's server stopped, which it does when a peer's \
+                 connection breaks: a rank may have died; ranks: {}",
+                self.ranks
+            )),
+            Ok(Err(e)) => fail(format!("{what} failed: {e:?}")),
+            Err(Unfinished::Panicked(p)) => fail(format!("{what} failed: burn-collective: {p}")),
+            Err(Unfinished::TimedOut) => fail(format!(
+                "{what} did not complete within {} (--collective-timeout{}): a rank may have died or hung; ranks: {}",
+                seconds(limit),
+                if first { ", first step" } else { "" },
+                self.ranks
+            )),
+        }
     }
 
     /// Replace every gradient in `grads` by its mean over the ranks, and
@@ -194,14 +456,31 @@ impl<I: Backend> Collective<I> {
         Ok(crate::model::to_dtype(loss, loss_dtype.into()))
     }
 
-    /// Leave the collective (once; also on drop).
-    pub fn finish(&mut self) -> Result<(), RunError> {
-        if self.finished {
+    /// Leave the collective (once, when the trainer is dropped), after a run
+    /// whose every step ran. After a failure it is skipped: burn-collective's
+    /// server may be waiting inside an operation that will never complete and
+    /// would not answer, and the run is ending anyway (the peers stop at their
+    /// own timeout).
+    fn finish(&mut self) -> Result<(), RunError> {
+        if self.finished || self.broken.get() || !self.progress.done.load(Ordering::Relaxed) {
             return Ok(());
         }
         self.finished = true;
-        burn_collective::finish_collective::<I>(self.peer)
-            .map_err(|e| collective_error("cannot leave the collective", e))
+        let peer = self.peer;
+        match bounded(self.timeouts.steady, move || {
+            burn_collective::finish_collective::<I>(peer)
+        }) {
+            Ok(r) => r.map_err(|e| collective_error("cannot leave the collective", e)),
+            Err(Unfinished::TimedOut) => Err(RunError::Distributed(format!(
+                "rank {} could not leave the collective within {}",
+                peer.0,
+                seconds(self.timeouts.steady)
+            ))),
+            Err(Unfinished::Panicked(p)) => Err(RunError::Distributed(format!(
+                "rank {} could not leave the collective: {p}",
+                peer.0
+            ))),
+        }
     }
 }
 
@@ -291,16 +570,128 @@ mod tests {
         assert!(ws_address("ws://h:99999").is_err());
     }
 
+    fn one_node(devices: u32, local: u32) -> Distributed {
+        Distributed {
+            nodes: 1,
+            node_rank: 0,
+            devices,
+            local,
+            network: None,
+            timeouts: Timeouts::uniform(Duration::from_secs(20)),
+        }
+    }
+
     #[test]
     fn ranks_must_be_below_nodes() {
         let d = Distributed {
             nodes: 2,
-            rank: 2,
-            orchestrator: "127.0.0.1:1".into(),
-            node_address: "127.0.0.1:2".into(),
-            data_port: 2,
+            node_rank: 2,
+            devices: 1,
+            local: 0,
+            network: Some(Network {
+                orchestrator: "127.0.0.1:1".into(),
+                node_address: "127.0.0.1:2".into(),
+                data_port: 2,
+            }),
+            timeouts: Timeouts::DEFAULT,
         };
         assert!(d.validate().is_err());
-        assert!(Distributed { rank: 1, ..d }.validate().is_ok());
+        assert!(Distributed {
+            node_rank: 1,
+            ..d.clone()
+        }
+        .validate()
+        .is_ok());
+        // Several nodes need the orchestrator; one node does not.
+        assert!(Distributed {
+            node_rank: 1,
+            network: None,
+            ..d
+        }
+        .validate()
+        .is_err());
+        assert!(one_node(2, 1).validate().is_ok());
+    }
+
+    #[test]
+    fn devices_and_timeouts_are_checked() {
+        let e = one_node(0, 0).validate().unwrap_err().to_string();
+        assert!(e.contains("--devices must be at least 1"), "{e}");
+        assert!(one_node(2, 2).validate().is_err());
+        let zero = Distributed {
+            timeouts: Timeouts::uniform(Duration::ZERO),
+            ..one_node(2, 0)
+        };
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--collective-timeout"));
+        let huge = Distributed {
+            nodes: u32::MAX,
+            node_rank: 0,
+            devices: 2,
+            local: 0,
+            network: Some(Network {
+                orchestrator: "127.0.0.1:1".into(),
+                node_address: "127.0.0.1:2".into(),
+                data_port: 2,
+            }),
+            timeouts: Timeouts::DEFAULT,
+        };
+        assert!(huge.validate().is_err());
+    }
+
+    #[test]
+    fn global_rank_is_node_major() {
+        let d = Distributed {
+            nodes: 3,
+            node_rank: 2,
+            devices: 4,
+            local: 1,
+            network: None,
+            timeouts: Timeouts::DEFAULT,
+        };
+        assert_eq!(d.ranks(), 12);
+        assert_eq!(d.rank(), 9);
+    }
+
+    #[test]
+    fn a_bounded_call_times_out_or_reports_its_panic() {
+        let start = std::time::Instant::now();
+        let r = bounded(Duration::from_millis(200), || {
+            std::thread::sleep(Duration::from_secs(30))
+        });
+        assert!(matches!(r, Err(Unfinished::TimedOut)));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let r = bounded(Duration::from_secs(5), || -> u32 { panic!("boom") });
+        assert!(matches!(r, Err(Unfinished::Panicked(p)) if p == "boom"));
+        assert!(matches!(bounded(Duration::from_secs(5), || 7), Ok(7)));
+        assert_eq!(seconds(Duration::from_secs(600)), "600 s");
+        assert_eq!(seconds(Duration::from_millis(1500)), "1.5 s");
+    }
+
+    /// Two threads of this process, one rank each, with no orchestrator:
+    /// burn-collective's local all-reduce (the `--devices` path) averages
+    /// their tensors.
+    #[test]
+    fn two_local_ranks_reduce_without_an_orchestrator() {
+        type I = burn::backend::NdArray<f32>;
+        let threads: Vec<_> = (0..2u32)
+            .map(|local| {
+                std::thread::spawn(move || {
+                    let device = Default::default();
+                    let c = Collective::<I>::register(&one_node(2, local), &device)?;
+                    c.progress().set_step(1);
+                    let t = Tensor::<I, 1>::from_floats([1.0 + local as f32, 10.0], &device);
+                    let m = c.mean(t)?;
+                    c.progress().set_done();
+                    Ok::<_, RunError>(m.into_data().to_vec::<f32>().unwrap())
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap().unwrap(), vec![1.5, 10.0]);
+        }
     }
 }

@@ -12,9 +12,10 @@
 //! `Autodiff<Cuda>` behind the `cuda` feature (`cuda` module: preflight of the
 //! driver, NVRTC and headers; CubeCL's persistent kernel cache).
 //!
-//! Data parallelism runs over processes, one device each (`distributed`:
-//! burn-collective's all-reduce of the gradients before every optimizer
-//! step); the plan's `data` must equal the number of processes.
+//! Data parallelism runs over processes and, within a process, over its
+//! devices, one thread each (`distributed`: burn-collective's all-reduce of
+//! the gradients before every optimizer step; `execute_ranks`); the plan's
+//! `data` must equal processes × devices.
 //!
 //! What this executor does not do is an error before anything runs
 //! (`check_plan`): tensor, pipeline or context parallelism, ZeRO sharding, offload, QLoRA's 4-bit base, mixture of
@@ -32,9 +33,9 @@ pub mod train;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use ops::ExecAutodiff;
 use data::{Batcher, Source};
 use memory::MemoryProbe;
+use ops::ExecAutodiff;
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{AdapterKind, Arch, Loss, Positions};
 use std::path::PathBuf;
@@ -67,7 +68,7 @@ pub enum RunError {
     #[error("{0}")]
     #[diagnostic(
         code(rcoa::distributed),
-        help("start `rcoa orchestrate --port P` first, give every rank the same --nodes and --orchestrator, distinct --node-rank and --node-address")
+        help("the plan's `data` must equal --nodes × --devices; one process with --devices N needs no orchestrator; over processes, start `rcoa orchestrate --port P` first, give every process the same --nodes, --devices and --orchestrator, distinct --node-rank and --node-address")
     )]
     Distributed(String),
     #[error("the loss is {loss} at step {step}: training diverged")]
@@ -84,7 +85,7 @@ pub fn check_plan(plan: &LoweredPlan) -> Result<(), RunError> {
 }
 
 /// Refuse what this executor cannot carry out faithfully with `ranks`
-/// data-parallel processes (one device each).
+/// data-parallel ranks (one device each: processes × devices per process).
 pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> {
     let r = &plan.resolved;
     let u = |s: String| Err(RunError::Unsupported(s));
@@ -98,12 +99,15 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
     if r.data != ranks {
         return Err(RunError::Distributed(if ranks == 1 {
             format!(
-                "the plan is data-parallel over {} GPUs; run one process per rank: `rcoa orchestrate --port P`, then `rcoa run PLAN --nodes {} --node-rank R --orchestrator HOST:P --node-address HOST:PORT` for R in 0..{}",
+                "the plan is data-parallel over {} GPUs; run its ranks as devices of one process (`rcoa run PLAN --devices {}`), \
+                 or as processes: `rcoa orchestrate --port P`, then `rcoa run PLAN --nodes M --node-rank R --devices N \
+                 --orchestrator HOST:P --node-address HOST:PORT` for R in 0..M, with M × N = {}",
                 r.data, r.data, r.data
             )
         } else {
             format!(
-                "the plan's data parallelism is {} but --nodes is {ranks}: every process is one data-parallel rank",
+                "the plan's data parallelism is {} but the run has {ranks} data-parallel ranks \
+                 (--nodes × --devices): every device is one rank",
                 r.data
             )
         }));
@@ -184,7 +188,8 @@ pub struct RunOptions {
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
     pub resume: Option<PathBuf>,
-    /// This process is one rank of a multi-process data-parallel run.
+    /// Data parallel: this process's place among the processes, its devices
+    /// (one rank each) and the collective's timeouts. `None`: one rank.
     pub distributed: Option<distributed::Distributed>,
 }
 
@@ -240,6 +245,9 @@ pub struct Summary {
     /// `Trainer::param_checksum` after the last step (equal on every
     /// data-parallel rank).
     pub param_checksum: f64,
+    /// `param_checksum` of every rank this process drove (`--devices`), in
+    /// local order; `execute_ranks` refuses to finish unless they are equal.
+    pub local_param_checksums: Vec<f64>,
 }
 
 /// Build the batcher for a plan.
@@ -267,11 +275,13 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
         },
         positives: plan.train.positives as usize,
         grouped,
-        rank: opts.distributed.as_ref().map_or(0, |d| d.rank as u64),
+        rank: opts.distributed.as_ref().map_or(0, |d| d.rank()),
     })
 }
 
-/// Train `plan` for `opts.steps` steps on backend `B`.
+/// Train `plan` for `opts.steps` steps on backend `B`: the body of one
+/// data-parallel rank (`opts.distributed`'s `local` device of this process),
+/// or of the only one. `execute_ranks` runs it once per device.
 pub fn execute<B: ExecAutodiff>(
     plan: &LoweredPlan,
     opts: &RunOptions,
@@ -281,7 +291,39 @@ pub fn execute<B: ExecAutodiff>(
     probe: &mut dyn MemoryProbe,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
-    let ranks = opts.distributed.as_ref().map_or(1, |d| d.nodes as u64);
+    execute_rank::<B>(
+        plan,
+        opts,
+        device,
+        device_name,
+        sixteen_bit,
+        probe,
+        on_event,
+        None,
+    )
+}
+
+/// Held while a rank seeds the backend and builds its model: Burn's random
+/// number generators (ndarray's, CubeCL's) are one per process, not per
+/// device, so ranks in threads that initialised at the same time would draw
+/// from one stream and start with different weights.
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `execute`, and with `built` the threads of one process wait there after
+/// building their models, so that no rank starts training (which reseeds the
+/// shared generator when dropout is on) while another still initialises.
+#[allow(clippy::too_many_arguments)]
+fn execute_rank<B: ExecAutodiff>(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    device: B::Device,
+    device_name: String,
+    sixteen_bit: bool,
+    probe: &mut dyn MemoryProbe,
+    on_event: &mut dyn FnMut(Event),
+    built: Option<&std::sync::Barrier>,
+) -> Result<Summary, RunError> {
+    let ranks = opts.distributed.as_ref().map_or(1, |d| d.ranks());
     check_plan_ranks(plan, ranks)?;
     let batcher = batcher(plan, opts)?;
     let data = batcher.source.describe();
@@ -292,16 +334,25 @@ pub fn execute<B: ExecAutodiff>(
         )?),
         None => None,
     };
-    let mut trainer = Trainer::<B>::new(
-        plan,
-        TrainerConfig {
-            seed: opts.seed,
-            batcher,
-            sixteen_bit,
-            collective,
-        },
-        device,
-    )?;
+    // The collective moves into the trainer; this handle names the step in
+    // timeout errors and says when the run is complete.
+    let progress = collective.as_ref().map(|c| c.progress());
+    let mut trainer = {
+        let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
+        Trainer::<B>::new(
+            plan,
+            TrainerConfig {
+                seed: opts.seed,
+                batcher,
+                sixteen_bit,
+                collective,
+            },
+            device,
+        )?
+    };
+    if let Some(b) = built {
+        b.wait();
+    }
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
     }
@@ -321,12 +372,15 @@ pub fn execute<B: ExecAutodiff>(
         memory_measure: probe.what(),
     }));
     let mut reports = Vec::new();
+    // The ranks hold equal weights: global rank 0 alone writes checkpoints.
+    let writer = opts.distributed.as_ref().is_none_or(|d| d.rank() == 0);
     while trainer.step < opts.steps {
+        if let Some(p) = &progress {
+            p.set_step(trainer.step + 1);
+        }
         let r = trainer.train_step(probe)?;
         on_event(Event::Step(r.clone()));
         reports.push(r);
-        // The ranks hold equal weights: rank 0 alone writes the checkpoint.
-        let writer = opts.distributed.as_ref().is_none_or(|d| d.rank == 0);
         if let Some(dir) = opts.save.as_ref().filter(|_| writer) {
             let due = opts
                 .save_every
@@ -343,7 +397,156 @@ pub fn execute<B: ExecAutodiff>(
     }
     let mut summary = summarize(plan, &reports, probe);
     summary.param_checksum = trainer.param_checksum();
+    summary.local_param_checksums = vec![summary.param_checksum];
+    if let Some(p) = &progress {
+        p.set_done();
+    }
     Ok(summary)
+}
+
+/// One device of this process: where its rank trains and how it is named.
+pub struct LocalDevice<D> {
+    pub device: D,
+    pub name: String,
+}
+
+/// Makes a rank's memory probe on its device, in the rank's thread, before
+/// the model (its baseline excludes the weights).
+pub type ProbeFactory<D> = fn(&D) -> Box<dyn MemoryProbe>;
+
+enum RankMessage {
+    Event(Event),
+    Done(u32, Box<Result<Summary, RunError>>),
+}
+
+/// Train with every data-parallel rank this process drives: `devices[i]` is
+/// local rank `i` (`opts.distributed.devices` of them; one without
+/// `opts.distributed`). Each rank runs `execute` (the same body as a
+/// one-device process) in its own thread with its own trainer and model.
+///
+/// Local rank 0 reports the events; its summary is the run's (its device's
+/// measured peak). The ranks must end with equal weights (checked). The
+/// first rank to fail ends the run with its error, also when the others are
+/// blocked in an all-reduce waiting for it: their threads are left behind
+/// (not joined), and end with the process. A panic in a rank becomes an
+/// error.
+pub fn execute_ranks<B: ExecAutodiff>(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    mut devices: Vec<LocalDevice<B::Device>>,
+    sixteen_bit: bool,
+    probe: ProbeFactory<B::Device>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
+    let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
+    if devices.len() != n as usize {
+        return Err(RunError::Backend(format!(
+            "{} devices for {n} local ranks",
+            devices.len()
+        )));
+    }
+    if n == 1 {
+        // One rank: on this thread, as a single-device process always ran.
+        let Some(LocalDevice { device, name }) = devices.pop() else {
+            return Err(RunError::Backend("no device".into()));
+        };
+        let mut probe = probe(&device);
+        return execute::<B>(
+            plan,
+            opts,
+            device,
+            name,
+            sixteen_bit,
+            probe.as_mut(),
+            on_event,
+        );
+    }
+    // Refuse a bad plan once, before any thread starts.
+    check_plan_ranks(plan, opts.distributed.as_ref().map_or(1, |d| d.ranks()))?;
+    let plan = std::sync::Arc::new(plan.clone());
+    let built = std::sync::Arc::new(std::sync::Barrier::new(n as usize));
+    let (tx, rx) = std::sync::mpsc::channel::<RankMessage>();
+    for (local, LocalDevice { device, name }) in (0u32..).zip(devices) {
+        let mut opts = opts.clone();
+        let global = match opts.distributed.as_mut() {
+            Some(d) => {
+                d.local = local;
+                d.rank()
+            }
+            None => 0,
+        };
+        let (plan, tx, built) = (plan.clone(), tx.clone(), built.clone());
+        let body = move || {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut probe = probe(&device);
+                let mut report = |e: Event| {
+                    if local == 0 {
+                        let _ = tx.send(RankMessage::Event(e));
+                    }
+                };
+                execute_rank::<B>(
+                    &plan,
+                    &opts,
+                    device,
+                    name,
+                    sixteen_bit,
+                    probe.as_mut(),
+                    &mut report,
+                    Some(&built),
+                )
+            }))
+            .unwrap_or_else(|p| {
+                Err(RunError::Backend(format!(
+                    "rank {global} panicked: {}",
+                    distributed::panic_text(p.as_ref())
+                )))
+            });
+            let _ = tx.send(RankMessage::Done(local, Box::new(result)));
+        };
+        std::thread::Builder::new()
+            .name(format!("rcoa-rank-{global}"))
+            // As much stack as the main thread gets, and more: the backward
+            // pass of a deep model recurses.
+            .stack_size(64 << 20)
+            .spawn(body)
+            .map_err(|e| RunError::Backend(format!("cannot start rank {global}'s thread: {e}")))?;
+    }
+    drop(tx);
+    let mut summaries: Vec<Option<Summary>> = (0..n).map(|_| None).collect();
+    let mut left = n;
+    while left > 0 {
+        match rx.recv() {
+            Ok(RankMessage::Event(e)) => on_event(e),
+            Ok(RankMessage::Done(local, result)) => {
+                // The first failure ends the run; ranks blocked in a
+                // collective waiting for the failed one are not waited for.
+                summaries[local as usize] = Some((*result)?);
+                left -= 1;
+            }
+            Err(_) => {
+                return Err(RunError::Backend(
+                    "a rank's thread ended without a result".into(),
+                ))
+            }
+        }
+    }
+    let summaries: Vec<Summary> = summaries.into_iter().flatten().collect();
+    let checksums: Vec<f64> = summaries.iter().map(|s| s.param_checksum).collect();
+    if checksums
+        .iter()
+        .any(|c| c.to_bits() != checksums[0].to_bits())
+    {
+        return Err(RunError::Backend(format!(
+            "the ranks of this process ended with different weights (parameter checksums {checksums:?}): \
+             the all-reduce did not keep them equal"
+        )));
+    }
+    let mut lead = summaries
+        .into_iter()
+        .next()
+        .ok_or_else(|| RunError::Backend("no rank reported".into()))?;
+    lead.local_param_checksums = checksums;
+    Ok(lead)
 }
 
 fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe) -> Summary {
@@ -379,25 +582,37 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
         },
         memory_measure: probe.what().to_string(),
         param_checksum: f64::NAN,
+        local_param_checksums: Vec::new(),
     }
 }
 
 /// The CPU executor: `Autodiff<NdArray<f32>>`. The probe is created before
-/// the model so its baseline excludes the weights.
+/// the model so its baseline excludes the weights. With several local ranks
+/// (`--devices N`) every rank trains on the one CPU device, in its own
+/// thread; the RSS measured is the process's, holding all of them.
 pub fn run_cpu(
     plan: &LoweredPlan,
     opts: &RunOptions,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
     type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
-    let mut probe = memory::RssProbe::new();
-    execute::<Cpu>(
+    let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
+    let devices = (0..n)
+        .map(|i| LocalDevice {
+            device: Default::default(),
+            name: if n == 1 {
+                "cpu (ndarray)".into()
+            } else {
+                format!("cpu (ndarray), {n} ranks in threads, this is local rank {i}")
+            },
+        })
+        .collect();
+    execute_ranks::<Cpu>(
         plan,
         opts,
-        Default::default(),
-        "cpu (ndarray)".into(),
+        devices,
         false,
-        &mut probe,
+        |_| Box::new(memory::RssProbe::new()),
         on_event,
     )
 }

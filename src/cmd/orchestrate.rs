@@ -3,7 +3,9 @@
 //! server on all interfaces).
 //!
 //! Start it first, then one `rcoa run PLAN --nodes N --node-rank R
-//! --orchestrator HOST:PORT --node-address HOST:PORT` per rank. It runs until
+//! --orchestrator HOST:PORT --node-address HOST:PORT [--devices D]` per
+//! process. One process alone (`rcoa run PLAN --devices D` without
+//! `--nodes`) needs no orchestrator. It runs until
 //! SIGINT/SIGTERM or `--timeout` seconds (burn-collective 0.21 does not tell
 //! its caller when every rank has left, so it cannot stop by itself when the
 //! run ends). Exit status: 0 stopped by a signal or the timeout, 2 cannot

@@ -8,19 +8,25 @@
 //! 1 the run failed while training (divergence, backend failure), 2 bad plan,
 //! bad usage, or an unavailable device.
 //!
-//! Data parallelism: each process is one rank (`--nodes N --node-rank R
+//! Data parallelism: `--devices N` trains N ranks in one process, one thread
+//! and one device each (GPUs 0..N; on the CPU all on the one CPU device), no
+//! orchestrator needed. Over processes (`--nodes M --node-rank R
 //! --orchestrator HOST:PORT --node-address HOST:PORT`, after `rcoa
-//! orchestrate`), one device each; a single node with several GPUs runs one
-//! process per GPU the same way on loopback. Rank 0 alone shows the progress
-//! and writes the report and checkpoints; in JSON mode every rank prints its
-//! lines with `"rank"`, so a launcher can gather them.
+//! orchestrate`) each process contributes its `--devices` ranks; global rank
+//! = R × N + local index, and the plan's `data` must equal M × N. Process 0
+//! alone shows the progress and writes the report and checkpoints (its local
+//! rank 0 does); in JSON mode every process prints the lines of its local
+//! rank 0 with `"rank"` (its global rank), so a launcher can gather them.
+//! A collective call that waits longer than `--collective-timeout` ends the
+//! run with an error instead of hanging (burn-collective has no timeout).
 
-use rcoa_backend::distributed::Distributed;
+use rcoa_backend::distributed::{Distributed, Network, Timeouts};
 use rcoa_backend::{Event, RunError, RunOptions, Summary};
 use rcoa_compiler::lowered::LoweredPlan;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
@@ -66,10 +72,15 @@ pub struct Args {
     /// Also write a self-contained HTML report of the run (measured beside predicted).
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
-    /// Data parallel over processes: the number of ranks (one device each); must equal the plan's `data`.
+    /// Data parallel within this process: train N ranks, one thread and one device each
+    /// (CUDA: GPUs 0..N; CPU: all on the CPU). Without --nodes it must equal the plan's `data`.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    devices: u32,
+    /// Data parallel over processes: the number of processes, each with --devices ranks;
+    /// processes × devices must equal the plan's `data`.
     #[arg(long, value_name = "N", requires_all = ["node_rank", "orchestrator", "node_address"])]
     nodes: Option<u32>,
-    /// This process's rank, 0..N.
+    /// This process's index, 0..N (its ranks are R × devices + 0..devices).
     #[arg(long, value_name = "R", requires = "nodes")]
     node_rank: Option<u32>,
     /// The `rcoa orchestrate` server every rank joins.
@@ -81,31 +92,55 @@ pub struct Args {
     /// Port the data service listens on (default: the port of --node-address).
     #[arg(long, value_name = "P", requires = "nodes")]
     data_port: Option<u16>,
+    /// Stop with an error when joining the run or one all-reduce waits longer than this
+    /// for the other ranks (a rank died or hung). [default: 1800 to join and for the first
+    /// step, which may compile kernels; 600 afterwards]
+    #[arg(long, value_name = "SECONDS")]
+    collective_timeout: Option<u64>,
 }
 
-/// The rank settings, when this process is one rank of several.
+/// The data-parallel settings, when this run has more than one rank (or
+/// joins an orchestrator).
 fn distributed(args: &Args) -> Result<Option<Distributed>, RunError> {
-    let (Some(nodes), Some(rank), Some(orchestrator), Some(node_address)) = (
+    let timeouts = match args.collective_timeout {
+        None => Timeouts::DEFAULT,
+        Some(0) => {
+            return Err(RunError::Distributed(
+                "--collective-timeout must be at least 1 second".into(),
+            ))
+        }
+        Some(s) => Timeouts::uniform(Duration::from_secs(s)),
+    };
+    let mut d = Distributed {
+        nodes: 1,
+        node_rank: 0,
+        devices: args.devices,
+        local: 0,
+        network: None,
+        timeouts,
+    };
+    if let (Some(nodes), Some(rank), Some(orchestrator), Some(node_address)) = (
         args.nodes,
         args.node_rank,
         args.orchestrator.clone(),
         args.node_address.clone(),
-    ) else {
+    ) {
+        let port = node_address
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok());
+        let data_port = args.data_port.or(port).ok_or_else(|| {
+            RunError::Distributed(format!("--node-address `{node_address}` has no port"))
+        })?;
+        d.nodes = nodes;
+        d.node_rank = rank;
+        d.network = Some(Network {
+            orchestrator,
+            node_address,
+            data_port,
+        });
+    } else if args.devices == 1 {
         return Ok(None);
-    };
-    let port = node_address
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse::<u16>().ok());
-    let data_port = args.data_port.or(port).ok_or_else(|| {
-        RunError::Distributed(format!("--node-address `{node_address}` has no port"))
-    })?;
-    let d = Distributed {
-        nodes,
-        rank,
-        orchestrator,
-        node_address,
-        data_port,
-    };
+    }
     d.validate()?;
     Ok(Some(d))
 }
@@ -144,6 +179,39 @@ fn plan_name(args: &Args) -> String {
         .map_or_else(|| "plan".to_string(), |n| n.to_string_lossy().into_owned())
 }
 
+/// burn-communication panics on its own threads (tokio workers) when a
+/// peer's connection breaks (`Failed to receive message from websocket`),
+/// and burn-collective's client then panics on a closed channel, which
+/// `distributed::bounded` catches on its `rcoa-collective` threads; a
+/// rank's thread (`rcoa-rank-N`) that panics is caught too. In each case
+/// the run ends with an error that says what failed; the panic itself gets
+/// one line on stderr instead of a panic report and a backtrace. Panics on
+/// the main thread keep the default report.
+fn quiet_collective_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("");
+        if name == "main" || name.is_empty() {
+            return default(info);
+        }
+        if name == "rcoa-collective" {
+            return; // reported by the collective call's error
+        }
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("unknown failure");
+        let at = info
+            .location()
+            .map(|l| format!(" ({}:{})", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("rcoa run: failure on thread {name}{at}: {msg}");
+    }));
+}
+
 fn print_diagnostic(e: &RunError) {
     eprintln!("{}", rcoa_grammar::render::render_plain(e));
 }
@@ -164,14 +232,19 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let ranks = dist.as_ref().map_or(1, |d| d.nodes as u64);
+    if dist.is_some() {
+        quiet_collective_panics();
+    }
+    let ranks = dist.as_ref().map_or(1, |d| d.ranks());
     if let Err(e) = rcoa_backend::check_plan_ranks(&plan, ranks) {
         print_diagnostic(&e);
         return ExitCode::from(2);
     }
-    // Rank 0 (or the only process) talks to the user; the others are quiet
-    // in text mode and tag their JSON lines with their rank.
-    let rank = dist.as_ref().map(|d| d.rank);
+    let (nodes, devices) = dist.as_ref().map_or((1, 1), |d| (d.nodes, d.devices));
+    // Process 0 (or the only one) talks to the user; the others are quiet in
+    // text mode. Each process reports its local rank 0, whose JSON lines
+    // carry its global rank.
+    let rank = dist.as_ref().map(|d| d.rank());
     let lead = rank.is_none_or(|r| r == 0);
     let tag = |mut v: serde_json::Value| {
         if let Some(r) = rank {
@@ -225,7 +298,9 @@ pub fn run(args: Args) -> ExitCode {
             } else if text {
                 eprintln!("device     {}", s.device);
                 if ranks > 1 {
-                    eprintln!("ranks      {ranks} data-parallel processes (gradients averaged by all-reduce each step; this is rank 0)");
+                    eprintln!(
+                        "ranks      {ranks} data-parallel ranks: {nodes} process(es) × {devices} device(s) (gradients averaged by all-reduce each step; this is rank 0)"
+                    );
                 }
                 eprintln!(
                     "model      {} parameters, {} trainable",
@@ -310,7 +385,7 @@ pub fn run(args: Args) -> ExitCode {
                 v["event"] = "summary".into();
                 println!("{}", tag(v));
             } else if lead {
-                report(&s, ranks, args.device);
+                report(&s, ranks, devices, args.device);
             }
             if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
@@ -345,7 +420,7 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// The text summary; `ranks` > 1: throughput per rank and in all.
-fn report(s: &Summary, ranks: u64, device: Device) {
+fn report(s: &Summary, ranks: u64, devices: u32, device: Device) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
     println!("first step       {:.3} s", s.first_step_seconds);
@@ -356,7 +431,11 @@ fn report(s: &Summary, ranks: u64, device: Device) {
             s.tokens_per_second,
             s.tokens_per_second * ranks as f64
         );
-        println!("measured peak is this rank's (rank 0)");
+        if device == Device::Cpu && devices > 1 {
+            println!("measured peak is this process's RSS: it holds its {devices} ranks");
+        } else {
+            println!("measured peak is this rank's (rank 0's device)");
+        }
     } else {
         println!(
             "steady step      {:.4} s  ({:.0} tokens/s)",
