@@ -19,11 +19,11 @@
 //! (see `train.rs`). Parameter ids are assigned in construction order
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
+use crate::ops::{softmax_last, ExecBackend};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
-use crate::ops::{softmax_last, ExecBackend};
 use rcoa_compiler::spec::{AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
 
 /// Standard deviation of the random initialisation (GPT-2 / LLaMA use 0.02).

@@ -124,8 +124,12 @@ mod tests {
         let (y_custom, g_custom) = run(true);
         let (y_ref, g_ref) = run(false);
         let tol = Tolerance::<f32>::absolute(1e-6);
-        y_custom.into_data().assert_approx_eq(&y_ref.into_data(), tol);
-        g_custom.into_data().assert_approx_eq(&g_ref.into_data(), tol);
+        y_custom
+            .into_data()
+            .assert_approx_eq(&y_ref.into_data(), tol);
+        g_custom
+            .into_data()
+            .assert_approx_eq(&g_ref.into_data(), tol);
     }
 
     /// Rows sum to one and a row of equal scores is uniform: the stable shift

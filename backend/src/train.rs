@@ -32,6 +32,7 @@ use crate::data::{Batch, Batcher};
 use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Model, ModelInit};
+use crate::ops::ExecAutodiff;
 use crate::RunError;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -42,7 +43,6 @@ use burn::optim::{
 };
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use crate::ops::ExecAutodiff;
 use burn::tensor::{ElementConversion, FloatDType, Int, Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Dtype, Loss, OptimizerKind};

@@ -12,25 +12,41 @@ use rcoa_compiler::resolve::{resolve, ResolveContext};
 use rcoa_compiler::{compile, Compilation};
 use std::path::PathBuf;
 
-/// (plan, measured peak in use, measured reserved peak), from docs/burn-h100.md's memory
-/// table and its "Calibration" section; raw files named in the comments.
-const MEASURED: &[(&str, u64, u64)] = &[
-    // h100-results/llama350m_eager.plan-trace.jsonl (summary line)
-    ("llama350m_eager.plan", 35_235_871_232, 47_988_452_352),
-    // h100-results/llama350m_gc.plan-trace.jsonl
-    ("llama350m_gc.plan", 7_149_564_416, 15_463_396_352),
-    // h100-results/llama125m_base.plan-final.jsonl
-    ("llama125m_base.plan", 13_742_513_152, 19_946_731_520),
-    // h100-results/llama125m_bf16.plan-final.jsonl
-    ("llama125m_bf16.plan", 13_742_513_152, 20_029_756_416),
-    // h100-results/llama125m_fp32.plan-final.jsonl
-    ("llama125m_fp32.plan", 24_290_657_792, 32_483_490_816),
-    // Holdouts, measured after the calibration's shapes were chosen (not fitted on):
-    // h100-results/llama350m_fp32.plan-holdout.jsonl
-    ("llama350m_fp32.plan", 63_441_187_328, 75_614_925_824),
-    // h100-results/llama125m_every2.plan-holdout.jsonl
-    ("llama125m_every2.plan", 8_345_998_336, 14_218_013_696),
+/// (plan, raw output of `rcoa run --format json` on the H100 under
+/// `backend/bench/h100-results/`): the fused CUDA executor of docs/burn-h100.md. The
+/// measured peak in use and reserved peak are read from each file's summary line.
+const MEASURED: &[(&str, &str)] = &[
+    ("llama350m_eager.plan", "fused-llama350m_eager.jsonl"),
+    ("llama350m_gc.plan", "fused-llama350m_gc.jsonl"),
+    ("llama125m_base.plan", "fused-llama125m_base-gpusync.jsonl"),
+    ("llama125m_bf16.plan", "fused-llama125m_bf16-gpusync.jsonl"),
+    ("llama125m_fp32.plan", "fused-llama125m_fp32.jsonl"),
+    ("llama350m_fp32.plan", "fused-llama350m_fp32.jsonl"),
+    (
+        "llama125m_every2.plan",
+        "fused-llama125m_every2-gpusync.jsonl",
+    ),
 ];
+
+/// (measured peak in use, measured reserved peak) from a run's summary line.
+fn measured(file: &str) -> (u64, u64) {
+    let path = bench_dir().join("h100-results").join(file);
+    let text = std::fs::read_to_string(&path).expect("raw H100 output");
+    let summary: serde_json::Value = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "summary")
+        .unwrap_or_else(|| panic!("{file}: no summary line"));
+    let field = |k: &str| {
+        summary[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{file}: no {k}"))
+    };
+    (
+        field("measured_peak_bytes"),
+        field("measured_reserved_bytes"),
+    )
+}
 
 fn bench_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../backend/bench")
@@ -59,7 +75,8 @@ fn compile_with_budget(name: &str, budget: Option<u64>) -> Compilation {
 fn burn_prediction_within_5_percent_of_h100() {
     let mut worst: f64 = 0.0;
     let mut lines = Vec::new();
-    for &(name, measured, _) in MEASURED {
+    for &(name, file) in MEASURED {
+        let (measured, _) = measured(file);
         let c = compile_with_budget(name, None);
         let predicted = c.lowered.prediction.peak_bytes;
         let err = (measured as f64 - predicted as f64) / predicted as f64;
@@ -82,7 +99,8 @@ fn burn_prediction_within_5_percent_of_h100() {
 
 #[test]
 fn burn_does_not_fit_below_the_reserved_pool() {
-    for &(name, _, reserved) in MEASURED {
+    for &(name, file) in MEASURED {
+        let (_, reserved) = measured(file);
         // A budget just under what CubeCL's pool reserved: that run would have run out.
         let c = compile_with_budget(name, Some(reserved - (256 << 20)));
         assert!(

@@ -583,10 +583,10 @@ impl<'a> Builder<'a> {
 
     /// Burn's eager attention after the projections and RoPE (`backend/src/model.rs`
     /// `Attention::forward`): `q * 1/sqrt(d)` (in place), `q k^T` (saves q and k), the
-    /// causal bias added in place, Burn's composite softmax (`x - max` in place; `exp` saves
-    /// its input; `div` saves the `exp` output and the sum), `probs v` (saves both) and the
-    /// transposed copy. Three `[b, h, s, s]` tensors stay saved per layer: the 350M trace's
-    /// 1,229,800,000 B per layer has 3 x 268,435,456 B of them (docs/burn-h100.md).
+    /// causal bias added in place, `softmax_last` (`backend/src/ops.rs`: saves only the
+    /// probabilities), `probs v` (saves both) and the transposed copy. One `[b, h, s, s]`
+    /// tensor stays saved per layer. (Burn's composite softmax kept three: the 350M trace's
+    /// 1,229,800,000 B per layer had 3 x 268,435,456 B of them, docs/burn-h100.md.)
     fn burn_attention(
         &mut self,
         q: TensorId,
@@ -621,12 +621,13 @@ impl<'a> Builder<'a> {
         } else {
             sc
         };
-        let shifted = self.pointwise_inplace("softmax_shift", &[sc], act, &[]);
-        let e = self.pointwise("softmax_exp", &[shifted], act, &[shifted]);
-        let sum = self.tensor("softmax_sum", &[seqs, heads, s], act, rg);
-        self.op("softmax_sum", &[e], &[sum], &[]);
-        let p = self.tensor("probs", &shape, act, rg);
-        self.op("softmax", &[e, sum], &[p], &[e, sum]);
+        // One autodiff node that saves only its output; its forward (max, sub, exp,
+        // sum, div on the inner backend) runs in place on the scores' buffer.
+        let p = self.pointwise_inplace("softmax", &[sc], act, &[]);
+        if self.rg(p) {
+            let op = self.tape.ops.len() - 1;
+            self.tape.ops[op].saved.push(p);
+        }
         let p = self.dropout(p, dropout);
         let rg = self.rg(p) || self.rg(v);
         let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);

@@ -190,9 +190,9 @@ impl Profile {
     ///   fp32 compute keeps fp32 activations (llama125m_fp32: 24.29 GB vs 13.74 GB);
     /// - 16-bit weights with an fp32 master: a persistent 16-bit working copy, the fp32
     ///   master and fp32 gradients (llama125m_bf16 measures exactly like autocast);
-    /// - Burn's composite softmax keeps three `[b, h, s, s]` tensors per layer (the shifted
-    ///   scores `exp` saves as its input, the `exp` output `div` saves, the probabilities
-    ///   the second matmul saves): 3 x 268,435,456 B of the 1,229,800,000 B per layer;
+    /// - attention keeps one `[b, h, s, s]` tensor per layer, the probabilities
+    ///   (`backend/src/ops.rs` `softmax_last`; Burn's composite softmax kept three:
+    ///   3 x 268,435,456 B of the 1,229,800,000 B per 350M layer);
     /// - the loss: `log_softmax(logits.cast(F32))` keeps the shifted fp32 logits (+1,148 MB
     ///   over the last layer in the 350M trace, with the head's saves);
     /// - the peak in use is sampled at segment boundaries (`backend/src/train.rs` `mark`).
@@ -234,12 +234,14 @@ impl Profile {
             // backward, the loss and the optimizer: what `rcoa run` reports as measured.
             peak_sampled_at_segments: true,
             // CubeCL's pool keeps pages once grown. Measured reserved over the model's highest
-            // bytes in use (the loss's fp32 log-softmax transients: +3.1 GB over the sampled
-            // peak): 1.250 (llama350m_eager), 1.181 (llama125m_base), 1.186 (llama125m_bf16),
-            // 1.184 (llama125m_fp32); with every layer recomputed 1.669 (llama350m_gc: the
-            // recompute's transients get pages of their own). The worst of each, rounded up,
-            // so a plan predicted to fit does not OOM (docs/burn-h100.md, "Calibration").
-            pool_factor: 1.26,
+            // bytes in use (transients inside segments included: the loss's fp32 log-softmax
+            // adds 3.1 GB over the sampled 350M peak), fused CUDA executor: 1.275
+            // (llama350m_eager), 1.204 (llama350m_fp32), 1.318 (llama125m_base), 1.339
+            // (llama125m_bf16), 1.236 (llama125m_fp32); with layers recomputed 1.644
+            // (llama350m_gc: the recompute's transients get pages of their own) and 1.421
+            // (llama125m_every2). The worst of each, rounded up, so a plan predicted to fit
+            // does not OOM (docs/burn-h100.md, "Calibration").
+            pool_factor: 1.35,
             pool_factor_recompute: 1.68,
             // BURN.md probe: 47k tokens/s f32, 73k tokens/s bf16 on an 8-layer encoder.
             matmul_efficiency: 0.12,
