@@ -310,8 +310,9 @@ pub fn run(
         if n > 1 {
             let seen = CudaRuntime::client(&CudaDevice::new(0)).device_count(0);
             if seen < n as usize {
-                return Err(RunError::CudaUnavailable(format!(
-                    "--devices {n} needs {n} GPUs but the CUDA driver sees {seen} (CUDA_VISIBLE_DEVICES limits them)"
+                return Err(RunError::Distributed(format!(
+                    "--devices {n} needs {n} GPUs but the CUDA driver sees {seen} \
+                     (CUDA_VISIBLE_DEVICES may hide some): at most --devices {seen} here"
                 )));
             }
         }
