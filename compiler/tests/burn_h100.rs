@@ -26,6 +26,9 @@ const MEASURED: &[(&str, &str)] = &[
         "llama125m_every2.plan",
         "fused-llama125m_every2-gpusync.jsonl",
     ),
+    // Holdout: measured after the profile above was set (grouped-query attention, tied
+    // embeddings, two accumulated micro-batches).
+    ("llama_gqa.plan", "fused-llama_gqa-holdout.jsonl"),
 ];
 
 /// (measured peak in use, measured reserved peak) from a run's summary line.
