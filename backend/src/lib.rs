@@ -279,41 +279,20 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
     })
 }
 
-/// Train `plan` for `opts.steps` steps on backend `B`: the body of one
-/// data-parallel rank (`opts.distributed`'s `local` device of this process),
-/// or of the only one. `execute_ranks` runs it once per device.
-pub fn execute<B: ExecAutodiff>(
-    plan: &LoweredPlan,
-    opts: &RunOptions,
-    device: B::Device,
-    device_name: String,
-    sixteen_bit: bool,
-    probe: &mut dyn MemoryProbe,
-    on_event: &mut dyn FnMut(Event),
-) -> Result<Summary, RunError> {
-    execute_rank::<B>(
-        plan,
-        opts,
-        device,
-        device_name,
-        sixteen_bit,
-        probe,
-        on_event,
-        None,
-    )
-}
-
 /// Held while a rank seeds the backend and builds its model: Burn's random
 /// number generators (ndarray's, CubeCL's) are one per process, not per
 /// device, so ranks in threads that initialised at the same time would draw
 /// from one stream and start with different weights.
 static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// `execute`, and with `built` the threads of one process wait there after
-/// building their models, so that no rank starts training (which reseeds the
-/// shared generator when dropout is on) while another still initialises.
+/// Train `plan` for `opts.steps` steps on backend `B`: the body of one
+/// data-parallel rank (`opts.distributed`'s `local` device of this process),
+/// or of the only one. `execute_ranks` runs it once per device; with `built`
+/// the threads of one process wait there after building their models, so that
+/// no rank starts training (which reseeds the shared generator when dropout is
+/// on) while another still initialises.
 #[allow(clippy::too_many_arguments)]
-fn execute_rank<B: ExecAutodiff>(
+fn execute<B: ExecAutodiff>(
     plan: &LoweredPlan,
     opts: &RunOptions,
     device: B::Device,
@@ -459,6 +438,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
             sixteen_bit,
             probe.as_mut(),
             on_event,
+            None,
         );
     }
     // Refuse a bad plan once, before any thread starts.
@@ -484,7 +464,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
                         let _ = tx.send(RankMessage::Event(e));
                     }
                 };
-                execute_rank::<B>(
+                execute::<B>(
                     &plan,
                     &opts,
                     device,
