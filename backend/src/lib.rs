@@ -1,7 +1,7 @@
 //! `rcoa-backend`: executes a `LoweredPlan` with Burn 0.21.
 //!
 //! The transformer is built from the plan (`model`), trained by one generic
-//! step (`train`, over `B: AutodiffBackend`) that carries out the plan's
+//! step (`train`, over `B: ExecAutodiff`, `ops.rs`) that carries out the plan's
 //! decisions: per-layer activation checkpointing by segment recomputation,
 //! precision (fp32, autocast, 16-bit weights with an fp32 master), the
 //! optimizer, gradient accumulation and the micro-batch. Memory is measured

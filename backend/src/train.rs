@@ -1,4 +1,4 @@
-//! The training step, generic over one `B: AutodiffBackend`.
+//! The training step, generic over one `B: ExecAutodiff` (`ops.rs`).
 //!
 //! **Per-layer activation checkpointing by segment recomputation.** Burn 0.21
 //! only offers one checkpointing strategy for the whole autodiff backend, but
