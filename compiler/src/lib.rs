@@ -18,5 +18,8 @@ pub mod resolve;
 pub mod scale;
 pub mod search;
 pub mod spec;
+/// Test support: a builder of [`spec::Spec`]s for the compiler's tests. Not for production use.
+#[doc(hidden)]
+pub mod testing;
 
 pub use compile::{compile, Compilation, CompileError};

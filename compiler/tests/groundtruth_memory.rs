@@ -9,6 +9,7 @@
 use rcoa_compiler::memory::{evaluate, Candidate};
 use rcoa_compiler::profile::Profile;
 use rcoa_compiler::spec::*;
+use rcoa_compiler::testing::SpecBuilder;
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -82,101 +83,44 @@ fn spec_of(c: &Value) -> Spec {
     };
     let mb = u("batch");
     let ga = c["grad_accum"].as_u64().unwrap_or(1);
-    Spec {
-        model: ModelSpec {
-            name: "custom".into(),
-            arch: if llama { Arch::Decoder } else { Arch::Encoder },
-            layers: u("layers"),
-            hidden,
-            heads,
-            kv_heads: u("kv_heads"),
-            head_dim: hidden / heads,
-            ffn: u("intermediate"),
-            mlp: if llama { Mlp::Swiglu } else { Mlp::Gelu },
-            norm: if llama {
-                Norm::Rmsnorm
-            } else {
-                Norm::Layernorm
-            },
-            positions: if llama {
-                Positions::Rope
-            } else {
-                Positions::Learned
-            },
-            vocab: u("vocab"),
-            max_positions: u("max_pos"),
-            tie_embeddings: c["tie_embeddings"].as_bool().unwrap(),
-            experts: 1,
-            experts_per_token: 1,
-            dropout: c["dropout"].as_f64().unwrap_or(0.0),
-        },
-        adapter,
-        hardware: HardwareSpec {
-            gpu: GpuSpec {
-                name: "h100-80gb".into(),
-                memory_bytes: 85_017_493_504,
-                bf16_tflops: 989.0,
-                bandwidth_bytes_per_s: 3.35e12,
-            },
-            gpus_per_node: 1,
-            nodes: 1,
-            host_memory_bytes: None,
-            nvme_bytes: None,
-            intra_node_bytes_per_s: 900e9,
-            inter_node_bytes_per_s: 50e9,
-        },
-        precision: PrecisionSpec {
-            params: wd,
-            compute,
-            master: None,
-            grads: wd,
-        },
-        optimizer: OptimizerSpec {
-            kind,
-            lr: 1e-4,
-            betas: (0.9, 0.999),
-            momentum,
-            weight_decay: 0.0,
-            state: Dtype::Fp32,
-            implementation,
-        },
-        train: TrainSpec {
-            seq_len: u("seq"),
-            global_batch: mb * ga,
-            micro_batch: Choice::Fixed(mb),
-            grad_accum: Choice::Fixed(ga),
-            steps: None,
-            attention: if c["attn"] == "eager" {
-                Attention::Eager
-            } else {
-                Attention::Sdpa
-            },
-            loss: match c["loss"].as_str().unwrap() {
-                "lm" => Loss::CausalLm,
-                "mlm" => Loss::MaskedLm,
-                _ => Loss::Contrastive,
-            },
-            positives: 0,
-            negatives: 0,
-        },
-        parallel: ParallelSpec {
-            data: Choice::Fixed(1),
-            zero: Choice::Fixed(0),
-            tensor: Choice::Fixed(1),
-            pipeline: Choice::Fixed(1),
-            sequence: Choice::Fixed(false),
-            context: Choice::Fixed(1),
-            expert: Choice::Fixed(1),
-        },
-        fit: FitSpec {
-            budget: Budget::Fraction(1.0),
-            reserve: None,
-            checkpoint,
-            offload: vec![],
-            objective: Objective::Throughput,
-        },
-        target: Target::Pytorch,
-    }
+    let family = if llama {
+        SpecBuilder::new()
+    } else {
+        SpecBuilder::new().encoder()
+    };
+    family
+        .layers(u("layers"))
+        .hidden(hidden)
+        .heads(heads, u("kv_heads"))
+        .head_dim(hidden / heads)
+        .ffn(u("intermediate"))
+        .vocab(u("vocab"))
+        .max_positions(u("max_pos"))
+        .tie_embeddings(c["tie_embeddings"].as_bool().unwrap())
+        .dropout(c["dropout"].as_f64().unwrap_or(0.0))
+        .adapter(adapter)
+        .gpu_tflops(989.0)
+        .precision(wd, compute, None)
+        .optimizer(kind)
+        .optimizer_impl(implementation)
+        .momentum(momentum)
+        .betas(0.9, 0.999)
+        .seq_len(u("seq"))
+        .global_batch(mb * ga)
+        .micro_batch(Choice::Fixed(mb))
+        .grad_accum(Choice::Fixed(ga))
+        .attention(if c["attn"] == "eager" {
+            Attention::Eager
+        } else {
+            Attention::Sdpa
+        })
+        .loss(match c["loss"].as_str().unwrap() {
+            "lm" => Loss::CausalLm,
+            "mlm" => Loss::MaskedLm,
+            _ => Loss::Contrastive,
+        })
+        .checkpoint(checkpoint)
+        .build()
 }
 
 fn candidate(spec: &Spec) -> Candidate {

@@ -7,88 +7,16 @@ use rcoa_compiler::graph::{Node, TrainGraph};
 use rcoa_compiler::memory::{evaluate, Candidate, Category};
 use rcoa_compiler::profile::Profile;
 use rcoa_compiler::spec::*;
+use rcoa_compiler::testing::SpecBuilder;
 use rcoa_compiler::{compile, CompileError};
 
 fn spec(layers: u64, gpus: u64) -> Spec {
-    Spec {
-        model: ModelSpec {
-            name: "custom".into(),
-            arch: Arch::Decoder,
-            layers,
-            hidden: 1024,
-            heads: 16,
-            kv_heads: 8,
-            head_dim: 64,
-            ffn: 2816,
-            mlp: Mlp::Swiglu,
-            norm: Norm::Rmsnorm,
-            positions: Positions::Rope,
-            vocab: 32000,
-            max_positions: 2048,
-            tie_embeddings: false,
-            experts: 1,
-            experts_per_token: 1,
-            dropout: 0.0,
-        },
-        adapter: None,
-        hardware: HardwareSpec {
-            gpu: GpuSpec {
-                name: "h100-80gb".into(),
-                memory_bytes: 85_017_493_504,
-                bf16_tflops: 989.4,
-                bandwidth_bytes_per_s: 3.35e12,
-            },
-            gpus_per_node: gpus,
-            nodes: 1,
-            host_memory_bytes: None,
-            nvme_bytes: None,
-            intra_node_bytes_per_s: 900e9,
-            inter_node_bytes_per_s: 50e9,
-        },
-        precision: PrecisionSpec {
-            params: Dtype::Fp32,
-            compute: Dtype::Bf16,
-            master: None,
-            grads: Dtype::Fp32,
-        },
-        optimizer: OptimizerSpec {
-            kind: OptimizerKind::Adamw,
-            lr: 1e-4,
-            betas: (0.9, 0.95),
-            momentum: 0.0,
-            weight_decay: 0.0,
-            state: Dtype::Fp32,
-            implementation: OptImpl::Foreach,
-        },
-        train: TrainSpec {
-            seq_len: 1024,
-            global_batch: 8 * gpus,
-            micro_batch: Choice::Fixed(8),
-            grad_accum: Choice::Fixed(1),
-            steps: None,
-            attention: Attention::Sdpa,
-            loss: Loss::CausalLm,
-            positives: 0,
-            negatives: 0,
-        },
-        parallel: ParallelSpec {
-            data: Choice::Fixed(gpus),
-            zero: Choice::Fixed(0),
-            tensor: Choice::Fixed(1),
-            pipeline: Choice::Fixed(1),
-            sequence: Choice::Fixed(false),
-            context: Choice::Fixed(1),
-            expert: Choice::Fixed(1),
-        },
-        fit: FitSpec {
-            budget: Budget::Fraction(1.0),
-            reserve: None,
-            checkpoint: CheckpointChoice::None,
-            offload: vec![],
-            objective: Objective::Throughput,
-        },
-        target: Target::Pytorch,
-    }
+    SpecBuilder::new()
+        .layers(layers)
+        .nodes(1, gpus)
+        .global_batch(8 * gpus)
+        .data(Choice::Fixed(gpus))
+        .build()
 }
 
 fn cand(data: u64) -> Candidate {
@@ -204,14 +132,11 @@ fn tensor_parallelism_divides_layer_weights() {
 
 #[test]
 fn burn_profile_keeps_attention_scores() {
-    let mut s = spec(4, 1);
-    s.target = Target::Burn;
-    s.precision = PrecisionSpec {
-        params: Dtype::Bf16,
-        compute: Dtype::Bf16,
-        master: None,
-        grads: Dtype::Bf16,
-    };
+    let s = SpecBuilder::new()
+        .layers(4)
+        .target(Target::Burn)
+        .precision(Dtype::Bf16, Dtype::Bf16, None)
+        .build();
     let burn = TrainGraph::build(&s, &cand(1), &Profile::burn()).summary();
     let torch = TrainGraph::build(&s, &cand(1), &Profile::pytorch()).summary();
     // 8 x 16 heads x 1024 x 1024 bf16 scores: 268 MB a layer that SDPA never keeps.

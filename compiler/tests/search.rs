@@ -12,88 +12,34 @@ use rcoa_compiler::passes::{self, Plan};
 use rcoa_compiler::profile::Profile;
 use rcoa_compiler::search::{exhaustive, search};
 use rcoa_compiler::spec::*;
+use rcoa_compiler::testing::SpecBuilder;
 
 /// A small decoder on `gpus` GPUs (4 per node) with every parallel setting `auto`.
 fn spec(layers: u64, gpus: u64, budget_gib: f64) -> Spec {
-    Spec {
-        model: ModelSpec {
-            name: "custom".into(),
-            arch: Arch::Decoder,
-            layers,
-            hidden: 512,
-            heads: 8,
-            kv_heads: 4,
-            head_dim: 64,
-            ffn: 1408,
-            mlp: Mlp::Swiglu,
-            norm: Norm::Rmsnorm,
-            positions: Positions::Rope,
-            vocab: 8000,
-            max_positions: 2048,
-            tie_embeddings: false,
-            experts: 1,
-            experts_per_token: 1,
-            dropout: 0.0,
-        },
-        adapter: None,
-        hardware: HardwareSpec {
-            gpu: GpuSpec {
-                name: "custom".into(),
-                memory_bytes: 80 << 30,
-                bf16_tflops: 989.4,
-                bandwidth_bytes_per_s: 3.35e12,
-            },
-            gpus_per_node: gpus.min(4),
-            nodes: gpus.div_ceil(4),
-            host_memory_bytes: Some(64 << 30),
-            nvme_bytes: None,
-            intra_node_bytes_per_s: 900e9,
-            inter_node_bytes_per_s: 50e9,
-        },
-        precision: PrecisionSpec {
-            params: Dtype::Bf16,
-            compute: Dtype::Bf16,
-            master: Some(Dtype::Fp32),
-            grads: Dtype::Bf16,
-        },
-        optimizer: OptimizerSpec {
-            kind: OptimizerKind::Adamw,
-            lr: 1e-4,
-            betas: (0.9, 0.95),
-            momentum: 0.0,
-            weight_decay: 0.0,
-            state: Dtype::Fp32,
-            implementation: OptImpl::Fused,
-        },
-        train: TrainSpec {
-            seq_len: 1024,
-            global_batch: 16,
-            micro_batch: Choice::Auto,
-            grad_accum: Choice::Auto,
-            steps: None,
-            attention: Attention::Sdpa,
-            loss: Loss::CausalLm,
-            positives: 0,
-            negatives: 0,
-        },
-        parallel: ParallelSpec {
-            data: Choice::Auto,
-            zero: Choice::Auto,
-            tensor: Choice::Auto,
-            pipeline: Choice::Auto,
-            sequence: Choice::Auto,
-            context: Choice::Fixed(1),
-            expert: Choice::Fixed(1),
-        },
-        fit: FitSpec {
-            budget: Budget::Bytes((budget_gib * (1u64 << 30) as f64) as u64),
-            reserve: Some(256 << 20),
-            checkpoint: CheckpointChoice::Auto,
-            offload: vec![],
-            objective: Objective::Throughput,
-        },
-        target: Target::Pytorch,
-    }
+    SpecBuilder::new()
+        .layers(layers)
+        .hidden(512)
+        .heads(8, 4)
+        .ffn(1408)
+        .vocab(8000)
+        .gpu_name("custom")
+        .gpu_memory(80 << 30)
+        .nodes(gpus.div_ceil(4), gpus.min(4))
+        .host_memory(Some(64 << 30))
+        .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+        .optimizer_impl(OptImpl::Fused)
+        .global_batch(16)
+        .micro_batch(Choice::Auto)
+        .grad_accum(Choice::Auto)
+        .data(Choice::Auto)
+        .zero(Choice::Auto)
+        .tensor(Choice::Auto)
+        .pipeline(Choice::Auto)
+        .sequence(Choice::Auto)
+        .budget(Budget::Bytes((budget_gib * (1u64 << 30) as f64) as u64))
+        .reserve(Some(256 << 20))
+        .checkpoint(CheckpointChoice::Auto)
+        .build()
 }
 
 fn space(s: &Spec) -> (Plan, Profile) {

@@ -10,6 +10,7 @@
 
 use crate::lowered::{LoweredPlan, Prediction, Resolved};
 use crate::spec::*;
+use crate::testing::SpecBuilder;
 use std::collections::BTreeMap;
 
 /// Builds a [`LoweredPlan`] one decision at a time.
@@ -33,85 +34,33 @@ impl PlanBuilder {
     /// Llama 3.1 8B, 1 node x 8 h100-80gb, bf16 (fp32 master), AdamW, seq 4096,
     /// global batch 256, micro-batch 4, ZeRO-3, no checkpointing, no offload.
     pub fn llama_8b() -> Self {
-        let spec = Spec {
-            model: ModelSpec {
-                name: "llama-3.1-8b".into(),
-                arch: Arch::Decoder,
-                layers: 32,
-                hidden: 4096,
-                heads: 32,
-                kv_heads: 8,
-                head_dim: 128,
-                ffn: 14336,
-                mlp: Mlp::Swiglu,
-                norm: Norm::Rmsnorm,
-                positions: Positions::Rope,
-                vocab: 128_256,
-                max_positions: 131_072,
-                tie_embeddings: false,
-                experts: 1,
-                experts_per_token: 1,
-                dropout: 0.0,
-            },
-            adapter: None,
-            hardware: HardwareSpec {
-                gpu: GpuSpec {
-                    name: "h100-80gb".into(),
-                    memory_bytes: 80 * 1_000_000_000,
-                    bf16_tflops: 989.0,
-                    bandwidth_bytes_per_s: 3.35e12,
-                },
-                gpus_per_node: 8,
-                nodes: 1,
-                host_memory_bytes: Some(2_000_000_000_000),
-                nvme_bytes: None,
-                intra_node_bytes_per_s: 900e9,
-                inter_node_bytes_per_s: 50e9,
-            },
-            precision: PrecisionSpec {
-                params: Dtype::Bf16,
-                compute: Dtype::Bf16,
-                master: Some(Dtype::Fp32),
-                grads: Dtype::Bf16,
-            },
-            optimizer: OptimizerSpec {
-                kind: OptimizerKind::Adamw,
-                lr: 2e-5,
-                betas: (0.9, 0.95),
-                momentum: 0.0,
-                weight_decay: 0.1,
-                state: Dtype::Fp32,
-                implementation: OptImpl::Fused,
-            },
-            train: TrainSpec {
-                seq_len: 4096,
-                global_batch: 256,
-                micro_batch: Choice::Auto,
-                grad_accum: Choice::Auto,
-                steps: Some(1000),
-                attention: Attention::Sdpa,
-                loss: Loss::CausalLm,
-                positives: 0,
-                negatives: 0,
-            },
-            parallel: ParallelSpec {
-                data: Choice::Auto,
-                zero: Choice::Auto,
-                tensor: Choice::Fixed(1),
-                pipeline: Choice::Fixed(1),
-                sequence: Choice::Fixed(false),
-                context: Choice::Fixed(1),
-                expert: Choice::Fixed(1),
-            },
-            fit: FitSpec {
-                budget: Budget::Fraction(0.95),
-                reserve: None,
-                checkpoint: CheckpointChoice::Auto,
-                offload: vec![],
-                objective: Objective::Throughput,
-            },
-            target: Target::Pytorch,
-        };
+        let spec = SpecBuilder::new()
+            .model_name("llama-3.1-8b")
+            .layers(32)
+            .hidden(4096)
+            .heads(32, 8)
+            .head_dim(128)
+            .ffn(14336)
+            .vocab(128_256)
+            .max_positions(131_072)
+            .gpu_memory(80 * 1_000_000_000)
+            .gpu_tflops(989.0)
+            .nodes(1, 8)
+            .host_memory(Some(2_000_000_000_000))
+            .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+            .lr(2e-5)
+            .weight_decay(0.1)
+            .optimizer_impl(OptImpl::Fused)
+            .seq_len(4096)
+            .global_batch(256)
+            .micro_batch(Choice::Auto)
+            .grad_accum(Choice::Auto)
+            .steps(Some(1000))
+            .data(Choice::Auto)
+            .zero(Choice::Auto)
+            .budget(Budget::Fraction(0.95))
+            .checkpoint(CheckpointChoice::Auto)
+            .build();
         PlanBuilder {
             spec,
             zero: 3,
