@@ -672,6 +672,12 @@ fn a_hung_rank_stops_the_others_at_the_collective_timeout() {
         "{stderr}"
     );
     assert!(stderr.contains("ranks: 2"), "{stderr}");
+    // A collective failure, exit 1, with the help that says what to look at.
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rcoa::collective") && stderr.contains("--collective-timeout"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
         took >= Duration::from_secs(4),
@@ -688,6 +694,7 @@ fn a_dead_rank_stops_the_others() {
     let (status, stderr, took) = two_ranks_then("dead", |c| c.kill().unwrap());
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("all-reduce of step"), "{stderr}");
+    assert!(stderr.contains("rcoa::collective"), "{stderr}");
     assert!(
         !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
         "{stderr}"

@@ -373,7 +373,7 @@ impl<I: Backend> Collective<I> {
     /// Mean of `t` over all ranks.
     pub fn mean<const D: usize>(&self, t: Tensor<I, D>) -> Result<Tensor<I, D>, RunError> {
         if self.broken.get() {
-            return Err(RunError::Backend(
+            return Err(RunError::Collective(
                 "an earlier collective call of this rank failed".into(),
             ));
         }
@@ -393,7 +393,7 @@ impl<I: Backend> Collective<I> {
         let what = format!("the all-reduce of step {step} (rank {})", self.peer.0);
         let fail = |s: String| {
             self.broken.set(true);
-            Err(RunError::Backend(s))
+            Err(RunError::Collective(s))
         };
         match reduced {
             Ok(Ok(t)) => Ok(Tensor::from_primitive(TensorPrimitive::Float(t))),

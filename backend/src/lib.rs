@@ -67,6 +67,12 @@ pub enum RunError {
     Backend(String),
     #[error("{0}")]
     #[diagnostic(
+        code(rcoa::collective),
+        help("look at the other ranks' output: one may have died or hung; if they were only slow (a cold kernel cache compiles for minutes in the first step), raise --collective-timeout")
+    )]
+    Collective(String),
+    #[error("{0}")]
+    #[diagnostic(
         code(rcoa::distributed),
         help("the plan's `data` must equal --nodes × --devices; one process with --devices N needs no orchestrator; over processes, start `rcoa orchestrate --port P` first, give every process the same --nodes, --devices and --orchestrator, distinct --node-rank and --node-address")
     )]

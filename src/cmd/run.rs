@@ -412,7 +412,9 @@ pub fn run(args: Args) -> ExitCode {
         Err(e) => {
             print_diagnostic(&e);
             match e {
-                RunError::Diverged { .. } | RunError::Backend(_) => ExitCode::from(1),
+                RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
+                    ExitCode::from(1)
+                }
                 _ => ExitCode::from(2),
             }
         }
