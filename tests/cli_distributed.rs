@@ -225,32 +225,36 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-/// Two processes of one rank each: (losses of rank 0, its checksum).
-fn two_processes(dir: &Path, plan: &Path, steps: &str) -> (Vec<f64>, f64) {
+/// `rcoa orchestrate` plus two `rcoa run PLAN` processes (`--nodes 2`, each
+/// with `extra` arguments) on loopback: the JSON lines of each, once both
+/// have exited successfully within `DEADLINE`.
+fn two_processes_lines(
+    dir: &Path,
+    plan: &Path,
+    steps: &str,
+    extra: &[&str],
+) -> Vec<Vec<serde_json::Value>> {
     let mut children = Children(Vec::new());
     let port = orchestrator(&mut children);
     let start = Instant::now();
     let mut runs = Vec::new();
-    for rank in 0..2 {
-        let node = format!("127.0.0.1:{}", free_port());
-        let args = strings(&[
-            "--steps",
-            steps,
-            "--format",
-            "json",
+    for node in 0..2 {
+        let mut args = strings(&["--steps", steps, "--format", "json"]);
+        args.extend(strings(extra));
+        args.extend(strings(&[
             "--nodes",
             "2",
             "--node-rank",
-            &rank.to_string(),
+            &node.to_string(),
             "--orchestrator",
             &format!("127.0.0.1:{port}"),
             "--node-address",
-            &node,
-        ]);
+            &format!("127.0.0.1:{}", free_port()),
+        ]));
         runs.push(spawn_run(
             &mut children,
             dir,
-            &format!("r{rank}"),
+            &format!("n{node}"),
             plan,
             &args,
         ));
@@ -261,12 +265,16 @@ fn two_processes(dir: &Path, plan: &Path, steps: &str) -> (Vec<f64>, f64) {
     for (i, s) in status.iter().enumerate() {
         assert!(
             s.success(),
-            "rank {i} failed: {}",
+            "process {i} failed: {}",
             std::fs::read_to_string(&runs[i].2).unwrap_or_default()
         );
     }
+    runs.iter().map(|r| json_lines(&r.1)).collect()
+}
 
-    let ranks: Vec<Vec<serde_json::Value>> = runs.iter().map(|r| json_lines(&r.1)).collect();
+/// Two processes of one rank each: (losses of rank 0, its checksum).
+fn two_processes(dir: &Path, plan: &Path, steps: &str) -> (Vec<f64>, f64) {
+    let ranks = two_processes_lines(dir, plan, steps, &[]);
     for (r, lines) in ranks.iter().enumerate() {
         assert!(
             lines.iter().all(|v| v["rank"] == r),
@@ -369,46 +377,7 @@ fn two_processes_of_two_devices_match_one_process() {
     let plan = dir.join("tiny-4ranks.plan");
     std::fs::write(&plan, FOUR_RANKS).unwrap();
     let steps = "5";
-    let mut children = Children(Vec::new());
-    let port = orchestrator(&mut children);
-    let start = Instant::now();
-    let mut runs = Vec::new();
-    for node in 0..2 {
-        let args = strings(&[
-            "--steps",
-            steps,
-            "--format",
-            "json",
-            "--devices",
-            "2",
-            "--nodes",
-            "2",
-            "--node-rank",
-            &node.to_string(),
-            "--orchestrator",
-            &format!("127.0.0.1:{port}"),
-            "--node-address",
-            &format!("127.0.0.1:{}", free_port()),
-        ]);
-        runs.push(spawn_run(
-            &mut children,
-            &dir,
-            &format!("n{node}"),
-            &plan,
-            &args,
-        ));
-    }
-    let which: Vec<usize> = runs.iter().map(|r| r.0).collect();
-    let errs: Vec<&Path> = runs.iter().map(|r| r.2.as_path()).collect();
-    let status = wait_all(&mut children, &which, start, DEADLINE, &errs);
-    for (i, s) in status.iter().enumerate() {
-        assert!(
-            s.success(),
-            "node {i} failed: {}",
-            std::fs::read_to_string(&runs[i].2).unwrap_or_default()
-        );
-    }
-    let nodes: Vec<Vec<serde_json::Value>> = runs.iter().map(|r| json_lines(&r.1)).collect();
+    let nodes = two_processes_lines(&dir, &plan, steps, &["--devices", "2"]);
     // Each process reports its local rank 0: global ranks 0 and 2.
     for (n, lines) in nodes.iter().enumerate() {
         assert!(
@@ -425,7 +394,6 @@ fn two_processes_of_two_devices_match_one_process() {
     );
     let (one, _) = one_process(&dir, steps);
     assert_same_curve("2 nodes × 2 devices × 1 vs 1 × 4", &l0, &one);
-    drop(children);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
