@@ -11,30 +11,9 @@
 //!   invalid UTF-8, a missing file, a directory without plans).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// `rcoa ARGS...` run from the workspace root (so paths in output are relative).
-fn rcoa(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rcoa"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run rcoa")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn assert_no_panic(out: &Output) {
-    let err = text(&out.stderr);
-    assert!(!err.contains("panicked"), "rcoa panicked:\n{err}");
-    assert!(!err.contains("RUST_BACKTRACE"), "rcoa panicked:\n{err}");
-}
+mod common;
+use common::{assert_no_panic, rcoa, root, text};
 
 /// A fresh scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {

@@ -9,28 +9,9 @@
 //! - exit status 0 fits, 1 does not fit (JSON still printed), 2 bad or unsupported plan.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn rcoa(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rcoa"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run rcoa")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn assert_no_panic(out: &Output) {
-    let err = text(&out.stderr);
-    assert!(!err.contains("panicked"), "rcoa panicked:\n{err}");
-}
+mod common;
+use common::{assert_no_panic, rcoa, root, text};
 
 fn plans() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(root().join("tests/compile"))
