@@ -100,6 +100,11 @@ pub struct Ctx<B: Backend> {
     /// large negative number above the diagonal (future positions). Added
     /// rather than `mask_fill`ed so the backward keeps no `[b, h, s, s]` mask.
     pub bias: Option<Tensor<B, 4>>,
+    /// `[b, 1, 1, seq]` additive key-padding mask in the compute dtype for
+    /// the current batch: 0 for real tokens, a large negative number for
+    /// padding, so no query attends to a pad. `None`: every token is real
+    /// (packed sequences). Set per batch with [`Ctx::with_padding`].
+    pub padding: Option<Tensor<B, 4>>,
 }
 
 impl<B: Backend> Ctx<B> {
@@ -151,7 +156,25 @@ impl<B: Backend> Ctx<B> {
             train: true,
             rope,
             bias,
+            padding: None,
         }
+    }
+
+    /// This context for one batch of `rows` sequences of `seq` tokens whose
+    /// real tokens are `keep[row * seq + pos]` (attention-mask order, as
+    /// Hugging Face's `attention_mask`). All-true masks give no padding bias.
+    pub fn with_padding(&self, keep: &[bool], rows: usize, seq: usize, device: &B::Device) -> Self {
+        assert_eq!(keep.len(), rows * seq, "one mask entry per token");
+        let mut ctx = self.clone();
+        ctx.padding = keep.iter().any(|k| !k).then(|| {
+            let bias: Vec<f32> = keep
+                .iter()
+                .map(|&k| if k { 0.0 } else { MASK_VALUE as f32 })
+                .collect();
+            let t = Tensor::<B, 1>::from_floats(bias.as_slice(), device).reshape([rows, 1, 1, seq]);
+            to_dtype(t, self.compute)
+        });
+        ctx
     }
 }
 
@@ -364,6 +387,9 @@ impl<B: ExecBackend> Attention<B> {
             .matmul(k.swap_dims(2, 3));
         if let Some(bias) = &ctx.bias {
             scores = scores + bias.clone();
+        }
+        if let Some(pad) = &ctx.padding {
+            scores = scores + pad.clone();
         }
         let probs = softmax_last(scores);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);

@@ -268,3 +268,54 @@ fn lowered_plans_round_trip_through_json() {
     let back: LoweredPlan = serde_json::from_str(&text).unwrap();
     assert_eq!(back, p);
 }
+
+/// A padded sequence's real tokens see exactly what they see unpadded: the
+/// key-padding bias hides the pads (whatever their ids) from every query.
+#[test]
+fn padding_hides_pad_tokens_from_real_tokens() {
+    use crate::model::{Ctx, Model, ModelInit};
+    use burn::tensor::{Int, Tensor, TensorData};
+    type Inner = burn::backend::NdArray<f32>;
+    let _serial = serial();
+    let plan = tiny_encoder_plan(rcoa_compiler::spec::Loss::Contrastive);
+    let device = Default::default();
+    let init = ModelInit {
+        model: &plan.model,
+        adapter: None,
+        lm_head: false,
+        dtype: burn::tensor::FloatDType::F32,
+    };
+    let model = Model::<Inner>::new(&init, &device);
+    let mut ctx = Ctx::<Inner>::new(&plan.model, None, 5, burn::tensor::FloatDType::F32, &device);
+    ctx.train = false;
+    let real = [3i64, 7, 9];
+    let tokens = |ids: &[i64]| {
+        Tensor::<Inner, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), &device)
+    };
+    let alone = model
+        .hidden(tokens(&real), &ctx)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let keep = [true, true, true, false, false];
+    let padded_ctx = ctx.with_padding(&keep, 1, 5, &device);
+    let padded = model
+        .hidden(tokens(&[3, 7, 9, 1, 30]), &padded_ctx)
+        .narrow(1, 0, 3)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let worst = alone
+        .iter()
+        .zip(&padded)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-5, "padded real tokens differ by {worst}");
+    // Without the mask the pads leak into the real tokens.
+    let leaked = model
+        .hidden(tokens(&[3, 7, 9, 1, 30]), &ctx)
+        .narrow(1, 0, 3)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert!(alone.iter().zip(&leaked).any(|(a, b)| (a - b).abs() > 1e-4));
+}
