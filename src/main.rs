@@ -36,9 +36,12 @@ enum Command {
     Orchestrate(cmd::orchestrate::Args),
     /// Write the compiled plan as DeepSpeed, torchrun, Slurm or Accelerate configuration.
     Emit(cmd::emit::Args),
+    /// Score the memory model against measured runs (JSON lines, as in tests/groundtruth/).
+    Validate(cmd::validate::Args),
 }
 
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     match cli.command {
         Command::Check(a) => cmd::check::run(a),
@@ -48,5 +51,20 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::run(a),
         Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),
+        Command::Validate(a) => cmd::validate::run(a),
+    }
+}
+
+/// `rcoa check plans/*.plan | head -1` must end quietly, as `cat` or `grep`
+/// do, not panic in `println!` with "Broken pipe". Rust ignores SIGPIPE so
+/// that writes return an error; put back the default (end the process) for
+/// the pipes. Sockets are unaffected: Rust's and tokio's socket writes pass
+/// `MSG_NOSIGNAL`, so a dead peer of `rcoa run --nodes` is still an error.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in `main`, before any thread starts; only
+    // resets one signal's disposition to its default.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

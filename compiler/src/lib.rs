@@ -18,6 +18,7 @@ pub mod resolve;
 pub mod scale;
 pub mod search;
 pub mod spec;
+pub mod validate;
 /// Test support: a builder of [`spec::Spec`]s for the compiler's tests. Not for production use.
 #[doc(hidden)]
 pub mod testing;

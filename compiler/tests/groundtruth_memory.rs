@@ -1,7 +1,7 @@
 //! Drives the memory model from the measured ground truth without the front end:
-//! each row of `../shared/groundtruth/h100-pytorch.jsonl` becomes a `Spec` the way
-//! `../shared/tools/accuracy.py` writes its `.plan` file, and the predicted peak is
-//! compared with the measured one. Skips cleanly when `../shared` is absent.
+//! each row of `tests/groundtruth/h100-pytorch.jsonl` becomes a `Spec` the way
+//! `rcoa validate` writes its `.plan` file (`rcoa_compiler::validate::plan_text`),
+//! and the predicted peak is compared with the measured one.
 //! `RCOA_GT_VERBOSE=1 cargo test -p rcoa-compiler --test groundtruth_memory -- --nocapture`
 //! prints every row (with the predicted/measured forward end, forward peak and backward
 //! peak of step 2); `RCOA_GT_ROW=<name>` adds that row's breakdown and timeline.
@@ -13,10 +13,8 @@ use rcoa_compiler::testing::SpecBuilder;
 use serde_json::Value;
 use std::path::PathBuf;
 
-fn data_path() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/groundtruth/h100-pytorch.jsonl");
-    p.exists().then_some(p)
+fn data_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/groundtruth/h100-pytorch.jsonl")
 }
 
 fn proj(name: &str) -> Vec<Proj> {
@@ -146,10 +144,7 @@ fn candidate(spec: &Spec) -> Candidate {
 
 #[test]
 fn pytorch_profile_tracks_groundtruth() {
-    let Some(path) = data_path() else {
-        eprintln!("skipping: ../shared/groundtruth not present");
-        return;
-    };
+    let path = data_path();
     let verbose = std::env::var("RCOA_GT_VERBOSE").is_ok();
     let profile = Profile::pytorch();
     let mut errs = Vec::new();
