@@ -33,7 +33,12 @@ fn memory_model_meets_the_accuracy_bar() {
     );
     let last = stdout.lines().last().unwrap_or_default();
     assert!(last.starts_with("accuracy: "), "{last}");
-    let pct = |name: &str| field(last, name).trim_end_matches('%').parse::<f64>().unwrap();
+    let pct = |name: &str| {
+        field(last, name)
+            .trim_end_matches('%')
+            .parse::<f64>()
+            .unwrap()
+    };
     assert!(pct("median_abs_err") <= 3.0, "{last}");
     assert!(pct("max_abs_err") <= 12.0, "{last}");
     let (ok, n) = ratio(last, "oom_correct");
@@ -67,7 +72,10 @@ fn first_rows(n: usize) -> Vec<String> {
 fn json_rows_and_oom_rows() {
     let all = std::fs::read_to_string(common::root().join("tests/groundtruth/h100-pytorch.jsonl"))
         .unwrap();
-    let oom: Vec<&str> = all.lines().filter(|l| l.contains("\"oom\": true")).collect();
+    let oom: Vec<&str> = all
+        .lines()
+        .filter(|l| l.contains("\"oom\": true"))
+        .collect();
     let p = scratch("oom.jsonl", &oom.join("\n"));
     let out = rcoa(&["validate", p.to_str().unwrap(), "--format", "json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -127,8 +135,14 @@ fn a_configuration_that_cannot_compile_is_a_failure_not_a_crash() {
     assert_no_panic(&out);
     assert_eq!(out.status.code(), Some(1));
     let stdout = text(&out.stdout);
-    assert!(stdout.contains("FAILED unknown optimizer `lamb`"), "{stdout}");
-    assert!(stdout.lines().last().unwrap().contains("failures=1"), "{stdout}");
+    assert!(
+        stdout.contains("FAILED unknown optimizer `lamb`"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().last().unwrap().contains("failures=1"),
+        "{stdout}"
+    );
     // --keep writes the plans it could generate, for a user to read.
     let kept = std::fs::read_to_string(dir.join("llama125m_base.plan")).unwrap();
     assert!(kept.contains("target pytorch"), "{kept}");

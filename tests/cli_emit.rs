@@ -479,6 +479,31 @@ fn a_plan_file_is_compiled_and_emitted_for_every_target() {
     }
 }
 
+/// A plan without a `target` line predicts rcoa's Burn executor; emitted for
+/// a PyTorch engine it is judged by that engine's profile: the guide's 8B
+/// ZeRO-3 setup on 4 × A100-40GB with fused AdamW fits and is written.
+#[test]
+fn a_plan_is_judged_by_the_profile_of_the_engine_it_is_emitted_for() {
+    let dir = scratch("engine-profile");
+    let source = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/llama-3.1-8b-full-4xa100-40gb.plan"),
+    )
+    .unwrap();
+    assert!(source.contains("target pytorch"));
+    let burn = source.replace("target pytorch", "");
+    std::fs::write(dir.join("burn.plan"), &burn).unwrap();
+    let out = rcoa()
+        .args(["emit", "burn.plan", "--target", "deepspeed"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("compiled with the `pytorch` profile"), "{err}");
+    let ds: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ds["zero_optimization"]["stage"], 3);
+}
+
 #[test]
 fn a_refusal_points_at_the_setting_in_the_plan() {
     // Run from the repository with a relative path, so the diagnostic names the file as a user would.

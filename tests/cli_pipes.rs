@@ -39,14 +39,34 @@ fn into_closed_pipe(args: &[&str]) {
 #[test]
 fn every_command_ends_quietly_into_a_closed_pipe() {
     for args in [
-        &["check", "plans/tiny-cpu.plan", "plans/llama-3.1-8b-full-1xh100.plan"][..],
-        &["compile", "plans/llama-3.1-8b-full-4xa100-40gb.plan", "--explain"],
+        &[
+            "check",
+            "plans/tiny-cpu.plan",
+            "plans/llama-3.1-8b-full-1xh100.plan",
+        ][..],
+        &[
+            "compile",
+            "plans/llama-3.1-8b-full-4xa100-40gb.plan",
+            "--explain",
+        ],
         &["compile", "plans/tiny-cpu.plan", "--format", "json"],
         &["catalog", "models"],
         &["fmt", "plans/tiny-cpu.plan"],
-        &["emit", "plans/llama-3.1-70b-zero3-8x80gb.plan", "--target", "deepspeed"],
+        &[
+            "emit",
+            "plans/llama-3.1-70b-zero3-8x80gb.plan",
+            "--target",
+            "deepspeed",
+        ],
         &["validate", "tests/groundtruth/h100-pytorch.jsonl"],
-        &["run", "plans/tiny-cpu.plan", "--steps", "2", "--format", "json"],
+        &[
+            "run",
+            "plans/tiny-cpu.plan",
+            "--steps",
+            "2",
+            "--format",
+            "json",
+        ],
         &["--help"],
     ] {
         into_closed_pipe(args);

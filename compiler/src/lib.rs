@@ -18,9 +18,9 @@ pub mod resolve;
 pub mod scale;
 pub mod search;
 pub mod spec;
-pub mod validate;
 /// Test support: a builder of [`spec::Spec`]s for the compiler's tests. Not for production use.
 #[doc(hidden)]
 pub mod testing;
+pub mod validate;
 
 pub use compile::{compile, Compilation, CompileError};

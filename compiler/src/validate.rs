@@ -393,8 +393,7 @@ mod tests {
         assert!(e.message.contains("record"), "{e}");
         let e = parse_rows("{\"record\": \"config\", \"config\": {\"name\": \"x\"}}").unwrap_err();
         assert!(e.message.contains("not a measured configuration"), "{e}");
-        let e =
-            parse_rows(&LLAMA.replace(", \"peak_train_B\": 100000000", "")).unwrap_err();
+        let e = parse_rows(&LLAMA.replace(", \"peak_train_B\": 100000000", "")).unwrap_err();
         assert!(e.message.contains("peak_train_B"), "{e}");
     }
 

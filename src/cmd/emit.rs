@@ -2,9 +2,12 @@
 //! the compiled decisions of a plan written as the configuration a cluster
 //! engine reads.
 //!
-//! PLAN is a `.plan` file (loaded, resolved and compiled like `rcoa compile`)
-//! or a lowered plan saved as JSON (`*.json`, the `LoweredPlan` serde form),
-//! so a plan compiled once can be emitted for several engines. Without `-o`
+//! PLAN is a `.plan` file (loaded, resolved and compiled like `rcoa compile`,
+//! but under the profile of the engine the files launch: every `--target`
+//! here launches PyTorch, so a `.plan` is compiled as `target pytorch`
+//! whatever its `target` line says) or a lowered plan saved as JSON
+//! (`*.json`, the `LoweredPlan` serde form, emitted as it was compiled), so a
+//! plan compiled once can be emitted for several engines. Without `-o`
 //! the files go to stdout (a `==> NAME <==` header before each when there
 //! are several); with `-o DIR` each is written atomically (a temporary file
 //! in DIR, then a rename) and the written paths are printed. Notes — what the
@@ -150,9 +153,20 @@ fn load(path: &Path) -> Result<Loaded, ExitCode> {
 }
 
 /// `.plan` → LoweredPlan: loaded like every subcommand does ([`load_spec`]),
-/// then compiled; diagnostics go to stderr and a bad plan exits 2.
+/// then compiled under the PyTorch engines' profile (the plan's own `target`
+/// may be `burn`, the default, which predicts rcoa's executor: a verdict for
+/// the wrong engine would refuse plans DeepSpeed runs, or pass plans it
+/// cannot); diagnostics go to stderr and a bad plan exits 2.
 fn compile_plan(path: &Path) -> Result<Loaded, ExitCode> {
-    let loaded = load_spec(path)?;
+    let mut loaded = load_spec(path)?;
+    if loaded.spec.target != rcoa_compiler::spec::Target::Pytorch {
+        eprintln!(
+            "note: {} is compiled with the `pytorch` profile for the engine these files launch (its `target` is {})",
+            path.display(),
+            format!("{:?}", loaded.spec.target).to_lowercase()
+        );
+        loaded.spec.target = rcoa_compiler::spec::Target::Pytorch;
+    }
     let compilation = rcoa_compiler::compile(&loaded.spec).map_err(|e| {
         eprint!("{}", render(&e));
         ExitCode::from(BAD_PLAN)

@@ -50,12 +50,17 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     if rows.is_empty() {
-        eprintln!("error: `{name}` holds no measured configurations (no `\"record\": \"config\"` line)");
+        eprintln!(
+            "error: `{name}` holds no measured configurations (no `\"record\": \"config\"` line)"
+        );
         return ExitCode::from(2);
     }
     if let Some(dir) = &args.keep {
         if let Err(e) = keep_plans(dir, &rows) {
-            eprintln!("error: cannot write the plans into `{}`: {e}", dir.display());
+            eprintln!(
+                "error: cannot write the plans into `{}`: {e}",
+                dir.display()
+            );
             return ExitCode::from(2);
         }
     }
