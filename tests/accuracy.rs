@@ -121,10 +121,13 @@ fn an_empty_or_missing_file_is_a_clear_error() {
 
 #[test]
 fn a_configuration_that_cannot_compile_is_a_failure_not_a_crash() {
-    let rows = first_rows(2);
+    let rows = first_rows(3);
     let broken = rows[1].replace("\"optimizer\": \"adamw\"", "\"optimizer\": \"lamb\"");
-    assert_ne!(broken, rows[1], "the second row uses adamw");
-    let p = scratch("fail.jsonl", &format!("{}\n{broken}\n", rows[0]));
+    assert_ne!(broken, rows[1], "the first configuration uses adamw");
+    let p = scratch(
+        "fail.jsonl",
+        &format!("{}\n{broken}\n{}\n", rows[0], rows[2]),
+    );
     let dir = std::env::temp_dir().join(format!("rcoa-validate-keep-{}", std::process::id()));
     let out = rcoa(&[
         "validate",
@@ -144,6 +147,8 @@ fn a_configuration_that_cannot_compile_is_a_failure_not_a_crash() {
         "{stdout}"
     );
     // --keep writes the plans it could generate, for a user to read.
-    let kept = std::fs::read_to_string(dir.join("llama125m_base.plan")).unwrap();
+    let second: serde_json::Value = serde_json::from_str(&rows[2]).unwrap();
+    let name = second["config"]["name"].as_str().unwrap();
+    let kept = std::fs::read_to_string(dir.join(format!("{name}.plan"))).unwrap();
     assert!(kept.contains("target pytorch"), "{kept}");
 }

@@ -40,6 +40,9 @@ pub struct Spec {
     pub parallel: ParallelSpec,
     pub fit: FitSpec,
     pub target: Target,
+    /// Values the plan left out that resolve filled in from other values
+    /// (`model.mlp = swiglu`, why), for `--explain`.
+    pub defaults: Vec<(String, String)>,
 }
 
 impl Spec {

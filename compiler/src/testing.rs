@@ -118,6 +118,7 @@ impl SpecBuilder {
                 objective: Objective::Throughput,
             },
             target: Target::Pytorch,
+            defaults: Vec::new(),
         };
         SpecBuilder { spec }
     }

@@ -63,6 +63,13 @@ pub struct Rejected {
 
 /// The settings the plan fixed, and what the runtime profile makes of them.
 pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
+    for (what, why) in &spec.defaults {
+        log.push(Decision::new(
+            "default",
+            what.clone(),
+            format!("{why}; write the key in the plan to change it"),
+        ));
+    }
     let p = &spec.precision;
     let autocast = profile.autocast && p.is_autocast();
     log.push(Decision::new(

@@ -136,6 +136,20 @@ pub fn resolve_with_spans(
         Some(s) => train::resolve(&mut cx, s, model.as_ref().map(|m| m.arch)),
         None => missing(&mut cx, &misspelt, "train"),
     };
+    // An explicit model block without `max_positions` (0 from `model::resolve`)
+    // has as many positions as the plan trains on.
+    let model = model.map(|mut m| {
+        if m.max_positions == 0 {
+            if let Some(t) = &train {
+                m.max_positions = t.seq_len;
+                cx.defaults.push((
+                    format!("model.max_positions = {}", t.seq_len),
+                    "train.seq_len, the longest sequence the plan trains on".into(),
+                ));
+            }
+        }
+        m
+    });
     let parallel = match get("parallel") {
         Some(s) => parallel::resolve(&mut cx, s),
         None => Some(parallel::default()),
@@ -189,6 +203,7 @@ pub fn resolve_with_spans(
                 parallel,
                 fit,
                 target,
+                defaults: std::mem::take(&mut cx.defaults),
             };
             return Ok((spec, cx.spans));
         }

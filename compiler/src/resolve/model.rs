@@ -42,19 +42,19 @@ pub(crate) const KEYS: &[&str] = &[
     "dropout",
 ];
 
-/// Keys an explicit `model { ... }` must give (no default in `DSL.md`).
-const REQUIRED: &[&str] = &[
-    "arch",
-    "layers",
-    "hidden",
-    "heads",
-    "ffn",
-    "mlp",
-    "norm",
-    "vocab",
-    "max_positions",
-    "tie_embeddings",
-];
+/// Keys an explicit `model { ... }` must give. The others default from
+/// `arch` ([`arch_defaults`]); `max_positions` from `train.seq_len`.
+const REQUIRED: &[&str] = &["arch", "layers", "hidden", "heads", "ffn", "vocab"];
+
+/// What an explicit block leaves out means what the common models of its
+/// family do: decoders as LLaMA (SwiGLU, RMSNorm, RoPE, untied head),
+/// encoders as BERT / XLM-R (GELU, LayerNorm, learned positions, tied head).
+fn arch_defaults(arch: Arch) -> (Mlp, Norm, bool) {
+    match arch {
+        Arch::Decoder => (Mlp::Swiglu, Norm::Rmsnorm, false),
+        Arch::Encoder => (Mlp::Gelu, Norm::Layernorm, true),
+    }
+}
 
 const ARCHS: &[(&str, Arch)] = &[("decoder", Arch::Decoder), ("encoder", Arch::Encoder)];
 const MLPS: &[(&str, Mlp)] = &[("swiglu", Mlp::Swiglu), ("gelu", Mlp::Gelu)];
@@ -241,8 +241,40 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
     if !cx.clean_since(mark) {
         return None;
     }
+    if explicit {
+        if let Some(arch) = d.arch {
+            let (mlp, norm, tie) = arch_defaults(arch);
+            let why = match arch {
+                Arch::Decoder => "the default for a decoder",
+                Arch::Encoder => "the default for an encoder",
+            };
+            let mut note = |key: &str, value: &str| {
+                cx.defaults
+                    .push((format!("model.{key} = {value}"), why.to_string()));
+            };
+            if d.mlp.is_none() {
+                d.mlp = Some(mlp);
+                note("mlp", mlp_name(mlp));
+            }
+            if d.norm.is_none() {
+                d.norm = Some(norm);
+                note("norm", norm_name(norm));
+            }
+            if d.positions.is_none() {
+                let positions = default_positions(arch);
+                d.positions = Some(positions);
+                note("positions", positions_name(positions));
+            }
+            if d.tie_embeddings.is_none() {
+                d.tie_embeddings = Some(tie);
+                note("tie_embeddings", if tie { "true" } else { "false" });
+            }
+        }
+    }
 
-    // Every required key is present here (checked above, or from the base).
+    // Every required key is present here (checked above, or from the base);
+    // `max_positions` left out of an explicit block is 0 here and becomes
+    // `train.seq_len` once the train section is resolved (`resolve`).
     let (
         Some(arch),
         Some(layers),
@@ -263,7 +295,7 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         d.mlp,
         d.norm,
         d.vocab,
-        d.max_positions,
+        d.max_positions.or(explicit.then_some(0)),
         d.tie_embeddings,
     )
     else {
@@ -294,10 +326,7 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         ffn,
         mlp,
         norm,
-        positions: d.positions.unwrap_or(match arch {
-            Arch::Decoder => Positions::Rope,
-            Arch::Encoder => Positions::Learned,
-        }),
+        positions: d.positions.unwrap_or(default_positions(arch)),
         vocab,
         max_positions,
         tie_embeddings: tie,
@@ -309,6 +338,28 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         cx.report(p);
     }
     cx.clean_since(mark).then_some(spec)
+}
+
+fn default_positions(arch: Arch) -> Positions {
+    match arch {
+        Arch::Decoder => Positions::Rope,
+        Arch::Encoder => Positions::Learned,
+    }
+}
+
+fn mlp_name(m: Mlp) -> &'static str {
+    MLPS.iter().find(|(_, v)| *v == m).map_or("?", |(n, _)| n)
+}
+
+fn norm_name(n: Norm) -> &'static str {
+    NORMS.iter().find(|(_, v)| *v == n).map_or("?", |(k, _)| k)
+}
+
+fn positions_name(p: Positions) -> &'static str {
+    POSITIONS
+        .iter()
+        .find(|(_, v)| *v == p)
+        .map_or("?", |(k, _)| k)
 }
 
 /// Upper bounds on model dimensions: 100x the largest real models, and low

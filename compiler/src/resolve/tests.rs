@@ -371,7 +371,11 @@ fn duplicate_key() {
 fn missing_sections_and_keys() {
     let e = errs("");
     assert_eq!(e.codes(), vec!["rcoa::missing_section"; 3]);
-    assert!(e.errors().iter().all(|e| e.span().is_none()));
+    // Located at the start of the file, so the message names FILE:1:1.
+    assert!(e
+        .errors()
+        .iter()
+        .all(|e| e.span() == Some(rcoa_grammar::Span::new(0, 0))));
     let e = one(
         "model \"tiny-decoder\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 }\n",
         "rcoa::missing_key",
@@ -380,7 +384,8 @@ fn missing_sections_and_keys() {
     one("model \"tiny-decoder\"\nhardware { gpus_per_node = 2 }\ntrain { seq_len = 32 global_batch = 4 }\n", "rcoa::missing_key");
     let e = errs("model { arch = decoder layers = 2 }\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n");
     assert!(e.codes().iter().all(|c| *c == "rcoa::missing_key"));
-    assert_eq!(e.len(), 8, "{:?}", e.errors());
+    // hidden, heads, ffn, vocab: the others default from `arch` and `seq_len`.
+    assert_eq!(e.len(), 4, "{:?}", e.errors());
     one(&with("optimizer { lr = 1e-4 }"), "rcoa::missing_argument");
     one(&with("target"), "rcoa::missing_argument");
     one(
@@ -389,6 +394,62 @@ fn missing_sections_and_keys() {
     );
     one(&with("target burn { }"), "rcoa::unexpected_block");
     one("model \"tiny-decoder\"\nhardware h100 { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n", "rcoa::unexpected_argument");
+}
+
+/// A custom block names only the shape; the rest is its architecture's
+/// usual choice, recorded for `--explain`.
+#[test]
+fn custom_models_default_from_their_arch() {
+    let plan = |arch: &str| {
+        format!(
+            "model {{ arch = {arch} layers = 2 hidden = 64 heads = 4 ffn = 128 vocab = 100 }}\n\
+             hardware {{ gpu = h100-80gb }}\ntrain {{ seq_len = 48 global_batch = 4 }}\n"
+        )
+    };
+    let d = ok(&plan("decoder"));
+    assert_eq!(
+        (
+            d.model.mlp,
+            d.model.norm,
+            d.model.positions,
+            d.model.tie_embeddings
+        ),
+        (Mlp::Swiglu, Norm::Rmsnorm, Positions::Rope, false)
+    );
+    assert_eq!(d.model.max_positions, 48, "max_positions = seq_len");
+    let keys: Vec<&str> = d.defaults.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        vec![
+            "model.mlp = swiglu",
+            "model.norm = rmsnorm",
+            "model.positions = rope",
+            "model.tie_embeddings = false",
+            "model.max_positions = 48"
+        ]
+    );
+    assert!(d.defaults[0].1.contains("decoder"));
+    let e = ok(&plan("encoder"));
+    assert_eq!(
+        (
+            e.model.mlp,
+            e.model.norm,
+            e.model.positions,
+            e.model.tie_embeddings
+        ),
+        (Mlp::Gelu, Norm::Layernorm, Positions::Learned, true)
+    );
+    assert!(e.defaults[0].1.contains("encoder"));
+    // What the plan writes wins, and is not listed as a default.
+    let w =
+        ok(&plan("decoder").replace("vocab = 100", "vocab = 100 mlp = gelu max_positions = 512"));
+    assert_eq!((w.model.mlp, w.model.max_positions), (Mlp::Gelu, 512));
+    assert!(w
+        .defaults
+        .iter()
+        .all(|(k, _)| !k.contains("mlp") && !k.contains("max_positions")));
+    // Presets keep their own values and note nothing.
+    assert!(ok("model \"tiny-decoder\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n").defaults.is_empty());
 }
 
 #[test]

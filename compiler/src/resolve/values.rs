@@ -29,6 +29,8 @@ pub(crate) struct Cx<'a> {
     pub ctx: &'a ResolveContext,
     pub problems: Vec<Problem>,
     pub spans: SpanTable,
+    /// Values the plan left out and resolve filled in: (`section.key = value`, why).
+    pub defaults: Vec<(String, String)>,
 }
 
 impl<'a> Cx<'a> {
@@ -37,6 +39,7 @@ impl<'a> Cx<'a> {
             ctx,
             problems: Vec::new(),
             spans: SpanTable::default(),
+            defaults: Vec::new(),
         }
     }
 

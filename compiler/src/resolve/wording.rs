@@ -217,10 +217,12 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             vec![(again, "written again here".into()), (first, "first written here".into())],
             Some(format!("merge the two `{name}` sections into one")),
         ),
+        // Located at the start of the file (1:1), so the message names
+        // FILE:1:1 like every other problem, also in an empty file.
         MissingSection { name } => err(
             "rcoa::missing_section",
             format!("the plan has no `{name}` section"),
-            vec![],
+            vec![(rcoa_grammar::Span::new(0, 0), format!("no `{name}` section in this file"))],
             Some(format!("add one, e.g. `{}`", section_usage(name))),
         ),
         MissingArgument { section, span } => {
