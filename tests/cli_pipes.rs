@@ -2,6 +2,7 @@
 //! command quietly, as `cat` or `grep` end: no panic, no "Broken pipe" text,
 //! never exit 101.
 
+#[allow(dead_code)] // each test binary uses part of the shared helpers
 mod common;
 
 use common::{root, text};
