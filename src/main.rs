@@ -6,6 +6,11 @@
 
 mod cmd;
 
+/// Counts live heap bytes, so `rcoa run --device cpu` measures tensor bytes
+/// (the quantity the compiler predicts) rather than RSS growth.
+#[global_allocator]
+static ALLOC: rcoa_backend::memory::TrackingAlloc = rcoa_backend::memory::TrackingAlloc;
+
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 

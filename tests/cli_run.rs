@@ -211,3 +211,22 @@ fn run_report_shows_measured_beside_predicted() {
     assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// On the CPU the measured peak counts live heap bytes, a figure comparable
+/// to the prediction (RSS growth was +118% on this plan), and says so.
+#[test]
+fn cpu_measure_is_live_heap_bytes_near_the_prediction() {
+    let (_, summary) = run_json(&["plans/tiny-cpu.plan", "--steps", "3"]);
+    assert!(
+        summary["memory_measure"]
+            .as_str()
+            .unwrap()
+            .contains("live heap bytes"),
+        "{summary}"
+    );
+    let err = summary["peak_error"].as_f64().unwrap();
+    assert!(
+        err.abs() < 0.5,
+        "measured vs predicted: {err:+.2} ({summary})"
+    );
+}

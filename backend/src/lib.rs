@@ -598,7 +598,7 @@ pub fn run_cpu(
         opts,
         devices,
         false,
-        |_| Box::new(memory::RssProbe::new()),
+        |_| memory::cpu_probe(),
         on_event,
     )
 }

@@ -3,15 +3,21 @@
 //! Neither backend has a peak counter, so the trainer samples: after every
 //! layer's forward and backward, after the loss and after the optimizer step.
 //! What a sample reads depends on the device:
-//! - CPU (ndarray): the process's resident set. `VmHWM` (the kernel's
-//!   high-water mark of the resident set) minus the resident set before the
-//!   model was built: the peak RSS growth of training. It includes the
-//!   allocator's retained pages and everything else the process touched, so
-//!   it is an upper bound on tensor bytes.
+//! - CPU (ndarray): live heap bytes, counted by [`TrackingAlloc`] (the
+//!   `rcoa` binary's global allocator; ndarray's tensors are heap
+//!   allocations), minus what was live before the model was built: the same
+//!   quantity the compiler predicts, tensor bytes in use, with every
+//!   allocation seen (not only at samples). Without that allocator (a library
+//!   user's binary) the fallback is the resident set: `VmHWM` minus the RSS
+//!   before the model, an upper bound that includes the allocator's retained
+//!   pages.
 //! - CUDA: CubeCL's memory manager, `bytes_in_use` (live tensor bytes, the
 //!   quantity the compiler predicts), minus what was in use before the model
 //!   was built; `bytes_reserved` (pool pages taken from the driver) is kept
 //!   beside it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A source of memory samples.
 pub trait MemoryProbe {
@@ -27,6 +33,142 @@ pub trait MemoryProbe {
     fn peak_reserved(&self) -> Option<u64>;
     /// What `peak` measures, for people.
     fn what(&self) -> &'static str;
+}
+
+/// Live heap bytes of the process, and their high-water marks: one since
+/// the last [`AllocProbe::begin_step`], one since the last probe was made.
+static LIVE: AtomicU64 = AtomicU64::new(0);
+static STEP_PEAK: AtomicU64 = AtomicU64::new(0);
+static RUN_PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// The system allocator, counting the bytes it has handed out and not got
+/// back. Install it as the global allocator of a binary
+/// (`#[global_allocator] static A: TrackingAlloc = TrackingAlloc;`) to make
+/// [`AllocProbe`] available. Costs two relaxed atomic adds per allocation and
+/// a compare on the peaks.
+pub struct TrackingAlloc;
+
+impl TrackingAlloc {
+    #[inline]
+    fn grew(by: usize) {
+        let now = LIVE.fetch_add(by as u64, Ordering::Relaxed) + by as u64;
+        if now > STEP_PEAK.load(Ordering::Relaxed) {
+            STEP_PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        if now > RUN_PEAK.load(Ordering::Relaxed) {
+            RUN_PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+    }
+    #[inline]
+    fn shrank(by: usize) {
+        LIVE.fetch_sub(by as u64, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every call is forwarded to `System` unchanged; the counters are
+// bookkeeping only and never affect what is allocated.
+unsafe impl GlobalAlloc for TrackingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            Self::grew(layout.size());
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            Self::grew(layout.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        Self::shrank(layout.size());
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            if new_size > layout.size() {
+                Self::grew(new_size - layout.size());
+            } else {
+                Self::shrank(layout.size() - new_size);
+            }
+        }
+        p
+    }
+}
+
+/// Whether [`TrackingAlloc`] is this process's global allocator: it has
+/// counted the allocations made before this call (every Rust program makes
+/// some before `main`'s work starts).
+pub fn tracking_installed() -> bool {
+    LIVE.load(Ordering::Relaxed) > 0
+}
+
+/// Live heap bytes counted by [`TrackingAlloc`] above those live when the
+/// probe was made (before the model was built). Process-wide: with
+/// `--devices N` on the CPU it holds every rank's tensors.
+pub struct AllocProbe {
+    baseline: u64,
+    step_peak: u64,
+    peak: u64,
+}
+
+impl AllocProbe {
+    /// Call before the model is built; `None` unless [`TrackingAlloc`] is installed.
+    pub fn new() -> Option<Self> {
+        if !tracking_installed() {
+            return None;
+        }
+        let baseline = LIVE.load(Ordering::Relaxed);
+        RUN_PEAK.store(baseline, Ordering::Relaxed);
+        STEP_PEAK.store(baseline, Ordering::Relaxed);
+        Some(AllocProbe {
+            baseline,
+            step_peak: 0,
+            peak: 0,
+        })
+    }
+}
+
+impl MemoryProbe for AllocProbe {
+    fn sample(&mut self) -> u64 {
+        let step = STEP_PEAK
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.baseline);
+        let run = RUN_PEAK
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.baseline);
+        self.step_peak = self.step_peak.max(step);
+        self.peak = self.peak.max(run).max(step);
+        LIVE.load(Ordering::Relaxed).saturating_sub(self.baseline)
+    }
+    fn begin_step(&mut self) {
+        self.step_peak = 0;
+        STEP_PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+    fn step_peak(&self) -> u64 {
+        self.step_peak
+    }
+    fn peak(&self) -> u64 {
+        self.peak
+    }
+    fn peak_reserved(&self) -> Option<u64> {
+        None
+    }
+    fn what(&self) -> &'static str {
+        "peak live heap bytes (every allocation counted; minus those live before the model was built)"
+    }
+}
+
+/// The CPU's best probe: [`AllocProbe`] where the binary installed
+/// [`TrackingAlloc`], else [`RssProbe`].
+pub fn cpu_probe() -> Box<dyn MemoryProbe> {
+    match AllocProbe::new() {
+        Some(p) => Box::new(p),
+        None => Box::new(RssProbe::new()),
+    }
 }
 
 /// Reads `VmHWM` and `VmRSS` (bytes) from `/proc/self/status`.
@@ -96,8 +238,28 @@ impl MemoryProbe for RssProbe {
 mod tests {
     use super::*;
 
+    /// The backend's test binary counts its allocations (src/tests.rs
+    /// installs the allocator), so the probe sees a buffer exactly, and its
+    /// release.
+    #[test]
+    fn alloc_probe_counts_live_bytes_exactly() {
+        let _serial = crate::tests::serial();
+        let mut p = AllocProbe::new().expect("the test binary installs TrackingAlloc");
+        p.begin_step();
+        let v = vec![7u8; 48 << 20];
+        let live = p.sample();
+        assert!(live >= 48 << 20, "live {live}");
+        drop(std::hint::black_box(v));
+        let after = p.sample();
+        assert!(after + (40 << 20) < live, "freed: {after} vs {live}");
+        // The peak keeps the buffer, within what other test threads allocate.
+        assert!(p.step_peak() >= 48 << 20 && p.peak() >= 48 << 20);
+        assert!(p.peak() < 64 << 20, "peak {}", p.peak());
+    }
+
     #[test]
     fn rss_probe_sees_an_allocation() {
+        let _serial = crate::tests::serial();
         if proc_status().is_none() {
             return;
         }

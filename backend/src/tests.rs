@@ -14,7 +14,11 @@ type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
 /// test that trains holds this lock.
 static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
+/// As in the `rcoa` binary: the CPU probe counts live heap bytes.
+#[global_allocator]
+static ALLOC: crate::memory::TrackingAlloc = crate::memory::TrackingAlloc;
+
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
     RNG.lock().unwrap_or_else(|e| e.into_inner())
 }
 

@@ -434,7 +434,7 @@ fn report(s: &Summary, ranks: u64, devices: u32, device: Device) {
             s.tokens_per_second * ranks as f64
         );
         if device == Device::Cpu && devices > 1 {
-            println!("measured peak is this process's RSS: it holds its {devices} ranks");
+            println!("measured peak is this process's live heap: it holds its {devices} ranks");
         } else {
             println!("measured peak is this rank's (rank 0's device)");
         }
@@ -457,11 +457,12 @@ fn report(s: &Summary, ranks: u64, devices: u32, device: Device) {
         println!("error            {:+.1}%", s.peak_error * 100.0);
     }
     if device == Device::Cpu {
-        // The prediction counts tensor bytes on a GPU; RSS also holds the allocator's
-        // retained pages and the process's own buffers, which dominate a tiny model.
+        // The prediction is calibrated on CUDA (CubeCL's in-place element-wise
+        // ops, fusion); ndarray keeps some copies CUDA does not, and the heap
+        // also holds the autodiff graph's bookkeeping.
         println!(
-            "note             on the CPU the measure is the process's RSS growth, an upper bound on \
-             tensor bytes; the prediction is checked against CUDA's allocator (docs/burn-h100.md)"
+            "note             on the CPU the measure is live heap bytes (tensors and the executor's own \
+             buffers); the prediction models Burn on CUDA, where it is checked (docs/burn-h100.md)"
         );
     }
 }
