@@ -41,6 +41,8 @@ enum Command {
     Orchestrate(cmd::orchestrate::Args),
     /// Write the compiled plan as DeepSpeed, torchrun, Slurm or Accelerate configuration.
     Emit(cmd::emit::Args),
+    /// Write a starting .plan for a model, a GPU, a GPU count and a global batch.
+    Init(cmd::init::Args),
     /// Score the memory model against measured runs (JSON lines, as in tests/groundtruth/).
     Validate(cmd::validate::Args),
 }
@@ -57,6 +59,7 @@ fn main() -> ExitCode {
         Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),
         Command::Validate(a) => cmd::validate::run(a),
+        Command::Init(a) => cmd::init::run(a),
     }
 }
 

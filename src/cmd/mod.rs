@@ -6,6 +6,7 @@ pub mod common;
 pub mod compile;
 pub mod emit;
 pub mod fmt;
+pub mod init;
 pub mod orchestrate;
 pub mod run;
 pub mod validate;

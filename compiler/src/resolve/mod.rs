@@ -99,6 +99,15 @@ impl ResolveContext {
     }
 }
 
+/// The nearest of `candidates` to a misspelt `name`, if one is a likely typo
+/// (the resolver's "did you mean"), for commands that take names outside a plan.
+pub fn did_you_mean<'c>(
+    name: &str,
+    candidates: impl IntoIterator<Item = &'c str>,
+) -> Option<String> {
+    suggest::nearest(name, candidates)
+}
+
 /// Resolves a parsed plan, or returns every problem found in it.
 pub fn resolve(file: &PlanFile, ctx: &ResolveContext) -> Result<Spec, ResolveErrors> {
     resolve_with_spans(file, ctx).map(|(spec, _)| spec)
