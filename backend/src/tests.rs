@@ -323,3 +323,44 @@ fn padding_hides_pad_tokens_from_real_tokens() {
         .unwrap();
     assert!(alone.iter().zip(&leaked).any(|(a, b)| (a - b).abs() > 1e-4));
 }
+
+/// A truncated or missing checkpoint file is named in a sentence that says
+/// what to do, never Burn's debug text.
+#[test]
+fn broken_checkpoints_are_explained() {
+    let _serial = serial();
+    let plan = tiny_plan();
+    let dir = std::env::temp_dir().join(format!("rcoa-broken-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    losses(
+        &plan,
+        &RunOptions {
+            save: Some(dir.clone()),
+            ..opts(1)
+        },
+    );
+    let resume = |dir: &std::path::Path| {
+        let o = RunOptions {
+            resume: Some(dir.to_path_buf()),
+            ..opts(2)
+        };
+        run_cpu(&plan, &o, &mut |_| {}).unwrap_err().to_string()
+    };
+    let model = dir.join("model.bin");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 3]).unwrap();
+    let e = resume(&dir);
+    assert!(
+        e.contains("model.bin") && e.contains("truncated or corrupt"),
+        "{e}"
+    );
+    assert!(!e.contains("Unknown(") && !e.contains("Io {"), "{e}");
+    std::fs::write(&model, &bytes).unwrap();
+    std::fs::remove_file(dir.join("optimizer.bin")).unwrap();
+    let e = resume(&dir);
+    assert!(
+        e.contains("optimizer.bin") && e.contains("is missing"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -229,9 +229,9 @@ impl<B: ExecAutodiff> Optim<B> {
         path: std::path::PathBuf,
         device: &B::Device,
     ) -> Result<Self, RunError> {
-        let err = |e: burn::record::RecorderError| {
-            RunError::Checkpoint(format!("cannot read the optimizer state: {e}"))
-        };
+        let file = path.with_extension("bin");
+        let err =
+            |e: burn::record::RecorderError| unreadable_record(&file, "the optimizer state", &e);
         Ok(match self {
             Optim::AdamW(o) => {
                 Optim::AdamW(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
@@ -244,6 +244,26 @@ impl<B: ExecAutodiff> Optim<B> {
             }
         })
     }
+}
+
+/// A checkpoint file Burn's recorder could not read, in words: which file,
+/// what it held, and what to do (Burn's own text is a debug dump such as
+/// `Unknown("Io { inner: ... }")`).
+pub(crate) fn unreadable_record(
+    file: &Path,
+    holds: &str,
+    e: &burn::record::RecorderError,
+) -> RunError {
+    let what = match e {
+        burn::record::RecorderError::FileNotFound(_) => "is missing",
+        _ => "is truncated or corrupt (it could not be decoded)",
+    };
+    RunError::Checkpoint(format!(
+        "the checkpoint file `{}` ({holds}) {what}: it was probably written by a run that was \
+         interrupted, or belongs to another version of rcoa; resume from another checkpoint, or \
+         start again without --resume",
+        file.display()
+    ))
 }
 
 // ---------------------------------------------------------------- trainer
@@ -694,7 +714,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             .ok_or_else(|| RunError::Checkpoint("state.json has no step".into()))?;
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
-            .map_err(|e| RunError::Checkpoint(format!("cannot read the model: {e}")))?;
+            .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
         let mut model = self.model.clone().load_record(record);
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
