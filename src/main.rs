@@ -36,6 +36,8 @@ enum Command {
     Orchestrate(cmd::orchestrate::Args),
     /// Write the compiled plan as DeepSpeed, torchrun, Slurm or Accelerate configuration.
     Emit(cmd::emit::Args),
+    /// Score the memory model against measured runs (JSON lines, as in tests/groundtruth/).
+    Validate(cmd::validate::Args),
 }
 
 fn main() -> ExitCode {
@@ -48,5 +50,6 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::run(a),
         Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),
+        Command::Validate(a) => cmd::validate::run(a),
     }
 }

@@ -21,5 +21,6 @@ pub mod spec;
 /// Test support: a builder of [`spec::Spec`]s for the compiler's tests. Not for production use.
 #[doc(hidden)]
 pub mod testing;
+pub mod validate;
 
 pub use compile::{compile, Compilation, CompileError};

@@ -8,3 +8,4 @@ pub mod emit;
 pub mod fmt;
 pub mod orchestrate;
 pub mod run;
+pub mod validate;
