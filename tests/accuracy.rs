@@ -1,58 +1,191 @@
-//! The memory model's measured bar: `../shared/tools/accuracy.py` scores the
-//! predicted peak of every ground-truth configuration against the H100
-//! measurement. Asserts median ≤ 3%, max ≤ 12%, every OOM row predicted not
-//! to fit, every fitting row predicted to fit, no failures. Skips cleanly when
-//! `../shared` or `python3` is absent. Uses the test profile's binary (the
-//! scorer's numbers do not depend on the build profile; docs/accuracy.md
-//! records the release run).
+//! The memory model's measured bar, and `rcoa validate`'s behaviour on bad input.
+//!
+//! `rcoa validate tests/groundtruth/h100-pytorch.jsonl` scores the predicted
+//! peak of every ground-truth configuration against its H100 measurement.
+//! The bar: median ≤ 3%, max ≤ 12%, every OOM row predicted not to fit, every
+//! fitting row predicted to fit, no failures. The data is part of the
+//! repository, so this never skips. Uses the test profile's binary (the
+//! numbers do not depend on the build profile).
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
+
+use common::{assert_no_panic, rcoa, text};
+
+fn field<'a>(line: &'a str, name: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+}
+
+fn pct(line: &str, name: &str) -> f64 {
+    field(line, name).trim_end_matches('%').parse().unwrap()
+}
+
+fn ratio(line: &str, name: &str) -> (u32, u32) {
+    let (a, b) = field(line, name).split_once('/').unwrap();
+    (a.parse().unwrap(), b.parse().unwrap())
+}
 
 #[test]
 fn memory_model_meets_the_accuracy_bar() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let script = root.join("../shared/tools/accuracy.py");
-    let data = root.join("../shared/groundtruth/h100-pytorch.jsonl");
-    if !script.exists() || !data.exists() {
-        eprintln!("skipping: ../shared is not present");
-        return;
-    }
-    let Ok(out) = Command::new("python3")
-        .arg(&script)
-        .arg("--rcoa")
-        .arg(env!("CARGO_BIN_EXE_rcoa"))
-        .arg("--data")
-        .arg(&data)
-        .output()
-    else {
-        eprintln!("skipping: python3 is not available");
-        return;
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default().to_string();
+    let out = rcoa(&["validate", "tests/groundtruth/h100-pytorch.jsonl"]);
+    assert_no_panic(&out);
+    let stdout = text(&out.stdout);
     assert!(
         out.status.success(),
-        "scorer failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        "validate failed:\n{stdout}\n{}",
+        text(&out.stderr)
     );
-    let field = |name: &str| -> String {
-        last.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-            .unwrap_or_else(|| panic!("no {name} in {last:?}"))
-            .to_string()
-    };
-    let pct = |name: &str| field(name).trim_end_matches('%').parse::<f64>().unwrap();
-    let ratio = |name: &str| {
-        let f = field(name);
-        let (a, b) = f.split_once('/').unwrap();
-        (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap())
-    };
-    assert!(pct("median_abs_err") <= 3.0, "{last}");
-    assert!(pct("max_abs_err") <= 12.0, "{last}");
-    let (ok, n) = ratio("oom_correct");
-    assert_eq!(ok, n, "{last}");
-    let (ok, n) = ratio("fit_correct");
-    assert_eq!(ok, n, "{last}");
-    assert_eq!(field("failures"), "0", "{last}");
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.starts_with("accuracy: "), "{last}");
+    let n: u32 = field(last, "n").parse().unwrap();
+    assert!(n >= 40, "{last}");
+    assert!(pct(last, "median_abs_err") <= 3.0, "{last}");
+    assert!(pct(last, "max_abs_err") <= 12.0, "{last}");
+    let (ok, total) = ratio(last, "oom_correct");
+    assert!(total > 0 && ok == total, "{last}");
+    assert_eq!(ratio(last, "fit_correct"), (n, n), "{last}");
+    assert_eq!(field(last, "failures"), "0", "{last}");
+    // One line per configuration, then the summary.
+    let configs =
+        std::fs::read_to_string(common::root().join("tests/groundtruth/h100-pytorch.jsonl"))
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("\"record\": \"config\""))
+            .count();
+    assert_eq!(stdout.lines().count(), configs + 1, "{stdout}");
+}
+
+#[test]
+fn json_format_prints_a_row_object_per_configuration_and_a_summary() {
+    let out = rcoa(&[
+        "validate",
+        "tests/groundtruth/h100-pytorch.jsonl",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let values: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    let (summary, rows) = values.split_last().unwrap();
+    assert_eq!(summary["record"], "summary");
+    assert_eq!(summary["failures"], 0);
+    assert_eq!(summary["n"], summary["fit_total"]);
+    let median = summary["median_abs_err"].as_f64().unwrap();
+    assert!(median <= 0.03, "{summary}");
+    assert!(rows.iter().all(|r| r["record"] == "row"));
+    let oom: Vec<_> = rows.iter().filter(|r| r["status"] == "oom").collect();
+    assert_eq!(oom.len() as u64, summary["oom_total"].as_u64().unwrap());
+    assert!(oom.iter().all(|r| r["fits"] == false));
+    let scored = rows.iter().find(|r| r["status"] == "scored").unwrap();
+    let (m, p) = (
+        scored["measured_bytes"].as_f64().unwrap(),
+        scored["predicted_bytes"].as_f64().unwrap(),
+    );
+    assert!((scored["rel_err"].as_f64().unwrap() - (p - m) / m).abs() < 1e-12);
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("rcoa-validate-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn first_rows(n: usize) -> String {
+    std::fs::read_to_string(common::root().join("tests/groundtruth/h100-pytorch.jsonl"))
+        .unwrap()
+        .lines()
+        .take(n)
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn keep_writes_every_plan_and_each_one_compiles() {
+    let dir = scratch("keep");
+    let data = dir.join("two.jsonl");
+    std::fs::write(&data, first_rows(3)).unwrap();
+    let plans = dir.join("plans");
+    let out = rcoa(&[
+        "validate",
+        data.to_str().unwrap(),
+        "--keep",
+        plans.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut names: Vec<_> = std::fs::read_dir(&plans)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["llama125m_base.plan", "llama125m_bf16.plan"]);
+    let out = rcoa(&["check", plans.join("llama125m_bf16.plan").to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_malformed_line_is_named_by_file_and_line() {
+    let dir = scratch("malformed");
+    let data = dir.join("bad.jsonl");
+    std::fs::write(
+        &data,
+        first_rows(2) + "{\"record\": \"config\", \"name\": 7\n",
+    )
+    .unwrap();
+    let out = rcoa(&["validate", data.to_str().unwrap()]);
+    assert_no_panic(&out);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(err.contains("rcoa::validate::malformed"), "{err}");
+    assert!(err.contains("bad.jsonl:3: not a measured run"), "{err}");
+    assert!(out.stdout.is_empty(), "nothing is scored from a bad file");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_file_without_configurations_is_an_error() {
+    let dir = scratch("empty");
+    let data = dir.join("empty.jsonl");
+    std::fs::write(&data, first_rows(1)).unwrap();
+    let out = rcoa(&["validate", data.to_str().unwrap()]);
+    assert_no_panic(&out);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("empty.jsonl: no configurations to score"));
+    let out = rcoa(&["validate", dir.join("absent.jsonl").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("no such file"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_row_that_does_not_compile_is_a_failure_with_exit_1() {
+    let dir = scratch("failure");
+    let data = dir.join("unknown-target.jsonl");
+    // A LoRA target the plan language has no projection for fails to resolve.
+    let rows = first_rows(2).replace(
+        "\"lora\": null",
+        "\"lora\": {\"r\": 8, \"alpha\": 16, \"targets\": [\"lm_head\"], \"dropout\": 0.0}",
+    );
+    std::fs::write(&data, rows).unwrap();
+    let out = rcoa(&["validate", data.to_str().unwrap()]);
+    assert_no_panic(&out);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("llama125m_base") && stdout.contains("FAILED at resolve"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().last().unwrap().ends_with("failures=1"),
+        "{stdout}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
