@@ -13,7 +13,7 @@ use std::path::Path;
 pub enum Record {
     /// The machine and library versions the runs were measured with (kept whole).
     Env(Map<String, Value>),
-    Config(MeasuredRun),
+    Config(Box<MeasuredRun>),
 }
 
 /// One measured configuration.
@@ -190,6 +190,7 @@ pub fn parse(file: &str, text: &str) -> Result<MeasuredFile, FileError> {
         match record {
             Record::Env(env) => out.env.push(env),
             Record::Config(run) => {
+                let run = *run;
                 if !run.oom && run.peak_train_bytes.is_none() {
                     return Err(FileError::Malformed {
                         file: file.to_string(),
