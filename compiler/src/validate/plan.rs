@@ -115,3 +115,49 @@ pub fn plan_text(c: &RunConfig) -> String {
     line("target pytorch".into());
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::row::{self, tests_support::ROW};
+
+    #[test]
+    fn a_row_becomes_a_fully_spelled_pytorch_plan() {
+        let run = &row::parse("t.jsonl", ROW).unwrap().runs[0];
+        let text = plan_text(&run.config);
+        for line in [
+            "  arch = decoder",
+            "  kv_heads = 2",
+            "  mlp = swiglu",
+            "  dropout = 0.0",
+            "precision { params = fp32  compute = bf16  master = none }",
+            "optimizer adamw { impl = foreach }",
+            "train { seq_len = 128  micro_batch = 2  grad_accum = 1  global_batch = 2  attention = sdpa  loss = causal_lm }",
+            "fit { checkpoint = none  offload = [] }",
+            "target pytorch",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn lora_targets_map_hugging_face_names_once_each() {
+        let text = ROW.replace(
+            "\"lora\": null",
+            r#""lora": {"r": 8, "alpha": 16, "targets": ["query", "key", "value", "dense", "o_proj"], "dropout": 0.05}"#,
+        );
+        let mut run = row::parse("t.jsonl", &text).unwrap().runs.remove(0);
+        run.config.grad_ckpt = true;
+        run.config.ckpt_every = 2;
+        let plan = plan_text(&run.config);
+        assert!(
+            plan.contains(
+                "adapter lora { rank = 8  alpha = 16  targets = [q, k, v, o]  dropout = 0.05 }"
+            ),
+            "{plan}"
+        );
+        assert!(plan.contains("checkpoint = every 2"), "{plan}");
+        assert_eq!(lora_target("intermediate.dense"), Some("up"));
+        assert_eq!(lora_target("lm_head"), None);
+    }
+}
