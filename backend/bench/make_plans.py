@@ -2,7 +2,7 @@
 """Writes the LoweredPlans measured on the H100 (docs/burn-h100.md) from
 tiny.json (rcoa_backend::testing::tiny_plan, dumped by the backend test
 `lowered_plans_round_trip_through_json` with RCOA_DUMP_TINY_PLAN=tiny.json).
-Shapes follow ../shared/groundtruth (llama 125M / 350M), so Burn's numbers
+Shapes follow tests/groundtruth (llama 125M / 350M), so Burn's numbers
 sit beside PyTorch's on the same shape. Predictions are filled in by
 `rcoa compile` when the compiler is available; here they are 0."""
 import copy, json, sys

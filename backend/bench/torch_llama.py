@@ -1,5 +1,5 @@
 """PyTorch eager baseline for backend/bench/vs_pytorch.sh: the llama350m_eager shape of
-../shared/groundtruth (Hugging Face LlamaForCausalLM, eager attention, fp32 weights,
+tests/groundtruth (Hugging Face LlamaForCausalLM, eager attention, fp32 weights,
 bf16 autocast, AdamW) trained on random tokens; prints one JSON line with the median
 step time of steps 2..N, measured with CUDA synchronisation around each step."""
 import argparse, json, statistics, time

@@ -1,7 +1,7 @@
 //! Drives the memory model from the measured ground truth without the front end:
-//! each row of `tests/groundtruth/h100-pytorch.jsonl` becomes a `Spec` the way
-//! `rcoa validate` writes its `.plan` file (`rcoa_compiler::validate::plan_text`),
-//! and the predicted peak is compared with the measured one.
+//! each row of `tests/groundtruth/h100-pytorch.jsonl` (read with `rcoa_compiler::validate::row`)
+//! becomes a `Spec` the way `rcoa validate` writes its `.plan` file, and the predicted peak
+//! is compared with the measured one.
 //! `RCOA_GT_VERBOSE=1 cargo test -p rcoa-compiler --test groundtruth_memory -- --nocapture`
 //! prints every row (with the predicted/measured forward end, forward peak and backward
 //! peak of step 2); `RCOA_GT_ROW=<name>` adds that row's breakdown and timeline.
@@ -10,6 +10,10 @@ use rcoa_compiler::memory::{evaluate, Candidate};
 use rcoa_compiler::profile::Profile;
 use rcoa_compiler::spec::*;
 use rcoa_compiler::testing::SpecBuilder;
+use rcoa_compiler::validate::plan::lora_target;
+use rcoa_compiler::validate::row::{
+    self, AttnImpl, Autocast, Family, LossName, OptimizerName, RunConfig, WeightDtype,
+};
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -17,85 +21,67 @@ fn data_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/groundtruth/h100-pytorch.jsonl")
 }
 
-fn proj(name: &str) -> Vec<Proj> {
-    match name {
-        "q_proj" | "query" => vec![Proj::Q],
-        "k_proj" | "key" => vec![Proj::K],
-        "v_proj" | "value" => vec![Proj::V],
-        "o_proj" | "dense" | "attention.output.dense" => vec![Proj::O],
-        "gate_proj" => vec![Proj::Gate],
-        "up_proj" | "intermediate.dense" => vec![Proj::Up],
-        "down_proj" | "output.dense" => vec![Proj::Down],
-        _ => vec![],
-    }
+fn proj(name: &str) -> Option<Proj> {
+    Some(match lora_target(name)? {
+        "q" => Proj::Q,
+        "k" => Proj::K,
+        "v" => Proj::V,
+        "o" => Proj::O,
+        "gate" => Proj::Gate,
+        "up" => Proj::Up,
+        _ => Proj::Down,
+    })
 }
 
-fn spec_of(c: &Value) -> Spec {
-    let u = |k: &str| c[k].as_u64().unwrap();
-    let llama = c["family"] == "llama";
-    let hidden = u("hidden");
-    let heads = u("heads");
-    let wd = if c["weight_dtype"] == "bf16" {
-        Dtype::Bf16
-    } else {
-        Dtype::Fp32
+fn spec_of(c: &RunConfig) -> Spec {
+    let wd = match c.weight_dtype {
+        WeightDtype::Bf16 => Dtype::Bf16,
+        WeightDtype::Fp32 => Dtype::Fp32,
     };
-    let compute = if c["autocast"] == "bf16" {
-        Dtype::Bf16
-    } else {
-        wd
+    let compute = match c.autocast {
+        Autocast::Bf16 => Dtype::Bf16,
+        Autocast::None => wd,
     };
-    let (kind, implementation, momentum) = match c["optimizer"].as_str().unwrap() {
-        "adamw" => (OptimizerKind::Adamw, OptImpl::Foreach, 0.0),
-        "adamw_fused" => (OptimizerKind::Adamw, OptImpl::Fused, 0.0),
-        "sgd" => (OptimizerKind::Sgd, OptImpl::Foreach, 0.0),
-        "sgd_momentum" => (OptimizerKind::Sgd, OptImpl::Foreach, 0.9),
-        "adafactor" => (OptimizerKind::Adafactor, OptImpl::Foreach, 0.0),
-        o => panic!("optimizer {o}"),
+    let (kind, implementation, momentum) = match c.optimizer {
+        OptimizerName::Adamw => (OptimizerKind::Adamw, OptImpl::Foreach, 0.0),
+        OptimizerName::AdamwFused => (OptimizerKind::Adamw, OptImpl::Fused, 0.0),
+        OptimizerName::Sgd => (OptimizerKind::Sgd, OptImpl::Foreach, 0.0),
+        OptimizerName::SgdMomentum => (OptimizerKind::Sgd, OptImpl::Foreach, 0.9),
+        OptimizerName::Adafactor => (OptimizerKind::Adafactor, OptImpl::Foreach, 0.0),
     };
-    let adapter = c["lora"].as_object().map(|l| {
-        let mut targets: Vec<Proj> = l["targets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|t| proj(t.as_str().unwrap()))
-            .collect();
+    let adapter = c.lora.as_ref().map(|l| {
+        let mut targets: Vec<Proj> = l.targets.iter().filter_map(|t| proj(t)).collect();
         targets.sort();
         targets.dedup();
         AdapterSpec {
             kind: AdapterKind::Lora,
-            rank: l["r"].as_u64().unwrap(),
-            alpha: l["alpha"].as_f64().unwrap(),
+            rank: l.r,
+            alpha: l.alpha.as_f64().unwrap(),
             targets,
-            dropout: l.get("dropout").and_then(|d| d.as_f64()).unwrap_or(0.0),
+            dropout: l.dropout.as_f64().unwrap(),
             base: wd,
         }
     });
-    let checkpoint = if c["grad_ckpt"].as_bool().unwrap() {
-        match c["ckpt_every"].as_u64().unwrap_or(1) {
-            1 => CheckpointChoice::Full,
-            n => CheckpointChoice::Every(n),
-        }
-    } else {
-        CheckpointChoice::None
+    let checkpoint = match (c.grad_ckpt, c.ckpt_every) {
+        (false, _) => CheckpointChoice::None,
+        (true, 1) => CheckpointChoice::Full,
+        (true, n) => CheckpointChoice::Every(n),
     };
-    let mb = u("batch");
-    let ga = c["grad_accum"].as_u64().unwrap_or(1);
-    let family = if llama {
-        SpecBuilder::new()
-    } else {
-        SpecBuilder::new().encoder()
+    let (mb, ga) = (c.batch, c.grad_accum);
+    let family = match c.family {
+        Family::Llama => SpecBuilder::new(),
+        Family::Xlmr => SpecBuilder::new().encoder(),
     };
     family
-        .layers(u("layers"))
-        .hidden(hidden)
-        .heads(heads, u("kv_heads"))
-        .head_dim(hidden / heads)
-        .ffn(u("intermediate"))
-        .vocab(u("vocab"))
-        .max_positions(u("max_pos"))
-        .tie_embeddings(c["tie_embeddings"].as_bool().unwrap())
-        .dropout(c["dropout"].as_f64().unwrap_or(0.0))
+        .layers(c.layers)
+        .hidden(c.hidden)
+        .heads(c.heads, c.kv_heads)
+        .head_dim(c.hidden / c.heads)
+        .ffn(c.intermediate)
+        .vocab(c.vocab)
+        .max_positions(c.max_pos)
+        .tie_embeddings(c.tie_embeddings)
+        .dropout(c.dropout.as_f64().unwrap())
         .adapter(adapter)
         .gpu_tflops(989.0)
         .precision(wd, compute, None)
@@ -103,19 +89,18 @@ fn spec_of(c: &Value) -> Spec {
         .optimizer_impl(implementation)
         .momentum(momentum)
         .betas(0.9, 0.999)
-        .seq_len(u("seq"))
+        .seq_len(c.seq)
         .global_batch(mb * ga)
         .micro_batch(Choice::Fixed(mb))
         .grad_accum(Choice::Fixed(ga))
-        .attention(if c["attn"] == "eager" {
-            Attention::Eager
-        } else {
-            Attention::Sdpa
+        .attention(match c.attn {
+            AttnImpl::Eager => Attention::Eager,
+            AttnImpl::Sdpa => Attention::Sdpa,
         })
-        .loss(match c["loss"].as_str().unwrap() {
-            "lm" => Loss::CausalLm,
-            "mlm" => Loss::MaskedLm,
-            _ => Loss::Contrastive,
+        .loss(match c.loss {
+            LossName::Lm => Loss::CausalLm,
+            LossName::Mlm => Loss::MaskedLm,
+            LossName::Contrastive => Loss::Contrastive,
         })
         .checkpoint(checkpoint)
         .build()
@@ -145,20 +130,24 @@ fn candidate(spec: &Spec) -> Candidate {
 #[test]
 fn pytorch_profile_tracks_groundtruth() {
     let path = data_path();
+    let measured = row::read(&path).unwrap_or_else(|e| panic!("{e}"));
+    // The per-phase measurements the typed rows leave out, for the verbose print.
+    let raw: Vec<Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["record"] == "config")
+        .collect();
     let verbose = std::env::var("RCOA_GT_VERBOSE").is_ok();
     let profile = Profile::pytorch();
     let mut errs = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap().lines() {
-        let r: Value = serde_json::from_str(line).unwrap();
-        if r["record"] != "config" {
-            continue;
-        }
-        let spec = spec_of(&r["config"]);
+    for (run, r) in measured.runs.iter().zip(&raw) {
+        let spec = spec_of(&run.config);
         let cand = candidate(&spec);
         let rep = evaluate(&spec, &cand, &profile, verbose);
-        let name = r["name"].as_str().unwrap();
+        let name = run.name.as_str();
         let fits = rep.peak_bytes + rep.reserve_bytes <= spec.hardware.gpu.memory_bytes;
-        if r["oom"].as_bool().unwrap() {
+        if run.oom {
             if verbose {
                 println!(
                     "{name:30} OOM predicted {:.2} GiB fits={fits}",
@@ -168,7 +157,7 @@ fn pytorch_profile_tracks_groundtruth() {
             assert!(!fits, "{name}: measured OOM, predicted fit");
             continue;
         }
-        let meas = r["peak_train_B"].as_f64().unwrap();
+        let meas = run.peak_train_bytes.unwrap() as f64;
         let err = (rep.peak_bytes as f64 - meas) / meas;
         if verbose {
             let phase = r["peak_phase_step3"].as_str().unwrap_or("?");

@@ -452,15 +452,14 @@ mod tests {
     }
 
     #[test]
-    fn dsl_md_examples_round_trip() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/DSL.md");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            eprintln!("skipped: {} not found", path.display());
-            return;
-        };
-        for b in crate::testutil::plan_blocks(&text) {
-            let out = fmt(&b);
-            eprintln!("{out}");
+    fn language_md_examples_round_trip() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/language.md");
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        let blocks = crate::testutil::plan_blocks(&text);
+        assert!(blocks.len() >= 10, "{} plan blocks", blocks.len());
+        for b in blocks {
+            fmt(&b);
         }
     }
 

@@ -116,7 +116,7 @@ impl Profile {
     }
 
     /// PyTorch eager with Hugging Face modules and PEFT adapters, calibrated on
-    /// `../shared/groundtruth/h100-pytorch.jsonl` (torch 2.11, H100 80GB).
+    /// `tests/groundtruth/h100-pytorch.jsonl` (torch 2.11, H100 80GB).
     pub fn pytorch() -> Profile {
         Profile {
             name: "pytorch",
