@@ -27,6 +27,7 @@ pub mod loss;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod optim;
 pub mod testing;
 pub mod train;
 
