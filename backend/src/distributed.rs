@@ -225,6 +225,8 @@ impl Progress {
 pub struct Collective<I: Backend> {
     peer: PeerId,
     ranks: u32,
+    /// Ranks of this process (`--devices`).
+    devices: u32,
     timeouts: Timeouts,
     progress: Arc<Progress>,
     /// All-reduces issued so far (the first one gets `Timeouts::first`).
@@ -348,6 +350,7 @@ impl<I: Backend> Collective<I> {
         Ok(Collective {
             peer,
             ranks: d.ranks() as u32,
+            devices: d.devices,
             timeouts: d.timeouts,
             progress: Arc::new(Progress::default()),
             calls: Cell::new(0),
@@ -363,6 +366,11 @@ impl<I: Backend> Collective<I> {
 
     pub fn rank(&self) -> u32 {
         self.peer.0
+    }
+
+    /// Ranks this process drives (threads sharing its host).
+    pub fn local_ranks(&self) -> u32 {
+        self.devices
     }
 
     /// The handle `execute` reports the step and the end of the run through.

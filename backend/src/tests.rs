@@ -319,3 +319,20 @@ fn padding_hides_pad_tokens_from_real_tokens() {
         .unwrap();
     assert!(alone.iter().zip(&leaked).any(|(a, b)| (a - b).abs() > 1e-4));
 }
+
+/// An offloaded run needs host memory: refused with both figures where the
+/// machine has less free than the executor would put there.
+#[test]
+fn offload_needs_the_host_memory_it_uses() {
+    let plan = crate::testing::tiny_plan();
+    let e = crate::check_host_memory(&plan, 3 << 30, Some(1 << 30))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("needs 3.00 GiB") && e.contains("1.00 GiB available"),
+        "{e}"
+    );
+    assert!(crate::check_host_memory(&plan, 1 << 30, Some(3 << 30)).is_ok());
+    assert!(crate::check_host_memory(&plan, 1 << 30, None).is_ok());
+    assert!(crate::host_memory_available().is_some_and(|b| b > 0));
+}

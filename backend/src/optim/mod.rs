@@ -89,7 +89,9 @@ impl Rule {
 pub enum Place {
     Device,
     /// Host memory, the update over this many threads.
-    Host { threads: usize },
+    Host {
+        threads: usize,
+    },
 }
 
 enum State<B: Backend> {
@@ -130,6 +132,10 @@ impl<B: Backend> FlatOptim<B> {
             len,
             state,
         }
+    }
+
+    pub fn rule(&self) -> Rule {
+        self.rule
     }
 
     pub fn place(&self) -> Place {
@@ -358,7 +364,10 @@ impl<B: Backend> FlatOptim<B> {
                         Tensor::from_data(TensorData::new(v, [n]), device)
                     })
                 };
-                State::Device { m1: t(m1), m2: t(m2) }
+                State::Device {
+                    m1: t(m1),
+                    m2: t(m2),
+                }
             }
         };
         Ok(())
@@ -386,10 +395,12 @@ impl<'a> Reader<'a> {
         Some(a)
     }
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        self.take(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
     }
     fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+        self.take(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     }
 }
 

@@ -148,8 +148,12 @@ fn saved_state_resumes_the_same_steps() {
     let mut other = FlatOptim::<B>::new(sgd, Place::Device, n);
     assert!(other.load_state(&bytes, &Default::default()).is_err());
     let mut c = FlatOptim::<B>::new(rule, Place::Device, n);
-    assert!(c.load_state(&bytes[..bytes.len() - 3], &Default::default()).is_err());
+    assert!(c
+        .load_state(&bytes[..bytes.len() - 3], &Default::default())
+        .is_err());
     assert!(c.load_state(b"junk", &Default::default()).is_err());
     // A shard of the wrong length is refused, not stepped.
-    assert!(c.step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2))).is_err());
+    assert!(c
+        .step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2)))
+        .is_err());
 }

@@ -101,8 +101,8 @@ impl Pass for Sharding<'_> {
         .iter()
         .any(|c| c.is_auto());
         if self.data_parallel_only() && (model_parallel_auto || self.parallel.zero.is_auto()) {
-            decide(log, self, "tensor = pipeline = context = 1, zero = 0 (where auto)",
-                "the Burn executor trains data-parallel only (one process per rank, gradients all-reduced); plans for model parallelism or ZeRO run on PyTorch engines (`target pytorch`, `rcoa emit`)");
+            decide(log, self, "tensor = pipeline = context = 1, zero ∈ {0, 1, 2} (where auto)",
+                "the Burn executor trains data-parallel only (one process per rank) with ZeRO 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered) and weights gathered after the step; model parallelism and ZeRO-3 run on PyTorch engines (`target pytorch`, `rcoa emit`)");
         }
         if self.parallel.tensor.is_auto() && !self.data_parallel_only() {
             decide(log, self, format!("tensor ∈ {{{}}}", list(&tensor)),
@@ -185,7 +185,7 @@ impl Pass for Sharding<'_> {
         plan.space.layouts = layouts;
         plan.space.zero = match self.parallel.zero {
             Choice::Fixed(z) => vec![z],
-            Choice::Auto if self.data_parallel_only() => vec![0],
+            Choice::Auto if self.data_parallel_only() => vec![0, 1, 2],
             Choice::Auto => {
                 decide(log, self, "zero ∈ {0, 1, 2, 3}",
                     "each stage shards more (optimizer state, + gradients, + parameters) for more traffic; the search weighs memory against time");
