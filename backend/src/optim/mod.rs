@@ -18,28 +18,8 @@ use burn::tensor::{Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::OptimizerKind;
 
-/// The update rule and its hyper-parameters, in Burn's scalar types.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Rule {
-    /// Decoupled weight decay (`lr × weight_decay`, in f64 as Burn computes it).
-    AdamW {
-        beta_1: f32,
-        beta_2: f32,
-        epsilon: f32,
-        weight_decay: f32,
-    },
-    /// L2 penalty added to the gradient.
-    Adam {
-        beta_1: f32,
-        beta_2: f32,
-        epsilon: f32,
-        penalty: Option<f32>,
-    },
-    Sgd {
-        momentum: Option<f64>,
-        penalty: Option<f32>,
-    },
-}
+mod host;
+pub use host::Rule;
 
 impl Rule {
     /// The rule `train::Optim::for_plan` builds with Burn for `plan`.
@@ -75,13 +55,6 @@ impl Rule {
         })
     }
 
-    /// fp32 values of state per parameter (moments, or the velocity).
-    pub fn state_per_param(&self) -> usize {
-        match self {
-            Rule::AdamW { .. } | Rule::Adam { .. } => 2,
-            Rule::Sgd { momentum, .. } => usize::from(momentum.is_some()),
-        }
-    }
 }
 
 /// Where the state lives and the update runs.
@@ -254,34 +227,10 @@ impl<B: Backend> FlatOptim<B> {
 
     /// The same arithmetic per element, over `threads` host threads.
     fn step_host(&mut self, lr: f64, p: &mut [f32], g: &[f32], threads: usize) {
-        let n = p.len();
-        let time = self.time as i32;
-        let rule = self.rule;
         let State::Host { m1, m2 } = &mut self.state else {
             unreachable!("a host optimizer holds host state")
         };
-        let first = m1.is_empty() && m2.is_empty();
-        let need = rule.state_per_param();
-        if first {
-            *m1 = if need >= 1 { vec![0.0; n] } else { Vec::new() };
-            *m2 = if need >= 2 { vec![0.0; n] } else { Vec::new() };
-        }
-        let chunk = n.div_ceil(threads.max(1)).max(1);
-        let update = Update {
-            rule,
-            lr,
-            time,
-            first,
-        };
-        std::thread::scope(|s| {
-            let mut m1s = m1.chunks_mut(chunk);
-            let mut m2s = m2.chunks_mut(chunk);
-            for (pc, gc) in p.chunks_mut(chunk).zip(g.chunks(chunk)) {
-                let a = m1s.next().unwrap_or_default();
-                let b = m2s.next().unwrap_or_default();
-                s.spawn(move || update.run(pc, gc, a, b));
-            }
-        });
+        host::step(self.rule, lr, self.time as i32, p, g, m1, m2, threads);
     }
 
     /// The state as bytes: `RCOAFLAT`, version 1, rule tag, time, length,
@@ -409,84 +358,6 @@ fn host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| RunError::Backend(format!("cannot read a shard back: {e:?}")))
-}
-
-/// One host update over a chunk (the scalars of `step_device`, per element).
-#[derive(Clone, Copy)]
-struct Update {
-    rule: Rule,
-    lr: f64,
-    time: i32,
-    first: bool,
-}
-
-impl Update {
-    fn run(self, p: &mut [f32], g: &[f32], m1: &mut [f32], m2: &mut [f32]) {
-        let lr = self.lr as f32;
-        let first = self.first;
-        let moments = |i: usize, g: f32, m1: &mut [f32], m2: &mut [f32], b1: f32, b2: f32| {
-            let (f1, f2) = (1.0 - b1, 1.0 - b2);
-            m1[i] = if first { g * f1 } else { m1[i] * b1 + g * f1 };
-            m2[i] = if first {
-                (g * g) * f2
-            } else {
-                m2[i] * b2 + (g * g) * f2
-            };
-        };
-        match self.rule {
-            Rule::AdamW {
-                beta_1,
-                beta_2,
-                epsilon,
-                weight_decay,
-            } => {
-                let c1 = 1f32 - beta_1.powi(self.time);
-                let c2 = 1f32 - beta_2.powi(self.time);
-                let decay_rate = self.lr * (weight_decay as f64);
-                let keep = (1.0 - decay_rate) as f32;
-                for i in 0..p.len() {
-                    moments(i, g[i], m1, m2, beta_1, beta_2);
-                    let delta = (m1[i] / c1) / ((m2[i] / c2).sqrt() + epsilon);
-                    let decayed = if decay_rate == 0.0 { p[i] } else { p[i] * keep };
-                    p[i] = decayed - delta * lr;
-                }
-            }
-            Rule::Adam {
-                beta_1,
-                beta_2,
-                epsilon,
-                penalty,
-            } => {
-                let bc2 = (1.0 - beta_2.powi(self.time)).sqrt();
-                let factor = bc2 / (1.0 - beta_1.powi(self.time));
-                let eps = epsilon * bc2;
-                for i in 0..p.len() {
-                    let gi = match penalty {
-                        Some(c) => p[i] * c + g[i],
-                        None => g[i],
-                    };
-                    moments(i, gi, m1, m2, beta_1, beta_2);
-                    let update = (m1[i] * factor) / (m2[i].sqrt() + eps);
-                    p[i] -= update * lr;
-                }
-            }
-            Rule::Sgd { momentum, penalty } => {
-                let mu = momentum.map(|m| m as f32);
-                for i in 0..p.len() {
-                    let mut gi = match penalty {
-                        Some(c) => p[i] * c + g[i],
-                        None => g[i],
-                    };
-                    if let Some(mu) = mu {
-                        let v = if first { gi } else { gi * 1.0 + m1[i] * mu };
-                        m1[i] = v;
-                        gi = v;
-                    }
-                    p[i] -= gi * lr;
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
