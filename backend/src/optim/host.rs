@@ -164,7 +164,6 @@ impl Update {
     }
 }
 
-
 /// The AdamW loop, branch-free per element (zipped slices: no bounds
 /// checks, so the compiler vectorizes it).
 struct AdamW {

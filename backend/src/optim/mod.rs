@@ -54,7 +54,6 @@ impl Rule {
             }
         })
     }
-
 }
 
 /// Where the state lives and the update runs.
