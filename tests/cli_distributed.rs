@@ -811,25 +811,62 @@ fn zero_stages_on_two_processes_match_one_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// What is not executed is refused before anything starts, with the reason.
+/// What is not executed is refused before anything starts, with the reason:
+/// by the compiler for `target burn` (a fixed ZeRO-3), and by `rcoa run` for
+/// a lowered plan that asks for it (ZeRO-3, parameter offload).
 #[test]
 fn unexecuted_sharding_and_offload_are_refused() {
     let dir = temp("zero-refused");
-    let cases = [(zero_plan(3, false), "ZeRO stage 3")];
-    for (i, (text, want)) in cases.iter().enumerate() {
-        let plan = dir.join(format!("refused{i}.plan"));
-        std::fs::write(&plan, text).unwrap();
+    let run = |args: &[&str]| {
         let out = rcoa()
             .arg("run")
-            .arg(&plan)
+            .args(args)
             .args(["--steps", "1", "--devices", "2", "--device", "cpu"])
             .output()
             .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "case {i}: {stderr}");
-        assert!(stderr.contains(want), "case {i}: {stderr}");
-        assert!(!stderr.contains("panicked"), "case {i}: {stderr}");
-    }
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    let plan = dir.join("zero3.plan");
+    std::fs::write(&plan, zero_plan(3, false)).unwrap();
+    let e = run(&[plan.to_str().unwrap()]);
+    assert!(
+        e.contains("zero = 3 is not executed by the Burn executor"),
+        "{e}"
+    );
+
+    // A lowered plan edited past the compiler.
+    let plan = dir.join("zero2.plan");
+    std::fs::write(&plan, zero_plan(2, false)).unwrap();
+    let lowered = dir.join("zero2.json");
+    let st = rcoa()
+        .args([
+            "compile",
+            plan.to_str().unwrap(),
+            "--lowered",
+            lowered.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&lowered).unwrap()).unwrap();
+    v["resolved"]["zero"] = 3.into();
+    let edited = dir.join("zero3.json");
+    std::fs::write(&edited, v.to_string()).unwrap();
+    let e = run(&["--lowered", edited.to_str().unwrap()]);
+    assert!(e.contains("ZeRO stage 3") && e.contains("zero = 2"), "{e}");
+    v["resolved"]["zero"] = 2.into();
+    v["resolved"]["offload"] = serde_json::json!([{"what": "params", "to": "cpu"}]);
+    std::fs::write(&edited, v.to_string()).unwrap();
+    let e = run(&["--lowered", edited.to_str().unwrap()]);
+    assert!(e.contains("offloads the parameters"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

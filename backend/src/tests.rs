@@ -336,3 +336,39 @@ fn offload_needs_the_host_memory_it_uses() {
     assert!(crate::check_host_memory(&plan, 1 << 30, None).is_ok());
     assert!(crate::host_memory_available().is_some_and(|b| b > 0));
 }
+
+/// What the executor does not run is refused by `check_plan_ranks` with the
+/// reason, also for a lowered plan the compiler did not make.
+#[test]
+fn unexecuted_zero_and_offload_are_refused() {
+    use rcoa_compiler::spec::{Offload, OffloadTo, OffloadWhat};
+    let mut plan = crate::testing::tiny_plan();
+    plan.resolved.data = 2;
+    for zero in [1, 2] {
+        plan.resolved.zero = zero;
+        assert!(crate::check_plan_ranks(&plan, 2).is_ok(), "zero {zero}");
+    }
+    plan.resolved.zero = 3;
+    let e = crate::check_plan_ranks(&plan, 2).unwrap_err().to_string();
+    assert!(e.contains("ZeRO stage 3") && e.contains("zero = 2"), "{e}");
+    plan.resolved.zero = 2;
+    let refused = [
+        (
+            OffloadWhat::Params,
+            OffloadTo::Cpu,
+            "offloads the parameters",
+        ),
+        (OffloadWhat::Optimizer, OffloadTo::Nvme, "to NVMe"),
+        (OffloadWhat::Grads, OffloadTo::Cpu, "grads:cpu"),
+    ];
+    for (what, to, want) in refused {
+        plan.resolved.offload = vec![Offload { what, to }];
+        let e = crate::check_plan_ranks(&plan, 2).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    plan.resolved.offload = vec![Offload {
+        what: OffloadWhat::Optimizer,
+        to: OffloadTo::Cpu,
+    }];
+    assert!(crate::check_plan_ranks(&plan, 2).is_ok());
+}
