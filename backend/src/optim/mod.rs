@@ -147,6 +147,38 @@ impl<B: Backend> FlatOptim<B> {
         }
     }
 
+    /// One update of the host-resident fp32 shard `params` (offload) with
+    /// `grad` (brought down from the device); returns the updated shard on
+    /// `grad`'s device.
+    pub fn step_host_master(
+        &mut self,
+        lr: f64,
+        params: &mut [f32],
+        grad: Tensor<B, 1>,
+    ) -> Result<Tensor<B, 1>, RunError> {
+        let Place::Host { threads } = self.place else {
+            return Err(RunError::Backend(
+                "a host master needs the optimizer on the host".into(),
+            ));
+        };
+        let n = params.len();
+        if n != self.len || grad.dims()[0] != n {
+            return Err(RunError::Backend(format!(
+                "the optimizer holds a shard of {} values; got {n} weights and {} gradients",
+                self.len,
+                grad.dims()[0]
+            )));
+        }
+        self.time += 1;
+        let device = grad.device();
+        let g = host(grad)?;
+        self.step_host(lr, params, &g, threads);
+        Ok(Tensor::from_data(
+            TensorData::new(params.to_vec(), [n]),
+            &device,
+        ))
+    }
+
     /// Burn's tensor operations, in Burn's order.
     fn step_device(&mut self, lr: f64, t: Tensor<B, 1>, mut grad: Tensor<B, 1>) -> Tensor<B, 1> {
         let time = self.time as i32;
@@ -350,6 +382,11 @@ impl<'a> Reader<'a> {
         self.take(8)
             .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     }
+}
+
+/// A 1-D tensor's values in host memory.
+pub fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
+    host(t)
 }
 
 fn host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {

@@ -17,7 +17,9 @@
 //! shard of the optimizer state (`crate::optim::FlatOptim`), the updated
 //! shards are all-gathered, and the full vector is written back into the
 //! model's trainable parameters (cast to their dtype). With
-//! `offload = [optimizer]` the state and the update live in host memory.
+//! `offload = [optimizer]` the state, the fp32 master shard and the update
+//! live in host memory: the gradient shard comes down, the updated shard
+//! goes up for the all-gather.
 //! Stage 0 with the optimizer offloaded is the same with one shard: the mean
 //! gradient is all-reduced and every rank steps all of it on the host.
 //!
@@ -44,9 +46,15 @@ pub struct Zero<I: Backend> {
     len: usize,
     /// Values per shard.
     shard: usize,
-    /// This rank's shard of the fp32 weights, after the last update.
-    master: Option<Tensor<I, 1>>,
+    /// This rank's shard of the fp32 weights, after the last update: on the
+    /// device, or in host memory beside the offloaded optimizer state.
+    master: Option<Master<I>>,
     optim: FlatOptim<I>,
+}
+
+enum Master<I: Backend> {
+    Device(Tensor<I, 1>),
+    Host(Vec<f32>),
 }
 
 /// Host threads for the offloaded update: the machine's cores shared by the
@@ -106,6 +114,7 @@ impl<I: Backend> Zero<I> {
     pub fn host_bytes(&self) -> u64 {
         match self.optim.place() {
             Place::Host { .. } => {
+                // State, the fp32 master shard and the gradient shard.
                 let per = self.optim_rule_state() + 2;
                 (per * self.shard * 4) as u64
             }
@@ -202,11 +211,26 @@ impl<I: Backend> Zero<I> {
                 if padded > self.len {
                     all = Tensor::cat(vec![all, Tensor::zeros([padded - self.len], &device)], 0);
                 }
-                all.slice(range)
+                let shard = all.slice(range);
+                match self.optim.place() {
+                    Place::Device => Master::Device(shard),
+                    Place::Host { .. } => Master::Host(crate::optim::to_host(shard)?),
+                }
             }
         };
-        let updated = self.optim.step(lr, master, grad)?;
-        self.master = Some(updated.clone());
+        let updated = match master {
+            Master::Device(m) => {
+                let updated = self.optim.step(lr, m, grad)?;
+                self.master = Some(Master::Device(updated.clone()));
+                updated
+            }
+            Master::Host(mut m) => {
+                // Gradients down, the update on the host, the weights up.
+                let updated = self.optim.step_host_master(lr, &mut m, grad)?;
+                self.master = Some(Master::Host(m));
+                updated
+            }
+        };
         let full = match collective {
             Some(c) if self.shards > 1 => c.all_gather(updated)?,
             _ => updated,

@@ -89,8 +89,8 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
         // rcoa's Burn executor (backend/src/shard): one flat fp32 gradient vector; stage 1
         // all-reduces it (its reduced copy coexists), stage 2 reduce-scatters it (this rank's
-        // shard); the fp32 master of this rank's shard lives between steps, on the device
-        // also when the optimizer state is on the host; the all-gather's full vector comes
+        // shard); the fp32 master of this rank's shard lives between steps (on the device, or
+        // on the host beside the offloaded optimizer); the all-gather's full vector comes
         // after the flat buffers are freed. Counted over the whole step (the safe side).
         let flat = trainable * 4;
         let shards = if cand.zero >= 1 { d } else { 1 };
@@ -100,7 +100,9 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
             (_, 2) => flat + shard,
             _ => 2 * flat,
         };
-        t.reduce_bucket = exchange.max(flat) + shard;
+        // The master shard is on the host with the offloaded optimizer.
+        let master = if host_optimizer { 0 } else { shard };
+        t.reduce_bucket = exchange.max(flat) + master;
     } else if d > 1 && trainable > 0 {
         // Full (unsharded) gradient bytes of this rank's stage.
         let full_grads = (trainable as f64 * grad_b) as u64;
