@@ -780,6 +780,13 @@ impl<B: ExecAutodiff> Trainer<B> {
         c.0
     }
 
+    /// The trainable parameters' values, fp32, in visit order (the flat
+    /// vector ZeRO shards): for comparing runs element by element.
+    pub fn flat_weights(&self) -> Result<Vec<f32>, RunError> {
+        let device = self.device.clone();
+        crate::optim::to_host(crate::shard::flat_params::<B, _>(&self.model, &device))
+    }
+
     /// Number of parameters (all, trainable).
     pub fn param_counts(&self) -> (u64, u64) {
         struct Count(u64, u64);
