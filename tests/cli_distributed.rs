@@ -6,6 +6,8 @@
 //! (their weights stayed equal), and the loss curve must equal one process
 //! training the same global batch with a larger micro-batch. A rank that
 //! never comes or dies must stop the others with `--collective-timeout`.
+//! ZeRO 1 and 2 and the optimizer on the host, over threads and processes,
+//! must end within 1e-5 of one rank training the same global batch.
 //! Every child is killed after a hard deadline, so a hang fails instead of
 //! blocking the test run.
 
