@@ -6,6 +6,8 @@
 //! (their weights stayed equal), and the loss curve must equal one process
 //! training the same global batch with a larger micro-batch. A rank that
 //! never comes or dies must stop the others with `--collective-timeout`.
+//! ZeRO 1 and 2 and the optimizer on the host, over threads and processes,
+//! must end within 1e-5 of one rank training the same global batch.
 //! Every child is killed after a hard deadline, so a hang fails instead of
 //! blocking the test run.
 
@@ -553,9 +555,18 @@ fn a_missing_rank_stops_the_run_at_the_collective_timeout() {
 /// first step, `stop` is done to it. Returns rank 0's exit status, its
 /// stderr and how long it ran after `stop`.
 fn two_ranks_then(name: &str, stop: impl FnOnce(&mut Child)) -> (ExitStatus, String, Duration) {
+    two_ranks_of_then(name, TWO_RANKS, stop)
+}
+
+/// `two_ranks_then` with the plan `text`.
+fn two_ranks_of_then(
+    name: &str,
+    text: &str,
+    stop: impl FnOnce(&mut Child),
+) -> (ExitStatus, String, Duration) {
     let dir = temp(name);
     let plan = dir.join("tiny-2ranks.plan");
-    std::fs::write(&plan, TWO_RANKS).unwrap();
+    std::fs::write(&plan, text).unwrap();
     let mut children = Children(Vec::new());
     let port = orchestrator(&mut children);
     let mut runs = Vec::new();
@@ -662,6 +673,222 @@ fn a_dead_rank_stops_the_others() {
     let (status, stderr, took) = two_ranks_then("dead", |c| c.kill().unwrap());
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("all-reduce of step"), "{stderr}");
+    assert!(stderr.contains("rcoa::collective"), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
+}
+
+// ------------------------------------------------------------ ZeRO, offload
+
+/// `TWO_RANKS` with ZeRO stage `zero` and, with `offload`, the optimizer
+/// state and update in host memory.
+fn zero_plan(zero: u8, offload: bool) -> String {
+    let mut p = TWO_RANKS.replace(
+        "parallel { data = 2  zero = 0 }",
+        &format!("parallel {{ data = 2  zero = {zero} }}"),
+    );
+    if offload {
+        p = p.replace(
+            "fit { checkpoint = none }",
+            // `objective = memory`: offload is allowed, never forced; the
+            // search takes it when it saves memory.
+            "fit { checkpoint = none  offload = [optimizer]  objective = memory }",
+        );
+    }
+    p
+}
+
+fn start_event(lines: &[serde_json::Value]) -> serde_json::Value {
+    lines
+        .iter()
+        .find(|v| v["event"] == "start")
+        .cloned()
+        .expect("a start line")
+}
+
+/// The start event says what runs: the plan's stage and offload list.
+fn assert_started(lines: &[serde_json::Value], zero: u8, offload: bool) {
+    let s = start_event(lines);
+    assert_eq!(s["zero"], zero, "{s}");
+    let want: Vec<&str> = if offload {
+        vec!["optimizer:cpu"]
+    } else {
+        vec![]
+    };
+    assert_eq!(s["offload"], serde_json::json!(want), "{s}");
+}
+
+/// Losses and weights within 1e-5 of one rank training the global batch
+/// with Burn's optimizer (ZeRO 0, nothing offloaded).
+fn assert_matches_one(what: &str, losses: &[f64], checksum: f64, one: &(Vec<f64>, f64)) {
+    assert_same_curve(what, losses, &one.0);
+    for (x, y) in losses.iter().zip(&one.0) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{what}: {losses:?} vs {:?}",
+            one.0
+        );
+    }
+    assert!(
+        rel(checksum, one.1) <= 1e-5,
+        "{what}: final weights {checksum} vs one rank {}",
+        one.1
+    );
+}
+
+/// ZeRO 1 and 2, with and without the optimizer on the host (and ZeRO 0
+/// with it), on two threads of one process: 10 steps end with the weights
+/// of one rank training the same global batch, and both threads agree.
+#[test]
+fn zero_stages_on_two_threads_match_one_rank() {
+    let dir = temp("zero-threads");
+    let steps = "10";
+    let one = one_process(&dir, steps);
+    for (zero, offload) in [(1, false), (2, false), (1, true), (2, true), (0, true)] {
+        let what = format!("zero {zero}, offload {offload}, 2 threads");
+        let plan = dir.join(format!("z{zero}-{offload}.plan"));
+        std::fs::write(&plan, zero_plan(zero, offload)).unwrap();
+        let mut children = Children(Vec::new());
+        let start = Instant::now();
+        let args = strings(&[
+            "--steps",
+            steps,
+            "--format",
+            "json",
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+        ]);
+        let (i, out, err) = spawn_run(
+            &mut children,
+            &dir,
+            &format!("z{zero}{offload}"),
+            &plan,
+            &args,
+        );
+        let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+        let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+        assert!(status[0].success(), "{what}: {stderr}");
+        let lines = json_lines(&out);
+        assert_started(&lines, zero, offload);
+        let s = summary(&lines);
+        let local = s["local_param_checksums"].as_array().unwrap().clone();
+        assert_eq!(local.len(), 2, "{s}");
+        assert_eq!(local[0], local[1], "{what}: the threads' weights diverged");
+        let l = losses(&lines);
+        assert_eq!(l.len(), 10);
+        assert_matches_one(&what, &l, s["param_checksum"].as_f64().unwrap(), &one);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same over two processes (the all-gather and reduce-scatter of
+/// burn-collective's global ring between them).
+#[test]
+fn zero_stages_on_two_processes_match_one_rank() {
+    let dir = temp("zero-procs");
+    let steps = "10";
+    let one = one_process(&dir, steps);
+    for (zero, offload) in [(1, false), (2, false), (2, true)] {
+        let what = format!("zero {zero}, offload {offload}, 2 processes");
+        let plan = dir.join(format!("z{zero}-{offload}.plan"));
+        std::fs::write(&plan, zero_plan(zero, offload)).unwrap();
+        let ranks = two_processes_lines(&dir, &plan, steps, &[]);
+        for lines in &ranks {
+            assert_started(lines, zero, offload);
+        }
+        let (l0, l1) = (losses(&ranks[0]), losses(&ranks[1]));
+        assert_eq!(l0, l1, "{what}: the ranks disagree on the loss");
+        let (c0, c1) = (
+            summary(&ranks[0])["param_checksum"].as_f64().unwrap(),
+            summary(&ranks[1])["param_checksum"].as_f64().unwrap(),
+        );
+        assert_eq!(c0, c1, "{what}: the ranks' weights diverged");
+        assert_matches_one(&what, &l0, c0, &one);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What is not executed is refused before anything starts, with the reason:
+/// by the compiler for `target burn` (a fixed ZeRO-3), and by `rcoa run` for
+/// a lowered plan that asks for it (ZeRO-3, parameter offload).
+#[test]
+fn unexecuted_sharding_and_offload_are_refused() {
+    let dir = temp("zero-refused");
+    let run = |args: &[&str]| {
+        let out = rcoa()
+            .arg("run")
+            .args(args)
+            .args(["--steps", "1", "--devices", "2", "--device", "cpu"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    let plan = dir.join("zero3.plan");
+    std::fs::write(&plan, zero_plan(3, false)).unwrap();
+    let e = run(&[plan.to_str().unwrap()]);
+    assert!(
+        e.contains("zero = 3 is not executed by the Burn executor"),
+        "{e}"
+    );
+
+    // A lowered plan edited past the compiler.
+    let plan = dir.join("zero2.plan");
+    std::fs::write(&plan, zero_plan(2, false)).unwrap();
+    let lowered = dir.join("zero2.json");
+    let st = rcoa()
+        .args([
+            "compile",
+            plan.to_str().unwrap(),
+            "--lowered",
+            lowered.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&lowered).unwrap()).unwrap();
+    v["resolved"]["zero"] = 3.into();
+    let edited = dir.join("zero3.json");
+    std::fs::write(&edited, v.to_string()).unwrap();
+    let e = run(&["--lowered", edited.to_str().unwrap()]);
+    assert!(e.contains("ZeRO stage 3") && e.contains("zero = 2"), "{e}");
+    v["resolved"]["zero"] = 2.into();
+    v["resolved"]["offload"] = serde_json::json!([{"what": "params", "to": "cpu"}]);
+    std::fs::write(&edited, v.to_string()).unwrap();
+    let e = run(&["--lowered", edited.to_str().unwrap()]);
+    assert!(e.contains("offloads the parameters"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// ZeRO 2: a rank killed after its first step leaves rank 0 in a sharded
+/// collective; it stops with an error, never a hang or a panic.
+#[test]
+fn a_dead_rank_stops_a_sharded_step() {
+    let (status, stderr, took) =
+        two_ranks_of_then("zero-dead", &zero_plan(2, false), |c| c.kill().unwrap());
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        [
+            "reduce-scatter of step",
+            "all-gather of step",
+            "all-reduce of step"
+        ]
+        .iter()
+        .any(|w| stderr.contains(w)),
+        "{stderr}"
+    );
     assert!(stderr.contains("rcoa::collective"), "{stderr}");
     assert!(
         !stderr.contains("panicked") && !stderr.contains("stack backtrace"),

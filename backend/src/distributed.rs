@@ -225,6 +225,8 @@ impl Progress {
 pub struct Collective<I: Backend> {
     peer: PeerId,
     ranks: u32,
+    /// Ranks of this process (`--devices`).
+    devices: u32,
     timeouts: Timeouts,
     progress: Arc<Progress>,
     /// All-reduces issued so far (the first one gets `Timeouts::first`).
@@ -348,6 +350,7 @@ impl<I: Backend> Collective<I> {
         Ok(Collective {
             peer,
             ranks: d.ranks() as u32,
+            devices: d.devices,
             timeouts: d.timeouts,
             progress: Arc::new(Progress::default()),
             calls: Cell::new(0),
@@ -365,13 +368,23 @@ impl<I: Backend> Collective<I> {
         self.peer.0
     }
 
+    /// Ranks this process drives (threads sharing its host).
+    pub fn local_ranks(&self) -> u32 {
+        self.devices
+    }
+
     /// The handle `execute` reports the step and the end of the run through.
     pub fn progress(&self) -> Arc<Progress> {
         self.progress.clone()
     }
 
-    /// Mean of `t` over all ranks.
-    pub fn mean<const D: usize>(&self, t: Tensor<I, D>) -> Result<Tensor<I, D>, RunError> {
+    /// Run the collective call `f` (named `what` in errors) with this rank's
+    /// timeout: the first call of the run gets `Timeouts::first`.
+    fn call<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce(PeerId) -> Result<T, burn_collective::CollectiveError> + Send + 'static,
+    ) -> Result<T, RunError> {
         if self.broken.get() {
             return Err(RunError::Collective(
                 "an earlier collective call of this rank failed".into(),
@@ -385,21 +398,24 @@ impl<I: Backend> Collective<I> {
             self.timeouts.steady
         };
         let step = self.progress.step.load(Ordering::Relaxed);
-        let primitive = t.into_primitive().tensor();
         let peer = self.peer;
-        let reduced = bounded(limit, move || {
-            burn_collective::all_reduce::<I>(peer, primitive, ReduceOperation::Mean)
-        });
-        let what = format!("the all-reduce of step {step} (rank {})", self.peer.0);
+        let done = bounded(limit, move || f(peer));
+        let what = format!("the {what} of step {step} (rank {})", self.peer.0);
         let fail = |s: String| {
             self.broken.set(true);
             Err(RunError::Collective(s))
         };
-        match reduced {
-            Ok(Ok(t)) => Ok(Tensor::from_primitive(TensorPrimitive::Float(t))),
+        match done {
+            Ok(Ok(t)) => Ok(t),
             Ok(Err(burn_collective::CollectiveError::LocalServerMissing)) => fail(format!(
                 "{what} failed: burn-collective's server stopped, which it does when a peer's \
                  connection breaks: a rank may have died; ranks: {}",
+                self.ranks
+            )),
+            // burn-collective does not export the global error type.
+            Ok(Err(e)) if format!("{e:?}").contains("PeerLost") => fail(format!(
+                "{what} failed: a peer process closed its connection mid-transfer (it died or \
+                 stopped); ranks: {}",
                 self.ranks
             )),
             Ok(Err(e)) => fail(format!("{what} failed: {e:?}")),
@@ -410,6 +426,56 @@ impl<I: Backend> Collective<I> {
                 if first { ", first step" } else { "" },
                 self.ranks
             )),
+        }
+    }
+
+    /// Mean of `t` over all ranks.
+    pub fn mean<const D: usize>(&self, t: Tensor<I, D>) -> Result<Tensor<I, D>, RunError> {
+        let primitive = t.into_primitive().tensor();
+        let t = self.call("all-reduce", move |peer| {
+            burn_collective::all_reduce::<I>(peer, primitive, ReduceOperation::Mean)
+        })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(t)))
+    }
+
+    /// Every rank's `shard` (the same length on every rank), concatenated in
+    /// shard-index order (`shard_index`): the all-gather of burn-collective
+    /// (patched, see `vendor/RCOA-PATCH.md`).
+    pub fn all_gather(&self, shard: Tensor<I, 1>) -> Result<Tensor<I, 1>, RunError> {
+        let primitive = shard.into_primitive().tensor();
+        let t = self.call("all-gather", move |peer| {
+            burn_collective::all_gather::<I>(peer, primitive)
+        })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(t)))
+    }
+
+    /// This rank's shard of the mean of `t` over the ranks, and the shard's
+    /// index; `t`'s length must be a multiple of the rank count.
+    pub fn reduce_scatter_mean(&self, t: Tensor<I, 1>) -> Result<(Tensor<I, 1>, usize), RunError> {
+        let primitive = t.into_primitive().tensor();
+        let (t, index) = self.call("reduce-scatter", move |peer| {
+            burn_collective::reduce_scatter::<I>(peer, primitive, ReduceOperation::Mean)
+        })?;
+        Ok((Tensor::from_primitive(TensorPrimitive::Float(t)), index))
+    }
+
+    /// Which shard of a flat tensor the sharded collectives give this rank.
+    /// A local question to this process's collective server; it does not
+    /// count as the run's first call.
+    pub fn shard_index(&self) -> Result<usize, RunError> {
+        let peer = self.peer;
+        match bounded(self.timeouts.steady, move || {
+            burn_collective::shard_index::<I>(peer)
+        }) {
+            Ok(Ok(i)) => Ok(i),
+            Ok(Err(e)) => Err(RunError::Collective(format!(
+                "rank {} has no shard index: {e:?}",
+                peer.0
+            ))),
+            Err(_) => Err(RunError::Collective(format!(
+                "rank {}: burn-collective did not say which shard it owns",
+                peer.0
+            ))),
         }
     }
 
@@ -693,5 +759,47 @@ mod tests {
         for t in threads {
             assert_eq!(t.join().unwrap().unwrap(), vec![1.5, 10.0]);
         }
+    }
+
+    /// Two threads: the reduce-scatter gives each its half of the mean, the
+    /// all-gather puts the halves back in shard-index order, and the indices
+    /// are the ones `shard_index` names.
+    #[test]
+    fn two_local_ranks_reduce_scatter_and_all_gather() {
+        // Its own backend type: the collective server is one per backend
+        // type and process, and other tests use NdArray<f32>.
+        type I = burn::backend::NdArray<f32, i32>;
+        let threads: Vec<_> = (0..2u32)
+            .map(|local| {
+                std::thread::spawn(move || {
+                    let device = Default::default();
+                    let c = Collective::<I>::register(&one_node(2, local), &device)?;
+                    c.progress().set_step(1);
+                    let index = c.shard_index()?;
+                    let x = local as f32;
+                    let t = Tensor::<I, 1>::from_floats([x, 2.0 * x, 10.0, 20.0 + x], &device);
+                    let (shard, at) = c.reduce_scatter_mean(t)?;
+                    assert_eq!(at, index);
+                    let mine = Tensor::<I, 1>::from_floats([index as f32 * 100.0; 3], &device);
+                    let all = c.all_gather(mine)?;
+                    c.progress().set_done();
+                    Ok::<_, RunError>((
+                        index,
+                        shard.into_data().to_vec::<f32>().unwrap(),
+                        all.into_data().to_vec::<f32>().unwrap(),
+                    ))
+                })
+            })
+            .collect();
+        let mut indices = Vec::new();
+        for t in threads {
+            let (index, shard, all) = t.join().unwrap().unwrap();
+            let want: [[f32; 2]; 2] = [[0.5, 1.0], [10.0, 20.5]];
+            assert_eq!(shard, want[index].to_vec());
+            assert_eq!(all, vec![0.0, 0.0, 0.0, 100.0, 100.0, 100.0]);
+            indices.push(index);
+        }
+        indices.sort();
+        assert_eq!(indices, vec![0, 1]);
     }
 }

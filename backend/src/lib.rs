@@ -27,6 +27,8 @@ pub mod loss;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod optim;
+pub mod shard;
 pub mod testing;
 pub mod train;
 
@@ -90,6 +92,50 @@ pub fn check_plan(plan: &LoweredPlan) -> Result<(), RunError> {
     check_plan_ranks(plan, 1)
 }
 
+/// This machine's free memory: `MemAvailable` of `/proc/meminfo` (Linux);
+/// `None` where it cannot be read.
+pub fn host_memory_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuse to start an offloaded run on a host with less free memory
+/// (`available`, see `host_memory_available`) than the executor will put
+/// there (`need`, this process's ranks together: `shard::Zero::host_bytes`).
+/// The plan's `hardware.host_memory` (what the compiler assumed per node) is
+/// named in the error.
+pub fn check_host_memory(
+    plan: &LoweredPlan,
+    need: u64,
+    available: Option<u64>,
+) -> Result<(), RunError> {
+    let Some(free) = available else {
+        return Ok(());
+    };
+    if need <= free {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let assumed = plan
+        .hardware
+        .host_memory_bytes
+        .map(|b| {
+            format!(
+                "; the plan assumed {:.1} GiB per node (hardware.host_memory)",
+                gib(b)
+            )
+        })
+        .unwrap_or_default();
+    Err(RunError::Unsupported(format!(
+        "the offloaded optimizer needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
+         (MemAvailable){assumed}: free memory, or run fewer ranks per process",
+        gib(need),
+        gib(free)
+    )))
+}
+
 /// Refuse what this executor cannot carry out faithfully with `ranks`
 /// data-parallel ranks (one device each: processes × devices per process).
 pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> {
@@ -118,18 +164,32 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
             )
         }));
     }
-    if r.data > 1 && r.zero > 0 {
+    if r.zero > 2 {
         return u(format!(
-            "ZeRO stage {} shards state over the data-parallel ranks; the Burn executor replicates it (use `zero = 0`)",
+            "ZeRO stage {} shards the weights at rest and gathers them per layer; the Burn executor runs stages 0, 1 and 2 \
+             (optimizer state, and gradients, sharded over the ranks; every rank holds the whole model): use `zero = 2`",
             r.zero
         ));
     }
-    if !r.offload.is_empty() {
-        let list: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
-        return u(format!(
-            "the plan offloads {}; Burn 0.21 keeps optimizer state and activations on the device",
-            list.join(", ")
-        ));
+    for o in &r.offload {
+        use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
+        match (o.what, o.to) {
+            (OffloadWhat::Optimizer, OffloadTo::Cpu) => {}
+            (OffloadWhat::Optimizer, OffloadTo::Nvme) => {
+                return u("the plan offloads the optimizer to NVMe; the Burn executor offloads it to host memory only (`offload = [optimizer]`)".into())
+            }
+            (OffloadWhat::Params, _) => {
+                return u(format!(
+                    "the plan offloads the parameters ({o}): weights at rest on the host, streamed per layer, are not executed by the Burn executor; \
+                     it offloads the optimizer state and update only (`offload = [optimizer]`)"
+                ))
+            }
+            (OffloadWhat::Grads, _) | (OffloadWhat::Activations, _) => {
+                return u(format!(
+                    "the plan offloads {o}; the Burn executor offloads the optimizer state and update only (`offload = [optimizer]`)"
+                ))
+            }
+        }
     }
     if r.checkpoint == "selective" {
         return u("selective checkpointing (attention internals only) is not executed by the Burn executor; it recomputes whole layers (`checkpoint = full` or `every N`)".into());
@@ -230,6 +290,10 @@ pub struct Started {
     /// First step to run (1-based): > 1 after `--resume`.
     pub first_step: u64,
     pub memory_measure: &'static str,
+    /// The ZeRO stage executed (0: Burn's optimizer on every rank).
+    pub zero: u8,
+    /// What is offloaded, as the plan writes it (`optimizer:cpu`).
+    pub offload: Vec<String>,
 }
 
 /// The end of a run.
@@ -338,6 +402,15 @@ fn execute<B: ExecAutodiff>(
     if let Some(b) = built {
         b.wait();
     }
+    if trainer.zero().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
+        // Rank 0 alone writes checkpoints, and its Burn optimizer record is
+        // empty here: a checkpoint would silently lose the other shards.
+        return Err(RunError::Unsupported(format!(
+            "--save/--resume with zero = {} or an offloaded optimizer: checkpoints do not hold the ranks' optimizer shards yet \
+             (run without them, or with zero = 0 and nothing offloaded)",
+            plan.resolved.zero
+        )));
+    }
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
     }
@@ -355,6 +428,11 @@ fn execute<B: ExecAutodiff>(
         data,
         first_step: trainer.step + 1,
         memory_measure: probe.what(),
+        zero: trainer.zero().map_or(0, |z| z.stage()),
+        offload: match trainer.zero().map(|z| z.optimizer().place()) {
+            Some(optim::Place::Host { .. }) => vec!["optimizer:cpu".into()],
+            _ => Vec::new(),
+        },
     }));
     let mut reports = Vec::new();
     // The ranks hold equal weights: global rank 0 alone writes checkpoints.

@@ -331,6 +331,9 @@ pub struct Trainer<B: ExecAutodiff> {
     trace: bool,
     /// Data-parallel membership (`None`: a single process).
     collective: Option<crate::distributed::Collective<B::InnerBackend>>,
+    /// ZeRO 1/2 or the optimizer on the host (`crate::shard`): steps the
+    /// model instead of `optim`.
+    zero: Option<crate::shard::Zero<B::InnerBackend>>,
 }
 
 impl<B: ExecAutodiff> Trainer<B> {
@@ -383,6 +386,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         };
         let reseed =
             plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
+        let zero = crate::shard::for_plan::<B, _>(plan, &model, cfg.collective.as_ref())?;
         Ok(Trainer {
             device,
             model,
@@ -406,7 +410,33 @@ impl<B: ExecAutodiff> Trainer<B> {
                 .unwrap_or(true),
             trace: std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"),
             collective: cfg.collective,
+            zero,
         })
+    }
+
+    /// The sharded optimizer, when the plan asks for ZeRO 1/2 or offload.
+    pub fn zero(&self) -> Option<&crate::shard::Zero<B::InnerBackend>> {
+        self.zero.as_ref()
+    }
+
+    /// This rank's optimizer state shard as bytes (`FlatOptim::save_state`)
+    /// and its shard index; `None` with Burn's optimizer.
+    pub fn optimizer_shard_state(&self) -> Option<Result<(usize, Vec<u8>), RunError>> {
+        self.zero
+            .as_ref()
+            .map(|z| Ok((z.index(), z.optimizer().save_state()?)))
+    }
+
+    /// Restore this rank's shard written by `optimizer_shard_state` (after the
+    /// model was loaded: the master shard is taken from it again).
+    pub fn load_optimizer_shard_state(&mut self, bytes: &[u8]) -> Result<(), RunError> {
+        let device = self.device.clone();
+        let z = self.zero.as_mut().ok_or_else(|| {
+            RunError::Checkpoint("this run has no sharded optimizer state to load".into())
+        })?;
+        z.optimizer_mut().load_state(bytes, &device)?;
+        z.reset_master();
+        Ok(())
     }
 
     /// Override which layers are recomputed (tests compare the variants).
@@ -617,18 +647,32 @@ impl<B: ExecAutodiff> Trainer<B> {
                 None => l,
             });
         }
-        // Data parallel: every rank steps with the mean gradient (the same on
-        // every rank), so the weights stay equal. The loss reported is the
-        // mean over the ranks, the loss of the global batch.
-        if let Some(c) = &self.collective {
+        if let Some(z) = &mut self.zero {
+            // ZeRO 1/2 or the optimizer on the host: the sharded step
+            // reduces, updates its shard and gathers the weights back.
             let loss = total.take().ok_or_else(|| {
-                RunError::Backend("a data-parallel step needs at least one micro-batch".into())
+                RunError::Backend("a training step needs at least one micro-batch".into())
             })?;
-            total = Some(c.mean_step::<B, _>(&self.model, &mut acc, loss)?);
-            self.mark(probe, false, &|| "all-reduce".into());
+            let model = self.model.clone();
+            let (model, loss) =
+                z.step::<B, _>(self.collective.as_ref(), self.lr, model, &mut acc, loss)?;
+            self.model = model;
+            total = Some(loss);
+        } else {
+            // Data parallel: every rank steps with the mean gradient (the
+            // same on every rank), so the weights stay equal. The loss
+            // reported is the mean over the ranks, the loss of the global
+            // batch.
+            if let Some(c) = &self.collective {
+                let loss = total.take().ok_or_else(|| {
+                    RunError::Backend("a data-parallel step needs at least one micro-batch".into())
+                })?;
+                total = Some(c.mean_step::<B, _>(&self.model, &mut acc, loss)?);
+                self.mark(probe, false, &|| "all-reduce".into());
+            }
+            let model = self.model.clone();
+            self.model = self.optim.step(self.lr, model, acc);
         }
-        let model = self.model.clone();
-        self.model = self.optim.step(self.lr, model, acc);
         if self.precision.master {
             self.work = Some(
                 self.model
@@ -754,6 +798,13 @@ impl<B: ExecAutodiff> Trainer<B> {
         let mut c = Sum(0.0);
         self.model.visit(&mut c);
         c.0
+    }
+
+    /// The trainable parameters' values, fp32, in visit order (the flat
+    /// vector ZeRO shards): for comparing runs element by element.
+    pub fn flat_weights(&self) -> Result<Vec<f32>, RunError> {
+        let device = self.device.clone();
+        crate::optim::to_host(crate::shard::flat_params::<B, _>(&self.model, &device))
     }
 
     /// Number of parameters (all, trainable).

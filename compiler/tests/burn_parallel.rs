@@ -1,7 +1,8 @@
 //! Multi-GPU plans for rcoa's Burn executor: it trains data-parallel only (one
-//! process per rank, gradients all-reduced as one flat fp32 vector), so the
-//! search keeps `auto` model-parallel degrees at 1 and ZeRO at 0, and the
-//! memory model counts the exchange's flat vectors.
+//! process per rank, gradients exchanged as one flat fp32 vector) with ZeRO
+//! 0, 1 or 2 and the optimizer optionally on the host, so the search keeps
+//! `auto` model-parallel degrees at 1, ZeRO within {0, 1, 2}, offload within
+//! {optimizer}, and the memory model counts the exchange's flat vectors.
 
 use rcoa_compiler::resolve::{resolve, ResolveContext};
 use rcoa_compiler::spec::Spec;
@@ -16,7 +17,7 @@ fn spec(gpus: u64, target: &str, parallel: &str) -> Spec {
 }
 
 #[test]
-fn burn_plans_stay_data_parallel_without_zero() {
+fn burn_plans_stay_data_parallel_with_the_zero_stages_the_executor_runs() {
     let c = rcoa_compiler::compile(&spec(
         4,
         "burn",
@@ -24,15 +25,13 @@ fn burn_plans_stay_data_parallel_without_zero() {
     ))
     .unwrap();
     let r = &c.lowered.resolved;
-    assert_eq!(
-        (r.data, r.tensor, r.pipeline, r.context, r.zero),
-        (4, 1, 1, 1, 0)
-    );
+    assert_eq!((r.data, r.tensor, r.pipeline, r.context), (4, 1, 1, 1));
+    assert!(r.zero <= 2, "zero {}", r.zero);
     assert!(c
         .explain
         .decisions
         .iter()
-        .any(|d| d.what.contains("zero = 0")));
+        .any(|d| d.what.contains("zero ∈ {0, 1, 2}")));
     // The same plan for PyTorch engines may use any of them.
     let p = rcoa_compiler::compile(&spec(
         4,
@@ -41,6 +40,55 @@ fn burn_plans_stay_data_parallel_without_zero() {
     ))
     .unwrap();
     assert!(p.lowered.prediction.fits);
+}
+
+/// An 8B full fine-tune (`plans/llama-3.1-8b-full-4xa100-40gb.plan` for the
+/// Burn executor): its fixed ZeRO-3 is refused; with `zero = auto` the search
+/// shards the optimizer (ZeRO 1/2) or moves it to the host, never more.
+#[test]
+fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../plans/llama-3.1-8b-full-4xa100-40gb.plan"
+    );
+    let text = std::fs::read_to_string(path)
+        .unwrap()
+        .replace("target pytorch", "target burn");
+    let compile = |src: &str| {
+        let file = rcoa_grammar::parse("t.plan", src).unwrap();
+        let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
+        rcoa_compiler::compile(&spec)
+    };
+    let e = compile(&text).map(|_| ()).unwrap_err().to_string();
+    assert!(
+        e.contains("zero = 3 is not executed by the Burn executor"),
+        "{e}"
+    );
+    let c = compile(&text.replace("zero = 3", "zero = auto")).unwrap();
+    let r = &c.lowered.resolved;
+    assert!(r.zero <= 2, "zero {}", r.zero);
+    assert!(r
+        .offload
+        .iter()
+        .all(|o| o.what == rcoa_compiler::spec::OffloadWhat::Optimizer));
+    assert!(r.zero > 0 || !r.offload.is_empty(), "{r:?}");
+}
+
+/// ZeRO-2 on the Burn executor: the flat gradient, this rank's reduced shard
+/// and its fp32 master shard; gradients stay whole through the backward.
+#[test]
+fn burn_zero2_counts_the_flat_vector_and_the_shards() {
+    let two = rcoa_compiler::compile(&spec(2, "burn", "zero = 2")).unwrap();
+    assert_eq!(two.lowered.resolved.zero, 2);
+    let flat = two.report.params_trainable * 4;
+    let shard = flat.div_ceil(2);
+    let comm = two.lowered.prediction.breakdown["communication"];
+    assert_eq!(comm, flat + 2 * shard);
+    let zero1 = rcoa_compiler::compile(&spec(2, "burn", "zero = 1")).unwrap();
+    assert_eq!(
+        zero1.lowered.prediction.breakdown["communication"],
+        2 * flat + shard
+    );
 }
 
 #[test]

@@ -292,7 +292,7 @@ pub fn run(args: Args) -> ExitCode {
                         "checkpointed_layers": s.checkpointed_layers, "layers": s.layers,
                         "micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "data": s.data,
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
-                        "ranks": ranks,
+                        "ranks": ranks, "zero": s.zero, "offload": s.offload,
                     }))
                 );
             } else if text {
@@ -307,6 +307,13 @@ pub fn run(args: Args) -> ExitCode {
                     s.params, s.trainable
                 );
                 eprintln!("precision  {}", s.precision);
+                if s.zero > 0 || !s.offload.is_empty() {
+                    eprintln!(
+                        "optimizer  ZeRO stage {} over {ranks} rank(s); offloaded: [{}]",
+                        s.zero,
+                        s.offload.join(", ")
+                    );
+                }
                 if let Some(n) = &s.precision_note {
                     eprintln!("note       {n}");
                 }

@@ -330,7 +330,23 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     if d > 1 {
         let dp = link(spec, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
+        let burn = spec.target == crate::spec::Target::Burn;
         match cand.zero {
+            // rcoa's Burn executor (backend/src/shard): one flat fp32 vector once per step;
+            // stage 1 all-reduces it whole, stage 2 reduce-scatters it; the updated fp32
+            // shards are all-gathered.
+            1 | 2 if burn => {
+                let flat = stage_trainable * 4.0;
+                if cand.zero == 1 {
+                    let w = "flat fp32 gradients (Burn ZeRO-1: all-reduced whole, once per step)";
+                    r.push(Collective::AllReduce, w, g, n, dp, flat, 1.0, op);
+                } else {
+                    let w = "flat fp32 gradients (Burn ZeRO-2: reduce-scattered once per step)";
+                    r.push(Collective::ReduceScatter, w, g, n, dp, flat, 1.0, op);
+                }
+                let u = "updated fp32 weight shards (Burn ZeRO)";
+                r.push(Collective::AllGather, u, g, n, dp, flat, 1.0, op);
+            }
             // DDP all-reduces once per step (no_sync while accumulating); ZeRO-1's
             // reduce-scatter plus all-gather of the updated shard moves the same bytes.
             0 => r.push(
@@ -441,8 +457,16 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                 r.push(ht, g, h, 1, to, grad_bytes / shard, 1.0, op);
                 let w = "updated weights from the host optimizer";
                 r.push(ht, w, h, 1, to, param_bytes / shard, 1.0, op);
-                let state = stage_trainable * (spec.optimizer.state.bytes() * 2.0 + 4.0) / shard;
-                host_optimizer_s += state / CPU_OPTIMIZER_BYTES_PER_S;
+                let state = if spec.target == crate::spec::Target::Burn {
+                    // backend/src/optim/host.rs: fp32 weights, gradients and two moments
+                    // read, weights and moments written (28 bytes per AdamW parameter).
+                    stage_trainable * 28.0 / shard
+                } else {
+                    stage_trainable * (spec.optimizer.state.bytes() * 2.0 + 4.0) / shard
+                };
+                let rate =
+                    crate::profile::Profile::for_target(spec.target).host_optimizer_bytes_per_s;
+                host_optimizer_s += state / rate;
             }
             // Fetched for the forward and again for the backward of every micro-step.
             OffloadWhat::Params => {

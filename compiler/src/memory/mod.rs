@@ -249,7 +249,7 @@ fn evaluate_stage(
     };
     persistent.fixed[Category::Optimizer as usize] = state;
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
-    if cand.zero >= 2 || cand.offloads(OffloadWhat::Grads) {
+    if (cand.zero >= 2 && profile.grads_sharded_in_backward) || cand.offloads(OffloadWhat::Grads) {
         persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads) {
             u64::MAX
         } else {

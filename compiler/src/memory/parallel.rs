@@ -84,7 +84,26 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     let param_b = spec.precision.params.bytes();
     let trainable = report.params_trainable;
     let mut t = ParallelTerms::default();
-    if d > 1 && trainable > 0 {
+    let burn = spec.target == crate::spec::Target::Burn;
+    let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
+    if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
+        // rcoa's Burn executor (backend/src/shard): one flat fp32 gradient vector; stage 1
+        // all-reduces it (its reduced copy coexists), stage 2 reduce-scatters it (this rank's
+        // shard); the fp32 master of this rank's shard lives between steps (on the device, or
+        // on the host beside the offloaded optimizer); the all-gather's full vector comes
+        // after the flat buffers are freed. Counted over the whole step (the safe side).
+        let flat = trainable * 4;
+        let shards = if cand.zero >= 1 { d } else { 1 };
+        let shard = flat.div_ceil(shards);
+        let exchange = match (d, cand.zero) {
+            (1, _) => flat,
+            (_, 2) => flat + shard,
+            _ => 2 * flat,
+        };
+        // The master shard is on the host with the offloaded optimizer.
+        let master = if host_optimizer { 0 } else { shard };
+        t.reduce_bucket = exchange.max(flat) + master;
+    } else if d > 1 && trainable > 0 {
         // Full (unsharded) gradient bytes of this rank's stage.
         let full_grads = (trainable as f64 * grad_b) as u64;
         match cand.zero {
@@ -264,6 +283,9 @@ fn describe(
     };
     let grads = if cand.offloads(OffloadWhat::Grads) {
         "on the host".to_string()
+    } else if cand.zero >= 2 && d > 1 && spec.target == crate::spec::Target::Burn {
+        "all the stage's gradients (the Burn executor reduce-scatters them after the backward)"
+            .to_string()
     } else if cand.zero >= 2 && d > 1 {
         of(d, "gradients", dp(cand.zero.min(3)))
     } else {

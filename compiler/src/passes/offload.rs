@@ -6,15 +6,15 @@
 //! search skips other stages. Activations are not offered: the memory model
 //! does not model moving checkpointed inputs to the host, and a move it
 //! cannot price is not one the compiler may choose. Host and NVMe capacity
-//! are checked per candidate by the search. The Burn executor cannot move
-//! anything (its optimizer state lives on the gradient's device): a plan that
-//! needs offload runs on an engine that has it (DeepSpeed, via `rcoa emit`)
-//! and says `target pytorch`, so its memory is predicted for that runtime.
+//! are checked per candidate by the search. The Burn executor offloads the
+//! optimizer (state and update in host memory) and nothing else: a plan that
+//! needs more runs on an engine that has it (DeepSpeed, via `rcoa emit`) and
+//! says `target pytorch`, so its memory is predicted for that runtime.
 
 use super::{decide, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
-use crate::spec::{HardwareSpec, Offload as Item, OffloadWhat, Target};
+use crate::spec::{HardwareSpec, Offload as Item, OffloadTo, OffloadWhat, Target};
 
 pub struct Offload<'a> {
     allowed: &'a [Item],
@@ -39,14 +39,16 @@ impl Pass for Offload<'_> {
 
     fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
         let mut items: Vec<Item> = Vec::new();
-        if self.target == Target::Burn && !self.allowed.is_empty() {
-            decide(log, self, "offload = []",
-                "the Burn executor keeps optimizer state on the gradient's device (BURN.md): nothing can move; \
-                 plans that need offload run on DeepSpeed (`rcoa emit`) with `target pytorch`");
-            plan.space.offload = vec![Vec::new()];
-            return Ok(());
-        }
+        let burn = self.target == Target::Burn;
         for o in self.allowed {
+            // The Burn executor moves the optimizer state and its update to
+            // host memory (`backend/src/shard`), nothing else.
+            if burn && !(o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu) {
+                decide(log, self, format!("{o} not used"),
+                    "the Burn executor offloads the optimizer state and update to host memory only; \
+                     parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)");
+                continue;
+            }
             if o.what == OffloadWhat::Activations {
                 decide(log, self, format!("{o} not used"),
                     "moving activations to the host is not modelled by the memory model; checkpointing covers the same memory");

@@ -12,8 +12,9 @@
 //! moves the same bytes as tensor parallelism's all-reduces and divides
 //! the activations between them. Expert parallelism: dense models only.
 //! The Burn executor (`target burn`) runs data parallelism only, one process
-//! per rank with a plain all-reduce: its `auto` degrees stay at 1 and its
-//! `auto` ZeRO stage at 0, so the search never picks what `rcoa run` refuses.
+//! or thread per rank, with ZeRO 0, 1 or 2 (`backend/src/shard`): its `auto`
+//! degrees stay at 1 and its `auto` ZeRO stage within {0, 1, 2}, and a fixed
+//! ZeRO-3 is an error, so the search never picks what `rcoa run` refuses.
 
 use super::{decide, divisors, Layout, Pass, Plan};
 use crate::compile::CompileError;
@@ -101,8 +102,8 @@ impl Pass for Sharding<'_> {
         .iter()
         .any(|c| c.is_auto());
         if self.data_parallel_only() && (model_parallel_auto || self.parallel.zero.is_auto()) {
-            decide(log, self, "tensor = pipeline = context = 1, zero = 0 (where auto)",
-                "the Burn executor trains data-parallel only (one process per rank, gradients all-reduced); plans for model parallelism or ZeRO run on PyTorch engines (`target pytorch`, `rcoa emit`)");
+            decide(log, self, "tensor = pipeline = context = 1, zero ∈ {0, 1, 2} (where auto)",
+                "the Burn executor trains data-parallel only (one process per rank) with ZeRO 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered) and weights gathered after the step; model parallelism and ZeRO-3 run on PyTorch engines (`target pytorch`, `rcoa emit`)");
         }
         if self.parallel.tensor.is_auto() && !self.data_parallel_only() {
             decide(log, self, format!("tensor ∈ {{{}}}", list(&tensor)),
@@ -184,8 +185,15 @@ impl Pass for Sharding<'_> {
         }
         plan.space.layouts = layouts;
         plan.space.zero = match self.parallel.zero {
+            Choice::Fixed(z) if z > 2 && self.data_parallel_only() => {
+                return Err(CompileError::Inconsistent {
+                    what: format!("zero = {z} is not executed by the Burn executor (`target burn`)"),
+                    help: "`rcoa run` runs ZeRO 0, 1 and 2 (optimizer state, and gradients, sharded; every rank holds the whole model) \
+                           and offloads the optimizer to the host: write `zero = 2` (or `auto`), or `target pytorch` for DeepSpeed's ZeRO-3 (`rcoa emit`)".into(),
+                });
+            }
             Choice::Fixed(z) => vec![z],
-            Choice::Auto if self.data_parallel_only() => vec![0],
+            Choice::Auto if self.data_parallel_only() => vec![0, 1, 2],
             Choice::Auto => {
                 decide(log, self, "zero ∈ {0, 1, 2, 3}",
                     "each stage shards more (optimizer state, + gradients, + parameters) for more traffic; the search weighs memory against time");

@@ -63,6 +63,13 @@ pub struct Profile {
     /// under Burn 0.21's autodiff save rules instead of PyTorch/Hugging Face's: see
     /// `memory::build` (`burn_*` helpers) for each op and what its backward keeps.
     pub burn_ops: bool,
+    /// ZeRO-2 frees each gradient as the backward produces it (PyTorch engines' bucketed
+    /// reduce-scatter during the backward). rcoa's Burn executor reduce-scatters one flat
+    /// vector after the backward (`backend/src/shard`), so every gradient is whole until then.
+    pub grads_sharded_in_backward: bool,
+    /// Bytes a host optimizer step touches per second per GPU's share of the host
+    /// (`offload = [optimizer]`): weights, gradients and state read, weights and state written.
+    pub host_optimizer_bytes_per_s: f64,
     /// An element-wise op writes into an input buffer nothing else references (CubeCL's
     /// in-place kernels when a tensor handle is uniquely owned): the output takes no new
     /// bytes when an input of the same size dies at that op.
@@ -163,6 +170,8 @@ impl Profile {
             // headroom for the allocator's fragmentation at the peak.
             default_reserve_bytes: 1 << 30,
             burn_ops: false,
+            grads_sharded_in_backward: true,
+            host_optimizer_bytes_per_s: crate::cost::parallel::CPU_OPTIMIZER_BYTES_PER_S,
             inplace_elementwise: false,
             peak_sampled_at_segments: false,
             // The 1 GiB reserve above covers the caching allocator's fragmentation.
@@ -229,6 +238,12 @@ impl Profile {
             // reserved peak on every measured row (CUDA context and kernels).
             default_reserve_bytes: 640 << 20,
             burn_ops: true,
+            grads_sharded_in_backward: false,
+            // backend/bench/host-optimizer on the 2-core machine this was written on (no GPU):
+            // the executor's AdamW over 32 Mi fp32 parameters on 2 threads, 0.048 s, i.e.
+            // 19.6 GB/s of 28 bytes per parameter (0.47 of a plain copy's 42 GB/s read + write).
+            // This machine's figure; a GPU server's host share is to be measured there.
+            host_optimizer_bytes_per_s: 19.6e9,
             inplace_elementwise: true,
             // backend/src/train.rs samples `bytes_in_use` after every layer's forward and
             // backward, the loss and the optimizer: what `rcoa run` reports as measured.

@@ -34,6 +34,13 @@ pub enum CollectiveError {
     BroadcastNoTensor,
     /// Trying to broadcast but multiple peers sent a tensor
     BroadcastMultipleTensors,
+    /// rcoa patch: an all-gather or reduce-scatter got tensors that are not
+    /// 1-D, of different lengths, or not a multiple of the rank count
+    ShardShapeMismatch,
+    /// rcoa patch: an all-gather and a reduce-scatter met
+    ShardOperationMismatch,
+    /// rcoa patch: sharded collectives need the same device count on every node
+    ShardUnevenNodes,
     /// Local collective server couldn't respond
     LocalServerMissing,
     /// Another operation was called before Register
@@ -106,6 +113,36 @@ pub fn reduce<B: Backend>(
 ) -> Result<Option<B::FloatTensorPrimitive>, CollectiveError> {
     let client = get_collective_client::<B>();
     client.reduce(id, tensor, op, root)
+}
+
+/// rcoa patch: all-gather. Every rank passes its shard (1-D, the same length
+/// on every rank) and gets every rank's shard concatenated in shard-index
+/// order (see [`shard_index`]).
+pub fn all_gather<B: Backend>(
+    id: PeerId,
+    shard: B::FloatTensorPrimitive,
+) -> Result<B::FloatTensorPrimitive, CollectiveError> {
+    let client = get_collective_client::<B>();
+    client.shard_op(id, shard, crate::local::ShardKind::AllGather).map(|(t, _)| t)
+}
+
+/// rcoa patch: reduce-scatter. Every rank passes a full tensor (1-D, its
+/// length a multiple of the rank count) and gets its shard of the reduction
+/// and the shard's index.
+pub fn reduce_scatter<B: Backend>(
+    id: PeerId,
+    tensor: B::FloatTensorPrimitive,
+    op: ReduceOperation,
+) -> Result<(B::FloatTensorPrimitive, usize), CollectiveError> {
+    let client = get_collective_client::<B>();
+    client.shard_op(id, tensor, crate::local::ShardKind::ReduceScatter(op))
+}
+
+/// rcoa patch: which shard of a flat tensor `all_gather` and `reduce_scatter`
+/// assign to the peer `id` (after `register`).
+pub fn shard_index<B: Backend>(id: PeerId) -> Result<usize, CollectiveError> {
+    let client = get_collective_client::<B>();
+    client.shard_index(id)
 }
 
 /// Closes the collective session, unregistering the device

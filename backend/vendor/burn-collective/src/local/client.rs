@@ -261,6 +261,34 @@ impl<B: Backend> LocalCollectiveClient<B> {
         })
     }
 
+    /// rcoa patch: an all-gather or a reduce-scatter (`local::shard`).
+    pub(crate) fn shard_op(
+        &self,
+        id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+        kind: crate::local::ShardKind,
+    ) -> crate::local::ShardResult<B::FloatTensorPrimitive> {
+        let (callback, rec) = std::sync::mpsc::sync_channel(1);
+        self.channel
+            .send(Message::Shard {
+                device_id: id,
+                tensor,
+                kind,
+                callback,
+            })
+            .map_err(|_| CollectiveError::LocalServerMissing)?;
+        rec.recv().map_err(|_| CollectiveError::LocalServerMissing)?
+    }
+
+    /// rcoa patch: the shard index of peer `id`.
+    pub(crate) fn shard_index(&self, id: PeerId) -> Result<usize, CollectiveError> {
+        let (callback, rec) = std::sync::mpsc::sync_channel(1);
+        self.channel
+            .send(Message::ShardIndex { id, callback })
+            .map_err(|_| CollectiveError::LocalServerMissing)?;
+        rec.recv().map_err(|_| CollectiveError::LocalServerMissing)?
+    }
+
     pub(crate) fn finish(&self, id: PeerId) -> FinishResult {
         self.finish_start(id).wait()
     }

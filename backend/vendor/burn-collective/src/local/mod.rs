@@ -1,12 +1,15 @@
 mod all_reduce;
 mod broadcast;
 mod reduce;
+// rcoa patch: all-gather and reduce-scatter.
+mod shard;
 
 pub(crate) mod tensor_map;
 
 pub(crate) use all_reduce::*;
 pub(crate) use broadcast::*;
 pub(crate) use reduce::*;
+pub(crate) use shard::*;
 
 pub(crate) mod client;
 pub(crate) mod server;

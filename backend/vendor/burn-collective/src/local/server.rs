@@ -57,6 +57,9 @@ pub(crate) struct LocalCollectiveServer<B: Backend> {
     /// Uncompleted broadcast calls, one for each calling device.
     broadcast_op: Option<BroadcastOp<B>>,
 
+    /// rcoa patch: the all-gather or reduce-scatter under way.
+    shard_op: Option<crate::local::ShardOp<B>>,
+
     /// Client for global collective operations
     global_client: Option<Node<B, Network>>,
 }
@@ -92,6 +95,18 @@ pub(crate) enum Message<B: Backend> {
         callback: SyncSender<BroadcastResult<B::FloatTensorPrimitive>>,
     },
     /// Reset the collective server.
+    /// rcoa patch: all-gather or reduce-scatter.
+    Shard {
+        device_id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+        kind: crate::local::ShardKind,
+        callback: SyncSender<crate::local::ShardResult<B::FloatTensorPrimitive>>,
+    },
+    /// rcoa patch: which shard a peer owns.
+    ShardIndex {
+        id: PeerId,
+        callback: SyncSender<Result<usize, CollectiveError>>,
+    },
     Reset,
     Finish {
         id: PeerId,
@@ -177,6 +192,7 @@ impl<B: Backend> LocalCollectiveServer<B> {
             all_reduce_op: None,
             reduce_op: None,
             broadcast_op: None,
+            shard_op: None,
             callbacks_register: vec![],
             global_client: None,
         }
@@ -249,9 +265,65 @@ impl<B: Backend> LocalCollectiveServer<B> {
                 self.process_broadcast_message(device_id, tensor, callback)
                     .await
             }
+            Message::Shard {
+                device_id,
+                tensor,
+                kind,
+                callback,
+            } => {
+                self.process_shard_message(device_id, tensor, kind, callback)
+                    .await
+            }
+            Message::ShardIndex { id, callback } => {
+                let index = self.shard_index(id).await;
+                let _ = callback.send(index);
+            }
             Message::Reset => self.reset(),
             Message::Finish { id, callback } => self.process_finish_message(id, callback).await,
         }
+    }
+
+    /// rcoa patch: see `local::shard`.
+    async fn process_shard_message(
+        &mut self,
+        peer_id: PeerId,
+        tensor: FloatTensor<B>,
+        kind: crate::local::ShardKind,
+        callback: SyncSender<crate::local::ShardResult<FloatTensor<B>>>,
+    ) {
+        let (Some(config), Some(device)) = (self.config.as_ref(), self.devices.get(&peer_id))
+        else {
+            let _ = callback.send(Err(CollectiveError::RegisterNotFirstOperation));
+            return;
+        };
+        let device = device.clone();
+        let mut op = self
+            .shard_op
+            .take()
+            .unwrap_or_else(|| crate::local::ShardOp::new(kind, tensor.shape()));
+        match op.register_call(peer_id, kind, tensor, device, callback, self.peers.len()) {
+            Ok(true) => {
+                let config = config.clone();
+                op.execute(&config, &mut self.global_client).await
+            }
+            Ok(false) => self.shard_op = Some(op),
+            Err(err) => op.fail(err),
+        }
+    }
+
+    /// rcoa patch: `position in the ring × local devices + position among
+    /// this node's peers`, the numbering of `local::shard`.
+    async fn shard_index(&mut self, id: PeerId) -> Result<usize, CollectiveError> {
+        let mut local = self.peers.clone();
+        local.sort_by_key(|p| p.0);
+        let Some(j) = local.iter().position(|p| *p == id) else {
+            return Err(CollectiveError::RegisterNotFirstOperation);
+        };
+        let position = match &self.global_client {
+            Some(node) => node.ring_position().await.map_err(CollectiveError::Global)?.0,
+            None => 0,
+        };
+        Ok(position * local.len() + j)
     }
 
     async fn process_register_message(
@@ -464,6 +536,7 @@ impl<B: Backend> LocalCollectiveServer<B> {
         self.all_reduce_op = None;
         self.reduce_op = None;
         self.broadcast_op = None;
+        self.shard_op = None;
     }
 
     /// Processes a Message::Finish.

@@ -12,7 +12,8 @@ use crate::{
     AllReduceStrategy, PeerId, ReduceOperation,
     global::{
         node::{
-            centralized::centralized_all_reduce_sum, ring::ring_all_reduce_sum,
+            centralized::centralized_all_reduce_sum,
+            ring::{ring_all_gather, ring_all_reduce_sum, ring_reduce_scatter_sum},
             tree::tree_all_reduce_sum, worker::GlobalClientWorker,
         },
         shared::{GlobalCollectiveError, RemoteRequest, RemoteResponse},
@@ -171,6 +172,62 @@ where
         }
 
         Ok(result)
+    }
+
+    /// rcoa patch: this node's position in the ring (nodes sorted by id),
+    /// the number of nodes and of devices in the run.
+    pub async fn ring_position(&self) -> Result<(usize, usize, usize), GlobalCollectiveError> {
+        let state = self.state.read().await;
+        let Some(ref state) = *state else {
+            return Err(GlobalCollectiveError::AllReduceBeforeRegister);
+        };
+        let mut ids = state.nodes.keys().cloned().collect::<Vec<_>>();
+        ids.sort();
+        let position = ids
+            .iter()
+            .position(|id| *id == state.node_id)
+            .ok_or(GlobalCollectiveError::AllReduceBeforeRegister)?;
+        Ok((position, ids.len(), state.num_global_devices as usize))
+    }
+
+    /// rcoa patch: sum `tensor` (1-D, length a multiple of the node count)
+    /// over the nodes; this node gets the block at its ring position.
+    pub async fn reduce_scatter(
+        &self,
+        tensor: B::FloatTensorPrimitive,
+    ) -> Result<B::FloatTensorPrimitive, GlobalCollectiveError> {
+        let state = self.state.read().await;
+        let Some(ref state) = *state else {
+            return Err(GlobalCollectiveError::AllReduceBeforeRegister);
+        };
+        ring_reduce_scatter_sum(
+            state.node_id,
+            &state.nodes,
+            self.data_service.clone(),
+            self.sync_service.clone(),
+            tensor,
+        )
+        .await
+    }
+
+    /// rcoa patch: concatenate every node's `block` (1-D, the same length on
+    /// every node) in ring order.
+    pub async fn all_gather(
+        &self,
+        block: B::FloatTensorPrimitive,
+    ) -> Result<B::FloatTensorPrimitive, GlobalCollectiveError> {
+        let state = self.state.read().await;
+        let Some(ref state) = *state else {
+            return Err(GlobalCollectiveError::AllReduceBeforeRegister);
+        };
+        ring_all_gather(
+            state.node_id,
+            &state.nodes,
+            self.data_service.clone(),
+            self.sync_service.clone(),
+            block,
+        )
+        .await
     }
 
     pub async fn reduce(

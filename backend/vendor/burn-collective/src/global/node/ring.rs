@@ -89,6 +89,7 @@ where
         &mut send_slice_idx,
         true,
         prev_node.clone(),
+        ring[prev_node_idx],
         &data_service,
         device,
     )
@@ -101,6 +102,7 @@ where
         &mut send_slice_idx,
         false,
         prev_node.clone(),
+        ring[prev_node_idx],
         &data_service,
         device,
     )
@@ -111,6 +113,97 @@ where
 
     // merge slices
     Ok(B::float_cat(slices, slice_dim))
+}
+
+/// rcoa patch: phase 1 of the ring alone, a reduce-scatter. `tensor` is 1-D
+/// and its length a multiple of the node count; the node at ring position `p`
+/// returns block `p` of the sum.
+pub(crate) async fn ring_reduce_scatter_sum<B, P>(
+    node: NodeId,
+    nodes: &HashMap<NodeId, Address>,
+    data_service: Arc<TensorDataService<B, P>>,
+    sync_service: Arc<SyncService<P>>,
+    tensor: B::FloatTensorPrimitive,
+) -> Result<B::FloatTensorPrimitive, GlobalCollectiveError>
+where
+    B: Backend,
+    P: Protocol,
+{
+    let len = tensor.shape()[0];
+    let n = nodes.len();
+    if len % n != 0 {
+        return Err(GlobalCollectiveError::RingReduceImpossible);
+    }
+    let device = &B::float_device(&tensor);
+    let ring = get_ring_topology(nodes.keys().cloned().collect::<Vec<_>>());
+    let ranges = (0..n).map(|i| i * len / n..(i + 1) * len / n).collect();
+    let mut slices = slice_tensor::<B>(tensor, 0, ranges);
+    let position = ring.iter().position(|id| *id == node).expect("Node is in ring");
+    let prev_node = nodes.get(&ring[(position + n - 1) % n]).unwrap().clone();
+    // Phase 1 ends holding the block after the one it starts sending: start
+    // one before this node's own.
+    let mut send_slice_idx = (position + n - 1) % n;
+    let mut transfer_counter: u64 = 0;
+    do_cycles::<B, P>(
+        &mut slices,
+        &mut transfer_counter,
+        &mut send_slice_idx,
+        true,
+        prev_node,
+        ring[(position + n - 1) % n],
+        &data_service,
+        device,
+    )
+    .await?;
+    sync_service.sync().await;
+    Ok(slices.swap_remove(position))
+}
+
+/// rcoa patch: phase 2 of the ring alone, an all-gather. Every node passes
+/// its block (1-D, the same length everywhere) and gets all blocks in ring
+/// order.
+pub(crate) async fn ring_all_gather<B, P>(
+    node: NodeId,
+    nodes: &HashMap<NodeId, Address>,
+    data_service: Arc<TensorDataService<B, P>>,
+    sync_service: Arc<SyncService<P>>,
+    block: B::FloatTensorPrimitive,
+) -> Result<B::FloatTensorPrimitive, GlobalCollectiveError>
+where
+    B: Backend,
+    P: Protocol,
+{
+    let n = nodes.len();
+    let device = B::float_device(&block);
+    let ring = get_ring_topology(nodes.keys().cloned().collect::<Vec<_>>());
+    let position = ring.iter().position(|id| *id == node).expect("Node is in ring");
+    let prev_node = nodes.get(&ring[(position + n - 1) % n]).unwrap().clone();
+    // The other blocks are overwritten by phase 2; they only give the shape
+    // its check compares.
+    let mut slices = (0..n)
+        .map(|i| {
+            if i == position {
+                block.clone()
+            } else {
+                B::float_zeros(block.shape(), &device, block.dtype().into())
+            }
+        })
+        .collect::<Vec<_>>();
+    let mut send_slice_idx = position;
+    let mut transfer_counter: u64 = 0;
+    do_cycles::<B, P>(
+        &mut slices,
+        &mut transfer_counter,
+        &mut send_slice_idx,
+        false,
+        prev_node,
+        ring[(position + n - 1) % n],
+        &data_service,
+        &device,
+    )
+    .await?;
+    sync_service.sync().await;
+    Ok(B::float_cat(slices, 0))
 }
 
 /// Do N-1 cycles of ring-reduce
@@ -127,6 +220,7 @@ async fn do_cycles<B, P>(
     send_slice_idx: &mut usize,
     is_phase_one: bool,
     prev_node: Address,
+    prev_id: NodeId,
     data_service: &Arc<TensorDataService<B, P>>,
     device: &B::Device,
 ) -> Result<(), GlobalCollectiveError>
@@ -157,12 +251,16 @@ where
 
         upload.await.unwrap();
         let download = download.await.unwrap();
+        // rcoa patch: a peer that died (closed its connection) is an error,
+        // not a panic of the collective server task.
+        let Some(download) = download else {
+            return Err(GlobalCollectiveError::PeerLost(prev_id));
+        };
         if is_phase_one {
-            let download = download.expect("Peer closed download connection");
             let tensor = B::float_from_data(download, device);
             slices[recv_slice_idx] = B::float_add(slices[recv_slice_idx].clone(), tensor);
         } else {
-            let tensor = B::float_from_data(download.unwrap(), device);
+            let tensor = B::float_from_data(download, device);
             let old_shape = slices[recv_slice_idx].shape();
             if old_shape != tensor.shape() {
                 return Err(GlobalCollectiveError::PeerSentIncoherentTensor);

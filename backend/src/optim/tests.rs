@@ -1,0 +1,159 @@
+use super::*;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, SgdConfig, SimpleOptimizer};
+
+type B = burn::backend::NdArray<f32>;
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x % 20001) as f32 / 10000.0 - 1.0
+        })
+        .collect()
+}
+
+fn tensor(v: &[f32]) -> Tensor<B, 1> {
+    Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), &Default::default())
+}
+
+/// Burn's optimizer, four steps on one 1-D tensor.
+fn burn_steps<O: SimpleOptimizer<B>>(o: O, lr: f64, n: usize) -> Vec<f32> {
+    let mut t = tensor(&values(n, 1));
+    let mut state = None;
+    for step in 0..4 {
+        let g = tensor(&values(n, 10 + step));
+        let (nt, ns) = o.step::<1>(lr, t, g, state);
+        t = nt;
+        state = ns;
+    }
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+fn flat_steps(rule: Rule, place: Place, lr: f64, n: usize) -> Vec<f32> {
+    let mut o = FlatOptim::<B>::new(rule, place, n);
+    let mut t = tensor(&values(n, 1));
+    for step in 0..4 {
+        t = o.step(lr, t, tensor(&values(n, 10 + step))).unwrap();
+    }
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+fn close(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{x} vs {y}");
+    }
+}
+
+#[test]
+fn same_update_as_burn() {
+    let n = 1000;
+    let lr = 3e-2;
+    let places = [Place::Device, Place::Host { threads: 3 }];
+    let adamw = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.95)
+        .with_epsilon(1e-8)
+        .with_weight_decay(0.1);
+    let want = burn_steps(adamw.build(), lr, n);
+    for place in places {
+        let rule = Rule::AdamW {
+            beta_1: 0.9,
+            beta_2: 0.95,
+            epsilon: 1e-8,
+            weight_decay: 0.1,
+        };
+        close(&flat_steps(rule, place, lr, n), &want);
+    }
+    let adam = AdamConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(1e-8)
+        .with_weight_decay(Some(WeightDecayConfig { penalty: 0.01 }));
+    let want = burn_steps(adam.build(), lr, n);
+    for place in places {
+        let rule = Rule::Adam {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-8,
+            penalty: Some(0.01),
+        };
+        close(&flat_steps(rule, place, lr, n), &want);
+    }
+    let sgd = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig {
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+        }))
+        .with_weight_decay(Some(WeightDecayConfig { penalty: 0.01 }));
+    let want = burn_steps(sgd.build::<B>(), lr, n);
+    for place in places {
+        let rule = Rule::Sgd {
+            momentum: Some(0.9),
+            penalty: Some(0.01),
+        };
+        close(&flat_steps(rule, place, lr, n), &want);
+    }
+    let want = burn_steps(SgdConfig::new().build::<B>(), lr, n);
+    let plain = Rule::Sgd {
+        momentum: None,
+        penalty: None,
+    };
+    close(&flat_steps(plain, Place::Host { threads: 2 }, lr, n), &want);
+}
+
+/// Two steps, save, a new optimizer loads the state (the other place), two
+/// more steps: the same as four steps without a break.
+#[test]
+fn saved_state_resumes_the_same_steps() {
+    let n = 257;
+    let rule = Rule::AdamW {
+        beta_1: 0.9,
+        beta_2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let want = flat_steps(rule, Place::Device, 1e-2, n);
+    let mut a = FlatOptim::<B>::new(rule, Place::Device, n);
+    let mut t = tensor(&values(n, 1));
+    for step in 0..2 {
+        t = a.step(1e-2, t, tensor(&values(n, 10 + step))).unwrap();
+    }
+    let bytes = a.save_state().unwrap();
+    let mut b = FlatOptim::<B>::new(rule, Place::Host { threads: 2 }, n);
+    b.load_state(&bytes, &Default::default()).unwrap();
+    assert_eq!(b.steps(), 2);
+    for step in 2..4 {
+        t = b.step(1e-2, t, tensor(&values(n, 10 + step))).unwrap();
+    }
+    close(&t.into_data().to_vec::<f32>().unwrap(), &want);
+
+    // Another shard length, another rule, damaged bytes: errors.
+    let mut short = FlatOptim::<B>::new(rule, Place::Device, n - 1);
+    assert!(short
+        .load_state(&bytes, &Default::default())
+        .unwrap_err()
+        .to_string()
+        .contains("another rank count"));
+    let sgd = Rule::Sgd {
+        momentum: None,
+        penalty: None,
+    };
+    let mut other = FlatOptim::<B>::new(sgd, Place::Device, n);
+    assert!(other.load_state(&bytes, &Default::default()).is_err());
+    let mut c = FlatOptim::<B>::new(rule, Place::Device, n);
+    assert!(c
+        .load_state(&bytes[..bytes.len() - 3], &Default::default())
+        .is_err());
+    assert!(c.load_state(b"junk", &Default::default()).is_err());
+    // A shard of the wrong length is refused, not stepped.
+    assert!(c
+        .step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2)))
+        .is_err());
+}
