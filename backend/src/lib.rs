@@ -24,9 +24,11 @@
 pub mod data;
 pub mod distributed;
 pub mod loss;
+pub mod loss_chunked;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod quant;
 pub mod testing;
 pub mod train;
 
