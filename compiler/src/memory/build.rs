@@ -13,7 +13,9 @@
 use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo};
 use crate::memory::Candidate;
 use crate::profile::Profile;
-use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
+use crate::spec::{
+    AdapterKind, Arch, Attention, CheckpointChoice, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec,
+};
 
 /// Where a parameter's bytes live (its role in the step's breakdown).
 #[derive(Clone, Copy)]
@@ -533,6 +535,8 @@ impl<'a> Builder<'a> {
             info.bwd_flops = 2.5 * score_flops;
             info.bwd_workspace = dq;
             out
+        } else if self.selective() {
+            self.selective_attention(q, k, v, heads * hd, score_flops)
         } else if self.profile.burn_ops {
             self.burn_attention(q, k, v, heads * hd, score_flops)
         } else {
@@ -579,6 +583,59 @@ impl<'a> Builder<'a> {
         };
         let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, encoder);
         self.dropout(out, m.dropout)
+    }
+
+    /// `checkpoint = selective`: Megatron's selective recomputation of the attention core.
+    fn selective(&self) -> bool {
+        self.spec.fit.checkpoint == CheckpointChoice::Selective
+    }
+
+    /// The attention core recomputed in the backward (`checkpoint = selective`;
+    /// `backend/src/ops.rs` `attention_core` on Burn): one node that saves q and the
+    /// (repeated) k and v, nothing quadratic. Its `[b, h, s, s]` scores and probabilities
+    /// exist only inside the op: two of them in the forward (scores, then the softmax
+    /// output), three in the backward (the recomputed probabilities, their gradient, the
+    /// scores' gradient). The recompute costs the scores and `probs v` again
+    /// (`score_flops`). Fused SDPA/flash never reaches here: it saves nothing quadratic.
+    fn selective_attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        width: u64,
+        score_flops: f64,
+    ) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (heads, kv, hd) = (m.heads.div_ceil(t), m.kv_heads.div_ceil(t), m.head_dim);
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        let (k, v) = if kv < heads {
+            (self.repeat_kv(k, width), self.repeat_kv(v, width))
+        } else {
+            (k, v)
+        };
+        let act = self.dtype(q);
+        // PyTorch's eager softmax runs in fp32 under autocast.
+        let sm = if self.profile.autocast {
+            Dtype::Fp32
+        } else {
+            act
+        };
+        let scores = self.bytes(seqs * heads * s * s, act);
+        let probs = self.bytes(seqs * heads * s * s, sm);
+        let rg = self.rg(q) || self.rg(k) || self.rg(v);
+        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        let o = self.op("attention_core", &[q, k, v], &[out], &[q, k, v]);
+        let info = &mut self.tape.ops[o];
+        info.flops = score_flops;
+        info.bwd_flops = 2.0 * score_flops + score_flops;
+        info.fwd_workspace = scores + probs;
+        info.bwd_workspace = probs + 2 * scores;
+        let rg = self.rg(out);
+        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
+        self.op("transpose", &[out], &[flat], &[]);
+        flat
     }
 
     /// Burn's eager attention after the projections and RoPE (`backend/src/model.rs`
