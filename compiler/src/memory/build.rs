@@ -65,6 +65,11 @@ fn promote(a: Dtype, b: Dtype) -> Dtype {
     }
 }
 
+/// Vocabularies above this get the chunked LM loss by default on `target burn`.
+pub const CHUNKED_LOSS_MIN_VOCAB: u64 = 32_768;
+/// Tokens per chunk (`backend/src/loss_chunked.rs` `DEFAULT_CHUNK`).
+pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
+
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
         let param = storage(spec.precision.params);
@@ -769,6 +774,45 @@ impl<'a> Builder<'a> {
         loss
     }
 
+    /// Is the LM loss computed a chunk of tokens at a time? Only the Burn executor does
+    /// (`backend/src/loss_chunked.rs`); on by default above a 32,768-token vocabulary.
+    pub fn chunked_loss(&self) -> bool {
+        self.profile.burn_ops
+            && self.spec.train.loss != Loss::Contrastive
+            && self
+                .spec
+                .train
+                .chunked_loss
+                .unwrap_or(self.spec.model.vocab > CHUNKED_LOSS_MIN_VOCAB)
+    }
+
+    /// `backend/src/loss_chunked.rs` `chunked_lm_loss`: the head matmul and the
+    /// cross-entropy as one node that saves its inputs (the final hidden states and the
+    /// head weight, alive anyway) and recomputes each chunk's logits in the backward.
+    /// Live at once: one `[chunk, vocab]` fp32 logits block and about two more of its
+    /// size (the exponentials; in the backward the one-hot and the logits' gradient),
+    /// instead of the whole `[tokens, vocab]` logits and the loss's saved copies. The
+    /// price is the head's forward matmul once more.
+    fn chunked_lm_loss(&mut self, x: TensorId, head: Param) -> TensorId {
+        let (w, ws) = self.weight(head);
+        let vocab = head.rows;
+        let h = *self.shape(x).last().unwrap_or(&1);
+        let rows = self.elems(x) / h.max(1);
+        let chunk = rows.min(CHUNKED_LOSS_TOKENS);
+        let block = self.bytes(chunk * vocab, Dtype::Fp32);
+        let rg = self.rg(x) || self.rg(w);
+        let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
+        let o = self.op("chunked_lm_loss", &[x, w], &[loss], &[x, w]);
+        let f = 2.0 * rows as f64 * h as f64 * vocab as f64;
+        let grads = (self.rg(x) as u8 + self.rg(w) as u8) as f64;
+        let info = &mut self.tape.ops[o];
+        info.flops = f;
+        info.bwd_flops = f * grads + if grads > 0.0 { f } else { 0.0 };
+        info.fwd_workspace = ws + 3 * block;
+        info.bwd_workspace = ws + 3 * block;
+        loss
+    }
+
     fn repeat_kv(&mut self, x: TensorId, width: u64) -> TensorId {
         let dt = self.dtype(x);
         let rg = self.rg(x);
@@ -956,8 +1000,12 @@ impl<'a> Builder<'a> {
                 } else {
                     self.param("lm_head", vocab_shard, h, trainable, self.param)
                 };
-                let logits = self.linear("lm_head", x, head, None);
-                self.burn_lm_loss(logits)
+                if self.chunked_loss() {
+                    self.chunked_lm_loss(x, head)
+                } else {
+                    let logits = self.linear("lm_head", x, head, None);
+                    self.burn_lm_loss(logits)
+                }
             }
             loss => {
                 if loss == Loss::MaskedLm {

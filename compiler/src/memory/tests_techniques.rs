@@ -77,3 +77,36 @@ fn adam8bit_state_is_two_bytes_per_value_and_block_scales() {
     let r32 = evaluate(&adamw, &cand(&[]), &p, false);
     assert!(r8.peak_bytes < r32.peak_bytes);
 }
+
+fn with_loss(target: Target, vocab: u64, chunked: Option<bool>) -> super::MemoryReport {
+    let mut spec = SpecBuilder::new().target(target).vocab(vocab).build();
+    spec.train.chunked_loss = chunked;
+    evaluate(&spec, &cand(&[]), &Profile::for_target(target), false)
+}
+
+/// Burn above a 32k vocabulary: chunked by default, which lowers the peak
+/// (no `[tokens, vocab]` fp32 logits) and costs the head's matmul once more;
+/// `chunked_loss = false` restores the full logits. Small vocabularies and
+/// PyTorch are unchanged.
+#[test]
+fn chunked_loss_on_burn_only_and_above_32k() {
+    let default = with_loss(Target::Burn, 50_304, None);
+    let off = with_loss(Target::Burn, 50_304, Some(false));
+    let on = with_loss(Target::Burn, 50_304, Some(true));
+    assert_eq!(default.peak_bytes, on.peak_bytes);
+    assert!(
+        on.peak_bytes < off.peak_bytes,
+        "{} < {}",
+        on.peak_bytes,
+        off.peak_bytes
+    );
+    assert!(on.step_flops > off.step_flops);
+    assert_eq!(
+        with_loss(Target::Burn, 32_000, None).peak_bytes,
+        with_loss(Target::Burn, 32_000, Some(false)).peak_bytes
+    );
+    assert_eq!(
+        with_loss(Target::Pytorch, 50_304, Some(true)).peak_bytes,
+        with_loss(Target::Pytorch, 50_304, Some(false)).peak_bytes
+    );
+}
