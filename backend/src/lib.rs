@@ -24,10 +24,12 @@
 pub mod data;
 pub mod distributed;
 pub mod loss;
+pub mod loss_chunked;
 pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod quant;
 pub mod shard;
 pub mod testing;
 pub mod train;

@@ -19,8 +19,10 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{ActivationOps, FloatTensor};
+use burn::tensor::ops::{ActivationOps, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::quant::nf4::Nf4Tensor;
 
 /// A backend the executor runs on: Burn's ops plus the ones above.
 pub trait ExecBackend: Backend {
@@ -28,6 +30,39 @@ pub trait ExecBackend: Backend {
     /// backend without autodiff this is Burn's softmax.
     fn softmax_last(x: FloatTensor<Self>, rank: usize) -> FloatTensor<Self> {
         Self::softmax(x, rank - 1)
+    }
+
+    /// `x [n, d_in] · dequant(W)` for a packed NF4 `W [d_in, d_out]`
+    /// (`quant::qlora`); under autodiff it saves only the packed weight.
+    fn nf4_matmul(x: FloatTensor<Self>, w: &Nf4Tensor<Self>) -> FloatTensor<Self> {
+        crate::quant::qlora::nf4_matmul_plain::<Self>(x, w)
+    }
+
+    /// `softmax(q kᵀ · scale + Σ bias) · v` for `q [b, h, s, d]`,
+    /// `k, v [b, h, t, d]` and biases broadcastable to `[b, h, s, t]`
+    /// ([`attention_core`]); under autodiff it saves q, k, v and the biases
+    /// and recomputes the scores in its backward.
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: Vec<FloatTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        attention_plain::<Self>(q, k, v, &bias, scale)
+    }
+
+    /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
+    /// [d, vocab]` against `targets [n]`, `chunk` rows of logits at a time
+    /// (`loss_chunked`); under autodiff it saves the inputs only.
+    fn chunked_lm_loss(
+        hidden: FloatTensor<Self>,
+        head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        weights: Option<FloatTensor<Self>>,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        crate::loss_chunked::forward::<Self>(hidden, head, targets, weights, chunk).0
     }
 }
 
@@ -89,12 +124,170 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(B::softmax_last(x.primitive, rank)),
         }
     }
+
+    fn nf4_matmul(x: FloatTensor<Self>, w: &Nf4Tensor<Self>) -> FloatTensor<Self> {
+        crate::quant::qlora::nf4_matmul_autodiff::<B, C>(x, w)
+    }
+
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: Vec<FloatTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        attention_autodiff::<B, C>(q, k, v, bias, scale)
+    }
+
+    fn chunked_lm_loss(
+        hidden: FloatTensor<Self>,
+        head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        weights: Option<FloatTensor<Self>>,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        crate::loss_chunked::autodiff::<B, C>(hidden, head, targets, weights, chunk)
+    }
 }
 
 /// Softmax over the last dimension ([`ExecBackend::softmax_last`]).
 pub fn softmax_last<B: ExecBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let y = B::softmax_last(x.into_primitive().tensor(), D);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+// ------------------------------------------------- selective recomputation
+
+/// The attention core, `softmax(q kᵀ · scale + Σ bias) · v`, as one autodiff
+/// node: Megatron's selective recomputation. It saves q, k, v and the biases
+/// (which the surrounding projections' backward holds anyway) and recomputes
+/// the `[b, h, s, t]` scores and probabilities in its backward, so a layer
+/// keeps no quadratic tensor between its forward and backward. The biases
+/// (causal and key-padding masks) get no gradient. Grouped-query callers
+/// repeat k and v to `h` heads first, as the model does today. No attention
+/// dropout: the executor has none (`Ctx` draws dropout elsewhere).
+pub fn attention_core<B: ExecBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: &[Tensor<B, 4>],
+    scale: f64,
+) -> Tensor<B, 4> {
+    let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let bias = bias.iter().map(|b| prim(b.clone())).collect();
+    let y = B::attention_core(prim(q), prim(k), prim(v), bias, scale);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+fn float4<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+/// The probabilities `softmax(q kᵀ · scale + Σ bias)`.
+fn attention_probs<B: ExecBackend>(
+    q: &FloatTensor<B>,
+    k: &FloatTensor<B>,
+    bias: &[FloatTensor<B>],
+    scale: f64,
+) -> Tensor<B, 4> {
+    let mut s = float4::<B>(q.clone())
+        .mul_scalar(scale)
+        .matmul(float4::<B>(k.clone()).swap_dims(2, 3));
+    for b in bias {
+        s = s + float4::<B>(b.clone());
+    }
+    softmax_last(s)
+}
+
+fn attention_plain<B: ExecBackend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    bias: &[FloatTensor<B>],
+    scale: f64,
+) -> FloatTensor<B> {
+    attention_probs::<B>(&q, &k, bias, scale)
+        .matmul(float4::<B>(v))
+        .into_primitive()
+        .tensor()
+}
+
+#[derive(Debug)]
+struct AttentionCore;
+
+impl<B: ExecBackend> Backward<B, 3> for AttentionCore {
+    /// q, k, v, the biases and the scale.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Vec<FloatTensor<B>>,
+        f64,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let dy = float4::<B>(grads.consume::<B>(&ops.node));
+        let (q, k, v, bias, scale) = ops.state;
+        let p = attention_probs::<B>(&q, &k, &bias, scale);
+        if let Some(node) = node_v {
+            let dv = p.clone().swap_dims(2, 3).matmul(dy.clone());
+            grads.register::<B>(node.id, dv.into_primitive().tensor());
+        }
+        if node_q.is_none() && node_k.is_none() {
+            return;
+        }
+        // Softmax backward on the recomputed probabilities, then the scores'.
+        let dp = dy.matmul(float4::<B>(v).swap_dims(2, 3));
+        let ds = p.clone() * (dp.clone() - (p.clone() * dp).sum_dim(3));
+        let ds = ds.mul_scalar(scale);
+        if let Some(node) = node_q {
+            let dq = ds.clone().matmul(float4::<B>(k));
+            grads.register::<B>(node.id, dq.into_primitive().tensor());
+        }
+        if let Some(node) = node_k {
+            let dk = ds.swap_dims(2, 3).matmul(float4::<B>(q));
+            grads.register::<B>(node.id, dk.into_primitive().tensor());
+        }
+    }
+}
+
+fn attention_autodiff<B: ExecBackend, C: CheckpointStrategy>(
+    q: FloatTensor<Autodiff<B, C>>,
+    k: FloatTensor<Autodiff<B, C>>,
+    v: FloatTensor<Autodiff<B, C>>,
+    bias: Vec<FloatTensor<Autodiff<B, C>>>,
+    scale: f64,
+) -> FloatTensor<Autodiff<B, C>> {
+    let bias: Vec<FloatTensor<B>> = bias.into_iter().map(|b| b.primitive).collect();
+    match AttentionCore
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let y = B::attention_core(
+                q.primitive.clone(),
+                k.primitive.clone(),
+                v.primitive.clone(),
+                bias.clone(),
+                scale,
+            );
+            prep.finish((q.primitive, k.primitive, v.primitive, bias, scale), y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::attention_core(
+            q.primitive,
+            k.primitive,
+            v.primitive,
+            bias,
+            scale,
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -140,5 +333,94 @@ mod tests {
         let x = Tensor::<Cpu, 2>::from_floats([[1.0e4, 1.0e4], [-1.0e9, 0.0]], &device);
         let y: Vec<f32> = softmax_last(x).into_data().to_vec().unwrap();
         assert_eq!(y, vec![0.5, 0.5, 0.0, 1.0]);
+    }
+
+    /// The selective attention core equals the plain composition (scaled
+    /// q·kᵀ, biases, `softmax_last`, ·v) in value and in the gradients of
+    /// q, k and v: causal bias, key-padding bias, grouped-query shapes (k, v
+    /// repeated from fewer heads, as the model does), cross lengths.
+    #[test]
+    fn attention_core_matches_composition() {
+        let device = Default::default();
+        let (b, h, s, d) = (2, 4, 6, 8);
+        let causal = Tensor::<Cpu, 2, burn::tensor::Bool>::triu_mask([s, s], 1, &device)
+            .float()
+            .mul_scalar(-1.0e9)
+            .reshape([1, 1, s, s]);
+        let padding = Tensor::<Cpu, 1>::from_floats(
+            [
+                0.0, 0.0, 0.0, 0.0, -1.0e9, -1.0e9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+            ],
+            &device,
+        )
+        .reshape([b, 1, 1, s]);
+        for (kvh, bias) in [
+            (h, vec![]),
+            (h, vec![causal.clone()]),
+            (2, vec![causal.clone(), padding.clone()]),
+            (1, vec![padding.clone()]),
+        ] {
+            let q0 =
+                Tensor::<Cpu, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), &device);
+            let k0 =
+                Tensor::<Cpu, 4>::random([b, kvh, s, d], Distribution::Normal(0.0, 1.0), &device);
+            let v0 =
+                Tensor::<Cpu, 4>::random([b, kvh, s, d], Distribution::Normal(0.0, 1.0), &device);
+            let up =
+                Tensor::<Cpu, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), &device);
+            let scale = 1.0 / (d as f64).sqrt();
+            let rep = |t: Tensor<Cpu, 4>| {
+                t.unsqueeze_dim::<5>(2)
+                    .expand([b, kvh, h / kvh, s, d])
+                    .reshape([b, h, s, d])
+            };
+            let run = |selective: bool| {
+                let (q, k, v) = (
+                    q0.clone().require_grad(),
+                    k0.clone().require_grad(),
+                    v0.clone().require_grad(),
+                );
+                let (kr, vr) = (rep(k.clone()), rep(v.clone()));
+                let y = if selective {
+                    attention_core(q.clone(), kr, vr, &bias, scale)
+                } else {
+                    let mut sc = q.clone().mul_scalar(scale).matmul(kr.swap_dims(2, 3));
+                    for bb in &bias {
+                        sc = sc + bb.clone();
+                    }
+                    softmax_last(sc).matmul(vr)
+                };
+                let g = (y.clone() * up.clone()).sum().backward();
+                let grad = |t: &Tensor<Cpu, 4>| t.grad(&g).expect("a gradient").into_data();
+                (y.inner().into_data(), grad(&q), grad(&k), grad(&v))
+            };
+            let sel = run(true);
+            let reference = run(false);
+            let tol = Tolerance::<f32>::absolute(1e-5);
+            sel.0.assert_approx_eq(&reference.0, tol);
+            sel.1.assert_approx_eq(&reference.1, tol);
+            sel.2.assert_approx_eq(&reference.2, tol);
+            sel.3.assert_approx_eq(&reference.3, tol);
+        }
+    }
+
+    /// Only v tracked: q and k get nothing, v's gradient is still right.
+    #[test]
+    fn attention_core_with_frozen_q_k() {
+        let device = Default::default();
+        let q = Tensor::<Cpu, 4>::random([1, 2, 3, 4], Distribution::Default, &device);
+        let k = Tensor::<Cpu, 4>::random([1, 2, 5, 4], Distribution::Default, &device);
+        let v0 = Tensor::<Cpu, 4>::random([1, 2, 5, 4], Distribution::Default, &device);
+        let v = v0.clone().require_grad();
+        let g = attention_core(q.clone(), k.clone(), v.clone(), &[], 0.5)
+            .sum()
+            .backward();
+        let v2 = v0.require_grad();
+        let p = softmax_last(q.mul_scalar(0.5).matmul(k.swap_dims(2, 3)));
+        let g2 = p.matmul(v2.clone()).sum().backward();
+        v.grad(&g).unwrap().into_data().assert_approx_eq(
+            &v2.grad(&g2).unwrap().into_data(),
+            Tolerance::<f32>::absolute(1e-6),
+        );
     }
 }

@@ -71,6 +71,7 @@ pub fn tiny_plan() -> LoweredPlan {
             loss: Loss::CausalLm,
             positives: 0,
             negatives: 0,
+            chunked_loss: None,
         },
         target: Target::Burn,
         resolved: Resolved {

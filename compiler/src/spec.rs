@@ -330,6 +330,10 @@ pub struct TrainSpec {
     /// Contrastive: positives and negatives per anchor (0, 0 = micro_batch counts sequences).
     pub positives: u64,
     pub negatives: u64,
+    /// The LM loss a chunk of tokens at a time (`train { chunked_loss = .. }`); `None`:
+    /// the engine's default (on for `target burn` above a 32,768-token vocabulary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunked_loss: Option<bool>,
 }
 
 impl TrainSpec {

@@ -100,6 +100,7 @@ impl SpecBuilder {
                 loss: Loss::CausalLm,
                 positives: 0,
                 negatives: 0,
+                chunked_loss: None,
             },
             parallel: ParallelSpec {
                 data: Choice::Fixed(1),

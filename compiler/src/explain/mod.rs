@@ -125,6 +125,7 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
             ),
         ));
     }
+    techniques(spec, profile, log);
     if let Some(a) = &spec.adapter {
         if profile.adapter_suffix_match
             && spec.model.arch == crate::spec::Arch::Encoder
@@ -139,6 +140,100 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
                 "PEFT keeps adapter weights in fp32 and casts their input to fp32",
             ));
         }
+    }
+}
+
+/// What each memory technique of the plan saves and costs: the memory model evaluated
+/// with and without it for one sequence on one GPU (micro_batch 1, no parallelism).
+fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
+    use crate::memory::parallel::evaluate;
+    use crate::memory::Candidate;
+    use crate::spec::{AdapterKind, OptimizerKind};
+    let cand = Candidate {
+        micro_batch: 1,
+        grad_accum: 1,
+        data: 1,
+        zero: 0,
+        tensor: 1,
+        pipeline: 1,
+        context: 1,
+        sequence: false,
+        checkpoint_layers: vec![],
+        offload: vec![],
+    };
+    let measure = |s: &Spec| {
+        let r = evaluate(s, &cand, profile, false);
+        (r.peak_bytes as f64, r.step_flops)
+    };
+    let (peak, flops) = measure(spec);
+    let mut compare = |what: &str, how: &str, without: Spec| {
+        let (p0, f0) = measure(&without);
+        let saved = p0 - peak;
+        let cost = if f0 > 0.0 {
+            (flops / f0 - 1.0) * 100.0
+        } else {
+            0.0
+        };
+        log.push(Decision::new(
+            "model",
+            what,
+            format!(
+                "{how}; per sequence on one GPU: peak {} {} ({:.2} GiB without), step FLOPs {:+.1}%",
+                if saved >= 0.0 { "−" } else { "+" },
+                gib(saved.abs().round() as u64),
+                p0 / (1u64 << 30) as f64,
+                cost
+            ),
+        ));
+    };
+    if spec.fit.checkpoint == CheckpointChoice::Selective {
+        let mut without = spec.clone();
+        without.fit.checkpoint = CheckpointChoice::None;
+        let how = if profile.fused_attention
+            && spec.train.attention != crate::spec::Attention::Eager
+        {
+            "selective recomputation: the fused attention kernel keeps no scores, so there is nothing to recompute"
+        } else {
+            "selective recomputation: the attention scores and probabilities are not saved; the backward recomputes q·kᵀ and probs·v"
+        };
+        compare("checkpoint = selective", how, without);
+    }
+    if crate::memory::build::Builder::new(spec, profile, &cand).chunked_loss() {
+        let mut without = spec.clone();
+        without.train.chunked_loss = Some(false);
+        compare(
+            "loss chunked",
+            &format!(
+                "the LM head and cross-entropy {} tokens at a time: no [tokens, vocab] fp32 logits; the backward recomputes each chunk's logits",
+                crate::memory::build::CHUNKED_LOSS_TOKENS
+            ),
+            without,
+        );
+    }
+    if spec.optimizer.kind == OptimizerKind::Adam8bit {
+        let mut without = spec.clone();
+        without.optimizer.kind = OptimizerKind::Adamw;
+        compare(
+            "optimizer state 8-bit",
+            "bitsandbytes' block-wise 8-bit moments: a byte per value and an fp32 absmax per 256 (fp32 below 4096 values), against AdamW",
+            without,
+        );
+    }
+    if spec
+        .adapter
+        .as_ref()
+        .is_some_and(|a| a.kind == AdapterKind::Qlora)
+    {
+        let mut without = spec.clone();
+        if let Some(w) = without.adapter.as_mut() {
+            w.kind = AdapterKind::Lora;
+            w.base = spec.precision.params;
+        }
+        compare(
+            "base weights nf4",
+            "QLoRA: the frozen base stored as 4-bit NF4 and dequantized per use, against LoRA on the plan's weights",
+            without,
+        );
     }
 }
 

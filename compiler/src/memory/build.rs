@@ -13,7 +13,9 @@
 use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo};
 use crate::memory::Candidate;
 use crate::profile::Profile;
-use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
+use crate::spec::{
+    AdapterKind, Arch, Attention, CheckpointChoice, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec,
+};
 
 /// Where a parameter's bytes live (its role in the step's breakdown).
 #[derive(Clone, Copy)]
@@ -62,6 +64,11 @@ fn promote(a: Dtype, b: Dtype) -> Dtype {
         b
     }
 }
+
+/// Vocabularies above this get the chunked LM loss by default on `target burn`.
+pub const CHUNKED_LOSS_MIN_VOCAB: u64 = 32_768;
+/// Tokens per chunk (`backend/src/loss_chunked.rs` `DEFAULT_CHUNK`).
+pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
@@ -533,6 +540,8 @@ impl<'a> Builder<'a> {
             info.bwd_flops = 2.5 * score_flops;
             info.bwd_workspace = dq;
             out
+        } else if self.selective() {
+            self.selective_attention(q, k, v, heads * hd, score_flops)
         } else if self.profile.burn_ops {
             self.burn_attention(q, k, v, heads * hd, score_flops)
         } else {
@@ -579,6 +588,59 @@ impl<'a> Builder<'a> {
         };
         let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, encoder);
         self.dropout(out, m.dropout)
+    }
+
+    /// `checkpoint = selective`: Megatron's selective recomputation of the attention core.
+    fn selective(&self) -> bool {
+        self.spec.fit.checkpoint == CheckpointChoice::Selective
+    }
+
+    /// The attention core recomputed in the backward (`checkpoint = selective`;
+    /// `backend/src/ops.rs` `attention_core` on Burn): one node that saves q and the
+    /// (repeated) k and v, nothing quadratic. Its `[b, h, s, s]` scores and probabilities
+    /// exist only inside the op: two of them in the forward (scores, then the softmax
+    /// output), three in the backward (the recomputed probabilities, their gradient, the
+    /// scores' gradient). The recompute costs the scores and `probs v` again
+    /// (`score_flops`). Fused SDPA/flash never reaches here: it saves nothing quadratic.
+    fn selective_attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        width: u64,
+        score_flops: f64,
+    ) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (heads, kv, hd) = (m.heads.div_ceil(t), m.kv_heads.div_ceil(t), m.head_dim);
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        let (k, v) = if kv < heads {
+            (self.repeat_kv(k, width), self.repeat_kv(v, width))
+        } else {
+            (k, v)
+        };
+        let act = self.dtype(q);
+        // PyTorch's eager softmax runs in fp32 under autocast.
+        let sm = if self.profile.autocast {
+            Dtype::Fp32
+        } else {
+            act
+        };
+        let scores = self.bytes(seqs * heads * s * s, act);
+        let probs = self.bytes(seqs * heads * s * s, sm);
+        let rg = self.rg(q) || self.rg(k) || self.rg(v);
+        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        let o = self.op("attention_core", &[q, k, v], &[out], &[q, k, v]);
+        let info = &mut self.tape.ops[o];
+        info.flops = score_flops;
+        info.bwd_flops = 2.0 * score_flops + score_flops;
+        info.fwd_workspace = scores + probs;
+        info.bwd_workspace = probs + 2 * scores;
+        let rg = self.rg(out);
+        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
+        self.op("transpose", &[out], &[flat], &[]);
+        flat
     }
 
     /// Burn's eager attention after the projections and RoPE (`backend/src/model.rs`
@@ -709,6 +771,45 @@ impl<'a> Builder<'a> {
         self.op("gather", &[logp], &[nll], &[]);
         let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
         self.op("mean", &[nll], &[loss], &[]);
+        loss
+    }
+
+    /// Is the LM loss computed a chunk of tokens at a time? Only the Burn executor does
+    /// (`backend/src/loss_chunked.rs`); on by default above a 32,768-token vocabulary.
+    pub fn chunked_loss(&self) -> bool {
+        self.profile.burn_ops
+            && self.spec.train.loss != Loss::Contrastive
+            && self
+                .spec
+                .train
+                .chunked_loss
+                .unwrap_or(self.spec.model.vocab > CHUNKED_LOSS_MIN_VOCAB)
+    }
+
+    /// `backend/src/loss_chunked.rs` `chunked_lm_loss`: the head matmul and the
+    /// cross-entropy as one node that saves its inputs (the final hidden states and the
+    /// head weight, alive anyway) and recomputes each chunk's logits in the backward.
+    /// Live at once: one `[chunk, vocab]` fp32 logits block and about two more of its
+    /// size (the exponentials; in the backward the one-hot and the logits' gradient),
+    /// instead of the whole `[tokens, vocab]` logits and the loss's saved copies. The
+    /// price is the head's forward matmul once more.
+    fn chunked_lm_loss(&mut self, x: TensorId, head: Param) -> TensorId {
+        let (w, ws) = self.weight(head);
+        let vocab = head.rows;
+        let h = *self.shape(x).last().unwrap_or(&1);
+        let rows = self.elems(x) / h.max(1);
+        let chunk = rows.min(CHUNKED_LOSS_TOKENS);
+        let block = self.bytes(chunk * vocab, Dtype::Fp32);
+        let rg = self.rg(x) || self.rg(w);
+        let loss = self.tensor("loss", &[1], Dtype::Fp32, rg);
+        let o = self.op("chunked_lm_loss", &[x, w], &[loss], &[x, w]);
+        let f = 2.0 * rows as f64 * h as f64 * vocab as f64;
+        let grads = (self.rg(x) as u8 + self.rg(w) as u8) as f64;
+        let info = &mut self.tape.ops[o];
+        info.flops = f;
+        info.bwd_flops = f * grads + if grads > 0.0 { f } else { 0.0 };
+        info.fwd_workspace = ws + 3 * block;
+        info.bwd_workspace = ws + 3 * block;
         loss
     }
 
@@ -899,8 +1000,12 @@ impl<'a> Builder<'a> {
                 } else {
                     self.param("lm_head", vocab_shard, h, trainable, self.param)
                 };
-                let logits = self.linear("lm_head", x, head, None);
-                self.burn_lm_loss(logits)
+                if self.chunked_loss() {
+                    self.chunked_lm_loss(x, head)
+                } else {
+                    let logits = self.linear("lm_head", x, head, None);
+                    self.burn_lm_loss(logits)
+                }
             }
             loss => {
                 if loss == Loss::MaskedLm {

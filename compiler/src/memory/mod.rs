@@ -21,6 +21,8 @@ pub mod build;
 pub mod optimizer;
 pub mod parallel;
 pub mod tape;
+#[cfg(test)]
+mod tests_techniques;
 
 use crate::profile::Profile;
 use crate::spec::{Offload, OffloadWhat, Spec};

@@ -13,6 +13,28 @@ use crate::memory::Candidate;
 use crate::profile::Profile;
 use crate::spec::{Dtype, OptImpl, OptimizerKind, Spec};
 
+/// bitsandbytes' `min_8bit_size`: smaller parameters keep fp32 moments.
+pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
+/// Block of bitsandbytes' block-wise 8-bit optimizers (one fp32 absmax each).
+pub const ADAM8BIT_BLOCK: u64 = 256;
+
+/// One 8-bit Adam moment of a parameter of `n` values: (value bytes, scale
+/// bytes). fp32 below [`ADAM8BIT_MIN_SIZE`], else a byte per value and an fp32
+/// absmax per block (`rcoa_backend::quant::adam8bit` holds exactly this).
+pub fn adam8bit_moment_bytes(n: u64) -> (u64, u64) {
+    if n < ADAM8BIT_MIN_SIZE {
+        (4 * n, 0)
+    } else {
+        (n, 4 * n.div_ceil(ADAM8BIT_BLOCK))
+    }
+}
+
+/// Both 8-bit Adam moments of a parameter of `n` values, in bytes.
+pub fn adam8bit_state_bytes(n: u64) -> u64 {
+    let (codes, scales) = adam8bit_moment_bytes(n);
+    2 * (codes + scales)
+}
+
 pub struct OptimizerModel {
     pub name: &'static str,
     pub state_bytes: u64,
@@ -75,13 +97,16 @@ pub fn model(
             } else {
                 "adamw"
             };
-            for (_, n) in trainable {
-                state += 2 * full(*n, 1.0);
-            }
             if o.kind == OptimizerKind::Adam8bit {
-                // bitsandbytes: 8-bit states with one fp32 absmax per 2048-element block; fused.
-                state += alloc(total_elems as f64 / 2048.0 * 4.0 * 2.0);
+                // bitsandbytes' blockwise kernels are fused: no temporaries.
+                for (_, n) in trainable {
+                    let (codes, scales) = adam8bit_moment_bytes(*n);
+                    state += 2 * (alloc(codes as f64) + alloc(scales as f64));
+                }
             } else {
+                for (_, n) in trainable {
+                    state += 2 * full(*n, 1.0);
+                }
                 temp = match implementation {
                     OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
                     OptImpl::Fused => 0,

@@ -4,9 +4,10 @@
 //! layout, how many layers of each pipeline stage to recompute (the first
 //! `k` of each stage, Megatron's "block" method): memory falls and time
 //! rises with `k`, so the search takes the smallest `k` that fits.
-//! `selective` (recompute attention internals only) is not modelled by the
-//! memory model yet: full per-layer recomputation stands in for it, which
-//! over-predicts memory saved by nothing and time by the MLP's recompute.
+//! `selective` recomputes the attention core only (Megatron's selective
+//! recomputation): no whole layer is recomputed here; the memory model drops
+//! the core's quadratic saved tensors and charges their recompute
+//! (`memory::build`, `selective_attention`).
 
 use super::{decide, CheckpointDomain, Pass, Plan, Recompute};
 use crate::compile::CompileError;
@@ -45,9 +46,9 @@ impl Pass for Checkpoint {
             CheckpointChoice::Full => CheckpointDomain::Fixed(Recompute::Block(self.layers)),
             CheckpointChoice::Every(n) => CheckpointDomain::Fixed(Recompute::Every(n.max(1))),
             CheckpointChoice::Selective => {
-                decide(log, self, "checkpoint = full (for selective)",
-                    "selective recomputation (attention internals only) is not modelled yet; full per-layer checkpointing is the conservative stand-in");
-                CheckpointDomain::Fixed(Recompute::Block(self.layers))
+                decide(log, self, "checkpoint = selective (attention core recomputed)",
+                    "every layer keeps its projections' and MLP's activations but not the attention scores and probabilities, which the backward recomputes (one more q·kᵀ and probs·v per layer)");
+                CheckpointDomain::Fixed(Recompute::Block(0))
             }
             CheckpointChoice::Auto => {
                 decide(log, self, "checkpoint ∈ first k layers of each stage, k = 0 … all",

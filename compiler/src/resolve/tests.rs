@@ -862,3 +862,16 @@ fn span_table_records_values() {
     assert_eq!(at("train"), "train");
     assert!(spans.get("fit.budget").is_none());
 }
+
+#[test]
+fn chunked_loss_key() {
+    let plan = |v: &str| {
+        format!("model \"llama-3.1-8b\"\nhardware {{ gpu = h100-80gb }}\ntrain {{ seq_len = 2048 global_batch = 8 chunked_loss = {v} }}\n")
+    };
+    assert_eq!(ok(BASE).train.chunked_loss, None);
+    assert_eq!(ok(&plan("false")).train.chunked_loss, Some(false));
+    assert_eq!(ok(&plan("true")).train.chunked_loss, Some(true));
+    let src = plan("3");
+    let e = one(&src, "rcoa::wrong_kind");
+    assert_eq!(text_at(&src, &e), "3");
+}

@@ -5,7 +5,8 @@
 //! `grad_accum` default to `auto`; `attention` to `sdpa`; `loss` to
 //! `causal_lm` for decoders and `masked_lm` for encoders. `positives` and
 //! `negatives` (texts per anchor) default to 0 and apply only to
-//! `loss = contrastive`. The batch arithmetic against the parallel degrees is
+//! `loss = contrastive`. `chunked_loss` (a boolean) turns the chunked LM loss
+//! on or off; unset, the engine's default holds. The batch arithmetic against the parallel degrees is
 //! checked in [`super::constraints`].
 
 use super::problem::{Inapplicable, NameKind, Problem};
@@ -23,6 +24,7 @@ pub(crate) const KEYS: &[&str] = &[
     "loss",
     "positives",
     "negatives",
+    "chunked_loss",
 ];
 
 const ATTENTION: &[(&str, Attention)] = &[
@@ -79,6 +81,10 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
         .get("negatives")
         .map_or(Some(0), |v| values::integer(cx, v, "negatives", 0));
 
+    let chunked_loss = f
+        .get("chunked_loss")
+        .map(|v| values::boolean(cx, v, "chunked_loss"));
+
     // Without a written loss and without a resolved model, the default is unknown.
     let loss = match loss {
         Some(l) => l,
@@ -114,5 +120,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
         loss: loss?,
         positives: positives?,
         negatives: negatives?,
+        chunked_loss: match chunked_loss {
+            Some(c) => Some(c?),
+            None => None,
+        },
     })
 }

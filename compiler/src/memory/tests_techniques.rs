@@ -1,0 +1,112 @@
+//! The memory model of selective recomputation and 8-bit Adam.
+
+use super::{evaluate, Candidate};
+use crate::profile::Profile;
+use crate::spec::{CheckpointChoice, OptimizerKind, Target};
+use crate::testing::SpecBuilder;
+
+fn cand(layers: &[u64]) -> Candidate {
+    Candidate {
+        micro_batch: 4,
+        grad_accum: 1,
+        data: 1,
+        zero: 0,
+        tensor: 1,
+        pipeline: 1,
+        context: 1,
+        sequence: false,
+        checkpoint_layers: layers.to_vec(),
+        offload: vec![],
+    }
+}
+
+/// (peak bytes, step FLOPs) of the default decoder under `choice`; `full`
+/// recomputes every layer, as the checkpoint pass fixes it.
+fn run(target: Target, choice: CheckpointChoice) -> (u64, f64) {
+    let spec = SpecBuilder::new().target(target).checkpoint(choice).build();
+    let layers: Vec<u64> = if choice == CheckpointChoice::Full {
+        (0..spec.model.layers).collect()
+    } else {
+        vec![]
+    };
+    let r = evaluate(&spec, &cand(&layers), &Profile::for_target(target), false);
+    (r.peak_bytes, r.step_flops)
+}
+
+/// On `target burn` (eager attention, one saved `[b, h, s, s]` per layer)
+/// selective lies strictly between none and full in memory, and costs the
+/// attention core's recompute: more FLOPs than none, fewer than full.
+#[test]
+fn selective_lies_between_none_and_full_on_burn() {
+    let (none, f_none) = run(Target::Burn, CheckpointChoice::None);
+    let (sel, f_sel) = run(Target::Burn, CheckpointChoice::Selective);
+    let (full, f_full) = run(Target::Burn, CheckpointChoice::Full);
+    assert!(
+        full < sel && sel < none,
+        "full {full} < selective {sel} < none {none}"
+    );
+    assert!(
+        f_none < f_sel && f_sel < f_full,
+        "{f_none} < {f_sel} < {f_full}"
+    );
+}
+
+/// PyTorch with fused SDPA saves nothing quadratic: selective changes nothing.
+#[test]
+fn selective_changes_nothing_under_fused_attention() {
+    assert_eq!(
+        run(Target::Pytorch, CheckpointChoice::Selective),
+        run(Target::Pytorch, CheckpointChoice::None)
+    );
+}
+
+/// 8-bit Adam's state: a byte per value and an fp32 absmax per 256 values
+/// for each moment, fp32 below 4096 values (bitsandbytes).
+#[test]
+fn adam8bit_state_is_two_bytes_per_value_and_block_scales() {
+    use super::optimizer::adam8bit_state_bytes;
+    assert_eq!(adam8bit_state_bytes(4095), 8 * 4095);
+    assert_eq!(adam8bit_state_bytes(4096), 2 * 4096 + 2 * 4 * 16);
+    assert_eq!(adam8bit_state_bytes(1 << 20), 2 * (1 << 20) + 2 * 4 * 4096);
+    let spec = SpecBuilder::new()
+        .optimizer(OptimizerKind::Adam8bit)
+        .build();
+    let adamw = SpecBuilder::new().build();
+    let p = Profile::for_target(Target::Pytorch);
+    let r8 = evaluate(&spec, &cand(&[]), &p, false);
+    let r32 = evaluate(&adamw, &cand(&[]), &p, false);
+    assert!(r8.peak_bytes < r32.peak_bytes);
+}
+
+fn with_loss(target: Target, vocab: u64, chunked: Option<bool>) -> super::MemoryReport {
+    let mut spec = SpecBuilder::new().target(target).vocab(vocab).build();
+    spec.train.chunked_loss = chunked;
+    evaluate(&spec, &cand(&[]), &Profile::for_target(target), false)
+}
+
+/// Burn above a 32k vocabulary: chunked by default, which lowers the peak
+/// (no `[tokens, vocab]` fp32 logits) and costs the head's matmul once more;
+/// `chunked_loss = false` restores the full logits. Small vocabularies and
+/// PyTorch are unchanged.
+#[test]
+fn chunked_loss_on_burn_only_and_above_32k() {
+    let default = with_loss(Target::Burn, 50_304, None);
+    let off = with_loss(Target::Burn, 50_304, Some(false));
+    let on = with_loss(Target::Burn, 50_304, Some(true));
+    assert_eq!(default.peak_bytes, on.peak_bytes);
+    assert!(
+        on.peak_bytes < off.peak_bytes,
+        "{} < {}",
+        on.peak_bytes,
+        off.peak_bytes
+    );
+    assert!(on.step_flops > off.step_flops);
+    assert_eq!(
+        with_loss(Target::Burn, 32_000, None).peak_bytes,
+        with_loss(Target::Burn, 32_000, Some(false)).peak_bytes
+    );
+    assert_eq!(
+        with_loss(Target::Pytorch, 50_304, Some(true)).peak_bytes,
+        with_loss(Target::Pytorch, 50_304, Some(false)).peak_bytes
+    );
+}
