@@ -230,3 +230,37 @@ fn cpu_measure_is_live_heap_bytes_near_the_prediction() {
         "measured vs predicted: {err:+.2} ({summary})"
     );
 }
+
+/// `checkpoint = selective` runs, and its predicted peak lies strictly
+/// between keeping everything and recomputing every layer.
+#[test]
+fn selective_checkpointing_runs_and_is_predicted_between_none_and_full() {
+    let dir = temp("selective");
+    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
+    let peak = |checkpoint: &str| {
+        let path = dir.join(format!("{}.plan", checkpoint.replace(' ', "-")));
+        std::fs::write(
+            &path,
+            source.replace("checkpoint = none", &format!("checkpoint = {checkpoint}")),
+        )
+        .unwrap();
+        let out = rcoa()
+            .args(["compile", path.to_str().unwrap(), "--format", "json"])
+            .output()
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["resolved"]["checkpoint"], checkpoint, "{json}");
+        (path, json["memory"]["peak_bytes"].as_u64().unwrap())
+    };
+    let (_, none) = peak("none");
+    let (_, full) = peak("full");
+    let (selective, between) = peak("selective");
+    assert!(
+        full < between && between < none,
+        "full {full} < selective {between} < none {none}"
+    );
+    let (steps, summary) = run_json(&[selective.to_str().unwrap(), "--steps", "3"]);
+    assert_eq!(steps.len(), 3);
+    assert!(summary["last_loss"].as_f64().unwrap().is_finite());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -18,8 +18,8 @@
 //! `data` must equal processes × devices.
 //!
 //! What this executor does not do is an error before anything runs
-//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO sharding, offload, QLoRA's 4-bit base, mixture of
-//! experts, selective checkpointing, optimizers Burn lacks.
+//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, QLoRA's 4-bit base, mixture of
+//! experts, optimizers Burn lacks.
 
 pub mod data;
 pub mod distributed;
@@ -192,9 +192,6 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
                 ))
             }
         }
-    }
-    if r.checkpoint == "selective" {
-        return u("selective checkpointing (attention internals only) is not executed by the Burn executor; it recomputes whole layers (`checkpoint = full` or `every N`)".into());
     }
     if let Some(a) = &plan.adapter {
         if a.kind == AdapterKind::Qlora {

@@ -105,6 +105,11 @@ pub struct Ctx<B: Backend> {
     /// padding, so no query attends to a pad. `None`: every token is real
     /// (packed sequences). Set per batch with [`Ctx::with_padding`].
     pub padding: Option<Tensor<B, 4>>,
+    /// `checkpoint = selective`: the attention core is one node that keeps
+    /// q, k, v and recomputes the scores and probabilities in the backward
+    /// (`ops::attention_core`), instead of keeping the `[b, h, s, s]`
+    /// probabilities.
+    pub selective: bool,
 }
 
 impl<B: Backend> Ctx<B> {
@@ -157,6 +162,7 @@ impl<B: Backend> Ctx<B> {
             rope,
             bias,
             padding: None,
+            selective: false,
         }
     }
 
@@ -377,6 +383,13 @@ impl<B: ExecBackend> Attention<B> {
             k = rep(k);
             v = rep(v);
         }
+        if ctx.selective {
+            let biases: Vec<Tensor<B, 4>> = ctx.bias.iter().chain(&ctx.padding).cloned().collect();
+            let out = crate::ops::attention_core(q, k, v, &biases, 1.0 / (hd as f64).sqrt());
+            return self
+                .o
+                .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
+        }
         // Eager attention (Burn 0.21 has no fused training attention): the
         // [b, h, s, s] probabilities are kept for the backward pass, once
         // (`softmax_last` saves only its output, which `probs · v` saves too).
@@ -508,12 +521,18 @@ impl<B: Backend> Head<B> {
         }
     }
 
-    /// Vocabulary logits `[b, s, vocab]` in the compute dtype.
-    pub fn logits(&self, x: Tensor<B, 3>, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 3> {
-        let w = match &self.out {
+    /// The vocabulary head `[hidden, vocab]` in the compute dtype: its own
+    /// weight, or the token table's transpose when tied.
+    pub fn weight(&self, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 2> {
+        match &self.out {
             Some(w) => to_dtype(w.val(), ctx.compute),
             None => to_dtype(embed.table(), ctx.compute).transpose(),
-        };
+        }
+    }
+
+    /// Vocabulary logits `[b, s, vocab]` in the compute dtype.
+    pub fn logits(&self, x: Tensor<B, 3>, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let w = self.weight(embed, ctx);
         let [b, s, d] = x.dims();
         let v = w.dims()[1];
         x.reshape([b * s, d]).matmul(w).reshape([b, s, v])

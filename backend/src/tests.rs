@@ -515,3 +515,65 @@ fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
         assert!(got[0] != trainer(&one).flat_weights().unwrap());
     }
 }
+
+/// The chunked LM loss trains as the full one does: same losses and weights
+/// after a few steps (the vocabulary is 64, so chunks of 1024 tokens would be
+/// one chunk of 32 tokens here; `loss_chunked` tests the splitting).
+#[test]
+fn chunked_loss_trains_like_the_full_loss() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.train.chunked_loss = Some(false);
+    let full = losses(&plan, &opts(3));
+    plan.train.chunked_loss = Some(true);
+    let mut t = trainer(&plan);
+    assert!(t.chunked_loss_on());
+    let chunked = losses(&plan, &opts(3));
+    for (a, b) in chunked.iter().zip(&full) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "chunked {a} vs full {b}"
+        );
+    }
+    // And the gradients of one micro-batch agree with one graph's.
+    let batch = t.batcher.batch(0, 0);
+    let (_, reference) = t.reference_grads(&batch, 0, 0);
+    let mut acc = GradientsParams::new();
+    let mut probe = RssProbe::new();
+    t.set_checkpointed(vec![true; plan.model.layers as usize]);
+    t.micro_step(&batch, 0, 0, 1.0, &mut acc, &mut probe);
+    let worst = max_rel_diff(&t.flatten(&acc), &t.flatten(&reference));
+    assert!(worst < 1e-4, "gradients differ by {worst}");
+}
+
+/// `checkpoint = selective` (the attention core recomputed in the backward)
+/// gives the gradients of keeping everything, decoder and encoder.
+#[test]
+fn selective_recomputation_gives_the_same_gradients() {
+    let _serial = serial();
+    for plan in [
+        tiny_plan(),
+        tiny_encoder_plan(rcoa_compiler::spec::Loss::MaskedLm),
+    ] {
+        let grads = |selective: bool| {
+            let mut p = plan.clone();
+            p.resolved.checkpoint = if selective { "selective" } else { "none" }.into();
+            p.resolved.checkpoint_layers.clear();
+            let mut t = trainer(&p);
+            t.set_train_mode(false);
+            let batch = t.batcher.batch(0, 0);
+            let mut acc = GradientsParams::new();
+            let mut probe = RssProbe::new();
+            let loss = t
+                .micro_step(&batch, 0, 0, 1.0, &mut acc, &mut probe)
+                .into_scalar()
+                .elem::<f64>();
+            (loss, t.flatten(&acc))
+        };
+        let (l0, g0) = grads(false);
+        let (l1, g1) = grads(true);
+        assert!((l0 - l1).abs() < 1e-6, "loss {l0} vs {l1}");
+        let worst = max_rel_diff(&g1, &g0);
+        assert!(worst < 1e-4, "selective gradients differ by {worst}");
+    }
+}

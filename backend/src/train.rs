@@ -30,9 +30,10 @@
 
 use crate::data::{Batch, Batcher};
 use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout};
+use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Model, ModelInit};
-use crate::ops::ExecAutodiff;
+use crate::ops::{ExecAutodiff, ExecBackend};
 use crate::RunError;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -314,6 +315,11 @@ pub struct Trainer<B: ExecAutodiff> {
     pub checkpointed: Vec<bool>,
     pub batcher: Batcher,
     loss: Loss,
+    /// The LM head and cross-entropy a chunk of tokens at a time, so the
+    /// `[tokens, vocab]` fp32 logits never exist at once (the plan's
+    /// `train.chunked_loss`; by default above a 32,768-token vocabulary, as
+    /// the `burn` profile predicts).
+    chunked_loss: bool,
     layout: ContrastiveLayout,
     lr: f64,
     pub grad_accum: u64,
@@ -376,6 +382,13 @@ impl<B: ExecAutodiff> Trainer<B> {
             precision.compute,
             &device,
         );
+        // Selective recomputation is inside every layer's attention; no layer
+        // is recomputed whole (the plan lists none).
+        let selective = plan.resolved.checkpoint == "selective";
+        let mut ctx = ctx;
+        let mut ictx = ictx;
+        ctx.selective = selective;
+        ictx.selective = selective;
         let checkpointed = (0..plan.model.layers)
             .map(|i| plan.layer_checkpointed(i))
             .collect();
@@ -398,6 +411,10 @@ impl<B: ExecAutodiff> Trainer<B> {
             ictx,
             checkpointed,
             loss: plan.train.loss,
+            chunked_loss: plan.train.loss != Loss::Contrastive
+                && plan.train.chunked_loss.unwrap_or(
+                    plan.model.vocab > rcoa_compiler::memory::build::CHUNKED_LOSS_MIN_VOCAB,
+                ),
             layout,
             batcher: cfg.batcher,
             lr: plan.optimizer.lr,
@@ -444,6 +461,11 @@ impl<B: ExecAutodiff> Trainer<B> {
         self.checkpointed = layers;
     }
 
+    /// Whether the LM loss runs a chunk of tokens at a time.
+    pub fn chunked_loss_on(&self) -> bool {
+        self.chunked_loss
+    }
+
     /// Turn dropout off (gradient checks).
     pub fn set_train_mode(&mut self, train: bool) {
         self.ctx.train = train;
@@ -479,7 +501,7 @@ impl<B: ExecAutodiff> Trainer<B> {
     }
 
     /// The objective on the last layer's output `x`.
-    fn objective<X: Backend>(
+    fn objective<X: ExecBackend>(
         &self,
         m: &Model<X>,
         x: Tensor<X, 3>,
@@ -499,7 +521,19 @@ impl<B: ExecAutodiff> Trainer<B> {
                         device,
                     )
                 });
-                lm_loss(m.head.logits(h, &m.embed, ctx), targets, weights)
+                if self.chunked_loss {
+                    // The shapes are the model's own: a mismatch is a bug here.
+                    chunked_lm_loss(
+                        h,
+                        m.head.weight(&m.embed, ctx),
+                        targets,
+                        weights,
+                        DEFAULT_CHUNK,
+                    )
+                    .unwrap_or_else(|e| panic!("chunked loss: {e}"))
+                } else {
+                    lm_loss(m.head.logits(h, &m.embed, ctx), targets, weights)
+                }
             }
             Loss::Contrastive => contrastive_loss(h, self.layout),
         }
