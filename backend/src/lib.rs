@@ -29,6 +29,7 @@ pub mod model;
 pub mod ops;
 pub mod testing;
 pub mod train;
+pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -53,6 +54,12 @@ pub enum RunError {
     #[error("{0}")]
     #[diagnostic(code(rcoa::run_checkpoint))]
     Checkpoint(String),
+    #[error("{0}")]
+    #[diagnostic(
+        code(rcoa::weights),
+        help("the Hugging Face checkpoint beside the config must be the model the config describes (same family, sizes and tying)")
+    )]
+    Weights(String),
     #[error("{0}")]
     #[diagnostic(code(rcoa::cuda_unavailable), help("install the NVIDIA driver and the CUDA toolkit (NVRTC and headers), set CUDA_PATH, or use `--device cpu`"))]
     CudaUnavailable(String),

@@ -31,7 +31,6 @@ const INIT_STD: f64 = 0.02;
 /// Large negative score for masked attention positions; finite so it also
 /// stays finite in bf16 and `softmax` never sees `-inf - -inf`.
 const MASK_VALUE: f64 = -1.0e9;
-const NORM_EPS: f64 = 1e-5;
 
 /// Hands out parameter ids in construction order.
 pub struct Ids(u64);
@@ -89,6 +88,12 @@ pub struct Ctx<B: Backend> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub causal: bool,
+    /// Epsilon of every norm (from the config: `rms_norm_eps` etc.).
+    pub norm_eps: f64,
+    /// GELU with the tanh approximation (GPT-2) instead of the exact one.
+    pub gelu_tanh: bool,
+    /// First position id of learned positions (RoBERTa: `pad_token_id + 1`).
+    pub position_offset: usize,
     pub lora_scale: f64,
     pub lora_dropout: f64,
     pub dropout: f64,
@@ -117,10 +122,12 @@ impl<B: Backend> Ctx<B> {
     ) -> Self {
         let head_dim = model.head_dim as usize;
         let rope = (model.positions == Positions::Rope).then(|| {
-            // theta_i = 10000^(-2i/d); angle[p, i] = p * theta_i.
+            // theta_i = base^(-2i/d); angle[p, i] = p * theta_i (f32, as
+            // Hugging Face computes it).
             let half = head_dim / 2;
+            let base = model.numerics.rope_theta;
             let inv: Vec<f32> = (0..half)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
+                .map(|i| (1.0 / base.powf(2.0 * i as f64 / head_dim as f64)) as f32)
                 .collect();
             let mut cos = Vec::with_capacity(seq * half);
             let mut sin = Vec::with_capacity(seq * half);
@@ -150,6 +157,9 @@ impl<B: Backend> Ctx<B> {
             kv_heads: model.kv_heads as usize,
             head_dim,
             causal,
+            norm_eps: model.numerics.norm_eps,
+            gelu_tanh: model.numerics.gelu_tanh,
+            position_offset: model.numerics.position_offset as usize,
             lora_scale: adapter.map(|a| a.alpha / a.rank as f64).unwrap_or(0.0),
             lora_dropout: adapter.map(|a| a.dropout).unwrap_or(0.0),
             dropout: model.dropout,
@@ -312,7 +322,7 @@ impl<B: Backend> NormLayer<B> {
                     .clone()
                     .powi_scalar(2)
                     .mean_dim(2)
-                    .add_scalar(NORM_EPS)
+                    .add_scalar(ctx.norm_eps)
                     .sqrt();
                 x / rms * w
             }
@@ -320,7 +330,7 @@ impl<B: Backend> NormLayer<B> {
                 let mean = x.clone().mean_dim(2);
                 let centered = x - mean;
                 let var = centered.clone().powi_scalar(2).mean_dim(2);
-                centered / var.add_scalar(NORM_EPS).sqrt() * w
+                centered / var.add_scalar(ctx.norm_eps).sqrt() * w
                     + to_dtype(b.val(), ctx.compute).unsqueeze::<3>()
             }
         }
@@ -411,6 +421,7 @@ impl<B: Backend> MlpLayer<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let hidden = match &self.gate {
             Some(gate) => activation::silu(gate.forward(x.clone(), ctx)) * self.up.forward(x, ctx),
+            None if ctx.gelu_tanh => activation::gelu_approximate(self.up.forward(x, ctx)),
             None => activation::gelu(self.up.forward(x, ctx)),
         };
         self.down.forward(hidden, ctx)
@@ -475,7 +486,7 @@ impl<B: Backend> Embed<B> {
         let mut x = burn::tensor::module::embedding(table, tokens);
         if let Some(p) = &self.positions {
             x = x + to_dtype(p.val(), ctx.compute)
-                .narrow(0, 0, s)
+                .narrow(0, ctx.position_offset, s)
                 .unsqueeze::<3>();
         }
         if let Some(n) = &self.norm {
@@ -617,5 +628,81 @@ impl<B: ExecBackend> Model<B> {
             x = l.forward(x, ctx);
         }
         self.head.normed(x, ctx)
+    }
+}
+
+// ---------------------------------------------------------------- loading
+
+/// Where [`Model::load`] gets a parameter's values: called with rcoa's name
+/// of the parameter (`layers.3.attn.q.weight`, `embed.tokens`, ...) and its
+/// shape in rcoa's layout (`[in, out]` for linear weights); `None` when the
+/// source has no such tensor (the source records why).
+pub type Source<'a> = dyn FnMut(&str, &[usize]) -> Option<Vec<f32>> + 'a;
+
+fn load_param<B: Backend, const D: usize>(
+    p: &mut Param<Tensor<B, D>>,
+    name: &str,
+    src: &mut Source<'_>,
+) {
+    let old = p.val();
+    let dims = old.dims();
+    if let Some(values) = src(name, &dims) {
+        let (dtype, grad, device) = (old.dtype(), old.is_require_grad(), old.device());
+        let t = Tensor::<B, 1>::from_floats(values.as_slice(), &device)
+            .reshape(dims)
+            .cast(dtype);
+        *p = Param::initialized(p.id, t.set_require_grad(grad));
+    }
+}
+
+impl<B: Backend> Linear<B> {
+    fn load(&mut self, name: &str, src: &mut Source<'_>) {
+        load_param(&mut self.weight, &format!("{name}.weight"), src);
+        if let Some(b) = &mut self.bias {
+            load_param(b, &format!("{name}.bias"), src);
+        }
+    }
+}
+
+impl<B: Backend> NormLayer<B> {
+    fn load(&mut self, name: &str, src: &mut Source<'_>) {
+        load_param(&mut self.weight, &format!("{name}.weight"), src);
+        if let Some(b) = &mut self.bias {
+            load_param(b, &format!("{name}.bias"), src);
+        }
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Replace every base parameter (not LoRA's) with the source's values,
+    /// keeping ids, dtypes and trainability.
+    pub fn load(&mut self, src: &mut Source<'_>) {
+        load_param(&mut self.embed.tokens, "embed.tokens", src);
+        if let Some(p) = &mut self.embed.positions {
+            load_param(p, "embed.positions", src);
+        }
+        if let Some(n) = &mut self.embed.norm {
+            n.load("embed.norm", src);
+        }
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let n = format!("layers.{i}");
+            l.norm1.load(&format!("{n}.norm1"), src);
+            l.attn.q.load(&format!("{n}.attn.q"), src);
+            l.attn.k.load(&format!("{n}.attn.k"), src);
+            l.attn.v.load(&format!("{n}.attn.v"), src);
+            l.attn.o.load(&format!("{n}.attn.o"), src);
+            l.norm2.load(&format!("{n}.norm2"), src);
+            if let Some(g) = &mut l.mlp.gate {
+                g.load(&format!("{n}.mlp.gate"), src);
+            }
+            l.mlp.up.load(&format!("{n}.mlp.up"), src);
+            l.mlp.down.load(&format!("{n}.mlp.down"), src);
+        }
+        if let Some(n) = &mut self.head.norm {
+            n.load("head.norm", src);
+        }
+        if let Some(p) = &mut self.head.out {
+            load_param(p, "head.out", src);
+        }
     }
 }

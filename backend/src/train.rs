@@ -332,6 +332,11 @@ impl<B: ExecAutodiff> Trainer<B> {
             dtype: FloatDType::F32,
         };
         let mut model = Model::<B>::new(&init, &device);
+        if let Some(dir) = &plan.model.weights {
+            // A Hugging Face checkpoint replaces the random base weights
+            // (LoRA's A and B keep their initialisation).
+            crate::weights::load_into(&mut model, &plan.model, Path::new(dir))?;
+        }
         let mut work = None;
         if precision.master {
             work = Some(model.clone().map(&mut CastParams(precision.params)));

@@ -1,0 +1,189 @@
+//! The Hugging Face fixtures (tests/fixtures/hf, built by
+//! tools/hf_fixtures/make_fixtures.py): weights loaded through the plan path
+//! must reproduce the losses and embeddings `transformers` computed.
+
+use burn::backend::NdArray;
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use rcoa_backend::model::{Ctx, Model, ModelInit};
+use rcoa_compiler::resolve::{resolve, ResolveContext};
+use rcoa_compiler::spec::ModelSpec;
+use std::path::{Path, PathBuf};
+
+type B = NdArray<f32>;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The model of a plan whose `model hf` names the fixture folder.
+fn spec(name: &str, loss: &str) -> ModelSpec {
+    let text = format!(
+        "model hf \"tests/fixtures/hf/{name}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n  loss = {loss}\n}}\ntarget burn\n"
+    );
+    let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
+    let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
+    resolve(&file, &ctx).expect("plan resolves").model
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    let p = root().join(format!("tests/fixtures/hf/{name}/reference.json"));
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn loaded(m: &ModelSpec, lm_head: bool) -> Result<Model<B>, rcoa_backend::RunError> {
+    let device = Default::default();
+    let init = ModelInit {
+        model: m,
+        adapter: None,
+        lm_head,
+        dtype: FloatDType::F32,
+    };
+    let mut model = Model::<B>::new(&init, &device);
+    let dir = m.weights.as_ref().expect("the spec names the checkpoint");
+    rcoa_backend::weights::load_into(&mut model, m, Path::new(dir))?;
+    Ok(model)
+}
+
+fn ids(v: &serde_json::Value) -> Vec<Vec<i64>> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+/// Mean next-token cross-entropy of one window, as `labels=input_ids` does.
+fn causal_loss(model: &Model<B>, m: &ModelSpec, window: &[i64]) -> f64 {
+    let device = Default::default();
+    let s = window.len();
+    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, &device);
+    ctx.train = false;
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(window.to_vec(), [1, s]), &device);
+    let h = model.hidden(tokens, &ctx);
+    let logits = model.head.logits(h, &model.embed, &ctx);
+    let v = logits.dims()[2];
+    let l: Vec<f32> = logits.into_data().to_vec().unwrap();
+    let mut total = 0.0;
+    for p in 0..s - 1 {
+        let row = &l[p * v..(p + 1) * v];
+        let max = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
+        let lse = max + row.iter().map(|x| (*x as f64 - max).exp()).sum::<f64>().ln();
+        total += lse - row[window[p + 1] as usize] as f64;
+    }
+    total / (s - 1) as f64
+}
+
+fn check_causal(name: &str) {
+    let m = spec(name, "causal_lm");
+    let model = loaded(&m, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = reference(name);
+    let want: Vec<f64> = serde_json::from_value(r["losses"].clone()).unwrap();
+    for (w, want) in ids(&r["windows"]).iter().zip(want) {
+        let got = causal_loss(&model, &m, w);
+        assert!(
+            (got - want).abs() < 2e-3,
+            "{name}: loss {got} vs transformers {want}"
+        );
+    }
+}
+
+#[test]
+fn llama_matches_transformers() {
+    check_causal("llama");
+}
+
+#[test]
+fn mistral_bf16_on_disk_matches_transformers() {
+    check_causal("mistral");
+}
+
+#[test]
+fn gpt2_matches_transformers() {
+    check_causal("gpt2");
+}
+
+#[test]
+fn xlmr_sharded_embeddings_match_transformers() {
+    let m = spec("xlmr", "contrastive");
+    let model = loaded(&m, false).unwrap_or_else(|e| panic!("xlmr: {e}"));
+    let r = reference("xlmr");
+    let input = ids(&r["input_ids"]);
+    let mask = ids(&r["attention_mask"]);
+    let want: Vec<Vec<f64>> = serde_json::from_value(r["embeddings"].clone()).unwrap();
+    let (rows, s) = (input.len(), input[0].len());
+    let device = Default::default();
+    let keep: Vec<bool> = mask.iter().flatten().map(|&k| k == 1).collect();
+    let mut ctx = Ctx::<B>::new(&m, None, s, FloatDType::F32, &device);
+    ctx.train = false;
+    let ctx = ctx.with_padding(&keep, rows, s, &device);
+    let flat: Vec<i64> = input.iter().flatten().copied().collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows, s]), &device);
+    let h: Vec<f32> = model.hidden(tokens, &ctx).into_data().to_vec().unwrap();
+    let d = m.hidden as usize;
+    for r in 0..rows {
+        let mut e = vec![0f64; d];
+        let mut n = 0.0;
+        for p in 0..s {
+            if keep[r * s + p] {
+                n += 1.0;
+                for (i, x) in e.iter_mut().enumerate() {
+                    *x += h[(r * s + p) * d + i] as f64;
+                }
+            }
+        }
+        let norm = e.iter().map(|x| (x / n) * (x / n)).sum::<f64>().sqrt();
+        for (i, x) in e.iter().enumerate() {
+            let got = x / n / norm;
+            assert!(
+                (got - want[r][i]).abs() < 1e-4,
+                "row {r} dim {i}: {got} vs transformers {}",
+                want[r][i]
+            );
+        }
+    }
+}
+
+#[test]
+fn a_missing_a_misshaped_and_a_truncated_checkpoint_are_named() {
+    let dir = std::env::temp_dir().join(format!("rcoa-hf-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = root().join("tests/fixtures/hf/llama");
+    // Rewrite the checkpoint without one tensor and with another reshaped.
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept = vec![];
+    for (name, view) in st.tensors() {
+        if name == "model.layers.1.mlp.up_proj.weight" {
+            continue;
+        }
+        let shape = if name == "model.norm.weight" {
+            vec![view.shape()[0] / 2, 2]
+        } else {
+            view.shape().to_vec()
+        };
+        kept.push((name, view.dtype(), shape, view.data().to_vec()));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+        .iter()
+        .map(|(n, dt, s, d)| {
+            let v = safetensors::tensor::TensorView::new(*dt, s.clone(), d).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let mut m = spec("llama", "causal_lm");
+    m.weights = Some(dir.to_string_lossy().into_owned());
+    let e = loaded(&m, true).err().expect("refused").to_string();
+    assert!(
+        e.contains("missing tensors: model.layers.1.mlp.up_proj.weight"),
+        "{e}"
+    );
+    assert!(e.contains("`model.norm.weight` is [32, 2]"), "{e}");
+    // A truncated file is a sentence naming it, not an internal error.
+    let full = std::fs::read(dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &full[..full.len() / 2]).unwrap();
+    let e = loaded(&m, true).err().expect("refused").to_string();
+    assert!(
+        e.contains("model.safetensors is not a readable safetensors file"),
+        "{e}"
+    );
+    assert!(e.contains("truncated or corrupt"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
