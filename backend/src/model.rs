@@ -148,7 +148,10 @@ impl<B: Backend> Ctx<B> {
         });
         let causal = model.arch == Arch::Decoder;
         let bias = causal.then(|| {
-            let future = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, device).float();
+            // Burn's masks are true where they mask: `tril_mask(_, 0)` is
+            // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
+            // used before, is true on and below it: the past was hidden.)
+            let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device).float();
             to_dtype(future.mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
         });
         Ctx {

@@ -63,7 +63,12 @@ fn causal_loss(model: &Model<B>, m: &ModelSpec, window: &[i64]) -> f64 {
     for p in 0..s - 1 {
         let row = &l[p * v..(p + 1) * v];
         let max = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
-        let lse = max + row.iter().map(|x| (*x as f64 - max).exp()).sum::<f64>().ln();
+        let lse = max
+            + row
+                .iter()
+                .map(|x| (*x as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
         total += lse - row[window[p + 1] as usize] as f64;
     }
     total / (s - 1) as f64
@@ -77,7 +82,8 @@ fn check_causal(name: &str) {
     for (w, want) in ids(&r["windows"]).iter().zip(want) {
         let got = causal_loss(&model, &m, w);
         assert!(
-            (got - want).abs() < 2e-3,
+            // Measured: within 3e-7 of transformers in fp32.
+            (got - want).abs() < 1e-4,
             "{name}: loss {got} vs transformers {want}"
         );
     }

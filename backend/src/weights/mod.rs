@@ -72,7 +72,11 @@ pub enum Origin {
     /// The tensor as is, transposed when it is a `nn.Linear` weight.
     Whole { key: String, transpose: bool },
     /// Columns `part` of `parts` equal slices of the last dimension (GPT-2's `c_attn`).
-    Split { key: String, part: usize, parts: usize },
+    Split {
+        key: String,
+        part: usize,
+        parts: usize,
+    },
     /// The position table plus `token_type_embeddings[0]` (XLM-R, BERT).
     PositionsWithType { key: String, types: String },
 }
@@ -95,10 +99,9 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
                 p(&format!("layers.{i}.post_attention_layernorm.weight")),
                 false,
             ),
-            ["layers", i, "attn", proj, "weight"] => whole(
-                p(&format!("layers.{i}.self_attn.{proj}_proj.weight")),
-                true,
-            ),
+            ["layers", i, "attn", proj, "weight"] => {
+                whole(p(&format!("layers.{i}.self_attn.{proj}_proj.weight")), true)
+            }
             ["layers", i, "mlp", proj, "weight"] => {
                 whole(p(&format!("layers.{i}.mlp.{proj}_proj.weight")), true)
             }
@@ -118,9 +121,7 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
             },
             ["layers", i, "attn", "o", wb] => whole(p(&format!("h.{i}.attn.c_proj.{wb}")), false),
             ["layers", i, "mlp", "up", wb] => whole(p(&format!("h.{i}.mlp.c_fc.{wb}")), false),
-            ["layers", i, "mlp", "down", wb] => {
-                whole(p(&format!("h.{i}.mlp.c_proj.{wb}")), false)
-            }
+            ["layers", i, "mlp", "down", wb] => whole(p(&format!("h.{i}.mlp.c_proj.{wb}")), false),
             _ => return None,
         }),
         Family::Bert => {
@@ -144,7 +145,9 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
                     lin(k, wb)
                 }
                 ["layers", i, "norm1", wb] => whole(
-                    p(&format!("encoder.layer.{i}.attention.output.LayerNorm.{wb}")),
+                    p(&format!(
+                        "encoder.layer.{i}.attention.output.LayerNorm.{wb}"
+                    )),
                     false,
                 ),
                 ["layers", i, "mlp", "up", wb] => {
@@ -169,9 +172,7 @@ fn prefix_of(family: Family, stored: &Stored) -> Option<String> {
     let key = family.embedding_key();
     let mut found: Vec<&String> = stored.keys().filter(|k| k.ends_with(key)).collect();
     found.sort_by_key(|k| k.len());
-    found
-        .first()
-        .map(|k| k[..k.len() - key.len()].to_string())
+    found.first().map(|k| k[..k.len() - key.len()].to_string())
 }
 
 /// Fill `model`'s base parameters from the safetensors checkpoint in `dir`.
@@ -233,7 +234,10 @@ pub fn load_from<B: Backend>(
         parts.push(format!("missing tensors: {}", list(&missing)));
     }
     if !misshaped.is_empty() {
-        parts.push(format!("tensors of the wrong shape: {}", misshaped.join(", ")));
+        parts.push(format!(
+            "tensors of the wrong shape: {}",
+            misshaped.join(", ")
+        ));
     }
     if !unmapped.is_empty() {
         parts.push(format!(

@@ -51,7 +51,9 @@ fn shards(index: &Path) -> Result<Vec<String>, String> {
             .as_str()
             .ok_or_else(|| bad(format!("the file of `{k}` is not a string")))?;
         if f.contains('/') || f.contains('\\') || f == ".." {
-            return Err(bad(format!("the file `{f}` is not in the checkpoint folder")));
+            return Err(bad(format!(
+                "the file `{f}` is not in the checkpoint folder"
+            )));
         }
         files.insert(f.to_string());
     }
@@ -59,8 +61,7 @@ fn shards(index: &Path) -> Result<Vec<String>, String> {
 }
 
 fn read_file(path: &Path, out: &mut Stored) -> Result<(), String> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         format!(
             "{} is not a readable safetensors file ({e}); it may be truncated or corrupt: download or save it again",

@@ -175,7 +175,11 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
             }
         }
     }
-    let act_key = if gpt2 { "activation_function" } else { "hidden_act" };
+    let act_key = if gpt2 {
+        "activation_function"
+    } else {
+        "hidden_act"
+    };
     let act_default = match c.model_type {
         "llama" | "mistral" => "silu",
         "gpt2" => "gelu_new",
