@@ -193,3 +193,60 @@ fn a_missing_a_misshaped_and_a_truncated_checkpoint_are_named() {
     assert!(e.contains("truncated or corrupt"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_later_token_never_changes_an_earlier_position() {
+    let m = spec("llama", "causal_lm");
+    let model = loaded(&m, true).unwrap();
+    let device = Default::default();
+    let mut ctx = Ctx::<B>::new(&m, None, 8, FloatDType::F32, &device);
+    ctx.train = false;
+    let logits = |w: Vec<i64>| -> Vec<f32> {
+        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(w, [1, 8]), &device);
+        let h = model.hidden(t, &ctx);
+        model
+            .head
+            .logits(h, &model.embed, &ctx)
+            .into_data()
+            .to_vec()
+            .unwrap()
+    };
+    let a = logits(vec![5, 6, 7, 8, 9, 10, 11, 12]);
+    let b = logits(vec![5, 6, 7, 8, 9, 10, 11, 40]);
+    let v = m.vocab as usize;
+    assert_eq!(a[..7 * v], b[..7 * v], "positions 0..7 saw token 7");
+    assert_ne!(a[7 * v..], b[7 * v..]);
+}
+
+#[test]
+fn a_config_path_and_its_folder_name_the_same_checkpoint() {
+    let by_dir = spec("llama", "causal_lm");
+    let by_config = spec("llama/config.json", "causal_lm");
+    assert_eq!(by_dir.weights, by_config.weights);
+    assert_eq!(by_config.numerics.rope_theta, 500000.0);
+    assert_eq!(by_config.numerics.norm_eps, 1e-6);
+    let gpt2 = spec("gpt2", "causal_lm");
+    assert!(gpt2.numerics.gelu_tanh);
+    let xlmr = spec("xlmr", "contrastive");
+    assert_eq!(xlmr.numerics.position_offset, 2);
+}
+
+#[test]
+fn llama3_rope_scaling_is_refused() {
+    let dir = std::env::temp_dir().join(format!("rcoa-hf-rope-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = root().join("tests/fixtures/hf/llama/config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cfg).unwrap()).unwrap();
+    json["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let text = format!(
+        "model hf \"{}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n}}\ntarget burn\n",
+        dir.display()
+    );
+    let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
+    let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
+    let e = format!("{:?}", resolve(&file, &ctx).err().expect("refused"));
+    assert!(e.contains("rope_scaling"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
