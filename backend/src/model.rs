@@ -709,3 +709,65 @@ impl<B: Backend> Model<B> {
         }
     }
 }
+
+// ---------------------------------------------------------------- export
+
+/// Receives every base parameter (not LoRA's) by rcoa name, with its shape
+/// and f32 values; the inverse of [`Source`].
+pub type Sink<'a> = dyn FnMut(&str, Vec<usize>, Vec<f32>) + 'a;
+
+fn export_param<B: Backend, const D: usize>(
+    p: &Param<Tensor<B, D>>,
+    name: &str,
+    sink: &mut Sink<'_>,
+) {
+    let t = p.val().cast(FloatDType::F32);
+    let dims = t.dims().to_vec();
+    let values: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap_or_default();
+    sink(name, dims, values);
+}
+
+impl<B: Backend> Model<B> {
+    /// Hand every base parameter to `sink`, in the names [`Model::load`] uses.
+    pub fn export(&self, sink: &mut Sink<'_>) {
+        let lin = |l: &Linear<B>, n: &str, sink: &mut Sink<'_>| {
+            export_param(&l.weight, &format!("{n}.weight"), sink);
+            if let Some(b) = &l.bias {
+                export_param(b, &format!("{n}.bias"), sink);
+            }
+        };
+        let norm = |l: &NormLayer<B>, n: &str, sink: &mut Sink<'_>| {
+            export_param(&l.weight, &format!("{n}.weight"), sink);
+            if let Some(b) = &l.bias {
+                export_param(b, &format!("{n}.bias"), sink);
+            }
+        };
+        export_param(&self.embed.tokens, "embed.tokens", sink);
+        if let Some(p) = &self.embed.positions {
+            export_param(p, "embed.positions", sink);
+        }
+        if let Some(n) = &self.embed.norm {
+            norm(n, "embed.norm", sink);
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let n = format!("layers.{i}");
+            norm(&l.norm1, &format!("{n}.norm1"), sink);
+            lin(&l.attn.q, &format!("{n}.attn.q"), sink);
+            lin(&l.attn.k, &format!("{n}.attn.k"), sink);
+            lin(&l.attn.v, &format!("{n}.attn.v"), sink);
+            lin(&l.attn.o, &format!("{n}.attn.o"), sink);
+            norm(&l.norm2, &format!("{n}.norm2"), sink);
+            if let Some(g) = &l.mlp.gate {
+                lin(g, &format!("{n}.mlp.gate"), sink);
+            }
+            lin(&l.mlp.up, &format!("{n}.mlp.up"), sink);
+            lin(&l.mlp.down, &format!("{n}.mlp.down"), sink);
+        }
+        if let Some(n) = &self.head.norm {
+            norm(n, "head.norm", sink);
+        }
+        if let Some(p) = &self.head.out {
+            export_param(p, "head.out", sink);
+        }
+    }
+}

@@ -11,6 +11,7 @@
 //! attention-mask buffers, RoPE frequency buffers) are skipped knowingly.
 
 mod read;
+mod write;
 
 use crate::model::Model;
 use burn::tensor::backend::Backend;
@@ -19,6 +20,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 pub use read::{read_checkpoint, Stored};
+pub use write::{hf_tensors, save_prefix, write_safetensors};
 
 /// The naming scheme of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
