@@ -176,7 +176,7 @@ fn a_missing_a_misshaped_and_a_truncated_checkpoint_are_named() {
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     let mut m = spec("llama", "causal_lm");
     m.weights = Some(dir.to_string_lossy().into_owned());
-    let e = loaded(&m, true).err().expect("refused").to_string();
+    let e = loaded(&m, true).expect_err("refused").to_string();
     assert!(
         e.contains("missing tensors: model.layers.1.mlp.up_proj.weight"),
         "{e}"
@@ -185,7 +185,7 @@ fn a_missing_a_misshaped_and_a_truncated_checkpoint_are_named() {
     // A truncated file is a sentence naming it, not an internal error.
     let full = std::fs::read(dir.join("model.safetensors")).unwrap();
     std::fs::write(dir.join("model.safetensors"), &full[..full.len() / 2]).unwrap();
-    let e = loaded(&m, true).err().expect("refused").to_string();
+    let e = loaded(&m, true).expect_err("refused").to_string();
     assert!(
         e.contains("model.safetensors is not a readable safetensors file"),
         "{e}"
@@ -246,7 +246,7 @@ fn llama3_rope_scaling_is_refused() {
     );
     let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
     let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
-    let e = format!("{:?}", resolve(&file, &ctx).err().expect("refused"));
+    let e = format!("{:?}", resolve(&file, &ctx).expect_err("refused"));
     assert!(e.contains("rope_scaling"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -281,4 +281,51 @@ fn saved_hf_tensors_equal_the_checkpoint_they_came_from() {
         rcoa_backend::weights::load_from(&mut again, Family::of(&m), &back).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// `rcoa run --save` of a model started from a checkpoint writes a folder
+/// `transformers` can load: config, tokenizer and the weights.
+#[test]
+fn a_full_fine_tune_saves_the_hf_layout_beside_its_state() {
+    let mut plan = rcoa_backend::testing::tiny_plan();
+    plan.model = spec("llama", "causal_lm");
+    let tr = rcoa_backend::train::Trainer::<burn::backend::Autodiff<B>>::new(
+        &plan,
+        rcoa_backend::train::TrainerConfig {
+            seed: 1,
+            batcher: rcoa_backend::batcher(
+                &plan,
+                &rcoa_backend::RunOptions {
+                    steps: 1,
+                    seed: 1,
+                    data: None,
+                    save: None,
+                    save_every: None,
+                    resume: None,
+                    distributed: None,
+                },
+            )
+            .unwrap(),
+            sixteen_bit: false,
+            collective: None,
+        },
+        Default::default(),
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("rcoa-hf-trainer-{}", std::process::id()));
+    tr.save(&dir).unwrap();
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "state.json",
+    ] {
+        assert!(dir.join(f).is_file(), "{f} missing");
+    }
+    let back = rcoa_backend::weights::read_checkpoint(&dir).unwrap();
+    let orig =
+        rcoa_backend::weights::read_checkpoint(Path::new(plan.model.weights.as_ref().unwrap()))
+            .unwrap();
+    assert_eq!(back, orig);
+    let _ = std::fs::remove_dir_all(&dir);
 }
