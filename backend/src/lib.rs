@@ -33,6 +33,7 @@ pub mod quant;
 pub mod shard;
 pub mod testing;
 pub mod train;
+pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -57,6 +58,12 @@ pub enum RunError {
     #[error("{0}")]
     #[diagnostic(code(rcoa::run_checkpoint))]
     Checkpoint(String),
+    #[error("{0}")]
+    #[diagnostic(
+        code(rcoa::weights),
+        help("the Hugging Face checkpoint beside the config must be the model the config describes (same family, sizes and tying)")
+    )]
+    Weights(String),
     #[error("{0}")]
     #[diagnostic(code(rcoa::cuda_unavailable), help("install the NVIDIA driver and the CUDA toolkit (NVRTC and headers), set CUDA_PATH, or use `--device cpu`"))]
     CudaUnavailable(String),

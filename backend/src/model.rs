@@ -31,7 +31,6 @@ const INIT_STD: f64 = 0.02;
 /// Large negative score for masked attention positions; finite so it also
 /// stays finite in bf16 and `softmax` never sees `-inf - -inf`.
 const MASK_VALUE: f64 = -1.0e9;
-const NORM_EPS: f64 = 1e-5;
 
 /// Hands out parameter ids in construction order.
 pub struct Ids(u64);
@@ -89,6 +88,12 @@ pub struct Ctx<B: Backend> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub causal: bool,
+    /// Epsilon of every norm (from the config: `rms_norm_eps` etc.).
+    pub norm_eps: f64,
+    /// GELU with the tanh approximation (GPT-2) instead of the exact one.
+    pub gelu_tanh: bool,
+    /// First position id of learned positions (RoBERTa: `pad_token_id + 1`).
+    pub position_offset: usize,
     pub lora_scale: f64,
     pub lora_dropout: f64,
     pub dropout: f64,
@@ -122,10 +127,12 @@ impl<B: Backend> Ctx<B> {
     ) -> Self {
         let head_dim = model.head_dim as usize;
         let rope = (model.positions == Positions::Rope).then(|| {
-            // theta_i = 10000^(-2i/d); angle[p, i] = p * theta_i.
+            // theta_i = base^(-2i/d); angle[p, i] = p * theta_i (f32, as
+            // Hugging Face computes it).
             let half = head_dim / 2;
+            let base = model.numerics.rope_theta;
             let inv: Vec<f32> = (0..half)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
+                .map(|i| (1.0 / base.powf(2.0 * i as f64 / head_dim as f64)) as f32)
                 .collect();
             let mut cos = Vec::with_capacity(seq * half);
             let mut sin = Vec::with_capacity(seq * half);
@@ -146,7 +153,10 @@ impl<B: Backend> Ctx<B> {
         });
         let causal = model.arch == Arch::Decoder;
         let bias = causal.then(|| {
-            let future = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, device).float();
+            // Burn's masks are true where they mask: `tril_mask(_, 0)` is
+            // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
+            // used before, is true on and below it: the past was hidden.)
+            let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device).float();
             to_dtype(future.mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
         });
         Ctx {
@@ -155,6 +165,9 @@ impl<B: Backend> Ctx<B> {
             kv_heads: model.kv_heads as usize,
             head_dim,
             causal,
+            norm_eps: model.numerics.norm_eps,
+            gelu_tanh: model.numerics.gelu_tanh,
+            position_offset: model.numerics.position_offset as usize,
             lora_scale: adapter.map(|a| a.alpha / a.rank as f64).unwrap_or(0.0),
             lora_dropout: adapter.map(|a| a.dropout).unwrap_or(0.0),
             dropout: model.dropout,
@@ -318,7 +331,7 @@ impl<B: Backend> NormLayer<B> {
                     .clone()
                     .powi_scalar(2)
                     .mean_dim(2)
-                    .add_scalar(NORM_EPS)
+                    .add_scalar(ctx.norm_eps)
                     .sqrt();
                 x / rms * w
             }
@@ -326,7 +339,7 @@ impl<B: Backend> NormLayer<B> {
                 let mean = x.clone().mean_dim(2);
                 let centered = x - mean;
                 let var = centered.clone().powi_scalar(2).mean_dim(2);
-                centered / var.add_scalar(NORM_EPS).sqrt() * w
+                centered / var.add_scalar(ctx.norm_eps).sqrt() * w
                     + to_dtype(b.val(), ctx.compute).unsqueeze::<3>()
             }
         }
@@ -424,6 +437,7 @@ impl<B: Backend> MlpLayer<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let hidden = match &self.gate {
             Some(gate) => activation::silu(gate.forward(x.clone(), ctx)) * self.up.forward(x, ctx),
+            None if ctx.gelu_tanh => activation::gelu_approximate(self.up.forward(x, ctx)),
             None => activation::gelu(self.up.forward(x, ctx)),
         };
         self.down.forward(hidden, ctx)
@@ -488,7 +502,7 @@ impl<B: Backend> Embed<B> {
         let mut x = burn::tensor::module::embedding(table, tokens);
         if let Some(p) = &self.positions {
             x = x + to_dtype(p.val(), ctx.compute)
-                .narrow(0, 0, s)
+                .narrow(0, ctx.position_offset, s)
                 .unsqueeze::<3>();
         }
         if let Some(n) = &self.norm {
@@ -636,5 +650,143 @@ impl<B: ExecBackend> Model<B> {
             x = l.forward(x, ctx);
         }
         self.head.normed(x, ctx)
+    }
+}
+
+// ---------------------------------------------------------------- loading
+
+/// Where [`Model::load`] gets a parameter's values: called with rcoa's name
+/// of the parameter (`layers.3.attn.q.weight`, `embed.tokens`, ...) and its
+/// shape in rcoa's layout (`[in, out]` for linear weights); `None` when the
+/// source has no such tensor (the source records why).
+pub type Source<'a> = dyn FnMut(&str, &[usize]) -> Option<Vec<f32>> + 'a;
+
+fn load_param<B: Backend, const D: usize>(
+    p: &mut Param<Tensor<B, D>>,
+    name: &str,
+    src: &mut Source<'_>,
+) {
+    let old = p.val();
+    let dims = old.dims();
+    if let Some(values) = src(name, &dims) {
+        let (dtype, grad, device) = (old.dtype(), old.is_require_grad(), old.device());
+        let t = Tensor::<B, 1>::from_floats(values.as_slice(), &device)
+            .reshape(dims)
+            .cast(dtype);
+        *p = Param::initialized(p.id, t.set_require_grad(grad));
+    }
+}
+
+impl<B: Backend> Linear<B> {
+    fn load(&mut self, name: &str, src: &mut Source<'_>) {
+        load_param(&mut self.weight, &format!("{name}.weight"), src);
+        if let Some(b) = &mut self.bias {
+            load_param(b, &format!("{name}.bias"), src);
+        }
+    }
+}
+
+impl<B: Backend> NormLayer<B> {
+    fn load(&mut self, name: &str, src: &mut Source<'_>) {
+        load_param(&mut self.weight, &format!("{name}.weight"), src);
+        if let Some(b) = &mut self.bias {
+            load_param(b, &format!("{name}.bias"), src);
+        }
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Replace every base parameter (not LoRA's) with the source's values,
+    /// keeping ids, dtypes and trainability.
+    pub fn load(&mut self, src: &mut Source<'_>) {
+        load_param(&mut self.embed.tokens, "embed.tokens", src);
+        if let Some(p) = &mut self.embed.positions {
+            load_param(p, "embed.positions", src);
+        }
+        if let Some(n) = &mut self.embed.norm {
+            n.load("embed.norm", src);
+        }
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let n = format!("layers.{i}");
+            l.norm1.load(&format!("{n}.norm1"), src);
+            l.attn.q.load(&format!("{n}.attn.q"), src);
+            l.attn.k.load(&format!("{n}.attn.k"), src);
+            l.attn.v.load(&format!("{n}.attn.v"), src);
+            l.attn.o.load(&format!("{n}.attn.o"), src);
+            l.norm2.load(&format!("{n}.norm2"), src);
+            if let Some(g) = &mut l.mlp.gate {
+                g.load(&format!("{n}.mlp.gate"), src);
+            }
+            l.mlp.up.load(&format!("{n}.mlp.up"), src);
+            l.mlp.down.load(&format!("{n}.mlp.down"), src);
+        }
+        if let Some(n) = &mut self.head.norm {
+            n.load("head.norm", src);
+        }
+        if let Some(p) = &mut self.head.out {
+            load_param(p, "head.out", src);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- export
+
+/// Receives every base parameter (not LoRA's) by rcoa name, with its shape
+/// and f32 values; the inverse of [`Source`].
+pub type Sink<'a> = dyn FnMut(&str, Vec<usize>, Vec<f32>) + 'a;
+
+fn export_param<B: Backend, const D: usize>(
+    p: &Param<Tensor<B, D>>,
+    name: &str,
+    sink: &mut Sink<'_>,
+) {
+    let t = p.val().cast(FloatDType::F32);
+    let dims = t.dims().to_vec();
+    let values: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap_or_default();
+    sink(name, dims, values);
+}
+
+impl<B: Backend> Model<B> {
+    /// Hand every base parameter to `sink`, in the names [`Model::load`] uses.
+    pub fn export(&self, sink: &mut Sink<'_>) {
+        let lin = |l: &Linear<B>, n: &str, sink: &mut Sink<'_>| {
+            export_param(&l.weight, &format!("{n}.weight"), sink);
+            if let Some(b) = &l.bias {
+                export_param(b, &format!("{n}.bias"), sink);
+            }
+        };
+        let norm = |l: &NormLayer<B>, n: &str, sink: &mut Sink<'_>| {
+            export_param(&l.weight, &format!("{n}.weight"), sink);
+            if let Some(b) = &l.bias {
+                export_param(b, &format!("{n}.bias"), sink);
+            }
+        };
+        export_param(&self.embed.tokens, "embed.tokens", sink);
+        if let Some(p) = &self.embed.positions {
+            export_param(p, "embed.positions", sink);
+        }
+        if let Some(n) = &self.embed.norm {
+            norm(n, "embed.norm", sink);
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let n = format!("layers.{i}");
+            norm(&l.norm1, &format!("{n}.norm1"), sink);
+            lin(&l.attn.q, &format!("{n}.attn.q"), sink);
+            lin(&l.attn.k, &format!("{n}.attn.k"), sink);
+            lin(&l.attn.v, &format!("{n}.attn.v"), sink);
+            lin(&l.attn.o, &format!("{n}.attn.o"), sink);
+            norm(&l.norm2, &format!("{n}.norm2"), sink);
+            if let Some(g) = &l.mlp.gate {
+                lin(g, &format!("{n}.mlp.gate"), sink);
+            }
+            lin(&l.mlp.up, &format!("{n}.mlp.up"), sink);
+            lin(&l.mlp.down, &format!("{n}.mlp.down"), sink);
+        }
+        if let Some(n) = &self.head.norm {
+            norm(n, "head.norm", sink);
+        }
+        if let Some(p) = &self.head.out {
+            export_param(p, "head.out", sink);
+        }
     }
 }

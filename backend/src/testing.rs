@@ -27,6 +27,8 @@ pub fn tiny_plan() -> LoweredPlan {
         experts: 1,
         experts_per_token: 1,
         dropout: 0.0,
+        numerics: Default::default(),
+        weights: None,
     };
     LoweredPlan {
         version: LOWERED_PLAN_VERSION,

@@ -340,7 +340,22 @@ pub struct Trainer<B: ExecAutodiff> {
     /// ZeRO 1/2 or the optimizer on the host (`crate::shard`): steps the
     /// model instead of `optim`.
     zero: Option<crate::shard::Zero<B::InnerBackend>>,
+    /// The Hugging Face layout `save` writes full weights in; `None` with an
+    /// adapter (PEFT adapters are not written yet).
+    hf_family: Option<crate::weights::Family>,
+    /// The checkpoint the run started from, whose config and tokenizer
+    /// files `save` copies.
+    hf_source: Option<std::path::PathBuf>,
 }
+
+/// Files of the source checkpoint a full fine-tune's save carries over.
+const HF_SIDE_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
 
 impl<B: ExecAutodiff> Trainer<B> {
     pub fn new(
@@ -361,6 +376,11 @@ impl<B: ExecAutodiff> Trainer<B> {
             dtype: FloatDType::F32,
         };
         let mut model = Model::<B>::new(&init, &device);
+        if let Some(dir) = &plan.model.weights {
+            // A Hugging Face checkpoint replaces the random base weights
+            // (LoRA's A and B keep their initialisation).
+            crate::weights::load_into(&mut model, &plan.model, Path::new(dir))?;
+        }
         let mut work = None;
         if precision.master {
             work = Some(model.clone().map(&mut CastParams(precision.params)));
@@ -401,6 +421,11 @@ impl<B: ExecAutodiff> Trainer<B> {
             plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
         let zero = crate::shard::for_plan::<B, _>(plan, &model, cfg.collective.as_ref())?;
         Ok(Trainer {
+            hf_family: plan
+                .adapter
+                .is_none()
+                .then(|| crate::weights::Family::of(&plan.model)),
+            hf_source: plan.model.weights.as_ref().map(std::path::PathBuf::from),
             device,
             model,
             work,
@@ -765,6 +790,24 @@ impl<B: ExecAutodiff> Trainer<B> {
         Recorder::<B>::record(&rec, self.model.clone().into_record(), tmp.join("model"))
             .map_err(|e| RunError::Checkpoint(format!("cannot write the model: {e}")))?;
         self.optim.save(&rec, tmp.join("optimizer"))?;
+        if let Some(family) = self.hf_family {
+            // The full weights in the Hugging Face layout, beside rcoa's own
+            // record (which `resume` reads), with the source's config and
+            // tokenizer so `transformers` loads the folder.
+            let hf = |e: String| {
+                RunError::Checkpoint(format!("cannot write the Hugging Face weights: {e}"))
+            };
+            let tensors = crate::weights::hf_tensors(&self.model, family).map_err(hf)?;
+            crate::weights::write_safetensors(&tensors, &tmp).map_err(hf)?;
+            if let Some(src) = &self.hf_source {
+                for f in HF_SIDE_FILES {
+                    if src.join(f).is_file() {
+                        std::fs::copy(src.join(f), tmp.join(f))
+                            .map_err(|e| err(&format!("cannot copy {f} into"), &e))?;
+                    }
+                }
+            }
+        }
         let state = serde_json::json!({ "step": self.step, "seed": self.seed, "format": 1 });
         std::fs::write(tmp.join("state.json"), state.to_string())
             .map_err(|e| err("cannot write the state of", &e))?;

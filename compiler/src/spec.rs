@@ -105,6 +105,45 @@ pub struct ModelSpec {
     pub experts_per_token: u64,
     /// Dropout probability (0 = no dropout masks are kept).
     pub dropout: f64,
+    /// The numerics a Hugging Face config fixes; presets and custom models
+    /// keep the defaults (and old lowered plans without them still read).
+    #[serde(default, skip_serializing_if = "Numerics::is_default")]
+    pub numerics: Numerics,
+    /// Absolute folder of a Hugging Face checkpoint (`model.safetensors` or a
+    /// sharded index) to start from; `None`: random initialisation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
+}
+
+/// Per-family numerical details of the forward pass.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Numerics {
+    /// Epsilon of every norm (`rms_norm_eps`, `layer_norm_epsilon`, `layer_norm_eps`).
+    pub norm_eps: f64,
+    /// RoPE base (`rope_theta`).
+    pub rope_theta: f64,
+    /// GELU with the tanh approximation (GPT-2's `gelu_new`) instead of the exact one.
+    pub gelu_tanh: bool,
+    /// First position id (XLM-R / RoBERTa: `pad_token_id + 1`).
+    pub position_offset: u64,
+}
+
+impl Default for Numerics {
+    fn default() -> Self {
+        Numerics {
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            gelu_tanh: false,
+            position_offset: 0,
+        }
+    }
+}
+
+impl Numerics {
+    pub fn is_default(&self) -> bool {
+        *self == Numerics::default()
+    }
 }
 
 // ---------------------------------------------------------------- adapter

@@ -59,6 +59,8 @@ impl SpecBuilder {
                 experts: 1,
                 experts_per_token: 1,
                 dropout: 0.0,
+                numerics: Default::default(),
+                weights: None,
             },
             adapter: None,
             hardware: HardwareSpec {

@@ -293,10 +293,15 @@ pub fn run(args: Args) -> ExitCode {
                         "micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "data": s.data,
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
                         "ranks": ranks, "zero": s.zero, "offload": s.offload,
+                        "weights": plan.model.weights,
                     }))
                 );
             } else if text {
                 eprintln!("device     {}", s.device);
+                match &plan.model.weights {
+                    Some(dir) => eprintln!("weights    from the Hugging Face checkpoint {dir}"),
+                    None => eprintln!("weights    random initialisation"),
+                }
                 if ranks > 1 {
                     eprintln!(
                         "ranks      {ranks} data-parallel ranks: {nodes} process(es) × {devices} device(s) (gradients averaged by all-reduce each step; this is rank 0)"

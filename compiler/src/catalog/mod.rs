@@ -219,6 +219,8 @@ fn parse(gpus: &str, models: &str) -> Result<Catalog, String> {
                     experts: m.experts.unwrap_or(1),
                     experts_per_token: m.experts_per_token.unwrap_or(1),
                     dropout: m.dropout,
+                    numerics: Default::default(),
+                    weights: None,
                 },
                 name: m.name,
                 hf_id: m.hf_id,

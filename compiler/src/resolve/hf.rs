@@ -1,5 +1,17 @@
-//! `model hf "path/config.json"`: an architecture read from a Hugging Face
-//! `config.json` on disk (relative to the plan's folder).
+//! `model hf "path/config.json"` or `model hf "path"`: an architecture read
+//! from a Hugging Face `config.json` on disk (relative to the plan's folder).
+//! When `model.safetensors` or `model.safetensors.index.json` sits beside the
+//! config, the spec records that folder (absolute) so `rcoa run` starts from
+//! those weights.
+//!
+//! The forward's numerics come from the config too (`Numerics`): the norm
+//! epsilon (`rms_norm_eps`, `layer_norm_epsilon`, `layer_norm_eps`),
+//! `rope_theta`, the activation (`hidden_act` / `activation_function`: exact
+//! `gelu`, tanh `gelu_new` / `gelu_pytorch_tanh`, `silu` for SwiGLU) and
+//! RoBERTa-style position ids starting at `pad_token_id + 1`. `rope_scaling`
+//! is refused rather than silently ignored. Mistral's `sliding_window` is
+//! ignored: it changes nothing while the sequence is no longer than the
+//! window (4096 in Mistral's configs).
 //!
 //! Supported `model_type`s and the keys read:
 //! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
@@ -22,7 +34,7 @@
 
 use super::problem::{HfDetail, Problem};
 use super::values::Cx;
-use crate::spec::{Arch, Mlp, ModelSpec, Norm, Positions};
+use crate::spec::{Arch, Mlp, ModelSpec, Norm, Numerics, Positions};
 use rcoa_grammar::Span;
 use serde_json::{Map, Value as Json};
 
@@ -79,7 +91,10 @@ fn check_heads(m: &ModelSpec, span: Span) -> Result<(), Problem> {
 }
 
 fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
-    let full = cx.ctx.base_dir.join(path);
+    let mut full = cx.ctx.base_dir.join(path);
+    if full.is_dir() {
+        full = full.join("config.json");
+    }
     // The message shows the path as written: absolute paths would make
     // diagnostics depend on where the plan lives.
     let text = std::fs::read_to_string(&full).map_err(|e| HfDetail::Read {
@@ -105,7 +120,109 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
         model_type: &model_type,
     };
     let name = format!("hf:{path}");
-    match model_type.as_str() {
+    let weights = full.parent().and_then(checkpoint_dir);
+    let mut spec = spec_of(&c, name)?;
+    spec.weights = weights;
+    spec.numerics = numerics(&c)?;
+    Ok(spec)
+}
+
+/// The folder's absolute path when it holds safetensors weights.
+fn checkpoint_dir(dir: &std::path::Path) -> Option<String> {
+    let has = |f: &str| dir.join(f).is_file();
+    if !(has("model.safetensors") || has("model.safetensors.index.json")) {
+        return None;
+    }
+    let abs = std::fs::canonicalize(dir).ok()?;
+    Some(abs.to_string_lossy().into_owned())
+}
+
+fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
+    let mut n = Numerics::default();
+    let gpt2 = c.model_type == "gpt2";
+    let (eps_key, eps_default) = match c.model_type {
+        "llama" | "mistral" => ("rms_norm_eps", 1e-6),
+        "gpt2" => ("layer_norm_epsilon", 1e-5),
+        _ => ("layer_norm_eps", 1e-12),
+    };
+    n.norm_eps = c.float(eps_key)?.unwrap_or(eps_default);
+    if matches!(c.model_type, "llama" | "mistral") {
+        n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
+        if let Some(v) = c.obj.get("rope_scaling").filter(|v| !v.is_null()) {
+            return Err(HfDetail::Unsupported {
+                key: "rope_scaling",
+                value: v.to_string(),
+            });
+        }
+        // transformers 5 writes `rope_parameters: {rope_theta, rope_type}`.
+        if let Some(Json::Object(rp)) = c.obj.get("rope_parameters") {
+            let inner = Config {
+                obj: rp,
+                model_type: c.model_type,
+            };
+            if let Some(t) = inner.float("rope_theta")? {
+                n.rope_theta = t;
+            }
+            match rp.get("rope_type") {
+                None | Some(Json::Null) => {}
+                Some(Json::String(t)) if t == "default" => {}
+                Some(v) => {
+                    return Err(HfDetail::Unsupported {
+                        key: "rope_parameters.rope_type",
+                        value: v.to_string(),
+                    })
+                }
+            }
+        }
+    }
+    let act_key = if gpt2 {
+        "activation_function"
+    } else {
+        "hidden_act"
+    };
+    let act_default = match c.model_type {
+        "llama" | "mistral" => "silu",
+        "gpt2" => "gelu_new",
+        _ => "gelu",
+    };
+    let act = match c.obj.get(act_key) {
+        None | Some(Json::Null) => act_default.to_string(),
+        Some(Json::String(a)) => a.clone(),
+        Some(_) => {
+            return Err(HfDetail::WrongType {
+                key: act_key,
+                expected: "a string",
+            })
+        }
+    };
+    let swiglu = act_default == "silu";
+    n.gelu_tanh = match act.as_str() {
+        "silu" | "swish" if swiglu => false,
+        "gelu" if !swiglu => false,
+        "gelu_new" | "gelu_pytorch_tanh" if !swiglu => true,
+        _ => {
+            return Err(HfDetail::Unsupported {
+                key: act_key,
+                value: format!("\"{act}\""),
+            })
+        }
+    };
+    if matches!(c.model_type, "xlm-roberta" | "xlm-roberta-xl" | "roberta") {
+        // RoBERTa's position ids count from `padding_idx + 1`.
+        let pad = match c.obj.get("pad_token_id") {
+            None | Some(Json::Null) => 1,
+            Some(v) => v.as_u64().ok_or(HfDetail::WrongType {
+                key: "pad_token_id",
+                expected: "a non-negative integer",
+            })?,
+        };
+        n.position_offset = pad + 1;
+    }
+    Ok(n)
+}
+
+fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
+    match c.model_type {
         "llama" | "mistral" => {
             let layers = c.req("num_hidden_layers")?;
             let hidden = c.req("hidden_size")?;
@@ -130,6 +247,8 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 experts: 1,
                 experts_per_token: 1,
                 dropout: c.prob("attention_dropout", 0.0)?,
+                numerics: Numerics::default(),
+                weights: None,
             })
         }
         "gpt2" => {
@@ -154,6 +273,8 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 experts: 1,
                 experts_per_token: 1,
                 dropout: c.prob("resid_pdrop", 0.1)?,
+                numerics: Numerics::default(),
+                weights: None,
             })
         }
         "xlm-roberta" | "xlm-roberta-xl" | "roberta" | "bert" => {
@@ -178,9 +299,11 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
                 experts: 1,
                 experts_per_token: 1,
                 dropout: c.prob("hidden_dropout_prob", 0.1)?,
+                numerics: Numerics::default(),
+                weights: None,
             })
         }
-        _ => Err(HfDetail::UnknownModelType(model_type.clone())),
+        t => Err(HfDetail::UnknownModelType(t.to_string())),
     }
 }
 
@@ -224,6 +347,20 @@ impl Config<'_> {
                 _ => Err(HfDetail::WrongType {
                     key,
                     expected: "a positive integer (at most 16777216)",
+                }),
+            },
+        }
+    }
+
+    /// A positive number, absent or `null` allowed.
+    fn float(&self, key: &'static str) -> Result<Option<f64>, HfDetail> {
+        match self.obj.get(key) {
+            None | Some(Json::Null) => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x > 0.0 && x.is_finite() => Ok(Some(x)),
+                _ => Err(HfDetail::WrongType {
+                    key,
+                    expected: "a positive number",
                 }),
             },
         }

@@ -333,6 +333,13 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         experts: d.experts.unwrap_or(1),
         experts_per_token: d.experts_per_token.unwrap_or(1),
         dropout: d.dropout.unwrap_or(0.0),
+        // A Hugging Face base keeps its numerics and checkpoint; an override
+        // of its shape then makes the checkpoint not fit, reported at load.
+        numerics: base
+            .as_ref()
+            .map(|b| b.numerics.clone())
+            .unwrap_or_default(),
+        weights: base.as_ref().and_then(|b| b.weights.clone()),
     };
     for p in check_shape(&spec, &span_of) {
         cx.report(p);

@@ -94,6 +94,11 @@ pub(crate) enum HfDetail {
         key: &'static str,
         expected: &'static str,
     },
+    /// A value the config reader understands but rcoa cannot reproduce.
+    Unsupported {
+        key: &'static str,
+        value: String,
+    },
 }
 
 /// One arithmetic check of `data × tensor × pipeline × context = GPUs`.

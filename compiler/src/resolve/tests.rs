@@ -794,14 +794,19 @@ fn hf_configs_of_each_family() {
     let llama = run("llama.json").unwrap();
     let mut preset = catalog::model("llama-3.1-8b").unwrap().spec.clone();
     preset.name = "hf:llama.json".into();
+    // The config's numerics: transformers' defaults for the keys it lacks.
+    preset.numerics.norm_eps = 1e-6;
     assert_eq!(llama.model, preset);
     let gpt2 = run("gpt2.json").unwrap();
     let mut preset = catalog::model("gpt2-small").unwrap().spec.clone();
     preset.name = "hf:gpt2.json".into();
+    preset.numerics.gelu_tanh = true;
     assert_eq!(gpt2.model, preset);
     let xlmr = run("xlmr.json").unwrap();
     let mut preset = catalog::model("xlm-roberta-large").unwrap().spec.clone();
     preset.name = "hf:xlmr.json".into();
+    preset.numerics.norm_eps = 1e-12;
+    preset.numerics.position_offset = 2;
     assert_eq!(xlmr.model, preset);
     assert_eq!(xlmr.train.loss, Loss::MaskedLm);
     std::fs::remove_dir_all(&dir).ok();

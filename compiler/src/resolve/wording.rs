@@ -553,6 +553,11 @@ pub(crate) fn word(p: Problem) -> ResolveError {
                     format!("add `{key}` to the config, or override it: `model hf \"...\" {{ ... }}`"),
                 ),
                 HfDetail::WrongType { key, expected } => (format!("`{key}` in the Hugging Face config is not {expected}"), format!("bad `{key}`"), format!("`{key}` must be {expected}")),
+                HfDetail::Unsupported { key, value } => (
+                    format!("rcoa cannot reproduce `{key}` = {value} from the Hugging Face config"),
+                    format!("unsupported `{key}`"),
+                    "rcoa's forward would not match `transformers`; use a checkpoint without it, or describe the architecture with `model { ... }`".to_string(),
+                ),
             };
             err("rcoa::hf_config", message, vec![(span, label)], Some(help))
         }

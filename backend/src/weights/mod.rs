@@ -1,0 +1,350 @@
+//! Hugging Face safetensors checkpoints in: the tensor names of each family
+//! (Llama / Mistral, GPT-2, XLM-R / RoBERTa / BERT) mapped onto rcoa's
+//! parameters, with the layout changes between them (`nn.Linear` is
+//! `[out, in]`, rcoa and GPT-2's `Conv1D` are `[in, out]`; GPT-2's fused
+//! `c_attn` is split into q, k, v; XLM-R's `token_type_embeddings[0]`, added to
+//! every token, is folded into the position table).
+//!
+//! Every problem — a missing tensor, a mis-shaped one, one the plan cannot
+//! place — is collected and reported together as one `rcoa::weights` error.
+//! Tensors the plan does not use (poolers, MLM / LM heads it does not run,
+//! attention-mask buffers, RoPE frequency buffers) are skipped knowingly.
+
+mod read;
+mod write;
+
+use crate::model::Model;
+use burn::tensor::backend::Backend;
+use rcoa_compiler::spec::{Arch, ModelSpec, Norm};
+use std::collections::BTreeSet;
+use std::path::Path;
+
+pub use read::{read_checkpoint, Stored};
+pub use write::{hf_tensors, save_prefix, write_safetensors};
+
+/// The naming scheme of a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Llama and Mistral (same names).
+    Llama,
+    Gpt2,
+    /// XLM-R, RoBERTa and BERT (same names under their own prefix).
+    Bert,
+}
+
+impl Family {
+    /// The family whose layout this model has.
+    pub fn of(m: &ModelSpec) -> Family {
+        match (m.arch, m.norm) {
+            (Arch::Encoder, _) => Family::Bert,
+            (Arch::Decoder, Norm::Rmsnorm) => Family::Llama,
+            (Arch::Decoder, Norm::Layernorm) => Family::Gpt2,
+        }
+    }
+
+    /// The key of the token embedding, without prefix: it tells the prefix.
+    fn embedding_key(self) -> &'static str {
+        match self {
+            Family::Llama => "embed_tokens.weight",
+            Family::Gpt2 => "wte.weight",
+            Family::Bert => "embeddings.word_embeddings.weight",
+        }
+    }
+
+    /// Tensors the executor never needs.
+    fn ignorable(self, key: &str) -> bool {
+        match self {
+            Family::Llama => key.ends_with("rotary_emb.inv_freq"),
+            Family::Gpt2 => key.ends_with(".attn.bias") || key.ends_with(".attn.masked_bias"),
+            Family::Bert => {
+                key.starts_with("pooler.")
+                    || key.contains(".pooler.")
+                    || key.starts_with("lm_head.")
+                    || key.starts_with("cls.")
+                    || key.ends_with("embeddings.position_ids")
+                    || key.ends_with("embeddings.token_type_ids")
+            }
+        }
+    }
+}
+
+/// One rcoa parameter's origin in the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Origin {
+    /// The tensor as is, transposed when it is a `nn.Linear` weight.
+    Whole { key: String, transpose: bool },
+    /// Columns `part` of `parts` equal slices of the last dimension (GPT-2's `c_attn`).
+    Split {
+        key: String,
+        part: usize,
+        parts: usize,
+    },
+    /// The position table plus `token_type_embeddings[0]` (XLM-R, BERT).
+    PositionsWithType { key: String, types: String },
+}
+
+/// Where rcoa's parameter `name` comes from in a `family` checkpoint whose
+/// keys start with `prefix`; `None` for a name the family has no tensor for.
+pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
+    let parts: Vec<&str> = name.split('.').collect();
+    let whole = |k: String, transpose: bool| Origin::Whole { key: k, transpose };
+    let p = |k: &str| format!("{prefix}{k}");
+    match family {
+        Family::Llama => Some(match parts.as_slice() {
+            ["embed", "tokens"] => whole(p("embed_tokens.weight"), false),
+            ["head", "norm", "weight"] => whole(p("norm.weight"), false),
+            ["head", "out"] => whole("lm_head.weight".into(), true),
+            ["layers", i, "norm1", "weight"] => {
+                whole(p(&format!("layers.{i}.input_layernorm.weight")), false)
+            }
+            ["layers", i, "norm2", "weight"] => whole(
+                p(&format!("layers.{i}.post_attention_layernorm.weight")),
+                false,
+            ),
+            ["layers", i, "attn", proj, "weight"] => {
+                whole(p(&format!("layers.{i}.self_attn.{proj}_proj.weight")), true)
+            }
+            ["layers", i, "mlp", proj, "weight"] => {
+                whole(p(&format!("layers.{i}.mlp.{proj}_proj.weight")), true)
+            }
+            _ => return None,
+        }),
+        Family::Gpt2 => Some(match parts.as_slice() {
+            ["embed", "tokens"] => whole(p("wte.weight"), false),
+            ["embed", "positions"] => whole(p("wpe.weight"), false),
+            ["head", "norm", wb] => whole(p(&format!("ln_f.{wb}")), false),
+            ["head", "out"] => whole("lm_head.weight".into(), true),
+            ["layers", i, "norm1", wb] => whole(p(&format!("h.{i}.ln_1.{wb}")), false),
+            ["layers", i, "norm2", wb] => whole(p(&format!("h.{i}.ln_2.{wb}")), false),
+            ["layers", i, "attn", qkv @ ("q" | "k" | "v"), wb] => Origin::Split {
+                key: p(&format!("h.{i}.attn.c_attn.{wb}")),
+                part: ["q", "k", "v"].iter().position(|x| x == qkv)?,
+                parts: 3,
+            },
+            ["layers", i, "attn", "o", wb] => whole(p(&format!("h.{i}.attn.c_proj.{wb}")), false),
+            ["layers", i, "mlp", "up", wb] => whole(p(&format!("h.{i}.mlp.c_fc.{wb}")), false),
+            ["layers", i, "mlp", "down", wb] => whole(p(&format!("h.{i}.mlp.c_proj.{wb}")), false),
+            _ => return None,
+        }),
+        Family::Bert => {
+            let lin = |k: String, wb: &str| whole(format!("{k}.{wb}"), wb == "weight");
+            Some(match parts.as_slice() {
+                ["embed", "tokens"] => whole(p("embeddings.word_embeddings.weight"), false),
+                ["embed", "positions"] => Origin::PositionsWithType {
+                    key: p("embeddings.position_embeddings.weight"),
+                    types: p("embeddings.token_type_embeddings.weight"),
+                },
+                ["embed", "norm", wb] => whole(p(&format!("embeddings.LayerNorm.{wb}")), false),
+                ["layers", i, "attn", proj, wb] => {
+                    let l = p(&format!("encoder.layer.{i}.attention"));
+                    let k = match *proj {
+                        "q" => format!("{l}.self.query"),
+                        "k" => format!("{l}.self.key"),
+                        "v" => format!("{l}.self.value"),
+                        "o" => format!("{l}.output.dense"),
+                        _ => return None,
+                    };
+                    lin(k, wb)
+                }
+                ["layers", i, "norm1", wb] => whole(
+                    p(&format!(
+                        "encoder.layer.{i}.attention.output.LayerNorm.{wb}"
+                    )),
+                    false,
+                ),
+                ["layers", i, "mlp", "up", wb] => {
+                    lin(p(&format!("encoder.layer.{i}.intermediate.dense")), wb)
+                }
+                ["layers", i, "mlp", "down", wb] => {
+                    lin(p(&format!("encoder.layer.{i}.output.dense")), wb)
+                }
+                ["layers", i, "norm2", wb] => whole(
+                    p(&format!("encoder.layer.{i}.output.LayerNorm.{wb}")),
+                    false,
+                ),
+                _ => return None,
+            })
+        }
+    }
+}
+
+/// The prefix the checkpoint puts before the family's names (`model.`,
+/// `transformer.`, `roberta.`, or none).
+fn prefix_of(family: Family, stored: &Stored) -> Option<String> {
+    let key = family.embedding_key();
+    let mut found: Vec<&String> = stored.keys().filter(|k| k.ends_with(key)).collect();
+    found.sort_by_key(|k| k.len());
+    found.first().map(|k| k[..k.len() - key.len()].to_string())
+}
+
+/// Fill `model`'s base parameters from the safetensors checkpoint in `dir`.
+pub fn load_into<B: Backend>(
+    model: &mut Model<B>,
+    spec: &ModelSpec,
+    dir: &Path,
+) -> Result<(), crate::RunError> {
+    let stored = read_checkpoint(dir).map_err(crate::RunError::Weights)?;
+    let family = Family::of(spec);
+    load_from(model, family, &stored)
+        .map_err(|e| crate::RunError::Weights(format!("{}: {e}", dir.display())))
+}
+
+/// [`load_into`] from tensors already read.
+pub fn load_from<B: Backend>(
+    model: &mut Model<B>,
+    family: Family,
+    stored: &Stored,
+) -> Result<(), String> {
+    let Some(prefix) = prefix_of(family, stored) else {
+        return Err(format!(
+            "no `{}` tensor: not a {family:?}-family checkpoint",
+            family.embedding_key()
+        ));
+    };
+    let mut used: BTreeSet<String> = BTreeSet::new();
+    let mut missing: Vec<String> = vec![];
+    let mut misshaped: Vec<String> = vec![];
+    let mut unmapped: Vec<String> = vec![];
+    let mut src = |name: &str, shape: &[usize]| -> Option<Vec<f32>> {
+        let Some(o) = origin(family, &prefix, name) else {
+            unmapped.push(name.to_string());
+            return None;
+        };
+        match fetch(&o, shape, stored, &mut used) {
+            Ok(v) => Some(v),
+            Err(Problem::Missing(k)) => {
+                missing.push(k);
+                None
+            }
+            Err(Problem::Shape(k)) => {
+                misshaped.push(k);
+                None
+            }
+        }
+    };
+    model.load(&mut src);
+    // Tied heads: `lm_head.weight` may be stored too, equal to the embeddings.
+    let unexpected: Vec<&String> = stored
+        .keys()
+        .filter(|k| !used.contains(*k))
+        .filter(|k| !k.starts_with(&prefix) || !family.ignorable(&k[prefix.len()..]))
+        .filter(|k| !(family != Family::Bert && *k == "lm_head.weight"))
+        .filter(|k| !(family == Family::Bert && k.starts_with("lm_head.")))
+        .collect();
+    let mut parts = vec![];
+    if !missing.is_empty() {
+        parts.push(format!("missing tensors: {}", list(&missing)));
+    }
+    if !misshaped.is_empty() {
+        parts.push(format!(
+            "tensors of the wrong shape: {}",
+            misshaped.join(", ")
+        ));
+    }
+    if !unmapped.is_empty() {
+        parts.push(format!(
+            "parameters a {family:?} checkpoint has no tensor for: {}",
+            list(&unmapped)
+        ));
+    }
+    if !unexpected.is_empty() {
+        let u: Vec<String> = unexpected.into_iter().cloned().collect();
+        parts.push(format!("unexpected tensors: {}", list(&u)));
+    }
+    if parts.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the checkpoint does not fit the plan's model: {}",
+            parts.join("; ")
+        ))
+    }
+}
+
+fn list(v: &[String]) -> String {
+    v.join(", ")
+}
+
+enum Problem {
+    Missing(String),
+    Shape(String),
+}
+
+/// The values of one parameter, in rcoa's layout, as f32.
+fn fetch(
+    o: &Origin,
+    shape: &[usize],
+    stored: &Stored,
+    used: &mut BTreeSet<String>,
+) -> Result<Vec<f32>, Problem> {
+    let get = |k: &str| stored.get(k).ok_or_else(|| Problem::Missing(k.to_string()));
+    let bad = |k: &str, got: &[usize], want: String| {
+        Problem::Shape(format!("`{k}` is {got:?}, the plan needs {want}"))
+    };
+    match o {
+        Origin::Whole { key, transpose } => {
+            let (s, v) = get(key)?;
+            used.insert(key.clone());
+            let want: Vec<usize> = if *transpose {
+                shape.iter().rev().copied().collect()
+            } else {
+                shape.to_vec()
+            };
+            if *s != want {
+                return Err(bad(key, s, format!("{want:?}")));
+            }
+            Ok(if *transpose {
+                transpose2(v, s[0], s[1])
+            } else {
+                v.clone()
+            })
+        }
+        Origin::Split { key, part, parts } => {
+            let (s, v) = get(key)?;
+            used.insert(key.clone());
+            let cols = *shape.last().unwrap_or(&0);
+            let mut want = shape.to_vec();
+            if let Some(l) = want.last_mut() {
+                *l *= parts;
+            }
+            if *s != want {
+                return Err(bad(key, s, format!("{want:?}")));
+            }
+            let width = cols * parts;
+            Ok(v.chunks(width)
+                .flat_map(|row| row[part * cols..(part + 1) * cols].iter().copied())
+                .collect())
+        }
+        Origin::PositionsWithType { key, types } => {
+            let (s, v) = get(key)?;
+            used.insert(key.clone());
+            if *s != shape {
+                return Err(bad(key, s, format!("{shape:?}")));
+            }
+            let mut out = v.clone();
+            if let Some((ts, tv)) = stored.get(types) {
+                used.insert(types.clone());
+                let d = shape[1];
+                if ts.len() != 2 || ts[1] != d {
+                    return Err(bad(types, ts, format!("[_, {d}]")));
+                }
+                for row in out.chunks_mut(d) {
+                    for (x, t) in row.iter_mut().zip(&tv[..d]) {
+                        *x += t;
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+fn transpose2(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = v[r * cols + c];
+        }
+    }
+    out
+}
