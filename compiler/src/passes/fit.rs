@@ -71,7 +71,10 @@ impl Pass for Fit<'_> {
                 match point.zero {
                     0 => "every rank keeps full optimizer state, gradients and weights: the least traffic".to_string(),
                     1 => format!("optimizer state sharded over {} data-parallel ranks; same traffic as ZeRO-0", l.data),
-                    2 => format!("optimizer state and gradients sharded over {} ranks; gradients reduce-scattered every micro-step", l.data),
+                    2 if self.profile.grads_sharded_in_backward => format!("optimizer state and gradients sharded over {} ranks; gradients reduce-scattered every micro-step", l.data),
+                    // rcoa's executor keeps whole gradients through the backward and
+                    // reduce-scatters one flat vector before the optimizer step.
+                    2 => format!("optimizer state and gradients sharded over {} ranks; gradients reduce-scattered once per step, before the optimizer", l.data),
                     _ => format!("optimizer state, gradients and weights sharded over {} ranks; weights all-gathered for every forward and backward", l.data),
                 },
             );
