@@ -22,7 +22,8 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{FloatDType, Int, Tensor, TensorPrimitive};
 
 /// Tokens per chunk by default: 1024 × 128k vocabulary × 4 bytes = 512 MiB.
-pub const DEFAULT_CHUNK: usize = 1024;
+/// The `burn` profile's figure, so what runs is what was predicted.
+pub const DEFAULT_CHUNK: usize = rcoa_compiler::memory::build::CHUNKED_LOSS_TOKENS as usize;
 
 /// Why the chunked loss could not be computed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]

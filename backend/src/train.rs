@@ -436,10 +436,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             ictx,
             checkpointed,
             loss: plan.train.loss,
-            chunked_loss: plan.train.loss != Loss::Contrastive
-                && plan.train.chunked_loss.unwrap_or(
-                    plan.model.vocab > rcoa_compiler::memory::build::CHUNKED_LOSS_MIN_VOCAB,
-                ),
+            chunked_loss: plan.train.chunked_loss_for(plan.model.vocab),
             layout,
             batcher: cfg.batcher,
             lr: plan.optimizer.lr,

@@ -375,7 +375,19 @@ pub struct TrainSpec {
     pub chunked_loss: Option<bool>,
 }
 
+/// Vocabularies above this get the chunked LM loss by default in rcoa's executor.
+pub const CHUNKED_LOSS_MIN_VOCAB: u64 = 32_768;
+
 impl TrainSpec {
+    /// Whether rcoa's executor computes the LM loss a chunk of tokens at a
+    /// time for a model with `vocab` ids: as `chunked_loss` says, by default
+    /// above [`CHUNKED_LOSS_MIN_VOCAB`]; never for the contrastive loss (no
+    /// vocabulary head). The executor and the `burn` profile both ask here.
+    pub fn chunked_loss_for(&self, vocab: u64) -> bool {
+        self.loss != Loss::Contrastive
+            && self.chunked_loss.unwrap_or(vocab > CHUNKED_LOSS_MIN_VOCAB)
+    }
+
     /// Sequences encoded per counted batch item.
     pub fn sequences_per_item(&self) -> u64 {
         if self.loss == Loss::Contrastive && self.positives + self.negatives > 0 {

@@ -65,9 +65,7 @@ fn promote(a: Dtype, b: Dtype) -> Dtype {
     }
 }
 
-/// Vocabularies above this get the chunked LM loss by default on `target burn`.
-pub const CHUNKED_LOSS_MIN_VOCAB: u64 = 32_768;
-/// Tokens per chunk (`backend/src/loss_chunked.rs` `DEFAULT_CHUNK`).
+/// Tokens per chunk of the chunked LM loss; the executor's `DEFAULT_CHUNK` is this.
 pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 
 impl<'a> Builder<'a> {
@@ -777,13 +775,7 @@ impl<'a> Builder<'a> {
     /// Is the LM loss computed a chunk of tokens at a time? Only the Burn executor does
     /// (`backend/src/loss_chunked.rs`); on by default above a 32,768-token vocabulary.
     pub fn chunked_loss(&self) -> bool {
-        self.profile.burn_ops
-            && self.spec.train.loss != Loss::Contrastive
-            && self
-                .spec
-                .train
-                .chunked_loss
-                .unwrap_or(self.spec.model.vocab > CHUNKED_LOSS_MIN_VOCAB)
+        self.profile.burn_ops && self.spec.train.chunked_loss_for(self.spec.model.vocab)
     }
 
     /// `backend/src/loss_chunked.rs` `chunked_lm_loss`: the head matmul and the
