@@ -261,6 +261,8 @@ mod tests {
     /// the token count, with and without masked-LM weights.
     #[test]
     fn chunked_loss_matches_full_logits() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         let (b, s, d, v) = (2, 7, 16, 50);
         let h0 = Tensor::<Cpu, 3>::random([b, s, d], Distribution::Normal(0.0, 1.0), &device);

@@ -301,6 +301,8 @@ mod tests {
     /// gradient that is not all ones (a sum of the outputs has zero gradient).
     #[test]
     fn softmax_last_matches_composite_value_and_gradient() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         let x0 = Tensor::<Cpu, 4>::random([2, 3, 5, 7], Distribution::Normal(0.0, 3.0), &device);
         let w = Tensor::<Cpu, 4>::random([2, 3, 5, 7], Distribution::Normal(0.0, 1.0), &device);
@@ -341,6 +343,8 @@ mod tests {
     /// repeated from fewer heads, as the model does), cross lengths.
     #[test]
     fn attention_core_matches_composition() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         let (b, h, s, d) = (2, 4, 6, 8);
         let causal = Tensor::<Cpu, 2, burn::tensor::Bool>::triu_mask([s, s], 1, &device)
@@ -407,6 +411,8 @@ mod tests {
     /// Only v tracked: q and k get nothing, v's gradient is still right.
     #[test]
     fn attention_core_with_frozen_q_k() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         let q = Tensor::<Cpu, 4>::random([1, 2, 3, 4], Distribution::Default, &device);
         let k = Tensor::<Cpu, 4>::random([1, 2, 5, 4], Distribution::Default, &device);

@@ -118,6 +118,8 @@ mod tests {
     /// tensor; dx equals that matmul's gradient; nothing of W is trainable.
     #[test]
     fn nf4_linear_matches_dequantized_matmul() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         for double in [false, true] {
             let (din, dout) = (96, 40);
@@ -154,6 +156,8 @@ mod tests {
     /// Without a tracked input nothing is recorded and the value is the same.
     #[test]
     fn untracked_input_gives_the_same_value() {
+        // Burn's CPU generator is global: hold the trainers' lock while drawing.
+        let _serial = crate::tests::serial();
         let device = Default::default();
         let w = Nf4Weight::quantize(&det_weights(64 * 8, 0.01), [64, 8], false).unwrap();
         let wd = w.to_device::<Cpu>(&device).unwrap();
