@@ -18,8 +18,8 @@
 //! `data` must equal processes × devices.
 //!
 //! What this executor does not do is an error before anything runs
-//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, QLoRA's 4-bit base, mixture of
-//! experts, optimizers Burn lacks.
+//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, mixture of
+//! experts, optimizers Burn lacks (8-bit Adam is rcoa's own: `optim::adam8bit`).
 
 pub mod data;
 pub mod distributed;
@@ -201,8 +201,13 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
         }
     }
     if let Some(a) = &plan.adapter {
-        if a.kind == AdapterKind::Qlora {
-            return u("QLoRA's 4-bit (nf4) base weights are not executed by the Burn executor; use `adapter lora`".into());
+        // QLoRA runs (`model`: NF4 bases); its base is nf4 or the plan does
+        // not resolve, so this guards a hand-written lowered plan.
+        if a.kind == AdapterKind::Qlora && a.base != rcoa_compiler::spec::Dtype::Nf4 {
+            return u(format!(
+                "QLoRA with a `{}` base: the Burn executor stores QLoRA's frozen base as nf4 only",
+                a.base.as_str()
+            ));
         }
     }
     let m = &plan.model;

@@ -13,6 +13,14 @@
 //! optimizer state exist for it), `A` is random and `B` is zero, so training
 //! starts from the base model.
 //!
+//! With `adapter qlora` every projection's frozen base (q, k, v, o, gate, up,
+//! down: what bitsandbytes' `load_in_4bit` quantizes, targeted or not) is
+//! held as NF4 only (`quant::base::Nf4Base`: block 64, double-quantized
+//! scales), quantized when the layer is built or its weights are loaded, and
+//! multiplied by `quant::qlora`'s op, which dequantizes per use and keeps no
+//! fp32 copy; embeddings, norms, biases and the head stay in the params
+//! dtype, frozen, as the `burn` memory profile assumes.
+//!
 //! Every forward function is generic over `B: Backend` so the same code runs
 //! with the autodiff graph (`Autodiff<_>`) and without it (the inner backend)
 //! when a checkpointed layer is run forward without keeping its graph
@@ -20,14 +28,21 @@
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
 use crate::ops::{softmax_last, ExecBackend};
+use crate::quant::base::Nf4Base;
+use crate::quant::nf4::DeviceScales;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
-use rcoa_compiler::spec::{AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
+use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
 
 /// Standard deviation of the random initialisation (GPT-2 / LLaMA use 0.02).
 const INIT_STD: f64 = 0.02;
+/// QLoRA's base scales are double-quantized (8-bit codes of the block
+/// absmax, bitsandbytes' `compress_statistics=True`): the default of
+/// bitsandbytes' `Linear4bit` and of the QLoRA recipe. The DSL has no knob
+/// for it (`adapter qlora { base = nf4 }` is the only choice).
+pub const QLORA_DOUBLE_QUANT: bool = true;
 /// Large negative score for masked attention positions; finite so it also
 /// stays finite in bf16 and `softmax` never sees `-inf - -inf`.
 const MASK_VALUE: f64 = -1.0e9;
@@ -218,10 +233,12 @@ pub struct Lora<B: Backend> {
     b: Param<Tensor<B, 2>>,
 }
 
-/// `y = x W (+ b) (+ LoRA)`, `W` stored `[in, out]`.
+/// `y = x W (+ b) (+ LoRA)`, `W` stored `[in, out]`: in the params dtype
+/// (`weight`) or, under QLoRA, as frozen NF4 (`nf4`); exactly one is set.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    weight: Param<Tensor<B, 2>>,
+    weight: Option<Param<Tensor<B, 2>>>,
+    nf4: Option<Nf4Base<B>>,
     bias: Option<Param<Tensor<B, 1>>>,
     lora: Option<Lora<B>>,
 }
@@ -241,11 +258,21 @@ impl<B: Backend> Linear<B> {
         let lora_on = matches!((c.adapter, c.proj), (Some(a), Some(p)) if a.targets.contains(&p));
         // With an adapter every base weight is frozen, targeted or not.
         let base_trainable = c.adapter.is_none();
-        let weight = param(
-            ids,
-            normal::<B, 2>([c.d_in, c.d_out], c.dtype, device),
-            base_trainable,
-        );
+        let quantized = c.proj.is_some() && c.adapter.is_some_and(|a| a.kind == AdapterKind::Qlora);
+        // The same draw either way, so ids and the generator's stream do not
+        // depend on the base's storage.
+        let w = normal::<B, 2>([c.d_in, c.d_out], c.dtype, device);
+        let (weight, nf4) = if quantized {
+            // The dense weight's id stays unused: the other parameters keep
+            // the ids they have under LoRA.
+            ids.next();
+            let values = host_f32(w);
+            let q = Nf4Base::quantize(&values, [c.d_in, c.d_out], QLORA_DOUBLE_QUANT, device)
+                .expect("a random normal weight is finite and of its own shape");
+            (None, Some(q))
+        } else {
+            (Some(param(ids, w, base_trainable)), None)
+        };
         let bias = c.bias.then(|| {
             param(
                 ids,
@@ -266,17 +293,47 @@ impl<B: Backend> Linear<B> {
         } else {
             None
         };
-        Linear { weight, bias, lora }
+        Linear {
+            weight,
+            nf4,
+            bias,
+            lora,
+        }
     }
 
+    /// Elements of the NF4 base (0 for a dense weight).
+    pub fn quantized_params(&self) -> usize {
+        self.nf4.as_ref().map_or(0, |q| q.params())
+    }
+
+    /// The NF4 base, if this layer has one.
+    pub fn nf4(&self) -> Option<&Nf4Base<B>> {
+        self.nf4.as_ref()
+    }
+}
+
+/// A tensor's values as host f32, row-major.
+fn host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.cast(FloatDType::F32)
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default()
+}
+
+impl<B: ExecBackend> Linear<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         // One 2-D GEMM over all tokens: a batched matmul against a broadcast
         // weight would make the backward materialise one weight gradient per
         // batch row and sum them (memory and time).
         let [b, s, d_in] = x.dims();
         let x = x.reshape([b * s, d_in]);
-        let w = to_dtype(self.weight.val(), ctx.compute);
-        let mut y = x.clone().matmul(w);
+        let mut y = match (&self.weight, &self.nf4) {
+            (Some(w), _) => x.clone().matmul(to_dtype(w.val(), ctx.compute)),
+            // Dequantized per use in x's (the compute) dtype, never kept.
+            (None, Some(q)) => crate::quant::qlora::nf4_linear(x.clone(), &q.w),
+            (None, None) => unreachable!("a linear layer has a dense or an NF4 base"),
+        };
         if let Some(bias) = &self.bias {
             y = y + to_dtype(bias.val(), ctx.compute).unsqueeze();
         }
@@ -433,7 +490,7 @@ pub struct MlpLayer<B: Backend> {
     down: Linear<B>,
 }
 
-impl<B: Backend> MlpLayer<B> {
+impl<B: ExecBackend> MlpLayer<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let hidden = match &self.gate {
             Some(gate) => activation::silu(gate.forward(x.clone(), ctx)) * self.up.forward(x, ctx),
@@ -642,6 +699,28 @@ impl<B: ExecBackend> Model<B> {
         }
     }
 
+    /// Every linear layer, in construction order.
+    fn linears(&self) -> impl Iterator<Item = &Linear<B>> {
+        self.layers.iter().flat_map(|l| {
+            [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o]
+                .into_iter()
+                .chain(&l.mlp.gate)
+                .chain([&l.mlp.up, &l.mlp.down])
+        })
+    }
+
+    /// Elements of the NF4 bases (QLoRA), which no parameter visitor sees.
+    pub fn quantized_params(&self) -> u64 {
+        self.linears().map(|l| l.quantized_params() as u64).sum()
+    }
+
+    /// Why an NF4 base could not take the weights it was loaded with (from a
+    /// Hugging Face checkpoint or an rcoa checkpoint), if one could not.
+    pub fn quantization_error(&self) -> Option<String> {
+        self.linears()
+            .find_map(|l| l.nf4().and_then(|q| q.load_error()).map(str::to_string))
+    }
+
     /// The whole forward to the last hidden state (after the final norm), with
     /// one graph: the reference the segmented trainer is tested against.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Tensor<B, 3> {
@@ -679,7 +758,23 @@ fn load_param<B: Backend, const D: usize>(
 
 impl<B: Backend> Linear<B> {
     fn load(&mut self, name: &str, src: &mut Source<'_>) {
-        load_param(&mut self.weight, &format!("{name}.weight"), src);
+        let wname = format!("{name}.weight");
+        if let Some(w) = &mut self.weight {
+            load_param(w, &wname, src);
+        }
+        if let Some(q) = &mut self.nf4 {
+            // QLoRA: the checkpoint's weight is quantized as it is loaded;
+            // its fp32 values live only for this call.
+            let shape = q.w.shape;
+            if let Some(values) = src(&wname, &shape) {
+                let double = matches!(q.w.scales, DeviceScales::Double { .. });
+                let device = q.w.packed.device();
+                *q = match Nf4Base::quantize(&values, shape, double, &device) {
+                    Ok(n) => n,
+                    Err(e) => q.clone().refuse(format!("`{wname}` cannot be quantized to NF4: {e}")),
+                };
+            }
+        }
         if let Some(b) = &mut self.bias {
             load_param(b, &format!("{name}.bias"), src);
         }
@@ -750,7 +845,15 @@ impl<B: Backend> Model<B> {
     /// Hand every base parameter to `sink`, in the names [`Model::load`] uses.
     pub fn export(&self, sink: &mut Sink<'_>) {
         let lin = |l: &Linear<B>, n: &str, sink: &mut Sink<'_>| {
-            export_param(&l.weight, &format!("{n}.weight"), sink);
+            if let Some(w) = &l.weight {
+                export_param(w, &format!("{n}.weight"), sink);
+            }
+            if let Some(q) = &l.nf4 {
+                // The base as the model computes with it: dequantized.
+                let t = q.w.dequantize();
+                let dims = t.dims().to_vec();
+                sink(&format!("{n}.weight"), dims, host_f32(t));
+            }
             if let Some(b) = &l.bias {
                 export_param(b, &format!("{n}.bias"), sink);
             }
@@ -787,6 +890,196 @@ impl<B: Backend> Model<B> {
         }
         if let Some(p) = &self.head.out {
             export_param(p, "head.out", sink);
+        }
+    }
+}
+
+#[cfg(test)]
+mod qlora_tests {
+    use super::*;
+    use crate::testing::tiny_plan;
+    use crate::train::{Trainer, TrainerConfig};
+    use burn::module::{ModuleMapper, ModuleVisitor};
+    use burn::optim::GradientsParams;
+    use burn::tensor::{Tolerance, TensorData};
+    use rcoa_compiler::spec::Dtype;
+    use std::collections::HashMap;
+
+    type Ad = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+    fn adapter(kind: AdapterKind) -> AdapterSpec {
+        AdapterSpec {
+            kind,
+            rank: 4,
+            alpha: 8.0,
+            targets: Proj::ALL.to_vec(),
+            dropout: 0.0,
+            base: if kind == AdapterKind::Qlora {
+                Dtype::Nf4
+            } else {
+                Dtype::Fp32
+            },
+        }
+    }
+
+    /// Gives every trainable parameter values fixed by its id (LoRA's B is
+    /// zero at initialisation, which would hide the adapter path).
+    struct Fill;
+    impl<B: Backend> ModuleMapper<B> for Fill {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, t, _) = p.consume();
+            if !t.is_require_grad() {
+                return Param::initialized(id, t);
+            }
+            let shape = t.shape();
+            let seed = id.val();
+            let v: Vec<f32> = (0..shape.num_elements() as u64)
+                .map(|i| ((i * 7919 + seed * 104_729) % 1001) as f32 / 1000.0 - 0.5)
+                .map(|x| x * 0.2)
+                .collect();
+            let t = Tensor::<B, 1>::from_floats(v.as_slice(), &t.device()).reshape(shape);
+            Param::initialized(id, t.require_grad())
+        }
+    }
+
+    /// Gradients of the trainable parameters by id, and how many parameters
+    /// (trainable or not) got one.
+    fn grads_by_id(m: &Model<Ad>, g: &GradientsParams) -> (HashMap<u64, Vec<f32>>, usize) {
+        struct V<'a>(&'a GradientsParams, HashMap<u64, Vec<f32>>, usize);
+        impl ModuleVisitor<Ad> for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Ad, D>>) {
+                if let Some(g) = self.0.get::<burn::backend::NdArray<f32>, D>(p.id) {
+                    self.2 += 1;
+                    assert!(p.is_require_grad(), "a frozen parameter got a gradient");
+                    self.1.insert(p.id.val(), g.into_data().to_vec().unwrap());
+                }
+            }
+        }
+        let mut v = V(g, HashMap::new(), 0);
+        m.visit(&mut v);
+        (v.1, v.2)
+    }
+
+    /// A QLoRA model's forward equals that of a LoRA model whose dense base
+    /// holds the dequantized NF4 weights (fp32 tolerance), and so do the
+    /// adapters' gradients; the NF4 base is no parameter, gets no gradient,
+    /// and no projection keeps a dense weight.
+    #[test]
+    fn qlora_forward_and_gradients_equal_the_dequantized_model() {
+        let _serial = crate::tests::serial();
+        let device = Default::default();
+        let spec = tiny_plan().model;
+        let init = |a: &AdapterSpec, device: &_| {
+            <Ad as Backend>::seed(device, 7);
+            Model::<Ad>::new(
+                &ModelInit {
+                    model: &spec,
+                    adapter: Some(a),
+                    lm_head: true,
+                    dtype: FloatDType::F32,
+                },
+                device,
+            )
+            .map(&mut Fill)
+        };
+        let qa = adapter(AdapterKind::Qlora);
+        let q = init(&qa, &device);
+        let mut dense: HashMap<String, Vec<f32>> = HashMap::new();
+        q.export(&mut |n, _, v| {
+            dense.insert(n.to_string(), v);
+        });
+        let mut d = init(&adapter(AdapterKind::Lora), &device);
+        d.load(&mut |n, _| dense.get(n).cloned());
+
+        let linears: Vec<&Linear<Ad>> = q.linears().collect();
+        assert_eq!(linears.len(), 2 * 7);
+        assert!(linears.iter().all(|l| l.weight.is_none() && l.nf4.is_some()));
+        let (h, f, kv) = (32, 64, 2 * 8);
+        assert_eq!(
+            q.quantized_params(),
+            2 * (h * h * 2 + h * kv * 2 + 3 * h * f) as u64
+        );
+        // The base really is 4-bit: the dequantized weights differ from the
+        // random draw, which the LoRA model built from the same seed holds.
+        let fresh = init(&adapter(AdapterKind::Lora), &device);
+        let w0 = fresh.layers[0].attn.q.weight.as_ref().unwrap().val();
+        let wq = d.layers[0].attn.q.weight.as_ref().unwrap().val();
+        assert!((w0 - wq).abs().max().into_scalar() > 1e-4);
+
+        let ctx = Ctx::<Ad>::new(&spec, Some(&qa), 16, FloatDType::F32, &device);
+        let ids: Vec<i64> = (0..32).map(|i| (i * 37 % 64) as i64).collect();
+        let tokens = Tensor::<Ad, 2, Int>::from_data(TensorData::new(ids, [2, 16]), &device);
+        let up = Tensor::<Ad, 3>::random([2, 16, 32], Distribution::Normal(0.0, 1.0), &device);
+        let hq = q.hidden(tokens.clone(), &ctx);
+        let hd = d.hidden(tokens, &ctx);
+        hq.clone()
+            .inner()
+            .into_data()
+            .assert_approx_eq(&hd.clone().inner().into_data(), Tolerance::<f32>::absolute(2e-5));
+
+        let gq = GradientsParams::from_grads((hq * up.clone()).sum().backward(), &q);
+        let gd = GradientsParams::from_grads((hd * up).sum().backward(), &d);
+        let (gq, nq) = grads_by_id(&q, &gq);
+        let (gd, _) = grads_by_id(&d, &gd);
+        // Only LoRA's A and B: 2 per projection.
+        assert_eq!(nq, 2 * 2 * 7);
+        assert_eq!(gq.len(), gd.len());
+        for (id, a) in &gq {
+            let b = &gd[id];
+            let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-4 * scale, "param {id}: {x} vs {y}");
+            }
+        }
+    }
+
+    /// With QLoRA the segmented step (checkpointed layers run on the inner
+    /// backend through `valid()`, then recomputed) gives one graph's
+    /// gradients, and the trainer counts the NF4 base as frozen parameters.
+    #[test]
+    fn qlora_checkpointed_gradients_equal_the_full_graph() {
+        let _serial = crate::tests::serial();
+        let mut plan = tiny_plan();
+        plan.adapter = Some(adapter(AdapterKind::Qlora));
+        let opts = crate::RunOptions {
+            steps: 1,
+            seed: 3,
+            data: None,
+            save: None,
+            save_every: None,
+            resume: None,
+            distributed: None,
+        };
+        let mut t = Trainer::<Ad>::new(
+            &plan,
+            TrainerConfig {
+                seed: 3,
+                batcher: crate::batcher(&plan, &opts).unwrap(),
+                sixteen_bit: false,
+                collective: None,
+            },
+            Default::default(),
+        )
+        .unwrap();
+        let (all, trainable) = t.param_counts();
+        let lora = 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16) + 2 * (32 + 64) + (64 + 32));
+        assert_eq!(trainable, lora);
+        let dense = 64 * 32 * 2 + 2 * 2 * 32 + 32;
+        assert_eq!(all, lora + dense + 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64));
+        let batch = t.batcher.batch(0, 0);
+        let (_, reference) = t.reference_grads(&batch, 0, 0);
+        let reference = t.flatten(&reference);
+        t.set_checkpointed(vec![true, false]);
+        let mut acc = GradientsParams::new();
+        let mut probe = crate::memory::RssProbe::new();
+        t.micro_step(&batch, 0, 0, 1.0, &mut acc, &mut probe);
+        let got = t.flatten(&acc);
+        assert_eq!(got.len(), reference.len());
+        for (a, b) in got.iter().zip(&reference) {
+            let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-4 * scale, "{x} vs {y}");
+            }
         }
     }
 }

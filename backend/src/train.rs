@@ -45,6 +45,7 @@ use burn::optim::{
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, FloatDType, Int, Tensor, TensorData};
+use crate::optim::adam8bit::Adam8bitOptimizer;
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Dtype, Loss, OptimizerKind};
 use std::path::Path;
@@ -166,11 +167,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_> {
 
 // ---------------------------------------------------------------- optimizer
 
-/// The optimizers Burn provides that the DSL names.
+/// The optimizers Burn provides that the DSL names, and 8-bit Adam
+/// (`optim::adam8bit`) through Burn's adaptor.
 pub enum Optim<B: ExecAutodiff> {
     AdamW(OptimizerAdaptor<AdamW, Model<B>, B>),
     Adam(OptimizerAdaptor<Adam, Model<B>, B>),
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, Model<B>, B>),
+    Adam8bit(OptimizerAdaptor<Adam8bitOptimizer, Model<B>, B>),
 }
 
 impl<B: ExecAutodiff> Optim<B> {
@@ -193,6 +196,9 @@ impl<B: ExecAutodiff> Optim<B> {
                 let momentum = (o.momentum > 0.0).then_some(MomentumConfig { momentum: o.momentum, dampening: 0.0, nesterov: false });
                 Optim::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
             }
+            OptimizerKind::Adam8bit => {
+                Optim::Adam8bit(OptimizerAdaptor::from(Adam8bitOptimizer::new(b1, b2, eps, o.weight_decay as f32)))
+            }
             other => {
                 return Err(RunError::Unsupported(format!(
                     "optimizer `{}` is not executed by the Burn executor (adamw, adam and sgd are; Burn 0.21 has no {})",
@@ -203,12 +209,24 @@ impl<B: ExecAutodiff> Optim<B> {
         })
     }
 
-    fn step(&mut self, lr: f64, model: Model<B>, grads: GradientsParams) -> Model<B> {
-        match self {
+    fn step(
+        &mut self,
+        lr: f64,
+        model: Model<B>,
+        grads: GradientsParams,
+    ) -> Result<Model<B>, RunError> {
+        Ok(match self {
             Optim::AdamW(o) => o.step(lr, model, grads),
             Optim::Adam(o) => o.step(lr, model, grads),
             Optim::Sgd(o) => o.step(lr, model, grads),
-        }
+            Optim::Adam8bit(o) => {
+                let model = o.step(lr, model, grads);
+                if let Some(e) = o.optim().take_error() {
+                    return Err(RunError::Backend(format!("8-bit Adam: {e}")));
+                }
+                model
+            }
+        })
     }
 
     fn save(
@@ -220,6 +238,7 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::AdamW(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Adam(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Sgd(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::Adam8bit(o) => Recorder::<B>::record(rec, o.to_record(), path),
         };
         r.map_err(|e| RunError::Checkpoint(format!("cannot write the optimizer state: {e}")))
     }
@@ -242,6 +261,9 @@ impl<B: ExecAutodiff> Optim<B> {
             }
             Optim::Sgd(o) => {
                 Optim::Sgd(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
+            Optim::Adam8bit(o) => {
+                Optim::Adam8bit(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
             }
         })
     }
@@ -380,6 +402,9 @@ impl<B: ExecAutodiff> Trainer<B> {
             // A Hugging Face checkpoint replaces the random base weights
             // (LoRA's A and B keep their initialisation).
             crate::weights::load_into(&mut model, &plan.model, Path::new(dir))?;
+            if let Some(e) = model.quantization_error() {
+                return Err(RunError::Weights(format!("{dir}: {e}")));
+            }
         }
         let mut work = None;
         if precision.master {
@@ -727,7 +752,7 @@ impl<B: ExecAutodiff> Trainer<B> {
                 self.mark(probe, false, &|| "all-reduce".into());
             }
             let model = self.model.clone();
-            self.model = self.optim.step(self.lr, model, acc);
+            self.model = self.optim.step(self.lr, model, acc)?;
         }
         if self.precision.master {
             self.work = Some(
@@ -834,6 +859,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
             .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
         let mut model = self.model.clone().load_record(record);
+        if let Some(e) = model.quantization_error() {
+            return Err(RunError::Checkpoint(format!("`{}`: {e}", dir.display())));
+        }
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));
@@ -895,6 +923,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         }
         let mut c = Count(0, 0);
         self.model.visit(&mut c);
-        (c.0, c.1)
+        // QLoRA's NF4 bases are no float parameters: counted here.
+        (c.0 + self.model.quantized_params(), c.1)
     }
 }

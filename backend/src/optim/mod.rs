@@ -18,6 +18,7 @@ use burn::tensor::{Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::OptimizerKind;
 
+pub mod adam8bit;
 mod host;
 pub use host::Rule;
 
@@ -46,9 +47,17 @@ impl Rule {
                 momentum: (o.momentum > 0.0).then_some(o.momentum),
                 penalty,
             },
+            OptimizerKind::Adam8bit => {
+                return Err(RunError::Unsupported(format!(
+                    "optimizer adam8bit with zero = {} or an offloaded optimizer: its 8-bit moments are quantized per \
+                     parameter (blocks of 256 within each, fp32 below 4096 values, as bitsandbytes), which a flat \
+                     shard would cut across; run adam8bit with zero = 0 and nothing offloaded, or adamw with ZeRO",
+                    plan.resolved.zero
+                )))
+            }
             other => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam and sgd are)",
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit and sgd are)",
                     other.as_str()
                 )))
             }

@@ -12,12 +12,16 @@
 //! - [`adam8bit`]: Adam / AdamW with block-wise 8-bit moments (bitsandbytes'
 //!   `Adam8bit` / `AdamW8bit`, block 256, fp32 state below 4096 elements);
 //! - [`qlora`]: `y = x · dequant(W)` as one autodiff node that keeps only the
-//!   packed weight.
+//!   packed weight;
+//! - [`base`]: that packed weight as a field of a Burn module (recorded for
+//!   checkpoints, invisible to parameter visitors), QLoRA's frozen base in
+//!   `model::Linear`.
 //!
 //! `bnb_ref.rs` holds outputs of bitsandbytes 0.50.2 itself
 //! (`gen_bnb_ref.py`), against which the tests compare.
 
 pub mod adam8bit;
+pub mod base;
 pub mod blockwise;
 pub mod maps;
 pub mod nf4;

@@ -279,6 +279,68 @@ pub struct Nf4Tensor<B: Backend> {
 }
 
 impl<B: Backend> Nf4Tensor<B> {
+    /// The weight back in host memory, without the device padding: the
+    /// inverse of [`Nf4Weight::to_device`] (checkpoints hold this).
+    pub fn to_host(&self) -> Result<Nf4Weight, QuantError> {
+        let len = self.shape[0] * self.shape[1];
+        let blocks = len.div_ceil(BLOCK);
+        let bytes = |t: &Tensor<B, 1, Int>| -> Vec<u8> {
+            t.clone()
+                .into_data()
+                .convert::<u8>()
+                .into_vec::<u8>()
+                .unwrap_or_default()
+        };
+        let floats = |t: &Tensor<B, 1>| -> Vec<f32> {
+            t.clone()
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .unwrap_or_default()
+        };
+        let mut packed = bytes(&self.packed);
+        packed.truncate(len.div_ceil(2));
+        let scales = match &self.scales {
+            DeviceScales::Fp32(a) => {
+                let mut a = floats(a);
+                a.truncate(blocks);
+                Scales::Fp32(a)
+            }
+            DeviceScales::Double {
+                codes,
+                absmax2,
+                offset,
+            } => {
+                let mut codes = bytes(codes);
+                codes.truncate(blocks);
+                Scales::Double {
+                    codes,
+                    absmax2: floats(absmax2),
+                    offset: *offset,
+                }
+            }
+        };
+        let w = Nf4Weight {
+            packed,
+            scales,
+            shape: self.shape,
+        };
+        // A short read (a conversion that failed) shows as a length error.
+        w.validate()?;
+        Ok(w)
+    }
+
+    /// Bytes held on the device (codes and scales, with the padding).
+    pub fn bytes(&self) -> usize {
+        self.packed.dims()[0]
+            + match &self.scales {
+                DeviceScales::Fp32(a) => 4 * a.dims()[0],
+                DeviceScales::Double { codes, absmax2, .. } => {
+                    codes.dims()[0] + 4 * absmax2.dims()[0] + 4
+                }
+            }
+    }
+
     /// The `[rows, cols]` fp32 weight, built with tensor ops on the device.
     pub fn dequantize(&self) -> Tensor<B, 2> {
         let device = self.packed.device();

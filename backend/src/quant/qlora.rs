@@ -62,6 +62,27 @@ impl<B: AutodiffBackend> Nf4Tensor<B> {
             shape: self.shape,
         }
     }
+
+    /// The packed weight of the inner backend on this one (no copy).
+    pub fn from_inner(w: Nf4Tensor<B::InnerBackend>) -> Self {
+        let scales = match w.scales {
+            DeviceScales::Fp32(a) => DeviceScales::Fp32(Tensor::from_inner(a)),
+            DeviceScales::Double {
+                codes,
+                absmax2,
+                offset,
+            } => DeviceScales::Double {
+                codes: Tensor::from_inner(codes),
+                absmax2: Tensor::from_inner(absmax2),
+                offset,
+            },
+        };
+        Nf4Tensor {
+            packed: Tensor::from_inner(w.packed),
+            scales,
+            shape: w.shape,
+        }
+    }
 }
 
 #[derive(Debug)]

@@ -1,0 +1,225 @@
+//! `optimizer adam8bit` as a Burn [`SimpleOptimizer`]: bitsandbytes'
+//! `Adam8bit` / `AdamW8bit` update (`quant::adam8bit`, its arithmetic and
+//! dynamic maps) applied one parameter at a time by Burn's
+//! `OptimizerAdaptor`, as the trainer steps Adam and SGD.
+//!
+//! Why Burn's per-parameter path and not the flat one (`FlatOptim`, which
+//! ZeRO shards): bitsandbytes quantizes each parameter's moments on their
+//! own, in blocks of 256 from the parameter's first value, and keeps fp32
+//! moments for parameters under 4096 values; the memory model charges
+//! exactly that per parameter (`adam8bit_state_bytes`). A flat shard is the
+//! parameters end to end, so its blocks would straddle parameters and the
+//! small-parameter rule would be lost. So `adam8bit` runs with ZeRO 0 and
+//! nothing offloaded (`Rule::for_plan` says so for the other cases).
+//!
+//! The state of a parameter of `n` values, on its device: two u8 code
+//! tensors of `n` values and two fp32 absmax tensors of `ceil(n / 256)`
+//! (below 4096 values: two fp32 moment tensors), the bytes
+//! `quant::adam8bit::ParamState::bytes` counts. Burn records it as any
+//! optimizer state, so `--save`/`--resume` keep the 8-bit moments (the codes
+//! are read back as integers and stored as u8 again at the next step).
+//!
+//! The update runs on the host: the parameter, its gradient and its state
+//! come down, `Adam8bit::step` runs, and they go back. On the CPU backend
+//! that is a copy; on CUDA it is a transfer per parameter per step, cheap
+//! for what 8-bit Adam is for here (QLoRA's adapters), and a CubeCL kernel
+//! is future work.
+
+use crate::quant::adam8bit::{Adam8bit, Moments, ParamState};
+use crate::quant::blockwise::{Blockwise8, BLOCK};
+use burn::optim::SimpleOptimizer;
+use burn::record::Record;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use std::sync::{Arc, Mutex};
+
+/// The hyper-parameters, and the first error a step met (a step cannot
+/// return one through Burn's optimizer interface; the trainer asks
+/// [`Adam8bitOptimizer::take_error`] after every step).
+#[derive(Clone, Debug)]
+pub struct Adam8bitOptimizer {
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    /// Decoupled (`p *= 1 - lr * wd`), as bitsandbytes applies it.
+    pub weight_decay: f32,
+    error: Arc<Mutex<Option<String>>>,
+}
+
+/// One parameter's 8-bit Adam state on the device.
+#[derive(Record, Clone)]
+pub struct Adam8bitState<B: Backend, const D: usize> {
+    /// Steps taken.
+    pub step: usize,
+    /// u8 codes of the moments (signed and unsigned dynamic maps); `None`
+    /// below `MIN_8BIT_SIZE` values, where the moments are fp32.
+    pub m_codes: Option<Tensor<B, 1, Int>>,
+    pub v_codes: Option<Tensor<B, 1, Int>>,
+    /// The per-block absmax of the codes, or the fp32 moments themselves.
+    pub m: Tensor<B, 1>,
+    pub v: Tensor<B, 1>,
+}
+
+impl Adam8bitOptimizer {
+    pub fn new(beta_1: f32, beta_2: f32, epsilon: f32, weight_decay: f32) -> Self {
+        Adam8bitOptimizer {
+            beta_1,
+            beta_2,
+            epsilon,
+            weight_decay,
+            error: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    fn rule(&self, lr: f64) -> Adam8bit {
+        Adam8bit {
+            lr: lr as f32,
+            beta1: self.beta_1,
+            beta2: self.beta_2,
+            eps: self.epsilon,
+            weight_decay: self.weight_decay,
+        }
+    }
+
+    /// The error of a step since the last call, if any: that step left its
+    /// parameter and state unchanged.
+    pub fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn fail(&self, why: String) {
+        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if e.is_none() {
+            *e = Some(why);
+        }
+    }
+}
+
+fn floats<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, String> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("cannot read a tensor back: {e:?}"))
+}
+
+fn bytes<B: Backend>(t: Tensor<B, 1, Int>) -> Result<Vec<u8>, String> {
+    t.into_data()
+        .convert::<u8>()
+        .into_vec::<u8>()
+        .map_err(|e| format!("cannot read the 8-bit state back: {e:?}"))
+}
+
+impl<B: Backend, const D: usize> Adam8bitState<B, D> {
+    /// The state in host memory, for `len` values.
+    fn to_host(self, len: usize) -> Result<ParamState, String> {
+        let moments = match (self.m_codes, self.v_codes) {
+            (Some(mc), Some(vc)) => {
+                let q = |codes: Vec<u8>, absmax: Vec<f32>| Blockwise8 {
+                    codes,
+                    absmax,
+                    block: BLOCK,
+                };
+                Moments::Int8 {
+                    m: q(bytes(mc)?, floats(self.m)?),
+                    v: q(bytes(vc)?, floats(self.v)?),
+                }
+            }
+            _ => Moments::Fp32 {
+                m: floats(self.m)?,
+                v: floats(self.v)?,
+            },
+        };
+        let st = ParamState {
+            step: self.step as u32,
+            moments,
+        };
+        let ok = match &st.moments {
+            Moments::Int8 { m, v } => [m, v]
+                .iter()
+                .all(|q| q.codes.len() == len && q.absmax.len() == len.div_ceil(BLOCK)),
+            Moments::Fp32 { m, v } => m.len() == len && v.len() == len,
+        };
+        if !ok {
+            return Err(format!(
+                "the 8-bit Adam state does not fit a parameter of {len} values (a checkpoint of another model?)"
+            ));
+        }
+        Ok(st)
+    }
+
+    fn from_host(st: ParamState, device: &B::Device) -> Self {
+        let f = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<B, 1>::from_data(TensorData::new(v, [n]), device)
+        };
+        let u = |v: Vec<u8>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), (device, DType::U8))
+        };
+        let step = st.step as usize;
+        match st.moments {
+            Moments::Fp32 { m, v } => Adam8bitState {
+                step,
+                m_codes: None,
+                v_codes: None,
+                m: f(m),
+                v: f(v),
+            },
+            Moments::Int8 { m, v } => Adam8bitState {
+                step,
+                m_codes: Some(u(m.codes)),
+                v_codes: Some(u(v.codes)),
+                m: f(m.absmax),
+                v: f(v.absmax),
+            },
+        }
+    }
+}
+
+impl<B: Backend> SimpleOptimizer<B> for Adam8bitOptimizer {
+    type State<const D: usize> = Adam8bitState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: f64,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let rule = self.rule(lr);
+        let device = tensor.device();
+        let (dims, dtype) = (tensor.dims(), tensor.dtype());
+        let n = tensor.shape().num_elements();
+        let run = || -> Result<(Vec<f32>, ParamState), String> {
+            let mut p = floats(tensor.clone())?;
+            let g = floats(grad)?;
+            let mut st = match state.clone() {
+                Some(s) => s.to_host(n)?,
+                None => rule.init(n),
+            };
+            rule.step(&mut st, &mut p, &g).map_err(|e| e.to_string())?;
+            Ok((p, st))
+        };
+        match run() {
+            Ok((p, st)) => {
+                let t = Tensor::<B, 1>::from_data(TensorData::new(p, [n]), &device).reshape(dims);
+                let t = crate::model::to_dtype(t, dtype.into());
+                (t, Some(Adam8bitState::from_host(st, &device)))
+            }
+            Err(why) => {
+                self.fail(why);
+                (tensor, state)
+            }
+        }
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        Adam8bitState {
+            step: state.step,
+            m_codes: state.m_codes.map(|t| t.to_device(device)),
+            v_codes: state.v_codes.map(|t| t.to_device(device)),
+            m: state.m.to_device(device),
+            v: state.v.to_device(device),
+        }
+    }
+}
