@@ -771,7 +771,9 @@ impl<B: Backend> Linear<B> {
                 let device = q.w.packed.device();
                 *q = match Nf4Base::quantize(&values, shape, double, &device) {
                     Ok(n) => n,
-                    Err(e) => q.clone().refuse(format!("`{wname}` cannot be quantized to NF4: {e}")),
+                    Err(e) => q
+                        .clone()
+                        .refuse(format!("`{wname}` cannot be quantized to NF4: {e}")),
                 };
             }
         }
@@ -901,7 +903,7 @@ mod qlora_tests {
     use crate::train::{Trainer, TrainerConfig};
     use burn::module::{ModuleMapper, ModuleVisitor};
     use burn::optim::GradientsParams;
-    use burn::tensor::{Tolerance, TensorData};
+    use burn::tensor::{TensorData, Tolerance};
     use rcoa_compiler::spec::Dtype;
     use std::collections::HashMap;
 
@@ -993,7 +995,9 @@ mod qlora_tests {
 
         let linears: Vec<&Linear<Ad>> = q.linears().collect();
         assert_eq!(linears.len(), 2 * 7);
-        assert!(linears.iter().all(|l| l.weight.is_none() && l.nf4.is_some()));
+        assert!(linears
+            .iter()
+            .all(|l| l.weight.is_none() && l.nf4.is_some()));
         let (h, f, kv) = (32, 64, 2 * 8);
         assert_eq!(
             q.quantized_params(),
@@ -1012,10 +1016,10 @@ mod qlora_tests {
         let up = Tensor::<Ad, 3>::random([2, 16, 32], Distribution::Normal(0.0, 1.0), &device);
         let hq = q.hidden(tokens.clone(), &ctx);
         let hd = d.hidden(tokens, &ctx);
-        hq.clone()
-            .inner()
-            .into_data()
-            .assert_approx_eq(&hd.clone().inner().into_data(), Tolerance::<f32>::absolute(2e-5));
+        hq.clone().inner().into_data().assert_approx_eq(
+            &hd.clone().inner().into_data(),
+            Tolerance::<f32>::absolute(2e-5),
+        );
 
         let gq = GradientsParams::from_grads((hq * up.clone()).sum().backward(), &q);
         let gd = GradientsParams::from_grads((hd * up).sum().backward(), &d);
@@ -1065,7 +1069,10 @@ mod qlora_tests {
         let lora = 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16) + 2 * (32 + 64) + (64 + 32));
         assert_eq!(trainable, lora);
         let dense = 64 * 32 * 2 + 2 * 2 * 32 + 32;
-        assert_eq!(all, lora + dense + 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64));
+        assert_eq!(
+            all,
+            lora + dense + 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64)
+        );
         let batch = t.batcher.batch(0, 0);
         let (_, reference) = t.reference_grads(&batch, 0, 0);
         let reference = t.flatten(&reference);

@@ -34,6 +34,7 @@ use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Model, ModelInit};
 use crate::ops::{ExecAutodiff, ExecBackend};
+use crate::optim::adam8bit::Adam8bitOptimizer;
 use crate::RunError;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -45,7 +46,6 @@ use burn::optim::{
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, FloatDType, Int, Tensor, TensorData};
-use crate::optim::adam8bit::Adam8bitOptimizer;
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Dtype, Loss, OptimizerKind};
 use std::path::Path;

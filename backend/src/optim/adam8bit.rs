@@ -223,3 +223,158 @@ impl<B: Backend> SimpleOptimizer<B> for Adam8bitOptimizer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::adam8bit::MIN_8BIT_SIZE;
+    use crate::testing::tiny_plan;
+    use crate::train::{Trainer, TrainerConfig};
+    use rcoa_compiler::spec::OptimizerKind;
+
+    type Cpu = burn::backend::NdArray<f32>;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    fn t(v: Vec<f32>) -> Tensor<Cpu, 2> {
+        let n = v.len();
+        Tensor::<Cpu, 1>::from_data(TensorData::new(v, [n]), &Default::default())
+            .reshape([n / 10, 10])
+    }
+
+    /// Steps through Burn's interface equal `quant::adam8bit` on host
+    /// slices bit for bit, for an 8-bit and an fp32-state parameter, and the
+    /// state held on the device is the bytes the memory model charges.
+    #[test]
+    fn steps_equal_the_host_rule_and_state_is_as_modelled() {
+        let o = Adam8bitOptimizer::new(0.9, 0.99, 1e-8, 0.01);
+        for n in [5000, 400] {
+            let rule = o.rule(1e-2);
+            let mut p = values(n, 1);
+            let mut st = rule.init(n);
+            let mut tensor = t(p.clone());
+            let mut state = None;
+            for step in 0..3 {
+                let g = values(n, 10 + step);
+                rule.step(&mut st, &mut p, &g).unwrap();
+                let (nt, ns) = SimpleOptimizer::<Cpu>::step(&o, 1e-2, tensor, t(g), state);
+                tensor = nt;
+                state = ns;
+            }
+            assert_eq!(tensor.into_data().to_vec::<f32>().unwrap(), p);
+            let s: Adam8bitState<Cpu, 2> = state.unwrap();
+            assert_eq!(s.step, 3);
+            let eight = n >= MIN_8BIT_SIZE;
+            assert_eq!(s.m_codes.is_some(), eight);
+            let mut bytes = 4 * (s.m.dims()[0] + s.v.dims()[0]);
+            for c in [&s.m_codes, &s.v_codes].into_iter().flatten() {
+                assert_eq!(c.dtype(), DType::U8, "codes are held as bytes");
+                bytes += c.dims()[0];
+            }
+            assert_eq!(bytes, st.bytes());
+            assert_eq!(
+                bytes as u64,
+                rcoa_compiler::memory::optimizer::adam8bit_state_bytes(n as u64)
+            );
+        }
+    }
+
+    /// A non-finite gradient leaves the parameter and its state as they
+    /// were and is reported once.
+    #[test]
+    fn a_non_finite_gradient_is_an_error_not_an_update() {
+        let o = Adam8bitOptimizer::new(0.9, 0.999, 1e-8, 0.0);
+        let p = values(5000, 1);
+        let mut g = values(5000, 2);
+        g[17] = f32::NAN;
+        let (out, state) = SimpleOptimizer::<Cpu>::step(&o, 1e-3, t(p.clone()), t(g), None);
+        assert!(state.is_none());
+        assert_eq!(out.into_data().to_vec::<f32>().unwrap(), p);
+        let e = o.take_error().expect("an error");
+        assert!(e.contains("non-finite") && e.contains("17"), "{e}");
+        assert!(o.take_error().is_none());
+    }
+
+    fn losses(
+        plan: &rcoa_compiler::lowered::LoweredPlan,
+        steps: usize,
+        data: &std::path::Path,
+    ) -> Vec<f64> {
+        let opts = crate::RunOptions {
+            steps: steps as u64,
+            seed: 5,
+            data: Some(data.to_path_buf()),
+            save: None,
+            save_every: None,
+            resume: None,
+            distributed: None,
+        };
+        let mut t = Trainer::<burn::backend::Autodiff<Cpu>>::new(
+            plan,
+            TrainerConfig {
+                seed: 5,
+                batcher: crate::batcher(plan, &opts).unwrap(),
+                sixteen_bit: false,
+                collective: None,
+            },
+            Default::default(),
+        )
+        .unwrap();
+        let mut probe = crate::memory::RssProbe::new();
+        (0..steps)
+            .map(|_| t.train_step(&mut probe).unwrap().loss)
+            .collect()
+    }
+
+    /// 8-bit AdamW through the trainer tracks Burn's fp32 AdamW on a tiny
+    /// decoder learning a short text (full fine-tune; embeddings, head and
+    /// MLP weights of 8,192 values and q/o of 4,096 have 8-bit moments, the
+    /// rest fp32): over 50 steps on the same batches every loss is within
+    /// 1.5% of the initial loss of fp32's (measured: 0.6% with two layers;
+    /// the loss falls from 4.8 to 1.2), and both fall by more than a third.
+    #[test]
+    fn adam8bit_tracks_fp32_adamw_over_50_steps() {
+        let _serial = crate::tests::serial();
+        let dir = std::env::temp_dir().join(format!("rcoa-adam8bit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = dir.join("text.txt");
+        std::fs::write(
+            &text,
+            "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
+                .repeat(30),
+        )
+        .unwrap();
+        let mut plan = tiny_plan();
+        plan.model.hidden = 64;
+        plan.model.head_dim = 16;
+        plan.model.ffn = 128;
+        plan.model.vocab = 128;
+        plan.optimizer.lr = 3e-3;
+        plan.optimizer.weight_decay = 0.01;
+        plan.optimizer.kind = OptimizerKind::Adamw;
+        let fp32 = losses(&plan, 50, &text);
+        plan.optimizer.kind = OptimizerKind::Adam8bit;
+        let eight = losses(&plan, 50, &text);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Gaps relative to the initial loss: a late step's loss is small,
+        // and the two trajectories drift apart by a few tenths of a percent.
+        let worst = fp32
+            .iter()
+            .zip(&eight)
+            .map(|(a, b)| (a - b).abs() / fp32[0])
+            .fold(0.0, f64::max);
+        eprintln!(
+            "adam8bit vs adamw: worst loss gap {worst:.5} of the initial loss; last {} vs {}",
+            eight[49], fp32[49]
+        );
+        assert!(worst < 0.015, "8-bit {eight:?}\nfp32 {fp32:?}");
+        assert!(
+            eight[49] < eight[0] * 0.66 && fp32[49] < fp32[0] * 0.66,
+            "{eight:?}"
+        );
+    }
+}
