@@ -196,3 +196,52 @@ impl<B: Backend> ModuleDisplayDefault for Nf4Base<B> {
 }
 
 impl<B: Backend> ModuleDisplay for Nf4Base<B> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::tests::det_weights;
+    use burn::module::Module;
+
+    type Cpu = burn::backend::NdArray<f32>;
+
+    /// The record holds the quantized weight exactly; a record of another
+    /// shape or with inconsistent lengths is refused by name, the weight
+    /// kept; the device holds codes and scales only (bitsandbytes' bytes).
+    #[test]
+    fn record_round_trips_and_bad_records_are_refused() {
+        let device = Default::default();
+        for double in [false, true] {
+            let (rows, cols) = (96, 200);
+            let w = det_weights(rows * cols, 0.003);
+            let q = Nf4Base::<Cpu>::quantize(&w, [rows, cols], double, &device).unwrap();
+            let host = q.w.to_host().unwrap();
+            assert_eq!(host, Nf4Weight::quantize(&w, [rows, cols], double).unwrap());
+            assert_eq!(q.w.bytes(), host.bytes(), "no padding on the device");
+            let fresh =
+                Nf4Base::<Cpu>::quantize(&vec![0.5; rows * cols], [rows, cols], double, &device)
+                    .unwrap();
+            let loaded = fresh.clone().load_record(q.clone().into_record());
+            assert!(loaded.load_error().is_none());
+            assert_eq!(loaded.w.to_host().unwrap(), host);
+            assert_eq!(
+                loaded.w.dequantize().into_data().to_vec::<f32>().unwrap(),
+                host.dequantize().unwrap()
+            );
+
+            let mut other = q.clone().into_record();
+            other.4 = [cols, rows];
+            let kept = fresh.clone().load_record(other);
+            assert!(kept.load_error().unwrap().contains("shape [200, 96]"));
+            assert_eq!(kept.w.to_host().unwrap(), fresh.w.to_host().unwrap());
+            let mut short = q.clone().into_record();
+            short.0.pop();
+            let e = fresh.clone().load_record(short);
+            assert!(
+                e.load_error().unwrap().contains("packed codes"),
+                "{:?}",
+                e.load_error()
+            );
+        }
+    }
+}

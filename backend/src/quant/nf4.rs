@@ -202,18 +202,16 @@ impl Nf4Weight {
                 codes,
                 absmax2,
                 offset,
-            } => {
-                let mut codes = codes.clone();
-                codes.resize(absmax2.len() * STATS_BLOCK, 0);
-                DeviceScales::Double {
-                    codes: Tensor::from_data(
-                        TensorData::new(codes, [absmax2.len() * STATS_BLOCK]),
-                        (device, DType::U8),
-                    ),
-                    absmax2: Tensor::from_floats(absmax2.as_slice(), device),
-                    offset: *offset,
-                }
-            }
+            } => DeviceScales::Double {
+                // One code per block, as bitsandbytes stores them: the
+                // dequantization pads the last 256-group for a moment.
+                codes: Tensor::from_data(
+                    TensorData::new(codes.clone(), [codes.len()]),
+                    (device, DType::U8),
+                ),
+                absmax2: Tensor::from_floats(absmax2.as_slice(), device),
+                offset: *offset,
+            },
         };
         Ok(Nf4Tensor {
             packed,
@@ -342,17 +340,23 @@ impl<B: Backend> Nf4Tensor<B> {
     }
 
     /// The `[rows, cols]` fp32 weight, built with tensor ops on the device.
+    ///
+    /// Each byte indexes a 256-row table of its two NF4 values (high nibble
+    /// first), so the transient tensors are the byte indices widened to the
+    /// backend's integer type and two fp32 tensors of the weight's size (the
+    /// gathered values and the scaled ones), not per-nibble integer copies.
     pub fn dequantize(&self) -> Tensor<B, 2> {
         let device = self.packed.device();
         let index = <B::IntElem as Element>::dtype();
-        let bytes = self.packed.clone().cast(index);
-        let nbytes = bytes.dims()[0];
-        let hi = bytes.clone().div_scalar(16);
-        let lo = bytes.remainder_scalar(16);
-        let codes = Tensor::stack::<2>(vec![hi, lo], 1).reshape([nbytes * 2]);
-        let table = Tensor::<B, 1>::from_floats(NF4, &device);
+        let nbytes = self.packed.dims()[0];
+        let pairs: Vec<f32> = (0..256usize)
+            .flat_map(|b| [NF4[b >> 4], NF4[b & 0x0f]])
+            .collect();
+        let table = Tensor::<B, 1>::from_floats(pairs.as_slice(), &device).reshape([256, 2]);
         let blocks = nbytes * 2 / BLOCK;
-        let values = table.select(0, codes).reshape([blocks, BLOCK]);
+        let values = table
+            .select(0, self.packed.clone().cast(index))
+            .reshape([blocks, BLOCK]);
         let scales = self.block_absmax().reshape([blocks, 1]);
         let [rows, cols] = self.shape;
         (values * scales)
@@ -374,13 +378,16 @@ impl<B: Backend> Nf4Tensor<B> {
                 let map = Tensor::<B, 1>::from_floats(DYNAMIC_SIGNED, &device);
                 let index = <B::IntElem as Element>::dtype();
                 let groups = absmax2.dims()[0];
-                let blocks = self.packed.dims()[0] * 2 / BLOCK;
-                (map.select(0, codes.clone().cast(index))
-                    .reshape([groups, STATS_BLOCK])
-                    * absmax2.clone().reshape([groups, 1]))
-                .reshape([groups * STATS_BLOCK])
-                .narrow(0, 0, blocks)
-                .add_scalar(*offset)
+                let blocks = codes.dims()[0];
+                let mut scales = map.select(0, codes.clone().cast(index));
+                if groups * STATS_BLOCK > blocks {
+                    let pad = Tensor::zeros([groups * STATS_BLOCK - blocks], &device);
+                    scales = Tensor::cat(vec![scales, pad], 0);
+                }
+                (scales.reshape([groups, STATS_BLOCK]) * absmax2.clone().reshape([groups, 1]))
+                    .reshape([groups * STATS_BLOCK])
+                    .narrow(0, 0, blocks)
+                    .add_scalar(*offset)
             }
         }
     }
