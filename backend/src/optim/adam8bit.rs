@@ -111,7 +111,7 @@ fn bytes<B: Backend>(t: Tensor<B, 1, Int>) -> Result<Vec<u8>, String> {
 
 impl<B: Backend, const D: usize> Adam8bitState<B, D> {
     /// The state in host memory, for `len` values.
-    fn to_host(self, len: usize) -> Result<ParamState, String> {
+    fn into_host(self, len: usize) -> Result<ParamState, String> {
         let moments = match (self.m_codes, self.v_codes) {
             (Some(mc), Some(vc)) => {
                 let q = |codes: Vec<u8>, absmax: Vec<f32>| Blockwise8 {
@@ -194,7 +194,7 @@ impl<B: Backend> SimpleOptimizer<B> for Adam8bitOptimizer {
             let mut p = floats(tensor.clone())?;
             let g = floats(grad)?;
             let mut st = match state.clone() {
-                Some(s) => s.to_host(n)?,
+                Some(s) => s.into_host(n)?,
                 None => rule.init(n),
             };
             rule.step(&mut st, &mut p, &g).map_err(|e| e.to_string())?;

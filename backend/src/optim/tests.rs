@@ -157,3 +157,17 @@ fn saved_state_resumes_the_same_steps() {
         .step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2)))
         .is_err());
 }
+
+/// 8-bit Adam is Burn-adaptor only: the flat (ZeRO, offload) path refuses
+/// it by name, saying what runs instead.
+#[test]
+fn adam8bit_is_refused_on_the_flat_path() {
+    let mut plan = crate::testing::tiny_plan();
+    plan.optimizer.kind = OptimizerKind::Adam8bit;
+    plan.resolved.zero = 2;
+    let e = Rule::for_plan(&plan).unwrap_err().to_string();
+    assert!(
+        e.contains("adam8bit with zero = 2") && e.contains("zero = 0"),
+        "{e}"
+    );
+}

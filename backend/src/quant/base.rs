@@ -68,7 +68,7 @@ impl<B: Backend> Nf4Base<B> {
         self
     }
 
-    fn from_record(&self, r: Nf4Record) -> Result<Nf4Tensor<B>, String> {
+    fn tensor_of(&self, r: Nf4Record) -> Result<Nf4Tensor<B>, String> {
         let (packed, floats, codes, offset, shape) = r;
         if shape != self.w.shape {
             return Err(format!(
@@ -142,7 +142,7 @@ impl<B: Backend> Module<B> for Nf4Base<B> {
     }
 
     fn load_record(self, record: Self::Record) -> Self {
-        match self.from_record(record) {
+        match self.tensor_of(record) {
             Ok(w) => Nf4Base::new(w),
             Err(why) => self.refuse(why),
         }
