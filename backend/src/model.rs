@@ -1037,6 +1037,63 @@ mod qlora_tests {
         }
     }
 
+    /// A Hugging Face checkpoint loaded into a QLoRA model is quantized as
+    /// it loads: every projection holds exactly NF4 (double-quantized) of the
+    /// checkpoint's weight, and the unquantized tensors hold its values.
+    #[test]
+    fn hf_checkpoint_is_quantized_as_it_loads() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let text =
+            "model hf \"tests/fixtures/hf/llama\"\nhardware { gpu = h100-80gb }\nprecision fp32\n\
+                    train {\n  seq_len = 16\n  global_batch = 4\n}\ntarget burn\n";
+        let file = rcoa_grammar::parse("fixture.plan", text).expect("plan parses");
+        let cx = rcoa_compiler::resolve::ResolveContext::new("fixture.plan", text, root);
+        let spec = rcoa_compiler::resolve::resolve(&file, &cx)
+            .expect("plan resolves")
+            .model;
+        let dir = std::path::PathBuf::from(spec.weights.clone().unwrap());
+        let device = Default::default();
+        let build = |a: Option<&AdapterSpec>| {
+            let mut m = Model::<Ad>::new(
+                &ModelInit {
+                    model: &spec,
+                    adapter: a,
+                    lm_head: true,
+                    dtype: FloatDType::F32,
+                },
+                &device,
+            );
+            crate::weights::load_into(&mut m, &spec, &dir).unwrap();
+            m
+        };
+        let dense = build(None);
+        let q = build(Some(&adapter(AdapterKind::Qlora)));
+        assert!(q.quantization_error().is_none());
+        let mut values: HashMap<String, (Vec<usize>, Vec<f32>)> = HashMap::new();
+        dense.export(&mut |n, s, v| {
+            values.insert(n.to_string(), (s, v));
+        });
+        let mut seen = 0;
+        q.export(&mut |n, s, v| {
+            let (ds, dv) = &values[n];
+            assert_eq!(&s, ds, "{n}");
+            let projection = n.contains(".attn.") || n.contains(".mlp.");
+            if projection {
+                let nf4 = crate::quant::nf4::Nf4Weight::quantize(dv, [s[0], s[1]], true).unwrap();
+                assert_eq!(
+                    v,
+                    nf4.dequantize().unwrap(),
+                    "{n}: NF4 of the checkpoint's weight"
+                );
+                assert_ne!(&v, dv, "{n} is quantized");
+                seen += 1;
+            } else {
+                assert_eq!(&v, dv, "{n} keeps the checkpoint's values");
+            }
+        });
+        assert_eq!(seen, 7 * spec.layers as usize);
+    }
+
     /// With QLoRA the segmented step (checkpointed layers run on the inner
     /// backend through `valid()`, then recomputed) gives one graph's
     /// gradients, and the trainer counts the NF4 base as frozen parameters.
