@@ -341,22 +341,25 @@ impl<B: Backend> Nf4Tensor<B> {
 
     /// The `[rows, cols]` fp32 weight, built with tensor ops on the device.
     ///
-    /// Each byte indexes a 256-row table of its two NF4 values (high nibble
-    /// first), so the transient tensors are the byte indices widened to the
-    /// backend's integer type and two fp32 tensors of the weight's size (the
-    /// gathered values and the scaled ones), not per-nibble integer copies.
+    /// Each byte indexes two 256-entry tables, of its high and of its low
+    /// nibble's NF4 value, and the two halves are interleaved: the transient
+    /// tensors are the byte indices widened to the backend's integer type,
+    /// the two halves and the values, each scaled by its block in place.
+    /// (A 1-D gather: Burn's ndarray backend gathers rows of a 2-D table
+    /// with a buffer per row, 14 times the memory.)
     pub fn dequantize(&self) -> Tensor<B, 2> {
         let device = self.packed.device();
         let index = <B::IntElem as Element>::dtype();
         let nbytes = self.packed.dims()[0];
-        let pairs: Vec<f32> = (0..256usize)
-            .flat_map(|b| [NF4[b >> 4], NF4[b & 0x0f]])
-            .collect();
-        let table = Tensor::<B, 1>::from_floats(pairs.as_slice(), &device).reshape([256, 2]);
+        let table = |nibble: fn(usize) -> usize| {
+            let v: Vec<f32> = (0..256usize).map(|b| NF4[nibble(b)]).collect();
+            Tensor::<B, 1>::from_floats(v.as_slice(), &device)
+        };
+        let bytes = self.packed.clone().cast(index);
+        let hi = table(|b| b >> 4).select(0, bytes.clone());
+        let lo = table(|b| b & 0x0f).select(0, bytes);
         let blocks = nbytes * 2 / BLOCK;
-        let values = table
-            .select(0, self.packed.clone().cast(index))
-            .reshape([blocks, BLOCK]);
+        let values = Tensor::stack::<2>(vec![hi, lo], 1).reshape([blocks, BLOCK]);
         let scales = self.block_absmax().reshape([blocks, 1]);
         let [rows, cols] = self.shape;
         (values * scales)
