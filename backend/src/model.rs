@@ -28,7 +28,7 @@
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
 use crate::ops::{softmax_last, ExecBackend};
-use crate::quant::base::Nf4Base;
+use crate::quant::base::{Nf4Base, Nf4Slot};
 use crate::quant::nf4::DeviceScales;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
@@ -238,7 +238,7 @@ pub struct Lora<B: Backend> {
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     weight: Option<Param<Tensor<B, 2>>>,
-    nf4: Option<Nf4Base<B>>,
+    nf4: Nf4Slot<B>,
     bias: Option<Param<Tensor<B, 1>>>,
     lora: Option<Lora<B>>,
 }
@@ -295,7 +295,7 @@ impl<B: Backend> Linear<B> {
         };
         Linear {
             weight,
-            nf4,
+            nf4: Nf4Slot(nf4),
             bias,
             lora,
         }
@@ -303,12 +303,12 @@ impl<B: Backend> Linear<B> {
 
     /// Elements of the NF4 base (0 for a dense weight).
     pub fn quantized_params(&self) -> usize {
-        self.nf4.as_ref().map_or(0, |q| q.params())
+        self.nf4.0.as_ref().map_or(0, |q| q.params())
     }
 
     /// The NF4 base, if this layer has one.
     pub fn nf4(&self) -> Option<&Nf4Base<B>> {
-        self.nf4.as_ref()
+        self.nf4.0.as_ref()
     }
 }
 
@@ -328,7 +328,7 @@ impl<B: ExecBackend> Linear<B> {
         // batch row and sum them (memory and time).
         let [b, s, d_in] = x.dims();
         let x = x.reshape([b * s, d_in]);
-        let mut y = match (&self.weight, &self.nf4) {
+        let mut y = match (&self.weight, &self.nf4.0) {
             (Some(w), _) => x.clone().matmul(to_dtype(w.val(), ctx.compute)),
             // Dequantized per use in x's (the compute) dtype, never kept.
             (None, Some(q)) => crate::quant::qlora::nf4_linear(x.clone(), &q.w),
@@ -714,11 +714,23 @@ impl<B: ExecBackend> Model<B> {
         self.linears().map(|l| l.quantized_params() as u64).sum()
     }
 
-    /// Why an NF4 base could not take the weights it was loaded with (from a
-    /// Hugging Face checkpoint or an rcoa checkpoint), if one could not.
+    /// Why a projection's base is unusable after a load, if one is: an NF4
+    /// base could not take the weights it was loaded with (from a Hugging
+    /// Face checkpoint or an rcoa checkpoint), or an rcoa checkpoint held the
+    /// other kind of base (Burn drops an `Option` field whose record is
+    /// `None`: a LoRA checkpoint has no NF4 bases, a QLoRA one no dense).
     pub fn quantization_error(&self) -> Option<String> {
-        self.linears()
-            .find_map(|l| l.nf4().and_then(|q| q.load_error()).map(str::to_string))
+        let mut i = 0;
+        self.linears().find_map(|l| {
+            i += 1;
+            if l.weight.is_none() && l.nf4.0.is_none() {
+                return Some(format!(
+                    "projection {i} (in layer order) has no base weight after loading: \
+                     the checkpoint was written for the other adapter kind (lora vs qlora)"
+                ));
+            }
+            l.nf4().and_then(|q| q.load_error()).map(str::to_string)
+        })
     }
 
     /// The whole forward to the last hidden state (after the final norm), with
@@ -762,7 +774,7 @@ impl<B: Backend> Linear<B> {
         if let Some(w) = &mut self.weight {
             load_param(w, &wname, src);
         }
-        if let Some(q) = &mut self.nf4 {
+        if let Some(q) = &mut self.nf4.0 {
             // QLoRA: the checkpoint's weight is quantized as it is loaded;
             // its fp32 values live only for this call.
             let shape = q.w.shape;
@@ -850,7 +862,7 @@ impl<B: Backend> Model<B> {
             if let Some(w) = &l.weight {
                 export_param(w, &format!("{n}.weight"), sink);
             }
-            if let Some(q) = &l.nf4 {
+            if let Some(q) = &l.nf4.0 {
                 // The base as the model computes with it: dequantized.
                 let t = q.w.dequantize();
                 let dims = t.dims().to_vec();
@@ -997,7 +1009,7 @@ mod qlora_tests {
         assert_eq!(linears.len(), 2 * 7);
         assert!(linears
             .iter()
-            .all(|l| l.weight.is_none() && l.nf4.is_some()));
+            .all(|l| l.weight.is_none() && l.nf4.0.is_some()));
         let (h, f, kv) = (32, 64, 2 * 8);
         assert_eq!(
             q.quantized_params(),
@@ -1092,6 +1104,44 @@ mod qlora_tests {
             }
         });
         assert_eq!(seen, 7 * spec.layers as usize);
+    }
+
+    /// A QLoRA model's record restores its NF4 bases into a model built
+    /// from another seed; a LoRA model's record is refused by name.
+    #[test]
+    fn records_restore_the_nf4_bases() {
+        let _serial = crate::tests::serial();
+        let device = Default::default();
+        let spec = tiny_plan().model;
+        let build = |a: &AdapterSpec, seed: u64| {
+            <Ad as Backend>::seed(&device, seed);
+            Model::<Ad>::new(
+                &ModelInit {
+                    model: &spec,
+                    adapter: Some(a),
+                    lm_head: true,
+                    dtype: FloatDType::F32,
+                },
+                &device,
+            )
+        };
+        let qa = adapter(AdapterKind::Qlora);
+        let bases = |m: &Model<Ad>| -> Vec<crate::quant::nf4::Nf4Weight> {
+            m.linears()
+                .map(|l| l.nf4().unwrap().w.to_host().unwrap())
+                .collect()
+        };
+        let saved = build(&qa, 1);
+        let other = build(&qa, 2);
+        assert_ne!(bases(&saved), bases(&other));
+        let loaded = other.load_record(saved.clone().into_record());
+        assert!(loaded.quantization_error().is_none());
+        assert_eq!(bases(&loaded), bases(&saved));
+
+        let lora = build(&adapter(AdapterKind::Lora), 1);
+        let wrong = build(&qa, 2).load_record(lora.into_record());
+        let e = wrong.quantization_error().expect("refused");
+        assert!(e.contains("lora vs qlora"), "{e}");
     }
 
     /// With QLoRA the segmented step (checkpointed layers run on the inner

@@ -11,6 +11,10 @@
 //!   `--save` writes the quantized base and `--resume` restores it bit for bit.
 //!   A record that does not fit (another shape, inconsistent lengths) is kept
 //!   out and named by [`Nf4Base::load_error`], which the trainer checks.
+//!
+//! A layer holds it in an [`Nf4Slot`] (present under QLoRA), not an
+//! `Option`: Burn's `Option` loads a record only into a module with float
+//! parameters, so an `Option<Nf4Base>` would silently keep its old base.
 
 use super::nf4::{Nf4Tensor, Nf4Weight, Scales};
 use super::QuantError;
@@ -135,6 +139,11 @@ impl<B: Backend> Module<B> for Nf4Base<B> {
         }
     }
 
+    /// The weight's elements (frozen parameters, though no visitor sees them).
+    fn num_params(&self) -> usize {
+        self.params()
+    }
+
     fn visit<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {}
 
     fn map<M: ModuleMapper<B>>(self, _mapper: &mut M) -> Self {
@@ -196,6 +205,86 @@ impl<B: Backend> ModuleDisplayDefault for Nf4Base<B> {
 }
 
 impl<B: Backend> ModuleDisplay for Nf4Base<B> {}
+
+/// An optional NF4 base as a module field: `Option<Nf4Base>` would not do,
+/// as Burn loads an `Option`'s record only into a module with float
+/// parameters. A base whose record is absent (a checkpoint written without
+/// QLoRA) is kept and refused by name.
+#[derive(Clone, Debug)]
+pub struct Nf4Slot<B: Backend>(pub Option<Nf4Base<B>>);
+
+impl<B: Backend> Module<B> for Nf4Slot<B> {
+    type Record = Option<Nf4Record>;
+
+    fn collect_devices(&self, devices: Devices<B>) -> Devices<B> {
+        match &self.0 {
+            Some(b) => b.collect_devices(devices),
+            None => devices,
+        }
+    }
+
+    fn fork(self, device: &B::Device) -> Self {
+        Nf4Slot(self.0.map(|b| b.fork(device)))
+    }
+
+    fn to_device(self, device: &B::Device) -> Self {
+        Nf4Slot(self.0.map(|b| b.to_device(device)))
+    }
+
+    fn num_params(&self) -> usize {
+        self.0.as_ref().map_or(0, |b| b.params())
+    }
+
+    fn visit<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {}
+
+    fn map<M: ModuleMapper<B>>(self, _mapper: &mut M) -> Self {
+        self
+    }
+
+    fn load_record(self, record: Self::Record) -> Self {
+        Nf4Slot(match (self.0, record) {
+            (Some(b), Some(r)) => Some(b.load_record(r)),
+            (Some(b), None) => Some(b.refuse(
+                "the checkpoint holds no NF4 base for a QLoRA projection: it was written for the \
+                 other adapter kind (lora vs qlora)"
+                    .into(),
+            )),
+            // A dense layer: the dense weight's own record says whether it fits.
+            (None, _) => None,
+        })
+    }
+
+    fn into_record(self) -> Self::Record {
+        self.0.map(Module::into_record)
+    }
+}
+
+impl<B: AutodiffBackend> AutodiffModule<B> for Nf4Slot<B> {
+    type InnerModule = Nf4Slot<B::InnerBackend>;
+
+    fn valid(&self) -> Self::InnerModule {
+        Nf4Slot(self.0.as_ref().map(|b| b.valid()))
+    }
+
+    fn from_inner(module: Self::InnerModule) -> Self {
+        Nf4Slot(module.0.map(Nf4Base::from_inner))
+    }
+}
+
+impl<B: AutodiffBackend> HasAutodiffModule<B> for Nf4Slot<B::InnerBackend> {
+    type TrainModule = Nf4Slot<B>;
+}
+
+impl<B: Backend> ModuleDisplayDefault for Nf4Slot<B> {
+    fn content(&self, content: Content) -> Option<Content> {
+        match &self.0 {
+            Some(b) => b.content(content),
+            None => content.add_single(&"none".to_string()).optional(),
+        }
+    }
+}
+
+impl<B: Backend> ModuleDisplay for Nf4Slot<B> {}
 
 #[cfg(test)]
 mod tests {
