@@ -16,8 +16,8 @@
 //! tensors of `n` values and two fp32 absmax tensors of `ceil(n / 256)`
 //! (below 4096 values: two fp32 moment tensors), the bytes
 //! `quant::adam8bit::ParamState::bytes` counts. Burn records it as any
-//! optimizer state, so `--save`/`--resume` keep the 8-bit moments (the codes
-//! are read back as integers and stored as u8 again at the next step).
+//! optimizer state (the codes as bytes, [`Codes`]), so `--save`/`--resume`
+//! keep the 8-bit moments as they were.
 //!
 //! The update runs on the host: the parameter, its gradient and its state
 //! come down, `Adam8bit::step` runs, and they go back. On the CPU backend
@@ -53,11 +53,36 @@ pub struct Adam8bitState<B: Backend, const D: usize> {
     pub step: usize,
     /// u8 codes of the moments (signed and unsigned dynamic maps); `None`
     /// below `MIN_8BIT_SIZE` values, where the moments are fp32.
-    pub m_codes: Option<Tensor<B, 1, Int>>,
-    pub v_codes: Option<Tensor<B, 1, Int>>,
+    pub m_codes: Option<Codes<B>>,
+    pub v_codes: Option<Codes<B>>,
     /// The per-block absmax of the codes, or the fp32 moments themselves.
     pub m: Tensor<B, 1>,
     pub v: Tensor<B, 1>,
+}
+
+/// A u8 tensor of moment codes, recorded as bytes: Burn records integer
+/// tensors in its widest integer type, which would write and restore 8-bit
+/// state at 8 bytes a value.
+#[derive(Clone, Debug)]
+pub struct Codes<B: Backend>(pub Tensor<B, 1, Int>);
+
+impl<B: Backend> Record<B> for Codes<B> {
+    type Item<S: burn::record::PrecisionSettings> = Vec<u8>;
+
+    fn into_item<S: burn::record::PrecisionSettings>(self) -> Vec<u8> {
+        // A failed read gives an empty vector, refused when the state is
+        // next used (`into_host` checks the lengths).
+        bytes(self.0).unwrap_or_default()
+    }
+
+    fn from_item<S: burn::record::PrecisionSettings>(item: Vec<u8>, device: &B::Device) -> Self {
+        Codes(u8_tensor(item, device))
+    }
+}
+
+fn u8_tensor<B: Backend>(v: Vec<u8>, device: &B::Device) -> Tensor<B, 1, Int> {
+    let n = v.len();
+    Tensor::from_data(TensorData::new(v, [n]), (device, DType::U8))
 }
 
 impl Adam8bitOptimizer {
@@ -120,8 +145,8 @@ impl<B: Backend, const D: usize> Adam8bitState<B, D> {
                     block: BLOCK,
                 };
                 Moments::Int8 {
-                    m: q(bytes(mc)?, floats(self.m)?),
-                    v: q(bytes(vc)?, floats(self.v)?),
+                    m: q(bytes(mc.0)?, floats(self.m)?),
+                    v: q(bytes(vc.0)?, floats(self.v)?),
                 }
             }
             _ => Moments::Fp32 {
@@ -152,10 +177,7 @@ impl<B: Backend, const D: usize> Adam8bitState<B, D> {
             let n = v.len();
             Tensor::<B, 1>::from_data(TensorData::new(v, [n]), device)
         };
-        let u = |v: Vec<u8>| {
-            let n = v.len();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), (device, DType::U8))
-        };
+        let u = |v: Vec<u8>| Codes(u8_tensor(v, device));
         let step = st.step as usize;
         match st.moments {
             Moments::Fp32 { m, v } => Adam8bitState {
@@ -216,8 +238,8 @@ impl<B: Backend> SimpleOptimizer<B> for Adam8bitOptimizer {
     fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
         Adam8bitState {
             step: state.step,
-            m_codes: state.m_codes.map(|t| t.to_device(device)),
-            v_codes: state.v_codes.map(|t| t.to_device(device)),
+            m_codes: state.m_codes.map(|c| Codes(c.0.to_device(device))),
+            v_codes: state.v_codes.map(|c| Codes(c.0.to_device(device))),
             m: state.m.to_device(device),
             v: state.v.to_device(device),
         }
@@ -272,9 +294,22 @@ mod tests {
             assert_eq!(s.m_codes.is_some(), eight);
             let mut bytes = 4 * (s.m.dims()[0] + s.v.dims()[0]);
             for c in [&s.m_codes, &s.v_codes].into_iter().flatten() {
-                assert_eq!(c.dtype(), DType::U8, "codes are held as bytes");
-                bytes += c.dims()[0];
+                assert_eq!(c.0.dtype(), DType::U8, "codes are held as bytes");
+                bytes += c.0.dims()[0];
             }
+            // Recorded and restored as bytes, still u8.
+            let item = Record::<Cpu>::into_item::<burn::record::FullPrecisionSettings>(s.clone());
+            let back: Adam8bitState<Cpu, 2> = Record::<Cpu>::from_item::<
+                burn::record::FullPrecisionSettings,
+            >(item, &Default::default());
+            for c in [&back.m_codes, &back.v_codes].into_iter().flatten() {
+                assert_eq!(c.0.dtype(), DType::U8);
+            }
+            let host = |x: Adam8bitState<Cpu, 2>| match x.into_host(n).unwrap().moments {
+                Moments::Int8 { m, v } => (m.codes, v.codes, m.absmax, v.absmax),
+                Moments::Fp32 { m, v } => (Vec::new(), Vec::new(), m, v),
+            };
+            assert_eq!(host(back), host(s.clone()));
             assert_eq!(bytes, st.bytes());
             assert_eq!(
                 bytes as u64,
