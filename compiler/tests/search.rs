@@ -175,6 +175,7 @@ fn candidate(mb: u64, tensor: u64, pipeline: u64, zero: u8, ckpt: Vec<u64>) -> C
         context: 1,
         sequence: tensor > 1,
         checkpoint_layers: ckpt,
+        selective: false,
         offload: vec![],
     }
 }

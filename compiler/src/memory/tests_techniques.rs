@@ -16,6 +16,7 @@ fn cand(layers: &[u64]) -> Candidate {
         context: 1,
         sequence: false,
         checkpoint_layers: layers.to_vec(),
+        selective: false,
         offload: vec![],
     }
 }
@@ -29,7 +30,9 @@ fn run(target: Target, choice: CheckpointChoice) -> (u64, f64) {
     } else {
         vec![]
     };
-    let r = evaluate(&spec, &cand(&layers), &Profile::for_target(target), false);
+    let mut c = cand(&layers);
+    c.selective = choice == CheckpointChoice::Selective;
+    let r = evaluate(&spec, &c, &Profile::for_target(target), false);
     (r.peak_bytes, r.step_flops)
 }
 
