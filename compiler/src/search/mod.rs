@@ -567,7 +567,15 @@ pub fn rejected(
                 std::cmp::Ordering::Greater
             }
         });
-        for (what, _, e) in v.into_iter().take(3) {
+        // At most three per setting; `checkpoint = selective` (a choice of its own, not a
+        // block count) is always shown when it was tried.
+        let kept: Vec<_> = v
+            .into_iter()
+            .enumerate()
+            .filter(|(i, (what, _, _))| *i < 3 || what == "checkpoint = selective")
+            .map(|(_, x)| x)
+            .collect();
+        for (what, _, e) in kept {
             let why = if !e.memory_fits() {
                 format!(
                     "{} > {} budget (peak {} + reserve {})",
