@@ -266,7 +266,11 @@ fn burn_llama_8b_on_four_a100_40gb_fits_through_sharding() {
     assert_eq!(v["target"], "burn");
     assert_eq!(v["resolved"]["zero"], 3);
     assert_eq!(v["resolved"]["data"], 4);
-    assert!(rejected_over_budget(&v, "offload = []"), "{:?}", rejected(&v));
+    assert!(
+        rejected_over_budget(&v, "offload = []"),
+        "{:?}",
+        rejected(&v)
+    );
     let holds = v["parallel"]["ranks"][0]["holds"].as_array().unwrap();
     let share = |what: &str| {
         holds
@@ -295,7 +299,10 @@ fn burn_llama_8b_on_four_a100_40gb_fits_through_sharding() {
     // slower, and what it picks fits.
     let auto = variant(
         name,
-        &[("\ntarget pytorch", "\ntarget burn"), ("zero = 3", "zero = auto")],
+        &[
+            ("\ntarget pytorch", "\ntarget burn"),
+            ("zero = 3", "zero = auto"),
+        ],
     );
     let (_, v) = compile(&auto);
     assert!(fits(&v));
@@ -323,7 +330,11 @@ fn burn_7b_full_fine_tune_fits_one_24gb_gpu_through_host_offload() {
         .collect();
     assert_eq!(offload, ["optimizer:cpu", "params:cpu"]);
     assert!(v["params"]["trainable"].as_u64().unwrap() > 7_000_000_000);
-    for alt in ["offload = []", "offload = [optimizer:cpu]", "offload = [params:cpu]"] {
+    for alt in [
+        "offload = []",
+        "offload = [optimizer:cpu]",
+        "offload = [params:cpu]",
+    ] {
         assert!(rejected_over_budget(&v, alt), "{alt}: {:?}", rejected(&v));
     }
     assert_eq!(v["residency"]["weights"], "host");
@@ -350,8 +361,14 @@ fn burn_70b_fits_eight_80gb_gpus_with_zero_3_and_optimizer_offload() {
     assert!(fits(&v), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(v["resolved"]["zero"], 3);
     assert_eq!(v["resolved"]["offload"][0], "optimizer:cpu");
-    for alt in ["offload = []", "offload = [optimizer:cpu]", "offload = [params:cpu]"] {
+    for alt in [
+        "offload = []",
+        "offload = [optimizer:cpu]",
+        "offload = [params:cpu]",
+    ] {
         assert!(rejected_over_budget(&v, alt), "{alt}: {:?}", rejected(&v));
     }
-    assert!(rejected(&v).iter().any(|(w, _)| w == "checkpoint = selective"));
+    assert!(rejected(&v)
+        .iter()
+        .any(|(w, _)| w == "checkpoint = selective"));
 }

@@ -155,6 +155,8 @@ impl<'a> Builder<'a> {
             gathered,
             bytes: 0,
             regathered: false,
+            prefetch_forward: 0,
+            prefetch_backward: 0,
         });
         self.open_unit = Some(self.tape.units.len() - 1);
     }
@@ -206,6 +208,8 @@ impl<'a> Builder<'a> {
                 op.fwd_workspace += ahead;
                 op.bwd_workspace += behind;
             }
+            self.tape.units[i].prefetch_forward = ahead;
+            self.tape.units[i].prefetch_backward = behind;
         }
     }
 

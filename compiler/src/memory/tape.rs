@@ -129,6 +129,11 @@ pub struct Unit {
     pub bytes: u64,
     /// A checkpointed layer: gathered again before its recompute in the backward.
     pub regathered: bool,
+    /// Gathers in flight while this unit runs: the next units' in the forward, the next
+    /// checkpointed layers' in the backward (`ZERO3_PREFETCH_UNITS` ahead). Scratch of its
+    /// ops, and live at the segment boundary after it.
+    pub prefetch_forward: u64,
+    pub prefetch_backward: u64,
 }
 
 /// The forward schedule of one training micro-step.
@@ -257,6 +262,8 @@ struct Walk<'a> {
     /// `unit_grads`: gradients of the unit whose backward runs, and their bytes.
     unit_grad: Vec<bool>,
     unit_grad_bytes: u64,
+    /// The unit of each op (`usize::MAX` outside units).
+    unit_of: Vec<usize>,
 }
 
 impl<'a> Walk<'a> {
@@ -335,14 +342,33 @@ impl<'a> Walk<'a> {
     /// A segment boundary: where an executor that samples its memory between segments
     /// (rcoa's Burn executor: after each layer's forward and backward, the loss) sees it.
     fn boundary(&mut self, phase: Phase, op: &str, layer: Option<u32>) {
-        let total: u64 = self.live.iter().sum();
+        self.boundary_with(phase, op, layer, 0);
+    }
+
+    /// The prefetched gathers in flight at the boundary after `op`'s unit.
+    fn prefetch_after(&self, op: usize, backward: bool) -> u64 {
+        let Some(u) = self.unit_of.get(op).and_then(|&u| self.tape.units.get(u)) else {
+            return 0;
+        };
+        if backward {
+            u.prefetch_backward
+        } else {
+            u.prefetch_forward
+        }
+    }
+
+    /// A boundary with `prefetched` bytes of gathered weights in flight besides the live ones.
+    fn boundary_with(&mut self, phase: Phase, op: &str, layer: Option<u32>, prefetched: u64) {
+        let mut live = self.live;
+        live[Category::Weights as usize] += prefetched;
+        let total: u64 = live.iter().sum();
         if self.record && self.persistent.sampled {
             self.samples.push(Sample {
                 phase,
                 op: op.to_string(),
                 layer: layer.map(u64::from),
                 bytes: total,
-                by_category: self.live,
+                by_category: live,
             });
         }
         if self.boundary_peak.as_ref().is_none_or(|p| total > p.bytes) {
@@ -351,7 +377,7 @@ impl<'a> Walk<'a> {
                 phase,
                 op: op.to_string(),
                 layer: layer.map(u64::from),
-                by_category: self.live,
+                by_category: live,
             });
         }
     }
@@ -453,7 +479,8 @@ impl<'a> Walk<'a> {
                 } else {
                     (Phase::Forward, "output")
                 };
-                self.boundary(phase, name, info.layer);
+                let prefetched = self.prefetch_after(op, recompute);
+                self.boundary_with(phase, name, info.layer, prefetched);
             }
         }
     }
@@ -563,12 +590,12 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         boundary_peak: None,
         unit_grad: vec![false; n],
         unit_grad_bytes: 0,
+        unit_of: vec![usize::MAX; tape.ops.len()],
     };
     // The unit each op belongs to (units cover the tape when there are any).
-    let mut unit_of = vec![usize::MAX; tape.ops.len()];
     for (u, span) in tape.units.iter().enumerate() {
         for o in span.first_op as usize..(span.end_op as usize).min(tape.ops.len()) {
-            unit_of[o] = u;
+            w.unit_of[o] = u;
         }
     }
     let mut unit_now = usize::MAX;
@@ -605,19 +632,21 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
     let mut op = tape.ops.len();
     while op > 0 {
         op -= 1;
-        if unit_of[op] != unit_now {
+        if w.unit_of[op] != unit_now {
             w.leave_unit();
-            unit_now = unit_of[op];
+            unit_now = w.unit_of[op];
         }
         if tape
             .layer_of_op(op)
             .is_some_and(|l| op + 1 == l.end_op as usize)
         {
             // The ops after this layer (the head, or the next layer) have run backward.
-            w.boundary(
+            let prefetched = w.prefetch_after(op + 1, true);
+            w.boundary_with(
                 Phase::Backward,
                 "backward",
                 tape.ops[op].layer.map(|l| l + 1),
+                prefetched,
             );
         }
         if let Some(span) = tape
