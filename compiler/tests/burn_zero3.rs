@@ -221,3 +221,32 @@ fn the_lowered_residency_names_sharded_gathered_and_offloaded_state() {
     let res = z2.lowered.residency();
     assert!(res.units.is_empty() && res.weight_shards == 1 && res.optimizer_shards == 4);
 }
+
+/// `checkpoint = auto` on the Burn executor tries `selective` as a choice of its own,
+/// and picks it where it is the fastest that fits (`tests/compile/burn-zero3-1b-4xa100.plan`):
+/// no layer recomputed whole, and every alternative is explained.
+#[test]
+fn auto_checkpointing_picks_selective_where_it_is_the_fastest_that_fits() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/compile/burn-zero3-1b-4xa100.plan"
+    );
+    let src = std::fs::read_to_string(path).unwrap();
+    let file = rcoa_grammar::parse("t.plan", &src).unwrap();
+    let s = resolve(&file, &ResolveContext::new("t.plan", src.as_str(), ".")).unwrap();
+    let c = rcoa_compiler::compile(&s).unwrap();
+    let r = &c.lowered.resolved;
+    assert_eq!(r.checkpoint, "selective");
+    assert!(r.checkpoint_layers.is_empty());
+    assert!(c.candidate.selective);
+    assert!(c
+        .explain
+        .rejected
+        .iter()
+        .any(|x| x.what == "checkpoint = none"));
+    assert!(c
+        .explain
+        .decisions
+        .iter()
+        .any(|d| d.pass == "checkpoint" && d.what.contains("selective")));
+}
