@@ -1,5 +1,5 @@
 //! The `burn` profile's model of the executor's ZeRO-3 and parameter offload, checked
-//! against the contract the executor implements (docs/distributed.md): every rank keeps a
+//! against the contract the executor implements (`backend/src/shard`): every rank keeps a
 //! 1/N shard of every unit (embedding, layer, head) at rest; a unit is gathered whole for
 //! its forward and kept by its graph until its backward, unless it is a checkpointed layer,
 //! whose gathered weights die after its forward and are gathered again for its recompute;
