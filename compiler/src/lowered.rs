@@ -123,7 +123,8 @@ impl LoweredPlan {
         let has = |w: OffloadWhat| r.offload.iter().any(|o| o.what == w);
         let burn = self.target == Target::Burn;
         let zero3 = r.zero >= 3 && d > 1;
-        let units = burn && (zero3 || has(OffloadWhat::Params));
+        // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.
+        let units = burn && (r.zero >= 3 || has(OffloadWhat::Params));
         let place = |host: bool| if host { Place::Host } else { Place::Device };
         let host_acc =
             units && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR && has(OffloadWhat::Optimizer);
@@ -158,7 +159,7 @@ impl LoweredPlan {
             master,
             optimizer_shards: if r.zero >= 1 { d } else { 1 },
             optimizer_state: place(has(OffloadWhat::Optimizer)),
-            grad_shards: if (units && zero3) || (!burn && r.zero >= 2) {
+            grad_shards: if (units && r.zero >= 1) || (!burn && r.zero >= 2) {
                 d
             } else {
                 1

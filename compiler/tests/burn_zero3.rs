@@ -146,12 +146,21 @@ fn gradients_are_a_sharded_fp32_accumulator_and_the_unit_being_reduce_scattered(
     // Inside a unit's backward the unit's full fp32 gradient adds at most its own size.
     let most: u64 = r.units.iter().map(|u| u.gathered_bytes * 2).max().unwrap();
     assert!(r.phase_peaks["backward"] <= r.phase_peaks["forward"] + most + acc);
-    // With the optimizer on the host the accumulator is there too.
+    // With the optimizer on the host the accumulator stays on the device (its shard goes
+    // down at the step), unless the executor keeps it on the host.
     let host = run(
         &s,
         &cand(4, 3, (0..layers).collect(), &[OffloadWhat::Optimizer]),
     );
-    assert_eq!(at(&host, Phase::Forward, "loss", None, Category::Grads), 0);
+    let on_device = if rcoa_compiler::profile::ZERO3_HOST_GRAD_ACCUMULATOR {
+        0
+    } else {
+        acc
+    };
+    assert_eq!(
+        at(&host, Phase::Forward, "loss", None, Category::Grads),
+        on_device
+    );
     assert_eq!(host.breakdown["optimizer"], 0);
 }
 
@@ -174,8 +183,9 @@ fn parameter_offload_alone_keeps_no_weights_at_rest_and_one_staging_buffer() {
         "{}",
         r.resident_param_bytes
     );
+    // The host keeps fp32 weights: the largest unit comes up as fp32 before its cast.
     let largest = r.units.iter().map(|u| u.gathered_bytes).max().unwrap();
-    assert_eq!(r.breakdown["communication"], largest);
+    assert_eq!(r.breakdown["communication"], largest * 4 / 2);
     let replicated = run(&s, &cand(1, 0, (0..layers).collect(), &[]));
     assert!(r.peak_bytes < replicated.peak_bytes);
 }

@@ -344,25 +344,31 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
         .filter(|u| u.regathered)
         .map(|u| u.gathered_bytes as f64)
         .sum();
-    let zero3_shards = if cand.zero >= 3 { d } else { 1 };
-    if units && d > 1 && cand.zero >= 3 {
+    // Weights at rest and optimizer state (with the gradient accumulator) are sharded
+    // separately: ZeRO-3 shards both, ZeRO 1/2 with offloaded weights only the latter.
+    let wshards = if cand.zero >= 3 { d } else { 1 };
+    let oshards = if cand.zero >= 1 { d } else { 1 };
+    if units && d > 1 {
         let dp = link(spec, t * c * d);
-        let (g, n, mi) = (Group::Data, d, Cadence::MicroStep);
-        let f = "units gathered for their forward (Burn ZeRO-3)";
-        r.push(Collective::AllGather, f, g, n, dp, gathered_fwd, 1.0, mi);
-        let b = "checkpointed layers gathered again for their recompute (Burn ZeRO-3)";
-        r.push(Collective::AllGather, b, g, n, dp, gathered_bwd, 1.0, mi);
-        let w = "fp32 unit gradients, as the backward leaves each (Burn ZeRO-3)";
-        r.push(
-            Collective::ReduceScatter,
-            w,
-            g,
-            n,
-            dp,
-            stage_trainable * 4.0,
-            1.0,
-            mi,
-        );
+        let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
+        if wshards > 1 {
+            let f = "units gathered for their forward (Burn ZeRO-3)";
+            r.push(Collective::AllGather, f, g, n, dp, gathered_fwd, 1.0, mi);
+            let b = "checkpointed layers gathered again for their recompute (Burn ZeRO-3)";
+            r.push(Collective::AllGather, b, g, n, dp, gathered_bwd, 1.0, mi);
+        }
+        let grads = stage_trainable * 4.0;
+        if cand.zero >= 2 {
+            let w = "fp32 unit gradients, reduce-scattered as the backward leaves each (Burn)";
+            r.push(Collective::ReduceScatter, w, g, n, dp, grads, 1.0, mi);
+        } else {
+            let w = "fp32 unit gradients, all-reduced as the backward leaves each (Burn)";
+            r.push(Collective::AllReduce, w, g, n, dp, grads, 1.0, mi);
+        }
+        if oshards > wshards {
+            let u = "updated fp32 shards into every rank's host weights (Burn)";
+            r.push(Collective::AllGather, u, g, n, dp, grads, 1.0, op);
+        }
     } else if d > 1 {
         let dp = link(spec, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
@@ -492,7 +498,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                 // reduce-scattered (every micro-step) when the accumulator is on the host,
                 // else the accumulated shard once a step; the updated fp32 shard comes up
                 // unless the weights live on the host.
-                let shard_bytes = stage_trainable * 4.0 / zero3_shards as f64;
+                let shard_bytes = stage_trainable * 4.0 / oshards as f64;
                 let profile = crate::profile::Profile::for_target(spec.target);
                 let cadence = if crate::memory::burn_host_grad_accumulator(&profile, cand) {
                     mi
@@ -506,15 +512,15 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                     r.push(ht, w, h, 1, to, shard_bytes, 1.0, op);
                 }
                 // backend/src/optim/host.rs: 28 bytes per AdamW parameter (see below).
-                host_optimizer_s += stage_trainable * 28.0
-                    / zero3_shards as f64
-                    / profile.host_optimizer_bytes_per_s;
+                host_optimizer_s +=
+                    stage_trainable * 28.0 / oshards as f64 / profile.host_optimizer_bytes_per_s;
             }
             OffloadWhat::Params if units => {
-                // Each unit's shard is uploaded before its gather: every unit for the forward,
-                // the checkpointed layers again for their recompute.
-                let w = "offloaded weight shards uploaded before each gather";
-                let bytes = (gathered_fwd + gathered_bwd) / zero3_shards as f64;
+                // Each unit's shard, fp32 on the host, is uploaded before its gather: every
+                // unit for the forward, the checkpointed layers again for their recompute.
+                let w = "offloaded fp32 weight shards uploaded before each gather";
+                let fp32 = 4.0 / spec.precision.params.bytes().max(0.5);
+                let bytes = (gathered_fwd + gathered_bwd) * fp32 / wshards as f64;
                 r.push(ht, w, h, 1, to, bytes, 1.0, mi);
             }
             // Gradients down, updated 16-bit weights up, and the CPU's update of the shard.

@@ -292,9 +292,9 @@ fn evaluate_stage(
     if units {
         persistent.unit_grads = true;
         if !burn_host_grad_accumulator(profile, cand) {
-            // The fp32 gradient-shard accumulator: 1/data of every trainable value.
+            // The fp32 gradient-shard accumulator: 1/data of every trainable value (ZeRO ≥ 1).
             let values: u64 = trainable.iter().map(|(_, n)| n).sum();
-            let shards = if cand.zero >= 3 { dp } else { 1 };
+            let shards = if cand.zero >= 1 { dp } else { 1 };
             persistent.fixed[Category::Grads as usize] =
                 profile.allocated(4 * values.div_ceil(shards));
         }
@@ -365,10 +365,12 @@ fn evaluate_stage(
     if opt_on_gpu {
         at_opt[Category::Workspace as usize] +=
             opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 });
-    } else if units && !cand.offloads(OffloadWhat::Params) {
-        // The host's updated fp32 shard comes up and is cast into the weight shard.
+    }
+    if units && opt_on_gpu == cand.offloads(OffloadWhat::Params) {
+        // The updated fp32 shard comes up from the host optimizer into the device weights,
+        // or the host weights (the master) go up to the device optimizer.
         let values: u64 = trainable.iter().map(|(_, n)| n).sum();
-        let shards = if cand.zero >= 3 { dp } else { 1 };
+        let shards = if cand.zero >= 1 { dp } else { 1 };
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
     let opt_total: u64 = at_opt.iter().sum();

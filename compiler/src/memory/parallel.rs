@@ -94,15 +94,19 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     let burn = spec.target == crate::spec::Target::Burn;
     let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
     if burn && !report.units.is_empty() {
-        // The Burn executor's ZeRO-3 / parameter offload reduce-scatters each unit's gradient
-        // (a tape transient) and gathers nothing after the step: no flat vectors.
+        // The Burn executor's ZeRO-3 / parameter offload reduces each unit's gradient (a tape
+        // transient) as the backward leaves it: no flat vectors. Offloaded weights are fp32
+        // on the host: this rank's shard of a unit comes up as fp32 before its cast.
         if cand.offloads(crate::spec::OffloadWhat::Params) {
-            t.staging_buffer = report
+            let largest = report
                 .units
                 .iter()
                 .map(|u| u.gathered_bytes)
                 .max()
                 .unwrap_or(0);
+            let wshards = if cand.zero >= 3 { d } else { 1 };
+            let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
+            t.staging_buffer = fp32.div_ceil(wshards);
         }
     } else if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
         // rcoa's Burn executor (backend/src/shard): one flat fp32 gradient vector; stage 1
@@ -386,18 +390,21 @@ fn burn_unit_holdings(
 ) -> Vec<Holding> {
     use crate::spec::OffloadWhat;
     let d = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
+    let od = if cand.zero >= 1 { cand.data.max(1) } else { 1 };
     let at = |k: &str| r.breakdown.get(k).copied().unwrap_or(0);
     let host_params = cand.offloads(OffloadWhat::Params);
     let host_optimizer = cand.offloads(OffloadWhat::Optimizer);
     let profile = crate::profile::Profile::for_target(spec.target);
     let host_acc = super::burn_host_grad_accumulator(&profile, cand);
-    let shard = |what: &str| {
-        if d > 1 {
-            format!("1/{d} of {what} (ZeRO-3 over data = {d})")
+    let sharded = |n: u64, what: &str| {
+        if n > 1 {
+            format!("1/{n} of {what} (ZeRO-{} over data = {n})", cand.zero)
         } else {
             format!("all of {what}")
         }
     };
+    let shard = |what: &str| sharded(d, what);
+    let oshard = |what: &str| sharded(od, what);
     let resident = r.resident_param_bytes.min(at("weights"));
     let weights = if host_params {
         format!(
@@ -419,15 +426,15 @@ fn burn_unit_holdings(
     } else {
         format!(
             "{} as an fp32 accumulator, plus the fp32 gradient of the unit whose backward runs until it is reduce-scattered",
-            shard("the trainable values' gradients")
+            oshard("the trainable values' gradients")
         )
     };
     let optimizer = if host_optimizer {
         "on the host (state, fp32 master shard and update)".to_string()
     } else if host_params {
-        shard("the optimizer state") + "; the fp32 master shard is on the host with the weights"
+        oshard("the optimizer state") + "; the fp32 weights on the host are its master"
     } else {
-        shard("the optimizer state and fp32 master")
+        oshard("the optimizer state and fp32 master")
     };
     let mut holds = vec![
         Holding {
@@ -456,7 +463,7 @@ fn burn_unit_holdings(
             what: "communication",
             bytes: at("communication"),
             share: format!(
-                "staging buffer of the largest unit {:.2} GiB",
+                "staging buffer: this rank's fp32 shard of the largest unit {:.2} GiB",
                 terms.staging_buffer as f64 / (1u64 << 30) as f64
             ),
         });

@@ -21,12 +21,13 @@ pub const BURN_RUNS_ZERO3: bool = true;
 /// kept by graphs (non-checkpointed layers keep theirs until their backward).
 pub const ZERO3_PREFETCH_UNITS: usize = 1;
 
-/// With the optimizer on the host, the Burn executor's ZeRO-3 (and parameter offload)
-/// keeps the fp32 gradient-shard accumulator in host memory beside the optimizer: each
-/// unit's reduce-scattered shard goes down to the host as the backward leaves the unit
-/// (DeepSpeed's ZeRO-Offload does the same). Without this a 7B full fine-tune on one 24 GB
-/// GPU cannot fit: its fp32 accumulator alone is 28 GB.
-pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = true;
+/// Does the Burn executor's ZeRO-3 / parameter offload keep the fp32 gradient-shard
+/// accumulator in host memory when the optimizer is there (each unit's reduced shard sent
+/// down as the backward leaves the unit, as DeepSpeed's ZeRO-Offload does)? It does not:
+/// `backend/src/shard/zero3.rs` accumulates on the device and sends the shard down at the
+/// step. So a 7B full fine-tune cannot fit one 24 GB GPU (its fp32 accumulator alone is
+/// 29 GB); set this when the executor moves the accumulator.
+pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = false;
 
 /// What differs between executors, for the memory and time models.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -211,16 +211,27 @@ fn host_need(spec: &Spec, cand: &Candidate, report: &memory::MemoryReport) -> (u
     let mut per_rank = 0.0;
     let mut nvme = false;
     if !report.units.is_empty() {
-        // The Burn executor's ZeRO-3 / parameter offload: the fp32 gradient-shard
-        // accumulator beside the host optimizer, the master with the host weights.
+        // The Burn executor's ZeRO-3 / parameter offload (`backend/src/shard/zero3.rs`): the
+        // host weights are fp32 shards and are the optimizer's master; the state (and the
+        // master when the weights stay on the device) beside the host optimizer; the fp32
+        // gradient-shard accumulator there too when the executor keeps it there.
         let profile = Profile::for_target(spec.target);
+        let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 } as f64;
         if memory::burn_host_grad_accumulator(&profile, cand) {
             per_rank += trainable * 4.0 / shard;
         }
-        let master = spec.precision.master.map_or(0.0, |m| m.bytes());
-        if cand.offloads(OffloadWhat::Params) && !cand.offloads(OffloadWhat::Optimizer) {
-            per_rank += trainable * master / shard;
+        if cand.offloads(OffloadWhat::Params) {
+            per_rank += report.params_total as f64 * 4.0 / wshards;
         }
+        if cand.offloads(OffloadWhat::Optimizer) {
+            let master = match spec.precision.master {
+                Some(m) if !cand.offloads(OffloadWhat::Params) => m.bytes(),
+                _ => 0.0,
+            };
+            per_rank += trainable * (2.0 * spec.optimizer.state.bytes() + master) / shard;
+        }
+        let bytes = (per_rank * spec.hardware.gpus_per_node.max(1) as f64) as u64;
+        return (bytes, spec.hardware.host_memory_bytes);
     }
     for o in &cand.offload {
         nvme |= o.to == OffloadTo::Nvme;
@@ -311,10 +322,9 @@ fn groups(spec: &Spec, space: &SearchSpace) -> Vec<Vec<Group>> {
                     .flat_map(|o| families.iter().map(move |k| (o, k)))
                 {
                     // DeepSpeed moves parameters to the host only under ZeRO-3; the Burn
-                    // executor also on a single data rank.
-                    let burn_alone = spec.target == crate::spec::Target::Burn && layout.data == 1;
-                    if off.iter().any(|o| o.what == OffloadWhat::Params) && zero < 3 && !burn_alone
-                    {
+                    // executor under any stage (every rank streams all the host weights).
+                    let burn = spec.target == crate::spec::Target::Burn;
+                    if off.iter().any(|o| o.what == OffloadWhat::Params) && zero < 3 && !burn {
                         continue;
                     }
                     let mut list = Vec::new();
