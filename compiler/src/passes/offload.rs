@@ -2,14 +2,15 @@
 //!
 //! Only what `fit.offload` allows is tried, and never required: every
 //! subset of the allowed items is a candidate (the empty one first).
-//! Parameters move only with ZeRO-3 (DeepSpeed's `offload_param`); the
-//! search skips other stages. Activations are not offered: the memory model
+//! Parameters move only with ZeRO-3 on DeepSpeed (`offload_param`; the Burn
+//! executor under any stage); the search skips other stages there.
+//! Activations are not offered: the memory model
 //! does not model moving checkpointed inputs to the host, and a move it
 //! cannot price is not one the compiler may choose. Host and NVMe capacity
 //! are checked per candidate by the search. The Burn executor offloads the
-//! optimizer (state and update in host memory) and, with ZeRO-3 or on one
-//! data rank, the parameters (their shards and the fp32 master in host
-//! memory, each unit uploaded through a staging buffer before its gather;
+//! optimizer (state and update in host memory) and the parameters (fp32
+//! shards in host memory, which are the optimizer's master, each unit
+//! uploaded before its gather; under any ZeRO stage, sharded only by ZeRO-3;
 //! [`crate::profile::BURN_RUNS_ZERO3`]); nothing else: a plan that needs
 //! more runs on an engine that has it (DeepSpeed, via `rcoa emit`) and says
 //! `target pytorch`, so its memory is predicted for that runtime.
