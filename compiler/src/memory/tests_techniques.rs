@@ -161,7 +161,7 @@ fn nf4_base_weights_are_codes_plus_block_scales_fp32_or_double_quantized() {
         p.nf4_double_quant = double;
         evaluate(&spec, &cand(&[]), &p, false).resident_param_bytes
     };
-    assert!(!Profile::burn().nf4_double_quant);
+    assert!(Profile::burn().nf4_double_quant);
     assert!(Profile::pytorch().nf4_double_quant);
     assert_eq!(weights(false) - weights(true), base(false) - base(true));
     assert!(weights(false) > base(false));

@@ -264,9 +264,9 @@ impl Profile {
             default_reserve_bytes: 640 << 20,
             burn_ops: true,
             grads_sharded_in_backward: false,
-            // backend/src/quant/nf4.rs quantizes either way; bitsandbytes' `quantize_4bit`
-            // default (`compress_statistics=False`): one fp32 absmax per 64 values.
-            nf4_double_quant: false,
+            // backend/src/model.rs quantizes QLoRA's base double-quantized
+            // (`QLORA_DOUBLE_QUANT`, the QLoRA recipe); `backend/src/quant/nf4.rs` does both.
+            nf4_double_quant: true,
             // backend/bench/host-optimizer on the 2-core machine this was written on (no GPU):
             // the executor's AdamW over 32 Mi fp32 parameters on 2 threads, 0.048 s, i.e.
             // 19.6 GB/s of 28 bytes per parameter (0.47 of a plain copy's 42 GB/s read + write).
