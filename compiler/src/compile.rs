@@ -161,11 +161,7 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         context: cand.context,
         expert: 1,
         sequence: cand.sequence,
-        checkpoint: if spec.fit.checkpoint == crate::spec::CheckpointChoice::Selective {
-            "selective".into()
-        } else {
-            point.checkpoint_string(spec.model.layers)
-        },
+        checkpoint: point.checkpoint_string(spec.model.layers),
         checkpoint_layers: cand.checkpoint_layers.clone(),
         offload: cand.offload.clone(),
     };

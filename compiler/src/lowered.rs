@@ -60,10 +60,119 @@ pub struct Prediction {
     pub tokens_per_second: f64,
 }
 
+/// Where a kind of persistent state lives between its uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Place {
+    Device,
+    Host,
+}
+
+/// Which tensors each rank holds, sharded, gathered or offloaded, and when: what the
+/// memory model charged for the resolved plan, for the executor to follow. Derived from
+/// `resolved` and the profile's constants (so it needs no field of its own in the JSON an
+/// older executor reads): [`LoweredPlan::residency`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Residency {
+    /// Weights at rest: every rank keeps `1/weight_shards` of every unit (ZeRO-3), in the
+    /// storage dtype, at `weights` (`host`: parameter offload).
+    pub weight_shards: u64,
+    pub weights: Place,
+    /// The fp32 master copy of 16-bit weights (None without one): `1/optimizer_shards`
+    /// of it per rank.
+    pub master: Option<Place>,
+    /// Optimizer state: `1/optimizer_shards` per rank.
+    pub optimizer_shards: u64,
+    pub optimizer_state: Place,
+    /// The fp32 gradient accumulator between micro-steps: `1/grad_shards` per rank.
+    pub grad_shards: u64,
+    pub grad_accumulator: Place,
+    /// Units gathered whole for their use (ZeRO-3 or parameter offload), forward order;
+    /// empty when every rank keeps the whole model on the device.
+    pub units: Vec<UnitResidency>,
+    /// Units gathered ahead of the running one (`profile::ZERO3_PREFETCH_UNITS`).
+    pub prefetch_units: u64,
+    /// Offloaded shards are uploaded through one device buffer of the largest unit's size.
+    pub staging_buffer: bool,
+}
+
+/// One unit of [`Residency::units`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitResidency {
+    /// `embedding`, `layer` (with `layer`) or `head` (a tied head gathers the embedding's
+    /// table again).
+    pub name: String,
+    pub layer: Option<u64>,
+    /// Gathered right before its forward; `true`: freed right after it (a checkpointed
+    /// layer, whose forward runs without a graph) and gathered again before its
+    /// recompute in the backward; `false`: kept (by its autodiff graph) until its backward.
+    pub regathered_for_backward: bool,
+}
+
 impl LoweredPlan {
     /// Is layer `i` recomputed in the backward pass?
     pub fn layer_checkpointed(&self, i: u64) -> bool {
         self.resolved.checkpoint_layers.binary_search(&i).is_ok()
+    }
+
+    /// Where every kind of persistent state lives, and which units are gathered when.
+    pub fn residency(&self) -> Residency {
+        use crate::spec::OffloadWhat;
+        let r = &self.resolved;
+        let d = r.data.max(1);
+        let has = |w: OffloadWhat| r.offload.iter().any(|o| o.what == w);
+        let burn = self.target == Target::Burn;
+        let zero3 = r.zero >= 3 && d > 1;
+        // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.
+        let units = burn && (r.zero >= 3 || has(OffloadWhat::Params));
+        let place = |host: bool| if host { Place::Host } else { Place::Device };
+        let host_acc =
+            units && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR && has(OffloadWhat::Optimizer);
+        let master = self
+            .precision
+            .master
+            .filter(|m| m.bytes() > self.precision.params.bytes())
+            .map(|_| place(has(OffloadWhat::Optimizer) || (units && has(OffloadWhat::Params))));
+        let mut list = Vec::new();
+        if units {
+            list.push(UnitResidency {
+                name: "embedding".into(),
+                layer: None,
+                regathered_for_backward: false,
+            });
+            for i in 0..self.model.layers {
+                list.push(UnitResidency {
+                    name: "layer".into(),
+                    layer: Some(i),
+                    regathered_for_backward: self.layer_checkpointed(i),
+                });
+            }
+            list.push(UnitResidency {
+                name: "head".into(),
+                layer: None,
+                regathered_for_backward: false,
+            });
+        }
+        Residency {
+            weight_shards: if zero3 { d } else { 1 },
+            weights: place(has(OffloadWhat::Params)),
+            master,
+            optimizer_shards: if r.zero >= 1 { d } else { 1 },
+            optimizer_state: place(has(OffloadWhat::Optimizer)),
+            grad_shards: if (units && r.zero >= 1) || (!burn && r.zero >= 2) {
+                d
+            } else {
+                1
+            },
+            grad_accumulator: place(host_acc || has(OffloadWhat::Grads)),
+            units: list,
+            prefetch_units: if units {
+                crate::profile::ZERO3_PREFETCH_UNITS as u64
+            } else {
+                0
+            },
+            staging_buffer: units && has(OffloadWhat::Params),
+        }
     }
 
     /// The parts of a `Spec` the lowered plan keeps verbatim.

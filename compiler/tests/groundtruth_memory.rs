@@ -123,6 +123,7 @@ fn candidate(spec: &Spec) -> Candidate {
         context: 1,
         sequence: false,
         checkpoint_layers,
+        selective: spec.fit.checkpoint == CheckpointChoice::Selective,
         offload: vec![],
     }
 }

@@ -30,6 +30,7 @@ fn cand(data: u64) -> Candidate {
         context: 1,
         sequence: false,
         checkpoint_layers: vec![],
+        selective: false,
         offload: vec![],
     }
 }
@@ -424,6 +425,7 @@ mod props {
                         context,
                         sequence: false,
                         checkpoint_layers: (0..6).filter(|i| ckpt_mask & (1 << i) != 0).collect(),
+                        selective: false,
                         offload,
                     }
                 },

@@ -72,6 +72,25 @@ fn variants() -> Vec<Spec> {
             }
         }
     }
+    // The Burn executor: eager attention, so `checkpoint = auto` also tries `selective` (a
+    // list of its own); ZeRO-3 and parameter offload by whole units.
+    for &budget in &[40.0, 2.0, 0.9] {
+        for &gpus in &[1u64, 4] {
+            let mut s = spec(4, gpus, budget);
+            s.target = Target::Burn;
+            s.fit.offload = vec![
+                Offload {
+                    what: OffloadWhat::Optimizer,
+                    to: OffloadTo::Cpu,
+                },
+                Offload {
+                    what: OffloadWhat::Params,
+                    to: OffloadTo::Cpu,
+                },
+            ];
+            out.push(s);
+        }
+    }
     // Fixed settings narrow the space: a fixed grad_accum, a fixed checkpoint, longer sequences.
     let mut s = spec(6, 4, 1.0);
     s.train.grad_accum = Choice::Fixed(2);
@@ -175,6 +194,7 @@ fn candidate(mb: u64, tensor: u64, pipeline: u64, zero: u8, ckpt: Vec<u64>) -> C
         context: 1,
         sequence: tensor > 1,
         checkpoint_layers: ckpt,
+        selective: false,
         offload: vec![],
     }
 }

@@ -23,6 +23,14 @@
 //!   micro-steps, the `(p-1)/(m+p-1)` share of the step.
 //! - **offload**: bytes over PCIe (~25 GB/s per GPU) or NVMe (slower) and
 //!   the CPU optimizer's update.
+//! - **the Burn executor's ZeRO-3** (units: embedding, layers, head): every
+//!   unit all-gathered for its forward, the checkpointed layers again for
+//!   their recompute (the others keep theirs), every unit's fp32 gradient
+//!   reduce-scattered as the backward leaves it, each micro-step; with
+//!   parameter offload each gathered shard is first uploaded over PCIe, and
+//!   with the optimizer on the host each unit's gradient shard goes down as
+//!   it is reduce-scattered and the updated fp32 shard comes up once a step
+//!   (not at all when the weights are on the host too).
 //!
 //! Every byte that crosses a link is first a [`Traffic`] row (collective,
 //! what it carries, group, link, bytes per call, calls per step, seconds per
@@ -327,7 +335,41 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     let stage_trainable = report.params_trainable as f64;
     let grad_bytes = stage_trainable * spec.precision.grads.bytes();
     let param_bytes = stage_params * spec.precision.params.bytes();
-    if d > 1 {
+    let units = !report.units.is_empty();
+    // The Burn executor's units: bytes gathered for the forward and for recomputes.
+    let gathered_fwd: f64 = report.units.iter().map(|u| u.gathered_bytes as f64).sum();
+    let gathered_bwd: f64 = report
+        .units
+        .iter()
+        .filter(|u| u.regathered)
+        .map(|u| u.gathered_bytes as f64)
+        .sum();
+    // Weights at rest and optimizer state (with the gradient accumulator) are sharded
+    // separately: ZeRO-3 shards both, ZeRO 1/2 with offloaded weights only the latter.
+    let wshards = if cand.zero >= 3 { d } else { 1 };
+    let oshards = if cand.zero >= 1 { d } else { 1 };
+    if units && d > 1 {
+        let dp = link(spec, t * c * d);
+        let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
+        if wshards > 1 {
+            let f = "units gathered for their forward (Burn ZeRO-3)";
+            r.push(Collective::AllGather, f, g, n, dp, gathered_fwd, 1.0, mi);
+            let b = "checkpointed layers gathered again for their recompute (Burn ZeRO-3)";
+            r.push(Collective::AllGather, b, g, n, dp, gathered_bwd, 1.0, mi);
+        }
+        let grads = stage_trainable * 4.0;
+        if cand.zero >= 2 {
+            let w = "fp32 unit gradients, reduce-scattered as the backward leaves each (Burn)";
+            r.push(Collective::ReduceScatter, w, g, n, dp, grads, 1.0, mi);
+        } else {
+            let w = "fp32 unit gradients, all-reduced as the backward leaves each (Burn)";
+            r.push(Collective::AllReduce, w, g, n, dp, grads, 1.0, mi);
+        }
+        if oshards > wshards {
+            let u = "updated fp32 shards into every rank's host weights (Burn)";
+            r.push(Collective::AllGather, u, g, n, dp, grads, 1.0, op);
+        }
+    } else if d > 1 {
         let dp = link(spec, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
         let burn = spec.target == crate::spec::Target::Burn;
@@ -451,6 +493,36 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
             Cadence::OptimizerStep,
         );
         match o.what {
+            OffloadWhat::Optimizer if units => {
+                // Burn ZeRO-3: each unit's fp32 gradient shard goes down as it is
+                // reduce-scattered (every micro-step) when the accumulator is on the host,
+                // else the accumulated shard once a step; the updated fp32 shard comes up
+                // unless the weights live on the host.
+                let shard_bytes = stage_trainable * 4.0 / oshards as f64;
+                let profile = crate::profile::Profile::for_target(spec.target);
+                let cadence = if crate::memory::burn_host_grad_accumulator(&profile, cand) {
+                    mi
+                } else {
+                    op
+                };
+                let g = "fp32 gradient shards to the host optimizer";
+                r.push(ht, g, h, 1, to, shard_bytes, 1.0, cadence);
+                if !cand.offloads(OffloadWhat::Params) {
+                    let w = "updated fp32 weight shard from the host optimizer";
+                    r.push(ht, w, h, 1, to, shard_bytes, 1.0, op);
+                }
+                // backend/src/optim/host.rs: 28 bytes per AdamW parameter (see below).
+                host_optimizer_s +=
+                    stage_trainable * 28.0 / oshards as f64 / profile.host_optimizer_bytes_per_s;
+            }
+            OffloadWhat::Params if units => {
+                // Each unit's shard, fp32 on the host, is uploaded before its gather: every
+                // unit for the forward, the checkpointed layers again for their recompute.
+                let w = "offloaded fp32 weight shards uploaded before each gather";
+                let fp32 = 4.0 / spec.precision.params.bytes().max(0.5);
+                let bytes = (gathered_fwd + gathered_bwd) * fp32 / wshards as f64;
+                r.push(ht, w, h, 1, to, bytes, 1.0, mi);
+            }
             // Gradients down, updated 16-bit weights up, and the CPU's update of the shard.
             OffloadWhat::Optimizer => {
                 let g = "gradients to the host optimizer";
@@ -573,6 +645,7 @@ mod tests {
             context: 1,
             sequence: false,
             checkpoint_layers: vec![],
+            selective: false,
             offload: vec![],
         }
     }
@@ -625,7 +698,8 @@ mod tests {
 
     #[test]
     fn zero3_gathers_weights_twice_per_micro_step_and_reduce_scatters_gradients() {
-        let s = spec();
+        let mut s = spec();
+        s.target = crate::spec::Target::Pytorch;
         let c = cand(8, 3, 1, 3);
         let (t, r) = rows(&s, &c);
         let params = r.params_total as f64 * s.precision.params.bytes();
@@ -652,6 +726,48 @@ mod tests {
         assert_eq!(t.len(), 3);
         let bw = s.hardware.inter_node_bytes_per_s / 4.0;
         assert!(close(rs[0].link_bytes_per_s, bw));
+    }
+
+    /// The Burn executor's ZeRO-3: every unit gathered once for the forward, only the
+    /// checkpointed layers again, and the fp32 gradients reduce-scattered, each micro-step.
+    #[test]
+    fn burn_zero3_gathers_checkpointed_layers_again_and_scatters_fp32_gradients() {
+        let mut s = spec();
+        s.target = crate::spec::Target::Burn;
+        let mut c = cand(8, 3, 1, 3);
+        let (t, r) = rows(&s, &c);
+        let params = r.params_total as f64 * s.precision.params.bytes();
+        let gathers: Vec<_> = t
+            .iter()
+            .filter(|x| x.collective == Collective::AllGather)
+            .collect();
+        // No layer checkpointed: every graph keeps its weights, nothing is gathered again.
+        assert_eq!(gathers.len(), 1, "{t:#?}");
+        // Every parameter once (the tiny decoder's head is untied), 4-byte rounding aside.
+        let g = gathers[0].bytes_per_call;
+        assert!(g >= params && g < params * 1.01, "{g} vs {params}");
+        assert_eq!(gathers[0].calls_per_step, 3.0);
+        let rs: Vec<_> = t
+            .iter()
+            .filter(|x| x.collective == Collective::ReduceScatter)
+            .collect();
+        assert_eq!(rs.len(), 1);
+        assert!(close(rs[0].bytes_per_call, r.params_trainable as f64 * 4.0));
+        // Checkpointing two layers gathers exactly those two again.
+        c.checkpoint_layers = vec![0, 1];
+        let (t2, r2) = rows(&s, &c);
+        let again: Vec<_> = t2
+            .iter()
+            .filter(|x| x.collective == Collective::AllGather)
+            .collect();
+        assert_eq!(again.len(), 2, "{t2:#?}");
+        let layers: f64 = r2
+            .units
+            .iter()
+            .filter(|u| u.layer.is_some_and(|l| l < 2))
+            .map(|u| u.gathered_bytes as f64)
+            .sum();
+        assert!(close(again[1].bytes_per_call, layers));
     }
 
     #[test]

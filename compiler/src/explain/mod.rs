@@ -159,9 +159,14 @@ fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         context: 1,
         sequence: false,
         checkpoint_layers: vec![],
+        selective: spec.fit.checkpoint == CheckpointChoice::Selective,
         offload: vec![],
     };
     let measure = |s: &Spec| {
+        let cand = Candidate {
+            selective: s.fit.checkpoint == CheckpointChoice::Selective,
+            ..cand.clone()
+        };
         let r = evaluate(s, &cand, profile, false);
         (r.peak_bytes as f64, r.step_flops)
     };
@@ -581,6 +586,7 @@ pub fn to_json(c: &Compilation) -> Value {
             "host_optimizer_seconds": c.step.host_optimizer_s,
             "bubble_seconds": c.step.bubble_s,
         },
+        "residency": l.residency(),
         "params": { "total": rep.params_total, "trainable": rep.params_trainable },
         "graph": c.graph,
     })

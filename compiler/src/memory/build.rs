@@ -10,12 +10,10 @@
 //! device: tensor parallelism divides the projected widths, context and
 //! sequence parallelism divide the tokens.
 
-use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo};
+use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo, Unit};
 use crate::memory::Candidate;
 use crate::profile::Profile;
-use crate::spec::{
-    AdapterKind, Arch, Attention, CheckpointChoice, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec,
-};
+use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
 
 /// Where a parameter's bytes live (its role in the step's breakdown).
 #[derive(Clone, Copy)]
@@ -43,6 +41,11 @@ pub(crate) struct Builder<'a> {
     param_shard: u64,
     /// Parameters are gathered per use (ZeRO-3).
     gather: bool,
+    /// The Burn executor's ZeRO-3 / parameter offload: parameters are gathered a whole unit
+    /// (embedding, layer, head) at a time into one tensor of the tape ([`Unit`]).
+    units: bool,
+    /// The unit being built (index into `tape.units`).
+    open_unit: Option<usize>,
     /// Parameters the optimizer updates: (id, elements).
     pub trainable: Vec<(TensorId, u64)>,
     /// Tensors a calling frame references until the current layer's last op.
@@ -103,14 +106,111 @@ impl<'a> Builder<'a> {
             tokens,
             param_shard,
             gather: zero3 || on_host,
+            units: super::burn_units(profile, cand),
+            open_unit: None,
             trainable: Vec::new(),
             frame_holds: Vec::new(),
         }
     }
 
     fn bytes(&self, elems: u64, dtype: Dtype) -> u64 {
+        if dtype == Dtype::Nf4 {
+            // Packed codes and block scales, each its own allocation.
+            return super::quant::nf4_parts(elems, self.profile.nf4_double_quant)
+                .iter()
+                .filter(|b| **b > 0)
+                .map(|b| self.profile.allocated(*b))
+                .sum();
+        }
         let raw = (elems as f64 * dtype.bytes()).ceil() as u64;
         self.profile.allocated(raw)
+    }
+
+    /// Start a unit the Burn executor gathers whole (ZeRO-3 / parameter offload): an
+    /// `all_gather` op makes its gathered tensor, whose bytes the unit's parameters add up
+    /// as they are created. No-op otherwise.
+    fn begin_unit(&mut self, name: &'static str) {
+        if !self.units {
+            return;
+        }
+        self.end_unit();
+        let gathered = self.tape.add_tensor(TensorInfo {
+            name: "gathered_weights",
+            shape: vec![0],
+            dtype: self.param,
+            bytes: 0,
+            requires_grad: false,
+            role: Role::Gathered,
+            grad_bytes: 0,
+            producer: None,
+            held_until_forward_end: false,
+        });
+        let first_op = self.tape.ops.len() as u32;
+        self.op("all_gather", &[], &[gathered], &[]);
+        self.tape.units.push(Unit {
+            name,
+            layer: self.layer,
+            first_op,
+            end_op: first_op + 1,
+            gathered,
+            bytes: 0,
+            regathered: false,
+            prefetch_forward: 0,
+            prefetch_backward: 0,
+        });
+        self.open_unit = Some(self.tape.units.len() - 1);
+    }
+
+    /// Close the open unit: every op of it references the gathered tensor until it has run,
+    /// and every op with a backward saves it (Burn's autodiff graph keeps the weights a
+    /// matmul read until its backward; a checkpointed layer's graph exists only in its
+    /// recompute, so its gathered weights die after its forward and are gathered again).
+    fn end_unit(&mut self) {
+        let Some(u) = self.open_unit.take() else {
+            return;
+        };
+        let end = self.tape.ops.len() as u32;
+        let (g, first, bytes) = {
+            let unit = &mut self.tape.units[u];
+            unit.end_op = end;
+            (unit.gathered, unit.first_op, unit.bytes)
+        };
+        self.tape.tensors[g.0 as usize].bytes = bytes;
+        self.tape.tensors[g.0 as usize].shape = vec![bytes];
+        for o in first as usize + 1..end as usize {
+            let with_backward = self.tape.ops[o].has_backward(&self.tape);
+            let op = &mut self.tape.ops[o];
+            op.holds.push(g);
+            if with_backward {
+                op.saved.push(g);
+            }
+        }
+    }
+
+    /// Gathers in flight beside the running unit's (`ZERO3_PREFETCH_UNITS` ahead): in the
+    /// forward the next units, in the backward the next checkpointed layers to recompute.
+    /// Scratch of every op of the unit. A recomputed layer's forward charges the forward's
+    /// prefetch (the next layer, as large as the previous one but at the stage's ends).
+    fn charge_prefetch(&mut self) {
+        let n = crate::profile::ZERO3_PREFETCH_UNITS;
+        let units = self.tape.units.clone();
+        for (i, u) in units.iter().enumerate() {
+            let ahead: u64 = units.iter().skip(i + 1).take(n).map(|x| x.bytes).sum();
+            let behind: u64 = units[..i]
+                .iter()
+                .rev()
+                .take(n)
+                .filter(|x| x.regathered)
+                .map(|x| x.bytes)
+                .sum();
+            for o in u.first_op as usize..u.end_op as usize {
+                let op = &mut self.tape.ops[o];
+                op.fwd_workspace += ahead;
+                op.bwd_workspace += behind;
+            }
+            self.tape.units[i].prefetch_forward = ahead;
+            self.tape.units[i].prefetch_backward = behind;
+        }
     }
 
     fn tensor(&mut self, name: &'static str, shape: &[u64], dtype: Dtype, rg: bool) -> TensorId {
@@ -226,7 +326,11 @@ impl<'a> Builder<'a> {
         dtype: Dtype,
     ) -> Param {
         let elems = rows * cols;
-        let stored = self.bytes(elems, dtype).div_ceil(self.param_shard);
+        let full = self.bytes(elems, dtype);
+        let stored = full.div_ceil(self.param_shard);
+        if let Some(u) = self.open_unit {
+            self.tape.units[u].bytes += full;
+        }
         let grad_dtype = if self.profile.burn_ops {
             // backend/src/train.rs: gradients come in the parameter's dtype and are cast to
             // the fp32 master's when there is one (`MergeGrads`), whatever `grads` says.
@@ -272,7 +376,8 @@ impl<'a> Builder<'a> {
     fn weight(&mut self, p: Param) -> (TensorId, u64) {
         let t = self.tape.tensor(p.id).clone();
         let elems = p.rows * p.cols;
-        let gathered = if self.gather {
+        // Gathered per use; the Burn executor's whole-unit gathers are tensors of the tape.
+        let gathered = if self.gather && !self.units {
             self.bytes(elems, t.dtype)
         } else {
             0
@@ -590,7 +695,7 @@ impl<'a> Builder<'a> {
 
     /// `checkpoint = selective`: Megatron's selective recomputation of the attention core.
     fn selective(&self) -> bool {
-        self.spec.fit.checkpoint == CheckpointChoice::Selective
+        self.cand.selective
     }
 
     /// The attention core recomputed in the backward (`checkpoint = selective`;
@@ -871,6 +976,7 @@ impl<'a> Builder<'a> {
     fn layer(&mut self, index: u32, x: TensorId) -> TensorId {
         let first_op = self.tape.ops.len() as u32;
         self.layer = Some(index);
+        self.begin_unit("layer");
         let h = self.spec.model.hidden;
         let out = match self.spec.model.arch {
             // Pre-norm decoder (Llama): x + attn(norm(x)); h + mlp(norm(h)).
@@ -901,6 +1007,10 @@ impl<'a> Builder<'a> {
             .checkpoint_layers
             .binary_search(&(index as u64))
             .is_ok();
+        if let Some(u) = self.open_unit {
+            self.tape.units[u].regathered = checkpointed;
+        }
+        self.end_unit();
         self.tape.layers.push(LayerSpan {
             index,
             first_op,
@@ -924,6 +1034,7 @@ impl<'a> Builder<'a> {
         let trainable = self.base_trainable();
         let ids = self.tensor("token_ids", &[self.tokens], Dtype::Fp32, false);
         self.tape.tensors[ids.0 as usize].role = Role::Input;
+        self.begin_unit("embedding");
         let vocab_shard = m.vocab.div_ceil(self.cand.tensor.max(1));
         let embed = self.param("embed_tokens", vocab_shard, h, trainable, self.param);
         let mut x = if with_embedding {
@@ -950,7 +1061,9 @@ impl<'a> Builder<'a> {
             if m.arch == Arch::Encoder {
                 e = self.norm(e, h);
             }
-            self.dropout(e, m.dropout)
+            let e = self.dropout(e, m.dropout);
+            self.end_unit();
+            e
         } else {
             // A later pipeline stage receives the activations of the previous one.
             let dt = if self.autocast { self.param } else { self.act };
@@ -965,6 +1078,14 @@ impl<'a> Builder<'a> {
             // The stage's output is sent on; its gradient comes back: model as the loss.
             self.tape.loss = Some(x);
             return self;
+        }
+        self.begin_unit("head");
+        if m.tie_embeddings && self.spec.train.loss != Loss::Contrastive {
+            // A tied head gathers the embedding unit's table again.
+            let table = self.bytes(vocab_shard * h, self.param);
+            if let Some(u) = self.open_unit {
+                self.tape.units[u].bytes += table;
+            }
         }
         if m.arch == Arch::Decoder {
             x = self.norm(x, h);
@@ -1047,6 +1168,10 @@ impl<'a> Builder<'a> {
             }
         };
         self.tape.loss = Some(loss);
+        self.end_unit();
+        if self.units {
+            self.charge_prefetch();
+        }
         self
     }
 }

@@ -20,6 +20,7 @@
 pub mod build;
 pub mod optimizer;
 pub mod parallel;
+pub mod quant;
 pub mod tape;
 #[cfg(test)]
 mod tests_techniques;
@@ -85,6 +86,9 @@ pub struct Candidate {
     pub sequence: bool,
     /// Indices of the layers recomputed in the backward, sorted.
     pub checkpoint_layers: Vec<u64>,
+    /// `checkpoint = selective`: every layer's attention core is recomputed in the backward
+    /// (no quadratic tensor saved); no layer is recomputed whole by it.
+    pub selective: bool,
     pub offload: Vec<Offload>,
 }
 
@@ -93,6 +97,32 @@ impl Candidate {
     pub fn offloads(&self, what: OffloadWhat) -> bool {
         self.offload.iter().any(|o| o.what == what)
     }
+}
+
+/// Does the Burn executor gather `cand`'s parameters a whole unit at a time (its ZeRO-3
+/// over more than one rank, or parameter offload)? Then the tape holds the gathered units
+/// ([`tape::Unit`]) and gradients live per unit until reduce-scattered.
+pub fn burn_units(profile: &Profile, cand: &Candidate) -> bool {
+    profile.burn_ops && ((cand.zero >= 3 && cand.data > 1) || cand.offloads(OffloadWhat::Params))
+}
+
+/// Is the fp32 gradient-shard accumulator of the Burn executor's ZeRO-3 in host memory?
+pub fn burn_host_grad_accumulator(profile: &Profile, cand: &Candidate) -> bool {
+    burn_units(profile, cand)
+        && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR
+        && cand.offloads(OffloadWhat::Optimizer)
+}
+
+/// One unit the Burn executor gathers whole, as the memory model charges it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UnitBytes {
+    /// `embedding`, `layer` or `head`.
+    pub name: &'static str,
+    pub layer: Option<u64>,
+    /// Its parameters gathered whole, storage dtype (a tied head counts the table again).
+    pub gathered_bytes: u64,
+    /// Checkpointed: freed after its forward, gathered again for its recompute.
+    pub regathered: bool,
 }
 
 /// Where the peak happens.
@@ -136,6 +166,11 @@ pub struct MemoryReport {
     pub step_bytes_moved: f64,
     /// Kernels launched by one micro-step (forward, recompute, backward).
     pub step_kernels: u64,
+    /// Units gathered whole (the Burn executor's ZeRO-3 / parameter offload), forward order.
+    pub units: Vec<UnitBytes>,
+    /// Bytes of the parameters as this device keeps them between uses (a ZeRO-3 shard,
+    /// nothing when offloaded; the whole model otherwise).
+    pub resident_param_bytes: u64,
 }
 
 /// A pipeline stage the model evaluates: its layers, whether it holds the embedding and
@@ -243,15 +278,32 @@ fn evaluate_stage(
         ..Default::default()
     };
     let opt_on_gpu = !cand.offloads(OffloadWhat::Optimizer);
-    let state = if opt_on_gpu {
+    let units = burn_units(profile, cand);
+    let state = if opt_on_gpu && units && cand.offloads(OffloadWhat::Params) {
+        // The fp32 master shard lives on the host with the parameter shards.
+        (opt.state_bytes - opt.master_bytes).div_ceil(if cand.zero >= 1 { dp } else { 1 })
+    } else if opt_on_gpu {
         opt.state_bytes
             .div_ceil(if cand.zero >= 1 { dp } else { 1 })
     } else {
         0
     };
     persistent.fixed[Category::Optimizer as usize] = state;
+    if units {
+        persistent.unit_grads = true;
+        if !burn_host_grad_accumulator(profile, cand) {
+            // The fp32 gradient-shard accumulator: 1/data of every trainable value (ZeRO ≥ 1).
+            let values: u64 = trainable.iter().map(|(_, n)| n).sum();
+            let shards = if cand.zero >= 1 { dp } else { 1 };
+            persistent.fixed[Category::Grads as usize] =
+                profile.allocated(4 * values.div_ceil(shards));
+        }
+    }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
-    if (cand.zero >= 2 && profile.grads_sharded_in_backward) || cand.offloads(OffloadWhat::Grads) {
+    if !units
+        && ((cand.zero >= 2 && profile.grads_sharded_in_backward)
+            || cand.offloads(OffloadWhat::Grads))
+    {
         persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads) {
             u64::MAX
         } else {
@@ -314,6 +366,13 @@ fn evaluate_stage(
         at_opt[Category::Workspace as usize] +=
             opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 });
     }
+    if units && opt_on_gpu == cand.offloads(OffloadWhat::Params) {
+        // The updated fp32 shard comes up from the host optimizer into the device weights,
+        // or the host weights (the master) go up to the device optimizer.
+        let values: u64 = trainable.iter().map(|(_, n)| n).sum();
+        let shards = if cand.zero >= 1 { dp } else { 1 };
+        at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
+    }
     let opt_total: u64 = at_opt.iter().sum();
     if timeline {
         samples.push(Sample {
@@ -352,6 +411,16 @@ fn evaluate_stage(
     let pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
     let (total, trainable_count) = param_counts(&tape);
+    let unit_bytes = tape
+        .units
+        .iter()
+        .map(|u| UnitBytes {
+            name: u.name,
+            layer: u.layer.map(u64::from),
+            gathered_bytes: u.bytes,
+            regathered: u.regathered,
+        })
+        .collect();
     MemoryReport {
         peak_bytes: peak.bytes,
         peak: PeakLocation {
@@ -368,6 +437,13 @@ fn evaluate_stage(
         step_flops: flops,
         step_bytes_moved: moved,
         step_kernels: kernels,
+        units: unit_bytes,
+        resident_param_bytes: tape
+            .tensors
+            .iter()
+            .filter(|t| t.role == tape::Role::Param)
+            .map(|t| t.bytes)
+            .sum(),
     }
 }
 

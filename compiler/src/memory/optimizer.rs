@@ -37,7 +37,10 @@ pub fn adam8bit_state_bytes(n: u64) -> u64 {
 
 pub struct OptimizerModel {
     pub name: &'static str,
+    /// Everything the optimizer keeps between steps, the master copy included.
     pub state_bytes: u64,
+    /// Of `state_bytes`, the master copy of 16-bit weights (0 without one).
+    pub master_bytes: u64,
     pub temp_bytes: u64,
 }
 
@@ -89,6 +92,7 @@ pub fn model(
     let largest: u64 = trainable.iter().map(|(_, n)| *n).max().unwrap_or(0);
     let mut state: u64 = 0;
     let mut temp: u64 = 0;
+    let mut master_bytes = 0;
     let name;
     match o.kind {
         OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => {
@@ -155,13 +159,15 @@ pub fn model(
     if let Some(m) = p.master {
         if m.bytes() > param_dtype.bytes() {
             // fp32 master copy of 16-bit weights, and the fp32 gradient cast for the update.
-            state += alloc(total_elems as f64 * m.bytes());
+            master_bytes = alloc(total_elems as f64 * m.bytes());
+            state += master_bytes;
             temp += alloc(largest as f64 * m.bytes());
         }
     }
     OptimizerModel {
         name,
         state_bytes: state,
+        master_bytes,
         temp_bytes: temp,
     }
 }

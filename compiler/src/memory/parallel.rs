@@ -8,6 +8,10 @@
 //! the running op as scratch; offloaded parameters keep only those gathers).
 //! What it leaves out, and this module adds:
 //!
+//! - **The Burn executor's ZeRO-3 / parameter offload**: the one staging buffer
+//!   (a unit's size) through which offloaded shards are uploaded. Its gathered
+//!   units, prefetch and per-unit gradients are tensors of the tape
+//!   (`memory::build`, `Builder::begin_unit`), not terms here.
 //! - **Communication buffers**: DDP's gradient buckets (25 MiB, one being
 //!   reduced while the next fills), ZeRO-1/2's reduce and all-gather buckets
 //!   (DeepSpeed's defaults: 5e8 elements each, never more than the gradients
@@ -48,11 +52,14 @@ pub struct ParallelTerms {
     pub gather_bucket: u64,
     /// Pipeline send/receive buffers.
     pub pipeline_buffers: u64,
+    /// The Burn executor's parameter offload: one unit-sized device buffer the host shards
+    /// are uploaded through before each unit's gather.
+    pub staging_buffer: u64,
 }
 
 impl ParallelTerms {
     pub fn added(&self) -> u64 {
-        self.reduce_bucket + self.gather_bucket + self.pipeline_buffers
+        self.reduce_bucket + self.gather_bucket + self.pipeline_buffers + self.staging_buffer
     }
 }
 
@@ -86,7 +93,22 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     let mut t = ParallelTerms::default();
     let burn = spec.target == crate::spec::Target::Burn;
     let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
-    if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
+    if burn && !report.units.is_empty() {
+        // The Burn executor's ZeRO-3 / parameter offload reduces each unit's gradient (a tape
+        // transient) as the backward leaves it: no flat vectors. Offloaded weights are fp32
+        // on the host: this rank's shard of a unit comes up as fp32 before its cast.
+        if cand.offloads(crate::spec::OffloadWhat::Params) {
+            let largest = report
+                .units
+                .iter()
+                .map(|u| u.gathered_bytes)
+                .max()
+                .unwrap_or(0);
+            let wshards = if cand.zero >= 3 { d } else { 1 };
+            let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
+            t.staging_buffer = fp32.div_ceil(wshards);
+        }
+    } else if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
         // rcoa's Burn executor (backend/src/shard): one flat fp32 gradient vector; stage 1
         // all-reduces it (its reduced copy coexists), stage 2 reduce-scatters it (this rank's
         // shard); the fp32 master of this rank's shard lives between steps (on the device, or
@@ -299,6 +321,16 @@ fn describe(
         of(1, "optimizer state", String::new())
     };
     let at = |k: &str| r.breakdown.get(k).copied().unwrap_or(0);
+    if !r.units.is_empty() {
+        return RankMemory {
+            stage,
+            layers,
+            shards,
+            holds: burn_unit_holdings(spec, cand, r, terms),
+            peak_bytes: r.peak_bytes,
+            worst,
+        };
+    }
     let mut holds = vec![
         Holding {
             what: "weights",
@@ -345,6 +377,98 @@ fn describe(
         peak_bytes: r.peak_bytes,
         worst,
     }
+}
+
+/// What a rank of the Burn executor's ZeRO-3 / parameter offload holds at its peak: the
+/// at-rest shards, the units gathered then, the gradient accumulator and the unit gradient
+/// in flight, the optimizer's shard, the staging buffer.
+fn burn_unit_holdings(
+    spec: &Spec,
+    cand: &Candidate,
+    r: &MemoryReport,
+    terms: &ParallelTerms,
+) -> Vec<Holding> {
+    use crate::spec::OffloadWhat;
+    let d = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
+    let od = if cand.zero >= 1 { cand.data.max(1) } else { 1 };
+    let at = |k: &str| r.breakdown.get(k).copied().unwrap_or(0);
+    let host_params = cand.offloads(OffloadWhat::Params);
+    let host_optimizer = cand.offloads(OffloadWhat::Optimizer);
+    let profile = crate::profile::Profile::for_target(spec.target);
+    let host_acc = super::burn_host_grad_accumulator(&profile, cand);
+    let sharded = |n: u64, what: &str| {
+        if n > 1 {
+            format!("1/{n} of {what} (ZeRO-{} over data = {n})", cand.zero)
+        } else {
+            format!("all of {what}")
+        }
+    };
+    let shard = |what: &str| sharded(d, what);
+    let oshard = |what: &str| sharded(od, what);
+    let resident = r.resident_param_bytes.min(at("weights"));
+    let weights = if host_params {
+        format!(
+            "{} in host memory (parameter offload), uploaded a unit at a time through the staging buffer",
+            shard("every unit's weights")
+        )
+    } else {
+        shard("every unit's weights") + ", at rest between uses"
+    };
+    let units = r.units.len();
+    let recomputed = r.units.iter().filter(|u| u.regathered).count();
+    let layers = r.units.iter().filter(|u| u.layer.is_some()).count();
+    let gathered = format!(
+        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched, plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute",
+        crate::profile::ZERO3_PREFETCH_UNITS
+    );
+    let grads = if host_acc {
+        "the fp32 gradient of the unit whose backward runs, reduce-scattered as the backward leaves it; the fp32 gradient-shard accumulator is in host memory beside the optimizer".to_string()
+    } else {
+        format!(
+            "{} as an fp32 accumulator, plus the fp32 gradient of the unit whose backward runs until it is reduce-scattered",
+            oshard("the trainable values' gradients")
+        )
+    };
+    let optimizer = if host_optimizer {
+        "on the host (state, fp32 master shard and update)".to_string()
+    } else if host_params {
+        oshard("the optimizer state") + "; the fp32 weights on the host are its master"
+    } else {
+        oshard("the optimizer state and fp32 master")
+    };
+    let mut holds = vec![
+        Holding {
+            what: "weights",
+            bytes: resident,
+            share: weights,
+        },
+        Holding {
+            what: "gathered",
+            bytes: at("weights") - resident,
+            share: gathered,
+        },
+        Holding {
+            what: "grads",
+            bytes: at("grads"),
+            share: grads,
+        },
+        Holding {
+            what: "optimizer",
+            bytes: at("optimizer"),
+            share: optimizer,
+        },
+    ];
+    if terms.staging_buffer > 0 {
+        holds.push(Holding {
+            what: "communication",
+            bytes: at("communication"),
+            share: format!(
+                "staging buffer: this rank's fp32 shard of the largest unit {:.2} GiB",
+                terms.staging_buffer as f64 / (1u64 << 30) as f64
+            ),
+        });
+    }
+    holds
 }
 
 /// Add `t` to every sample of `r` (the buffers live through the whole step).
@@ -460,6 +584,7 @@ mod tests {
             context: 1,
             sequence: false,
             checkpoint_layers: vec![],
+            selective: false,
             offload: vec![],
         }
     }

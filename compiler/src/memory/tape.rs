@@ -48,6 +48,9 @@ pub enum Role {
     Activation,
     /// Token ids, labels, positions: inputs of the step.
     Input,
+    /// A whole unit's parameters gathered for its use (the Burn executor's ZeRO-3 /
+    /// parameter offload): weights, but freed like an activation.
+    Gathered,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -111,12 +114,37 @@ pub struct LayerSpan {
     pub checkpointed: bool,
 }
 
+/// A unit the Burn executor's ZeRO-3 gathers whole (the embedding, a layer, the head and
+/// the loss): its ops and the tensor its parameters are gathered into.
+#[derive(Clone, Debug, Serialize)]
+pub struct Unit {
+    /// `embedding`, `layer` or `head`.
+    pub name: &'static str,
+    pub layer: Option<u32>,
+    /// Ops `first_op..end_op`; the first is the `all_gather` that makes `gathered`.
+    pub first_op: u32,
+    pub end_op: u32,
+    pub gathered: TensorId,
+    /// Bytes of the unit's parameters gathered whole (storage dtype).
+    pub bytes: u64,
+    /// A checkpointed layer: gathered again before its recompute in the backward.
+    pub regathered: bool,
+    /// Gathers in flight while this unit runs: the next units' in the forward, the next
+    /// checkpointed layers' in the backward (`ZERO3_PREFETCH_UNITS` ahead). Scratch of its
+    /// ops, and live at the segment boundary after it.
+    pub prefetch_forward: u64,
+    pub prefetch_backward: u64,
+}
+
 /// The forward schedule of one training micro-step.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Tape {
     pub tensors: Vec<TensorInfo>,
     pub ops: Vec<OpInfo>,
     pub layers: Vec<LayerSpan>,
+    /// Units gathered whole, in forward order (empty unless the Burn executor's ZeRO-3 or
+    /// parameter offload).
+    pub units: Vec<Unit>,
     /// The scalar the backward starts from.
     pub loss: Option<TensorId>,
 }
@@ -209,6 +237,10 @@ pub struct Persistent {
     /// The executor samples its memory at segment boundaries only
     /// (`Profile::peak_sampled_at_segments`): the timeline holds those samples.
     pub sampled: bool,
+    /// Gradients per unit (the Burn executor's ZeRO-3): a unit's full gradients exist from
+    /// their op's backward until the backward leaves the unit (reduce-scattered into the
+    /// accumulator, which is in `fixed`); `grads_exist` and `grad_divisor` do not apply.
+    pub unit_grads: bool,
 }
 
 /// The liveness walk's state.
@@ -227,12 +259,17 @@ struct Walk<'a> {
     ckpt_input: Vec<bool>,
     /// The highest live bytes at segment boundaries (see [`Walk::boundary`]).
     boundary_peak: Option<Peak>,
+    /// `unit_grads`: gradients of the unit whose backward runs, and their bytes.
+    unit_grad: Vec<bool>,
+    unit_grad_bytes: u64,
+    /// The unit of each op (`usize::MAX` outside units).
+    unit_of: Vec<usize>,
 }
 
 impl<'a> Walk<'a> {
     fn category(&self, t: TensorId) -> Category {
         match self.tape.tensor(t).role {
-            Role::Param => Category::Weights,
+            Role::Param | Role::Gathered => Category::Weights,
             Role::WeightCopy => Category::WeightCopies,
             Role::Activation | Role::Input => Category::Activations,
         }
@@ -305,14 +342,33 @@ impl<'a> Walk<'a> {
     /// A segment boundary: where an executor that samples its memory between segments
     /// (rcoa's Burn executor: after each layer's forward and backward, the loss) sees it.
     fn boundary(&mut self, phase: Phase, op: &str, layer: Option<u32>) {
-        let total: u64 = self.live.iter().sum();
+        self.boundary_with(phase, op, layer, 0);
+    }
+
+    /// The prefetched gathers in flight at the boundary after `op`'s unit.
+    fn prefetch_after(&self, op: usize, backward: bool) -> u64 {
+        let Some(u) = self.unit_of.get(op).and_then(|&u| self.tape.units.get(u)) else {
+            return 0;
+        };
+        if backward {
+            u.prefetch_backward
+        } else {
+            u.prefetch_forward
+        }
+    }
+
+    /// A boundary with `prefetched` bytes of gathered weights in flight besides the live ones.
+    fn boundary_with(&mut self, phase: Phase, op: &str, layer: Option<u32>, prefetched: u64) {
+        let mut live = self.live;
+        live[Category::Weights as usize] += prefetched;
+        let total: u64 = live.iter().sum();
         if self.record && self.persistent.sampled {
             self.samples.push(Sample {
                 phase,
                 op: op.to_string(),
                 layer: layer.map(u64::from),
                 bytes: total,
-                by_category: self.live,
+                by_category: live,
             });
         }
         if self.boundary_peak.as_ref().is_none_or(|p| total > p.bytes) {
@@ -321,7 +377,7 @@ impl<'a> Walk<'a> {
                 phase,
                 op: op.to_string(),
                 layer: layer.map(u64::from),
-                by_category: self.live,
+                by_category: live,
             });
         }
     }
@@ -423,7 +479,8 @@ impl<'a> Walk<'a> {
                 } else {
                     (Phase::Forward, "output")
                 };
-                self.boundary(phase, name, info.layer);
+                let prefetched = self.prefetch_after(op, recompute);
+                self.boundary_with(phase, name, info.layer, prefetched);
             }
         }
     }
@@ -444,7 +501,15 @@ impl<'a> Walk<'a> {
             }
             seen.push(inp);
             let i = inp.0 as usize;
-            if t.role == Role::Param {
+            if t.role == Role::Param && self.persistent.unit_grads {
+                if self.unit_grad[i] {
+                    extra[Category::ActivationGrads as usize] += t.grad_bytes;
+                } else {
+                    self.unit_grad[i] = true;
+                    self.unit_grad_bytes += t.grad_bytes;
+                    self.live[Category::Grads as usize] += t.grad_bytes;
+                }
+            } else if t.role == Role::Param {
                 let g = t.grad_bytes / self.persistent.grad_divisor.max(1);
                 if self.param_grad[i] || self.persistent.grads_exist {
                     // A new gradient added in place into the existing `.grad`.
@@ -481,6 +546,17 @@ impl<'a> Walk<'a> {
             self.release(s);
         }
     }
+
+    /// The backward leaves a unit (`unit_grads`): its gradients are reduce-scattered into
+    /// the accumulator and freed.
+    fn leave_unit(&mut self) {
+        if self.unit_grad_bytes == 0 {
+            return;
+        }
+        self.live[Category::Grads as usize] -= self.unit_grad_bytes;
+        self.unit_grad_bytes = 0;
+        self.unit_grad.iter_mut().for_each(|g| *g = false);
+    }
 }
 
 /// The result of walking one micro-step (forward + backward) of a tape.
@@ -512,7 +588,17 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         persistent,
         ckpt_input: vec![false; n],
         boundary_peak: None,
+        unit_grad: vec![false; n],
+        unit_grad_bytes: 0,
+        unit_of: vec![usize::MAX; tape.ops.len()],
     };
+    // The unit each op belongs to (units cover the tape when there are any).
+    for (u, span) in tape.units.iter().enumerate() {
+        for o in span.first_op as usize..(span.end_op as usize).min(tape.ops.len()) {
+            w.unit_of[o] = u;
+        }
+    }
+    let mut unit_now = usize::MAX;
     for l in &tape.layers {
         if l.checkpointed {
             w.ckpt_input[l.input.0 as usize] = true;
@@ -524,7 +610,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
             w.alloc(TensorId(i as u32), 1);
         }
     }
-    if persistent.grads_exist {
+    if persistent.grads_exist && !persistent.unit_grads {
         for (i, t) in tape.tensors.iter().enumerate() {
             if t.role == Role::Param && t.grad_bytes > 0 {
                 w.param_grad[i] = true;
@@ -546,15 +632,21 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
     let mut op = tape.ops.len();
     while op > 0 {
         op -= 1;
+        if w.unit_of[op] != unit_now {
+            w.leave_unit();
+            unit_now = w.unit_of[op];
+        }
         if tape
             .layer_of_op(op)
             .is_some_and(|l| op + 1 == l.end_op as usize)
         {
             // The ops after this layer (the head, or the next layer) have run backward.
-            w.boundary(
+            let prefetched = w.prefetch_after(op + 1, true);
+            w.boundary_with(
                 Phase::Backward,
                 "backward",
                 tape.ops[op].layer.map(|l| l + 1),
+                prefetched,
             );
         }
         if let Some(span) = tape
@@ -589,6 +681,7 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
     if let Some(l) = tape.loss {
         w.release(l);
     }
+    w.leave_unit();
     w.observe(Phase::Backward, "backward end", None, [0; Category::COUNT]);
     w.boundary(Phase::Backward, "backward end", None);
     let end = w.live;

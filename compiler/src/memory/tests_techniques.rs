@@ -16,6 +16,7 @@ fn cand(layers: &[u64]) -> Candidate {
         context: 1,
         sequence: false,
         checkpoint_layers: layers.to_vec(),
+        selective: false,
         offload: vec![],
     }
 }
@@ -29,7 +30,9 @@ fn run(target: Target, choice: CheckpointChoice) -> (u64, f64) {
     } else {
         vec![]
     };
-    let r = evaluate(&spec, &cand(&layers), &Profile::for_target(target), false);
+    let mut c = cand(&layers);
+    c.selective = choice == CheckpointChoice::Selective;
+    let r = evaluate(&spec, &c, &Profile::for_target(target), false);
     (r.peak_bytes, r.step_flops)
 }
 
@@ -109,4 +112,99 @@ fn chunked_loss_on_burn_only_and_above_32k() {
         with_loss(Target::Pytorch, 50_304, Some(true)).peak_bytes,
         with_loss(Target::Pytorch, 50_304, Some(false)).peak_bytes
     );
+}
+
+/// QLoRA's NF4 base: the weights the device keeps are exactly the packed codes and
+/// block scales of every projection (each part one allocation, rounded to 512 bytes),
+/// fp32 absmax per 64 values or double-quantized as the profile says; the embedding and
+/// head keep the params dtype.
+#[test]
+fn nf4_base_weights_are_codes_plus_block_scales_fp32_or_double_quantized() {
+    use crate::spec::{AdapterKind, AdapterSpec, Dtype, Proj};
+    let spec = SpecBuilder::new()
+        .target(Target::Burn)
+        .adapter(Some(AdapterSpec {
+            kind: AdapterKind::Qlora,
+            rank: 8,
+            alpha: 16.0,
+            targets: vec![Proj::Q, Proj::V],
+            dropout: 0.0,
+            base: Dtype::Nf4,
+        }))
+        .build();
+    let m = &spec.model;
+    let round = |b: u64| b.div_ceil(512) * 512;
+    // Independent of `memory::quant`: 4 bits a value (odd counts pad a code), then either
+    // 4 bytes per 64-value block, or a byte per block and 4 bytes per 256 blocks.
+    let nf4 = |n: u64, double: bool| {
+        let blocks = n.div_ceil(64);
+        let scales = if double {
+            round(blocks) + round(4 * blocks.div_ceil(256))
+        } else {
+            round(4 * blocks)
+        };
+        round(n.div_ceil(2)) + scales
+    };
+    let (q, kv) = (m.heads * m.head_dim, m.kv_heads * m.head_dim);
+    let shapes = [
+        m.hidden * q,
+        m.hidden * kv,
+        m.hidden * kv,
+        q * m.hidden,
+        m.hidden * m.ffn,
+        m.hidden * m.ffn,
+        m.ffn * m.hidden,
+    ];
+    let base = |double: bool| m.layers * shapes.iter().map(|&n| nf4(n, double)).sum::<u64>();
+    let weights = |double: bool| {
+        let mut p = Profile::burn();
+        p.nf4_double_quant = double;
+        evaluate(&spec, &cand(&[]), &p, false).resident_param_bytes
+    };
+    assert!(Profile::burn().nf4_double_quant);
+    assert!(Profile::pytorch().nf4_double_quant);
+    assert_eq!(weights(false) - weights(true), base(false) - base(true));
+    assert!(weights(false) > base(false));
+    // Everything else (embedding, head, norms, adapters) is the same in both.
+    let rest = weights(false) - base(false);
+    assert_eq!(weights(true) - base(true), rest);
+}
+
+/// 8-bit Adam as `backend/src/quant/adam8bit.rs` holds it: per parameter of n ≥ 4096
+/// values two u8 moments and, per moment, an fp32 absmax per 256-value block; fp32
+/// moments below 4096. The burn profile charges exactly that (fp32 weights: no master).
+#[test]
+fn adam8bit_state_on_burn_is_what_the_executor_holds() {
+    use crate::spec::Dtype;
+    let spec = SpecBuilder::new()
+        .target(Target::Burn)
+        .optimizer(OptimizerKind::Adam8bit)
+        .precision(Dtype::Fp32, Dtype::Fp32, None)
+        .build();
+    let r = evaluate(&spec, &cand(&[]), &Profile::burn(), false);
+    let m = &spec.model;
+    let round = |b: u64| b.div_ceil(512) * 512;
+    let moment = |n: u64| {
+        if n < 4096 {
+            round(4 * n)
+        } else {
+            round(n) + round(4 * n.div_ceil(256))
+        }
+    };
+    let (q, kv) = (m.heads * m.head_dim, m.kv_heads * m.head_dim);
+    let layer = [
+        m.hidden * q,
+        m.hidden * kv,
+        m.hidden * kv,
+        q * m.hidden,
+        m.hidden * m.ffn,
+        m.hidden * m.ffn,
+        m.ffn * m.hidden,
+        m.hidden,
+        m.hidden,
+    ];
+    let mut expected = m.layers * layer.iter().map(|&n| 2 * moment(n)).sum::<u64>();
+    let head = if m.tie_embeddings { 0 } else { 1 };
+    expected += (1 + head) * 2 * moment(m.vocab * m.hidden) + 2 * moment(m.hidden);
+    assert_eq!(r.breakdown["optimizer"], expected);
 }

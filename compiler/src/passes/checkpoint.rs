@@ -3,7 +3,10 @@
 //! `none`, `full` and `every N` are fixed; `auto` lets the search pick, per
 //! layout, how many layers of each pipeline stage to recompute (the first
 //! `k` of each stage, Megatron's "block" method): memory falls and time
-//! rises with `k`, so the search takes the smallest `k` that fits.
+//! rises with `k`, so the search takes the smallest `k` that fits. Where
+//! attention keeps its quadratic tensors (no fused kernel), `auto` also
+//! tries `selective` as a choice of its own: it lies between none and full
+//! in memory but is not one of the block counts (it touches every layer).
 //! `selective` recomputes the attention core only (Megatron's selective
 //! recomputation): no whole layer is recomputed here; the memory model drops
 //! the core's quadratic saved tensors and charges their recompute
@@ -13,24 +16,29 @@ use super::{decide, CheckpointDomain, Pass, Plan, Recompute};
 use crate::compile::CompileError;
 use crate::explain::Decision;
 use crate::profile::Profile;
-use crate::spec::CheckpointChoice;
+use crate::spec::{Attention, CheckpointChoice, Spec};
 
 pub struct Checkpoint {
     choice: CheckpointChoice,
     layers: u64,
     mechanism: &'static str,
+    /// Attention saves a `[batch, heads, seq, seq]` tensor per layer: selective recomputation
+    /// has something to drop.
+    quadratic_attention: bool,
 }
 
 impl Checkpoint {
-    pub fn new(choice: CheckpointChoice, layers: u64, profile: &Profile) -> Self {
+    pub fn new(spec: &Spec, profile: &Profile) -> Self {
         let mechanism = match profile.name {
             "pytorch" => "per-layer non-reentrant torch.utils.checkpoint",
             _ => "rcoa's per-layer segment recomputation",
         };
         Checkpoint {
-            choice,
-            layers,
+            choice: spec.fit.checkpoint,
+            layers: spec.model.layers,
             mechanism,
+            quadratic_attention: !profile.fused_attention
+                || spec.train.attention == Attention::Eager,
         }
     }
 }
@@ -48,12 +56,17 @@ impl Pass for Checkpoint {
             CheckpointChoice::Selective => {
                 decide(log, self, "checkpoint = selective (attention core recomputed)",
                     "every layer keeps its projections' and MLP's activations but not the attention scores and probabilities, which the backward recomputes (one more q·kᵀ and probs·v per layer)");
-                CheckpointDomain::Fixed(Recompute::Block(0))
+                CheckpointDomain::Fixed(Recompute::Selective)
+            }
+            CheckpointChoice::Auto if self.quadratic_attention => {
+                decide(log, self, "checkpoint ∈ {first k layers of each stage, k = 0 … all; selective}",
+                    format!("recomputing a layer frees its saved activations for one more forward of it ({}); selective recomputation drops only the attention scores and probabilities of every layer for one more q·kᵀ and probs·v each; the search takes the fastest that fits", self.mechanism));
+                CheckpointDomain::AnyBlock { selective: true }
             }
             CheckpointChoice::Auto => {
                 decide(log, self, "checkpoint ∈ first k layers of each stage, k = 0 … all",
-                    format!("recomputing a layer frees its saved activations for one more forward of it ({}); the search takes the fewest that fit", self.mechanism));
-                CheckpointDomain::AnyBlock
+                    format!("recomputing a layer frees its saved activations for one more forward of it ({}); the search takes the fewest that fit (selective recomputation is not tried: fused attention saves no scores)", self.mechanism));
+                CheckpointDomain::AnyBlock { selective: false }
             }
         };
         Ok(())

@@ -101,7 +101,7 @@ impl Pass for Fit<'_> {
                 ),
             );
         }
-        if matches!(space.checkpoint, super::CheckpointDomain::AnyBlock) {
+        if matches!(space.checkpoint, super::CheckpointDomain::AnyBlock { .. }) {
             let none = Point {
                 recompute: super::Recompute::Block(0),
                 ..point.clone()

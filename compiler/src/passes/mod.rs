@@ -58,6 +58,9 @@ pub enum Recompute {
     Block(u64),
     /// Every `n`-th layer of the model (layers 0, n, 2n, ...).
     Every(u64),
+    /// No layer recomputed whole; every layer's attention core recomputed in its backward
+    /// (`checkpoint = selective`).
+    Selective,
 }
 
 /// The checkpoint domain: fixed by the plan, or every block size of a stage (`auto`).
@@ -66,8 +69,9 @@ pub enum Recompute {
 pub enum CheckpointDomain {
     /// Exactly this setting.
     Fixed(Recompute),
-    /// Every stage checkpoints its first `k` layers, `k` from 0 to the stage's layers.
-    AnyBlock,
+    /// Every stage checkpoints its first `k` layers, `k` from 0 to the stage's layers;
+    /// `selective`: [`Recompute::Selective`] is a choice of its own too.
+    AnyBlock { selective: bool },
 }
 
 /// What the passes leave for the search: one domain per setting.
@@ -187,8 +191,7 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
         spec.target,
     )
     .run(&mut plan, log)?;
-    checkpoint::Checkpoint::new(spec.fit.checkpoint, spec.model.layers, profile)
-        .run(&mut plan, log)?;
+    checkpoint::Checkpoint::new(spec, profile).run(&mut plan, log)?;
     offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target).run(&mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
     batch::Batch::new(spec).run(&mut plan, log)?;

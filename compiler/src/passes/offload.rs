@@ -2,14 +2,18 @@
 //!
 //! Only what `fit.offload` allows is tried, and never required: every
 //! subset of the allowed items is a candidate (the empty one first).
-//! Parameters move only with ZeRO-3 (DeepSpeed's `offload_param`); the
-//! search skips other stages. Activations are not offered: the memory model
+//! Parameters move only with ZeRO-3 on DeepSpeed (`offload_param`; the Burn
+//! executor under any stage); the search skips other stages there.
+//! Activations are not offered: the memory model
 //! does not model moving checkpointed inputs to the host, and a move it
 //! cannot price is not one the compiler may choose. Host and NVMe capacity
 //! are checked per candidate by the search. The Burn executor offloads the
-//! optimizer (state and update in host memory) and nothing else: a plan that
-//! needs more runs on an engine that has it (DeepSpeed, via `rcoa emit`) and
-//! says `target pytorch`, so its memory is predicted for that runtime.
+//! optimizer (state and update in host memory) and the parameters (fp32
+//! shards in host memory, which are the optimizer's master, each unit
+//! uploaded before its gather; under any ZeRO stage, sharded only by ZeRO-3;
+//! [`crate::profile::BURN_RUNS_ZERO3`]); nothing else: a plan that needs
+//! more runs on an engine that has it (DeepSpeed, via `rcoa emit`) and says
+//! `target pytorch`, so its memory is predicted for that runtime.
 
 use super::{decide, Pass, Plan};
 use crate::compile::CompileError;
@@ -42,11 +46,19 @@ impl Pass for Offload<'_> {
         let burn = self.target == Target::Burn;
         for o in self.allowed {
             // The Burn executor moves the optimizer state and its update to
-            // host memory (`backend/src/shard`), nothing else.
-            if burn && !(o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu) {
-                decide(log, self, format!("{o} not used"),
+            // host memory (`backend/src/shard`), and the parameters when it runs ZeRO-3.
+            let burn_params = crate::profile::BURN_RUNS_ZERO3 && o.what == OffloadWhat::Params;
+            if burn
+                && !((o.what == OffloadWhat::Optimizer || burn_params) && o.to == OffloadTo::Cpu)
+            {
+                let why = if crate::profile::BURN_RUNS_ZERO3 {
+                    "the Burn executor offloads the optimizer state and update, and the parameters, to host memory only; \
+                     gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
+                } else {
                     "the Burn executor offloads the optimizer state and update to host memory only; \
-                     parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)");
+                     parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
+                };
+                decide(log, self, format!("{o} not used"), why);
                 continue;
             }
             if o.what == OffloadWhat::Activations {

@@ -12,9 +12,11 @@
 //! moves the same bytes as tensor parallelism's all-reduces and divides
 //! the activations between them. Expert parallelism: dense models only.
 //! The Burn executor (`target burn`) runs data parallelism only, one process
-//! or thread per rank, with ZeRO 0, 1 or 2 (`backend/src/shard`): its `auto`
-//! degrees stay at 1 and its `auto` ZeRO stage within {0, 1, 2}, and a fixed
-//! ZeRO-3 is an error, so the search never picks what `rcoa run` refuses.
+//! or thread per rank, with ZeRO 0, 1, 2 and 3 (`backend/src/shard`; ZeRO-3
+//! gathers a unit — embedding, layer, head — at a time): its `auto` degrees
+//! stay at 1 and its `auto` ZeRO stage ranges over what it runs
+//! ([`crate::profile::BURN_RUNS_ZERO3`]); a fixed stage it does not run is an
+//! error, so the search never picks what `rcoa run` refuses.
 
 use super::{decide, divisors, Layout, Pass, Plan};
 use crate::compile::CompileError;
@@ -101,9 +103,15 @@ impl Pass for Sharding<'_> {
         ]
         .iter()
         .any(|c| c.is_auto());
+        let burn_zero3 = crate::profile::BURN_RUNS_ZERO3;
         if self.data_parallel_only() && (model_parallel_auto || self.parallel.zero.is_auto()) {
-            decide(log, self, "tensor = pipeline = context = 1, zero ∈ {0, 1, 2} (where auto)",
-                "the Burn executor trains data-parallel only (one process per rank) with ZeRO 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered) and weights gathered after the step; model parallelism and ZeRO-3 run on PyTorch engines (`target pytorch`, `rcoa emit`)");
+            if burn_zero3 {
+                decide(log, self, "tensor = pipeline = context = 1, zero ∈ {0, 1, 2, 3} (where auto)",
+                    "the Burn executor trains data-parallel only (one process per rank) with ZeRO 1 (optimizer state sharded, gradients all-reduced), 2 (gradients reduce-scattered) or 3 (weights sharded too, each unit — embedding, layer, head — gathered for its use and its gradient reduce-scattered as the backward leaves it); model parallelism runs on PyTorch engines (`target pytorch`, `rcoa emit`)");
+            } else {
+                decide(log, self, "tensor = pipeline = context = 1, zero ∈ {0, 1, 2} (where auto)",
+                    "the Burn executor trains data-parallel only (one process per rank) with ZeRO 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered) and weights gathered after the step; model parallelism and ZeRO-3 run on PyTorch engines (`target pytorch`, `rcoa emit`)");
+            }
         }
         if self.parallel.tensor.is_auto() && !self.data_parallel_only() {
             decide(log, self, format!("tensor ∈ {{{}}}", list(&tensor)),
@@ -185,7 +193,7 @@ impl Pass for Sharding<'_> {
         }
         plan.space.layouts = layouts;
         plan.space.zero = match self.parallel.zero {
-            Choice::Fixed(z) if z > 2 && self.data_parallel_only() => {
+            Choice::Fixed(z) if z > 2 && self.data_parallel_only() && !burn_zero3 => {
                 return Err(CompileError::Inconsistent {
                     what: format!("zero = {z} is not executed by the Burn executor (`target burn`)"),
                     help: "`rcoa run` runs ZeRO 0, 1 and 2 (optimizer state, and gradients, sharded; every rank holds the whole model) \
@@ -193,7 +201,8 @@ impl Pass for Sharding<'_> {
                 });
             }
             Choice::Fixed(z) => vec![z],
-            Choice::Auto if self.data_parallel_only() => vec![0, 1, 2],
+            Choice::Auto if self.data_parallel_only() && !burn_zero3 => vec![0, 1, 2],
+            Choice::Auto if self.data_parallel_only() => vec![0, 1, 2, 3],
             Choice::Auto => {
                 decide(log, self, "zero ∈ {0, 1, 2, 3}",
                     "each stage shards more (optimizer state, + gradients, + parameters) for more traffic; the search weighs memory against time");

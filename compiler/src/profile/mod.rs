@@ -11,6 +11,24 @@
 use crate::spec::Target;
 use serde::Serialize;
 
+/// Does rcoa's Burn executor run ZeRO-3 and parameter offload (`offload = [params]`, with
+/// ZeRO-3 or alone on one rank)? The one switch for `target burn`: when false the sharding
+/// and offload passes refuse them again, so the search never picks what `rcoa run` refuses.
+pub const BURN_RUNS_ZERO3: bool = true;
+
+/// Units (embedding, a layer, the head) the Burn executor's ZeRO-3 gathers ahead of the one
+/// running: at most `1 + ZERO3_PREFETCH_UNITS` gathered units are in flight besides those
+/// kept by graphs (non-checkpointed layers keep theirs until their backward).
+pub const ZERO3_PREFETCH_UNITS: usize = 1;
+
+/// Does the Burn executor's ZeRO-3 / parameter offload keep the fp32 gradient-shard
+/// accumulator in host memory when the optimizer is there (each unit's reduced shard sent
+/// down as the backward leaves the unit, as DeepSpeed's ZeRO-Offload does)? It does not:
+/// `backend/src/shard/zero3.rs` accumulates on the device and sends the shard down at the
+/// step. So a 7B full fine-tune cannot fit one 24 GB GPU (its fp32 accumulator alone is
+/// 29 GB); set this when the executor moves the accumulator.
+pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = false;
+
 /// What differs between executors, for the memory and time models.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Profile {
@@ -67,6 +85,10 @@ pub struct Profile {
     /// reduce-scatter during the backward). rcoa's Burn executor reduce-scatters one flat
     /// vector after the backward (`backend/src/shard`), so every gradient is whole until then.
     pub grads_sharded_in_backward: bool,
+    /// QLoRA's NF4 base stores its block scales double-quantized (bitsandbytes'
+    /// `compress_statistics`, `bnb_4bit_use_double_quant`): 8-bit scale codes plus an fp32
+    /// scale per 256 blocks, instead of one fp32 absmax per 64-value block.
+    pub nf4_double_quant: bool,
     /// Bytes a host optimizer step touches per second per GPU's share of the host
     /// (`offload = [optimizer]`): weights, gradients and state read, weights and state written.
     pub host_optimizer_bytes_per_s: f64,
@@ -171,6 +193,9 @@ impl Profile {
             default_reserve_bytes: 1 << 30,
             burn_ops: false,
             grads_sharded_in_backward: true,
+            // The QLoRA recipe (Dettmers et al. 2023, `bnb_4bit_use_double_quant=True`) that
+            // `plans/mistral-7b-qlora-1x24gb.plan` follows.
+            nf4_double_quant: true,
             host_optimizer_bytes_per_s: crate::cost::parallel::CPU_OPTIMIZER_BYTES_PER_S,
             inplace_elementwise: false,
             peak_sampled_at_segments: false,
@@ -239,6 +264,9 @@ impl Profile {
             default_reserve_bytes: 640 << 20,
             burn_ops: true,
             grads_sharded_in_backward: false,
+            // backend/src/model.rs quantizes QLoRA's base double-quantized
+            // (`QLORA_DOUBLE_QUANT`, the QLoRA recipe); `backend/src/quant/nf4.rs` does both.
+            nf4_double_quant: true,
             // backend/bench/host-optimizer on the 2-core machine this was written on (no GPU):
             // the executor's AdamW over 32 Mi fp32 parameters on 2 threads, 0.048 s, i.e.
             // 19.6 GB/s of 28 bytes per parameter (0.47 of a plain copy's 42 GB/s read + write).

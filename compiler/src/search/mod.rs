@@ -57,6 +57,7 @@ impl Point {
         let checkpoint_layers = match self.recompute {
             Recompute::Block(k) => (0..layers).filter(|i| i % per_stage.max(1) < k).collect(),
             Recompute::Every(n) => (0..layers).filter(|i| i % n.max(1) == 0).collect(),
+            Recompute::Selective => Vec::new(),
         };
         Candidate {
             micro_batch: self.micro_batch,
@@ -68,11 +69,12 @@ impl Point {
             context: l.context,
             sequence: self.sequence,
             checkpoint_layers,
+            selective: self.recompute == Recompute::Selective,
             offload: self.offload.clone(),
         }
     }
 
-    /// `"none"`, `"full"`, `"every 2"`, `"first 3 of 8 layers per stage"`.
+    /// `"none"`, `"full"`, `"selective"`, `"every 2"`, `"first 3 of 8 layers per stage"`.
     pub fn checkpoint_string(&self, layers: u64) -> String {
         let per_stage = layers.div_ceil(self.layout.pipeline.max(1));
         match self.recompute {
@@ -84,6 +86,7 @@ impl Point {
             Recompute::Block(k) => format!("first {k} of {layers} layers"),
             Recompute::Every(1) => "full".into(),
             Recompute::Every(n) => format!("every {n}"),
+            Recompute::Selective => "selective".into(),
         }
     }
 }
@@ -207,6 +210,29 @@ fn host_need(spec: &Spec, cand: &Candidate, report: &memory::MemoryReport) -> (u
     let trainable = report.params_trainable as f64;
     let mut per_rank = 0.0;
     let mut nvme = false;
+    if !report.units.is_empty() {
+        // The Burn executor's ZeRO-3 / parameter offload (`backend/src/shard/zero3.rs`): the
+        // host weights are fp32 shards and are the optimizer's master; the state (and the
+        // master when the weights stay on the device) beside the host optimizer; the fp32
+        // gradient-shard accumulator there too when the executor keeps it there.
+        let profile = Profile::for_target(spec.target);
+        let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 } as f64;
+        if memory::burn_host_grad_accumulator(&profile, cand) {
+            per_rank += trainable * 4.0 / shard;
+        }
+        if cand.offloads(OffloadWhat::Params) {
+            per_rank += report.params_total as f64 * 4.0 / wshards;
+        }
+        if cand.offloads(OffloadWhat::Optimizer) {
+            let master = match spec.precision.master {
+                Some(m) if !cand.offloads(OffloadWhat::Params) => m.bytes(),
+                _ => 0.0,
+            };
+            per_rank += trainable * (2.0 * spec.optimizer.state.bytes() + master) / shard;
+        }
+        let bytes = (per_rank * spec.hardware.gpus_per_node.max(1) as f64) as u64;
+        return (bytes, spec.hardware.host_memory_bytes);
+    }
     for o in &cand.offload {
         nvme |= o.to == OffloadTo::Nvme;
         per_rank += match o.what {
@@ -251,7 +277,8 @@ fn better(obj: Objective, a: (&Point, &Eval), b: (&Point, &Eval)) -> bool {
 /// Every group of the space: all settings but the recompute count, in point order.
 struct Group {
     base: Point,
-    /// Recompute options: `Block(0..=per_stage)` for `AnyBlock`, else the fixed one.
+    /// Recompute options, memory non-increasing and time increasing: `Block(0..=per_stage)`
+    /// for `AnyBlock`, `[Selective]` (a list of its own), or the fixed one.
     ks: Vec<Recompute>,
 }
 
@@ -273,18 +300,31 @@ fn groups(spec: &Spec, space: &SearchSpace) -> Vec<Vec<Group>> {
         };
         let per_rank = g / layout.data.max(1);
         let per_stage = spec.model.layers.div_ceil(layout.pipeline.max(1));
-        let ks: Vec<Recompute> = match space.checkpoint {
+        // Each family is searched on its own: selective is not between two block counts.
+        let families: Vec<Vec<Recompute>> = match space.checkpoint {
             CheckpointDomain::Fixed(Recompute::Block(k)) => {
-                vec![Recompute::Block(k.min(per_stage))]
+                vec![vec![Recompute::Block(k.min(per_stage))]]
             }
-            CheckpointDomain::Fixed(r) => vec![r],
-            CheckpointDomain::AnyBlock => (0..=per_stage).map(Recompute::Block).collect(),
+            CheckpointDomain::Fixed(r) => vec![vec![r]],
+            CheckpointDomain::AnyBlock { selective } => {
+                let mut v = vec![(0..=per_stage).map(Recompute::Block).collect()];
+                if selective {
+                    v.push(vec![Recompute::Selective]);
+                }
+                v
+            }
         };
         for &zero in &zeros {
             for &sequence in &seqs {
-                for off in &space.offload {
-                    // DeepSpeed moves parameters to the host only under ZeRO-3.
-                    if off.iter().any(|o| o.what == OffloadWhat::Params) && zero < 3 {
+                for (off, ks) in space
+                    .offload
+                    .iter()
+                    .flat_map(|o| families.iter().map(move |k| (o, k)))
+                {
+                    // DeepSpeed moves parameters to the host only under ZeRO-3; the Burn
+                    // executor under any stage (every rank streams all the host weights).
+                    let burn = spec.target == crate::spec::Target::Burn;
+                    if off.iter().any(|o| o.what == OffloadWhat::Params) && zero < 3 && !burn {
                         continue;
                     }
                     let mut list = Vec::new();
@@ -451,7 +491,7 @@ pub fn search<'a>(
     if let Some((bp, be)) = best.clone() {
         if !be.fits {
             let ks: Vec<Recompute> = match space.checkpoint {
-                CheckpointDomain::AnyBlock => {
+                CheckpointDomain::AnyBlock { .. } if bp.recompute != Recompute::Selective => {
                     let per_stage = spec.model.layers.div_ceil(bp.layout.pipeline.max(1));
                     (0..=per_stage).map(Recompute::Block).collect()
                 }
@@ -537,7 +577,15 @@ pub fn rejected(
                 std::cmp::Ordering::Greater
             }
         });
-        for (what, _, e) in v.into_iter().take(3) {
+        // At most three per setting; `checkpoint = selective` (a choice of its own, not a
+        // block count) is always shown when it was tried.
+        let kept: Vec<_> = v
+            .into_iter()
+            .enumerate()
+            .filter(|(i, (what, _, _))| *i < 3 || what == "checkpoint = selective")
+            .map(|(_, x)| x)
+            .collect();
+        for (what, _, e) in kept {
             let why = if !e.memory_fits() {
                 format!(
                     "{} > {} budget (peak {} + reserve {})",
