@@ -267,3 +267,60 @@ pub(crate) fn report<B: crate::ops::ExecAutodiff>(
         batches,
     })
 }
+
+/// What `rcoa eval` evaluates besides the plan.
+#[derive(Clone, Debug, Default)]
+pub struct EvalOptions {
+    pub data: std::path::PathBuf,
+    /// The folder of `tokenizer.json` (`crate::RunOptions::tokenizer`).
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// A checkpoint written by `rcoa run --save` whose weights to evaluate;
+    /// `None`: the plan's starting weights (its Hugging Face checkpoint, or
+    /// the random initialisation of `seed`).
+    pub checkpoint: Option<std::path::PathBuf>,
+    pub seed: u64,
+}
+
+/// `rcoa eval`: the held-out loss of the plan's model on the CPU. The model
+/// is built as `rcoa run` builds it (same weights, adapter, initialisation),
+/// in fp32, and run forward only. Evaluation is one process whatever the
+/// plan's data parallelism.
+pub fn evaluate_plan_cpu(plan: &LoweredPlan, opts: &EvalOptions) -> Result<EvalReport, RunError> {
+    type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+    let mut plan = plan.clone();
+    plan.resolved.data = 1;
+    plan.resolved.zero = 0;
+    plan.resolved.offload.clear();
+    let run = crate::RunOptions {
+        steps: 0,
+        seed: opts.seed,
+        data: None,
+        tokenizer: opts.tokenizer.clone(),
+        eval: Some(opts.data.clone()),
+        eval_every: None,
+        save: None,
+        save_every: None,
+        resume: None,
+        distributed: None,
+    };
+    let tok = crate::tokenizer(&plan, &run)?;
+    let set = EvalSet::load(&plan, &opts.data, &tok)?;
+    let device = Default::default();
+    let mut trainer = {
+        let _init = crate::INIT.lock().unwrap_or_else(|e| e.into_inner());
+        crate::train::Trainer::<Cpu>::new(
+            &plan,
+            crate::train::TrainerConfig {
+                seed: opts.seed,
+                batcher: crate::batcher(&plan, &run)?,
+                sixteen_bit: false,
+                collective: None,
+            },
+            device,
+        )?
+    };
+    if let Some(dir) = &opts.checkpoint {
+        trainer.resume(dir)?;
+    }
+    report(&trainer, &set)
+}

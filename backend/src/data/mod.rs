@@ -93,13 +93,9 @@ pub fn window_len(loss: Loss, seq: usize) -> usize {
     }
 }
 
-/// Anchors of the synthetic contrastive task are drawn from this many
-/// shared templates, so most in-batch negatives share an anchor's template.
-const TEMPLATES: u64 = 2;
-/// Share of an anchor's positions that are its own (not its template's).
-const OWN: f64 = 0.3;
-/// Share of positions a noisy view replaces at random.
-const NOISE: f64 = 0.3;
+/// Share of positions a noisy (positive) view of a synthetic contrastive
+/// text replaces with random tokens.
+const NOISE: f64 = 0.15;
 
 impl Source {
     /// The training source of `path` (see `files`).
@@ -180,56 +176,38 @@ impl Source {
         }
     }
 
-    /// A document other than `doc` for a grouped negative: synthetic
-    /// negatives share `doc`'s template (close distractors); `key` picks it.
-    fn distractor(&self, doc: u64, key: u64) -> u64 {
-        match self {
-            Source::Synthetic { .. } => key - key % TEMPLATES + doc % TEMPLATES,
-            _ => key,
-        }
-    }
-
     /// View `view` of contrastive "document" `doc`.
     ///
-    /// Synthetic: an anchor is one of `TEMPLATES` shared token sequences
-    /// with a share (`OWN`) of its positions replaced by tokens of its own;
-    /// view 0 is the anchor and every other view replaces a share (`NOISE`)
-    /// of the anchor's positions at random. Documents of one template agree
-    /// on most positions, so to an untrained encoder in-batch negatives look
-    /// like the positive: the model must learn to weigh the anchor's own
-    /// tokens, and the loss starts near chance and falls.
+    /// Synthetic: every text is an arrangement of one shared bag of tokens
+    /// (drawn once from the first 64 ids); a document is its own seeded
+    /// order of the bag, view 0 is that order and every other view replaces
+    /// a share (`NOISE`) of its positions with random tokens. Negatives are
+    /// other orders of the same tokens, so to an untrained encoder (mean
+    /// pooling: nearly a bag of tokens) every candidate looks alike and the
+    /// loss starts near chance; it falls as the model learns which token
+    /// sits where.
     ///
     /// File: a window and the window half a sequence later overlap by half.
     fn view(&self, doc: u64, view: u64, len: usize) -> Vec<u32> {
         match self {
             Source::Synthetic { vocab } => {
                 let alphabet = (*vocab).clamp(2, 64);
-                let mut tmpl = Rng::keyed(0x7E3F_1A7E, doc % TEMPLATES, 0, 0);
-                let mut own = Rng::keyed(doc, 0x0A11, 0, 0);
-                let anchor: Vec<u32> = (0..len)
-                    .map(|_| {
-                        let t = tmpl.below(alphabet) as u32;
-                        if own.unit() < OWN {
-                            own.below(alphabet) as u32
-                        } else {
-                            t
-                        }
-                    })
-                    .collect();
-                if view == 0 {
-                    return anchor;
+                let mut bag = Rng::keyed(0x7E3F_1A7E, len as u64, 0, 0);
+                let mut text: Vec<u32> = (0..len).map(|_| bag.below(alphabet) as u32).collect();
+                // The document's order: a seeded Fisher-Yates shuffle.
+                let mut order = Rng::keyed(doc, 0x0A11, 0, 0);
+                for i in (1..len).rev() {
+                    text.swap(i, order.below(i as u64 + 1) as usize);
                 }
-                let mut noise = Rng::keyed(doc, view, 7, 7);
-                anchor
-                    .into_iter()
-                    .map(|t| {
+                if view > 0 {
+                    let mut noise = Rng::keyed(doc, view, 7, 7);
+                    for t in &mut text {
                         if noise.unit() < NOISE {
-                            noise.below(alphabet) as u32
-                        } else {
-                            t
+                            *t = noise.below(alphabet) as u32;
                         }
-                    })
-                    .collect()
+                    }
+                }
+                text
             }
             Source::File { tokens, .. } | Source::Packed { tokens, .. } => {
                 let span = (len + len / 2).min(tokens.len());
@@ -381,7 +359,7 @@ impl Batcher {
                                 (base as usize + g) as u64 * self.group as u64 + j as u64,
                             )
                             .next_u64();
-                            self.source.view(self.source.distractor(doc, key), 0, s)
+                            self.source.view(key, 0, s)
                         };
                         inputs.extend(row.iter().map(|&t| t as i64));
                     }
