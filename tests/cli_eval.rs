@@ -183,3 +183,65 @@ fn synthetic_contrastive_pairs_start_hard_and_are_learnt() {
     assert!(head > 1.2, "the task is solved before training: {losses:?}");
     assert!(tail < head - 0.1, "the loss does not fall: {losses:?}");
 }
+
+fn step_losses(lines: &[serde_json::Value]) -> Vec<f64> {
+    lines
+        .iter()
+        .filter(|v| v.get("event").is_none())
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect()
+}
+
+/// A fine-tune of the Llama fixture on JSONL documents (its tokenizer,
+/// packed windows in a seeded order): `--eval` at step 0 is `rcoa eval`'s
+/// loss, and a run resumed at step 2 continues the same batches.
+#[test]
+fn llama_on_jsonl_evaluates_and_resumes_in_the_same_order() {
+    let dir = std::env::temp_dir().join(format!("rcoa-cli-eval-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let base = [
+        "run",
+        "tests/fixtures/eval/llama.plan",
+        "--data",
+        "tests/fixtures/hf/llama/eval.jsonl",
+        "--format",
+        "json",
+        "--seed",
+        "3",
+    ];
+    let run = |extra: &[&str]| {
+        let out = rcoa(&[&base[..], extra].concat());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        json_lines(&out)
+    };
+    let full = run(&[
+        "--steps",
+        "4",
+        "--eval",
+        "tests/fixtures/hf/llama/eval.jsonl",
+    ]);
+    let e = evals(&full);
+    assert_eq!(e[0].0, 0);
+    assert!(
+        (e[0].1 - reference_eval_loss("llama")).abs() < 1e-5,
+        "--eval at step 0: {e:?}"
+    );
+    assert!(
+        full[0]["data"].as_str().unwrap().contains("12 documents"),
+        "{}",
+        full[0]
+    );
+    let first = run(&["--steps", "2", "--save", ckpt]);
+    let rest = run(&["--steps", "4", "--resume", ckpt]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let (full, first, rest) = (step_losses(&full), step_losses(&first), step_losses(&rest));
+    assert_eq!(rest.len(), 2);
+    for (a, b) in first.iter().chain(&rest).zip(&full) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{first:?} + {rest:?} vs {full:?}"
+        );
+    }
+}

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// How a plan's text becomes token ids.
 pub enum TextTokenizer {
-    Hf(HfTokenizer),
+    Hf(Box<HfTokenizer>),
     /// One token per byte (vocabularies of 256 or more), or per distinct
     /// byte of the data (`ByteTable`) for smaller ones.
     Bytes,
@@ -43,7 +43,9 @@ impl TextTokenizer {
         else {
             return Ok(TextTokenizer::Bytes);
         };
-        Ok(TextTokenizer::Hf(HfTokenizer::load(&path, vocab)?))
+        Ok(TextTokenizer::Hf(Box::new(HfTokenizer::load(
+            &path, vocab,
+        )?)))
     }
 
     pub fn describe(&self) -> String {
@@ -188,6 +190,8 @@ mod tests {
     /// does (`tok.encode(t).ids + [eos]`, concatenated, cut into windows of
     /// 16), must give the windows `transformers` scored.
     fn check_causal(name: &str) {
+        // Off the memory probe's tests' threads (they count every allocation).
+        let _serial = crate::tests::serial();
         let t = match TextTokenizer::from_dir(Some(&fixture(name)), 1 << 20).unwrap() {
             TextTokenizer::Hf(t) => t,
             TextTokenizer::Bytes => panic!("{name}: no tokenizer found"),
@@ -232,6 +236,7 @@ mod tests {
 
     #[test]
     fn xlmr_tokenizer_adds_its_specials_and_pads_with_pad() {
+        let _serial = crate::tests::serial();
         let t = match TextTokenizer::from_dir(Some(&fixture("xlmr")), 1 << 20).unwrap() {
             TextTokenizer::Hf(t) => t,
             TextTokenizer::Bytes => panic!("no tokenizer found"),
@@ -240,10 +245,6 @@ mod tests {
         assert_eq!(ids.first(), Some(&0), "<s> first: {ids:?}");
         assert_eq!(ids.last(), Some(&2), "</s> last: {ids:?}");
         assert_eq!(t.pad, 1);
-        // reference.json's first row: `corpus(4, 6)[0]` truncated to 16.
-        let r = reference("xlmr");
-        let row: Vec<u32> = serde_json::from_value(r["input_ids"][0].clone()).unwrap();
-        assert_eq!(row[0], 0);
     }
 
     #[test]

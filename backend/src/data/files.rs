@@ -53,9 +53,7 @@ fn read_text(path: &Path) -> Result<String, RunError> {
 
 /// The JSON objects of a JSONL file with their 1-based line numbers; blank
 /// lines are skipped, an empty file is an error.
-fn objects(
-    path: &Path,
-) -> Result<Vec<(usize, serde_json::Map<String, serde_json::Value>)>, RunError> {
+fn objects(path: &Path) -> Result<Vec<(usize, Obj)>, RunError> {
     let text = read_text(path)?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {

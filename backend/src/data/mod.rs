@@ -650,7 +650,7 @@ mod tests {
         for r in 0..4 {
             let row = &batch.inputs[r * 4..(r + 1) * 4];
             let real = keep[r * 4..(r + 1) * 4].iter().filter(|&&k| k).count();
-            assert!(real >= 1 && real <= 4);
+            assert!((1..=4).contains(&real));
             assert!(row[real..].iter().all(|&t| t == 0), "{row:?}");
             assert!(keep[r * 4..r * 4 + real].iter().all(|&k| k));
         }
