@@ -679,4 +679,47 @@ mod tests {
             whole.inputs
         );
     }
+
+    #[test]
+    fn grouped_batches_hold_each_anchor_with_its_own_positives_and_negatives() {
+        let text: String = (0..3)
+            .map(|i| {
+                format!(
+                    "{{\"query\": \"q{i}\", \"positives\": [\"p{i}\", \"x\"], \"negatives\": [\"n{i}\", \"m{i}\", \"y\"]}}\n"
+                )
+            })
+            .collect();
+        let p = temp("grouped.jsonl", &text);
+        let mut sp = spec(Loss::Contrastive, 4, 300, 2);
+        sp.positives = 1;
+        sp.negatives = 2;
+        let b = Batcher {
+            source: load(&p, &sp).unwrap(),
+            loss: Loss::Contrastive,
+            micro_batch: 2,
+            seq: 4,
+            vocab: 300,
+            group: 4,
+            positives: 1,
+            grouped: true,
+            ..batcher(Loss::Contrastive)
+        };
+        let batch = b.batch(0, 0);
+        assert_eq!(batch.rows, 8);
+        let keep = batch.keep.as_ref().unwrap();
+        let mut anchors = Vec::new();
+        for g in 0..2 {
+            let row = |j: usize| &batch.inputs[(g * 4 + j) * 4..(g * 4 + j) * 4 + 2];
+            let digit = row(0)[1];
+            assert_eq!(row(0)[0], b'q' as i64);
+            for (j, c) in [(1, b'p'), (2, b'n'), (3, b'm')] {
+                assert_eq!(row(j), &[c as i64, digit], "group {g} row {j}");
+            }
+            assert!(keep[g * 16..g * 16 + 16]
+                .chunks(4)
+                .all(|r| r == [true, true, false, false]));
+            anchors.push(digit);
+        }
+        assert_ne!(anchors[0], anchors[1]);
+    }
 }
