@@ -23,6 +23,7 @@
 
 pub mod data;
 pub mod distributed;
+pub mod eval;
 pub mod loss;
 pub mod loss_chunked;
 pub mod memory;
@@ -32,6 +33,7 @@ pub mod optim;
 pub mod quant;
 pub mod shard;
 pub mod testing;
+pub mod tokenizer;
 pub mod train;
 pub mod weights;
 
@@ -259,8 +261,16 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
 pub struct RunOptions {
     pub steps: u64,
     pub seed: u64,
-    /// Train on this text file instead of synthetic tokens.
+    /// Train on this file instead of synthetic tokens: plain text, or JSONL
+    /// documents / pairs (`data::files`).
     pub data: Option<PathBuf>,
+    /// The folder whose `tokenizer.json` encodes text (a Hugging Face
+    /// config's folder); `None`: the folder of the plan's weights, if any.
+    pub tokenizer: Option<PathBuf>,
+    /// Held-out data (`eval`): its loss before the first step, every
+    /// `eval_every` steps and after the last.
+    pub eval: Option<PathBuf>,
+    pub eval_every: Option<u64>,
     /// Save a checkpoint here every `save_every` steps and at the end.
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
@@ -284,6 +294,8 @@ pub enum Event {
         step: u64,
         dir: PathBuf,
     },
+    /// The held-out loss (`RunOptions::eval`) after `step` optimizer steps.
+    Eval(eval::EvalReport),
 }
 
 #[derive(Clone, Debug)]
@@ -329,34 +341,76 @@ pub struct Summary {
     /// `param_checksum` of every rank this process drove (`--devices`), in
     /// local order; `execute_ranks` refuses to finish unless they are equal.
     pub local_param_checksums: Vec<f64>,
+    /// The held-out loss after the last step (`RunOptions::eval`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+}
+
+/// The tokenizer of a plan: `tokenizer.json` in `opts.tokenizer`, else
+/// beside the plan's weights; byte tokens without one.
+pub fn tokenizer(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+) -> Result<tokenizer::TextTokenizer, RunError> {
+    let dir = opts
+        .tokenizer
+        .clone()
+        .or_else(|| plan.model.weights.as_ref().map(PathBuf::from));
+    tokenizer::TextTokenizer::from_dir(dir.as_deref(), plan.model.vocab)
 }
 
 /// Build the batcher for a plan.
 pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunError> {
     let seq = plan.train.seq_len as usize;
+    let grouped =
+        plan.train.loss == Loss::Contrastive && plan.train.positives + plan.train.negatives > 0;
+    let group = if grouped {
+        (1 + plan.train.positives + plan.train.negatives) as usize
+    } else {
+        2
+    };
+    let ranks = opts.distributed.as_ref().map_or(1, |d| d.ranks());
+    let micro_batch = plan.resolved.micro_batch as usize;
+    let mut mask_id = None;
     let source = match &opts.data {
-        Some(p) => Source::from_file(p, plan.model.vocab, seq + 1)?,
+        Some(p) => {
+            let tok = tokenizer(plan, opts)?;
+            if let tokenizer::TextTokenizer::Hf(t) = &tok {
+                mask_id = t.mask;
+            }
+            let per_rank = match plan.train.loss {
+                Loss::Contrastive if grouped => micro_batch,
+                Loss::Contrastive => micro_batch / 2,
+                _ => micro_batch,
+            };
+            let spec = data::files::FileSpec {
+                loss: plan.train.loss,
+                seq,
+                vocab: plan.model.vocab,
+                positives: plan.train.positives as usize,
+                negatives: plan.train.negatives as usize,
+                batch_examples: per_rank * ranks as usize,
+            };
+            Source::from_file(p, &spec, &tok)?
+        }
         None => Source::Synthetic {
             vocab: plan.model.vocab,
         },
     };
-    let grouped =
-        plan.train.loss == Loss::Contrastive && plan.train.positives + plan.train.negatives > 0;
     Ok(Batcher {
         source,
         seed: opts.seed,
         loss: plan.train.loss,
-        micro_batch: plan.resolved.micro_batch as usize,
+        micro_batch,
         seq,
         vocab: plan.model.vocab,
-        group: if grouped {
-            (1 + plan.train.positives + plan.train.negatives) as usize
-        } else {
-            2
-        },
+        group,
         positives: plan.train.positives as usize,
         grouped,
         rank: opts.distributed.as_ref().map_or(0, |d| d.rank()),
+        ranks,
+        grad_accum: plan.resolved.grad_accum.max(1),
+        mask_id,
     })
 }
 
@@ -387,6 +441,10 @@ fn execute<B: ExecAutodiff>(
     check_plan_ranks(plan, ranks)?;
     let batcher = batcher(plan, opts)?;
     let data = batcher.source.describe();
+    let eval_set = match &opts.eval {
+        Some(p) => Some(eval::EvalSet::load(plan, p, &tokenizer(plan, opts)?)?),
+        None => None,
+    };
     // Join before building the model: a rank that cannot join fails fast.
     let collective = match &opts.distributed {
         Some(d) => Some(distributed::Collective::<B::InnerBackend>::register(
@@ -446,8 +504,16 @@ fn execute<B: ExecAutodiff>(
         },
     }));
     let mut reports = Vec::new();
-    // The ranks hold equal weights: global rank 0 alone writes checkpoints.
+    // The ranks hold equal weights: global rank 0 alone writes checkpoints
+    // and evaluates.
     let writer = opts.distributed.as_ref().is_none_or(|d| d.rank() == 0);
+    let eval_set = eval_set.filter(|_| writer);
+    let mut eval_loss = None;
+    if let Some(set) = &eval_set {
+        let r = eval::report(&trainer, set)?;
+        eval_loss = Some(r.eval_loss);
+        on_event(Event::Eval(r));
+    }
     while trainer.step < opts.steps {
         if let Some(p) = &progress {
             p.set_step(trainer.step + 1);
@@ -468,10 +534,22 @@ fn execute<B: ExecAutodiff>(
                 });
             }
         }
+        if let Some(set) = &eval_set {
+            let due = trainer.step == opts.steps
+                || opts
+                    .eval_every
+                    .is_some_and(|n| n > 0 && trainer.step % n == 0);
+            if due {
+                let r = eval::report(&trainer, set)?;
+                eval_loss = Some(r.eval_loss);
+                on_event(Event::Eval(r));
+            }
+        }
     }
     let mut summary = summarize(plan, &reports, probe);
     summary.param_checksum = trainer.param_checksum();
     summary.local_param_checksums = vec![summary.param_checksum];
+    summary.eval_loss = eval_loss;
     if let Some(p) = &progress {
         p.set_done();
     }
@@ -658,6 +736,7 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
         memory_measure: probe.what().to_string(),
         param_checksum: f64::NAN,
         local_param_checksums: Vec::new(),
+        eval_loss: None,
     }
 }
 

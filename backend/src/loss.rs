@@ -12,8 +12,9 @@ use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
-/// Temperature of the contrastive softmax (sentence-transformers uses 0.05).
-const TAU: f64 = 0.05;
+/// Temperature of the contrastive softmax (sentence-transformers uses 0.05;
+/// the plan language has no key for another).
+pub const TAU: f64 = 0.05;
 
 /// How a contrastive batch is laid out.
 #[derive(Clone, Copy, Debug)]
@@ -53,13 +54,28 @@ fn logsumexp<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
     s.squeeze_dim::<1>(1)
 }
 
-/// InfoNCE on mean-pooled embeddings of `hidden [rows, s, d]`.
+/// InfoNCE on mean-pooled embeddings of `hidden [rows, s, d]` at
+/// temperature `tau`; with `mask [rows, s]` (1 for real tokens, 0 for
+/// padding) the mean runs over real tokens only, as sentence-transformers
+/// pools with the attention mask.
 pub fn contrastive_loss<B: Backend>(
     hidden: Tensor<B, 3>,
     layout: ContrastiveLayout,
+    mask: Option<Tensor<B, 2>>,
+    tau: f64,
 ) -> Tensor<B, 1> {
     let [rows, _, d] = hidden.dims();
-    let emb = hidden.cast(FloatDType::F32).mean_dim(1).squeeze_dim::<2>(1);
+    let hidden = hidden.cast(FloatDType::F32);
+    let emb = match mask {
+        None => hidden.mean_dim(1).squeeze_dim::<2>(1),
+        Some(m) => {
+            // A row with no real token (shape padding) divides by 1, not 0:
+            // its zero embedding is scored by nothing.
+            let count = m.clone().sum_dim(1).clamp_min(1.0);
+            let m = m.cast(FloatDType::F32).unsqueeze_dim::<3>(2);
+            (hidden * m).sum_dim(1).squeeze_dim::<2>(1) / count
+        }
+    };
     let norm = emb.clone().powi_scalar(2).sum_dim(1).sqrt().clamp_min(1e-6);
     let emb = emb / norm;
     if layout.grouped {
@@ -71,7 +87,7 @@ pub fn contrastive_loss<B: Backend>(
         let sims = (cands * anchor)
             .sum_dim(2)
             .squeeze_dim::<2>(2)
-            .div_scalar(TAU);
+            .div_scalar(tau);
         let all = logsumexp(sims.clone());
         let pos = logsumexp(sims.narrow(1, 0, layout.positives.max(1)));
         (all - pos).mean()
@@ -80,8 +96,8 @@ pub fn contrastive_loss<B: Backend>(
         let e = emb.narrow(0, 0, 2 * n).reshape([n, 2, d]);
         let a = e.clone().narrow(1, 0, 1).reshape([n, d]);
         let p = e.narrow(1, 1, 1).reshape([n, d]);
-        let sims = a.clone().matmul(p.clone().transpose()).div_scalar(TAU);
-        let diag = (a * p).sum_dim(1).squeeze_dim::<1>(1).div_scalar(TAU);
+        let sims = a.clone().matmul(p.clone().transpose()).div_scalar(tau);
+        let diag = (a * p).sum_dim(1).squeeze_dim::<1>(1).div_scalar(tau);
         (logsumexp(sims) - diag).mean()
     }
 }

@@ -29,7 +29,7 @@
 //! recomputed layer sees the masks of its first forward.
 
 use crate::data::{Batch, Batcher};
-use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout};
+use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout, TAU};
 use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Model, ModelInit};
@@ -541,6 +541,41 @@ impl<B: ExecAutodiff> Trainer<B> {
         }
     }
 
+    /// The contexts (autodiff, inner) for `batch`: with its key-padding
+    /// mask when its rows are right-padded.
+    #[allow(clippy::type_complexity)]
+    fn contexts(
+        &self,
+        batch: &Batch,
+    ) -> (
+        std::borrow::Cow<'_, Ctx<B>>,
+        std::borrow::Cow<'_, Ctx<B::InnerBackend>>,
+    ) {
+        use std::borrow::Cow;
+        match &batch.keep {
+            None => (Cow::Borrowed(&self.ctx), Cow::Borrowed(&self.ictx)),
+            Some(k) => (
+                Cow::Owned(
+                    self.ctx
+                        .with_padding(k, batch.rows, batch.seq, &self.device),
+                ),
+                Cow::Owned(
+                    self.ictx
+                        .with_padding(k, batch.rows, batch.seq, &self.device),
+                ),
+            ),
+        }
+    }
+
+    /// The held-out loss of the weights the forward reads (`crate::eval`),
+    /// forward only on the inner backend.
+    pub fn evaluate(&self, set: &crate::eval::EvalSet) -> Result<(f64, usize), RunError> {
+        let model = self.working().valid();
+        let mut ctx = self.ictx.clone();
+        ctx.selective = false;
+        crate::eval::evaluate(&model, &ctx, set, &self.device)
+    }
+
     fn tokens(&self, batch: &Batch) -> Tensor<B, 2, Int> {
         let data =
             TensorData::new(batch.inputs.clone(), [batch.rows, batch.seq]).convert::<B::IntElem>();
@@ -582,7 +617,14 @@ impl<B: ExecAutodiff> Trainer<B> {
                     lm_loss(m.head.logits(h, &m.embed, ctx), targets, weights)
                 }
             }
-            Loss::Contrastive => contrastive_loss(h, self.layout),
+            Loss::Contrastive => {
+                // Padded rows (pairs files) pool over their real tokens only.
+                let mask = batch.keep.as_ref().map(|k| {
+                    let m: Vec<f32> = k.iter().map(|&k| if k { 1.0 } else { 0.0 }).collect();
+                    Tensor::<X, 2>::from_data(TensorData::new(m, [batch.rows, batch.seq]), device)
+                });
+                contrastive_loss(h, self.layout, mask, TAU)
+            }
         }
     }
 
@@ -609,26 +651,27 @@ impl<B: ExecAutodiff> Trainer<B> {
             });
         };
 
+        let (ctx, ictx) = self.contexts(batch);
         self.reseed_for(step, micro, 0);
-        let emb = m.embed.forward(self.tokens(batch), &self.ctx);
+        let emb = m.embed.forward(self.tokens(batch), &ctx);
         let mut x = emb.clone().inner();
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(m.layers.len());
         for (i, layer) in m.layers.iter().enumerate() {
             self.reseed_for(step, micro, i as u64 + 1);
             if self.checkpointed.get(i).copied().unwrap_or(false) {
-                let y = layer.valid().forward(x.clone(), &self.ictx);
+                let y = layer.valid().forward(x.clone(), &ictx);
                 saved.push(Saved::Input(x));
                 x = y;
             } else {
                 let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-                let y = layer.forward(leaf.clone(), &self.ctx);
+                let y = layer.forward(leaf.clone(), &ctx);
                 x = y.clone().inner();
                 saved.push(Saved::Graph(leaf, y));
             }
             self.mark(probe, true, &|| format!("forward:layer{i}"));
         }
         let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-        let loss = self.objective(m, leaf.clone(), batch, &self.ctx, &self.device);
+        let loss = self.objective(m, leaf.clone(), batch, &ctx, &self.device);
         let value = loss.clone().inner();
         self.mark(probe, false, &|| "forward:loss".into());
         let grads = loss.mul_scalar(scale).backward();
@@ -644,7 +687,7 @@ impl<B: ExecAutodiff> Trainer<B> {
                 Saved::Input(x) => {
                     self.reseed_for(step, micro, i as u64 + 1);
                     let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-                    let y = m.layers[i].forward(leaf.clone(), &self.ctx);
+                    let y = m.layers[i].forward(leaf.clone(), &ctx);
                     self.mark(probe, true, &|| format!("recompute:layer{i}"));
                     (leaf, y)
                 }
@@ -666,13 +709,14 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// the segmented step is tested against).
     pub fn reference_grads(&self, batch: &Batch, step: u64, micro: u64) -> (f64, GradientsParams) {
         let m = self.working();
+        let (ctx, _) = self.contexts(batch);
         self.reseed_for(step, micro, 0);
-        let mut x = m.embed.forward(self.tokens(batch), &self.ctx);
+        let mut x = m.embed.forward(self.tokens(batch), &ctx);
         for (i, layer) in m.layers.iter().enumerate() {
             self.reseed_for(step, micro, i as u64 + 1);
-            x = layer.forward(x, &self.ctx);
+            x = layer.forward(x, &ctx);
         }
-        let loss = self.objective(m, x, batch, &self.ctx, &self.device);
+        let loss = self.objective(m, x, batch, &ctx, &self.device);
         let value = loss.clone().into_scalar().elem::<f64>();
         let grads = loss.backward();
         let mut from = GradientsParams::from_grads(grads, m);

@@ -5,6 +5,7 @@ pub mod check;
 pub mod common;
 pub mod compile;
 pub mod emit;
+pub mod eval;
 pub mod fmt;
 pub mod init;
 pub mod orchestrate;

@@ -55,9 +55,16 @@ pub struct Args {
     device: Device,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
-    /// Train on this text file (byte-level tokens) instead of synthetic tokens.
+    /// Train on this file instead of synthetic tokens: JSONL `{"text": …}` documents,
+    /// JSONL pairs `{"query": …, "positive": …}` (contrastive), or plain text (docs/data.md).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
+    /// Held-out data: its loss (`eval_loss`) before the first step, every --eval-every
+    /// steps and after the last (as `rcoa eval` computes it).
+    #[arg(long, value_name = "FILE")]
+    eval: Option<PathBuf>,
+    #[arg(long, value_name = "N", requires = "eval")]
+    eval_every: Option<u64>,
     /// Save model and optimizer state here (atomically) at the end, and every `--save-every` steps.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
@@ -256,6 +263,12 @@ pub fn run(args: Args) -> ExitCode {
         steps: args.steps,
         seed: args.seed,
         data: args.data.clone(),
+        tokenizer: args
+            .plan
+            .as_ref()
+            .and_then(|p| super::eval::hf_config_dir(p, &plan)),
+        eval: args.eval.clone(),
+        eval_every: args.eval_every,
         save: args.save.clone(),
         save_every: args.save_every,
         resume: args.resume.clone(),
@@ -370,6 +383,25 @@ pub fn run(args: Args) -> ExitCode {
                 ));
             }
         }
+        Event::Eval(r) => {
+            if json {
+                println!(
+                    "{}",
+                    tag(serde_json::json!({
+                        "event": "eval", "step": r.step, "eval_loss": r.eval_loss,
+                        "examples": r.examples, "batches": r.batches,
+                    }))
+                );
+                let _ = std::io::stdout().flush();
+            } else if let Some(b) = &bar {
+                b.println(format!(
+                    "eval after step {}: loss {:.4}",
+                    r.step, r.eval_loss
+                ));
+            } else if text {
+                eprintln!("eval after step {}: loss {:.4}", r.step, r.eval_loss);
+            }
+        }
         Event::Saved { step, dir } => {
             if json {
                 println!(
@@ -437,6 +469,9 @@ pub fn run(args: Args) -> ExitCode {
 fn report(s: &Summary, ranks: u64, devices: u32, device: Device) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
+    if let Some(e) = s.eval_loss {
+        println!("eval loss        {e:.4}");
+    }
     println!("first step       {:.3} s", s.first_step_seconds);
     if ranks > 1 {
         println!(

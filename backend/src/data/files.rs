@@ -1,0 +1,368 @@
+//! Data files: plain text (a token stream), JSONL documents `{"text": …}`
+//! (causal and masked LM, packed), and JSONL pairs or groups
+//! `{"query", "positive"}` / `{"query", "positives": [..], "negatives": [..]}`
+//! (contrastive). A file is JSONL when its name ends in `.jsonl` or
+//! `.ndjson`. Every problem is a `RunError::Data` that names the file and,
+//! for JSONL, the line.
+
+use super::Source;
+use crate::tokenizer::{ByteTable, TextTokenizer};
+use crate::RunError;
+use rcoa_compiler::spec::Loss;
+use std::path::Path;
+
+/// What a plan needs of its data file.
+#[derive(Clone, Debug)]
+pub struct FileSpec {
+    pub loss: Loss,
+    pub seq: usize,
+    pub vocab: u64,
+    /// Contrastive: positives and negatives per anchor the plan trains with
+    /// (0, 0: in-batch pairs, one positive each).
+    pub positives: usize,
+    pub negatives: usize,
+    /// Examples one micro-batch takes over all data-parallel ranks: rows
+    /// (language modelling) or anchors (contrastive).
+    pub batch_examples: usize,
+}
+
+pub fn is_jsonl(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("jsonl" | "ndjson")
+    )
+}
+
+fn data_err(path: &Path, what: impl std::fmt::Display) -> RunError {
+    RunError::Data(format!("`{}`: {what}", path.display()))
+}
+
+fn read_text(path: &Path) -> Result<String, RunError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| RunError::Data(format!("cannot read `{}`: {e}", path.display())))?;
+    String::from_utf8(bytes).map_err(|e| {
+        data_err(
+            path,
+            format!(
+                "not UTF-8 text (byte {}): a data file holds text",
+                e.utf8_error().valid_up_to()
+            ),
+        )
+    })
+}
+
+/// The JSON objects of a JSONL file with their 1-based line numbers; blank
+/// lines are skipped, an empty file is an error.
+fn objects(path: &Path) -> Result<Vec<(usize, Obj)>, RunError> {
+    let text = read_text(path)?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            data_err(
+                path,
+                format!("line {n} is not JSON ({e}); a JSONL file holds one JSON object per line"),
+            )
+        })?;
+        match v {
+            serde_json::Value::Object(o) => out.push((n, o)),
+            _ => {
+                return Err(data_err(
+                    path,
+                    format!("line {n} is not a JSON object; each line must be one, such as {{\"text\": \"…\"}}"),
+                ))
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(data_err(path, "has no examples (the file is empty)"));
+    }
+    Ok(out)
+}
+
+type Obj = serde_json::Map<String, serde_json::Value>;
+
+fn string(path: &Path, n: usize, o: &Obj, key: &str) -> Result<Option<String>, RunError> {
+    match o.get(key) {
+        None => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(data_err(
+            path,
+            format!("line {n}: \"{key}\" must be a string"),
+        )),
+    }
+}
+
+fn strings(path: &Path, n: usize, o: &Obj, key: &str) -> Result<Option<Vec<String>>, RunError> {
+    match o.get(key) {
+        None => Ok(None),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    data_err(
+                        path,
+                        format!("line {n}: \"{key}\" must be a list of strings"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        Some(_) => Err(data_err(
+            path,
+            format!("line {n}: \"{key}\" must be a list of strings"),
+        )),
+    }
+}
+
+/// The documents of a `{"text": …}` JSONL file.
+pub fn read_texts(path: &Path) -> Result<Vec<String>, RunError> {
+    objects(path)?
+        .into_iter()
+        .map(|(n, o)| {
+            string(path, n, &o, "text")?.ok_or_else(|| {
+                data_err(
+                    path,
+                    format!(
+                        "line {n} has no \"text\"; language-model data is JSONL with one {{\"text\": \"…\"}} per document{}",
+                        if o.contains_key("query") { " (this line is a contrastive pair: the plan's loss is not contrastive)" } else { "" }
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// One anchor and its texts, as the file gives them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PairText {
+    pub line: usize,
+    pub query: String,
+    pub positives: Vec<String>,
+    pub negatives: Vec<String>,
+}
+
+/// The anchors of a pairs / groups JSONL file, each with at least
+/// `positives` positives (`"positive"` or `"positives"`) and `negatives`
+/// negatives (`"negative"` or `"negatives"`).
+pub fn read_pairs(
+    path: &Path,
+    positives: usize,
+    negatives: usize,
+) -> Result<Vec<PairText>, RunError> {
+    let mut out = Vec::new();
+    for (n, o) in objects(path)? {
+        let query = string(path, n, &o, "query")?.ok_or_else(|| {
+            data_err(
+                path,
+                format!(
+                    "line {n} has no \"query\"; contrastive data is JSONL pairs {{\"query\": \"…\", \"positive\": \"…\"}}{}",
+                    if o.contains_key("text") { " (this line is a document: the plan's loss is contrastive)" } else { "" }
+                ),
+            )
+        })?;
+        let mut pos = strings(path, n, &o, "positives")?.unwrap_or_default();
+        if let Some(p) = string(path, n, &o, "positive")? {
+            pos.insert(0, p);
+        }
+        let mut neg = strings(path, n, &o, "negatives")?.unwrap_or_default();
+        if let Some(p) = string(path, n, &o, "negative")? {
+            neg.insert(0, p);
+        }
+        let need_pos = positives.max(1);
+        if pos.len() < need_pos {
+            return Err(data_err(
+                path,
+                format!(
+                    "line {n} has {} positive(s) but the plan trains with {need_pos} per anchor: \
+                     give \"positive\": \"…\" or \"positives\": [..]",
+                    pos.len()
+                ),
+            ));
+        }
+        if neg.len() < negatives {
+            return Err(data_err(
+                path,
+                format!(
+                    "line {n} has {} negative(s) but the plan trains with {negatives} per anchor (train.negatives): \
+                     give \"negatives\": [..]",
+                    neg.len()
+                ),
+            ));
+        }
+        out.push(PairText {
+            line: n,
+            query,
+            positives: pos,
+            negatives: neg,
+        });
+    }
+    Ok(out)
+}
+
+/// Texts to ids: through the tokenizer (post-processor applied), or as bytes
+/// (a table of the bytes used for vocabularies under 256). Also returns the
+/// token that ends a document in a packed stream (EOS; `\n` for bytes) and
+/// the padding id.
+pub struct Encoded {
+    pub ids: Vec<Vec<u32>>,
+    pub eos: Option<u32>,
+    pub pad: u32,
+}
+
+pub fn encode(
+    path: &Path,
+    texts: &[&str],
+    tok: &TextTokenizer,
+    vocab: u64,
+) -> Result<Encoded, RunError> {
+    match tok {
+        TextTokenizer::Hf(t) => {
+            let ids = texts
+                .iter()
+                .map(|s| {
+                    t.encode(s)
+                        .map_err(|e| data_err(path, format!("cannot tokenize: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(Encoded {
+                ids,
+                eos: t.eos,
+                pad: t.pad,
+            })
+        }
+        TextTokenizer::Bytes => {
+            let table = ByteTable::build(
+                texts.iter().map(|s| s.as_bytes()).chain([&b"\n"[..]]),
+                vocab,
+            )
+            .map_err(|used| byte_table_err(path, used, vocab))?;
+            Ok(Encoded {
+                ids: texts.iter().map(|s| table.encode(s.as_bytes())).collect(),
+                eos: table.encode(b"\n").first().copied(),
+                pad: 0,
+            })
+        }
+    }
+}
+
+fn byte_table_err(path: &Path, used: usize, vocab: u64) -> RunError {
+    RunError::Data(format!(
+        "`{}` uses {used} distinct bytes but the model's vocabulary has {vocab} ids; \
+         use a model with vocab >= 256 (byte-level) or a file with fewer distinct characters",
+        path.display()
+    ))
+}
+
+/// Documents tokenized, each followed by `eos` (when there is one), concatenated.
+pub fn pack(docs: Vec<Vec<u32>>, eos: Option<u32>) -> Vec<u32> {
+    let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() + 1).sum());
+    for d in docs {
+        out.extend(d);
+        out.extend(eos);
+    }
+    out
+}
+
+/// The training source of `path` for a plan.
+pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source, RunError> {
+    let name = path.display().to_string();
+    if !is_jsonl(path) {
+        return plain_text(path, spec, tok);
+    }
+    if spec.loss == Loss::Contrastive {
+        let pairs = read_pairs(path, spec.positives, spec.negatives)?;
+        let group = if spec.positives + spec.negatives > 0 {
+            1 + spec.positives + spec.negatives
+        } else {
+            2
+        };
+        let take_pos = spec.positives.max(1);
+        let mut texts: Vec<&str> = Vec::with_capacity(pairs.len() * group);
+        for p in &pairs {
+            texts.push(&p.query);
+            texts.extend(p.positives.iter().take(take_pos).map(String::as_str));
+            texts.extend(p.negatives.iter().take(spec.negatives).map(String::as_str));
+        }
+        let enc = encode(path, &texts, tok, spec.vocab)?;
+        if pairs.len() < spec.batch_examples {
+            return Err(data_err(
+                path,
+                format!(
+                    "has {} anchors (lines); one micro-batch over all ranks needs {}: add examples or lower micro_batch",
+                    pairs.len(),
+                    spec.batch_examples
+                ),
+            ));
+        }
+        let seq = spec.seq;
+        let examples = enc
+            .ids
+            .chunks(group)
+            .map(|rows| {
+                rows.iter()
+                    .map(|r| r[..r.len().min(seq)].to_vec())
+                    .collect()
+            })
+            .collect();
+        return Ok(Source::Pairs {
+            examples,
+            pad: enc.pad,
+            name,
+        });
+    }
+    let texts = read_texts(path)?;
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let enc = encode(path, &refs, tok, spec.vocab)?;
+    let docs = enc.ids.len();
+    let tokens = pack(enc.ids, enc.eos);
+    let source = Source::Packed { tokens, name, docs };
+    let windows = source.windows(spec.loss, spec.seq);
+    if windows < spec.batch_examples {
+        let len = super::window_len(spec.loss, spec.seq);
+        return Err(data_err(
+            path,
+            format!(
+                "packs into {windows} sequences of {len} tokens ({} tokens from {docs} documents); one micro-batch \
+                 over all ranks needs {}: add text or lower seq_len or micro_batch",
+                source.token_count(),
+                spec.batch_examples
+            ),
+        ));
+    }
+    Ok(source)
+}
+
+/// Plain text: the whole file is one document (bytes, or the tokenizer's
+/// ids with EOS), trained on in windows at seeded random offsets.
+fn plain_text(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source, RunError> {
+    let need = super::window_len(spec.loss, spec.seq);
+    let tokens = match tok {
+        TextTokenizer::Hf(_) => {
+            let text = read_text(path)?;
+            let enc = encode(path, &[&text], tok, spec.vocab)?;
+            pack(enc.ids, enc.eos)
+        }
+        TextTokenizer::Bytes => {
+            let bytes = std::fs::read(path)
+                .map_err(|e| RunError::Data(format!("cannot read `{}`: {e}", path.display())))?;
+            let table = ByteTable::build(std::iter::once(&bytes[..]), spec.vocab)
+                .map_err(|used| byte_table_err(path, used, spec.vocab))?;
+            table.encode(&bytes)
+        }
+    };
+    if tokens.len() < need {
+        return Err(RunError::Data(format!(
+            "`{}` has {} tokens; one training sequence needs {need}",
+            path.display(),
+            tokens.len()
+        )));
+    }
+    Ok(Source::File {
+        tokens,
+        name: path.display().to_string(),
+    })
+}

@@ -1,0 +1,725 @@
+//! Training data: synthetic token streams (the default) or a local text file.
+//!
+//! Invariant: the batch for (step, micro-batch) is a pure function of the
+//! seed, the step, the micro-batch index and the data-parallel rank. No iterator state is carried, so
+//! a run resumed from a checkpoint at step k sees exactly the batches an
+//! uninterrupted run would have seen from step k on.
+//!
+//! Synthetic sequences are drawn from a Zipf-like distribution over a small
+//! alphabet with a repeated motif, so a model can learn something (the loss
+//! falls) within a few steps. A text file is tokenized byte by byte when the
+//! model's vocabulary holds all 256 bytes, otherwise by a character table
+//! built from the bytes the file uses.
+
+pub mod files;
+pub mod order;
+
+use crate::RunError;
+use rcoa_compiler::spec::Loss;
+use std::path::Path;
+
+/// SplitMix64: tiny, fast, and the same on every platform.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    /// A generator for one (seed, a, b, c) tuple.
+    pub fn keyed(seed: u64, a: u64, b: u64, c: u64) -> Self {
+        let mut r = Rng(seed ^ 0x9E37_79B9_7F4A_7C15);
+        for k in [a, b, c] {
+            r.0 ^= k.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            r.next_u64();
+        }
+        r
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next_u64() % n
+        }
+    }
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Where tokens come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    Synthetic {
+        vocab: u64,
+    },
+    /// A plain text file's tokens, read in windows at seeded random offsets.
+    File {
+        tokens: Vec<u32>,
+        name: String,
+    },
+    /// JSONL documents tokenized, each followed by EOS, concatenated: cut
+    /// into consecutive windows (`Source::windows`) taken in a seeded order,
+    /// every window once per epoch.
+    Packed {
+        tokens: Vec<u32>,
+        name: String,
+        docs: usize,
+    },
+    /// JSONL pairs or groups: per anchor its rows `[query, positives..,
+    /// negatives..]` (as many as the plan trains with), each truncated to
+    /// `seq_len`; right-padded with `pad` in a batch. Anchors are taken in a
+    /// seeded order, every anchor once per epoch.
+    Pairs {
+        examples: Vec<Vec<Vec<u32>>>,
+        pad: u32,
+        name: String,
+    },
+}
+
+/// Tokens one training row reads: causal LM predicts `seq` next tokens
+/// from `seq + 1`.
+pub fn window_len(loss: Loss, seq: usize) -> usize {
+    match loss {
+        Loss::CausalLm => seq + 1,
+        _ => seq,
+    }
+}
+
+/// Share of positions a noisy (positive) view of a synthetic contrastive
+/// text replaces with random tokens.
+const NOISE: f64 = 0.15;
+
+impl Source {
+    /// The training source of `path` (see `files`).
+    pub fn from_file(
+        path: &Path,
+        spec: &files::FileSpec,
+        tok: &crate::tokenizer::TextTokenizer,
+    ) -> Result<Self, RunError> {
+        files::load(path, spec, tok)
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Synthetic { .. } => "synthetic tokens".to_string(),
+            Source::File { tokens, name } => format!("{name} ({} tokens)", tokens.len()),
+            Source::Packed { tokens, name, docs } => {
+                format!("{name} ({docs} documents, {} tokens packed)", tokens.len())
+            }
+            Source::Pairs { examples, name, .. } => {
+                let rows = examples.first().map_or(0, Vec::len);
+                if rows == 2 {
+                    format!("{name} ({} pairs)", examples.len())
+                } else {
+                    format!("{name} ({} anchors of {rows} texts)", examples.len())
+                }
+            }
+        }
+    }
+
+    pub fn token_count(&self) -> usize {
+        match self {
+            Source::Synthetic { .. } => 0,
+            Source::File { tokens, .. } | Source::Packed { tokens, .. } => tokens.len(),
+            Source::Pairs { examples, .. } => examples.iter().flatten().map(Vec::len).sum(),
+        }
+    }
+
+    /// Packed: the number of training windows for `loss` (windows of
+    /// `window_len` tokens every `seq` tokens, so causal windows overlap by
+    /// the one token both predict from and to).
+    pub fn windows(&self, loss: Loss, seq: usize) -> usize {
+        match self {
+            Source::Packed { tokens, .. } => {
+                let extra = window_len(loss, seq) - seq;
+                tokens.len().saturating_sub(extra) / seq.max(1)
+            }
+            _ => 0,
+        }
+    }
+
+    /// One sequence of `len` tokens.
+    fn sequence(&self, rng: &mut Rng, len: usize) -> Vec<u32> {
+        match self {
+            Source::Synthetic { vocab } => {
+                // A motif of 8 tokens repeated with 10% noise, tokens from a
+                // skewed distribution over at most 256 ids.
+                let alphabet = (*vocab).clamp(2, 256);
+                let draw = |rng: &mut Rng| {
+                    let u = rng.unit();
+                    ((u * u * u) * alphabet as f64) as u32 % alphabet as u32
+                };
+                let motif: Vec<u32> = (0..8).map(|_| draw(rng)).collect();
+                (0..len)
+                    .map(|i| {
+                        if rng.unit() < 0.1 {
+                            draw(rng)
+                        } else {
+                            motif[i % motif.len()]
+                        }
+                    })
+                    .collect()
+            }
+            Source::File { tokens, .. } | Source::Packed { tokens, .. } => {
+                let start = rng.below((tokens.len() - len + 1) as u64) as usize;
+                tokens[start..start + len].to_vec()
+            }
+            Source::Pairs { .. } => unreachable!("pairs are batched by `Batcher::pairs`"),
+        }
+    }
+
+    /// View `view` of contrastive "document" `doc`.
+    ///
+    /// Synthetic: every text is an arrangement of one shared bag of tokens
+    /// (drawn once from the first 64 ids); a document is its own seeded
+    /// order of the bag, view 0 is that order and every other view replaces
+    /// a share (`NOISE`) of its positions with random tokens. Negatives are
+    /// other orders of the same tokens, so to an untrained encoder (mean
+    /// pooling: nearly a bag of tokens) every candidate looks alike and the
+    /// loss starts near chance; it falls as the model learns which token
+    /// sits where.
+    ///
+    /// File: a window and the window half a sequence later overlap by half.
+    fn view(&self, doc: u64, view: u64, len: usize) -> Vec<u32> {
+        match self {
+            Source::Synthetic { vocab } => {
+                let alphabet = (*vocab).clamp(2, 64);
+                let mut bag = Rng::keyed(0x7E3F_1A7E, len as u64, 0, 0);
+                let mut text: Vec<u32> = (0..len).map(|_| bag.below(alphabet) as u32).collect();
+                // The document's order: a seeded Fisher-Yates shuffle.
+                let mut order = Rng::keyed(doc, 0x0A11, 0, 0);
+                for i in (1..len).rev() {
+                    text.swap(i, order.below(i as u64 + 1) as usize);
+                }
+                if view > 0 {
+                    let mut noise = Rng::keyed(doc, view, 7, 7);
+                    for t in &mut text {
+                        if noise.unit() < NOISE {
+                            *t = noise.below(alphabet) as u32;
+                        }
+                    }
+                }
+                text
+            }
+            Source::File { tokens, .. } | Source::Packed { tokens, .. } => {
+                let span = (len + len / 2).min(tokens.len());
+                let start = Rng::new(doc).below((tokens.len() - span + 1) as u64) as usize;
+                let offset = if view == 0 { 0 } else { span - len };
+                tokens[start + offset..start + offset + len].to_vec()
+            }
+            Source::Pairs { .. } => unreachable!("pairs are batched by `Batcher::pairs`"),
+        }
+    }
+}
+/// One micro-batch on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Sequences encoded, row-major `[rows, seq]`.
+    pub inputs: Vec<i64>,
+    pub rows: usize,
+    pub seq: usize,
+    /// Causal and masked LM: the token to predict at each input position, `[rows, seq]`.
+    pub targets: Vec<i64>,
+    /// Masked LM: 1.0 where the position was masked and is scored, `[rows, seq]`.
+    pub weights: Vec<f32>,
+    /// Right-padded rows (contrastive pairs from a file): true for real
+    /// tokens, `[rows, seq]`, as Hugging Face's `attention_mask`. `None`:
+    /// every token is real (packed or synthetic sequences).
+    pub keep: Option<Vec<bool>>,
+}
+
+/// The shape of the batches a plan trains on.
+#[derive(Clone, Debug)]
+pub struct Batcher {
+    pub source: Source,
+    pub seed: u64,
+    pub loss: Loss,
+    pub micro_batch: usize,
+    pub seq: usize,
+    pub vocab: u64,
+    /// Contrastive: sequences per anchor (1 + positives + negatives), or 2 for
+    /// in-batch pairs when neither is given.
+    pub group: usize,
+    pub positives: usize,
+    /// Contrastive with explicit positives/negatives: `micro_batch` counts
+    /// anchors, each encoding `group` rows. Otherwise it counts rows.
+    pub grouped: bool,
+    /// Data-parallel rank: rank r's micro-batch holds rows (or groups)
+    /// `r*n .. (r+1)*n` of the global micro-batch, so R ranks with
+    /// micro-batch n see exactly the rows one process with R*n would see.
+    pub rank: u64,
+    /// Data-parallel ranks and micro-batches per step: where a micro-batch
+    /// sits in the run's stream of a file's examples (`Batcher::position`).
+    pub ranks: u64,
+    pub grad_accum: u64,
+    /// Masked LM's mask token: the tokenizer's, else the last id.
+    pub mask_id: Option<u32>,
+}
+
+/// Share of positions masked for masked-LM training (BERT).
+const MLM_RATE: f64 = 0.15;
+
+impl Batcher {
+    /// Rows (sequences) one micro-batch encodes.
+    pub fn rows(&self) -> usize {
+        match self.loss {
+            Loss::Contrastive if self.grouped => self.micro_batch * self.group,
+            _ => self.micro_batch,
+        }
+    }
+
+    /// Examples (rows, or contrastive anchors) one micro-batch of one rank takes.
+    pub fn examples_per_rank(&self) -> usize {
+        match self.loss {
+            Loss::Contrastive => self.rows() / self.group.max(1),
+            _ => self.rows(),
+        }
+    }
+
+    /// Position of example `i` of this rank's micro-batch `micro` of step
+    /// `step` in the run's stream: the global micro-batches in order, each
+    /// holding the ranks' examples in rank order.
+    fn position(&self, step: u64, micro: u64, i: usize) -> u64 {
+        let per_rank = self.examples_per_rank() as u64;
+        ((step * self.grad_accum.max(1) + micro) * self.ranks.max(1) + self.rank) * per_rank
+            + i as u64
+    }
+
+    /// Row `i`'s tokens: the packed file's window at its place in the
+    /// run's order, or a synthetic / random window drawn from `rng`.
+    fn lm_row(&self, step: u64, micro: u64, i: usize, rng: &mut Rng, len: usize) -> Vec<u32> {
+        if let Source::Packed { tokens, .. } = &self.source {
+            let n = self.source.windows(self.loss, self.seq) as u64;
+            let w = order::example(self.position(step, micro, i), n, self.seed);
+            return tokens[w * self.seq..w * self.seq + len].to_vec();
+        }
+        self.source.sequence(rng, len)
+    }
+
+    pub fn batch(&self, step: u64, micro: u64) -> Batch {
+        let (rows, s) = (self.rows(), self.seq);
+        let mut inputs = Vec::with_capacity(rows * s);
+        let mut targets = Vec::new();
+        let mut weights = Vec::new();
+        let mut keep = None;
+        let base = self.rank * rows as u64;
+        match self.loss {
+            Loss::CausalLm => {
+                for r in 0..rows {
+                    let mut rng = Rng::keyed(self.seed, step, micro, base + r as u64);
+                    let seq = self.lm_row(step, micro, r, &mut rng, s + 1);
+                    inputs.extend(seq[..s].iter().map(|&t| t as i64));
+                    targets.extend(seq[1..].iter().map(|&t| t as i64));
+                }
+            }
+            Loss::MaskedLm => {
+                let mask_id = self
+                    .mask_id
+                    .map_or(self.vocab.saturating_sub(1) as i64, |m| m as i64);
+                for r in 0..rows {
+                    // The masked positions are drawn from the row's generator
+                    // also for packed files (whose windows come in order).
+                    let mut rng = Rng::keyed(self.seed, step, micro, base + r as u64);
+                    let seq = self.lm_row(step, micro, r, &mut rng, s);
+                    for &t in &seq {
+                        let masked = rng.unit() < MLM_RATE;
+                        inputs.push(if masked { mask_id } else { t as i64 });
+                        targets.push(t as i64);
+                        weights.push(if masked { 1.0 } else { 0.0 });
+                    }
+                }
+            }
+            Loss::Contrastive if matches!(self.source, Source::Pairs { .. }) => {
+                keep = Some(self.pairs(step, micro, &mut inputs));
+            }
+            Loss::Contrastive => {
+                // Groups of `group` rows: an anchor, its positives (other
+                // views of its document) and its negatives (other documents).
+                let groups = rows / self.group.max(1);
+                let base = self.rank * groups as u64;
+                for g in 0..groups {
+                    let doc = Rng::keyed(self.seed, step, micro, base + g as u64).next_u64();
+                    inputs.extend(self.source.view(doc, 0, s).iter().map(|&t| t as i64));
+                    for j in 1..self.group {
+                        let row = if j <= self.positives.max(1) {
+                            self.source.view(doc, j as u64, s)
+                        } else {
+                            let key = Rng::keyed(
+                                self.seed ^ 0x5EED,
+                                step,
+                                micro,
+                                (base as usize + g) as u64 * self.group as u64 + j as u64,
+                            )
+                            .next_u64();
+                            self.source.view(key, 0, s)
+                        };
+                        inputs.extend(row.iter().map(|&t| t as i64));
+                    }
+                }
+                // Any leftover row (odd micro-batch with in-batch pairs) is padding for shape only.
+                while inputs.len() < rows * s {
+                    inputs.push(0);
+                }
+            }
+        }
+        Batch {
+            inputs,
+            rows,
+            seq: s,
+            targets,
+            weights,
+            keep,
+        }
+    }
+
+    /// A contrastive micro-batch from a pairs file: each anchor's rows in
+    /// the file's order (`[query, positives.., negatives..]`), right-padded;
+    /// returns the attention mask. A leftover row (odd micro-batch with
+    /// in-batch pairs) is padding, scored by nothing.
+    fn pairs(&self, step: u64, micro: u64, inputs: &mut Vec<i64>) -> Vec<bool> {
+        let Source::Pairs { examples, pad, .. } = &self.source else {
+            unreachable!("called for pairs files only")
+        };
+        let (rows, s) = (self.rows(), self.seq);
+        let mut keep = Vec::with_capacity(rows * s);
+        let n = examples.len() as u64;
+        for i in 0..self.examples_per_rank() {
+            let e = order::example(self.position(step, micro, i), n, self.seed);
+            for row in examples[e].iter().take(self.group) {
+                let len = row.len().min(s);
+                inputs.extend(row[..len].iter().map(|&t| t as i64));
+                inputs.extend(std::iter::repeat_n(*pad as i64, s - len));
+                keep.extend((0..s).map(|p| p < len));
+            }
+        }
+        while inputs.len() < rows * s {
+            inputs.push(*pad as i64);
+            keep.push(true);
+        }
+        keep
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batcher(loss: Loss) -> Batcher {
+        Batcher {
+            source: Source::Synthetic { vocab: 100 },
+            seed: 7,
+            loss,
+            micro_batch: 2,
+            seq: 16,
+            vocab: 100,
+            group: 2,
+            positives: 0,
+            grouped: false,
+            rank: 0,
+            ranks: 1,
+            grad_accum: 1,
+            mask_id: None,
+        }
+    }
+
+    #[test]
+    fn ranks_hold_consecutive_rows_of_the_global_batch() {
+        let one = Batcher {
+            micro_batch: 4,
+            ..batcher(Loss::CausalLm)
+        };
+        let (a, b) = (
+            Batcher {
+                rank: 0,
+                ..batcher(Loss::CausalLm)
+            },
+            Batcher {
+                rank: 1,
+                ..batcher(Loss::CausalLm)
+            },
+        );
+        let whole = one.batch(2, 1);
+        let (a, b) = (a.batch(2, 1), b.batch(2, 1));
+        assert_eq!([a.inputs, b.inputs].concat(), whole.inputs);
+        assert_eq!([a.targets, b.targets].concat(), whole.targets);
+    }
+
+    #[test]
+    fn batches_are_a_function_of_step_and_micro() {
+        let b = batcher(Loss::CausalLm);
+        assert_eq!(b.batch(3, 1), b.batch(3, 1));
+        assert_ne!(b.batch(3, 1), b.batch(4, 1));
+        assert_ne!(b.batch(3, 0), b.batch(3, 1));
+    }
+
+    #[test]
+    fn causal_targets_are_inputs_shifted() {
+        let b = batcher(Loss::CausalLm).batch(0, 0);
+        assert_eq!(b.inputs.len(), 32);
+        assert_eq!(&b.inputs[1..16], &b.targets[..15]);
+        assert!(b.inputs.iter().all(|&t| (0..100).contains(&t)));
+    }
+
+    #[test]
+    fn masked_lm_masks_some_positions() {
+        let b = batcher(Loss::MaskedLm).batch(0, 0);
+        let masked = b.weights.iter().filter(|&&w| w > 0.0).count();
+        assert!(masked > 0 && masked < 32);
+        for i in 0..32 {
+            if b.weights[i] > 0.0 {
+                assert_eq!(b.inputs[i], 99);
+            }
+        }
+    }
+
+    fn temp(name: &str, text: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("rcoa-data-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    fn spec(loss: Loss, seq: usize, vocab: u64, batch_examples: usize) -> files::FileSpec {
+        files::FileSpec {
+            loss,
+            seq,
+            vocab,
+            positives: 0,
+            negatives: 0,
+            batch_examples,
+        }
+    }
+
+    fn load(p: &Path, spec: &files::FileSpec) -> Result<Source, RunError> {
+        Source::from_file(p, spec, &crate::tokenizer::TextTokenizer::Bytes)
+    }
+
+    #[test]
+    fn small_vocab_file_uses_a_character_table() {
+        let p = temp("t.txt", "abcabcabcabcabcabc");
+        let s = load(&p, &spec(Loss::CausalLm, 4, 8, 1)).unwrap();
+        match &s {
+            Source::File { tokens, .. } => assert_eq!(&tokens[..4], &[0, 1, 2, 0]),
+            _ => unreachable!(),
+        }
+        assert!(load(&p, &spec(Loss::CausalLm, 4, 2, 1)).is_err());
+        assert!(load(&p, &spec(Loss::CausalLm, 99, 300, 1)).is_err());
+    }
+
+    /// The error of loading `text` as `name` for `loss`.
+    fn bad(name: &str, text: &str, loss: Loss) -> String {
+        let p = temp(name, text);
+        match load(&p, &spec(loss, 4, 300, 2)) {
+            Err(RunError::Data(m)) => m,
+            other => panic!("{name}: expected a data error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_line_that_is_not_json_is_named() {
+        let m = bad(
+            "nj.jsonl",
+            "{\"text\": \"a\"}\n\n{\"text\": oops}\n",
+            Loss::CausalLm,
+        );
+        assert!(m.contains("line 3 is not JSON"), "{m}");
+    }
+
+    #[test]
+    fn a_missing_key_is_named_with_its_line() {
+        let m = bad(
+            "mk.jsonl",
+            "{\"text\": \"abcdefgh\"}\n{\"txt\": \"a\"}\n",
+            Loss::CausalLm,
+        );
+        assert!(m.contains("line 2 has no \"text\""), "{m}");
+        let m = bad(
+            "mq.jsonl",
+            "{\"query\": \"a\", \"positive\": \"b\"}\n{\"text\": \"a\"}\n",
+            Loss::Contrastive,
+        );
+        assert!(m.contains("line 2 has no \"query\""), "{m}");
+        let m = bad("mp.jsonl", "{\"query\": \"a\"}\n", Loss::Contrastive);
+        assert!(m.contains("line 1 has 0 positive(s)"), "{m}");
+        let m = bad("ns.jsonl", "{\"text\": 3}\n", Loss::CausalLm);
+        assert!(m.contains("line 1: \"text\" must be a string"), "{m}");
+    }
+
+    #[test]
+    fn an_empty_file_is_refused() {
+        let m = bad("empty.jsonl", "\n  \n", Loss::CausalLm);
+        assert!(m.contains("has no examples"), "{m}");
+    }
+
+    #[test]
+    fn too_few_examples_for_a_batch_are_refused() {
+        // Two micro-batch examples needed: one pair is too few.
+        let m = bad(
+            "few.jsonl",
+            "{\"query\": \"a\", \"positive\": \"b\"}\n",
+            Loss::Contrastive,
+        );
+        assert!(m.contains("has 1 anchors") && m.contains("needs 2"), "{m}");
+        // "abc\n" packs into 4 tokens: one window of 4 + 1 is too few.
+        let m = bad("short.jsonl", "{\"text\": \"abc\"}\n", Loss::CausalLm);
+        assert!(m.contains("packs into 0 sequences"), "{m}");
+    }
+
+    #[test]
+    fn grouped_plans_need_enough_negatives_per_line() {
+        let p = temp(
+            "g.jsonl",
+            "{\"query\": \"a\", \"positives\": [\"b\"], \"negatives\": [\"c\"]}\n",
+        );
+        let mut sp = spec(Loss::Contrastive, 4, 300, 1);
+        sp.positives = 1;
+        sp.negatives = 2;
+        let m = load(&p, &sp).unwrap_err().to_string();
+        assert!(
+            m.contains("line 1 has 1 negative(s)") && m.contains("with 2"),
+            "{m}"
+        );
+        sp.negatives = 1;
+        match load(&p, &sp).unwrap() {
+            Source::Pairs { examples, .. } => {
+                assert_eq!(examples, vec![vec![vec![97], vec![98], vec![99]]])
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn packed_batcher(loss: Loss, text: &str, micro_batch: usize) -> Batcher {
+        let p = temp(&format!("packed-{micro_batch}-{loss:?}.jsonl"), text);
+        let examples = if loss == Loss::Contrastive {
+            micro_batch / 2
+        } else {
+            micro_batch
+        };
+        let source = load(&p, &spec(loss, 4, 300, examples)).unwrap();
+        Batcher {
+            source,
+            micro_batch,
+            seq: 4,
+            vocab: 300,
+            ..batcher(loss)
+        }
+    }
+
+    #[test]
+    fn documents_are_packed_with_a_separator_and_every_window_is_seen_once_per_epoch() {
+        // Byte tokens: each document then "\n" (the byte tokens' EOS).
+        let b = packed_batcher(
+            Loss::CausalLm,
+            "{\"text\": \"abcdefg\"}\n{\"text\": \"hijklmn\"}\n",
+            1,
+        );
+        match &b.source {
+            Source::Packed { tokens, docs, .. } => {
+                assert_eq!(*docs, 2);
+                assert_eq!(tokens.len(), 16);
+                assert_eq!(tokens[7], b'\n' as u32);
+            }
+            other => panic!("{other:?}"),
+        }
+        // (16 - 1) / 4 = 3 windows of 5 tokens every 4: one epoch is 3 steps.
+        let mut starts: Vec<i64> = (0..3).map(|step| b.batch(step, 0).inputs[0]).collect();
+        starts.sort();
+        assert_eq!(starts, vec![b'a' as i64, b'e' as i64, b'h' as i64]);
+        let w = b.batch(0, 0);
+        assert_eq!(&w.inputs[1..], &w.targets[..3]);
+        assert!(w.keep.is_none());
+    }
+
+    #[test]
+    fn pairs_are_right_padded_with_a_mask() {
+        let text = "{\"query\": \"ab\", \"positive\": \"abcdef\"}\n{\"query\": \"xyz\", \"positive\": \"x\"}\n";
+        let b = packed_batcher(Loss::Contrastive, text, 4);
+        let batch = b.batch(0, 0);
+        let keep = batch.keep.as_ref().expect("a mask");
+        assert_eq!(batch.rows, 4);
+        // Every row: its text truncated to seq 4, then padding (id 0) masked out.
+        for r in 0..4 {
+            let row = &batch.inputs[r * 4..(r + 1) * 4];
+            let real = keep[r * 4..(r + 1) * 4].iter().filter(|&&k| k).count();
+            assert!((1..=4).contains(&real));
+            assert!(row[real..].iter().all(|&t| t == 0), "{row:?}");
+            assert!(keep[r * 4..r * 4 + real].iter().all(|&k| k));
+        }
+        let queries: Vec<i64> = [0, 2].iter().map(|r| batch.inputs[r * 4]).collect();
+        let mut q = queries.clone();
+        q.sort();
+        assert_eq!(q, vec![b'a' as i64, b'x' as i64], "both pairs, once each");
+        assert_eq!(b.batch(1, 0), b.batch(1, 0));
+    }
+
+    #[test]
+    fn ranks_of_a_packed_file_split_the_global_batch() {
+        let text: String = (0..20)
+            .map(|i| format!("{{\"text\": \"doc {i} text\"}}\n"))
+            .collect();
+        let one = packed_batcher(Loss::CausalLm, &text, 4);
+        let half = |rank| Batcher {
+            micro_batch: 2,
+            rank,
+            ranks: 2,
+            ..one.clone()
+        };
+        let whole = one.batch(3, 0);
+        assert_eq!(
+            [half(0).batch(3, 0).inputs, half(1).batch(3, 0).inputs].concat(),
+            whole.inputs
+        );
+    }
+
+    #[test]
+    fn grouped_batches_hold_each_anchor_with_its_own_positives_and_negatives() {
+        let text: String = (0..3)
+            .map(|i| {
+                format!(
+                    "{{\"query\": \"q{i}\", \"positives\": [\"p{i}\", \"x\"], \"negatives\": [\"n{i}\", \"m{i}\", \"y\"]}}\n"
+                )
+            })
+            .collect();
+        let p = temp("grouped.jsonl", &text);
+        let mut sp = spec(Loss::Contrastive, 4, 300, 2);
+        sp.positives = 1;
+        sp.negatives = 2;
+        let b = Batcher {
+            source: load(&p, &sp).unwrap(),
+            loss: Loss::Contrastive,
+            micro_batch: 2,
+            seq: 4,
+            vocab: 300,
+            group: 4,
+            positives: 1,
+            grouped: true,
+            ..batcher(Loss::Contrastive)
+        };
+        let batch = b.batch(0, 0);
+        assert_eq!(batch.rows, 8);
+        let keep = batch.keep.as_ref().unwrap();
+        let mut anchors = Vec::new();
+        for g in 0..2 {
+            let row = |j: usize| &batch.inputs[(g * 4 + j) * 4..(g * 4 + j) * 4 + 2];
+            let digit = row(0)[1];
+            assert_eq!(row(0)[0], b'q' as i64);
+            for (j, c) in [(1, b'p'), (2, b'n'), (3, b'm')] {
+                assert_eq!(row(j), &[c as i64, digit], "group {g} row {j}");
+            }
+            assert!(keep[g * 16..g * 16 + 16]
+                .chunks(4)
+                .all(|r| r == [true, true, false, false]));
+            anchors.push(digit);
+        }
+        assert_ne!(anchors[0], anchors[1]);
+    }
+}
