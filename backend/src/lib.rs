@@ -18,8 +18,9 @@
 //! `data` must equal processes × devices.
 //!
 //! What this executor does not do is an error before anything runs
-//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, QLoRA's 4-bit base, mixture of
-//! experts, optimizers Burn lacks.
+//! (`check_plan`): tensor, pipeline or context parallelism, offload of
+//! gradients or activations, offload to NVMe, QLoRA's 4-bit base, mixture
+//! of experts, optimizers Burn lacks.
 
 pub mod data;
 pub mod distributed;
@@ -138,7 +139,7 @@ pub fn check_host_memory(
         })
         .unwrap_or_default();
     Err(RunError::Unsupported(format!(
-        "the offloaded optimizer needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
+        "the offloaded state (optimizer, parameters) needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
          (MemAvailable){assumed}: free memory, or run fewer ranks per process",
         gib(need),
         gib(free)
@@ -173,29 +174,26 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
             )
         }));
     }
-    if r.zero > 2 {
+    if r.zero > 3 {
         return u(format!(
-            "ZeRO stage {} shards the weights at rest and gathers them per layer; the Burn executor runs stages 0, 1 and 2 \
-             (optimizer state, and gradients, sharded over the ranks; every rank holds the whole model): use `zero = 2`",
+            "ZeRO stage {} does not exist: the stages are 0, 1, 2 and 3",
             r.zero
         ));
     }
     for o in &r.offload {
         use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
         match (o.what, o.to) {
-            (OffloadWhat::Optimizer, OffloadTo::Cpu) => {}
-            (OffloadWhat::Optimizer, OffloadTo::Nvme) => {
-                return u("the plan offloads the optimizer to NVMe; the Burn executor offloads it to host memory only (`offload = [optimizer]`)".into())
-            }
-            (OffloadWhat::Params, _) => {
+            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Cpu) => {}
+            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Nvme) => {
                 return u(format!(
-                    "the plan offloads the parameters ({o}): weights at rest on the host, streamed per layer, are not executed by the Burn executor; \
-                     it offloads the optimizer state and update only (`offload = [optimizer]`)"
+                    "the plan offloads {o} to NVMe; the Burn executor offloads the optimizer and the parameters to host memory only \
+                     (`offload = [optimizer, params]`)"
                 ))
             }
             (OffloadWhat::Grads, _) | (OffloadWhat::Activations, _) => {
                 return u(format!(
-                    "the plan offloads {o}; the Burn executor offloads the optimizer state and update only (`offload = [optimizer]`)"
+                    "the plan offloads {o}; the Burn executor offloads the optimizer (state and update) and the parameters \
+                     (weights at rest) to host memory only (`offload = [optimizer, params]`)"
                 ))
             }
         }
@@ -408,11 +406,13 @@ fn execute<B: ExecAutodiff>(
     if let Some(b) = built {
         b.wait();
     }
-    if trainer.zero().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
+    let sharded = trainer.zero().is_some() || trainer.zero3().is_some();
+    if sharded && (opts.save.is_some() || opts.resume.is_some()) {
         // Rank 0 alone writes checkpoints, and its Burn optimizer record is
-        // empty here: a checkpoint would silently lose the other shards.
+        // empty here (with ZeRO-3 its model too): a checkpoint would
+        // silently lose the other shards.
         return Err(RunError::Unsupported(format!(
-            "--save/--resume with zero = {} or an offloaded optimizer: checkpoints do not hold the ranks' optimizer shards yet \
+            "--save/--resume with zero = {} or anything offloaded: checkpoints do not hold the ranks' shards yet \
              (run without them, or with zero = 0 and nothing offloaded)",
             plan.resolved.zero
         )));
@@ -434,11 +434,8 @@ fn execute<B: ExecAutodiff>(
         data,
         first_step: trainer.step + 1,
         memory_measure: probe.what(),
-        zero: trainer.zero().map_or(0, |z| z.stage()),
-        offload: match trainer.zero().map(|z| z.optimizer().place()) {
-            Some(optim::Place::Host { .. }) => vec!["optimizer:cpu".into()],
-            _ => Vec::new(),
-        },
+        zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
+        offload: shard::executed_offload(trainer.zero(), trainer.zero3()),
     }));
     let mut reports = Vec::new();
     // The ranks hold equal weights: global rank 0 alone writes checkpoints.
@@ -465,7 +462,7 @@ fn execute<B: ExecAutodiff>(
         }
     }
     let mut summary = summarize(plan, &reports, probe);
-    summary.param_checksum = trainer.param_checksum();
+    summary.param_checksum = trainer.param_checksum()?;
     summary.local_param_checksums = vec![summary.param_checksum];
     if let Some(p) = &progress {
         p.set_done();
