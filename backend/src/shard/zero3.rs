@@ -185,6 +185,10 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
 }
 
+/// `for_plan`'s answer: the per-unit state (if any) and the model the
+/// trainer keeps.
+pub type Sharded<B> = (Option<Zero3<<B as AutodiffBackend>::InnerBackend>>, Model<B>);
+
 /// The per-unit state for `plan` and the skeleton that replaces `model`
 /// (its parameters are 1-element placeholders with the same ids), or `None`
 /// when the plan keeps whole weights on the device. `model` holds the fp32
@@ -194,7 +198,7 @@ pub fn for_plan<B: ExecAutodiff>(
     model: Model<B>,
     storage: Storage,
     collective: Option<&Collective<B::InnerBackend>>,
-) -> Result<(Option<Zero3<B::InnerBackend>>, Model<B>), RunError> {
+) -> Result<Sharded<B>, RunError> {
     if !wanted(plan) {
         return Ok((None, model));
     }
