@@ -506,6 +506,18 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                     assert_eq!(stage, zero);
                     let off = shard::executed_offload(t.zero(), t.zero3());
                     assert_eq!(off.len(), plan.resolved.offload.len(), "{off:?}");
+                    if let Some(z) = t.zero3() {
+                        // At rest a rank holds half of every unit (ZeRO-3;
+                        // padded to even halves), or all of it.
+                        let (all, _) = z.param_counts();
+                        let units = plan.model.layers as usize + 2;
+                        let held = z.weight_shard_len();
+                        if zero == 3 {
+                            assert!(held <= all as usize / 2 + 2 * units, "{held} of {all}");
+                        } else {
+                            assert_eq!(held, all as usize);
+                        }
+                    }
                     let mut losses = Vec::new();
                     for step in 1..=steps {
                         progress.set_step(step);

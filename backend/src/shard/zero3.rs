@@ -187,7 +187,10 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
 
 /// `for_plan`'s answer: the per-unit state (if any) and the model the
 /// trainer keeps.
-pub type Sharded<B> = (Option<Zero3<<B as AutodiffBackend>::InnerBackend>>, Model<B>);
+pub type Sharded<B> = (
+    Option<Zero3<<B as AutodiffBackend>::InnerBackend>>,
+    Model<B>,
+);
 
 /// The per-unit state for `plan` and the skeleton that replaces `model`
 /// (its parameters are 1-element placeholders with the same ids), or `None`
