@@ -113,7 +113,8 @@ pub fn host_memory_available() -> Option<u64> {
 
 /// Refuse to start an offloaded run on a host with less free memory
 /// (`available`, see `host_memory_available`) than the executor will put
-/// there (`need`, this process's ranks together: `shard::Zero::host_bytes`).
+/// there (`need`, this process's ranks together: `shard::Zero::host_bytes`,
+/// `shard::zero3::Zero3::host_bytes`).
 /// The plan's `hardware.host_memory` (what the compiler assumed per node) is
 /// named in the error.
 pub fn check_host_memory(

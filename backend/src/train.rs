@@ -462,10 +462,9 @@ impl<B: ExecAutodiff> Trainer<B> {
             cfg.collective.as_ref(),
         )?;
         let mut work = None;
-        if zero3.is_some() {
-        } else if precision.master {
+        if zero3.is_none() && precision.master {
             work = Some(model.clone().map(&mut CastParams(precision.params)));
-        } else if precision.params != FloatDType::F32 {
+        } else if zero3.is_none() && precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(precision.params));
         }
         let seq = plan.train.seq_len as usize;
