@@ -964,3 +964,69 @@ fn a_dead_rank_stops_a_zero3_gather() {
     );
     assert!(took < Duration::from_secs(60), "{took:?}");
 }
+
+/// `rcoa run --devices 2` of `plan` with `extra` arguments: its JSON lines,
+/// or its stderr when it fails.
+fn two_threads(
+    dir: &Path,
+    name: &str,
+    plan: &Path,
+    extra: &[&str],
+) -> Result<Vec<serde_json::Value>, String> {
+    let mut args = strings(&["--format", "json", "--devices", "2", "--device", "cpu"]);
+    args.extend(strings(extra));
+    let mut children = Children(Vec::new());
+    let start = Instant::now();
+    let (i, out, err) = spawn_run(&mut children, dir, name, plan, &args);
+    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if status[0].success() {
+        Ok(json_lines(&out))
+    } else {
+        Err(stderr)
+    }
+}
+
+/// ZeRO 2 with the optimizer on the host, two threads: 2 steps saved, then
+/// resumed to 4, give the losses and weights of 4 steps in one go (every
+/// rank's optimizer shard is in the checkpoint); resuming with another
+/// shard count is refused with the count the checkpoint holds.
+#[test]
+fn zero_checkpoints_hold_every_ranks_optimizer_shard() {
+    let dir = temp("zero-ckpt");
+    let plan = zero_plan_file(&dir, 2, &["optimizer"]);
+    let ckpt = dir.join("ckpt");
+    let ck = ckpt.to_str().unwrap();
+    let full = two_threads(&dir, "full", &plan, &["--steps", "4"]).unwrap();
+    let first = two_threads(&dir, "first", &plan, &["--steps", "2", "--save", ck]).unwrap();
+    for i in 0..2 {
+        assert!(
+            ckpt.join(format!("optimizer-shard-{i}-of-2.bin")).is_file(),
+            "shard {i} missing"
+        );
+    }
+    let rest = two_threads(&dir, "rest", &plan, &["--steps", "4", "--resume", ck]).unwrap();
+    let joined: Vec<f64> = losses(&first).into_iter().chain(losses(&rest)).collect();
+    let want = losses(&full);
+    assert_eq!(joined.len(), want.len(), "{joined:?} vs {want:?}");
+    for (a, b) in joined.iter().zip(&want) {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "resumed {joined:?} vs uninterrupted {want:?}"
+        );
+    }
+    let (c, w) = (
+        summary(&rest)["param_checksum"].as_f64().unwrap(),
+        summary(&full)["param_checksum"].as_f64().unwrap(),
+    );
+    assert!(rel(c, w) <= 1e-6, "weights {c} vs {w}");
+    // ZeRO 0 with the optimizer on the host: one shard, not two.
+    let other = zero_plan_file(&dir, 0, &["optimizer"]);
+    let e = two_threads(&dir, "other", &other, &["--steps", "4", "--resume", ck]).unwrap_err();
+    assert!(
+        e.contains("no optimizer shard 0 of 1") && e.contains("holds 2 optimizer shard file(s)"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

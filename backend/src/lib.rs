@@ -407,19 +407,19 @@ fn execute<B: ExecAutodiff>(
     if let Some(b) = built {
         b.wait();
     }
-    let sharded = trainer.zero().is_some() || trainer.zero3().is_some();
-    if sharded && (opts.save.is_some() || opts.resume.is_some()) {
-        // Rank 0 alone writes checkpoints, and its Burn optimizer record is
-        // empty here (with ZeRO-3 its model too): a checkpoint would
-        // silently lose the other shards.
+    if trainer.zero3().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
+        // Rank 0 alone writes the model, and with sharded weights it holds a
+        // skeleton: a checkpoint would silently lose the weights.
         return Err(RunError::Unsupported(format!(
-            "--save/--resume with zero = {} or anything offloaded: checkpoints do not hold the ranks' shards yet \
-             (run without them, or with zero = 0 and nothing offloaded)",
+            "--save/--resume with zero = {} or the parameters offloaded: checkpoints do not hold sharded weights yet \
+             (run without them, or with zero <= 2 and only the optimizer offloaded)",
             plan.resolved.zero
         )));
     }
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
+        // ZeRO 1/2, offloaded optimizer: this rank's shard beside it.
+        shard::checkpoint::load_shard(&mut trainer, dir)?;
     }
     let (params, trainable) = trainer.param_counts();
     on_event(Event::Started(Started {
@@ -448,17 +448,23 @@ fn execute<B: ExecAutodiff>(
         let r = trainer.train_step(probe)?;
         on_event(Event::Step(r.clone()));
         reports.push(r);
-        if let Some(dir) = opts.save.as_ref().filter(|_| writer) {
+        if let Some(dir) = opts.save.as_ref() {
             let due = opts
                 .save_every
                 .is_some_and(|n| n > 0 && trainer.step % n == 0)
                 || trainer.step == opts.steps;
             if due {
-                trainer.save(dir)?;
-                on_event(Event::Saved {
-                    step: trainer.step,
-                    dir: dir.clone(),
-                });
+                if writer {
+                    trainer.save(dir)?;
+                }
+                // Every rank's optimizer shard beside it (ZeRO 1/2, offload).
+                shard::checkpoint::save_shard(&trainer, dir, writer)?;
+                if writer {
+                    on_event(Event::Saved {
+                        step: trainer.step,
+                        dir: dir.clone(),
+                    });
+                }
             }
         }
     }

@@ -539,6 +539,11 @@ impl<B: ExecAutodiff> Trainer<B> {
         self.zero.as_ref()
     }
 
+    /// This rank's membership in the data-parallel run.
+    pub fn collective(&self) -> Option<&crate::distributed::Collective<B::InnerBackend>> {
+        self.collective.as_ref()
+    }
+
     /// The per-unit sharded weights, when the plan asks for ZeRO-3 or
     /// parameter offload.
     pub fn zero3(&self) -> Option<&crate::shard::zero3::Zero3<B::InnerBackend>> {

@@ -28,6 +28,7 @@
 //! trainer still holds the whole fp32 model (its master); the optimizer
 //! state is what is sharded.
 
+pub mod checkpoint;
 pub mod zero3;
 
 use crate::distributed::Collective;
@@ -136,6 +137,11 @@ impl<I: Backend> Zero<I> {
 
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Ranks the optimizer state is sharded over (1 for stage 0).
+    pub fn shards(&self) -> usize {
+        self.shards
     }
 
     pub fn optimizer(&self) -> &FlatOptim<I> {
