@@ -18,6 +18,13 @@
 //! The gradients equal those of one graph over the whole model (tested below
 //! for none / all / alternate layers checkpointed).
 //!
+//! **Per-unit hooks** (`UnitHooks`): the step takes each unit's weights (the
+//! embedding, each layer, the head) from its hooks right before the unit's
+//! forward and recomputation, and hands them each unit's gradients as the
+//! backward leaves it. `micro_step` uses the trainer's own model;
+//! ZeRO-3 and parameter offload (`crate::shard::zero3`) gather and reduce
+//! there.
+//!
 //! **Precision** (`Precision`): fp32; autocast (fp32 weights, 16-bit
 //! compute: weights are cast per use, activations are 16-bit); 16-bit weights
 //! with an fp32 master copy (the optimizer steps the fp32 master; the 16-bit
