@@ -143,7 +143,8 @@ fn orchestrator(children: &mut Children) -> u16 {
     port
 }
 
-/// Start `rcoa run PLAN ARGS` with stdout and stderr in `dir/NAME.out|err`.
+/// Start `rcoa run PLAN ARGS` (`--lowered PLAN` for a `.json`) with stdout
+/// and stderr in `dir/NAME.out|err`.
 fn spawn_run(
     children: &mut Children,
     dir: &Path,
@@ -155,10 +156,13 @@ fn spawn_run(
         dir.join(format!("{name}.out")),
         dir.join(format!("{name}.err")),
     );
+    let mut cmd = rcoa();
+    cmd.arg("run");
+    if plan.extension().is_some_and(|e| e == "json") {
+        cmd.arg("--lowered");
+    }
     children.0.push(
-        rcoa()
-            .arg("run")
-            .arg(plan)
+        cmd.arg(plan)
             .args(args)
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(&err).unwrap())
@@ -565,7 +569,13 @@ fn two_ranks_of_then(
     stop: impl FnOnce(&mut Child),
 ) -> (ExitStatus, String, Duration) {
     let dir = temp(name);
-    let plan = dir.join("tiny-2ranks.plan");
+    // A lowered plan (JSON) or plan text.
+    let ext = if text.starts_with('{') {
+        "json"
+    } else {
+        "plan"
+    };
+    let plan = dir.join(format!("tiny-2ranks.{ext}"));
     std::fs::write(&plan, text).unwrap();
     let mut children = Children(Vec::new());
     let port = orchestrator(&mut children);
@@ -710,15 +720,62 @@ fn start_event(lines: &[serde_json::Value]) -> serde_json::Value {
 }
 
 /// The start event says what runs: the plan's stage and offload list.
-fn assert_started(lines: &[serde_json::Value], zero: u8, offload: bool) {
+fn assert_started(lines: &[serde_json::Value], zero: u8, offload: &[&str]) {
     let s = start_event(lines);
     assert_eq!(s["zero"], zero, "{s}");
-    let want: Vec<&str> = if offload {
-        vec!["optimizer:cpu"]
+    assert_eq!(s["offload"], serde_json::json!(offload), "{s}");
+}
+
+/// `zero_plan(2, false)` lowered by the compiler, then given ZeRO stage
+/// `zero` and `offload` (`"optimizer"`, `"params"`, to the CPU) as a
+/// lowered plan (`rcoa run --lowered`): the compiler's `target burn` does
+/// not plan ZeRO-3 or parameter offload (yet), the executor runs them.
+fn zero_lowered(dir: &Path, zero: u8, offload: &[&str]) -> String {
+    let plan = dir.join("zero-base.plan");
+    std::fs::write(&plan, zero_plan(2, false)).unwrap();
+    let lowered = dir.join("zero-base.json");
+    let st = rcoa()
+        .args([
+            "compile",
+            plan.to_str().unwrap(),
+            "--lowered",
+            lowered.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&lowered).unwrap()).unwrap();
+    v["resolved"]["zero"] = zero.into();
+    v["resolved"]["offload"] = offload
+        .iter()
+        .map(|w| serde_json::json!({"what": w, "to": "cpu"}))
+        .collect();
+    v.to_string()
+}
+
+/// The plan file for ZeRO stage `zero` with `offload` in `dir`: plan text
+/// where the compiler plans it, else a lowered plan.
+fn zero_plan_file(dir: &Path, zero: u8, offload: &[&str]) -> PathBuf {
+    let name = format!("z{zero}-{}", offload.join("-"));
+    if zero <= 2 && offload.iter().all(|o| *o == "optimizer") {
+        let p = dir.join(format!("{name}.plan"));
+        std::fs::write(&p, zero_plan(zero, !offload.is_empty())).unwrap();
+        p
     } else {
-        vec![]
-    };
-    assert_eq!(s["offload"], serde_json::json!(want), "{s}");
+        let p = dir.join(format!("{name}.json"));
+        std::fs::write(&p, zero_lowered(dir, zero, offload)).unwrap();
+        p
+    }
+}
+
+/// `optimizer` → `optimizer:cpu`, as the start event lists them.
+fn on_cpu(offload: &[&str]) -> Vec<String> {
+    offload.iter().map(|o| format!("{o}:cpu")).collect()
 }
 
 /// Losses and weights within 1e-5 of one rank training the global batch
@@ -739,18 +796,26 @@ fn assert_matches_one(what: &str, losses: &[f64], checksum: f64, one: &(Vec<f64>
     );
 }
 
-/// ZeRO 1 and 2, with and without the optimizer on the host (and ZeRO 0
-/// with it), on two threads of one process: 10 steps end with the weights
-/// of one rank training the same global batch, and both threads agree.
+/// ZeRO 0-3 with nothing, the optimizer or the parameters on the host, on
+/// two threads of one process: 10 steps end with the weights of one rank
+/// training the same global batch, and both threads agree. (The backend's
+/// `zero_on_two_ranks_matches_one_rank_weight_for_weight` runs every
+/// combination; this runs the binary's path for a cross-section.)
 #[test]
 fn zero_stages_on_two_threads_match_one_rank() {
     let dir = temp("zero-threads");
     let steps = "10";
     let one = one_process(&dir, steps);
-    for (zero, offload) in [(1, false), (2, false), (1, true), (2, true), (0, true)] {
-        let what = format!("zero {zero}, offload {offload}, 2 threads");
-        let plan = dir.join(format!("z{zero}-{offload}.plan"));
-        std::fs::write(&plan, zero_plan(zero, offload)).unwrap();
+    let configs: [(u8, &[&str]); 5] = [
+        (1, &[]),
+        (2, &["optimizer"]),
+        (3, &[]),
+        (3, &["optimizer"]),
+        (3, &["params"]),
+    ];
+    for (zero, offload) in configs {
+        let what = format!("zero {zero}, offload {offload:?}, 2 threads");
+        let plan = zero_plan_file(&dir, zero, offload);
         let mut children = Children(Vec::new());
         let start = Instant::now();
         let args = strings(&[
@@ -763,18 +828,15 @@ fn zero_stages_on_two_threads_match_one_rank() {
             "--device",
             "cpu",
         ]);
-        let (i, out, err) = spawn_run(
-            &mut children,
-            &dir,
-            &format!("z{zero}{offload}"),
-            &plan,
-            &args,
-        );
+        let name = format!("z{zero}{}", offload.join(""));
+        let (i, out, err) = spawn_run(&mut children, &dir, &name, &plan, &args);
         let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
         let stderr = std::fs::read_to_string(&err).unwrap_or_default();
         assert!(status[0].success(), "{what}: {stderr}");
         let lines = json_lines(&out);
-        assert_started(&lines, zero, offload);
+        let listed = on_cpu(offload);
+        let listed: Vec<&str> = listed.iter().map(String::as_str).collect();
+        assert_started(&lines, zero, &listed);
         let s = summary(&lines);
         let local = s["local_param_checksums"].as_array().unwrap().clone();
         assert_eq!(local.len(), 2, "{s}");
@@ -787,19 +849,22 @@ fn zero_stages_on_two_threads_match_one_rank() {
 }
 
 /// The same over two processes (the all-gather and reduce-scatter of
-/// burn-collective's global ring between them).
+/// burn-collective's global ring between them; ZeRO-3's gathers run while
+/// the unit before computes).
 #[test]
 fn zero_stages_on_two_processes_match_one_rank() {
     let dir = temp("zero-procs");
     let steps = "10";
     let one = one_process(&dir, steps);
-    for (zero, offload) in [(1, false), (2, false), (2, true)] {
-        let what = format!("zero {zero}, offload {offload}, 2 processes");
-        let plan = dir.join(format!("z{zero}-{offload}.plan"));
-        std::fs::write(&plan, zero_plan(zero, offload)).unwrap();
+    let configs: [(u8, &[&str]); 4] = [(1, &[]), (2, &["optimizer"]), (3, &[]), (3, &["params"])];
+    for (zero, offload) in configs {
+        let what = format!("zero {zero}, offload {offload:?}, 2 processes");
+        let plan = zero_plan_file(&dir, zero, offload);
         let ranks = two_processes_lines(&dir, &plan, steps, &[]);
+        let listed = on_cpu(offload);
+        let listed: Vec<&str> = listed.iter().map(String::as_str).collect();
         for lines in &ranks {
-            assert_started(lines, zero, offload);
+            assert_started(lines, zero, &listed);
         }
         let (l0, l1) = (losses(&ranks[0]), losses(&ranks[1]));
         assert_eq!(l0, l1, "{what}: the ranks disagree on the loss");
@@ -813,9 +878,9 @@ fn zero_stages_on_two_processes_match_one_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// What is not executed is refused before anything starts, with the reason:
-/// by the compiler for `target burn` (a fixed ZeRO-3), and by `rcoa run` for
-/// a lowered plan that asks for it (ZeRO-3, parameter offload).
+/// What is not executed is refused before anything starts, with the reason,
+/// for a lowered plan that asks for it (gradients offloaded, the
+/// parameters on NVMe).
 #[test]
 fn unexecuted_sharding_and_offload_are_refused() {
     let dir = temp("zero-refused");
@@ -831,44 +896,27 @@ fn unexecuted_sharding_and_offload_are_refused() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         stderr
     };
-    let plan = dir.join("zero3.plan");
-    std::fs::write(&plan, zero_plan(3, false)).unwrap();
-    let e = run(&[plan.to_str().unwrap()]);
-    assert!(
-        e.contains("zero = 3 is not executed by the Burn executor"),
-        "{e}"
-    );
-
-    // A lowered plan edited past the compiler.
-    let plan = dir.join("zero2.plan");
-    std::fs::write(&plan, zero_plan(2, false)).unwrap();
-    let lowered = dir.join("zero2.json");
-    let st = rcoa()
-        .args([
-            "compile",
-            plan.to_str().unwrap(),
-            "--lowered",
-            lowered.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&lowered).unwrap()).unwrap();
-    v["resolved"]["zero"] = 3.into();
-    let edited = dir.join("zero3.json");
+    let mut v: serde_json::Value = serde_json::from_str(&zero_lowered(&dir, 3, &[])).unwrap();
+    let edited = dir.join("edited.json");
+    v["resolved"]["offload"] = serde_json::json!([{"what": "grads", "to": "cpu"}]);
     std::fs::write(&edited, v.to_string()).unwrap();
     let e = run(&["--lowered", edited.to_str().unwrap()]);
-    assert!(e.contains("ZeRO stage 3") && e.contains("zero = 2"), "{e}");
-    v["resolved"]["zero"] = 2.into();
-    v["resolved"]["offload"] = serde_json::json!([{"what": "params", "to": "cpu"}]);
+    assert!(e.contains("offloads grads:cpu"), "{e}");
+    v["resolved"]["offload"] = serde_json::json!([{"what": "params", "to": "nvme"}]);
     std::fs::write(&edited, v.to_string()).unwrap();
     let e = run(&["--lowered", edited.to_str().unwrap()]);
-    assert!(e.contains("offloads the parameters"), "{e}");
+    assert!(e.contains("params:nvme to NVMe"), "{e}");
+    // --save with shards refused (rank 0's checkpoint would lack the others').
+    v["resolved"]["offload"] = serde_json::json!([]);
+    std::fs::write(&edited, v.to_string()).unwrap();
+    let save = dir.join("ckpt");
+    let e = run(&[
+        "--lowered",
+        edited.to_str().unwrap(),
+        "--save",
+        save.to_str().unwrap(),
+    ]);
+    assert!(e.contains("--save/--resume with zero = 3"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -895,4 +943,90 @@ fn a_dead_rank_stops_a_sharded_step() {
         "{stderr}"
     );
     assert!(took < Duration::from_secs(60), "{took:?}");
+}
+
+/// ZeRO-3: a rank killed after its first step leaves rank 0 in one of the
+/// per-unit gathers (or reductions); it stops with an error, never a hang
+/// or a panic.
+#[test]
+fn a_dead_rank_stops_a_zero3_gather() {
+    let dir = temp("zero3-dead-plan");
+    let text = zero_lowered(&dir, 3, &[]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, stderr, took) = two_ranks_of_then("zero3-dead", &text, |c| c.kill().unwrap());
+    assert!(!status.success(), "{stderr}");
+    // The next step starts with gathers: one of them finds the peer gone.
+    assert!(stderr.contains("all-gather of step"), "{stderr}");
+    assert!(stderr.contains("rcoa::collective"), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
+}
+
+/// `rcoa run --devices 2` of `plan` with `extra` arguments: its JSON lines,
+/// or its stderr when it fails.
+fn two_threads(
+    dir: &Path,
+    name: &str,
+    plan: &Path,
+    extra: &[&str],
+) -> Result<Vec<serde_json::Value>, String> {
+    let mut args = strings(&["--format", "json", "--devices", "2", "--device", "cpu"]);
+    args.extend(strings(extra));
+    let mut children = Children(Vec::new());
+    let start = Instant::now();
+    let (i, out, err) = spawn_run(&mut children, dir, name, plan, &args);
+    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if status[0].success() {
+        Ok(json_lines(&out))
+    } else {
+        Err(stderr)
+    }
+}
+
+/// ZeRO 2 with the optimizer on the host, two threads: 2 steps saved, then
+/// resumed to 4, give the losses and weights of 4 steps in one go (every
+/// rank's optimizer shard is in the checkpoint); resuming with another
+/// shard count is refused with the count the checkpoint holds.
+#[test]
+fn zero_checkpoints_hold_every_ranks_optimizer_shard() {
+    let dir = temp("zero-ckpt");
+    let plan = zero_plan_file(&dir, 2, &["optimizer"]);
+    let ckpt = dir.join("ckpt");
+    let ck = ckpt.to_str().unwrap();
+    let full = two_threads(&dir, "full", &plan, &["--steps", "4"]).unwrap();
+    let first = two_threads(&dir, "first", &plan, &["--steps", "2", "--save", ck]).unwrap();
+    for i in 0..2 {
+        assert!(
+            ckpt.join(format!("optimizer-shard-{i}-of-2.bin")).is_file(),
+            "shard {i} missing"
+        );
+    }
+    let rest = two_threads(&dir, "rest", &plan, &["--steps", "4", "--resume", ck]).unwrap();
+    let joined: Vec<f64> = losses(&first).into_iter().chain(losses(&rest)).collect();
+    let want = losses(&full);
+    assert_eq!(joined.len(), want.len(), "{joined:?} vs {want:?}");
+    for (a, b) in joined.iter().zip(&want) {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "resumed {joined:?} vs uninterrupted {want:?}"
+        );
+    }
+    let (c, w) = (
+        summary(&rest)["param_checksum"].as_f64().unwrap(),
+        summary(&full)["param_checksum"].as_f64().unwrap(),
+    );
+    assert!(rel(c, w) <= 1e-6, "weights {c} vs {w}");
+    // ZeRO 0 with the optimizer on the host: one shard, not two.
+    let other = zero_plan_file(&dir, 0, &["optimizer"]);
+    let e = two_threads(&dir, "other", &other, &["--steps", "4", "--resume", ck]).unwrap_err();
+    assert!(
+        e.contains("no optimizer shard 0 of 1") && e.contains("holds 2 optimizer shard file(s)"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

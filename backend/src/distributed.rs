@@ -272,6 +272,25 @@ fn bounded<T: Send + 'static>(
     limit: Duration,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Unfinished> {
+    started(limit, f).wait()
+}
+
+/// A blocking call running on its helper thread (`started`), to be waited
+/// for by its deadline.
+struct Started<T> {
+    rx: Option<std::sync::mpsc::Receiver<Result<T, String>>>,
+    /// Why it could not start, reported by `wait`.
+    failed: Option<String>,
+    deadline: std::time::Instant,
+}
+
+/// Start `f` on a helper thread now; `wait` gives its result, or gives up
+/// `limit` after the start (the same rules as `bounded`).
+fn started<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Started<T> {
+    let deadline = std::time::Instant::now() + limit;
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let spawned = std::thread::Builder::new()
         .name("rcoa-collective".into())
@@ -279,17 +298,46 @@ fn bounded<T: Send + 'static>(
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
             let _ = tx.send(r.map_err(|p| panic_text(p.as_ref())));
         });
-    if let Err(e) = spawned {
-        return Err(Unfinished::Panicked(format!("cannot start a thread: {e}")));
+    match spawned {
+        Ok(_) => Started {
+            rx: Some(rx),
+            failed: None,
+            deadline,
+        },
+        Err(e) => Started {
+            rx: None,
+            failed: Some(format!("cannot start a thread: {e}")),
+            deadline,
+        },
     }
-    match rx.recv_timeout(limit) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(p)) => Err(Unfinished::Panicked(p)),
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Unfinished::TimedOut),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Unfinished::Panicked(
-            "the collective call ended without a result".into(),
-        )),
+}
+
+impl<T> Started<T> {
+    fn wait(self) -> Result<T, Unfinished> {
+        let Some(rx) = self.rx else {
+            return Err(Unfinished::Panicked(self.failed.unwrap_or_default()));
+        };
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(p)) => Err(Unfinished::Panicked(p)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Unfinished::TimedOut),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Unfinished::Panicked(
+                "the collective call ended without a result".into(),
+            )),
+        }
     }
+}
+
+/// A collective call under way (`Collective::start_all_gather`): the rank
+/// computes while it runs, then `Collective::finish_call` waits for it.
+pub struct Pending<T> {
+    call: Started<Result<T, burn_collective::CollectiveError>>,
+    what: String,
+    limit: Duration,
+    first: bool,
 }
 
 fn seconds(d: Duration) -> String {
@@ -385,6 +433,19 @@ impl<I: Backend> Collective<I> {
         what: &str,
         f: impl FnOnce(PeerId) -> Result<T, burn_collective::CollectiveError> + Send + 'static,
     ) -> Result<T, RunError> {
+        let p = self.start(what, f)?;
+        self.finish_call(p)
+    }
+
+    /// Start the collective call `f` on its helper thread; `finish_call`
+    /// waits for it. Every rank must start its calls in the same order, and
+    /// one rank never has two under way (burn-collective's server handles
+    /// one operation of a peer at a time).
+    fn start<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce(PeerId) -> Result<T, burn_collective::CollectiveError> + Send + 'static,
+    ) -> Result<Pending<T>, RunError> {
         if self.broken.get() {
             return Err(RunError::Collective(
                 "an earlier collective call of this rank failed".into(),
@@ -399,13 +460,28 @@ impl<I: Backend> Collective<I> {
         };
         let step = self.progress.step.load(Ordering::Relaxed);
         let peer = self.peer;
-        let done = bounded(limit, move || f(peer));
-        let what = format!("the {what} of step {step} (rank {})", self.peer.0);
+        let call = started(limit, move || f(peer));
+        Ok(Pending {
+            call,
+            what: format!("the {what} of step {step} (rank {})", self.peer.0),
+            limit,
+            first,
+        })
+    }
+
+    /// Wait for a call `start` began, with the deadline it began with.
+    pub fn finish_call<T>(&self, p: Pending<T>) -> Result<T, RunError> {
+        let Pending {
+            call,
+            what,
+            limit,
+            first,
+        } = p;
         let fail = |s: String| {
             self.broken.set(true);
             Err(RunError::Collective(s))
         };
-        match done {
+        match call.wait() {
             Ok(Ok(t)) => Ok(t),
             Ok(Err(burn_collective::CollectiveError::LocalServerMissing)) => fail(format!(
                 "{what} failed: burn-collective's server stopped, which it does when a peer's \
@@ -447,6 +523,17 @@ impl<I: Backend> Collective<I> {
             burn_collective::all_gather::<I>(peer, primitive)
         })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(t)))
+    }
+
+    /// Start the all-gather of `shard` (as `all_gather`) and return while it
+    /// runs: ZeRO-3 gathers the next unit's weights during this one's
+    /// compute. `finish_call` gives the result.
+    pub fn start_all_gather(&self, shard: Tensor<I, 1>) -> Result<Pending<Tensor<I, 1>>, RunError> {
+        let primitive = shard.into_primitive().tensor();
+        self.start("all-gather", move |peer| {
+            burn_collective::all_gather::<I>(peer, primitive)
+                .map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
+        })
     }
 
     /// This rank's shard of the mean of `t` over the ranks, and the shard's

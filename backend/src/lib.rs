@@ -18,8 +18,9 @@
 //! `data` must equal processes × devices.
 //!
 //! What this executor does not do is an error before anything runs
-//! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, mixture of
-//! experts, optimizers Burn lacks (8-bit Adam is rcoa's own: `optim::adam8bit`).
+//! (`check_plan`): tensor, pipeline or context parallelism, offload of
+//! gradients or activations, offload to NVMe, mixture of experts, optimizers
+//! Burn lacks (8-bit Adam is rcoa's own: `optim::adam8bit`).
 
 pub mod data;
 pub mod distributed;
@@ -114,7 +115,8 @@ pub fn host_memory_available() -> Option<u64> {
 
 /// Refuse to start an offloaded run on a host with less free memory
 /// (`available`, see `host_memory_available`) than the executor will put
-/// there (`need`, this process's ranks together: `shard::Zero::host_bytes`).
+/// there (`need`, this process's ranks together: `shard::Zero::host_bytes`,
+/// `shard::zero3::Zero3::host_bytes`).
 /// The plan's `hardware.host_memory` (what the compiler assumed per node) is
 /// named in the error.
 pub fn check_host_memory(
@@ -140,7 +142,7 @@ pub fn check_host_memory(
         })
         .unwrap_or_default();
     Err(RunError::Unsupported(format!(
-        "the offloaded optimizer needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
+        "the offloaded state (optimizer, parameters) needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
          (MemAvailable){assumed}: free memory, or run fewer ranks per process",
         gib(need),
         gib(free)
@@ -175,29 +177,26 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
             )
         }));
     }
-    if r.zero > 2 {
+    if r.zero > 3 {
         return u(format!(
-            "ZeRO stage {} shards the weights at rest and gathers them per layer; the Burn executor runs stages 0, 1 and 2 \
-             (optimizer state, and gradients, sharded over the ranks; every rank holds the whole model): use `zero = 2`",
+            "ZeRO stage {} does not exist: the stages are 0, 1, 2 and 3",
             r.zero
         ));
     }
     for o in &r.offload {
         use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
         match (o.what, o.to) {
-            (OffloadWhat::Optimizer, OffloadTo::Cpu) => {}
-            (OffloadWhat::Optimizer, OffloadTo::Nvme) => {
-                return u("the plan offloads the optimizer to NVMe; the Burn executor offloads it to host memory only (`offload = [optimizer]`)".into())
-            }
-            (OffloadWhat::Params, _) => {
+            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Cpu) => {}
+            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Nvme) => {
                 return u(format!(
-                    "the plan offloads the parameters ({o}): weights at rest on the host, streamed per layer, are not executed by the Burn executor; \
-                     it offloads the optimizer state and update only (`offload = [optimizer]`)"
+                    "the plan offloads {o} to NVMe; the Burn executor offloads the optimizer and the parameters to host memory only \
+                     (`offload = [optimizer, params]`)"
                 ))
             }
             (OffloadWhat::Grads, _) | (OffloadWhat::Activations, _) => {
                 return u(format!(
-                    "the plan offloads {o}; the Burn executor offloads the optimizer state and update only (`offload = [optimizer]`)"
+                    "the plan offloads {o}; the Burn executor offloads the optimizer (state and update) and the parameters \
+                     (weights at rest) to host memory only (`offload = [optimizer, params]`)"
                 ))
             }
         }
@@ -257,7 +256,7 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
 }
 
 /// How to run, besides the plan.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct RunOptions {
     pub steps: u64,
     pub seed: u64,
@@ -471,17 +470,27 @@ fn execute<B: ExecAutodiff>(
     if let Some(b) = built {
         b.wait();
     }
-    if trainer.zero().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
-        // Rank 0 alone writes checkpoints, and its Burn optimizer record is
-        // empty here: a checkpoint would silently lose the other shards.
+    if eval_set.is_some() && trainer.zero3().is_some() {
+        // Rank 0 alone evaluates, and with the weights sharded at rest it
+        // would need every rank's gather: refused rather than hung.
+        return Err(RunError::Unsupported(
+            "--eval with ZeRO-3 or parameter offload: the weights are sharded at rest and rank 0 evaluates alone;              evaluate a saved checkpoint with `rcoa eval`, or train with zero = 2 and nothing offloaded but the optimizer"
+                .into(),
+        ));
+    }
+    if trainer.zero3().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
+        // Rank 0 alone writes the model, and with sharded weights it holds a
+        // skeleton: a checkpoint would silently lose the weights.
         return Err(RunError::Unsupported(format!(
-            "--save/--resume with zero = {} or an offloaded optimizer: checkpoints do not hold the ranks' optimizer shards yet \
-             (run without them, or with zero = 0 and nothing offloaded)",
+            "--save/--resume with zero = {} or the parameters offloaded: checkpoints do not hold sharded weights yet \
+             (run without them, or with zero <= 2 and only the optimizer offloaded)",
             plan.resolved.zero
         )));
     }
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
+        // ZeRO 1/2, offloaded optimizer: this rank's shard beside it.
+        shard::checkpoint::load_shard(&mut trainer, dir)?;
     }
     let (params, trainable) = trainer.param_counts();
     on_event(Event::Started(Started {
@@ -497,11 +506,8 @@ fn execute<B: ExecAutodiff>(
         data,
         first_step: trainer.step + 1,
         memory_measure: probe.what(),
-        zero: trainer.zero().map_or(0, |z| z.stage()),
-        offload: match trainer.zero().map(|z| z.optimizer().place()) {
-            Some(optim::Place::Host { .. }) => vec!["optimizer:cpu".into()],
-            _ => Vec::new(),
-        },
+        zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
+        offload: shard::executed_offload(trainer.zero(), trainer.zero3()),
     }));
     let mut reports = Vec::new();
     // The ranks hold equal weights: global rank 0 alone writes checkpoints
@@ -521,17 +527,23 @@ fn execute<B: ExecAutodiff>(
         let r = trainer.train_step(probe)?;
         on_event(Event::Step(r.clone()));
         reports.push(r);
-        if let Some(dir) = opts.save.as_ref().filter(|_| writer) {
+        if let Some(dir) = opts.save.as_ref() {
             let due = opts
                 .save_every
                 .is_some_and(|n| n > 0 && trainer.step % n == 0)
                 || trainer.step == opts.steps;
             if due {
-                trainer.save(dir)?;
-                on_event(Event::Saved {
-                    step: trainer.step,
-                    dir: dir.clone(),
-                });
+                if writer {
+                    trainer.save(dir)?;
+                }
+                // Every rank's optimizer shard beside it (ZeRO 1/2, offload).
+                shard::checkpoint::save_shard(&trainer, dir, writer)?;
+                if writer {
+                    on_event(Event::Saved {
+                        step: trainer.step,
+                        dir: dir.clone(),
+                    });
+                }
             }
         }
         if let Some(set) = &eval_set {
@@ -547,7 +559,7 @@ fn execute<B: ExecAutodiff>(
         }
     }
     let mut summary = summarize(plan, &reports, probe);
-    summary.param_checksum = trainer.param_checksum();
+    summary.param_checksum = trainer.param_checksum()?;
     summary.local_param_checksums = vec![summary.param_checksum];
     summary.eval_loss = eval_loss;
     if let Some(p) = &progress {

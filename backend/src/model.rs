@@ -1156,10 +1156,7 @@ mod qlora_tests {
             steps: 1,
             seed: 3,
             data: None,
-            save: None,
-            save_every: None,
-            resume: None,
-            distributed: None,
+            ..Default::default()
         };
         let mut t = Trainer::<Ad>::new(
             &plan,

@@ -392,71 +392,87 @@ fn unexecuted_zero_and_offload_are_refused() {
     use rcoa_compiler::spec::{Offload, OffloadTo, OffloadWhat};
     let mut plan = crate::testing::tiny_plan();
     plan.resolved.data = 2;
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         plan.resolved.zero = zero;
         assert!(crate::check_plan_ranks(&plan, 2).is_ok(), "zero {zero}");
     }
-    plan.resolved.zero = 3;
+    plan.resolved.zero = 4;
     let e = crate::check_plan_ranks(&plan, 2).unwrap_err().to_string();
-    assert!(e.contains("ZeRO stage 3") && e.contains("zero = 2"), "{e}");
-    plan.resolved.zero = 2;
+    assert!(e.contains("ZeRO stage 4"), "{e}");
+    plan.resolved.zero = 3;
     let refused = [
-        (
-            OffloadWhat::Params,
-            OffloadTo::Cpu,
-            "offloads the parameters",
-        ),
+        (OffloadWhat::Params, OffloadTo::Nvme, "params:nvme to NVMe"),
         (OffloadWhat::Optimizer, OffloadTo::Nvme, "to NVMe"),
         (OffloadWhat::Grads, OffloadTo::Cpu, "grads:cpu"),
+        (OffloadWhat::Activations, OffloadTo::Cpu, "activations:cpu"),
     ];
     for (what, to, want) in refused {
         plan.resolved.offload = vec![Offload { what, to }];
         let e = crate::check_plan_ranks(&plan, 2).unwrap_err().to_string();
         assert!(e.contains(want), "{e}");
     }
-    plan.resolved.offload = vec![Offload {
-        what: OffloadWhat::Optimizer,
-        to: OffloadTo::Cpu,
-    }];
+    plan.resolved.offload = [OffloadWhat::Optimizer, OffloadWhat::Params]
+        .map(|what| Offload {
+            what,
+            to: OffloadTo::Cpu,
+        })
+        .to_vec();
     assert!(crate::check_plan_ranks(&plan, 2).is_ok());
 }
 
-/// ZeRO 1 and 2, with and without the optimizer on the host, on two ranks
-/// (threads of this process): after 10 steps every weight is within 1e-5 of
-/// one rank training the same global batch with Burn's AdamW (ZeRO 0), and
-/// the two ranks hold the same weights.
-#[test]
-fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
+/// What a sharded configuration offloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Off {
+    None,
+    Optimizer,
+    Params,
+    Both,
+}
+
+impl Off {
+    fn list(self) -> Vec<rcoa_compiler::spec::Offload> {
+        use rcoa_compiler::spec::{Offload, OffloadTo, OffloadWhat};
+        let what = match self {
+            Off::None => vec![],
+            Off::Optimizer => vec![OffloadWhat::Optimizer],
+            Off::Params => vec![OffloadWhat::Params],
+            Off::Both => vec![OffloadWhat::Optimizer, OffloadWhat::Params],
+        };
+        what.into_iter()
+            .map(|what| Offload {
+                what,
+                to: OffloadTo::Cpu,
+            })
+            .collect()
+    }
+}
+
+/// `one` (micro-batch 4 × grad_accum 2 on one rank, Burn's optimizer) and
+/// each of `configs` (ZeRO stage, offload, checkpointed layers) on two ranks
+/// (threads of this process, micro-batch 2): after 10 steps every weight is
+/// within 1e-5 of one rank's, and the two ranks hold the same weights.
+fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)]) {
     use crate::distributed::{Collective, Distributed, Timeouts};
-    use rcoa_compiler::spec::{Offload, OffloadTo, OffloadWhat};
-    let _g = serial();
     let steps = 10;
-    // One rank: micro-batch 4 × grad_accum 2, weight decay on.
-    let mut one = tiny_plan();
-    one.resolved.micro_batch = 4;
-    one.resolved.grad_accum = 2;
-    one.optimizer.weight_decay = 0.1;
-    let mut t = trainer(&one);
+    let mut t = trainer(one);
     for _ in 0..steps {
         t.train_step(&mut RssProbe::new()).unwrap();
     }
     let want = t.flat_weights().unwrap();
-    for (zero, offload) in [(1u8, false), (2, false), (1, true), (2, true)] {
+    let initial = trainer(one).flat_weights().unwrap();
+    for (zero, offload, checkpointed) in configs.iter().cloned() {
+        let what = format!("zero {zero}, offload {offload:?}, checkpointed {checkpointed:?}");
         let mut plan = one.clone();
         plan.resolved.micro_batch = 2;
         plan.resolved.data = 2;
         plan.resolved.zero = zero;
-        if offload {
-            plan.resolved.offload = vec![Offload {
-                what: OffloadWhat::Optimizer,
-                to: OffloadTo::Cpu,
-            }];
-        }
+        plan.resolved.offload = offload.list();
         let built = std::sync::Arc::new(std::sync::Barrier::new(2));
         let ranks: Vec<_> = (0..2u32)
             .map(|local| {
                 let plan = plan.clone();
                 let built = built.clone();
+                let checkpointed = checkpointed.clone();
                 std::thread::spawn(move || {
                     let d = Distributed {
                         nodes: 1,
@@ -486,37 +502,116 @@ fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
                         )?
                     };
                     built.wait();
-                    assert_eq!(t.zero().map(|z| z.stage()), Some(zero));
+                    if !checkpointed.is_empty() {
+                        t.set_checkpointed(checkpointed);
+                    }
+                    let stage = shard::executed_stage(t.zero(), t.zero3());
+                    assert_eq!(stage, zero);
+                    let off = shard::executed_offload(t.zero(), t.zero3());
+                    assert_eq!(off.len(), plan.resolved.offload.len(), "{off:?}");
+                    if let Some(z) = t.zero3() {
+                        // At rest a rank holds half of every unit (ZeRO-3;
+                        // padded to even halves), or all of it.
+                        let (all, _) = z.param_counts();
+                        let units = plan.model.layers as usize + 2;
+                        let held = z.weight_shard_len();
+                        if zero == 3 {
+                            assert!(held <= all as usize / 2 + 2 * units, "{held} of {all}");
+                        } else {
+                            assert_eq!(held, all as usize);
+                        }
+                    }
+                    let mut losses = Vec::new();
                     for step in 1..=steps {
                         progress.set_step(step);
-                        t.train_step(&mut RssProbe::new())?;
+                        losses.push(t.train_step(&mut RssProbe::new())?.loss);
                     }
+                    let w = t.flat_weights()?;
+                    let checksum = t.param_checksum()?;
                     progress.set_done();
-                    t.flat_weights()
+                    Ok::<_, RunError>((w, checksum, losses))
                 })
             })
             .collect();
-        let got: Vec<Vec<f32>> = ranks
+        let got: Vec<_> = ranks
             .into_iter()
-            .map(|r| r.join().unwrap().unwrap())
+            .map(|r| r.join().unwrap().unwrap_or_else(|e| panic!("{what}: {e}")))
             .collect();
-        assert_eq!(
-            got[0], got[1],
-            "zero {zero}, offload {offload}: the ranks differ"
-        );
-        assert_eq!(got[0].len(), want.len());
+        assert_eq!(got[0].0, got[1].0, "{what}: the ranks differ");
+        assert_eq!(got[0].1.to_bits(), got[1].1.to_bits(), "{what}: checksums");
+        assert_eq!(got[0].2, got[1].2, "{what}: losses");
+        assert_eq!(got[0].0.len(), want.len(), "{what}");
         let worst = got[0]
+            .0
             .iter()
             .zip(&want)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        assert!(
-            worst <= 1e-5,
-            "zero {zero}, offload {offload}: max |Δw| = {worst}"
-        );
+        assert!(worst <= 1e-5, "{what}: max |Δw| = {worst}");
         // The runs trained: the weights moved from their initial values.
-        assert!(got[0] != trainer(&one).flat_weights().unwrap());
+        assert!(got[0].0 != initial, "{what}");
     }
+}
+
+fn two_rank_reference(mut one: LoweredPlan) -> LoweredPlan {
+    one.resolved.micro_batch = 4;
+    one.resolved.grad_accum = 2;
+    one.optimizer.weight_decay = 0.1;
+    one
+}
+
+/// ZeRO 0-3 × nothing, the optimizer, the parameters (and both) offloaded,
+/// on two ranks: one rank's weights after 10 steps.
+#[test]
+fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
+    let _g = serial();
+    let one = two_rank_reference(tiny_plan());
+    let none = Vec::new;
+    let mut configs = Vec::new();
+    for zero in 0..=3u8 {
+        for off in [Off::None, Off::Optimizer, Off::Params] {
+            if (zero, off) != (0, Off::None) {
+                configs.push((zero, off, none()));
+            }
+        }
+    }
+    // ZeRO-3 also with checkpointed layers (gathered again for their
+    // recomputation), and with everything on the host.
+    configs.push((3, Off::None, vec![true, false]));
+    configs.push((3, Off::Both, vec![true, true]));
+    sharded_matches_one_rank(&one, &configs);
+}
+
+/// ZeRO-3 with tied embeddings (the head gathers the embedding again) and
+/// with LoRA (frozen base weights sharded beside the trainable adapters).
+#[test]
+fn zero3_with_tied_embeddings_and_frozen_weights_matches_one_rank() {
+    let _g = serial();
+    let mut tied = tiny_plan();
+    tied.model.tie_embeddings = true;
+    sharded_matches_one_rank(
+        &two_rank_reference(tied),
+        &[
+            (3, Off::None, vec![false, true]),
+            (3, Off::Params, Vec::new()),
+        ],
+    );
+    let mut lora = tiny_plan();
+    lora.adapter = Some(AdapterSpec {
+        kind: AdapterKind::Lora,
+        rank: 4,
+        alpha: 8.0,
+        targets: vec![Proj::Q, Proj::V, Proj::Down],
+        dropout: 0.0,
+        base: Dtype::Fp32,
+    });
+    sharded_matches_one_rank(
+        &two_rank_reference(lora),
+        &[
+            (3, Off::None, vec![true, false]),
+            (2, Off::Params, Vec::new()),
+        ],
+    );
 }
 
 /// The chunked LM loss trains as the full one does: same losses and weights

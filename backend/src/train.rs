@@ -18,6 +18,13 @@
 //! The gradients equal those of one graph over the whole model (tested below
 //! for none / all / alternate layers checkpointed).
 //!
+//! **Per-unit hooks** (`UnitHooks`): the step takes each unit's weights (the
+//! embedding, each layer, the head) from its hooks right before the unit's
+//! forward and recomputation, and hands them each unit's gradients as the
+//! backward leaves it. `micro_step` uses the trainer's own model;
+//! ZeRO-3 and parameter offload (`crate::shard::zero3`) gather and reduce
+//! there.
+//!
 //! **Precision** (`Precision`): fp32; autocast (fp32 weights, 16-bit
 //! compute: weights are cast per use, activations are 16-bit); 16-bit weights
 //! with an fp32 master copy (the optimizer steps the fp32 master; the 16-bit
@@ -32,7 +39,7 @@ use crate::data::{Batch, Batcher};
 use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout, TAU};
 use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
 use crate::memory::MemoryProbe;
-use crate::model::{Ctx, Model, ModelInit};
+use crate::model::{Ctx, Embed, Head, Layer, Model, ModelInit};
 use crate::ops::{ExecAutodiff, ExecBackend};
 use crate::optim::adam8bit::Adam8bitOptimizer;
 use crate::RunError;
@@ -289,6 +296,72 @@ pub(crate) fn unreadable_record(
     ))
 }
 
+// ---------------------------------------------------------------- units
+
+/// A unit of the model for the per-unit work around the segmented step
+/// (ZeRO-3 gathers and reduces unit by unit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Embed,
+    Layer(usize),
+    Head,
+}
+
+/// What `Trainer::micro_step_with` asks for around each unit: its weights
+/// before its forward (and a checkpointed layer's recomputation), and what
+/// to do with its gradients after its backward. `Whole` hands out the
+/// trainer's model and merges gradients into a `GradientsParams`;
+/// `shard::zero3::Zero3Hooks` gathers and reduce-scatters.
+pub trait UnitHooks<B: ExecAutodiff> {
+    type Error;
+    fn embed(&mut self) -> Result<Embed<B>, Self::Error>;
+    /// Layer `i`; `keep`: its backward will come with this copy's graph
+    /// (not for a checkpointed layer's graph-free forward).
+    fn layer(&mut self, i: usize, keep: bool) -> Result<Layer<B>, Self::Error>;
+    /// The head, and the embedding its LM head is tied to (untied: any
+    /// embedding, it is not read).
+    fn head(&mut self) -> Result<(Head<B>, Embed<B>), Self::Error>;
+    /// The gradients of `unit`'s segment (for the head: with the tied
+    /// embedding's).
+    fn backward(&mut self, unit: Unit, grads: B::Gradients) -> Result<(), Self::Error>;
+}
+
+/// The whole model on every rank: units are its own parts, gradients merge
+/// into `acc` (cast to fp32 for the master when `cast`).
+struct Whole<'a, B: ExecAutodiff> {
+    m: &'a Model<B>,
+    master: &'a Model<B>,
+    acc: &'a mut GradientsParams,
+    cast: Option<FloatDType>,
+}
+
+impl<B: ExecAutodiff> UnitHooks<B> for Whole<'_, B> {
+    type Error = std::convert::Infallible;
+
+    fn embed(&mut self) -> Result<Embed<B>, Self::Error> {
+        Ok(self.m.embed.clone())
+    }
+
+    fn layer(&mut self, i: usize, _keep: bool) -> Result<Layer<B>, Self::Error> {
+        Ok(self.m.layers[i].clone())
+    }
+
+    fn head(&mut self) -> Result<(Head<B>, Embed<B>), Self::Error> {
+        Ok((self.m.head.clone(), self.m.embed.clone()))
+    }
+
+    fn backward(&mut self, _unit: Unit, grads: B::Gradients) -> Result<(), Self::Error> {
+        let mut from = GradientsParams::from_grads(grads, self.m);
+        // Visit the master (same ids) so casts land on its parameters.
+        self.master.visit(&mut MergeGrads {
+            into: self.acc,
+            from: &mut from,
+            cast: self.cast,
+        });
+        Ok(())
+    }
+}
+
 // ---------------------------------------------------------------- trainer
 
 /// What one optimizer step measured.
@@ -362,6 +435,9 @@ pub struct Trainer<B: ExecAutodiff> {
     /// ZeRO 1/2 or the optimizer on the host (`crate::shard`): steps the
     /// model instead of `optim`.
     zero: Option<crate::shard::Zero<B::InnerBackend>>,
+    /// ZeRO-3 or the parameters on the host (`crate::shard::zero3`): the
+    /// weights are its shards and `model` is a skeleton of placeholders.
+    zero3: Option<crate::shard::zero3::Zero3<B::InnerBackend>>,
     /// The Hugging Face layout `save` writes full weights in; `None` with an
     /// adapter (PEFT adapters are not written yet).
     hf_family: Option<crate::weights::Family>,
@@ -406,10 +482,21 @@ impl<B: ExecAutodiff> Trainer<B> {
                 return Err(RunError::Weights(format!("{dir}: {e}")));
             }
         }
+        // ZeRO-3 / parameter offload: shards replace the weights, `model`
+        // becomes a skeleton with the same ids.
+        let (zero3, mut model) = crate::shard::zero3::for_plan(
+            plan,
+            model,
+            crate::shard::zero3::Storage {
+                dtype: precision.params,
+                master: precision.master,
+            },
+            cfg.collective.as_ref(),
+        )?;
         let mut work = None;
-        if precision.master {
+        if zero3.is_none() && precision.master {
             work = Some(model.clone().map(&mut CastParams(precision.params)));
-        } else if precision.params != FloatDType::F32 {
+        } else if zero3.is_none() && precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(precision.params));
         }
         let seq = plan.train.seq_len as usize;
@@ -475,12 +562,24 @@ impl<B: ExecAutodiff> Trainer<B> {
             trace: std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"),
             collective: cfg.collective,
             zero,
+            zero3,
         })
     }
 
     /// The sharded optimizer, when the plan asks for ZeRO 1/2 or offload.
     pub fn zero(&self) -> Option<&crate::shard::Zero<B::InnerBackend>> {
         self.zero.as_ref()
+    }
+
+    /// This rank's membership in the data-parallel run.
+    pub fn collective(&self) -> Option<&crate::distributed::Collective<B::InnerBackend>> {
+        self.collective.as_ref()
+    }
+
+    /// The per-unit sharded weights, when the plan asks for ZeRO-3 or
+    /// parameter offload.
+    pub fn zero3(&self) -> Option<&crate::shard::zero3::Zero3<B::InnerBackend>> {
+        self.zero3.as_ref()
     }
 
     /// This rank's optimizer state shard as bytes (`FlatOptim::save_state`)
@@ -585,13 +684,14 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// The objective on the last layer's output `x`.
     fn objective<X: ExecBackend>(
         &self,
-        m: &Model<X>,
+        head: &Head<X>,
+        embed: &Embed<X>,
         x: Tensor<X, 3>,
         batch: &Batch,
         ctx: &Ctx<X>,
         device: &X::Device,
     ) -> Tensor<X, 1> {
-        let h = m.head.normed(x, ctx);
+        let h = head.normed(x, ctx);
         match self.loss {
             Loss::CausalLm | Loss::MaskedLm => {
                 let targets = TensorData::new(batch.targets.clone(), [batch.rows, batch.seq])
@@ -605,16 +705,10 @@ impl<B: ExecAutodiff> Trainer<B> {
                 });
                 if self.chunked_loss {
                     // The shapes are the model's own: a mismatch is a bug here.
-                    chunked_lm_loss(
-                        h,
-                        m.head.weight(&m.embed, ctx),
-                        targets,
-                        weights,
-                        DEFAULT_CHUNK,
-                    )
-                    .unwrap_or_else(|e| panic!("chunked loss: {e}"))
+                    chunked_lm_loss(h, head.weight(embed, ctx), targets, weights, DEFAULT_CHUNK)
+                        .unwrap_or_else(|e| panic!("chunked loss: {e}"))
                 } else {
-                    lm_loss(m.head.logits(h, &m.embed, ctx), targets, weights)
+                    lm_loss(head.logits(h, embed, ctx), targets, weights)
                 }
             }
             Loss::Contrastive => {
@@ -639,55 +733,69 @@ impl<B: ExecAutodiff> Trainer<B> {
         acc: &mut GradientsParams,
         probe: &mut dyn MemoryProbe,
     ) -> Tensor<B::InnerBackend, 1> {
-        let m = self.working();
-        let cast = self.precision.master.then_some(FloatDType::F32);
-        let merge = |grads: B::Gradients, acc: &mut GradientsParams| {
-            let mut from = GradientsParams::from_grads(grads, m);
-            // Visit the master (same ids) so casts land on its parameters.
-            self.model.visit(&mut MergeGrads {
-                into: acc,
-                from: &mut from,
-                cast,
-            });
+        let mut whole = Whole {
+            m: self.working(),
+            master: &self.model,
+            acc,
+            cast: self.precision.master.then_some(FloatDType::F32),
         };
+        match self.micro_step_with(batch, step, micro, scale, &mut whole, probe) {
+            Ok(loss) => loss,
+            Err(never) => match never {},
+        }
+    }
 
+    /// `micro_step` with each unit's weights from `hooks`, and its gradients
+    /// to them as the backward leaves it.
+    pub fn micro_step_with<H: UnitHooks<B>>(
+        &self,
+        batch: &Batch,
+        step: u64,
+        micro: u64,
+        scale: f64,
+        hooks: &mut H,
+        probe: &mut dyn MemoryProbe,
+    ) -> Result<Tensor<B::InnerBackend, 1>, H::Error> {
+        let layers = self.model.layers.len();
         let (ctx, ictx) = self.contexts(batch);
         self.reseed_for(step, micro, 0);
-        let emb = m.embed.forward(self.tokens(batch), &ctx);
+        let emb = hooks.embed()?.forward(self.tokens(batch), &ctx);
         let mut x = emb.clone().inner();
-        let mut saved: Vec<Saved<B>> = Vec::with_capacity(m.layers.len());
-        for (i, layer) in m.layers.iter().enumerate() {
+        let mut saved: Vec<Saved<B>> = Vec::with_capacity(layers);
+        for i in 0..layers {
             self.reseed_for(step, micro, i as u64 + 1);
             if self.checkpointed.get(i).copied().unwrap_or(false) {
-                let y = layer.valid().forward(x.clone(), &ictx);
+                let y = hooks.layer(i, false)?.valid().forward(x.clone(), &ictx);
                 saved.push(Saved::Input(x));
                 x = y;
             } else {
                 let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-                let y = layer.forward(leaf.clone(), &ctx);
+                let y = hooks.layer(i, true)?.forward(leaf.clone(), &ctx);
                 x = y.clone().inner();
                 saved.push(Saved::Graph(leaf, y));
             }
             self.mark(probe, true, &|| format!("forward:layer{i}"));
         }
         let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-        let loss = self.objective(m, leaf.clone(), batch, &ctx, &self.device);
+        let (head, tied) = hooks.head()?;
+        let loss = self.objective(&head, &tied, leaf.clone(), batch, &ctx, &self.device);
+        drop((head, tied));
         let value = loss.clone().inner();
         self.mark(probe, false, &|| "forward:loss".into());
         let grads = loss.mul_scalar(scale).backward();
         let mut g = leaf
             .grad(&grads)
             .expect("the loss depends on the last hidden state");
-        merge(grads, acc);
+        hooks.backward(Unit::Head, grads)?;
         self.mark(probe, false, &|| "backward:head".into());
 
-        for i in (0..m.layers.len()).rev() {
+        for i in (0..layers).rev() {
             let (leaf, y) = match saved.pop().expect("one saved segment per layer") {
                 Saved::Graph(leaf, y) => (leaf, y),
                 Saved::Input(x) => {
                     self.reseed_for(step, micro, i as u64 + 1);
                     let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-                    let y = m.layers[i].forward(leaf.clone(), &ctx);
+                    let y = hooks.layer(i, true)?.forward(leaf.clone(), &ctx);
                     self.mark(probe, true, &|| format!("recompute:layer{i}"));
                     (leaf, y)
                 }
@@ -696,13 +804,13 @@ impl<B: ExecAutodiff> Trainer<B> {
             g = leaf
                 .grad(&grads)
                 .expect("a layer's output depends on its input");
-            merge(grads, acc);
+            hooks.backward(Unit::Layer(i), grads)?;
             self.mark(probe, true, &|| format!("backward:layer{i}"));
         }
         let grads = (emb * Tensor::from_inner(g)).sum().backward();
-        merge(grads, acc);
+        hooks.backward(Unit::Embed, grads)?;
         self.mark(probe, false, &|| "backward:embedding".into());
-        value
+        Ok(value)
     }
 
     /// The same gradients from one graph over the whole model (the reference
@@ -716,7 +824,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             self.reseed_for(step, micro, i as u64 + 1);
             x = layer.forward(x, &ctx);
         }
-        let loss = self.objective(m, x, batch, &ctx, &self.device);
+        let loss = self.objective(&m.head, &m.embed, x, batch, &ctx, &self.device);
         let value = loss.clone().into_scalar().elem::<f64>();
         let grads = loss.backward();
         let mut from = GradientsParams::from_grads(grads, m);
@@ -766,13 +874,32 @@ impl<B: ExecAutodiff> Trainer<B> {
         let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
         for micro in 0..self.grad_accum {
             let batch = self.batcher.batch(step, micro);
-            let l = self.micro_step(&batch, step, micro, scale, &mut acc, probe);
+            let l = match self.zero3.take() {
+                Some(mut z) => {
+                    let mut hooks = crate::shard::zero3::Zero3Hooks::new(
+                        &mut z,
+                        &self.model,
+                        self.collective.as_ref(),
+                        &self.checkpointed,
+                    );
+                    let l = self.micro_step_with(&batch, step, micro, scale, &mut hooks, probe);
+                    self.zero3 = Some(z);
+                    l?
+                }
+                None => self.micro_step(&batch, step, micro, scale, &mut acc, probe),
+            };
             total = Some(match total {
                 Some(t) => t + l,
                 None => l,
             });
         }
-        if let Some(z) = &mut self.zero {
+        if let Some(z) = &mut self.zero3 {
+            // Each rank steps its shard; nothing is gathered afterwards.
+            let loss = total.take().ok_or_else(|| {
+                RunError::Backend("a training step needs at least one micro-batch".into())
+            })?;
+            total = Some(z.step(self.collective.as_ref(), self.lr, loss)?);
+        } else if let Some(z) = &mut self.zero {
             // ZeRO 1/2 or the optimizer on the host: the sharded step
             // reduces, updates its shard and gathers the weights back.
             let loss = total.take().ok_or_else(|| {
@@ -798,7 +925,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             let model = self.model.clone();
             self.model = self.optim.step(self.lr, model, acc)?;
         }
-        if self.precision.master {
+        if self.precision.master && self.zero3.is_none() {
             self.work = Some(
                 self.model
                     .clone()
@@ -931,7 +1058,9 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// A checksum of the parameters the optimizer steps: the sum over
     /// parameters of (sum of elements + sum of squares), in fp64 on the host.
     /// Data-parallel ranks must agree on it exactly (the test of their sync).
-    pub fn param_checksum(&self) -> f64 {
+    /// With ZeRO-3 every unit is gathered first (a collective call: every
+    /// rank must ask).
+    pub fn param_checksum(&mut self) -> Result<f64, RunError> {
         struct Sum(f64);
         impl<B: Backend> ModuleVisitor<B> for Sum {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -942,19 +1071,31 @@ impl<B: ExecAutodiff> Trainer<B> {
             }
         }
         let mut c = Sum(0.0);
-        self.model.visit(&mut c);
-        c.0
+        self.whole_model()?.visit(&mut c);
+        Ok(c.0)
+    }
+
+    /// The model with its weights: gathered from the shards with ZeRO-3.
+    fn whole_model(&mut self) -> Result<Model<B>, RunError> {
+        match &mut self.zero3 {
+            Some(z) => z.gather_model(&self.model, self.collective.as_ref()),
+            None => Ok(self.model.clone()),
+        }
     }
 
     /// The trainable parameters' values, fp32, in visit order (the flat
     /// vector ZeRO shards): for comparing runs element by element.
-    pub fn flat_weights(&self) -> Result<Vec<f32>, RunError> {
+    pub fn flat_weights(&mut self) -> Result<Vec<f32>, RunError> {
         let device = self.device.clone();
-        crate::optim::to_host(crate::shard::flat_params::<B, _>(&self.model, &device))
+        let model = self.whole_model()?;
+        crate::optim::to_host(crate::shard::flat_params::<B, _>(&model, &device))
     }
 
     /// Number of parameters (all, trainable).
     pub fn param_counts(&self) -> (u64, u64) {
+        if let Some(z) = &self.zero3 {
+            return z.param_counts();
+        }
         struct Count(u64, u64);
         impl<B: Backend> ModuleVisitor<B> for Count {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {

@@ -343,10 +343,7 @@ mod tests {
             steps: steps as u64,
             seed: 5,
             data: Some(data.to_path_buf()),
-            save: None,
-            save_every: None,
-            resume: None,
-            distributed: None,
+            ..Default::default()
         };
         let mut t = Trainer::<burn::backend::Autodiff<Cpu>>::new(
             plan,

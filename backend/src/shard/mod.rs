@@ -23,9 +23,13 @@
 //! Stage 0 with the optimizer offloaded is the same with one shard: the mean
 //! gradient is all-reduced and every rank steps all of it on the host.
 //!
-//! Not executed (refused by `check_plan_ranks`): ZeRO-3 and parameter
-//! offload. With 16-bit weights and an fp32 master the trainer still holds
-//! the whole fp32 model (its master); the optimizer state is what is sharded.
+//! ZeRO-3 and parameter offload shard the weights themselves and stream
+//! them per unit: `zero3`. Here, with 16-bit weights and an fp32 master the
+//! trainer still holds the whole fp32 model (its master); the optimizer
+//! state is what is sharded.
+
+pub mod checkpoint;
+pub mod zero3;
 
 use crate::distributed::Collective;
 use crate::optim::{FlatOptim, Place, Rule};
@@ -133,6 +137,11 @@ impl<I: Backend> Zero<I> {
 
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Ranks the optimizer state is sharded over (1 for stage 0).
+    pub fn shards(&self) -> usize {
+        self.shards
     }
 
     pub fn optimizer(&self) -> &FlatOptim<I> {
@@ -243,6 +252,32 @@ impl<I: Backend> Zero<I> {
     }
 }
 
+/// The ZeRO stage a rank executes (0: Burn's optimizer on every rank).
+pub fn executed_stage<I: Backend>(zero: Option<&Zero<I>>, zero3: Option<&zero3::Zero3<I>>) -> u8 {
+    zero3
+        .map(|z| z.stage())
+        .or(zero.map(|z| z.stage()))
+        .unwrap_or(0)
+}
+
+/// What a rank keeps in host memory, as a plan writes it (`optimizer:cpu`).
+pub fn executed_offload<I: Backend>(
+    zero: Option<&Zero<I>>,
+    zero3: Option<&zero3::Zero3<I>>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let optim = zero3
+        .map(|z| z.optimizer().place())
+        .or(zero.map(|z| z.optimizer().place()));
+    if let Some(Place::Host { .. }) = optim {
+        out.push("optimizer:cpu".to_string());
+    }
+    if zero3.is_some_and(|z| z.params_on_host()) {
+        out.push("params:cpu".to_string());
+    }
+    out
+}
+
 /// The sharded step `plan` asks for, or `None` for Burn's own optimizer
 /// (ZeRO 0, nothing offloaded).
 pub fn for_plan<B: AutodiffBackend, M: Module<B>>(
@@ -256,7 +291,8 @@ pub fn for_plan<B: AutodiffBackend, M: Module<B>>(
         .offload
         .iter()
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu);
-    if r.zero == 0 && !host {
+    if (r.zero == 0 && !host) || zero3::wanted(plan) {
+        // Whole weights on Burn's optimizer, or per-unit shards (`zero3`).
         return Ok(None);
     }
     let (ranks, index, local) = match collective {
@@ -320,7 +356,7 @@ pub fn trainable_len<B: AutodiffBackend, M: Module<B>>(model: &M) -> usize {
 
 /// The trainable parameters' gradients, fp32, in visit order, taken out of
 /// `grads` (zeros for a parameter without one).
-fn flat_grads<B: AutodiffBackend, M: Module<B>>(
+pub(crate) fn flat_grads<B: AutodiffBackend, M: Module<B>>(
     model: &M,
     grads: &mut GradientsParams,
     device: &burn::tensor::Device<B::InnerBackend>,
@@ -351,7 +387,7 @@ fn flat_grads<B: AutodiffBackend, M: Module<B>>(
     cat_or_empty(t.parts, device)
 }
 
-fn cat_or_empty<I: Backend>(
+pub(crate) fn cat_or_empty<I: Backend>(
     parts: Vec<Tensor<I, 1>>,
     device: &burn::tensor::Device<I>,
 ) -> Tensor<I, 1> {

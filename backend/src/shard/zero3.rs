@@ -1,0 +1,930 @@
+//! ZeRO-3 and parameter offload: the weights at rest are flat shards, and
+//! the step gathers each unit (the embedding, each layer, the head) for its
+//! forward and again for a checkpointed layer's recomputation, then reduces
+//! the unit's gradient as the backward leaves it (`UnitHooks`, called by
+//! `Trainer::micro_step_with`).
+//!
+//! Two shard counts, each 1 or the run's `ranks`:
+//! - `wshards`, the weights at rest: `ranks` with ZeRO-3, else 1 (every rank
+//!   holds all of them: parameter offload without ZeRO-3);
+//! - `oshards`, the gradient accumulator, the fp32 master and the optimizer
+//!   state: `ranks` with ZeRO 1, 2 or 3, else 1.
+//!
+//! Every unit's trainable values (fp32 gradient, master, optimizer state)
+//! are flattened in the unit's visit order and padded to `oshards` equal
+//! shards; its frozen values (LoRA's base) are sharded beside them but never
+//! stepped. A rank's shards of all units are concatenated: one flat
+//! optimizer (`crate::optim::FlatOptim`) steps them, and nothing is gathered
+//! after the step (with `wshards` = 1 and `oshards` = `ranks`, ZeRO 1 or 2
+//! with parameter offload, the updated shards are gathered into the
+//! host-resident weights).
+//!
+//! The gradient of unit u leaves the backward once per micro-batch: ZeRO 2
+//! and 3 reduce-scatter it (mean over the ranks), ZeRO 1 all-reduces it and
+//! keeps its shard, ZeRO 0 all-reduces it whole; only the shard is added to
+//! the accumulator. With tied embeddings the head gathers the embedding unit
+//! again and reduces that copy's gradient separately.
+//!
+//! The next unit's all-gather runs on a helper thread while this unit
+//! computes (`Collective::start_all_gather`): every rank issues the same
+//! gathers in the same order (`schedule`), and a pending gather is waited
+//! for before any other collective call, so one rank never has two calls
+//! under way.
+//!
+//! With `offload = [params]` the weight shards and the fp32 master live in
+//! host memory (fp32 there, whatever the storage dtype); a unit's shard is
+//! uploaded right before its gather.
+
+use super::{flat_grads, host_threads};
+use crate::distributed::{Collective, Pending};
+use crate::model::{Embed, Head, Layer, Model};
+use crate::ops::ExecAutodiff;
+use crate::optim::{to_host, FlatOptim, Place, Rule};
+use crate::train::{Unit, UnitHooks};
+use crate::RunError;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
+use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_compiler::spec::{Loss, OffloadTo, OffloadWhat};
+
+/// One parameter of a unit, in visit order.
+struct ParamInfo {
+    id: ParamId,
+    shape: Shape,
+    trainable: bool,
+}
+
+/// Where a unit's values sit in the flat shards.
+struct UnitLayout {
+    params: Vec<ParamInfo>,
+    /// Trainable and frozen values of the whole unit.
+    t_len: usize,
+    f_len: usize,
+    /// Per weight shard (`wshards`), and this unit's offset in the rank's
+    /// concatenated weight shards.
+    t_ws: usize,
+    f_ws: usize,
+    t_woff: usize,
+    f_woff: usize,
+    /// Per optimizer shard (`oshards`), and the offset in the rank's
+    /// concatenated optimizer shard.
+    t_os: usize,
+    t_ooff: usize,
+}
+
+/// Flat values on the device (storage dtype) or in host memory (fp32).
+enum Vals<I: Backend> {
+    Device(Tensor<I, 1>),
+    Host(Vec<f32>),
+}
+
+impl<I: Backend> Vals<I> {
+    fn place(t: Tensor<I, 1>, host: bool) -> Result<Self, RunError> {
+        Ok(if host {
+            Vals::Host(to_host(t)?)
+        } else {
+            Vals::Device(t)
+        })
+    }
+
+    /// `range` on the device in `dtype` (uploaded from the host, through
+    /// one buffer of the range's size).
+    fn slice(
+        &self,
+        range: std::ops::Range<usize>,
+        dtype: FloatDType,
+        device: &I::Device,
+    ) -> Tensor<I, 1> {
+        match self {
+            Vals::Device(t) => t.clone().slice(range),
+            Vals::Host(v) => {
+                let n = range.len();
+                let t = Tensor::<I, 1>::from_data(TensorData::new(v[range].to_vec(), [n]), device);
+                crate::model::to_dtype(t, dtype)
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Vals::Device(t) => t.dims()[0],
+            Vals::Host(v) => v.len(),
+        }
+    }
+}
+
+/// The fp32 master of this rank's optimizer shard.
+enum Master<I: Backend> {
+    /// The weight shard itself (same layout, fp32 or no master wanted, and
+    /// where the optimizer reads it).
+    Work,
+    Device(Tensor<I, 1>),
+    Host(Vec<f32>),
+}
+
+/// A unit's gathered weights: trainable and frozen values, whole.
+type Gathered<I> = (Tensor<I, 1>, Tensor<I, 1>);
+
+/// ZeRO-3 / parameter offload state of one rank.
+pub struct Zero3<I: Backend> {
+    stage: u8,
+    ranks: usize,
+    wshards: usize,
+    oshards: usize,
+    /// This rank's shard index (burn-collective's numbering).
+    index: usize,
+    units: Vec<UnitLayout>,
+    layers: usize,
+    /// Dtype of the gathered weights (the plan's `params`).
+    storage: FloatDType,
+    params_on_host: bool,
+    work: Vals<I>,
+    frozen: Vals<I>,
+    master: Master<I>,
+    optim: FlatOptim<I>,
+    /// Per unit: this rank's accumulated fp32 gradient shard.
+    acc: Vec<Option<Tensor<I, 1>>>,
+    /// The head reads the embedding's table.
+    tied: bool,
+    /// Units gathered in this micro-batch, in order, and the next one.
+    schedule: Vec<usize>,
+    pos: usize,
+    ready: Option<(usize, Gathered<I>)>,
+    pending: Option<(usize, Pending<Tensor<I, 1>>)>,
+    device: I::Device,
+}
+
+/// What `for_plan` needs to know about the run's precision.
+pub struct Storage {
+    /// Dtype the weights are stored (and gathered) in.
+    pub dtype: FloatDType,
+    /// An fp32 master is stepped (16-bit `dtype`).
+    pub master: bool,
+}
+
+/// Whether `plan` streams its weights per unit (ZeRO-3, or the parameters
+/// offloaded to host memory).
+pub fn wanted(plan: &LoweredPlan) -> bool {
+    let r = &plan.resolved;
+    r.zero >= 3 || params_offloaded(plan)
+}
+
+fn params_offloaded(plan: &LoweredPlan) -> bool {
+    plan.resolved
+        .offload
+        .iter()
+        .any(|o| o.what == OffloadWhat::Params && o.to == OffloadTo::Cpu)
+}
+
+fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
+    plan.resolved
+        .offload
+        .iter()
+        .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
+}
+
+/// `for_plan`'s answer: the per-unit state (if any) and the model the
+/// trainer keeps.
+pub type Sharded<B> = (
+    Option<Zero3<<B as AutodiffBackend>::InnerBackend>>,
+    Model<B>,
+);
+
+/// The per-unit state for `plan` and the skeleton that replaces `model`
+/// (its parameters are 1-element placeholders with the same ids), or `None`
+/// when the plan keeps whole weights on the device. `model` holds the fp32
+/// weights, equal on every rank.
+pub fn for_plan<B: ExecAutodiff>(
+    plan: &LoweredPlan,
+    model: Model<B>,
+    storage: Storage,
+    collective: Option<&Collective<B::InnerBackend>>,
+) -> Result<Sharded<B>, RunError> {
+    if !wanted(plan) {
+        return Ok((None, model));
+    }
+    let stage = plan.resolved.zero;
+    let (ranks, index, local) = match collective {
+        Some(c) => (
+            c.ranks() as usize,
+            c.shard_index()?,
+            c.local_ranks() as usize,
+        ),
+        None => (1, 0, 1),
+    };
+    let wshards = if stage >= 3 { ranks } else { 1 };
+    let oshards = if stage >= 1 { ranks } else { 1 };
+    if index >= ranks.max(1) {
+        return Err(RunError::Collective(format!(
+            "shard {index} of {ranks}: burn-collective numbered this rank outside the run"
+        )));
+    }
+    let device = first_device(&model);
+    let host = params_offloaded(plan);
+    let opt_host = optimizer_offloaded(plan);
+
+    // Per unit: layout, and this rank's shards of its values.
+    let mut units = Vec::new();
+    let (mut work, mut frozen, mut master) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut t_woff, mut f_woff, mut t_ooff) = (0, 0, 0);
+    let wi = if wshards > 1 { index } else { 0 };
+    let oi = if oshards > 1 { index } else { 0 };
+    let mut add = |params: Vec<ParamInfo>, t: Tensor<B::InnerBackend, 1>, f| {
+        let (t_len, f_len) = (t.dims()[0], dims(&f));
+        let (t_ws, f_ws, t_os) = (
+            t_len.div_ceil(wshards),
+            f_len.div_ceil(wshards),
+            t_len.div_ceil(oshards),
+        );
+        work.push(shard_of(t.clone(), wshards, wi));
+        frozen.push(shard_of(f, wshards, wi));
+        master.push(shard_of(t, oshards, oi));
+        units.push(UnitLayout {
+            params,
+            t_len,
+            f_len,
+            t_ws,
+            f_ws,
+            t_woff,
+            f_woff,
+            t_os,
+            t_ooff,
+        });
+        t_woff += t_ws;
+        f_woff += f_ws;
+        t_ooff += t_os;
+    };
+    let Model {
+        embed,
+        layers,
+        head,
+    } = model;
+    let (p, t, f) = unit_values::<B, _>(&embed, &device);
+    add(p, t, f);
+    for l in &layers {
+        let (p, t, f) = unit_values::<B, _>(l, &device);
+        add(p, t, f);
+    }
+    let (p, t, f) = unit_values::<B, _>(&head, &device);
+    add(p, t, f);
+    let n_layers = layers.len();
+    let skeleton = Model {
+        embed,
+        layers,
+        head,
+    }
+    .map(&mut Placeholders);
+
+    let cat = |v: Vec<Tensor<B::InnerBackend, 1>>| super::cat_or_empty(v, &device);
+    let work_fp32 = cat(work);
+    let master_fp32 = cat(master);
+    let master_is_work = wshards == oshards
+        && (storage.dtype == FloatDType::F32 || !storage.master)
+        && (host || !opt_host);
+    let master = if master_is_work {
+        Master::Work
+    } else if opt_host || host {
+        Master::Host(to_host(master_fp32)?)
+    } else {
+        Master::Device(master_fp32)
+    };
+    let work = Vals::place(crate::model::to_dtype(work_fp32, storage.dtype), host)?;
+    let frozen = Vals::place(crate::model::to_dtype(cat(frozen), storage.dtype), host)?;
+    let place = if opt_host {
+        Place::Host {
+            threads: host_threads(local),
+        }
+    } else {
+        Place::Device
+    };
+    let t_total = t_ooff;
+    let z = Zero3 {
+        stage,
+        ranks,
+        wshards,
+        oshards,
+        index,
+        layers: n_layers,
+        storage: storage.dtype,
+        params_on_host: host,
+        acc: (0..units.len()).map(|_| None).collect(),
+        units,
+        work,
+        frozen,
+        master,
+        optim: FlatOptim::new(Rule::for_plan(plan)?, place, t_total),
+        tied: plan.train.loss != Loss::Contrastive && plan.model.tie_embeddings,
+        schedule: Vec::new(),
+        pos: 0,
+        ready: None,
+        pending: None,
+        device,
+    };
+    let need = z.host_bytes() * local as u64;
+    if need > 0 {
+        crate::check_host_memory(plan, need, crate::host_memory_available())?;
+    }
+    Ok((Some(z), skeleton))
+}
+
+fn dims<I: Backend>(t: &Tensor<I, 1>) -> usize {
+    t.dims()[0]
+}
+
+fn first_device<B: Backend>(model: &Model<B>) -> B::Device {
+    struct Dev<D>(Option<D>);
+    impl<B: Backend> ModuleVisitor<B> for Dev<B::Device> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut d = Dev(None);
+    model.visit(&mut d);
+    d.0.unwrap_or_default()
+}
+
+/// Shard `index` of `t` padded to `shards` equal parts.
+fn shard_of<I: Backend>(t: Tensor<I, 1>, shards: usize, index: usize) -> Tensor<I, 1> {
+    let n = t.dims()[0];
+    let per = n.div_ceil(shards);
+    if per == 0 {
+        return t;
+    }
+    let device = t.device();
+    let padded = if per * shards > n {
+        Tensor::cat(vec![t, Tensor::zeros([per * shards - n], &device)], 0)
+    } else {
+        t
+    };
+    padded.slice(index * per..(index + 1) * per)
+}
+
+/// A unit's parameters in visit order, its trainable values and its frozen
+/// values, fp32, flattened in visit order.
+fn unit_values<B: AutodiffBackend, M: Module<B>>(
+    m: &M,
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> (
+    Vec<ParamInfo>,
+    Tensor<B::InnerBackend, 1>,
+    Tensor<B::InnerBackend, 1>,
+) {
+    struct Values<I: Backend> {
+        params: Vec<ParamInfo>,
+        t: Vec<Tensor<I, 1>>,
+        f: Vec<Tensor<I, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Values<B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let trainable = param.is_require_grad();
+            let t = param.val().inner();
+            self.params.push(ParamInfo {
+                id: param.id,
+                shape: t.shape(),
+                trainable,
+            });
+            let flat = t.cast(FloatDType::F32).flatten(0, D - 1);
+            if trainable {
+                self.t.push(flat);
+            } else {
+                self.f.push(flat);
+            }
+        }
+    }
+    let mut v = Values {
+        params: Vec::new(),
+        t: Vec::new(),
+        f: Vec::new(),
+    };
+    m.visit(&mut v);
+    (
+        v.params,
+        super::cat_or_empty(v.t, device),
+        super::cat_or_empty(v.f, device),
+    )
+}
+
+/// Replaces every parameter by a 1-element placeholder (id and
+/// trainability kept): the skeleton whose units `Fill` rebuilds.
+struct Placeholders;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Placeholders {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, t, _) = param.consume();
+        let trainable = t.is_require_grad();
+        let device = t.device();
+        drop(t);
+        let p = Tensor::<B::InnerBackend, D>::zeros([1; D], &device);
+        Param::initialized(id, Tensor::from_inner(p).set_require_grad(trainable))
+    }
+}
+
+/// Rebuilds a unit from its skeleton with gathered values: every parameter
+/// a fresh leaf (same id) in its shape, trainable ones tracked.
+struct Fill<'a, I: Backend> {
+    params: std::slice::Iter<'a, ParamInfo>,
+    t: Option<Tensor<I, 1>>,
+    f: Option<Tensor<I, 1>>,
+    t_at: usize,
+    f_at: usize,
+    wrong: Option<String>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Fill<'_, B::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(info) = self.params.next().filter(|i| i.id == param.id) else {
+            self.wrong.get_or_insert_with(|| {
+                format!("parameter {} is not in the unit's layout", param.id)
+            });
+            return param;
+        };
+        let n = info.shape.num_elements();
+        let (src, at) = if info.trainable {
+            (&self.t, &mut self.t_at)
+        } else {
+            (&self.f, &mut self.f_at)
+        };
+        let Some(src) = src else {
+            self.wrong
+                .get_or_insert_with(|| "a unit's values are missing".into());
+            return param;
+        };
+        let part = src
+            .clone()
+            .slice(*at..*at + n)
+            .reshape::<D, _>(info.shape.clone());
+        *at += n;
+        let t = Tensor::from_inner(part);
+        Param::initialized(info.id, if info.trainable { t.require_grad() } else { t })
+    }
+}
+
+impl<I: Backend> Zero3<I> {
+    /// The ZeRO stage executed.
+    pub fn stage(&self) -> u8 {
+        self.stage
+    }
+
+    pub fn optimizer(&self) -> &FlatOptim<I> {
+        &self.optim
+    }
+
+    pub fn params_on_host(&self) -> bool {
+        self.params_on_host
+    }
+
+    /// Values in this rank's weight shards (trainable and frozen).
+    pub fn weight_shard_len(&self) -> usize {
+        self.work.len() + self.frozen.len()
+    }
+
+    /// Parameters of the whole model (all, trainable).
+    pub fn param_counts(&self) -> (u64, u64) {
+        let t: usize = self.units.iter().map(|u| u.t_len).sum();
+        let f: usize = self.units.iter().map(|u| u.f_len).sum();
+        ((t + f) as u64, t as u64)
+    }
+
+    /// Host bytes this rank holds: weight shards and master on the host
+    /// (parameter offload), the optimizer state and the gradient shard
+    /// brought down (optimizer offload).
+    pub fn host_bytes(&self) -> u64 {
+        let mut values = 0;
+        for v in [&self.work, &self.frozen] {
+            if let Vals::Host(v) = v {
+                values += v.len();
+            }
+        }
+        if let Master::Host(m) = &self.master {
+            values += m.len();
+        }
+        if let Place::Host { .. } = self.optim.place() {
+            let t: usize = self.units.iter().map(|u| u.t_os).sum();
+            values += (self.optim.rule().state_per_param() + 1) * t;
+        }
+        (values * 4) as u64
+    }
+
+    fn unit_index(&self, u: Unit) -> usize {
+        match u {
+            Unit::Embed => 0,
+            Unit::Layer(i) => i + 1,
+            Unit::Head => self.layers + 1,
+        }
+    }
+
+    /// Start a micro-batch: the units it will gather, in order.
+    pub fn begin_micro(&mut self, checkpointed: &[bool]) {
+        let n = self.layers;
+        let mut s: Vec<usize> = (0..n + 2).collect();
+        if self.tied {
+            s.push(0);
+        }
+        s.extend(
+            (0..n)
+                .rev()
+                .filter(|&i| checkpointed.get(i).copied().unwrap_or(false))
+                .map(|i| i + 1),
+        );
+        self.schedule = s;
+        self.pos = 0;
+        self.ready = None;
+        self.pending = None;
+    }
+
+    /// This rank's piece of unit `u` for the gather: its weight shards,
+    /// trainable then frozen, in the storage dtype on the device.
+    fn piece(&self, u: usize) -> Tensor<I, 1> {
+        let l = &self.units[u];
+        let mut parts = Vec::new();
+        if l.t_ws > 0 {
+            parts.push(
+                self.work
+                    .slice(l.t_woff..l.t_woff + l.t_ws, self.storage, &self.device),
+            );
+        }
+        if l.f_ws > 0 {
+            parts.push(
+                self.frozen
+                    .slice(l.f_woff..l.f_woff + l.f_ws, self.storage, &self.device),
+            );
+        }
+        super::cat_or_empty(parts, &self.device)
+    }
+
+    /// Unit `u`'s whole values from every rank's piece (`all`:
+    /// `wshards` pieces in shard order).
+    fn split(&self, u: usize, all: Tensor<I, 1>) -> Gathered<I> {
+        let l = &self.units[u];
+        let s = self.wshards;
+        let w = l.t_ws + l.f_ws;
+        let empty = || Tensor::<I, 1>::zeros([0], &self.device);
+        if w == 0 {
+            return (empty(), empty());
+        }
+        let m = all.reshape([s, w]);
+        let col = |from: usize, n: usize, len: usize| {
+            if n == 0 {
+                empty()
+            } else {
+                m.clone()
+                    .slice([0..s, from..from + n])
+                    .reshape([s * n])
+                    .slice(0..len)
+            }
+        };
+        (col(0, l.t_ws, l.t_len), col(l.t_ws, l.f_ws, l.f_len))
+    }
+
+    fn gather_now(&self, u: usize, c: Option<&Collective<I>>) -> Result<Gathered<I>, RunError> {
+        let piece = self.piece(u);
+        let all = match c {
+            Some(c) if self.wshards > 1 && dims(&piece) > 0 => c.all_gather(piece)?,
+            _ => piece,
+        };
+        Ok(self.split(u, all))
+    }
+
+    /// Wait for the gather under way, if any, before another collective
+    /// call.
+    fn settle(&mut self, c: Option<&Collective<I>>) -> Result<(), RunError> {
+        if let Some((pos, p)) = self.pending.take() {
+            let c = c.ok_or_else(|| RunError::Backend("a gather without a collective".into()))?;
+            let all = c.finish_call(p)?;
+            let u = self.schedule[pos];
+            self.ready = Some((pos, self.split(u, all)));
+        }
+        Ok(())
+    }
+
+    /// Unit `u`'s gathered weights: the next unit of the schedule. Starts
+    /// the gather of the one after it.
+    fn take(&mut self, u: Unit, c: Option<&Collective<I>>) -> Result<Gathered<I>, RunError> {
+        let want = self.unit_index(u);
+        let pos = self.pos;
+        if self.schedule.get(pos) != Some(&want) {
+            return Err(RunError::Backend(format!(
+                "ZeRO-3 was asked for {u:?} out of its gather order ({:?} at {pos})",
+                self.schedule
+            )));
+        }
+        self.pos += 1;
+        if self.pending.as_ref().is_some_and(|(p, _)| *p == pos) {
+            self.settle(c)?;
+        }
+        let got = match self.ready.take() {
+            Some((p, g)) if p == pos => g,
+            _ => self.gather_now(want, c)?,
+        };
+        if let (Some(c), Some(&next)) = (c, self.schedule.get(self.pos)) {
+            let piece = self.piece(next);
+            if self.wshards > 1 && dims(&piece) > 0 {
+                self.pending = Some((self.pos, c.start_all_gather(piece)?));
+            }
+        }
+        Ok(got)
+    }
+
+    /// Add unit `u`'s gradient (`flat`: fp32, the unit's trainable values in
+    /// visit order) to this rank's shard, reduced over the ranks.
+    fn reduce(
+        &mut self,
+        u: usize,
+        flat: Tensor<I, 1>,
+        c: Option<&Collective<I>>,
+    ) -> Result<(), RunError> {
+        self.settle(c)?;
+        let l = &self.units[u];
+        if l.t_len == 0 {
+            return Ok(());
+        }
+        let (s, per) = (self.oshards, l.t_os);
+        let pad = |t: Tensor<I, 1>, to: usize| {
+            let n = t.dims()[0];
+            if to > n {
+                Tensor::cat(vec![t, Tensor::zeros([to - n], &self.device)], 0)
+            } else {
+                t
+            }
+        };
+        let shard = match c {
+            Some(c) if s > 1 && self.stage >= 2 => {
+                let (g, at) = c.reduce_scatter_mean(pad(flat, s * per))?;
+                if at != self.index {
+                    return Err(RunError::Collective(format!(
+                        "the reduce-scatter gave this rank shard {at}, it owns {}",
+                        self.index
+                    )));
+                }
+                g
+            }
+            Some(c) if self.ranks > 1 => {
+                // Whole (ZeRO 0 and 1), padded so burn-collective's ring can
+                // cut it into one part per rank.
+                let to = (s * per).div_ceil(self.ranks) * self.ranks;
+                let all = c.mean(pad(flat, to))?;
+                let at = if s > 1 { self.index } else { 0 };
+                all.slice(at * per..(at + 1) * per)
+            }
+            _ => pad(flat, per),
+        };
+        let acc = &mut self.acc[u];
+        *acc = Some(match acc.take() {
+            Some(a) => a + shard,
+            None => shard,
+        });
+        Ok(())
+    }
+
+    /// The optimizer step of this rank's shard with the accumulated
+    /// gradient; returns the loss averaged over the ranks.
+    pub fn step(
+        &mut self,
+        c: Option<&Collective<I>>,
+        lr: f64,
+        loss: Tensor<I, 1>,
+    ) -> Result<Tensor<I, 1>, RunError> {
+        self.settle(c)?;
+        self.ready = None;
+        let loss = loss.cast(FloatDType::F32);
+        let loss = match c {
+            // A `ranks`-element vector: burn-collective's ring cannot reduce
+            // a single value over several nodes.
+            Some(c) if self.ranks > 1 => c.mean(loss.repeat_dim(0, self.ranks))?.slice(0..1),
+            _ => loss,
+        };
+        let parts: Vec<Tensor<I, 1>> = self
+            .units
+            .iter()
+            .zip(self.acc.iter_mut())
+            .filter(|(l, _)| l.t_os > 0)
+            .map(|(l, a)| {
+                a.take()
+                    .unwrap_or_else(|| Tensor::zeros([l.t_os], &self.device))
+            })
+            .collect();
+        let grad = super::cat_or_empty(parts, &self.device);
+        let upload = |v: &[f32], device: &I::Device| {
+            Tensor::<I, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
+        };
+        let device = self.device.clone();
+        // The updated fp32 shard on the device; `None`: the host weights
+        // were updated in place.
+        let updated = match (&mut self.master, self.optim.place(), &mut self.work) {
+            (Master::Work, Place::Host { .. }, Vals::Host(w)) => {
+                self.optim.step_host_master(lr, w, grad)?;
+                None
+            }
+            (Master::Work, Place::Device, Vals::Device(w)) => {
+                Some(self.optim.step(lr, w.clone().cast(FloatDType::F32), grad)?)
+            }
+            (Master::Work, Place::Device, Vals::Host(w)) => {
+                let u = self.optim.step(lr, upload(w, &device), grad)?;
+                *w = to_host(u)?;
+                None
+            }
+            (Master::Device(m), Place::Device, _) => {
+                let u = self.optim.step(lr, m.clone(), grad)?;
+                *m = u.clone();
+                Some(u)
+            }
+            (Master::Host(m), Place::Host { .. }, _) => {
+                Some(self.optim.step_host_master(lr, m, grad)?)
+            }
+            (Master::Host(m), Place::Device, _) => {
+                let u = self.optim.step(lr, upload(m, &device), grad)?;
+                *m = to_host(u.clone())?;
+                Some(u)
+            }
+            _ => {
+                return Err(RunError::Backend(
+                    "ZeRO-3: the master shard is not where the optimizer reads it".into(),
+                ))
+            }
+        };
+        let Some(updated) = updated else {
+            return Ok(loss);
+        };
+        let whole = if self.wshards == self.oshards {
+            updated
+        } else {
+            // ZeRO 1/2 with the weights on the host: every rank holds all of
+            // them, so the updated shards are gathered.
+            let c = c.ok_or_else(|| RunError::Backend("sharded without a collective".into()))?;
+            let all = c.all_gather(updated)?;
+            let total = dims(&all) / self.oshards;
+            let m = all.reshape([self.oshards, total]);
+            let parts = self
+                .units
+                .iter()
+                .filter(|l| l.t_os > 0)
+                .map(|l| {
+                    m.clone()
+                        .slice([0..self.oshards, l.t_ooff..l.t_ooff + l.t_os])
+                        .reshape([self.oshards * l.t_os])
+                        .slice(0..l.t_len)
+                })
+                .collect();
+            super::cat_or_empty(parts, &self.device)
+        };
+        self.work = Vals::place(
+            crate::model::to_dtype(whole, self.storage),
+            self.params_on_host,
+        )?;
+        Ok(loss)
+    }
+
+    /// Gather every unit (outside a micro-batch) and rebuild the whole
+    /// model from `skeleton`: for checksums and comparisons at the end.
+    pub fn gather_model<B: AutodiffBackend<InnerBackend = I>>(
+        &mut self,
+        skeleton: &Model<B>,
+        c: Option<&Collective<I>>,
+    ) -> Result<Model<B>, RunError> {
+        self.settle(c)?;
+        self.ready = None;
+        let embed = self.build(0, skeleton.embed.clone(), self.gather_now(0, c)?)?;
+        let mut layers = Vec::new();
+        for (i, l) in skeleton.layers.iter().enumerate() {
+            layers.push(self.build(i + 1, l.clone(), self.gather_now(i + 1, c)?)?);
+        }
+        let h = self.layers + 1;
+        let head = self.build(h, skeleton.head.clone(), self.gather_now(h, c)?)?;
+        Ok(Model {
+            embed,
+            layers,
+            head,
+        })
+    }
+
+    fn build<B: AutodiffBackend<InnerBackend = I>, M: Module<B>>(
+        &self,
+        u: usize,
+        skeleton: M,
+        (t, f): Gathered<I>,
+    ) -> Result<M, RunError> {
+        let l = &self.units[u];
+        let mut fill = Fill {
+            params: l.params.iter(),
+            t: (l.t_len > 0).then_some(t),
+            f: (l.f_len > 0).then_some(f),
+            t_at: 0,
+            f_at: 0,
+            wrong: None,
+        };
+        let m = skeleton.map(&mut fill);
+        match fill.wrong {
+            Some(w) => Err(RunError::Backend(format!(
+                "ZeRO-3 cannot rebuild a unit: {w}"
+            ))),
+            None => Ok(m),
+        }
+    }
+}
+
+/// `UnitHooks` of one micro-batch of a ZeRO-3 / parameter-offload rank: the
+/// gathered units it handed out, kept until their backward.
+pub struct Zero3Hooks<'a, B: ExecAutodiff> {
+    zero: &'a mut Zero3<B::InnerBackend>,
+    skeleton: &'a Model<B>,
+    collective: Option<&'a Collective<B::InnerBackend>>,
+    embed: Option<Embed<B>>,
+    layers: Vec<Option<Layer<B>>>,
+    head: Option<(Head<B>, Option<Embed<B>>)>,
+}
+
+impl<'a, B: ExecAutodiff> Zero3Hooks<'a, B> {
+    pub fn new(
+        zero: &'a mut Zero3<B::InnerBackend>,
+        skeleton: &'a Model<B>,
+        collective: Option<&'a Collective<B::InnerBackend>>,
+        checkpointed: &[bool],
+    ) -> Self {
+        zero.begin_micro(checkpointed);
+        Zero3Hooks {
+            layers: (0..skeleton.layers.len()).map(|_| None).collect(),
+            zero,
+            skeleton,
+            collective,
+            embed: None,
+            head: None,
+        }
+    }
+
+    fn reduce_module<M: burn::module::AutodiffModule<B>>(
+        &mut self,
+        u: usize,
+        m: &M,
+        grads: &mut B::Gradients,
+    ) -> Result<(), RunError> {
+        let mut gp = GradientsParams::from_module(grads, m);
+        let flat = flat_grads::<B, M>(m, &mut gp, &self.zero.device);
+        self.zero.reduce(u, flat, self.collective)
+    }
+}
+
+impl<B: ExecAutodiff> UnitHooks<B> for Zero3Hooks<'_, B> {
+    type Error = RunError;
+
+    fn embed(&mut self) -> Result<Embed<B>, RunError> {
+        let g = self.zero.take(Unit::Embed, self.collective)?;
+        let e = self.zero.build(0, self.skeleton.embed.clone(), g)?;
+        self.embed = Some(e.clone());
+        Ok(e)
+    }
+
+    fn layer(&mut self, i: usize, keep: bool) -> Result<Layer<B>, RunError> {
+        let g = self.zero.take(Unit::Layer(i), self.collective)?;
+        let l = self.zero.build(i + 1, self.skeleton.layers[i].clone(), g)?;
+        // A checkpointed layer's forward keeps nothing: its weights go
+        // with the caller's copy.
+        self.layers[i] = keep.then(|| l.clone());
+        Ok(l)
+    }
+
+    fn head(&mut self) -> Result<(Head<B>, Embed<B>), RunError> {
+        let h = self.zero.layers + 1;
+        let g = self.zero.take(Unit::Head, self.collective)?;
+        let head = self.zero.build(h, self.skeleton.head.clone(), g)?;
+        let tied = if self.zero.tied {
+            let g = self.zero.take(Unit::Embed, self.collective)?;
+            Some(self.zero.build(0, self.skeleton.embed.clone(), g)?)
+        } else {
+            None
+        };
+        self.head = Some((head.clone(), tied.clone()));
+        // Untied, the head never reads the embedding: the skeleton's stands in.
+        Ok((head, tied.unwrap_or_else(|| self.skeleton.embed.clone())))
+    }
+
+    fn backward(&mut self, unit: Unit, mut grads: B::Gradients) -> Result<(), RunError> {
+        match unit {
+            Unit::Embed => {
+                let e = self.embed.take().ok_or_else(|| lost(unit))?;
+                self.reduce_module(0, &e, &mut grads)
+            }
+            Unit::Layer(i) => {
+                let l = self.layers[i].take().ok_or_else(|| lost(unit))?;
+                self.reduce_module(i + 1, &l, &mut grads)
+            }
+            Unit::Head => {
+                let (head, tied) = self.head.take().ok_or_else(|| lost(unit))?;
+                self.reduce_module(self.zero.layers + 1, &head, &mut grads)?;
+                match tied {
+                    Some(e) => self.reduce_module(0, &e, &mut grads),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+fn lost(u: Unit) -> RunError {
+    RunError::Backend(format!(
+        "ZeRO-3: the backward of {u:?} came without its forward's weights"
+    ))
+}
