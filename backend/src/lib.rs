@@ -21,6 +21,7 @@
 //! (`check_plan`): tensor, pipeline or context parallelism, ZeRO-3, offload of anything but the optimizer, QLoRA's 4-bit base, mixture of
 //! experts, optimizers Burn lacks.
 
+pub mod checkpoint;
 pub mod data;
 pub mod distributed;
 pub mod loss;
@@ -259,6 +260,8 @@ pub struct RunOptions {
     /// Save a checkpoint here every `save_every` steps and at the end.
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
+    /// Save LoRA merged into full Hugging Face weights instead of a PEFT adapter.
+    pub merge_lora: bool,
     pub resume: Option<PathBuf>,
     /// Data parallel: this process's place among the processes, its devices
     /// (one rank each) and the collective's timeouts. `None`: one rank.
@@ -416,6 +419,9 @@ fn execute<B: ExecAutodiff>(
              (run without them, or with zero = 0 and nothing offloaded)",
             plan.resolved.zero
         )));
+    }
+    if opts.merge_lora {
+        trainer.set_merge_lora()?;
     }
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;

@@ -29,6 +29,7 @@ fn opts(steps: u64) -> RunOptions {
         data: None,
         save: None,
         save_every: None,
+        merge_lora: false,
         resume: None,
         distributed: None,
     }

@@ -247,6 +247,19 @@ impl<B: ExecAutodiff> Optim<B> {
     }
 }
 
+/// The shape of every float parameter, in visit order.
+fn param_shapes<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.shape().to_vec());
+        }
+    }
+    let mut s = Shapes(vec![]);
+    m.visit(&mut s);
+    s.0
+}
+
 /// A checkpoint file Burn's recorder could not read, in words: which file,
 /// what it held, and what to do (Burn's own text is a debug dump such as
 /// `Unknown("Io { inner: ... }")`).
@@ -340,22 +353,13 @@ pub struct Trainer<B: ExecAutodiff> {
     /// ZeRO 1/2 or the optimizer on the host (`crate::shard`): steps the
     /// model instead of `optim`.
     zero: Option<crate::shard::Zero<B::InnerBackend>>,
-    /// The Hugging Face layout `save` writes full weights in; `None` with an
-    /// adapter (PEFT adapters are not written yet).
-    hf_family: Option<crate::weights::Family>,
-    /// The checkpoint the run started from, whose config and tokenizer
-    /// files `save` copies.
-    hf_source: Option<std::path::PathBuf>,
+    /// What `save` writes in the Hugging Face layout beside rcoa's record
+    /// (full weights, a PEFT adapter, or merged weights); `None` for a model
+    /// no Hugging Face class holds.
+    export: Option<crate::weights::Export>,
+    /// What a checkpoint of this run belongs to (`crate::checkpoint`).
+    identity: crate::checkpoint::Identity,
 }
-
-/// Files of the source checkpoint a full fine-tune's save carries over.
-const HF_SIDE_FILES: &[&str] = &[
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-];
 
 impl<B: ExecAutodiff> Trainer<B> {
     pub fn new(
@@ -421,11 +425,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
         let zero = crate::shard::for_plan::<B, _>(plan, &model, cfg.collective.as_ref())?;
         Ok(Trainer {
-            hf_family: plan
-                .adapter
-                .is_none()
-                .then(|| crate::weights::Family::of(&plan.model)),
-            hf_source: plan.model.weights.as_ref().map(std::path::PathBuf::from),
+            export: crate::weights::Export::for_plan(plan, &model),
+            identity: crate::checkpoint::Identity::of(plan, &precision),
             device,
             model,
             work,
@@ -476,6 +477,24 @@ impl<B: ExecAutodiff> Trainer<B> {
         z.optimizer_mut().load_state(bytes, &device)?;
         z.reset_master();
         Ok(())
+    }
+
+    /// `--merge-lora`: save LoRA merged into full weights instead of a PEFT
+    /// adapter; refused without an adapter or a Hugging Face layout.
+    pub fn set_merge_lora(&mut self) -> Result<(), RunError> {
+        let e = self.export.as_mut().ok_or_else(|| {
+            RunError::Unsupported(
+                "--merge-lora writes Hugging Face weights, and this model's shape has no Hugging Face layout \
+                 (Llama/Mistral, GPT-2 and XLM-R shapes have)"
+                    .into(),
+            )
+        })?;
+        e.set_merge_lora().map_err(RunError::Unsupported)
+    }
+
+    /// The Hugging Face export of `save` (tests lower the shard size).
+    pub fn export_mut(&mut self) -> Option<&mut crate::weights::Export> {
+        self.export.as_mut()
     }
 
     /// Override which layers are recomputed (tests compare the variants).
@@ -787,25 +806,17 @@ impl<B: ExecAutodiff> Trainer<B> {
         Recorder::<B>::record(&rec, self.model.clone().into_record(), tmp.join("model"))
             .map_err(|e| RunError::Checkpoint(format!("cannot write the model: {e}")))?;
         self.optim.save(&rec, tmp.join("optimizer"))?;
-        if let Some(family) = self.hf_family {
-            // The full weights in the Hugging Face layout, beside rcoa's own
-            // record (which `resume` reads), with the source's config and
-            // tokenizer so `transformers` loads the folder.
-            let hf = |e: String| {
+        if let Some(export) = &self.export {
+            // The Hugging Face files beside rcoa's own record (which
+            // `resume` reads): what `transformers` and `peft` load.
+            export.write(&self.model, &tmp).map_err(|e| {
                 RunError::Checkpoint(format!("cannot write the Hugging Face weights: {e}"))
-            };
-            let tensors = crate::weights::hf_tensors(&self.model, family).map_err(hf)?;
-            crate::weights::write_safetensors(&tensors, &tmp).map_err(hf)?;
-            if let Some(src) = &self.hf_source {
-                for f in HF_SIDE_FILES {
-                    if src.join(f).is_file() {
-                        std::fs::copy(src.join(f), tmp.join(f))
-                            .map_err(|e| err(&format!("cannot copy {f} into"), &e))?;
-                    }
-                }
-            }
+            })?;
         }
-        let state = serde_json::json!({ "step": self.step, "seed": self.seed, "format": 1 });
+        let mut state = self.identity.to_json();
+        state["step"] = self.step.into();
+        state["seed"] = self.seed.into();
+        state["format"] = crate::checkpoint::FORMAT.into();
         std::fs::write(tmp.join("state.json"), state.to_string())
             .map_err(|e| err("cannot write the state of", &e))?;
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
@@ -830,10 +841,38 @@ impl<B: ExecAutodiff> Trainer<B> {
         let step = state["step"]
             .as_u64()
             .ok_or_else(|| RunError::Checkpoint("state.json has no step".into()))?;
+        self.identity.check(&state, dir)?;
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
             .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
+        let shapes = param_shapes(&self.model);
         let mut model = self.model.clone().load_record(record);
+        // Burn loads a record of other shapes without a word: the identity
+        // above should have refused it, this catches a mismatched model.bin.
+        let loaded = param_shapes(&model);
+        if loaded != shapes {
+            let bad: Vec<String> = shapes
+                .iter()
+                .zip(&loaded)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+                .map(|(i, (a, b))| {
+                    format!("parameter {i}: {b:?} in the checkpoint, {a:?} in this plan")
+                })
+                .take(5)
+                .collect();
+            return Err(RunError::Checkpoint(format!(
+                "`{}` holds weights of another shape than this plan's model ({}{}): resume with the plan it was \
+                 saved by, or start again without --resume",
+                dir.join("model.bin").display(),
+                if loaded.len() != shapes.len() {
+                    format!("{} parameters in the checkpoint, {} in this plan; ", loaded.len(), shapes.len())
+                } else {
+                    String::new()
+                },
+                bad.join(", ")
+            )));
+        }
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));

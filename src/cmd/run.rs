@@ -63,6 +63,10 @@ pub struct Args {
     save: Option<PathBuf>,
     #[arg(long, value_name = "N", requires = "save")]
     save_every: Option<u64>,
+    /// With `adapter lora`: --save writes the LoRA merged into full Hugging Face weights
+    /// (config, model.safetensors, tokenizer) instead of a PEFT adapter.
+    #[arg(long, requires = "save")]
+    merge_lora: bool,
     /// Continue from a checkpoint written by `--save`.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
@@ -258,6 +262,7 @@ pub fn run(args: Args) -> ExitCode {
         data: args.data.clone(),
         save: args.save.clone(),
         save_every: args.save_every,
+        merge_lora: args.merge_lora,
         resume: args.resume.clone(),
         distributed: dist,
     };

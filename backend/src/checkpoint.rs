@@ -1,0 +1,180 @@
+//! What a checkpoint belongs to, so that `--resume` refuses a checkpoint of
+//! another run instead of loading it: Burn's `load_record` replaces tensors
+//! without comparing shapes, and an optimizer record of another kind fails
+//! only as an undecodable file.
+//!
+//! `state.json` records what the saved state depends on: the model's shape
+//! (and whether it has a vocabulary head), the adapter (kind, rank, alpha,
+//! targets: alpha scales every adapted layer), the optimizer's kind (and
+//! whether SGD keeps momentum), and how parameters are stored (dtype, fp32
+//! master copy), with a fingerprint of them all. What the state does not
+//! depend on — learning rate, betas, weight decay, steps, batch sizes,
+//! sequence length, the compute dtype, checkpointing — may change on resume.
+
+use crate::train::Precision;
+use crate::RunError;
+use burn::tensor::FloatDType;
+use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_compiler::spec::{Loss, OptimizerKind};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The checkpoint format `Trainer::save` writes; format 1 had no identity.
+pub const FORMAT: u64 = 2;
+
+/// What must match for a checkpoint to resume: `section.key` → value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity(pub BTreeMap<String, String>);
+
+fn text<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => String::new(),
+    }
+}
+
+fn dtype(d: FloatDType) -> &'static str {
+    match d {
+        FloatDType::BF16 => "bf16",
+        FloatDType::F16 => "fp16",
+        FloatDType::F64 => "fp64",
+        _ => "fp32",
+    }
+}
+
+impl Identity {
+    /// The identity of a run of `plan` executed with `precision`.
+    pub fn of(plan: &LoweredPlan, precision: &Precision) -> Identity {
+        let m = &plan.model;
+        let mut e = BTreeMap::new();
+        let mut put = |k: &str, v: String| {
+            e.insert(k.to_string(), v);
+        };
+        put("model.arch", text(&m.arch));
+        put("model.layers", m.layers.to_string());
+        put("model.hidden", m.hidden.to_string());
+        put("model.heads", m.heads.to_string());
+        put("model.kv_heads", m.kv_heads.to_string());
+        put("model.head_dim", m.head_dim.to_string());
+        put("model.ffn", m.ffn.to_string());
+        put("model.mlp", text(&m.mlp));
+        put("model.norm", text(&m.norm));
+        put("model.positions", text(&m.positions));
+        put("model.vocab", m.vocab.to_string());
+        put("model.max_positions", m.max_positions.to_string());
+        put("model.tie_embeddings", m.tie_embeddings.to_string());
+        put("model.experts", m.experts.to_string());
+        // Contrastive training builds no vocabulary head.
+        put(
+            "model.lm_head",
+            (plan.train.loss != Loss::Contrastive).to_string(),
+        );
+        match &plan.adapter {
+            None => put("adapter.kind", "none".into()),
+            Some(a) => {
+                put("adapter.kind", text(&a.kind));
+                put("adapter.rank", a.rank.to_string());
+                put("adapter.alpha", a.alpha.to_string());
+                let t: Vec<&str> = a.targets.iter().map(|p| p.as_str()).collect();
+                put("adapter.targets", t.join(","));
+            }
+        }
+        let o = &plan.optimizer;
+        put("optimizer.kind", o.kind.as_str().into());
+        if o.kind == OptimizerKind::Sgd {
+            put("optimizer.momentum", (o.momentum > 0.0).to_string());
+        }
+        put("precision.params", dtype(precision.params).into());
+        put("precision.master", precision.master.to_string());
+        Identity(e)
+    }
+
+    /// FNV-1a (64 bit) over the sorted entries: the same on every machine
+    /// and version of Rust, unlike `std`'s hasher.
+    pub fn fingerprint(&self) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for (k, v) in &self.0 {
+            for b in k.bytes().chain([0u8]).chain(v.bytes()).chain([0u8]) {
+                h ^= b as u64;
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        format!("{h:016x}")
+    }
+
+    /// The `state.json` fields that carry it.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "belongs_to": self.0,
+            "fingerprint": self.fingerprint(),
+        })
+    }
+
+    /// Refuse to resume from `dir` (whose `state.json` is `state`) unless it
+    /// belongs to a run with this identity; the error names every entry
+    /// that differs.
+    pub fn check(&self, state: &serde_json::Value, dir: &Path) -> Result<(), RunError> {
+        let at = dir.display();
+        let format = state["format"].as_u64().unwrap_or(0);
+        let recorded = state["belongs_to"].as_object();
+        let Some(recorded) = recorded.filter(|_| format >= FORMAT) else {
+            return Err(RunError::Checkpoint(format!(
+                "the checkpoint `{at}` does not record which model, adapter and optimizer it belongs to \
+                 (written by an older rcoa, format {format}): it cannot be resumed safely; start again \
+                 without --resume"
+            )));
+        };
+        let theirs: BTreeMap<String, String> = recorded
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+            .collect();
+        let theirs = Identity(theirs);
+        let stored = state["fingerprint"].as_str().unwrap_or_default();
+        if stored != theirs.fingerprint() {
+            return Err(RunError::Checkpoint(format!(
+                "the checkpoint `{at}` is inconsistent: its state.json's fingerprint does not match what it \
+                 records (edited or corrupt); resume from another checkpoint, or start again without --resume"
+            )));
+        }
+        if theirs.fingerprint() == self.fingerprint() {
+            return Ok(());
+        }
+        let mut diffs: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        let none = "(none)".to_string();
+        let keys: std::collections::BTreeSet<&String> =
+            self.0.keys().chain(theirs.0.keys()).collect();
+        for k in keys {
+            let (was, now) = (
+                theirs.0.get(k).unwrap_or(&none),
+                self.0.get(k).unwrap_or(&none),
+            );
+            if was != now {
+                let (section, key) = k.split_once('.').unwrap_or(("plan", k));
+                diffs
+                    .entry(section)
+                    .or_default()
+                    .push(format!("{key} {was} in the checkpoint, {now} in this plan"));
+            }
+        }
+        let what: Vec<String> = diffs
+            .iter()
+            .map(|(section, d)| format!("{section}: {}", d.join(", ")))
+            .collect();
+        let hf = if dir.join("config.json").is_file()
+            && (dir.join("model.safetensors").is_file()
+                || dir.join("model.safetensors.index.json").is_file())
+        {
+            format!(
+                "; to fine-tune these weights further with another plan, start from them with `model hf \"{at}\"` instead"
+            )
+        } else {
+            String::new()
+        };
+        Err(RunError::Checkpoint(format!(
+            "the checkpoint `{at}` belongs to another run and cannot be resumed with this plan: {}. \
+             Resume with the plan it was saved by, or start again without --resume{hf}",
+            what.join("; ")
+        )))
+    }
+}
