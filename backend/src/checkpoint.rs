@@ -178,3 +178,56 @@ impl Identity {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::tiny_plan;
+
+    fn fp32() -> Precision {
+        Precision {
+            params: FloatDType::F32,
+            compute: FloatDType::F32,
+            master: false,
+        }
+    }
+
+    #[test]
+    fn the_storage_dtype_must_match_but_the_compute_dtype_may_change() {
+        let plan = tiny_plan();
+        let saved = Identity::of(&plan, &fp32());
+        let mut state = saved.to_json();
+        state["format"] = FORMAT.into();
+        let dir = Path::new("/nonexistent/ckpt");
+        let autocast = Precision {
+            compute: FloatDType::BF16,
+            ..fp32()
+        };
+        Identity::of(&plan, &autocast).check(&state, dir).unwrap();
+        let master = Precision {
+            params: FloatDType::BF16,
+            compute: FloatDType::BF16,
+            master: true,
+        };
+        let e = Identity::of(&plan, &master)
+            .check(&state, dir)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("precision: master false in the checkpoint, true in this plan, params fp32 in the checkpoint, bf16 in this plan"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_fingerprint_is_stable_and_depends_on_every_entry() {
+        let plan = tiny_plan();
+        let a = Identity::of(&plan, &fp32());
+        assert_eq!(a.fingerprint(), Identity::of(&plan, &fp32()).fingerprint());
+        for (k, _) in a.0.iter() {
+            let mut b = a.clone();
+            b.0.insert(k.clone(), "changed".into());
+            assert_ne!(a.fingerprint(), b.fingerprint(), "{k}");
+        }
+    }
+}
