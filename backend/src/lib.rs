@@ -260,8 +260,8 @@ pub struct RunOptions {
     /// Save a checkpoint here every `save_every` steps and at the end.
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
-    /// Save LoRA merged into full Hugging Face weights instead of a PEFT adapter.
-    pub merge_lora: bool,
+    /// How `save` writes Hugging Face weights (merged LoRA, shard size).
+    pub hf_save: weights::SaveOptions,
     pub resume: Option<PathBuf>,
     /// Data parallel: this process's place among the processes, its devices
     /// (one rank each) and the collective's timeouts. `None`: one rank.
@@ -420,9 +420,7 @@ fn execute<B: ExecAutodiff>(
             plan.resolved.zero
         )));
     }
-    if opts.merge_lora {
-        trainer.set_merge_lora()?;
-    }
+    trainer.set_hf_save(opts.hf_save)?;
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
     }

@@ -29,7 +29,7 @@ fn opts(steps: u64) -> RunOptions {
         data: None,
         save: None,
         save_every: None,
-        merge_lora: false,
+        hf_save: Default::default(),
         resume: None,
         distributed: None,
     }

@@ -479,17 +479,24 @@ impl<B: ExecAutodiff> Trainer<B> {
         Ok(())
     }
 
-    /// `--merge-lora`: save LoRA merged into full weights instead of a PEFT
-    /// adapter; refused without an adapter or a Hugging Face layout.
-    pub fn set_merge_lora(&mut self) -> Result<(), RunError> {
-        let e = self.export.as_mut().ok_or_else(|| {
-            RunError::Unsupported(
-                "--merge-lora writes Hugging Face weights, and this model's shape has no Hugging Face layout \
-                 (Llama/Mistral, GPT-2 and XLM-R shapes have)"
-                    .into(),
-            )
-        })?;
-        e.set_merge_lora().map_err(RunError::Unsupported)
+    /// How `save` writes Hugging Face weights: `--merge-lora` (refused
+    /// without an adapter or a Hugging Face layout) and the shard size.
+    pub fn set_hf_save(&mut self, o: crate::weights::SaveOptions) -> Result<(), RunError> {
+        let Some(e) = self.export.as_mut() else {
+            if o.merge_lora {
+                return Err(RunError::Unsupported(
+                    "--merge-lora writes Hugging Face weights, and this model's shape has no Hugging Face layout \
+                     (Llama/Mistral, GPT-2 and XLM-R shapes have)"
+                        .into(),
+                ));
+            }
+            return Ok(());
+        };
+        if o.merge_lora {
+            e.set_merge_lora().map_err(RunError::Unsupported)?;
+        }
+        e.max_shard_bytes = o.max_shard_bytes;
+        Ok(())
     }
 
     /// The Hugging Face export of `save` (tests lower the shard size).

@@ -19,7 +19,7 @@ fn trainer(plan: &LoweredPlan) -> Trainer<Cpu> {
         data: None,
         save: None,
         save_every: None,
-        merge_lora: false,
+        hf_save: Default::default(),
         resume: None,
         distributed: None,
     };

@@ -112,45 +112,55 @@ fn gpt2_matches_transformers() {
     check_causal("gpt2");
 }
 
-#[test]
-fn xlmr_sharded_embeddings_match_transformers() {
-    let m = spec("xlmr", "contrastive");
-    let model = loaded(&m, false).unwrap_or_else(|e| panic!("xlmr: {e}"));
-    let r = reference("xlmr");
+/// Mean-pooled, L2-normalised last hidden states of the padded rows in
+/// `r` (`input_ids`, `attention_mask`), as the fixture script pools them.
+fn pooled(model: &Model<B>, m: &ModelSpec, r: &serde_json::Value) -> Vec<Vec<f64>> {
     let input = ids(&r["input_ids"]);
     let mask = ids(&r["attention_mask"]);
-    let want: Vec<Vec<f64>> = serde_json::from_value(r["embeddings"].clone()).unwrap();
     let (rows, s) = (input.len(), input[0].len());
     let device = Default::default();
     let keep: Vec<bool> = mask.iter().flatten().map(|&k| k == 1).collect();
-    let mut ctx = Ctx::<B>::new(&m, None, s, FloatDType::F32, &device);
+    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, &device);
     ctx.train = false;
     let ctx = ctx.with_padding(&keep, rows, s, &device);
     let flat: Vec<i64> = input.iter().flatten().copied().collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows, s]), &device);
     let h: Vec<f32> = model.hidden(tokens, &ctx).into_data().to_vec().unwrap();
     let d = m.hidden as usize;
-    for r in 0..rows {
-        let mut e = vec![0f64; d];
-        let mut n = 0.0;
-        for p in 0..s {
-            if keep[r * s + p] {
-                n += 1.0;
-                for (i, x) in e.iter_mut().enumerate() {
-                    *x += h[(r * s + p) * d + i] as f64;
+    (0..rows)
+        .map(|r| {
+            let mut e = vec![0f64; d];
+            let mut n = 0.0;
+            for p in 0..s {
+                if keep[r * s + p] {
+                    n += 1.0;
+                    for (i, x) in e.iter_mut().enumerate() {
+                        *x += h[(r * s + p) * d + i] as f64;
+                    }
                 }
             }
-        }
-        let norm = e.iter().map(|x| (x / n) * (x / n)).sum::<f64>().sqrt();
-        for (i, x) in e.iter().enumerate() {
-            let got = x / n / norm;
-            assert!(
-                (got - want[r][i]).abs() < 1e-4,
-                "row {r} dim {i}: {got} vs transformers {}",
-                want[r][i]
-            );
+            let norm = e.iter().map(|x| (x / n) * (x / n)).sum::<f64>().sqrt();
+            e.iter().map(|x| x / n / norm).collect()
+        })
+        .collect()
+}
+
+fn assert_embeddings(got: &[Vec<f64>], want: &[Vec<f64>], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        for (i, (x, y)) in g.iter().zip(w).enumerate() {
+            assert!((x - y).abs() < 1e-4, "{what}: row {r} dim {i}: {x} vs {y}");
         }
     }
+}
+
+#[test]
+fn xlmr_sharded_embeddings_match_transformers() {
+    let m = spec("xlmr", "contrastive");
+    let model = loaded(&m, false).unwrap_or_else(|e| panic!("xlmr: {e}"));
+    let r = reference("xlmr");
+    let want: Vec<Vec<f64>> = serde_json::from_value(r["embeddings"].clone()).unwrap();
+    assert_embeddings(&pooled(&model, &m, &r), &want, "xlmr vs transformers");
 }
 
 #[test]
@@ -309,7 +319,7 @@ fn a_full_fine_tune_saves_the_hf_layout_beside_its_state() {
                     data: None,
                     save: None,
                     save_every: None,
-                    merge_lora: false,
+                    hf_save: Default::default(),
                     resume: None,
                     distributed: None,
                 },
@@ -737,7 +747,7 @@ fn trainer_for(plan: &LoweredPlan) -> rcoa_backend::train::Trainer<burn::backend
                     data: None,
                     save: None,
                     save_every: None,
-                    merge_lora: false,
+                    hf_save: Default::default(),
                     resume: None,
                     distributed: None,
                 },
@@ -827,4 +837,59 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
         "one step of training moves B"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What `transformers` and `peft` computed from rcoa's own saves
+/// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune,
+/// PEFT adapters for Llama, GPT-2 and XLM-R, a merged GPT-2 LoRA), rcoa
+/// computes from the same files: the round trip, checked on every test run.
+#[test]
+fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
+    let dir = root().join("tests/fixtures/hf/roundtrip");
+    let rt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("roundtrip.json")).unwrap())
+            .unwrap();
+    let cases = &rt["cases"];
+    let losses = |v: &serde_json::Value| -> Vec<f64> { serde_json::from_value(v.clone()).unwrap() };
+    let check_windows =
+        |model: &Model<B>, m: &ModelSpec, fixture: &str, want: Vec<f64>, what: &str| {
+            let windows = ids(&reference(fixture)["windows"]);
+            assert_eq!(windows.len(), want.len(), "{what}");
+            for (w, want) in windows.iter().zip(want) {
+                let got = causal_loss(model, m, w);
+                assert!((got - want).abs() < 1e-4, "{what}: rcoa {got} vs {want}");
+            }
+        };
+    // The full fine-tune, sharded by rcoa, as `model hf` loads it.
+    assert!(dir
+        .join("llama-full/model.safetensors.index.json")
+        .is_file());
+    let m = spec("roundtrip/llama-full", "causal_lm");
+    let model = loaded(&m, true).unwrap();
+    let want = losses(&cases["llama-full"]["transformers"]["window_losses"]);
+    check_windows(&model, &m, "llama", want, "llama-full, transformers");
+    // The merged GPT-2 LoRA (fused c_attn).
+    let m = spec("roundtrip/gpt2-lora-merged", "causal_lm");
+    let model = loaded(&m, true).unwrap();
+    let want = losses(&cases["gpt2-lora"]["transformers_merged"]["window_losses"]);
+    check_windows(&model, &m, "gpt2", want, "gpt2 merged, transformers");
+    // Adapters: the base fixture with the PEFT files merged as PEFT merges.
+    for (case, fixture) in [("llama-lora", "llama"), ("gpt2-lora", "gpt2")] {
+        let m = spec(fixture, "causal_lm");
+        let base = read_checkpoint(Path::new(m.weights.as_ref().unwrap())).unwrap();
+        let merged = peft_merge(&base, &dir.join(case));
+        let model = plain_from(&m, &merged, true);
+        let want = losses(&cases[case]["peft"]["window_losses"]);
+        check_windows(&model, &m, fixture, want, &format!("{case}, peft"));
+    }
+    let m = spec("xlmr", "contrastive");
+    let base = read_checkpoint(Path::new(m.weights.as_ref().unwrap())).unwrap();
+    let model = plain_from(&m, &peft_merge(&base, &dir.join("xlmr-lora")), false);
+    let want: Vec<Vec<f64>> =
+        serde_json::from_value(cases["xlmr-lora"]["peft"]["embeddings"].clone()).unwrap();
+    assert_embeddings(
+        &pooled(&model, &m, &reference("xlmr")),
+        &want,
+        "xlmr-lora, peft",
+    );
 }

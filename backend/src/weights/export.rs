@@ -35,6 +35,25 @@ const ADAPTER_SIDE_FILES: &[&str] = &[
     "special_tokens_map.json",
 ];
 
+/// How `--save` writes Hugging Face weights (`rcoa run --merge-lora
+/// --max-shard-size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SaveOptions {
+    /// Write LoRA merged into full weights instead of a PEFT adapter.
+    pub merge_lora: bool,
+    /// Shard full weights above this many bytes.
+    pub max_shard_bytes: u64,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            merge_lora: false,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        }
+    }
+}
+
 /// The adapter as PEFT describes it.
 #[derive(Clone, Debug)]
 struct Lora {

@@ -26,7 +26,7 @@ use rcoa_compiler::spec::{Arch, ModelSpec, Norm};
 use std::collections::BTreeSet;
 use std::path::Path;
 
-pub use export::Export;
+pub use export::{Export, SaveOptions};
 pub use lora::{lora_factors, merged_params, Factors};
 pub use peft::{peft_adapter, PeftInfo};
 pub use read::{read_checkpoint, Stored};
