@@ -140,27 +140,7 @@ impl Identity {
         if theirs.fingerprint() == self.fingerprint() {
             return Ok(());
         }
-        let mut diffs: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-        let none = "(none)".to_string();
-        let keys: std::collections::BTreeSet<&String> =
-            self.0.keys().chain(theirs.0.keys()).collect();
-        for k in keys {
-            let (was, now) = (
-                theirs.0.get(k).unwrap_or(&none),
-                self.0.get(k).unwrap_or(&none),
-            );
-            if was != now {
-                let (section, key) = k.split_once('.').unwrap_or(("plan", k));
-                diffs
-                    .entry(section)
-                    .or_default()
-                    .push(format!("{key} {was} in the checkpoint, {now} in this plan"));
-            }
-        }
-        let what: Vec<String> = diffs
-            .iter()
-            .map(|(section, d)| format!("{section}: {}", d.join(", ")))
-            .collect();
+        let what = differences(&theirs.0, &self.0);
         let hf = if dir.join("config.json").is_file()
             && (dir.join("model.safetensors").is_file()
                 || dir.join("model.safetensors.index.json").is_file())
@@ -177,6 +157,51 @@ impl Identity {
             what.join("; ")
         )))
     }
+}
+
+/// Per section (`model`, `adapter`, ...), what differs: each differing key
+/// with both values, or, where the two sides record different keys (an
+/// adapter against none, SGD's momentum), each side whole.
+fn differences(was: &BTreeMap<String, String>, now: &BTreeMap<String, String>) -> Vec<String> {
+    let section = |m: &BTreeMap<String, String>, name: &str| -> BTreeMap<String, String> {
+        m.iter()
+            .filter_map(|(k, v)| {
+                let (s, key) = k.split_once('.').unwrap_or(("plan", k));
+                (s == name).then(|| (key.to_string(), v.clone()))
+            })
+            .collect()
+    };
+    let names: std::collections::BTreeSet<&str> = was
+        .keys()
+        .chain(now.keys())
+        .map(|k| k.split_once('.').map_or("plan", |(s, _)| s))
+        .collect();
+    let whole = |m: &BTreeMap<String, String>| -> String {
+        let v: Vec<String> = m.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        v.join(", ")
+    };
+    let mut out = vec![];
+    for name in names {
+        let (a, b) = (section(was, name), section(now, name));
+        if a == b {
+            continue;
+        }
+        if a.keys().ne(b.keys()) {
+            out.push(format!(
+                "{name}: {} in the checkpoint; {} in this plan",
+                whole(&a),
+                whole(&b)
+            ));
+            continue;
+        }
+        let d: Vec<String> = a
+            .iter()
+            .filter(|(k, v)| b.get(*k) != Some(*v))
+            .map(|(k, v)| format!("{k} {v} in the checkpoint, {} in this plan", b[k]))
+            .collect();
+        out.push(format!("{name}: {}", d.join(", ")));
+    }
+    out
 }
 
 #[cfg(test)]
