@@ -13,7 +13,9 @@
 
 use crate::train::Precision;
 use crate::RunError;
-use burn::tensor::FloatDType;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Loss, OptimizerKind};
 use std::collections::BTreeMap;
@@ -157,6 +159,50 @@ impl Identity {
             what.join("; ")
         )))
     }
+}
+
+/// The shape of every float parameter of `m`, in visit order.
+pub fn param_shapes<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.shape().to_vec());
+        }
+    }
+    let mut s = Shapes(vec![]);
+    m.visit(&mut s);
+    s.0
+}
+
+/// Refuse weights loaded from `file` whose shapes (`got`) are not those of
+/// the plan's model (`want`).
+pub fn same_shapes(want: &[Vec<usize>], got: &[Vec<usize>], file: &Path) -> Result<(), RunError> {
+    if want == got {
+        return Ok(());
+    }
+    let count = if want.len() != got.len() {
+        format!(
+            "{} parameters in the checkpoint, {} in this plan; ",
+            got.len(),
+            want.len()
+        )
+    } else {
+        String::new()
+    };
+    let bad: Vec<String> = want
+        .iter()
+        .zip(got)
+        .enumerate()
+        .filter(|(_, (a, b))| a != b)
+        .map(|(i, (a, b))| format!("parameter {i}: {b:?} in the checkpoint, {a:?} in this plan"))
+        .take(5)
+        .collect();
+    Err(RunError::Checkpoint(format!(
+        "`{}` holds weights of another shape than this plan's model ({count}{}): resume with the plan \
+         it was saved by, or start again without --resume",
+        file.display(),
+        bad.join(", ")
+    )))
 }
 
 /// Per section (`model`, `adapter`, ...), what differs: each differing key

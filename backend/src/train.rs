@@ -247,19 +247,6 @@ impl<B: ExecAutodiff> Optim<B> {
     }
 }
 
-/// The shape of every float parameter, in visit order.
-fn param_shapes<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
-    struct Shapes(Vec<Vec<usize>>);
-    impl<B: Backend> ModuleVisitor<B> for Shapes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.shape().to_vec());
-        }
-    }
-    let mut s = Shapes(vec![]);
-    m.visit(&mut s);
-    s.0
-}
-
 /// A checkpoint file Burn's recorder could not read, in words: which file,
 /// what it held, and what to do (Burn's own text is a debug dump such as
 /// `Unknown("Io { inner: ... }")`).
@@ -852,34 +839,12 @@ impl<B: ExecAutodiff> Trainer<B> {
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
             .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
-        let shapes = param_shapes(&self.model);
+        let shapes = crate::checkpoint::param_shapes(&self.model);
         let mut model = self.model.clone().load_record(record);
         // Burn loads a record of other shapes without a word: the identity
-        // above should have refused it, this catches a mismatched model.bin.
-        let loaded = param_shapes(&model);
-        if loaded != shapes {
-            let bad: Vec<String> = shapes
-                .iter()
-                .zip(&loaded)
-                .enumerate()
-                .filter(|(_, (a, b))| a != b)
-                .map(|(i, (a, b))| {
-                    format!("parameter {i}: {b:?} in the checkpoint, {a:?} in this plan")
-                })
-                .take(5)
-                .collect();
-            return Err(RunError::Checkpoint(format!(
-                "`{}` holds weights of another shape than this plan's model ({}{}): resume with the plan it was \
-                 saved by, or start again without --resume",
-                dir.join("model.bin").display(),
-                if loaded.len() != shapes.len() {
-                    format!("{} parameters in the checkpoint, {} in this plan; ", loaded.len(), shapes.len())
-                } else {
-                    String::new()
-                },
-                bad.join(", ")
-            )));
-        }
+        // above should have refused it; this catches a mismatched model.bin.
+        let loaded = crate::checkpoint::param_shapes(&model);
+        crate::checkpoint::same_shapes(&shapes, &loaded, &dir.join("model.bin"))?;
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));

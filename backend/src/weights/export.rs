@@ -1,7 +1,8 @@
 //! What `--save` writes for the Hugging Face ecosystem beside rcoa's own
 //! record, decided once per run:
 //! - a full fine-tune: `model.safetensors` (sharded above `max_shard_bytes`)
-//!   with the source checkpoint's `config.json` and tokenizer files;
+//!   with the source checkpoint's `config.json` and tokenizer files (and
+//!   XLM-R's pooler, which rcoa does not train, copied from the source);
 //! - LoRA: `adapter_model.safetensors` + `adapter_config.json` (PEFT) and
 //!   the tokenizer files, but no `config.json`: `transformers` then loads
 //!   the folder as an adapter on `base_model_name_or_path`;
@@ -10,13 +11,17 @@
 
 use super::lora::{lora_factors, merged_params};
 use super::peft::{peft_adapter, PeftInfo};
-use super::write::{hf_tensors, hf_tensors_of, write_file, write_model, DEFAULT_MAX_SHARD_BYTES};
+use super::read::read_matching;
+use super::write::{
+    hf_tensors, hf_tensors_of, write_file, write_model, HfTensor, DEFAULT_MAX_SHARD_BYTES,
+};
 use super::{origin, save_prefix, Family};
 use crate::model::Model;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use rcoa_compiler::lowered::LoweredPlan;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Files of the source checkpoint a full (or merged) save carries over.
@@ -118,10 +123,15 @@ impl Export {
     /// Write the Hugging Face files of `model` into `dir`; returns their names.
     pub fn write<B: Backend>(&self, model: &Model<B>, dir: &Path) -> Result<Vec<String>, String> {
         let mut files = match &self.lora {
-            None => write_model(&hf_tensors(model, self.family)?, dir, self.max_shard_bytes)?,
+            None => {
+                let mut tensors = hf_tensors(model, self.family)?;
+                self.carry_over(&mut tensors)?;
+                write_model(&tensors, dir, self.max_shard_bytes)?
+            }
             Some(l) if self.merge_lora => {
                 let merged = merged_params(model, l.alpha / l.rank as f64)?;
-                let tensors = hf_tensors_of(merged, self.family)?;
+                let mut tensors = hf_tensors_of(merged, self.family)?;
+                self.carry_over(&mut tensors)?;
                 write_model(&tensors, dir, self.max_shard_bytes)?
             }
             Some(l) => self.write_adapter(model, l, dir)?,
@@ -141,6 +151,28 @@ impl Export {
             }
         }
         Ok(files)
+    }
+
+    /// The source's tensors of the saved class that rcoa does not train
+    /// (XLM-R's pooler, which `XLMRobertaModel` has and rcoa has not), so
+    /// the save is as complete as its source: `transformers` would
+    /// re-initialise a missing pooler at random.
+    fn carry_over(&self, tensors: &mut BTreeMap<String, HfTensor>) -> Result<(), String> {
+        let (Family::Bert, Some(src)) = (self.family, &self.source) else {
+            return Ok(());
+        };
+        let pooler =
+            |k: &str| k.ends_with("pooler.dense.weight") || k.ends_with("pooler.dense.bias");
+        let Some(found) = read_matching(src, &pooler)? else {
+            return Ok(());
+        };
+        for (k, t) in found {
+            // Under the prefix rcoa saves with, whatever the source's was.
+            let i = k.find("pooler.dense.").unwrap_or(0);
+            let key = format!("{}{}", save_prefix(self.family), &k[i..]);
+            tensors.entry(key).or_insert(t);
+        }
+        Ok(())
     }
 
     fn write_adapter<B: Backend>(
