@@ -25,8 +25,13 @@ fn root() -> PathBuf {
 
 /// The model of a plan whose `model hf` names the fixture folder.
 fn spec(name: &str, loss: &str) -> ModelSpec {
+    spec_at(&format!("tests/fixtures/hf/{name}"), loss)
+}
+
+/// The model of a plan whose `model hf` names `dir`.
+fn spec_at(dir: &str, loss: &str) -> ModelSpec {
     let text = format!(
-        "model hf \"tests/fixtures/hf/{name}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n  loss = {loss}\n}}\ntarget burn\n"
+        "model hf \"{dir}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n  loss = {loss}\n}}\ntarget burn\n"
     );
     let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
     let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
@@ -900,4 +905,45 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
         &want,
         "xlmr-lora, peft",
     );
+}
+
+/// A full fine-tune of a shape from a preset or the plan (no source
+/// checkpoint) saves a `config.json` that reads back, through the same
+/// config reader as `model hf`, to the same model, whose weights load.
+#[test]
+fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
+    use rcoa_compiler::spec::{Loss, Mlp, Norm, Positions};
+    let llama = rcoa_backend::testing::tiny_plan();
+    let mut gpt2 = rcoa_backend::testing::tiny_plan();
+    gpt2.model.norm = Norm::Layernorm;
+    gpt2.model.mlp = Mlp::Gelu;
+    gpt2.model.positions = Positions::Learned;
+    gpt2.model.kv_heads = gpt2.model.heads;
+    gpt2.model.tie_embeddings = true;
+    gpt2.model.numerics.gelu_tanh = true;
+    let bert = rcoa_backend::testing::tiny_encoder_plan(Loss::Contrastive);
+    let mut xlmr = bert.clone();
+    xlmr.model.numerics.position_offset = 2;
+    xlmr.model.max_positions = 18;
+    for (what, plan, loss) in [
+        ("llama", llama, "causal_lm"),
+        ("gpt2", gpt2, "causal_lm"),
+        ("bert", bert, "contrastive"),
+        ("xlmr", xlmr, "contrastive"),
+    ] {
+        let tr = trainer_for(&plan);
+        let dir = fresh_dir(&format!("config-{what}"));
+        tr.save(&dir).unwrap();
+        assert!(dir.join("config.json").is_file(), "{what}: no config.json");
+        let mut back = spec_at(dir.to_str().unwrap(), loss);
+        back.name = plan.model.name.clone();
+        back.weights = None;
+        assert_eq!(
+            back, plan.model,
+            "{what}: the config reads back to another model"
+        );
+        loaded(&spec_at(dir.to_str().unwrap(), loss), loss != "contrastive")
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -1,7 +1,8 @@
 //! What `--save` writes for the Hugging Face ecosystem beside rcoa's own
 //! record, decided once per run:
 //! - a full fine-tune: `model.safetensors` (sharded above `max_shard_bytes`)
-//!   with the source checkpoint's `config.json` and tokenizer files (and
+//!   with the source checkpoint's `config.json` (one written from the plan's
+//!   shape without a source: `config`) and tokenizer files (and
 //!   XLM-R's pooler, which rcoa does not train, copied from the source);
 //! - LoRA: `adapter_model.safetensors` + `adapter_config.json` (PEFT) and
 //!   the tokenizer files, but no `config.json`: `transformers` then loads
@@ -21,6 +22,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use rcoa_compiler::lowered::LoweredPlan;
+use rcoa_compiler::spec::ModelSpec;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -79,6 +81,8 @@ pub struct Export {
     merge_lora: bool,
     /// Shard the full weights above this many bytes.
     pub max_shard_bytes: u64,
+    /// For a `config.json` where the source has none.
+    model: ModelSpec,
 }
 
 impl Export {
@@ -103,6 +107,7 @@ impl Export {
             }),
             merge_lora: false,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            model: plan.model.clone(),
         })
     }
 
@@ -148,6 +153,16 @@ impl Export {
                         .map_err(|e| format!("cannot copy {f} from {}: {e}", src.display()))?;
                     files.push(f.to_string());
                 }
+            }
+        }
+        let full = self.lora.is_none() || self.merge_lora;
+        if full && !dir.join("config.json").exists() {
+            // No source config (a preset or a shape written in the plan).
+            if let Some(c) = super::config::hf_config(&self.model) {
+                let text = serde_json::to_string_pretty(&c).map_err(|e| e.to_string())?;
+                std::fs::write(dir.join("config.json"), text + "\n")
+                    .map_err(|e| format!("cannot write config.json: {e}"))?;
+                files.push("config.json".into());
             }
         }
         Ok(files)

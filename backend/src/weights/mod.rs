@@ -14,6 +14,7 @@
 //! LoRA adapters in PEFT's layout (`peft`, from the factors `lora` reads),
 //! or LoRA merged into full weights.
 
+mod config;
 mod export;
 mod lora;
 mod peft;
@@ -26,6 +27,7 @@ use rcoa_compiler::spec::{Arch, ModelSpec, Norm};
 use std::collections::BTreeSet;
 use std::path::Path;
 
+pub use config::hf_config;
 pub use export::{Export, SaveOptions};
 pub use lora::{lora_factors, merged_params, Factors};
 pub use peft::{peft_adapter, PeftInfo};
