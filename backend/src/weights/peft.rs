@@ -103,12 +103,13 @@ pub fn peft_adapter(
             alpha_pattern.insert(key, alpha_for(rank).into());
         }
     }
-    let (base_class, task) = match info.family {
-        Family::Llama => (None, "CAUSAL_LM"),
-        Family::Gpt2 => (None, "CAUSAL_LM"),
-        Family::Bert => (Some("XLMRobertaModel"), "FEATURE_EXTRACTION"),
+    // The task picks the class `AutoPeftModel` loads the base with:
+    // `AutoModelForCausalLM`, or `AutoModel` for the encoders.
+    let task = match info.family {
+        Family::Llama | Family::Gpt2 => "CAUSAL_LM",
+        Family::Bert => "FEATURE_EXTRACTION",
     };
-    let mut config = serde_json::json!({
+    let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": task,
         "base_model_name_or_path": info.base,
@@ -129,12 +130,6 @@ pub fn peft_adapter(
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
     });
-    if let Some(class) = base_class {
-        config["auto_mapping"] = serde_json::json!({
-            "base_model_class": class,
-            "parent_library": "transformers.models.xlm_roberta.modeling_xlm_roberta",
-        });
-    }
     Ok((tensors, config))
 }
 
