@@ -297,11 +297,7 @@ pub fn evaluate_plan_cpu(plan: &LoweredPlan, opts: &EvalOptions) -> Result<EvalR
         data: None,
         tokenizer: opts.tokenizer.clone(),
         eval: Some(opts.data.clone()),
-        eval_every: None,
-        save: None,
-        save_every: None,
-        resume: None,
-        distributed: None,
+        ..Default::default()
     };
     let tok = crate::tokenizer(&plan, &run)?;
     let set = EvalSet::load(&plan, &opts.data, &tok)?;

@@ -22,6 +22,7 @@
 //! gradients or activations, offload to NVMe, mixture of experts, optimizers
 //! Burn lacks (8-bit Adam is rcoa's own: `optim::adam8bit`).
 
+pub mod checkpoint;
 pub mod data;
 pub mod distributed;
 pub mod eval;
@@ -273,6 +274,8 @@ pub struct RunOptions {
     /// Save a checkpoint here every `save_every` steps and at the end.
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
+    /// How `save` writes Hugging Face weights (merged LoRA, shard size).
+    pub hf_save: weights::SaveOptions,
     pub resume: Option<PathBuf>,
     /// Data parallel: this process's place among the processes, its devices
     /// (one rank each) and the collective's timeouts. `None`: one rank.
@@ -487,6 +490,7 @@ fn execute<B: ExecAutodiff>(
             plan.resolved.zero
         )));
     }
+    trainer.set_hf_save(opts.hf_save)?;
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
         // ZeRO 1/2, offloaded optimizer: this rank's shard beside it.

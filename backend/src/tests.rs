@@ -32,6 +32,7 @@ fn opts(steps: u64) -> RunOptions {
         eval_every: None,
         save: None,
         save_every: None,
+        hf_save: Default::default(),
         resume: None,
         distributed: None,
     }

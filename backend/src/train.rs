@@ -438,22 +438,13 @@ pub struct Trainer<B: ExecAutodiff> {
     /// ZeRO-3 or the parameters on the host (`crate::shard::zero3`): the
     /// weights are its shards and `model` is a skeleton of placeholders.
     zero3: Option<crate::shard::zero3::Zero3<B::InnerBackend>>,
-    /// The Hugging Face layout `save` writes full weights in; `None` with an
-    /// adapter (PEFT adapters are not written yet).
-    hf_family: Option<crate::weights::Family>,
-    /// The checkpoint the run started from, whose config and tokenizer
-    /// files `save` copies.
-    hf_source: Option<std::path::PathBuf>,
+    /// What `save` writes in the Hugging Face layout beside rcoa's record
+    /// (full weights, a PEFT adapter, or merged weights); `None` for a model
+    /// no Hugging Face class holds.
+    export: Option<crate::weights::Export>,
+    /// What a checkpoint of this run belongs to (`crate::checkpoint`).
+    identity: crate::checkpoint::Identity,
 }
-
-/// Files of the source checkpoint a full fine-tune's save carries over.
-const HF_SIDE_FILES: &[&str] = &[
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-];
 
 impl<B: ExecAutodiff> Trainer<B> {
     pub fn new(
@@ -533,11 +524,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
         let zero = crate::shard::for_plan::<B, _>(plan, &model, cfg.collective.as_ref())?;
         Ok(Trainer {
-            hf_family: plan
-                .adapter
-                .is_none()
-                .then(|| crate::weights::Family::of(&plan.model)),
-            hf_source: plan.model.weights.as_ref().map(std::path::PathBuf::from),
+            export: crate::weights::Export::for_plan(plan, &model),
+            identity: crate::checkpoint::Identity::of(plan, &precision),
             device,
             model,
             work,
@@ -600,6 +588,31 @@ impl<B: ExecAutodiff> Trainer<B> {
         z.optimizer_mut().load_state(bytes, &device)?;
         z.reset_master();
         Ok(())
+    }
+
+    /// How `save` writes Hugging Face weights: `--merge-lora` (refused
+    /// without an adapter or a Hugging Face layout) and the shard size.
+    pub fn set_hf_save(&mut self, o: crate::weights::SaveOptions) -> Result<(), RunError> {
+        let Some(e) = self.export.as_mut() else {
+            if o.merge_lora {
+                return Err(RunError::Unsupported(
+                    "--merge-lora writes Hugging Face weights, and this model's shape has no Hugging Face layout \
+                     (Llama/Mistral, GPT-2 and XLM-R shapes have)"
+                        .into(),
+                ));
+            }
+            return Ok(());
+        };
+        if o.merge_lora {
+            e.set_merge_lora().map_err(RunError::Unsupported)?;
+        }
+        e.max_shard_bytes = o.max_shard_bytes;
+        Ok(())
+    }
+
+    /// The Hugging Face export of `save` (tests lower the shard size).
+    pub fn export_mut(&mut self) -> Option<&mut crate::weights::Export> {
+        self.export.as_mut()
     }
 
     /// Override which layers are recomputed (tests compare the variants).
@@ -983,25 +996,17 @@ impl<B: ExecAutodiff> Trainer<B> {
         Recorder::<B>::record(&rec, self.model.clone().into_record(), tmp.join("model"))
             .map_err(|e| RunError::Checkpoint(format!("cannot write the model: {e}")))?;
         self.optim.save(&rec, tmp.join("optimizer"))?;
-        if let Some(family) = self.hf_family {
-            // The full weights in the Hugging Face layout, beside rcoa's own
-            // record (which `resume` reads), with the source's config and
-            // tokenizer so `transformers` loads the folder.
-            let hf = |e: String| {
+        if let Some(export) = &self.export {
+            // The Hugging Face files beside rcoa's own record (which
+            // `resume` reads): what `transformers` and `peft` load.
+            export.write(&self.model, &tmp).map_err(|e| {
                 RunError::Checkpoint(format!("cannot write the Hugging Face weights: {e}"))
-            };
-            let tensors = crate::weights::hf_tensors(&self.model, family).map_err(hf)?;
-            crate::weights::write_safetensors(&tensors, &tmp).map_err(hf)?;
-            if let Some(src) = &self.hf_source {
-                for f in HF_SIDE_FILES {
-                    if src.join(f).is_file() {
-                        std::fs::copy(src.join(f), tmp.join(f))
-                            .map_err(|e| err(&format!("cannot copy {f} into"), &e))?;
-                    }
-                }
-            }
+            })?;
         }
-        let state = serde_json::json!({ "step": self.step, "seed": self.seed, "format": 1 });
+        let mut state = self.identity.to_json();
+        state["step"] = self.step.into();
+        state["seed"] = self.seed.into();
+        state["format"] = crate::checkpoint::FORMAT.into();
         std::fs::write(tmp.join("state.json"), state.to_string())
             .map_err(|e| err("cannot write the state of", &e))?;
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
@@ -1026,13 +1031,19 @@ impl<B: ExecAutodiff> Trainer<B> {
         let step = state["step"]
             .as_u64()
             .ok_or_else(|| RunError::Checkpoint("state.json has no step".into()))?;
+        self.identity.check(&state, dir)?;
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
             .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
+        let shapes = crate::checkpoint::param_shapes(&self.model);
         let mut model = self.model.clone().load_record(record);
         if let Some(e) = model.quantization_error() {
             return Err(RunError::Checkpoint(format!("`{}`: {e}", dir.display())));
         }
+        // Burn loads a record of other shapes without a word: the identity
+        // above should have refused it; this catches a mismatched model.bin.
+        let loaded = crate::checkpoint::param_shapes(&model);
+        crate::checkpoint::same_shapes(&shapes, &loaded, &dir.join("model.bin"))?;
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));

@@ -32,13 +32,7 @@ fn trainer() -> (Trainer<Cpu>, std::path::PathBuf) {
         steps: 1,
         seed: 5,
         data: Some(data),
-        tokenizer: None,
-        eval: None,
-        eval_every: None,
-        save: None,
-        save_every: None,
-        resume: None,
-        distributed: None,
+        ..Default::default()
     };
     let batcher = rcoa_backend::batcher(&plan, &opts).unwrap();
     let t = Trainer::<Cpu>::new(

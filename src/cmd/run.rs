@@ -70,6 +70,14 @@ pub struct Args {
     save: Option<PathBuf>,
     #[arg(long, value_name = "N", requires = "save")]
     save_every: Option<u64>,
+    /// With `adapter lora`: --save writes the LoRA merged into full Hugging Face weights
+    /// (config, model.safetensors, tokenizer) instead of a PEFT adapter.
+    #[arg(long, requires = "save")]
+    merge_lora: bool,
+    /// Shard the Hugging Face weights --save writes above this size, as `transformers`
+    /// does (`5GB`, `200MB`, `64KB`: decimal units, or bytes). [default: 5GB]
+    #[arg(long, value_name = "SIZE", requires = "save", value_parser = shard_size)]
+    max_shard_size: Option<u64>,
     /// Continue from a checkpoint written by `--save`.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
@@ -104,6 +112,28 @@ pub struct Args {
     /// step, which may compile kernels; 600 afterwards]
     #[arg(long, value_name = "SECONDS")]
     collective_timeout: Option<u64>,
+}
+
+/// `--max-shard-size`: bytes, or a decimal size as `transformers` writes
+/// `max_shard_size` (`5GB`, `200MB`, `64KB`).
+fn shard_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 5GB, 200MB or 65536"))?;
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(format!("`{s}`: the unit must be B, KB, MB or GB")),
+    };
+    match n.checked_mul(scale) {
+        Some(0) | None => Err(format!("`{s}` must be a positive size")),
+        Some(b) => Ok(b),
+    }
 }
 
 /// The data-parallel settings, when this run has more than one rank (or
@@ -271,6 +301,12 @@ pub fn run(args: Args) -> ExitCode {
         eval_every: args.eval_every,
         save: args.save.clone(),
         save_every: args.save_every,
+        hf_save: rcoa_backend::weights::SaveOptions {
+            merge_lora: args.merge_lora,
+            max_shard_bytes: args
+                .max_shard_size
+                .unwrap_or(rcoa_backend::weights::DEFAULT_MAX_SHARD_BYTES),
+        },
         resume: args.resume.clone(),
         distributed: dist,
     };

@@ -1,4 +1,4 @@
-//! Hugging Face safetensors checkpoints in: the tensor names of each family
+//! Hugging Face safetensors checkpoints in and out: the tensor names of each family
 //! (Llama / Mistral, GPT-2, XLM-R / RoBERTa / BERT) mapped onto rcoa's
 //! parameters, with the layout changes between them (`nn.Linear` is
 //! `[out, in]`, rcoa and GPT-2's `Conv1D` are `[in, out]`; GPT-2's fused
@@ -9,7 +9,15 @@
 //! place — is collected and reported together as one `rcoa::weights` error.
 //! Tensors the plan does not use (poolers, MLM / LM heads it does not run,
 //! attention-mask buffers, RoPE frequency buffers) are skipped knowingly.
+//!
+//! Out (`export`): full weights (`write`, sharded as `transformers` shards),
+//! LoRA adapters in PEFT's layout (`peft`, from the factors `lora` reads),
+//! or LoRA merged into full weights.
 
+mod config;
+mod export;
+mod lora;
+mod peft;
 mod read;
 mod write;
 
@@ -19,8 +27,15 @@ use rcoa_compiler::spec::{Arch, ModelSpec, Norm};
 use std::collections::BTreeSet;
 use std::path::Path;
 
+pub use config::hf_config;
+pub use export::{Export, SaveOptions};
+pub use lora::{lora_factors, merged_params, Factors};
+pub use peft::{peft_adapter, PeftInfo};
 pub use read::{read_checkpoint, Stored};
-pub use write::{hf_tensors, save_prefix, write_safetensors};
+pub use write::{
+    hf_tensors, hf_tensors_of, save_prefix, write_file, write_model, HfTensor, RcoaTensor,
+    DEFAULT_MAX_SHARD_BYTES,
+};
 
 /// The naming scheme of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -26,9 +26,38 @@ pub fn read_checkpoint(dir: &Path) -> Result<Stored, String> {
     };
     let mut out = Stored::new();
     for f in files {
-        read_file(&dir.join(&f), &mut out)?;
+        read_file(&dir.join(&f), &mut out, &|_| true)?;
     }
     Ok(out)
+}
+
+/// Only the tensors of the checkpoint in `dir` whose names `keep` accepts,
+/// opening only the shards that hold one; `None` without a checkpoint.
+pub fn read_matching(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Option<Stored>, String> {
+    let files: Vec<String> = if dir.join(SINGLE).is_file() {
+        vec![SINGLE.to_string()]
+    } else if dir.join(INDEX).is_file() {
+        let json: serde_json::Value = std::fs::read_to_string(dir.join(INDEX))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        let map = json["weight_map"].as_object().cloned().unwrap_or_default();
+        let wanted: BTreeSet<String> = map
+            .iter()
+            .filter(|(k, _)| keep(k))
+            .filter_map(|(_, f)| f.as_str().map(str::to_string))
+            .collect();
+        // The same checks as a full read (no file outside the folder).
+        let all = shards(&dir.join(INDEX))?;
+        all.into_iter().filter(|f| wanted.contains(f)).collect()
+    } else {
+        return Ok(None);
+    };
+    let mut out = Stored::new();
+    for f in files {
+        read_file(&dir.join(&f), &mut out, keep)?;
+    }
+    Ok(Some(out))
 }
 
 /// The shard files an index names, each once, in order.
@@ -60,7 +89,7 @@ fn shards(index: &Path) -> Result<Vec<String>, String> {
     Ok(files.into_iter().collect())
 }
 
-fn read_file(path: &Path, out: &mut Stored) -> Result<(), String> {
+fn read_file(path: &Path, out: &mut Stored, keep: &dyn Fn(&str) -> bool) -> Result<(), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         format!(
@@ -69,6 +98,9 @@ fn read_file(path: &Path, out: &mut Stored) -> Result<(), String> {
         )
     })?;
     for (name, view) in st.tensors() {
+        if !keep(&name) {
+            continue;
+        }
         let data = view.data();
         let values: Vec<f32> = match view.dtype() {
             Dtype::F32 => data

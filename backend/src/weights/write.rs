@@ -1,5 +1,7 @@
 //! rcoa's weights out in the Hugging Face layout of the model's family
-//! (`model.safetensors`, f32), the inverse of the load mapping.
+//! (f32), the inverse of the load mapping: `model.safetensors`, or above
+//! the shard size the files and index `transformers` writes
+//! (`model-00001-of-00003.safetensors`, `model.safetensors.index.json`).
 
 use super::{origin, Family, Origin};
 use crate::model::Model;
@@ -22,9 +24,22 @@ pub fn save_prefix(family: Family) -> &'static str {
     }
 }
 
+/// One rcoa parameter: name (`layers.0.attn.q.weight`), shape, f32 values.
+pub type RcoaTensor = (String, Vec<usize>, Vec<f32>);
+
 /// The model's base parameters as HF tensors: name → (shape, values).
 pub fn hf_tensors<B: Backend>(
     model: &Model<B>,
+    family: Family,
+) -> Result<BTreeMap<String, HfTensor>, String> {
+    let mut params: Vec<RcoaTensor> = vec![];
+    model.export(&mut |name, shape, values| params.push((name.to_string(), shape, values)));
+    hf_tensors_of(params, family)
+}
+
+/// rcoa parameters (as `Model::export` names them) as HF tensors.
+pub fn hf_tensors_of(
+    params: Vec<RcoaTensor>,
     family: Family,
 ) -> Result<BTreeMap<String, HfTensor>, String> {
     let prefix = save_prefix(family);
@@ -32,9 +47,9 @@ pub fn hf_tensors<B: Backend>(
     // GPT-2's q, k, v columns, gathered per fused tensor.
     let mut fused: BTreeMap<String, Vec<Option<HfTensor>>> = BTreeMap::new();
     let mut unmapped = vec![];
-    model.export(
-        &mut |name, shape, values| match origin(family, prefix, name) {
-            None => unmapped.push(name.to_string()),
+    for (name, shape, values) in params {
+        match origin(family, prefix, &name) {
+            None => unmapped.push(name),
             Some(Origin::Whole { key, transpose }) => {
                 if transpose {
                     let (r, c) = (shape[0], shape[1]);
@@ -52,8 +67,8 @@ pub fn hf_tensors<B: Backend>(
                 out.insert(types, (vec![1, d], vec![0.0; d]));
                 out.insert(key, (shape, values));
             }
-        },
-    );
+        }
+    }
     if !unmapped.is_empty() {
         return Err(format!("no {family:?} tensor for {}", unmapped.join(", ")));
     }
@@ -76,25 +91,91 @@ pub fn hf_tensors<B: Backend>(
     Ok(out)
 }
 
-/// Write `model.safetensors` (f32) into `dir`.
-pub fn write_safetensors(tensors: &BTreeMap<String, HfTensor>, dir: &Path) -> Result<(), String> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(k, (s, v))| {
-            let b = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            (k.clone(), s.clone(), b)
-        })
+/// `transformers`' default `max_shard_size` ("5GB", decimal).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+const SINGLE: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+
+/// Write the model's tensors (f32) into `dir` as `transformers` does:
+/// `model.safetensors` when they fit in one shard of `max_shard_bytes`, else
+/// `model-0000k-of-0000N.safetensors` and `model.safetensors.index.json`.
+/// Returns the files written.
+pub fn write_model(
+    tensors: &BTreeMap<String, HfTensor>,
+    dir: &Path,
+    max_shard_bytes: u64,
+) -> Result<Vec<String>, String> {
+    let shards = plan_shards(tensors, max_shard_bytes);
+    if shards.len() <= 1 {
+        write_file(tensors.iter(), &dir.join(SINGLE))?;
+        return Ok(vec![SINGLE.to_string()]);
+    }
+    let n = shards.len();
+    let mut files = vec![];
+    let mut weight_map = serde_json::Map::new();
+    for (i, keys) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+        write_file(keys.iter().map(|k| (*k, &tensors[*k])), &dir.join(&file))?;
+        for k in keys {
+            weight_map.insert((*k).clone(), file.clone().into());
+        }
+        files.push(file);
+    }
+    let total_size: u64 = tensors.values().map(|(_, v)| 4 * v.len() as u64).sum();
+    let total_parameters: u64 = tensors.values().map(|(_, v)| v.len() as u64).sum();
+    let index = serde_json::json!({
+        "metadata": { "total_size": total_size, "total_parameters": total_parameters },
+        "weight_map": weight_map,
+    });
+    let text = serde_json::to_string_pretty(&index).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join(INDEX), text + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", dir.join(INDEX).display()))?;
+    files.push(INDEX.to_string());
+    Ok(files)
+}
+
+/// The tensors of each shard, in order, as `huggingface_hub`'s
+/// `split_torch_state_dict_into_shards` groups them: a tensor joins the
+/// current shard unless that would pass `max` bytes; a tensor larger than
+/// `max` gets a shard of its own.
+fn plan_shards(tensors: &BTreeMap<String, HfTensor>, max: u64) -> Vec<Vec<&String>> {
+    let mut shards: Vec<Vec<&String>> = vec![];
+    let mut current: Vec<&String> = vec![];
+    let mut size = 0u64;
+    for (k, (_, v)) in tensors {
+        let bytes = 4 * v.len() as u64;
+        if bytes > max {
+            shards.push(vec![k]);
+            continue;
+        }
+        if size + bytes > max && !current.is_empty() {
+            shards.push(std::mem::take(&mut current));
+            size = 0;
+        }
+        current.push(k);
+        size += bytes;
+    }
+    if !current.is_empty() {
+        shards.push(current);
+    }
+    shards
+}
+
+/// One safetensors file (f32, `format: pt` as PyTorch's writers mark it).
+pub fn write_file<'a>(
+    tensors: impl Iterator<Item = (&'a String, &'a HfTensor)>,
+    path: &Path,
+) -> Result<(), String> {
+    let bytes: Vec<(&String, &Vec<usize>, Vec<u8>)> = tensors
+        .map(|(k, (s, v))| (k, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
         .collect();
     let mut views = vec![];
     for (k, s, b) in &bytes {
-        let view = TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| format!("{k}: {e}"))?;
-        views.push((k.clone(), view));
+        let view = TensorView::new(Dtype::F32, (*s).clone(), b).map_err(|e| format!("{k}: {e}"))?;
+        views.push(((*k).clone(), view));
     }
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), &dir.join("model.safetensors")).map_err(|e| {
-        format!(
-            "cannot write {}: {e}",
-            dir.join("model.safetensors").display()
-        )
-    })
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }

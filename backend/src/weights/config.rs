@@ -1,0 +1,110 @@
+//! A `config.json` for full weights saved without a source checkpoint
+//! (a model from a preset or written in the plan), so `transformers` can
+//! load them: the inverse of the compiler's config reader
+//! (`compiler/src/resolve/hf.rs`), for the shapes a `transformers` class
+//! has exactly. Any other shape gets no config (its weights are still
+//! written under the family's names).
+
+use super::Family;
+use rcoa_compiler::spec::{Arch, Mlp, ModelSpec, Norm, Positions};
+
+/// The config of `m` as its family's `transformers` class reads it, or
+/// `None` where no class computes what rcoa's model computes.
+pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
+    let n = &m.numerics;
+    let common = serde_json::json!({
+        "vocab_size": m.vocab,
+        "tie_word_embeddings": m.tie_embeddings,
+        "dtype": "float32",
+    });
+    let mut c = match Family::of(m) {
+        Family::Llama => {
+            if (m.mlp, m.positions) != (Mlp::Swiglu, Positions::Rope) {
+                return None;
+            }
+            serde_json::json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "num_hidden_layers": m.layers,
+                "max_position_embeddings": m.max_positions,
+                "hidden_size": m.hidden,
+                "intermediate_size": m.ffn,
+                "num_attention_heads": m.heads,
+                "num_key_value_heads": m.kv_heads,
+                "head_dim": m.head_dim,
+                "hidden_act": "silu",
+                "rms_norm_eps": n.norm_eps,
+                // Where transformers 4 and 5 read it.
+                "rope_theta": n.rope_theta,
+                "rope_parameters": { "rope_theta": n.rope_theta, "rope_type": "default" },
+                "attention_dropout": m.dropout,
+                "attention_bias": false,
+                "mlp_bias": false,
+            })
+        }
+        Family::Gpt2 => {
+            let plain = m.mlp == Mlp::Gelu
+                && m.positions == Positions::Learned
+                && m.kv_heads == m.heads
+                && m.heads * m.head_dim == m.hidden;
+            if !plain {
+                return None;
+            }
+            serde_json::json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "n_layer": m.layers,
+                "n_embd": m.hidden,
+                "n_head": m.heads,
+                "n_inner": m.ffn,
+                "n_positions": m.max_positions,
+                "activation_function": if n.gelu_tanh { "gelu_new" } else { "gelu" },
+                "layer_norm_epsilon": n.norm_eps,
+                "resid_pdrop": m.dropout,
+                "embd_pdrop": m.dropout,
+                "attn_pdrop": m.dropout,
+            })
+        }
+        Family::Bert => {
+            let plain = m.arch == Arch::Encoder
+                && m.norm == Norm::Layernorm
+                && m.mlp == Mlp::Gelu
+                && m.positions == Positions::Learned
+                && m.kv_heads == m.heads
+                && m.heads * m.head_dim == m.hidden
+                && !n.gelu_tanh;
+            if !plain {
+                return None;
+            }
+            let mut c = serde_json::json!({
+                "num_hidden_layers": m.layers,
+                "max_position_embeddings": m.max_positions,
+                "hidden_size": m.hidden,
+                "intermediate_size": m.ffn,
+                "num_attention_heads": m.heads,
+                "hidden_act": "gelu",
+                "layer_norm_eps": n.norm_eps,
+                "hidden_dropout_prob": m.dropout,
+                "attention_probs_dropout_prob": m.dropout,
+                // rcoa folds the one token type into the positions.
+                "type_vocab_size": 1,
+            });
+            // XLM-R counts positions from pad_token_id + 1; BERT from 0.
+            if n.position_offset > 0 {
+                c["architectures"] = serde_json::json!(["XLMRobertaModel"]);
+                c["model_type"] = "xlm-roberta".into();
+                c["pad_token_id"] = (n.position_offset - 1).into();
+            } else {
+                c["architectures"] = serde_json::json!(["BertModel"]);
+                c["model_type"] = "bert".into();
+            }
+            c
+        }
+    };
+    if let (Some(c), Some(common)) = (c.as_object_mut(), common.as_object()) {
+        for (k, v) in common {
+            c.entry(k.clone()).or_insert(v.clone());
+        }
+    }
+    Some(c)
+}
