@@ -15,6 +15,8 @@
 //! not by the weight. The rows of `W` are the input features, so the forward
 //! sums `x[:, rows] · W[rows, :]` into `y`, and the backward writes
 //! `dy · W[rows, :]ᵀ` into `dx[:, rows]` (in place where the backend can).
+//! In a 16-bit dtype the forward's sum is rounded once per chunk, not once:
+//! a few more roundings of `y`, which the dense bf16 matmul does not have.
 //!
 //! Transient per use on ndarray (fp32), measured with the counting
 //! allocator: `201/16 · C + ~1.2 KiB` bytes for `C = chunk_rows · d_out`
