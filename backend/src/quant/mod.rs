@@ -12,7 +12,7 @@
 //! - [`adam8bit`]: Adam / AdamW with block-wise 8-bit moments (bitsandbytes'
 //!   `Adam8bit` / `AdamW8bit`, block 256, fp32 state below 4096 elements);
 //! - [`qlora`]: `y = x · dequant(W)` as one autodiff node that keeps only the
-//!   packed weight;
+//!   packed weight and dequantizes a bounded chunk of its rows at a time;
 //! - [`base`]: that packed weight as a field of a Burn module (recorded for
 //!   checkpoints, invisible to parameter visitors), QLoRA's frozen base in
 //!   `model::Linear`.

@@ -372,6 +372,18 @@ impl<B: Backend> Nf4Tensor<B> {
     fn block_absmax(&self) -> Tensor<B, 1> {
         match &self.scales {
             DeviceScales::Fp32(a) => a.clone(),
+            DeviceScales::Double { codes, .. } => self.block_absmax_range(0, codes.dims()[0]),
+        }
+    }
+
+    /// The fp32 absmax of blocks `first..end`. Under double quantization
+    /// block `b` is `DYNAMIC_SIGNED[code_b] * absmax2[b / 256] + offset`:
+    /// each group's second-level scale is repeated over the group's blocks
+    /// in the range, so only the range's blocks are materialized.
+    fn block_absmax_range(&self, first: usize, end: usize) -> Tensor<B, 1> {
+        let count = end - first;
+        match &self.scales {
+            DeviceScales::Fp32(a) => a.clone().narrow(0, first, count),
             DeviceScales::Double {
                 codes,
                 absmax2,
@@ -380,18 +392,42 @@ impl<B: Backend> Nf4Tensor<B> {
                 let device = codes.device();
                 let map = Tensor::<B, 1>::from_floats(DYNAMIC_SIGNED, &device);
                 let index = <B::IntElem as Element>::dtype();
-                let groups = absmax2.dims()[0];
-                let blocks = codes.dims()[0];
-                let mut scales = map.select(0, codes.clone().cast(index));
-                if groups * STATS_BLOCK > blocks {
-                    let pad = Tensor::zeros([groups * STATS_BLOCK - blocks], &device);
-                    scales = Tensor::cat(vec![scales, pad], 0);
-                }
-                (scales.reshape([groups, STATS_BLOCK]) * absmax2.clone().reshape([groups, 1]))
+                let g0 = first / STATS_BLOCK;
+                let groups = end.div_ceil(STATS_BLOCK) - g0;
+                let second = absmax2
+                    .clone()
+                    .narrow(0, g0, groups)
+                    .reshape([groups, 1])
+                    .expand([groups, STATS_BLOCK])
                     .reshape([groups * STATS_BLOCK])
-                    .narrow(0, 0, blocks)
-                    .add_scalar(*offset)
+                    .narrow(0, first - g0 * STATS_BLOCK, count);
+                let scales = map.select(0, codes.clone().narrow(0, first, count).cast(index));
+                (scales * second).add_scalar(*offset)
             }
+        }
+    }
+
+    /// Rows `start..start + len` of the weight as a packed weight of their
+    /// own, with fp32 scales: the codes are a view (no copy); double
+    /// quantized scales are decoded for these rows' blocks only.
+    /// `start * cols` must fall on a block boundary (a [`BLOCK`] multiple),
+    /// so the rows are whole blocks but perhaps the weight's padded last one.
+    pub(crate) fn rows(&self, start: usize, len: usize) -> Nf4Tensor<B> {
+        let [rows, cols] = self.shape;
+        assert!(
+            start + len <= rows && (start * cols).is_multiple_of(BLOCK),
+            "rows {start}..{} of a [{rows}, {cols}] NF4 weight do not start on a block",
+            start + len
+        );
+        let first = start * cols / BLOCK;
+        let blocks = (len * cols).div_ceil(BLOCK);
+        Nf4Tensor {
+            packed: self
+                .packed
+                .clone()
+                .narrow(0, first * BLOCK / 2, blocks * BLOCK / 2),
+            scales: DeviceScales::Fp32(self.block_absmax_range(first, first + blocks)),
+            shape: [len, cols],
         }
     }
 }
