@@ -131,4 +131,21 @@ mod tests {
             64
         );
     }
+
+    /// `QLORA_CHUNK_VALUES` mirrors the executor's `CHUNK_VALUES`, read from its source so
+    /// that changing one without the other fails here.
+    #[test]
+    fn chunk_values_mirror_the_executor() {
+        let src = include_str!("../../../backend/src/quant/qlora.rs");
+        let rhs = src
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("pub const CHUNK_VALUES: usize = "))
+            .expect("backend/src/quant/qlora.rs defines CHUNK_VALUES")
+            .trim_end_matches(';');
+        let value = match rhs.split_once("<<") {
+            Some((a, b)) => a.trim().parse::<u64>().unwrap() << b.trim().parse::<u32>().unwrap(),
+            None => rhs.trim().replace('_', "").parse::<u64>().unwrap(),
+        };
+        assert_eq!(value, QLORA_CHUNK_VALUES);
+    }
 }
