@@ -10,9 +10,10 @@
 //! device: tensor parallelism divides the projected widths, context and
 //! sequence parallelism divide the tokens.
 
+use crate::memory::quant::{qlora_chunks, qlora_dequant_transient};
 use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo, Unit};
 use crate::memory::Candidate;
-use crate::profile::Profile;
+use crate::profile::{Nf4Dequant, Profile};
 use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
 
 /// Where a parameter's bytes live (its role in the step's breakdown).
@@ -383,8 +384,12 @@ impl<'a> Builder<'a> {
             0
         };
         if t.dtype == Dtype::Nf4 {
-            // bitsandbytes dequantizes per use and again in the backward: a transient copy.
-            return (p.id, self.bytes(elems, self.act) + gathered);
+            return match self.profile.nf4_dequant {
+                // bitsandbytes dequantizes per use and again in the backward: a transient copy.
+                Nf4Dequant::WholeWeight => (p.id, self.bytes(elems, self.act) + gathered),
+                // Its chunks are charged by `linear`, which knows the output's bytes.
+                Nf4Dequant::Chunked { .. } => (p.id, gathered),
+            };
         }
         let casts = self.autocast || self.profile.weight_cast_per_use;
         if casts && t.dtype.bytes() > self.act.bytes() {
@@ -450,12 +455,43 @@ impl<'a> Builder<'a> {
         let rows: u64 = shape[..last].iter().product();
         let f = 2.0 * rows as f64 * inf as f64 * p.rows as f64;
         let bwd = f * (self.rg(xc) as u8 as f64) + f * (self.rg(w) as u8 as f64);
+        let (fwd_dq, bwd_dq) = self.nf4_chunk_scratch(p, xc, out);
         let info = &mut self.tape.ops[o];
         info.flops = f;
         info.bwd_flops = bwd;
-        info.fwd_workspace = ws;
-        info.bwd_workspace = ws;
+        info.fwd_workspace = ws + fwd_dq;
+        info.bwd_workspace = ws + bwd_dq;
         out
+    }
+
+    /// The chunked dequantization of an NF4 base weight (`Nf4Dequant::Chunked`,
+    /// `backend/src/quant/qlora.rs`) as scratch of the projection's forward and of its
+    /// backward, which computes only `dx` (the base is frozen; no backward runs at all when
+    /// `x` needs no gradient). With more than one chunk the output (`y`, or the
+    /// preallocated `dx`) is live beside the transient, as the tape counts any workspace.
+    /// With one chunk the output is allocated after the transient is freed: the op's
+    /// highest is the larger of the two, so only what the transient exceeds it by is
+    /// charged on top of the output.
+    fn nf4_chunk_scratch(&self, p: Param, x: TensorId, out: TensorId) -> (u64, u64) {
+        let Nf4Dequant::Chunked {
+            bytes_per_value,
+            fixed_bytes,
+        } = self.profile.nf4_dequant
+        else {
+            return (0, 0);
+        };
+        if self.dtype(p.id) != Dtype::Nf4 {
+            return (0, 0);
+        }
+        // Burn's `[d_in, d_out]`: the param is `[out, in]` like PyTorch's.
+        let shape = [p.cols, p.rows];
+        let transient = qlora_dequant_transient(shape, bytes_per_value, fixed_bytes);
+        if qlora_chunks(shape) > 1 {
+            return (transient, transient);
+        }
+        let y = self.tape.tensor(out).bytes;
+        let dx = self.tape.tensor(x).bytes;
+        (transient.saturating_sub(y), transient.saturating_sub(dx))
     }
 
     fn dropout(&mut self, x: TensorId, p: f64) -> TensorId {

@@ -208,3 +208,70 @@ fn adam8bit_state_on_burn_is_what_the_executor_holds() {
     expected += (1 + head) * 2 * moment(m.vocab * m.hidden) + 2 * moment(m.hidden);
     assert_eq!(r.breakdown["optimizer"], expected);
 }
+
+/// Where the burn profile charges QLoRA's chunked dequantization
+/// (`backend/src/quant/qlora.rs`): scratch of the projection's forward and of its input
+/// gradient, never a tensor saved for the backward; the pytorch profile keeps
+/// bitsandbytes' whole-weight copy. Hidden 2048 and ffn 8192 give both kinds of weight:
+/// q_proj [2048, 1024] is one chunk, gate_proj [2048, 8192] four of 4 Mi values.
+#[test]
+fn qlora_dequant_chunk_is_scratch_of_forward_and_input_gradient() {
+    use crate::memory::build::Builder;
+    use crate::spec::{AdapterKind, AdapterSpec, Dtype, Proj};
+    let spec = SpecBuilder::new()
+        .target(Target::Burn)
+        .layers(2)
+        .hidden(2048)
+        .ffn(8192)
+        .precision(Dtype::Bf16, Dtype::Bf16, None)
+        .adapter(Some(AdapterSpec {
+            kind: AdapterKind::Qlora,
+            rank: 8,
+            alpha: 16.0,
+            targets: vec![Proj::Q, Proj::Gate],
+            dropout: 0.0,
+            base: Dtype::Nf4,
+        }))
+        .build();
+    let tokens = 4 * spec.train.seq_len;
+    let ws = |profile: &Profile, name: &str| {
+        let c = cand(&[]);
+        let tape = Builder::new(&spec, profile, &c)
+            .build(0..2, true, true)
+            .tape;
+        let ops: Vec<_> = tape.ops.iter().filter(|o| o.name == name).collect();
+        assert_eq!(ops.len(), 2, "{name}: one per layer");
+        for o in &ops {
+            // The packed weight is all the op keeps of W: no dequantized copy is saved.
+            assert!(o
+                .saved
+                .iter()
+                .all(|t| tape.tensor(*t).role != super::tape::Role::WeightCopy));
+        }
+        (ops[1].fwd_workspace, ops[1].bwd_workspace)
+    };
+    // By hand: 201/16 bytes a value + 1184. gate_proj: 512 rows × 8192 = 4 Mi values, four
+    // chunks, so y (and dx) are live beside it: 52,690,944 + 1184.
+    let burn = Profile::burn();
+    assert_eq!(ws(&burn, "gate_proj"), (52_692_128, 52_692_128));
+    // q_proj: one chunk of 2048 × 1024 = 2 Mi values: 26,345,472 + 1184 = 26,346,656, and
+    // its output is allocated after it is freed: only what it exceeds the output by is
+    // charged on top of it. y is 4096 tokens × 1024 bf16 = 8 MiB, dx 4096 × 2048 bf16 = 16 MiB.
+    assert_eq!(tokens, 4096);
+    assert_eq!(
+        ws(&burn, "q_proj"),
+        (26_346_656 - 8_388_608, 26_346_656 - 16_777_216)
+    );
+    // bitsandbytes: the whole weight in bf16, forward and backward.
+    let pt = Profile::pytorch();
+    let pt_ws = |name: &str, elems: u64| {
+        let (f, b) = ws(&pt, name);
+        assert_eq!(
+            (f, b),
+            (pt.allocated(2 * elems), pt.allocated(2 * elems)),
+            "{name}"
+        );
+    };
+    pt_ws("gate_proj", 2048 * 8192);
+    pt_ws("q_proj", 2048 * 1024);
+}

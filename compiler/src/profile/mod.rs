@@ -29,6 +29,33 @@ pub const ZERO3_PREFETCH_UNITS: usize = 1;
 /// 29 GB); set this when the executor moves the accumulator.
 pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = false;
 
+/// Bytes rcoa's Burn executor allocates per dequantized value of an NF4 chunk
+/// (`backend/src/quant/qlora.rs`: the byte indices widened to integers, the two nibble
+/// halves, their interleaving, the scaled values), plus [`BURN_NF4_CHUNK_FIXED_BYTES`] per
+/// use. Measured on the CPU (ndarray, fp32, counting allocator): `201/16 · C + 1184` bytes
+/// for a chunk of `C` values. Not measured on CUDA, where the indices are i32 rather than
+/// i64 and a bf16 compute dtype adds the chunk's 2-byte cast: about 10 to 13 bytes a
+/// value, so the CPU figure stands for it until a GPU trace replaces it.
+pub const BURN_NF4_CHUNK_BYTES_PER_VALUE: f64 = 201.0 / 16.0;
+/// The per-use constant of the same measurement (the chunk's block scales and the table).
+pub const BURN_NF4_CHUNK_FIXED_BYTES: u64 = 1184;
+
+/// How the executor dequantizes a QLoRA NF4 base weight when a matmul uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum Nf4Dequant {
+    /// The whole weight in the compute dtype, per use in the forward and again in the
+    /// backward (bitsandbytes' `dequantize_4bit` inside `MatMul4Bit`).
+    WholeWeight,
+    /// [`crate::memory::quant::QLORA_CHUNK_VALUES`] values at a time (rcoa's Burn
+    /// executor): `bytes_per_value · C + fixed_bytes` for a chunk of `C` values
+    /// ([`crate::memory::quant::qlora_dequant_transient`]), scratch of the projection's
+    /// forward and of its input gradient, never saved for the backward.
+    Chunked {
+        bytes_per_value: f64,
+        fixed_bytes: u64,
+    },
+}
+
 /// What differs between executors, for the memory and time models.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Profile {
@@ -89,6 +116,8 @@ pub struct Profile {
     /// `compress_statistics`, `bnb_4bit_use_double_quant`): 8-bit scale codes plus an fp32
     /// scale per 256 blocks, instead of one fp32 absmax per 64-value block.
     pub nf4_double_quant: bool,
+    /// What a use of an NF4 base weight dequantizes at once, and so the scratch it takes.
+    pub nf4_dequant: Nf4Dequant,
     /// Bytes a host optimizer step touches per second per GPU's share of the host
     /// (`offload = [optimizer]`): weights, gradients and state read, weights and state written.
     pub host_optimizer_bytes_per_s: f64,
@@ -196,6 +225,8 @@ impl Profile {
             // The QLoRA recipe (Dettmers et al. 2023, `bnb_4bit_use_double_quant=True`) that
             // `plans/mistral-7b-qlora-1x24gb.plan` follows.
             nf4_double_quant: true,
+            // bitsandbytes' `MatMul4Bit` dequantizes the whole weight per use.
+            nf4_dequant: Nf4Dequant::WholeWeight,
             host_optimizer_bytes_per_s: crate::cost::parallel::CPU_OPTIMIZER_BYTES_PER_S,
             inplace_elementwise: false,
             peak_sampled_at_segments: false,
@@ -267,6 +298,11 @@ impl Profile {
             // backend/src/model.rs quantizes QLoRA's base double-quantized
             // (`QLORA_DOUBLE_QUANT`, the QLoRA recipe); `backend/src/quant/nf4.rs` does both.
             nf4_double_quant: true,
+            // backend/src/quant/qlora.rs: chunks of 4 Mi values, forward and input gradient.
+            nf4_dequant: Nf4Dequant::Chunked {
+                bytes_per_value: BURN_NF4_CHUNK_BYTES_PER_VALUE,
+                fixed_bytes: BURN_NF4_CHUNK_FIXED_BYTES,
+            },
             // backend/bench/host-optimizer on the 2-core machine this was written on (no GPU):
             // the executor's AdamW over 32 Mi fp32 parameters on 2 threads, 0.048 s, i.e.
             // 19.6 GB/s of 28 bytes per parameter (0.47 of a plain copy's 42 GB/s read + write).
