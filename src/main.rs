@@ -36,7 +36,7 @@ enum Command {
     /// Predict memory and time, decide every `auto`, and explain why.
     Compile(cmd::compile::Args),
     /// Train with the compiled plan on Burn (CPU or CUDA).
-    Run(cmd::run::Args),
+    Run(Box<cmd::run::Args>),
     /// The held-out loss of a plan's model on a data file (forward only, CPU).
     Eval(cmd::eval::Args),
     /// Serve the meeting point of a data-parallel `rcoa run` over several processes.
@@ -57,7 +57,7 @@ fn main() -> ExitCode {
         Command::Fmt(a) => cmd::fmt::run(a),
         Command::Catalog(a) => cmd::catalog::run(a),
         Command::Compile(a) => cmd::compile::run(a),
-        Command::Run(a) => cmd::run::run(a),
+        Command::Run(a) => cmd::run::run(*a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),
