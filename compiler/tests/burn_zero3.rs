@@ -148,7 +148,6 @@ fn gradients_are_a_sharded_fp32_accumulator_and_the_unit_being_reduce_scattered(
     assert!(r.phase_peaks["backward"] <= r.phase_peaks["forward"] + most + acc);
     // With the optimizer on the host the executor keeps the accumulator there too (each
     // unit's shard goes down as the backward leaves it): none of it on the device.
-    assert!(rcoa_compiler::profile::ZERO3_HOST_GRAD_ACCUMULATOR);
     let host = run(
         &s,
         &cand(4, 3, (0..layers).collect(), &[OffloadWhat::Optimizer]),
