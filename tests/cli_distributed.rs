@@ -806,11 +806,14 @@ fn zero_stages_on_two_threads_match_one_rank() {
     let dir = temp("zero-threads");
     let steps = "10";
     let one = one_process(&dir, steps);
-    let configs: [(u8, &[&str]); 5] = [
+    // ZeRO-3 with the optimizer on the host keeps the gradient accumulator
+    // there too (with or without the weights).
+    let configs: [(u8, &[&str]); 6] = [
         (1, &[]),
         (2, &["optimizer"]),
         (3, &[]),
         (3, &["optimizer"]),
+        (3, &["optimizer", "params"]),
         (3, &["params"]),
     ];
     for (zero, offload) in configs {

@@ -511,6 +511,12 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                     let off = shard::executed_offload(t.zero(), t.zero3());
                     assert_eq!(off.len(), plan.resolved.offload.len(), "{off:?}");
                     if let Some(z) = t.zero3() {
+                        // The optimizer on the host with per-unit gathers
+                        // keeps the gradient accumulator there too (the
+                        // compiler's `burn_host_grad_accumulator`).
+                        let host_opt = matches!(offload, Off::Optimizer | Off::Both);
+                        let units = zero == 3 || matches!(offload, Off::Params | Off::Both);
+                        assert_eq!(z.grads_on_host(), host_opt && units, "{zero} {offload:?}");
                         // At rest a rank holds half of every unit (ZeRO-3;
                         // padded to even halves), or all of it.
                         let (all, _) = z.param_counts();
@@ -580,6 +586,10 @@ fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
     // recomputation), and with everything on the host.
     configs.push((3, Off::None, vec![true, false]));
     configs.push((3, Off::Both, vec![true, true]));
+    // Everything on the host without ZeRO-3: the host gradient accumulator
+    // of the whole model (ZeRO 0) and of a ZeRO-2 shard.
+    configs.push((0, Off::Both, none()));
+    configs.push((2, Off::Both, none()));
     sharded_matches_one_rank(&one, &configs);
 }
 

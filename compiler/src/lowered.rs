@@ -126,8 +126,12 @@ impl LoweredPlan {
         // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.
         let units = burn && (r.zero >= 3 || has(OffloadWhat::Params));
         let place = |host: bool| if host { Place::Host } else { Place::Device };
-        let host_acc =
-            units && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR && has(OffloadWhat::Optimizer);
+        // `memory::burn_host_grad_accumulator`: ZeRO-3 on one rank without parameter
+        // offload keeps the accumulator on the device (so does the executor).
+        let host_acc = burn
+            && (zero3 || has(OffloadWhat::Params))
+            && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR
+            && has(OffloadWhat::Optimizer);
         let master = self
             .precision
             .master

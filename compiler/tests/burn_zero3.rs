@@ -146,21 +146,13 @@ fn gradients_are_a_sharded_fp32_accumulator_and_the_unit_being_reduce_scattered(
     // Inside a unit's backward the unit's full fp32 gradient adds at most its own size.
     let most: u64 = r.units.iter().map(|u| u.gathered_bytes * 2).max().unwrap();
     assert!(r.phase_peaks["backward"] <= r.phase_peaks["forward"] + most + acc);
-    // With the optimizer on the host the accumulator stays on the device (its shard goes
-    // down at the step), unless the executor keeps it on the host.
+    // With the optimizer on the host the executor keeps the accumulator there too (each
+    // unit's shard goes down as the backward leaves it): none of it on the device.
     let host = run(
         &s,
         &cand(4, 3, (0..layers).collect(), &[OffloadWhat::Optimizer]),
     );
-    let on_device = if rcoa_compiler::profile::ZERO3_HOST_GRAD_ACCUMULATOR {
-        0
-    } else {
-        acc
-    };
-    assert_eq!(
-        at(&host, Phase::Forward, "loss", None, Category::Grads),
-        on_device
-    );
+    assert_eq!(at(&host, Phase::Forward, "loss", None, Category::Grads), 0);
     assert_eq!(host.breakdown["optimizer"], 0);
 }
 

@@ -73,6 +73,27 @@ pub fn step(
     });
 }
 
+/// `acc += g`, split over `threads` when the slices are long enough to pay
+/// for spawning them. Each element is one fp32 addition, as a device `+`.
+pub fn add(acc: &mut [f32], g: &[f32], threads: usize) {
+    const PER_THREAD: usize = 1 << 16;
+    let threads = threads.clamp(1, acc.len().div_ceil(PER_THREAD).max(1));
+    let chunk = acc.len().div_ceil(threads).max(1);
+    let run = |a: &mut [f32], g: &[f32]| {
+        for (a, &g) in a.iter_mut().zip(g) {
+            *a += g;
+        }
+    };
+    if threads == 1 {
+        return run(acc, g);
+    }
+    std::thread::scope(|s| {
+        for (a, g) in acc.chunks_mut(chunk).zip(g.chunks(chunk)) {
+            s.spawn(move || run(a, g));
+        }
+    });
+}
+
 /// One host update over a chunk (the scalars of `step_device`, per element).
 #[derive(Clone, Copy)]
 struct Update {

@@ -178,14 +178,59 @@ impl<B: Backend> FlatOptim<B> {
                 grad.dims()[0]
             )));
         }
-        self.time += 1;
         let device = grad.device();
         let g = host(grad)?;
+        self.time += 1;
         self.step_host(lr, params, &g, threads);
         Ok(Tensor::from_data(
             TensorData::new(params.to_vec(), [n]),
             &device,
         ))
+    }
+
+    /// One update of the host-resident fp32 shard `params` with a gradient
+    /// accumulated in host memory (`grad`): nothing crosses to the device.
+    pub fn step_host_grad(
+        &mut self,
+        lr: f64,
+        params: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), RunError> {
+        let threads = self.host_threads()?;
+        let n = params.len();
+        if n != self.len || grad.len() != n {
+            return Err(RunError::Backend(format!(
+                "the optimizer holds a shard of {} values; got {n} weights and {} gradients",
+                self.len,
+                grad.len()
+            )));
+        }
+        self.time += 1;
+        self.step_host(lr, params, grad, threads);
+        Ok(())
+    }
+
+    /// `acc += g` element by element over the host optimizer's threads:
+    /// a gradient shard added into an accumulator kept beside the state.
+    pub fn accumulate_host(&self, acc: &mut [f32], g: &[f32]) -> Result<(), RunError> {
+        if acc.len() != g.len() {
+            return Err(RunError::Backend(format!(
+                "a gradient shard of {} values added to {} accumulated ones",
+                g.len(),
+                acc.len()
+            )));
+        }
+        host::add(acc, g, self.host_threads()?);
+        Ok(())
+    }
+
+    fn host_threads(&self) -> Result<usize, RunError> {
+        match self.place {
+            Place::Host { threads } => Ok(threads),
+            Place::Device => Err(RunError::Backend(
+                "a host gradient needs the optimizer on the host".into(),
+            )),
+        }
     }
 
     /// Burn's tensor operations, in Burn's order.

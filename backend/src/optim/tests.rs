@@ -171,3 +171,37 @@ fn adam8bit_is_refused_on_the_flat_path() {
         "{e}"
     );
 }
+
+/// A gradient accumulated in host memory (`accumulate_host`, over threads,
+/// in chunks) steps the host shard exactly as the same sum accumulated on
+/// the device and brought down at the step; a device optimizer refuses it.
+#[test]
+fn host_accumulated_gradient_steps_like_the_device_sum() {
+    let n = 300_001;
+    let rule = Rule::AdamW {
+        beta_1: 0.9,
+        beta_2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let place = Place::Host { threads: 3 };
+    let (mut a, mut b) = (
+        FlatOptim::<B>::new(rule, place, n),
+        FlatOptim::<B>::new(rule, place, n),
+    );
+    let (mut pa, mut pb) = (values(n, 1), values(n, 1));
+    for step in 0..3 {
+        let parts = [values(n, 10 + step), values(n, 20 + step)];
+        let mut acc = vec![0.0; n];
+        for p in &parts {
+            a.accumulate_host(&mut acc, p).unwrap();
+        }
+        a.step_host_grad(3e-2, &mut pa, &acc).unwrap();
+        let sum = tensor(&parts[0]) + tensor(&parts[1]);
+        b.step_host_master(3e-2, &mut pb, sum).unwrap();
+    }
+    assert_eq!(pa, pb);
+    assert!(a.accumulate_host(&mut [0.0; 2], &[1.0]).is_err());
+    let mut d = FlatOptim::<B>::new(rule, Place::Device, 2);
+    assert!(d.step_host_grad(1e-3, &mut [0.0; 2], &[1.0; 2]).is_err());
+}

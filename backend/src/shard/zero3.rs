@@ -34,6 +34,14 @@
 //! With `offload = [params]` the weight shards and the fp32 master live in
 //! host memory (fp32 there, whatever the storage dtype); a unit's shard is
 //! uploaded right before its gather.
+//!
+//! With `offload = [optimizer]` and per-unit gathers (ZeRO-3 over more than
+//! one rank, or the parameters offloaded) the gradient-shard accumulator is
+//! in host memory beside the optimizer, as DeepSpeed's ZeRO-Offload keeps
+//! it: each unit's reduced shard comes down as the backward leaves the
+//! unit, so the device holds only the unit's transient gradient, and the
+//! host optimizer steps from the accumulator. The compiler's `burn` profile
+//! charges exactly this (`memory::burn_host_grad_accumulator`).
 
 use super::{flat_grads, host_threads};
 use crate::distributed::{Collective, Pending};
@@ -124,6 +132,15 @@ enum Master<I: Backend> {
     Host(Vec<f32>),
 }
 
+/// This rank's accumulated fp32 gradient shards.
+enum Grads<I: Backend> {
+    /// Per unit, on the device.
+    Device(Vec<Option<Tensor<I, 1>>>),
+    /// The rank's concatenated optimizer shard in host memory (every unit
+    /// at its `t_ooff`), zero between steps.
+    Host(Vec<f32>),
+}
+
 /// A unit's gathered weights: trainable and frozen values, whole.
 type Gathered<I> = (Tensor<I, 1>, Tensor<I, 1>);
 
@@ -144,8 +161,7 @@ pub struct Zero3<I: Backend> {
     frozen: Vals<I>,
     master: Master<I>,
     optim: FlatOptim<I>,
-    /// Per unit: this rank's accumulated fp32 gradient shard.
-    acc: Vec<Option<Tensor<I, 1>>>,
+    acc: Grads<I>,
     /// The head reads the embedding's table.
     tied: bool,
     /// Units gathered in this micro-batch, in order, and the next one.
@@ -300,6 +316,14 @@ pub fn for_plan<B: ExecAutodiff>(
         Place::Device
     };
     let t_total = t_ooff;
+    // The compiler's condition (`memory::burn_host_grad_accumulator`): ZeRO-3
+    // on one rank without parameter offload is charged as whole weights on
+    // the device, its gradient there too.
+    let acc = if opt_host && (host || wshards > 1) {
+        Grads::Host(vec![0.0; t_total])
+    } else {
+        Grads::Device((0..units.len()).map(|_| None).collect())
+    };
     let z = Zero3 {
         stage,
         ranks,
@@ -309,7 +333,7 @@ pub fn for_plan<B: ExecAutodiff>(
         layers: n_layers,
         storage: storage.dtype,
         params_on_host: host,
-        acc: (0..units.len()).map(|_| None).collect(),
+        acc,
         units,
         work,
         frozen,
@@ -491,7 +515,8 @@ impl<I: Backend> Zero3<I> {
 
     /// Host bytes this rank holds: weight shards and master on the host
     /// (parameter offload), the optimizer state and the gradient shard
-    /// brought down (optimizer offload).
+    /// (optimizer offload: the accumulator kept there, or the accumulated
+    /// shard brought down for the step).
     pub fn host_bytes(&self) -> u64 {
         let mut values = 0;
         for v in [&self.work, &self.frozen] {
@@ -507,6 +532,11 @@ impl<I: Backend> Zero3<I> {
             values += (self.optim.rule().state_per_param() + 1) * t;
         }
         (values * 4) as u64
+    }
+
+    /// The gradient-shard accumulator is in host memory.
+    pub fn grads_on_host(&self) -> bool {
+        matches!(self.acc, Grads::Host(_))
     }
 
     fn unit_index(&self, u: Unit) -> usize {
@@ -672,11 +702,21 @@ impl<I: Backend> Zero3<I> {
             }
             _ => pad(flat, per),
         };
-        let acc = &mut self.acc[u];
-        *acc = Some(match acc.take() {
-            Some(a) => a + shard,
-            None => shard,
-        });
+        match &mut self.acc {
+            Grads::Device(acc) => {
+                let acc = &mut acc[u];
+                *acc = Some(match acc.take() {
+                    Some(a) => a + shard,
+                    None => shard,
+                });
+            }
+            Grads::Host(acc) => {
+                // Read back now: the device's copy is freed with `shard`.
+                let g = to_host(shard)?;
+                let at = l.t_ooff;
+                self.optim.accumulate_host(&mut acc[at..at + per], &g)?;
+            }
+        }
         Ok(())
     }
 
@@ -697,21 +737,42 @@ impl<I: Backend> Zero3<I> {
             Some(c) if self.ranks > 1 => c.mean(loss.repeat_dim(0, self.ranks))?.slice(0..1),
             _ => loss,
         };
-        let parts: Vec<Tensor<I, 1>> = self
-            .units
-            .iter()
-            .zip(self.acc.iter_mut())
-            .filter(|(l, _)| l.t_os > 0)
-            .map(|(l, a)| {
-                a.take()
-                    .unwrap_or_else(|| Tensor::zeros([l.t_os], &self.device))
-            })
-            .collect();
-        let grad = super::cat_or_empty(parts, &self.device);
         let upload = |v: &[f32], device: &I::Device| {
             Tensor::<I, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
         };
         let device = self.device.clone();
+        let acc = match &mut self.acc {
+            Grads::Device(acc) => acc,
+            Grads::Host(g) => {
+                // The host optimizer reads the host accumulator: nothing
+                // comes down.
+                let updated = match (&mut self.master, &mut self.work) {
+                    (Master::Work, Vals::Host(w)) => {
+                        self.optim.step_host_grad(lr, w, g)?;
+                        None
+                    }
+                    (Master::Host(m), _) => {
+                        self.optim.step_host_grad(lr, m, g)?;
+                        Some(upload(m, &device))
+                    }
+                    _ => {
+                        return Err(RunError::Backend(
+                            "ZeRO-3: a host gradient accumulator without a host master".into(),
+                        ))
+                    }
+                };
+                g.fill(0.0);
+                return self.finish_step(c, updated, loss);
+            }
+        };
+        let parts: Vec<Tensor<I, 1>> = self
+            .units
+            .iter()
+            .zip(acc.iter_mut())
+            .filter(|(l, _)| l.t_os > 0)
+            .map(|(l, a)| a.take().unwrap_or_else(|| Tensor::zeros([l.t_os], &device)))
+            .collect();
+        let grad = super::cat_or_empty(parts, &device);
         // The updated fp32 shard on the device; `None`: the host weights
         // were updated in place.
         let updated = match (&mut self.master, self.optim.place(), &mut self.work) {
@@ -746,6 +807,18 @@ impl<I: Backend> Zero3<I> {
                 ))
             }
         };
+        self.finish_step(c, updated, loss)
+    }
+
+    /// After the optimizer: `updated` (this rank's new fp32 shard on the
+    /// device; `None`: the host weights were updated in place) becomes the
+    /// weights at rest.
+    fn finish_step(
+        &mut self,
+        c: Option<&Collective<I>>,
+        updated: Option<Tensor<I, 1>>,
+        loss: Tensor<I, 1>,
+    ) -> Result<Tensor<I, 1>, RunError> {
         let Some(updated) = updated else {
             return Ok(loss);
         };

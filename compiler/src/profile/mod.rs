@@ -23,11 +23,12 @@ pub const ZERO3_PREFETCH_UNITS: usize = 1;
 
 /// Does the Burn executor's ZeRO-3 / parameter offload keep the fp32 gradient-shard
 /// accumulator in host memory when the optimizer is there (each unit's reduced shard sent
-/// down as the backward leaves the unit, as DeepSpeed's ZeRO-Offload does)? It does not:
-/// `backend/src/shard/zero3.rs` accumulates on the device and sends the shard down at the
-/// step. So a 7B full fine-tune cannot fit one 24 GB GPU (its fp32 accumulator alone is
-/// 29 GB); set this when the executor moves the accumulator.
-pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = false;
+/// down as the backward leaves the unit, as DeepSpeed's ZeRO-Offload does)? It does:
+/// `backend/src/shard/zero3.rs` adds each unit's shard into a host accumulator and the host
+/// optimizer steps from it, so the device holds only the transient unit gradient. That is
+/// what fits a 7B full fine-tune on one 24 GB GPU (its fp32 accumulator alone is 29 GB).
+/// Clear it only if the executor moves the accumulator back to the device.
+pub const ZERO3_HOST_GRAD_ACCUMULATOR: bool = true;
 
 /// Bytes rcoa's Burn executor allocates per dequantized value of an NF4 chunk
 /// (`backend/src/quant/qlora.rs`: the byte indices widened to integers, the two nibble
