@@ -15,11 +15,7 @@ pub enum What {
     Models,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
-    Text,
-    Json,
-}
+pub use super::common::Format;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -14,6 +14,13 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// `--format`: words for people, or JSON for programs (every subcommand that reports).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Text,
+    Json,
+}
+
 /// Exit code for a plan that cannot be read, parsed or resolved.
 pub const BAD_PLAN: u8 = 2;
 

@@ -10,11 +10,7 @@ use rcoa_compiler::explain;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
-    Text,
-    Json,
-}
+pub use super::common::Format;
 
 #[derive(clap::Args)]
 pub struct Args {

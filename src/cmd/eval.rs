@@ -9,11 +9,7 @@ use rcoa_compiler::lowered::LoweredPlan;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
-    Text,
-    Json,
-}
+pub use super::common::Format;
 
 #[derive(clap::Args)]
 pub struct Args {

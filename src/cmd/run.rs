@@ -34,11 +34,7 @@ pub enum Device {
     Cuda,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
-    Text,
-    Json,
-}
+pub use super::common::Format;
 
 #[derive(clap::Args)]
 pub struct Args {
