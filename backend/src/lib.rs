@@ -481,19 +481,10 @@ fn execute<B: ExecAutodiff>(
                 .into(),
         ));
     }
-    if trainer.zero3().is_some() && (opts.save.is_some() || opts.resume.is_some()) {
-        // Rank 0 alone writes the model, and with sharded weights it holds a
-        // skeleton: a checkpoint would silently lose the weights.
-        return Err(RunError::Unsupported(format!(
-            "--save/--resume with zero = {} or the parameters offloaded: checkpoints do not hold sharded weights yet \
-             (run without them, or with zero <= 2 and only the optimizer offloaded)",
-            plan.resolved.zero
-        )));
-    }
     trainer.set_hf_save(opts.hf_save)?;
     if let Some(dir) = &opts.resume {
         trainer.resume(dir)?;
-        // ZeRO 1/2, offloaded optimizer: this rank's shard beside it.
+        // ZeRO 1/2/3, offloads: this rank's shards beside it.
         shard::checkpoint::load_shard(&mut trainer, dir)?;
     }
     let (params, trainable) = trainer.param_counts();
@@ -537,11 +528,9 @@ fn execute<B: ExecAutodiff>(
                 .is_some_and(|n| n > 0 && trainer.step % n == 0)
                 || trainer.step == opts.steps;
             if due {
-                if writer {
-                    trainer.save(dir)?;
-                }
-                // Every rank's optimizer shard beside it (ZeRO 1/2, offload).
-                shard::checkpoint::save_shard(&trainer, dir, writer)?;
+                // Rank 0 writes the model (gathered by every rank with
+                // ZeRO-3), every rank its optimizer shard beside it.
+                shard::checkpoint::save(&mut trainer, dir, writer)?;
                 if writer {
                     on_event(Event::Saved {
                         step: trainer.step,

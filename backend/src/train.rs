@@ -570,6 +570,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         self.zero3.as_ref()
     }
 
+    pub(crate) fn zero3_mut(&mut self) -> Option<&mut crate::shard::zero3::Zero3<B::InnerBackend>> {
+        self.zero3.as_mut()
+    }
+
     /// This rank's optimizer state shard as bytes (`FlatOptim::save_state`)
     /// and its shard index; `None` with Burn's optimizer.
     pub fn optimizer_shard_state(&self) -> Option<Result<(usize, Vec<u8>), RunError>> {
@@ -582,6 +586,11 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// model was loaded: the master shard is taken from it again).
     pub fn load_optimizer_shard_state(&mut self, bytes: &[u8]) -> Result<(), RunError> {
         let device = self.device.clone();
+        if let Some(z) = &mut self.zero3 {
+            // The master shard was rebuilt from the resumed weights (or is
+            // restored beside: `shard::checkpoint::load_shard`).
+            return z.optimizer_mut().load_state(bytes, &device);
+        }
         let z = self.zero.as_mut().ok_or_else(|| {
             RunError::Checkpoint("this run has no sharded optimizer state to load".into())
         })?;
@@ -976,6 +985,12 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// everything goes to a sibling temporary directory first, which then
     /// replaces `dir` by renames.
     pub fn save(&self, dir: &Path) -> Result<(), RunError> {
+        self.save_model(&self.model, dir)
+    }
+
+    /// `save` with `model` as the weights: with ZeRO-3 the whole model
+    /// gathered from the shards (`crate::shard::checkpoint::save`).
+    pub(crate) fn save_model(&self, model: &Model<B>, dir: &Path) -> Result<(), RunError> {
         let err = |what: &str, e: &dyn std::fmt::Display| {
             RunError::Checkpoint(format!("{what} `{}`: {e}", dir.display()))
         };
@@ -993,13 +1008,13 @@ impl<B: ExecAutodiff> Trainer<B> {
         std::fs::create_dir_all(&tmp)
             .map_err(|e| err("cannot create a temporary directory beside", &e))?;
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
-        Recorder::<B>::record(&rec, self.model.clone().into_record(), tmp.join("model"))
+        Recorder::<B>::record(&rec, model.clone().into_record(), tmp.join("model"))
             .map_err(|e| RunError::Checkpoint(format!("cannot write the model: {e}")))?;
         self.optim.save(&rec, tmp.join("optimizer"))?;
         if let Some(export) = &self.export {
             // The Hugging Face files beside rcoa's own record (which
             // `resume` reads): what `transformers` and `peft` load.
-            export.write(&self.model, &tmp).map_err(|e| {
+            export.write(model, &tmp).map_err(|e| {
                 RunError::Checkpoint(format!("cannot write the Hugging Face weights: {e}"))
             })?;
         }
@@ -1035,8 +1050,13 @@ impl<B: ExecAutodiff> Trainer<B> {
         let rec = BinFileRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<B>::load(&rec, dir.join("model"), &self.device)
             .map_err(|e| unreadable_record(&dir.join("model.bin"), "the model's weights", &e))?;
-        let shapes = crate::checkpoint::param_shapes(&self.model);
-        let mut model = self.model.clone().load_record(record);
+        // ZeRO-3: the skeleton takes the whole record, which then replaces
+        // this rank's shards.
+        let shapes = match &self.zero3 {
+            Some(z) => z.param_shapes(),
+            None => crate::checkpoint::param_shapes(&self.model),
+        };
+        let model = self.model.clone().load_record(record);
         if let Some(e) = model.quantization_error() {
             return Err(RunError::Checkpoint(format!("`{}`: {e}", dir.display())));
         }
@@ -1044,6 +1064,23 @@ impl<B: ExecAutodiff> Trainer<B> {
         // above should have refused it; this catches a mismatched model.bin.
         let loaded = crate::checkpoint::param_shapes(&model);
         crate::checkpoint::same_shapes(&shapes, &loaded, &dir.join("model.bin"))?;
+        if let Some(z) = &mut self.zero3 {
+            z.load_whole(&model)?;
+        } else {
+            self.load_whole(model);
+        }
+        let optim = std::mem::replace(&mut self.optim, Optim::Sgd(SgdConfig::new().init()));
+        self.optim = optim.load(&rec, dir.join("optimizer"), &self.device)?;
+        if let Some(seed) = state["seed"].as_u64() {
+            self.seed = seed;
+            self.batcher.seed = seed;
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    /// The weights of a resumed whole model, in the run's storage dtype.
+    fn load_whole(&mut self, mut model: Model<B>) {
         // Records hold fp32; restore the storage dtype.
         if !self.precision.master && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));
@@ -1056,14 +1093,6 @@ impl<B: ExecAutodiff> Trainer<B> {
                     .map(&mut CastParams(self.precision.params)),
             );
         }
-        let optim = std::mem::replace(&mut self.optim, Optim::Sgd(SgdConfig::new().init()));
-        self.optim = optim.load(&rec, dir.join("optimizer"), &self.device)?;
-        if let Some(seed) = state["seed"].as_u64() {
-            self.seed = seed;
-            self.batcher.seed = seed;
-        }
-        self.step = step;
-        Ok(())
     }
 
     /// A checksum of the parameters the optimizer steps: the sum over
@@ -1087,7 +1116,7 @@ impl<B: ExecAutodiff> Trainer<B> {
     }
 
     /// The model with its weights: gathered from the shards with ZeRO-3.
-    fn whole_model(&mut self) -> Result<Model<B>, RunError> {
+    pub(crate) fn whole_model(&mut self) -> Result<Model<B>, RunError> {
         match &mut self.zero3 {
             Some(z) => z.gather_model(&self.model, self.collective.as_ref()),
             None => Ok(self.model.clone()),

@@ -10,8 +10,17 @@
 //! must see the same directory: one process with `--devices`, or a
 //! filesystem the processes share. On resume each rank reads the model and
 //! its own shard; a checkpoint of another rank count is an error that says
-//! how many shards it holds. ZeRO-3 and parameter offload (weights sharded
-//! too) are still refused by `execute`.
+//! how many shards it holds.
+//!
+//! ZeRO-3 and parameter offload (`shard::zero3`, the trainer's model a
+//! skeleton): every rank takes part in gathering the whole model (`save`),
+//! rank 0 writes the checkpoint from it as without sharding, and the
+//! gathered copy is dropped at once. On resume every rank loads rank 0's
+//! record whole and cuts its own weight shards from it (`Zero3::load_whole`,
+//! the sharding `for_plan` does). The fp32 master shard is taken from the
+//! weights again, except where it holds more than they give back (16-bit
+//! weights): then it is written beside the optimizer shard as
+//! `master-shard-I-of-N.bin` (little-endian f32).
 
 use crate::distributed::Collective;
 use crate::ops::ExecAutodiff;
@@ -24,6 +33,57 @@ use std::path::{Path, PathBuf};
 /// Where shard `index` of `shards` lives in checkpoint `dir`.
 pub fn shard_file(dir: &Path, index: usize, shards: usize) -> PathBuf {
     dir.join(format!("optimizer-shard-{index}-of-{shards}.bin"))
+}
+
+/// Where the fp32 master shard `index` of `shards` lives in checkpoint `dir`.
+pub fn master_file(dir: &Path, index: usize, shards: usize) -> PathBuf {
+    dir.join(format!("master-shard-{index}-of-{shards}.bin"))
+}
+
+/// Write the checkpoint of this step: rank 0 (`writer`) the model, every
+/// rank its optimizer shard. With ZeRO-3 every rank gathers the whole model
+/// (a collective call every rank must make). Every rank calls it at the
+/// same step.
+pub fn save<B: ExecAutodiff>(
+    trainer: &mut Trainer<B>,
+    dir: &Path,
+    writer: bool,
+) -> Result<(), RunError> {
+    if trainer.zero3().is_some() {
+        let whole = trainer.whole_model()?;
+        if writer {
+            trainer.save_model(&whole, dir)?;
+        }
+    } else if writer {
+        trainer.save(dir)?;
+    }
+    save_shard(trainer, dir, writer)
+}
+
+/// This rank's optimizer shard: (index, count, state, fp32 master if it is
+/// not derived from the weights); `None` without a sharded optimizer.
+#[allow(clippy::type_complexity)]
+fn shard_state<B: ExecAutodiff>(
+    trainer: &Trainer<B>,
+) -> Result<Option<(usize, usize, Vec<u8>, Option<Vec<f32>>)>, RunError> {
+    if let Some(z) = trainer.zero3() {
+        let (index, shards) = z.optimizer_shard();
+        return Ok(Some((
+            index,
+            shards,
+            z.optimizer().save_state()?,
+            z.master_state()?,
+        )));
+    }
+    match trainer.zero() {
+        Some(z) => Ok(Some((
+            z.index(),
+            z.shards(),
+            z.optimizer().save_state()?,
+            None,
+        ))),
+        None => Ok(None),
+    }
 }
 
 /// Every rank waits here for every other.
@@ -42,13 +102,16 @@ pub fn save_shard<B: ExecAutodiff>(
     dir: &Path,
     writer: bool,
 ) -> Result<(), RunError> {
-    let Some(z) = trainer.zero() else {
+    let Some((index, shards, bytes, master)) = shard_state(trainer)? else {
         return Ok(());
     };
     let device = trainer.device.clone();
     barrier(trainer.collective(), &device)?;
-    let bytes = z.optimizer().save_state()?;
-    let file = shard_file(dir, z.index(), z.shards());
+    // One shard: every rank holds the same state, rank 0 writes it.
+    if shards == 1 && !writer {
+        return barrier(trainer.collective(), &device);
+    }
+    let file = shard_file(dir, index, shards);
     if !dir.is_dir() {
         return Err(RunError::Checkpoint(format!(
             "rank 0's checkpoint `{}` is not visible to this rank{}: with ZeRO or an offloaded optimizer every rank \
@@ -57,20 +120,29 @@ pub fn save_shard<B: ExecAutodiff>(
             if writer { " (it wrote it)" } else { "" }
         )));
     }
+    write_atomic(&file, &bytes)?;
+    if let Some(m) = master {
+        let bytes: Vec<u8> = m.iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_atomic(&master_file(dir, index, shards), &bytes)?;
+    }
+    barrier(trainer.collective(), &device)
+}
+
+fn write_atomic(file: &Path, bytes: &[u8]) -> Result<(), RunError> {
     let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
     let err =
         |e: std::io::Error| RunError::Checkpoint(format!("cannot write `{}`: {e}", file.display()));
-    std::fs::write(&tmp, &bytes).map_err(err)?;
-    std::fs::rename(&tmp, &file).map_err(err)?;
-    barrier(trainer.collective(), &device)
+    std::fs::write(&tmp, bytes).map_err(err)?;
+    std::fs::rename(&tmp, file).map_err(err)
 }
 
 /// After `Trainer::resume(dir)`: this rank's optimizer shard from `dir`.
 pub fn load_shard<B: ExecAutodiff>(trainer: &mut Trainer<B>, dir: &Path) -> Result<(), RunError> {
-    let Some(z) = trainer.zero() else {
-        return Ok(());
+    let (index, shards) = match (trainer.zero3(), trainer.zero()) {
+        (Some(z), _) => z.optimizer_shard(),
+        (None, Some(z)) => (z.index(), z.shards()),
+        (None, None) => return Ok(()),
     };
-    let (index, shards) = (z.index(), z.shards());
     let file = shard_file(dir, index, shards);
     let bytes = match std::fs::read(&file) {
         Ok(b) => b,
@@ -93,5 +165,42 @@ pub fn load_shard<B: ExecAutodiff>(trainer: &mut Trainer<B>, dir: &Path) -> Resu
             )));
         }
     };
-    trainer.load_optimizer_shard_state(&bytes)
+    trainer.load_optimizer_shard_state(&bytes)?;
+    load_master(trainer, dir, index, shards)
+}
+
+/// The fp32 master shard `save_shard` wrote beside a ZeRO-3 optimizer
+/// shard, when the weights do not give it back exactly.
+fn load_master<B: ExecAutodiff>(
+    trainer: &mut Trainer<B>,
+    dir: &Path,
+    index: usize,
+    shards: usize,
+) -> Result<(), RunError> {
+    if !trainer.zero3().is_some_and(|z| z.master_kept()) {
+        return Ok(());
+    }
+    let file = master_file(dir, index, shards);
+    let bytes = std::fs::read(&file).map_err(|e| {
+        RunError::Checkpoint(format!(
+            "the checkpoint `{}` has no fp32 master shard {index} of {shards} ({e}): \
+             resume with the precision and offload it was saved with",
+            dir.display()
+        ))
+    })?;
+    if bytes.len() % 4 != 0 {
+        return Err(RunError::Checkpoint(format!(
+            "`{}` is cut short ({} bytes, not whole f32 values)",
+            file.display(),
+            bytes.len()
+        )));
+    }
+    let values = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    match trainer.zero3_mut() {
+        Some(z) => z.load_master_state(values),
+        None => Ok(()),
+    }
 }

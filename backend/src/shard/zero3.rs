@@ -241,61 +241,13 @@ pub fn for_plan<B: ExecAutodiff>(
     let host = params_offloaded(plan);
     let opt_host = optimizer_offloaded(plan);
 
-    // Per unit: layout, and this rank's shards of its values.
-    let mut units = Vec::new();
-    let (mut work, mut frozen, mut master) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut t_woff, mut f_woff, mut t_ooff) = (0, 0, 0);
     let wi = if wshards > 1 { index } else { 0 };
     let oi = if oshards > 1 { index } else { 0 };
-    let mut add = |params: Vec<ParamInfo>, t: Tensor<B::InnerBackend, 1>, f| {
-        let (t_len, f_len) = (t.dims()[0], dims(&f));
-        let (t_ws, f_ws, t_os) = (
-            t_len.div_ceil(wshards),
-            f_len.div_ceil(wshards),
-            t_len.div_ceil(oshards),
-        );
-        work.push(shard_of(t.clone(), wshards, wi));
-        frozen.push(shard_of(f, wshards, wi));
-        master.push(shard_of(t, oshards, oi));
-        units.push(UnitLayout {
-            params,
-            t_len,
-            f_len,
-            t_ws,
-            f_ws,
-            t_woff,
-            f_woff,
-            t_os,
-            t_ooff,
-        });
-        t_woff += t_ws;
-        f_woff += f_ws;
-        t_ooff += t_os;
-    };
-    let Model {
-        embed,
-        layers,
-        head,
-    } = model;
-    let (p, t, f) = unit_values::<B, _>(&embed, &device);
-    add(p, t, f);
-    for l in &layers {
-        let (p, t, f) = unit_values::<B, _>(l, &device);
-        add(p, t, f);
-    }
-    let (p, t, f) = unit_values::<B, _>(&head, &device);
-    add(p, t, f);
-    let n_layers = layers.len();
-    let skeleton = Model {
-        embed,
-        layers,
-        head,
-    }
-    .map(&mut Placeholders);
+    let (units, work_fp32, frozen, master_fp32) =
+        shard_units::<B>(&model, (wshards, wi), (oshards, oi), &device);
+    let n_layers = model.layers.len();
+    let skeleton = model.map(&mut Placeholders);
 
-    let cat = |v: Vec<Tensor<B::InnerBackend, 1>>| super::cat_or_empty(v, &device);
-    let work_fp32 = cat(work);
-    let master_fp32 = cat(master);
     let master_is_work = wshards == oshards
         && (storage.dtype == FloatDType::F32 || !storage.master)
         && (host || !opt_host);
@@ -307,7 +259,7 @@ pub fn for_plan<B: ExecAutodiff>(
         Master::Device(master_fp32)
     };
     let work = Vals::place(crate::model::to_dtype(work_fp32, storage.dtype), host)?;
-    let frozen = Vals::place(crate::model::to_dtype(cat(frozen), storage.dtype), host)?;
+    let frozen = Vals::place(crate::model::to_dtype(frozen, storage.dtype), host)?;
     let place = if opt_host {
         Place::Host {
             threads: host_threads(local),
@@ -315,7 +267,7 @@ pub fn for_plan<B: ExecAutodiff>(
     } else {
         Place::Device
     };
-    let t_total = t_ooff;
+    let t_total = units.last().map_or(0, |l| l.t_ooff + l.t_os);
     // The compiler's condition (`memory::burn_host_grad_accumulator`): ZeRO-3
     // on one rank without parameter offload is charged as whole weights on
     // the device, its gradient there too.
@@ -351,6 +303,62 @@ pub fn for_plan<B: ExecAutodiff>(
         crate::check_host_memory(plan, need, crate::host_memory_available())?;
     }
     Ok((Some(z), skeleton))
+}
+
+/// Every unit's layout and this rank's shards of `model`'s values (whole
+/// weights): the trainable and frozen weight shards (`wshards`, index) and
+/// the trainable values' optimizer shard (`oshards`, index), each
+/// concatenated over the units, fp32.
+#[allow(clippy::type_complexity)]
+fn shard_units<B: ExecAutodiff>(
+    model: &Model<B>,
+    (wshards, wi): (usize, usize),
+    (oshards, oi): (usize, usize),
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> (
+    Vec<UnitLayout>,
+    Tensor<B::InnerBackend, 1>,
+    Tensor<B::InnerBackend, 1>,
+    Tensor<B::InnerBackend, 1>,
+) {
+    let mut units = Vec::new();
+    let (mut work, mut frozen, mut master) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut t_woff, mut f_woff, mut t_ooff) = (0, 0, 0);
+    let mut add = |params: Vec<ParamInfo>, t: Tensor<B::InnerBackend, 1>, f| {
+        let (t_len, f_len) = (t.dims()[0], dims(&f));
+        let (t_ws, f_ws, t_os) = (
+            t_len.div_ceil(wshards),
+            f_len.div_ceil(wshards),
+            t_len.div_ceil(oshards),
+        );
+        work.push(shard_of(t.clone(), wshards, wi));
+        frozen.push(shard_of(f, wshards, wi));
+        master.push(shard_of(t, oshards, oi));
+        units.push(UnitLayout {
+            params,
+            t_len,
+            f_len,
+            t_ws,
+            f_ws,
+            t_woff,
+            f_woff,
+            t_os,
+            t_ooff,
+        });
+        t_woff += t_ws;
+        f_woff += f_ws;
+        t_ooff += t_os;
+    };
+    let (p, t, f) = unit_values::<B, _>(&model.embed, device);
+    add(p, t, f);
+    for l in &model.layers {
+        let (p, t, f) = unit_values::<B, _>(l, device);
+        add(p, t, f);
+    }
+    let (p, t, f) = unit_values::<B, _>(&model.head, device);
+    add(p, t, f);
+    let cat = |v: Vec<Tensor<B::InnerBackend, 1>>| super::cat_or_empty(v, device);
+    (units, cat(work), cat(frozen), cat(master))
 }
 
 fn dims<I: Backend>(t: &Tensor<I, 1>) -> usize {
@@ -495,6 +503,116 @@ impl<I: Backend> Zero3<I> {
 
     pub fn optimizer(&self) -> &FlatOptim<I> {
         &self.optim
+    }
+
+    pub fn optimizer_mut(&mut self) -> &mut FlatOptim<I> {
+        &mut self.optim
+    }
+
+    /// This rank's optimizer shard: (index, count). A count of 1 (ZeRO 0
+    /// with the parameters offloaded) means every rank holds all of it.
+    pub fn optimizer_shard(&self) -> (usize, usize) {
+        let oi = if self.oshards > 1 { self.index } else { 0 };
+        (oi, self.oshards)
+    }
+
+    /// The fp32 master shard when it holds more than the weights give back
+    /// (16-bit weights with an fp32 master, or a master on the host beside
+    /// device weights); `None` when it is the weight shard or is derived
+    /// from the weights exactly.
+    pub fn master_state(&self) -> Result<Option<Vec<f32>>, RunError> {
+        if !self.master_kept() {
+            return Ok(None);
+        }
+        match &self.master {
+            Master::Work => Ok(None),
+            Master::Device(t) => Ok(Some(to_host(t.clone())?)),
+            Master::Host(v) => Ok(Some(v.clone())),
+        }
+    }
+
+    /// Whether a checkpoint holds the master shard beside the optimizer
+    /// state (`master_state`).
+    pub fn master_kept(&self) -> bool {
+        self.storage != FloatDType::F32 && !matches!(self.master, Master::Work)
+    }
+
+    /// Restore the master shard written by `master_state`.
+    pub fn load_master_state(&mut self, values: Vec<f32>) -> Result<(), RunError> {
+        let want = self.optim_len();
+        if values.len() != want {
+            return Err(RunError::Checkpoint(format!(
+                "the fp32 master shard holds {} values, this rank's optimizer shard {want}: \
+                 resume with the plan, ZeRO stage and rank count it was saved with",
+                values.len()
+            )));
+        }
+        match &mut self.master {
+            Master::Work => {}
+            Master::Device(t) => {
+                *t = Tensor::from_data(TensorData::new(values, [want]), &self.device);
+            }
+            Master::Host(v) => *v = values,
+        }
+        Ok(())
+    }
+
+    fn optim_len(&self) -> usize {
+        self.units.last().map_or(0, |l| l.t_ooff + l.t_os)
+    }
+
+    /// The whole model's parameter shapes, in visit order (what a
+    /// checkpoint's record must hold).
+    pub fn param_shapes(&self) -> Vec<Vec<usize>> {
+        self.units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| p.shape.to_vec()))
+            .collect()
+    }
+
+    /// Replace this rank's weight shards and master by those of `model`
+    /// (whole weights, as `for_plan` shards them): resume's path. The
+    /// optimizer state is untouched; the gradient accumulator is empty
+    /// between steps.
+    pub fn load_whole<B: ExecAutodiff<InnerBackend = I>>(
+        &mut self,
+        model: &Model<B>,
+    ) -> Result<(), RunError> {
+        if self.pending.is_some() {
+            return Err(RunError::Backend(
+                "ZeRO-3: weights replaced while a gather is under way".into(),
+            ));
+        }
+        self.ready = None;
+        let wi = if self.wshards > 1 { self.index } else { 0 };
+        let (oi, _) = self.optimizer_shard();
+        let (units, work, frozen, master) =
+            shard_units::<B>(model, (self.wshards, wi), (self.oshards, oi), &self.device);
+        let same = units.len() == self.units.len()
+            && units.iter().zip(&self.units).all(|(a, b)| {
+                a.t_len == b.t_len
+                    && a.f_len == b.f_len
+                    && a.params.len() == b.params.len()
+                    && a.params
+                        .iter()
+                        .zip(&b.params)
+                        .all(|(p, q)| p.shape == q.shape && p.trainable == q.trainable)
+            });
+        if !same {
+            return Err(RunError::Checkpoint(
+                "the checkpoint's model does not split into this plan's units (other shapes or trainable parameters)"
+                    .into(),
+            ));
+        }
+        self.master = match &self.master {
+            Master::Work => Master::Work,
+            Master::Host(_) => Master::Host(to_host(master)?),
+            Master::Device(_) => Master::Device(master),
+        };
+        let host = self.params_on_host;
+        self.work = Vals::place(crate::model::to_dtype(work, self.storage), host)?;
+        self.frozen = Vals::place(crate::model::to_dtype(frozen, self.storage), host)?;
+        Ok(())
     }
 
     pub fn params_on_host(&self) -> bool {
