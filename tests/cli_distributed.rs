@@ -1002,9 +1002,12 @@ fn zero_checkpoints_hold_every_ranks_optimizer_shard() {
         let ck = ckpt.to_str().unwrap();
         let full = two_threads(&dir, "full", &plan, &["--steps", "4"]).unwrap();
         let first = two_threads(&dir, "first", &plan, &["--steps", "2", "--save", ck]).unwrap();
+        // ZeRO-3's shards are cut per unit, ZeRO 1/2's from the whole model.
+        let unit = if zero == 3 { "-per-unit" } else { "" };
         for i in 0..2 {
             assert!(
-                ckpt.join(format!("optimizer-shard-{i}-of-2.bin")).is_file(),
+                ckpt.join(format!("optimizer-shard-{i}-of-2{unit}.bin"))
+                    .is_file(),
                 "{what}: shard {i} missing"
             );
         }
@@ -1032,6 +1035,23 @@ fn zero_checkpoints_hold_every_ranks_optimizer_shard() {
             "{what}: {e}"
         );
     }
+    // A ZeRO 2 checkpoint is no ZeRO-3 one (same shard count, other layout).
+    let z3 = zero_plan_file(&dir, 3, &[]);
+    let ck2 = dir.join("ck21");
+    let e = two_threads(
+        &dir,
+        "z3-from-z2",
+        &z3,
+        &["--steps", "4", "--resume", ck2.to_str().unwrap()],
+    )
+    .unwrap_err();
+    // Miette wraps the message: one line, its frame's bars dropped.
+    let one_line = e
+        .replace('│', " ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(one_line.contains("per unit (ZeRO-3)"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

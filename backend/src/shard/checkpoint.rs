@@ -20,7 +20,8 @@
 //! the sharding `for_plan` does). The fp32 master shard is taken from the
 //! weights again, except where it holds more than they give back (16-bit
 //! weights): then it is written beside the optimizer shard as
-//! `master-shard-I-of-N.bin` (little-endian f32).
+//! `master-shard-I-of-N.bin` (little-endian f32). ZeRO-3's optimizer shards
+//! over several ranks are laid out per unit: `optimizer-shard-I-of-N-per-unit.bin`.
 
 use crate::distributed::Collective;
 use crate::ops::ExecAutodiff;
@@ -30,9 +31,27 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use std::path::{Path, PathBuf};
 
-/// Where shard `index` of `shards` lives in checkpoint `dir`.
-pub fn shard_file(dir: &Path, index: usize, shards: usize) -> PathBuf {
-    dir.join(format!("optimizer-shard-{index}-of-{shards}.bin"))
+/// Where shard `index` of `shards` lives in checkpoint `dir`. ZeRO-3's
+/// shards over more than one rank (`per_unit`) hold each unit's piece, not a
+/// piece of the whole flat vector as ZeRO 1/2's: their own name, so that
+/// one is never resumed as the other (a checkpoint does not record the
+/// stage, and the lengths may agree).
+pub fn shard_file(dir: &Path, index: usize, shards: usize, per_unit: bool) -> PathBuf {
+    let unit = if per_unit { "-per-unit" } else { "" };
+    dir.join(format!("optimizer-shard-{index}-of-{shards}{unit}.bin"))
+}
+
+/// This rank's optimizer shard (index, count, per unit); `None` without a
+/// sharded optimizer.
+fn this_shard<B: ExecAutodiff>(trainer: &Trainer<B>) -> Option<(usize, usize, bool)> {
+    match (trainer.zero3(), trainer.zero()) {
+        (Some(z), _) => {
+            let (index, shards) = z.optimizer_shard();
+            Some((index, shards, shards > 1))
+        }
+        (None, Some(z)) => Some((z.index(), z.shards(), false)),
+        (None, None) => None,
+    }
 }
 
 /// Where the fp32 master shard `index` of `shards` lives in checkpoint `dir`.
@@ -60,29 +79,15 @@ pub fn save<B: ExecAutodiff>(
     save_shard(trainer, dir, writer)
 }
 
-/// This rank's optimizer shard: (index, count, state, fp32 master if it is
-/// not derived from the weights); `None` without a sharded optimizer.
-#[allow(clippy::type_complexity)]
+/// This rank's optimizer state and its fp32 master when that is not
+/// derived from the weights.
 fn shard_state<B: ExecAutodiff>(
     trainer: &Trainer<B>,
-) -> Result<Option<(usize, usize, Vec<u8>, Option<Vec<f32>>)>, RunError> {
-    if let Some(z) = trainer.zero3() {
-        let (index, shards) = z.optimizer_shard();
-        return Ok(Some((
-            index,
-            shards,
-            z.optimizer().save_state()?,
-            z.master_state()?,
-        )));
-    }
-    match trainer.zero() {
-        Some(z) => Ok(Some((
-            z.index(),
-            z.shards(),
-            z.optimizer().save_state()?,
-            None,
-        ))),
-        None => Ok(None),
+) -> Result<(Vec<u8>, Option<Vec<f32>>), RunError> {
+    match (trainer.zero3(), trainer.zero()) {
+        (Some(z), _) => Ok((z.optimizer().save_state()?, z.master_state()?)),
+        (None, Some(z)) => Ok((z.optimizer().save_state()?, None)),
+        (None, None) => Ok((Vec::new(), None)),
     }
 }
 
@@ -102,7 +107,7 @@ pub fn save_shard<B: ExecAutodiff>(
     dir: &Path,
     writer: bool,
 ) -> Result<(), RunError> {
-    let Some((index, shards, bytes, master)) = shard_state(trainer)? else {
+    let Some((index, shards, per_unit)) = this_shard(trainer) else {
         return Ok(());
     };
     let device = trainer.device.clone();
@@ -111,7 +116,8 @@ pub fn save_shard<B: ExecAutodiff>(
     if shards == 1 && !writer {
         return barrier(trainer.collective(), &device);
     }
-    let file = shard_file(dir, index, shards);
+    let file = shard_file(dir, index, shards, per_unit);
+    let (bytes, master) = shard_state(trainer)?;
     if !dir.is_dir() {
         return Err(RunError::Checkpoint(format!(
             "rank 0's checkpoint `{}` is not visible to this rank{}: with ZeRO or an offloaded optimizer every rank \
@@ -138,30 +144,32 @@ fn write_atomic(file: &Path, bytes: &[u8]) -> Result<(), RunError> {
 
 /// After `Trainer::resume(dir)`: this rank's optimizer shard from `dir`.
 pub fn load_shard<B: ExecAutodiff>(trainer: &mut Trainer<B>, dir: &Path) -> Result<(), RunError> {
-    let (index, shards) = match (trainer.zero3(), trainer.zero()) {
-        (Some(z), _) => z.optimizer_shard(),
-        (None, Some(z)) => (z.index(), z.shards()),
-        (None, None) => return Ok(()),
+    let Some((index, shards, per_unit)) = this_shard(trainer) else {
+        return Ok(());
     };
-    let file = shard_file(dir, index, shards);
+    let file = shard_file(dir, index, shards, per_unit);
     let bytes = match std::fs::read(&file) {
         Ok(b) => b,
         Err(e) => {
-            let held = std::fs::read_dir(dir)
+            let mut held: Vec<String> = std::fs::read_dir(dir)
                 .map(|d| {
                     d.flatten()
-                        .filter(|f| {
-                            f.file_name()
-                                .to_string_lossy()
-                                .starts_with("optimizer-shard-")
-                        })
-                        .count()
+                        .map(|f| f.file_name().to_string_lossy().into_owned())
+                        .filter(|n| n.starts_with("optimizer-shard-"))
+                        .collect()
                 })
-                .unwrap_or(0);
+                .unwrap_or_default();
+            held.sort();
+            let first = held
+                .first()
+                .map(|n| format!(" (`{n}`, ...)"))
+                .unwrap_or_default();
             return Err(RunError::Checkpoint(format!(
-                "the checkpoint `{}` has no optimizer shard {index} of {shards} ({e}); it holds {held} optimizer shard file(s): \
+                "the checkpoint `{}` has no optimizer shard {index} of {shards}{} ({e}); it holds {} optimizer shard file(s){first}: \
                  resume with the ZeRO stage, offload and rank count it was saved with",
-                dir.display()
+                dir.display(),
+                if per_unit { " per unit (ZeRO-3)" } else { "" },
+                held.len()
             )));
         }
     };
