@@ -63,6 +63,18 @@ fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
         let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
         rcoa_compiler::compile(&spec)
     };
+    if BURN_RUNS_ZERO3 && rcoa_compiler::profile::BURN_BUILDS_WHOLE_MODEL {
+        // The executor builds the whole fp32 model (30 GiB) before sharding it: with the
+        // pool's reserve that is over the budget whatever the stage.
+        let c = compile(&text).unwrap();
+        assert!(!c.lowered.prediction.fits);
+        assert!(
+            c.lowered.prediction.peak_at.starts_with("setup"),
+            "{}",
+            c.lowered.prediction.peak_at
+        );
+        return;
+    }
     if BURN_RUNS_ZERO3 {
         let c = compile(&text).unwrap();
         assert!(c.lowered.prediction.fits);

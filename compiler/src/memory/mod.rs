@@ -142,6 +142,10 @@ impl std::fmt::Display for PeakLocation {
     }
 }
 
+/// The setup sample's op: the Burn executor's whole-model build before ZeRO-3 or parameter
+/// offload shards it.
+pub const SETUP_OP: &str = "model built whole in fp32 before sharding";
+
 /// The memory model's answer for one candidate on one GPU (the worst rank).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MemoryReport {
@@ -395,6 +399,40 @@ fn evaluate_stage(
             by_category: at_opt,
         };
     }
+    let (total, trainable_count) = param_counts(&tape);
+    if units && crate::profile::BURN_BUILDS_WHOLE_MODEL {
+        // The Burn executor builds (and loads) the whole model in fp32 on every device
+        // before it shards the units (`backend/src/shard/zero3.rs`, `Trainer::new`): with
+        // the weights sharded or offloaded, that build can be the run's highest point.
+        let mut at_setup = [0u64; Category::ALL.len()];
+        at_setup[Category::Weights as usize] = profile.allocated(4 * total);
+        at_setup[Category::Workspace as usize] = profile.workspace_bytes;
+        let setup_total: u64 = at_setup.iter().sum();
+        if timeline {
+            samples.insert(
+                0,
+                Sample {
+                    phase: Phase::Setup,
+                    op: SETUP_OP.to_string(),
+                    layer: None,
+                    bytes: setup_total,
+                    by_category: at_setup,
+                },
+            );
+        }
+        in_use_max = in_use_max.max(setup_total);
+        let e = phase_peaks.entry("setup".to_string()).or_default();
+        *e = (*e).max(setup_total);
+        if setup_total > peak.bytes {
+            peak = tape::Peak {
+                bytes: setup_total,
+                phase: Phase::Setup,
+                op: SETUP_OP.to_string(),
+                layer: None,
+                by_category: at_setup,
+            };
+        }
+    }
     let mut breakdown = BTreeMap::new();
     for c in Category::ALL {
         breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
@@ -410,7 +448,6 @@ fn evaluate_stage(
     };
     let pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
-    let (total, trainable_count) = param_counts(&tape);
     let unit_bytes = tape
         .units
         .iter()

@@ -181,6 +181,8 @@ impl Tape {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// Before the first step: the executor building and loading the model.
+    Setup,
     Forward,
     Backward,
     Optimizer,
@@ -189,6 +191,7 @@ pub enum Phase {
 impl Phase {
     pub fn as_str(self) -> &'static str {
         match self {
+            Phase::Setup => "setup",
             Phase::Forward => "forward",
             Phase::Backward => "backward",
             Phase::Optimizer => "optimizer",

@@ -428,11 +428,12 @@ pub fn timeline(id: &str, t: &TimelineInput) -> String {
     for b in &bands {
         let (a, e) = (xs[b.start], xs[b.end]);
         let (fill, name) = match b.phase {
+            Phase::Setup => ("#f2f2f2", "setup"),
             Phase::Forward => ("#eef3f9", "forward"),
             Phase::Backward => ("#f7f1e8", "backward"),
             Phase::Optimizer => ("#f3eef6", "optimizer"),
         };
-        let full = if micro_steps > 1 && b.phase != Phase::Optimizer {
+        let full = if micro_steps > 1 && matches!(b.phase, Phase::Forward | Phase::Backward) {
             format!(
                 "{name} ({})",
                 if b.micro == 0 {
