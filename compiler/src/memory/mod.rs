@@ -144,7 +144,7 @@ impl std::fmt::Display for PeakLocation {
 
 /// The setup sample's op: the Burn executor's whole-model build before ZeRO-3 or parameter
 /// offload shards it.
-pub const SETUP_OP: &str = "model built whole in fp32 before sharding";
+pub const SETUP_OP: &str = "model built whole in fp32 before its cast or sharding";
 
 /// The memory model's answer for one candidate on one GPU (the worst rank).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -400,12 +400,23 @@ fn evaluate_stage(
         };
     }
     let (total, trainable_count) = param_counts(&tape);
-    if units && crate::profile::BURN_BUILDS_WHOLE_MODEL {
+    if profile.burn_ops && crate::profile::BURN_BUILDS_WHOLE_MODEL {
         // The Burn executor builds (and loads) the whole model in fp32 on every device
-        // before it shards the units (`backend/src/shard/zero3.rs`, `Trainer::new`): with
-        // the weights sharded or offloaded, that build can be the run's highest point.
+        // before it casts it to its storage dtype or shards the units (`Trainer::new`,
+        // `backend/src/shard/zero3.rs`); a QLoRA base is quantized as it is made, so only
+        // its NF4 bytes exist. With 16-bit or sharded weights that build can be the run's
+        // highest point.
+        let built: u64 = tape
+            .tensors
+            .iter()
+            .filter(|t| t.role == tape::Role::Param)
+            .map(|t| match t.dtype {
+                crate::spec::Dtype::Nf4 => t.bytes,
+                _ => profile.allocated(4 * t.shape.iter().product::<u64>()),
+            })
+            .sum();
         let mut at_setup = [0u64; Category::ALL.len()];
-        at_setup[Category::Weights as usize] = profile.allocated(4 * total);
+        at_setup[Category::Weights as usize] = built;
         at_setup[Category::Workspace as usize] = profile.workspace_bytes;
         let setup_total: u64 = at_setup.iter().sum();
         if timeline {

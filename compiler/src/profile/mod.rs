@@ -57,11 +57,12 @@ pub enum Nf4Dequant {
     },
 }
 
-/// Does the Burn executor build (and load) the whole model in fp32 on every device before
-/// ZeRO-3 or parameter offload shards it? It does (`Trainer::new` builds `Model` whole, then
-/// `backend/src/shard/zero3.rs` cuts the units): that build is charged as the `setup` phase,
-/// and for models larger than one GPU it is the peak. Clear this when the executor builds
-/// and shards one unit at a time.
+/// Does the Burn executor build (and load) the whole model in fp32 on every device before it
+/// casts it to 16 bits or ZeRO-3 / parameter offload shards it? It does (`Trainer::new`
+/// builds `Model` whole, then casts, or `backend/src/shard/zero3.rs` cuts the units): that
+/// build is charged as the `setup` phase, and for 16-bit or sharded models larger than
+/// half a GPU it is the peak. Clear this when the executor builds each unit in its storage
+/// dtype and shards it as it goes.
 pub const BURN_BUILDS_WHOLE_MODEL: bool = true;
 
 /// What differs between executors, for the memory and time models.
