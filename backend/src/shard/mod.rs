@@ -61,6 +61,21 @@ enum Master<I: Backend> {
     Host(Vec<f32>),
 }
 
+/// This rank's place among the data-parallel ranks: (ranks, its shard index, ranks in
+/// this process); one rank of one without a collective.
+pub(crate) fn rank_place<I: Backend>(
+    collective: Option<&Collective<I>>,
+) -> Result<(usize, usize, usize), RunError> {
+    Ok(match collective {
+        Some(c) => (
+            c.ranks() as usize,
+            c.shard_index()?,
+            c.local_ranks() as usize,
+        ),
+        None => (1, 0, 1),
+    })
+}
+
 /// Host threads for the offloaded update: the machine's cores shared by the
 /// ranks of this process.
 pub fn host_threads(local_ranks: usize) -> usize {
@@ -295,14 +310,7 @@ pub fn for_plan<B: AutodiffBackend, M: Module<B>>(
         // Whole weights on Burn's optimizer, or per-unit shards (`zero3`).
         return Ok(None);
     }
-    let (ranks, index, local) = match collective {
-        Some(c) => (
-            c.ranks() as usize,
-            c.shard_index()?,
-            c.local_ranks() as usize,
-        ),
-        None => (1, 0, 1),
-    };
+    let (ranks, index, local) = rank_place(collective)?;
     let rule = Rule::for_plan(plan)?;
     let threads = host.then(|| host_threads(local));
     let zero = Zero::new(

@@ -43,7 +43,7 @@
 //! host optimizer steps from the accumulator. The compiler's `burn` profile
 //! charges exactly this (`memory::burn_host_grad_accumulator`).
 
-use super::{flat_grads, host_threads};
+use super::{flat_grads, host_threads, rank_place};
 use crate::distributed::{Collective, Pending};
 use crate::model::{Embed, Head, Layer, Model};
 use crate::ops::ExecAutodiff;
@@ -222,14 +222,7 @@ pub fn for_plan<B: ExecAutodiff>(
         return Ok((None, model));
     }
     let stage = plan.resolved.zero;
-    let (ranks, index, local) = match collective {
-        Some(c) => (
-            c.ranks() as usize,
-            c.shard_index()?,
-            c.local_ranks() as usize,
-        ),
-        None => (1, 0, 1),
-    };
+    let (ranks, index, local) = rank_place(collective)?;
     let wshards = if stage >= 3 { ranks } else { 1 };
     let oshards = if stage >= 1 { ranks } else { 1 };
     if index >= ranks.max(1) {

@@ -377,28 +377,38 @@ fn evaluate_stage(
         let shards = if cand.zero >= 1 { dp } else { 1 };
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
-    let opt_total: u64 = at_opt.iter().sum();
-    if timeline {
-        samples.push(Sample {
-            phase: Phase::Optimizer,
-            op: opt.name.to_string(),
-            layer: None,
-            bytes: opt_total,
-            by_category: at_opt,
-        });
-    }
-    in_use_max = in_use_max.max(opt_total);
-    let e = phase_peaks.entry("optimizer".to_string()).or_default();
-    *e = (*e).max(opt_total);
-    if opt_total > peak.bytes {
-        peak = tape::Peak {
-            bytes: opt_total,
-            phase: Phase::Optimizer,
-            op: opt.name.to_string(),
-            layer: None,
-            by_category: at_opt,
-        };
-    }
+    // A point outside the walked tape (the optimizer step, the setup build): on the
+    // timeline (first, or last), in the phase peaks, and the peak when it is the highest.
+    let mut point = |phase: Phase, op: &str, by_category: tape::Bytes, first: bool| {
+        let bytes: u64 = by_category.iter().sum();
+        in_use_max = in_use_max.max(bytes);
+        let e = phase_peaks.entry(phase.as_str().to_string()).or_default();
+        *e = (*e).max(bytes);
+        if timeline {
+            let s = Sample {
+                phase,
+                op: op.to_string(),
+                layer: None,
+                bytes,
+                by_category,
+            };
+            if first {
+                samples.insert(0, s);
+            } else {
+                samples.push(s);
+            }
+        }
+        if bytes > peak.bytes {
+            peak = tape::Peak {
+                bytes,
+                phase,
+                op: op.to_string(),
+                layer: None,
+                by_category,
+            };
+        }
+    };
+    point(Phase::Optimizer, opt.name, at_opt, false);
     let (total, trainable_count) = param_counts(&tape);
     if profile.burn_ops && crate::profile::BURN_BUILDS_WHOLE_MODEL {
         // The Burn executor builds (and loads) the whole model in fp32 on every device
@@ -415,34 +425,10 @@ fn evaluate_stage(
                 _ => profile.allocated(4 * t.shape.iter().product::<u64>()),
             })
             .sum();
-        let mut at_setup = [0u64; Category::ALL.len()];
+        let mut at_setup: tape::Bytes = [0; Category::COUNT];
         at_setup[Category::Weights as usize] = built;
         at_setup[Category::Workspace as usize] = profile.workspace_bytes;
-        let setup_total: u64 = at_setup.iter().sum();
-        if timeline {
-            samples.insert(
-                0,
-                Sample {
-                    phase: Phase::Setup,
-                    op: SETUP_OP.to_string(),
-                    layer: None,
-                    bytes: setup_total,
-                    by_category: at_setup,
-                },
-            );
-        }
-        in_use_max = in_use_max.max(setup_total);
-        let e = phase_peaks.entry("setup".to_string()).or_default();
-        *e = (*e).max(setup_total);
-        if setup_total > peak.bytes {
-            peak = tape::Peak {
-                bytes: setup_total,
-                phase: Phase::Setup,
-                op: SETUP_OP.to_string(),
-                layer: None,
-                by_category: at_setup,
-            };
-        }
+        point(Phase::Setup, SETUP_OP, at_setup, true);
     }
     let mut breakdown = BTreeMap::new();
     for c in Category::ALL {
