@@ -107,7 +107,11 @@ fn check_supported(spec: &Spec) -> Result<(), CompileError> {
         if d == Dtype::Fp8 {
             return Err(unsupported(
                 format!("fp8 `precision.{slot}`"),
-                "fp8 training (scaling factors, amax history) is not modelled; use bf16",
+                "fp8 compute as Transformer Engine runs it keeps an fp8 copy (and transpose) of \
+                 every weight beside the bf16 one, per-tensor scales with an amax history, and \
+                 saves some activations in fp8; none of it has been measured here, so rcoa \
+                 refuses rather than guess. Plan with `compute = bf16`, and add the fp8 weight \
+                 copies (about 2 bytes per parameter) to your margin",
             ));
         }
         if matches!(d, Dtype::Int8 | Dtype::Nf4) {
