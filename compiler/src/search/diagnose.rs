@@ -11,7 +11,7 @@
 use super::Outcome;
 use crate::passes;
 use crate::profile::Profile;
-use crate::spec::{CheckpointChoice, Choice, Offload, OffloadTo, OffloadWhat, Spec, Target};
+use crate::spec::{CheckpointChoice, Choice, Offload, OffloadTo, OffloadWhat, Spec};
 use miette::Diagnostic;
 use thiserror::Error;
 
@@ -63,7 +63,9 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
             .join(", ")
     );
     let mut relaxations: Vec<(String, Spec)> = Vec::new();
-    let can_offload = spec.target == Target::Pytorch || spec.gpu_count() > 1;
+    // FSDP2's offload moves everything together, which the offload pass does not offer.
+    let can_offload = (spec.target.is_pytorch_engine() || spec.gpu_count() > 1)
+        && spec.target != crate::spec::Target::Fsdp;
     let wanted = [OffloadWhat::Optimizer, OffloadWhat::Params];
     if can_offload
         && !wanted

@@ -1,0 +1,296 @@
+//! What FSDP2, DeepSpeed and Megatron-Core allocate on a rank beyond the tape of eager
+//! PyTorch, from each engine's code (the settings are `crate::profile::engines`).
+//!
+//! Three kinds of term, each where it lives in time:
+//! - [`buffers`]: held for the whole step (gathered units, communication buckets, flat
+//!   partitions), added to every sample like `memory::parallel`'s generic buckets, which
+//!   they replace for these engines;
+//! - [`step_temporaries`]: what the optimizer step allocates (the flat fp32 gradient
+//!   partition DeepSpeed makes for its fused kernel), replacing the per-parameter
+//!   temporaries `memory::optimizer` models for `torch.optim`;
+//! - [`contiguous_grad_bytes`]: Megatron's gradient buffer, which exists from the model's
+//!   wrapping on, instead of gradients the backward allocates one by one.
+//!
+//! [`engine_candidate`] is how the engine runs a candidate: FSDP2 always shards parameters,
+//! gradients and optimizer state (`zero` only says whether a unit is resharded after its
+//! forward), so the tape is built as ZeRO-3.
+
+use super::optimizer::OptimizerModel;
+use super::parallel::layer_params;
+use super::{Candidate, MemoryReport, Stage};
+use crate::profile::engines::{deepspeed, fsdp, megatron};
+use crate::profile::{Engine, Profile};
+use crate::spec::{OffloadWhat, OptImpl, OptimizerKind, Spec};
+use std::borrow::Cow;
+
+/// A buffer an engine keeps beside the tape, named as `--explain` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineBuffer {
+    pub what: String,
+    pub bytes: u64,
+}
+
+/// `cand` as the engine runs it (see the module header).
+pub fn engine_candidate<'a>(profile: &Profile, cand: &'a Candidate) -> Cow<'a, Candidate> {
+    if profile.engine == Engine::Fsdp2 && cand.zero < 3 {
+        let mut c = cand.clone();
+        c.zero = 3;
+        return Cow::Owned(c);
+    }
+    Cow::Borrowed(cand)
+}
+
+/// FSDP2 reshards a unit after its forward (`reshard_after_forward=True`) when the plan
+/// says ZeRO-3; ZeRO-2 keeps every unit gathered from its forward to its backward (the
+/// `SHARD_GRAD_OP` the Accelerate emitter writes for `zero = 2`).
+pub fn fsdp_reshards_after_forward(plan_zero: u8) -> bool {
+    plan_zero >= 3
+}
+
+fn bytes(elems: u64, b: f64) -> u64 {
+    (elems as f64 * b).ceil() as u64
+}
+
+/// The whole-step buffers of `profile`'s engine on `stage`'s rank, or `None` for the engines
+/// `memory::parallel` models itself (eager PyTorch, Burn). `cand` is the plan's candidate
+/// (before [`engine_candidate`]); `report` the stage's tape.
+pub fn buffers(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    stage: &Stage,
+    report: &MemoryReport,
+) -> Option<Vec<EngineBuffer>> {
+    let m = &spec.model;
+    let d = cand.data.max(1);
+    let t = cand.tensor.max(1);
+    let trainable = report.params_trainable;
+    let param_b = spec.precision.params.bytes();
+    let grad_b = spec.precision.grads.bytes();
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut out = Vec::new();
+    let mut add = |what: String, bytes: u64| {
+        if bytes > 0 {
+            out.push(EngineBuffer { what, bytes });
+        }
+    };
+    match profile.engine {
+        Engine::Burn | Engine::Eager => return None,
+        Engine::Fsdp2 => {
+            // `_fsdp_param.py`: the unsharded parameters are in `param_dtype` (the plan's
+            // compute dtype), the all-gather output one flat buffer of a unit's size that
+            // `foreach_all_gather_copy_out` copies into the per-parameter outputs (both exist
+            // during the copy: one more unit).
+            let cb = spec.precision.compute.bytes().min(param_b);
+            let unit = layer_params(m, t);
+            let layers = stage.end_layer.saturating_sub(stage.first_layer);
+            let gathered_units = if fsdp_reshards_after_forward(cand.zero) {
+                (1 + fsdp::PREFETCH_UNITS).min(layers.max(1))
+            } else {
+                layers
+            };
+            let b = bytes((gathered_units + 1) * unit, cb);
+            add(
+                format!(
+                    "FSDP2 gathered layers {}: {gathered_units} unsharded in {} ({}) and the flat all-gather output being copied out, {} a layer",
+                    gib(b),
+                    spec.precision.compute.as_str(),
+                    if fsdp_reshards_after_forward(cand.zero) {
+                        "the running one and the prefetched next, reshard_after_forward=True"
+                    } else {
+                        "every layer from its forward to its backward, reshard_after_forward=False"
+                    },
+                    gib(bytes(unit, cb))
+                ),
+                b,
+            );
+            // `_fsdp_state.py` `_lazy_init`: the root module (embedding, final norm, head)
+            // is not resharded after forward; its parameters stay gathered until its backward.
+            if stage.embedding || stage.head {
+                let table = m.vocab.div_ceil(t) * m.hidden;
+                let tied = m.tie_embeddings;
+                let embed = if stage.embedding || (stage.head && tied) {
+                    table
+                } else {
+                    0
+                };
+                let head = if stage.head && !tied { table } else { 0 };
+                let root = embed + head + m.hidden;
+                add(
+                    format!(
+                        "FSDP2 root unit {} (embedding, final norm, head: gathered from its forward to its backward)",
+                        gib(bytes(root, cb))
+                    ),
+                    bytes(root, cb),
+                );
+            }
+            // `_fsdp_collectives.py` `foreach_reduce`: the unit's unsharded gradients (in the
+            // parameter dtype) are copied into an fp32 reduce-scatter input (`reduce_dtype`),
+            // the output is this rank's fp32 shard.
+            let rs = bytes(unit, cb) + bytes(unit, 4.0) + bytes(unit.div_ceil(d), 4.0);
+            add(
+                format!(
+                    "FSDP2 reduce-scatter {} (a layer's unsharded gradients, its fp32 input and fp32 shard)",
+                    gib(rs)
+                ),
+                rs,
+            );
+        }
+        Engine::DeepSpeed => {
+            let hidden = m.hidden;
+            let flat = |n: u64| n.div_ceil(if cand.zero >= 1 { d } else { 1 });
+            match cand.zero {
+                0 if d > 1 && trainable > 0 => {
+                    let b = bytes(deepspeed::ALLREDUCE_BUCKET_ELEMENTS.min(trainable), grad_b);
+                    add(format!("DeepSpeed all-reduce bucket {}", gib(b)), b);
+                }
+                1 | 2 => {
+                    // `stage_1_and_2.py` `setup_buckets`: with `contiguous_gradients` and
+                    // `overlap_comm` (both written by rcoa), two `reduce_bucket_size` buffers in
+                    // the ZeRO dtype (the 16-bit weights' dtype, fp32 without bf16/fp16).
+                    let b = 2 * bytes(deepspeed::reduce_bucket_elements(hidden), param_b);
+                    add(
+                        format!(
+                            "DeepSpeed reduce buckets {} (2 × reduce_bucket_size, overlap_comm)",
+                            gib(b)
+                        ),
+                        b,
+                    );
+                }
+                _ => {
+                    // `stage3.py`: one IPG bucket of `reduce_bucket_size`, and the prefetch of
+                    // up to `stage3_prefetch_bucket_size` elements of the next modules.
+                    let b = bytes(deepspeed::reduce_bucket_elements(hidden), grad_b);
+                    add(
+                        format!("DeepSpeed reduce bucket {} (reduce_bucket_size)", gib(b)),
+                        b,
+                    );
+                    if d > 1 && !cand.offloads(OffloadWhat::Params) {
+                        let next =
+                            layer_params(m, t).min(deepspeed::prefetch_bucket_elements(hidden));
+                        let b = bytes(next, param_b);
+                        add(
+                            format!(
+                                "DeepSpeed ZeRO-3 prefetch {} (stage3_prefetch_bucket_size)",
+                                gib(b)
+                            ),
+                            b,
+                        );
+                        // `partition_parameters.py`: parameters under
+                        // `stage3_param_persistence_threshold` elements (10 × hidden: every
+                        // norm's scale) are never partitioned: every rank keeps them whole.
+                        let layers = stage.end_layer.saturating_sub(stage.first_layer);
+                        let norms = (2 * layers + u64::from(stage.head)) * hidden;
+                        let b = bytes(norms - norms.div_ceil(d), param_b);
+                        add(
+                            format!(
+                                "DeepSpeed ZeRO-3 persistent parameters {} (under stage3_param_persistence_threshold, whole on every rank)",
+                                gib(b)
+                            ),
+                            b,
+                        );
+                    }
+                }
+            }
+            // ZeRO 1-3 keep their own fp32 partition even of fp32 weights
+            // (`stage_1_and_2.py`: `single_partition_of_fp32_groups` is a `.clone().float()` of
+            // the partition; `stage3.py` `_create_fp32_partitions`): the memory model's master
+            // copy covers 16-bit weights only.
+            let no_master = spec.precision.master.is_none_or(|x| x.bytes() <= param_b);
+            if cand.zero >= 1 && param_b >= 4.0 && no_master && trainable > 0 {
+                let b = bytes(flat(trainable), 4.0);
+                if !cand.offloads(OffloadWhat::Optimizer) {
+                    add(
+                        format!("DeepSpeed fp32 partition of fp32 weights {}", gib(b)),
+                        b,
+                    );
+                }
+            }
+        }
+        Engine::Megatron => {
+            // The parameter buffer holds the 16-bit weights themselves and the buckets are
+            // views of the parameter and gradient buffers (`param_and_grad_buffer.py`): no
+            // bytes beyond the tape and [`contiguous_grad_bytes`].
+        }
+    }
+    Some(out)
+}
+
+/// Megatron-Core's contiguous gradient buffer on this rank (bytes), or `None` for engines
+/// whose gradients the backward allocates. It is allocated when the model is wrapped and
+/// never freed (`param_and_grad_buffer.py` `_ParamAndGradBuffer`), whole on every
+/// data-parallel rank even with the distributed optimizer (the reduce-scatter writes into it).
+pub fn contiguous_grad_bytes(spec: &Spec, profile: &Profile, trainable_values: u64) -> Option<u64> {
+    if profile.engine != Engine::Megatron || trainable_values == 0 {
+        return None;
+    }
+    let b = if megatron::GRAD_REDUCE_IN_FP32 {
+        4.0
+    } else {
+        spec.precision.grads.bytes()
+    };
+    Some(profile.allocated(bytes(trainable_values, b)))
+}
+
+/// The optimizer step's temporaries on the device, or `None` to keep `memory::optimizer`'s
+/// (eager PyTorch's `torch.optim` over separate parameters). `trainable` holds each
+/// trainable tensor's values on this rank.
+pub fn step_temporaries(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    opt: &OptimizerModel,
+    trainable: &[u64],
+) -> Option<u64> {
+    let d = cand.data.max(1);
+    let shards = if cand.zero >= 1 { d } else { 1 };
+    let largest = trainable.iter().copied().max().unwrap_or(0);
+    // `memory::optimizer` adds an fp32 cast of the largest gradient for a master copy;
+    // both engines below keep fp32 gradients of their own instead.
+    let master_cast = if opt.master_bytes > 0 {
+        profile.allocated(bytes(largest, 4.0))
+    } else {
+        0
+    };
+    let generic = opt.temp_bytes.saturating_sub(master_cast).div_ceil(shards);
+    match profile.engine {
+        Engine::Burn | Engine::Eager | Engine::Fsdp2 => None,
+        // Megatron's main gradients are views of the fp32 gradient buffer: nothing is cast.
+        Engine::Megatron => Some(generic),
+        Engine::DeepSpeed => {
+            let values: u64 = trainable.iter().sum();
+            let partition = values.div_ceil(shards);
+            // ZeRO-3 steps one `sub_group_size` piece of the partition at a time.
+            let piece = if cand.zero >= 3 {
+                partition.min(deepspeed::SUB_GROUP_SIZE)
+            } else {
+                partition
+            };
+            // `stage_1_and_2.py` `step`: `flatten(averaged_gradients)` in the gradients' dtype,
+            // then `.to(fp32)` for `single_partition_of_fp32_groups[i].grad` (`stage3.py`
+            // `_prepare_fp32_grad_for_sub_group` likewise per sub-group).
+            let grad_b = spec.precision.grads.bytes();
+            let mut temp = profile.allocated(bytes(piece, grad_b));
+            if grad_b < 4.0 {
+                temp += profile.allocated(bytes(piece, 4.0));
+            }
+            // The optimizer runs over the one flat fp32 partition: FusedAdam allocates
+            // nothing; torch's foreach makes one partition-sized temporary, a per-parameter
+            // loop two (the partition is its one parameter).
+            let adam_like = matches!(
+                spec.optimizer.kind,
+                OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lion
+            );
+            temp += if adam_like {
+                match spec.optimizer.implementation {
+                    OptImpl::Fused => 0,
+                    OptImpl::Foreach => profile.allocated(bytes(piece, 4.0)),
+                    OptImpl::Plain => 2 * profile.allocated(bytes(piece, 4.0)),
+                }
+            } else {
+                generic
+            };
+            Some(temp)
+        }
+    }
+}
