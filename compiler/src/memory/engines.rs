@@ -294,3 +294,246 @@ pub fn step_temporaries(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::parallel;
+    use crate::spec::Offload;
+
+    // A 2-layer decoder small enough to count by hand: hidden 256, 4 heads of 64, SwiGLU
+    // ffn 1024, vocab 1000, untied head, RMSNorm.
+    const H: u64 = 256;
+    const F: u64 = 1024;
+    const V: u64 = 1000;
+    /// One layer: q, k, v, o (4 H²), gate, up, down (3 H F), two RMSNorm scales (2 H).
+    const LAYER: u64 = 4 * H * H + 3 * H * F + 2 * H;
+    /// The whole model: two layers, the embedding and the head (V H each), the final norm.
+    const MODEL: u64 = 2 * LAYER + 2 * V * H + H;
+
+    fn spec(target: &str, precision: &str, zero: u8) -> Spec {
+        let src = format!(
+            "model {{ arch = decoder layers = 2 hidden = {H} heads = 4 kv_heads = 4 ffn = {F} vocab = {V} tie_embeddings = false }}\n\
+             hardware {{ gpu = h100-80gb gpus_per_node = 4 }}\nprecision {precision}\n\
+             optimizer adamw {{ lr = 1e-4 }}\ntrain {{ seq_len = 128 global_batch = 16 }}\n\
+             parallel {{ zero = {zero} }}\ntarget {target}\n"
+        );
+        let file = rcoa_grammar::parse("t.plan", &src).unwrap();
+        let ctx =
+            crate::resolve::ResolveContext::new("t.plan", &src, std::path::PathBuf::from("."));
+        crate::resolve::resolve(&file, &ctx).unwrap()
+    }
+
+    fn cand(zero: u8, data: u64) -> Candidate {
+        Candidate {
+            micro_batch: 1,
+            grad_accum: 1,
+            data,
+            zero,
+            tensor: 1,
+            pipeline: 1,
+            context: 1,
+            sequence: false,
+            checkpoint_layers: vec![],
+            selective: false,
+            offload: vec![],
+        }
+    }
+
+    fn evaluate(s: &Spec, c: &Candidate) -> MemoryReport {
+        parallel::evaluate(s, c, &Profile::for_target(s.target), false)
+    }
+
+    fn engine_bytes(s: &Spec, c: &Candidate) -> Vec<(String, u64)> {
+        let p = Profile::for_target(s.target);
+        let stages = super::super::stages(s, c);
+        let r = super::super::evaluate_on(s, &engine_candidate(&p, c), &p, &stages[0], false);
+        buffers(s, c, &p, &stages[0], &r)
+            .unwrap()
+            .into_iter()
+            .map(|b| (b.what, b.bytes))
+            .collect()
+    }
+
+    #[test]
+    fn the_hand_count_is_the_model_the_tape_builds() {
+        let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        assert_eq!(parallel::layer_params(&s.model, 1), LAYER);
+        assert_eq!(evaluate(&s, &cand(3, 1)).params_total, MODEL);
+    }
+
+    /// FSDP2 at N = 4 (`_fsdp_collectives.py`, `_fsdp_state.py`): fp32 shards of weights,
+    /// gradients and Adam state (4 + 4 + 8 bytes over 4 ranks), two bf16 layers gathered plus
+    /// the all-gather output being copied out, the root unit (embedding, head, final norm)
+    /// gathered through forward and backward, and one layer's reduce-scatter (bf16
+    /// gradients, fp32 input, fp32 shard).
+    #[test]
+    fn fsdp2_two_layer_model_at_four_ranks() {
+        let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        let c = cand(3, 4);
+        let bufs = engine_bytes(&s, &c);
+        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
+        assert_eq!(
+            bytes,
+            vec![
+                3 * LAYER * 2,
+                (2 * V * H + H) * 2,
+                LAYER * 2 + LAYER * 4 + LAYER.div_ceil(4) * 4
+            ],
+            "{bufs:?}"
+        );
+        let r = evaluate(&s, &c);
+        let at = |k: &str| r.breakdown[k];
+        // Every tensor is one allocation rounded to 512 B: 23 tensors (9 a layer, embedding,
+        // head, final norm) at most 512 B each over their exact shard.
+        let slack = 23 * 512;
+        let shard = |b: u64| (MODEL * b).div_ceil(4);
+        assert!(
+            at("weights").abs_diff(shard(4)) <= slack,
+            "{}",
+            at("weights")
+        );
+        assert!(
+            at("optimizer").abs_diff(shard(8)) <= 2 * slack,
+            "{}",
+            at("optimizer")
+        );
+        assert_eq!(at("communication"), bytes.iter().sum::<u64>());
+        // reshard_after_forward=False (zero = 2) keeps both layers gathered: one more layer.
+        let two = engine_bytes(
+            &spec("fsdp", "{ params = fp32 compute = bf16 }", 2),
+            &cand(2, 4),
+        );
+        assert_eq!(two[0].1, 3 * LAYER * 2);
+        let bigger = |layers: u64| {
+            let mut s = spec("fsdp", "{ params = fp32 compute = bf16 }", 2);
+            s.model.layers = layers;
+            engine_bytes(&s, &cand(2, 4))[0].1
+        };
+        assert_eq!(
+            bigger(6),
+            7 * LAYER * 2,
+            "every layer stays gathered, plus the copy-out"
+        );
+    }
+
+    /// DeepSpeed ZeRO-2 (`stage_1_and_2.py`): two bf16 `reduce_bucket_size` buffers of H²
+    /// (what rcoa writes into ds_config.json) for the whole step, and at the step the flat
+    /// bf16 gradient partition and its fp32 cast, FusedAdam allocating nothing.
+    #[test]
+    fn deepspeed_zero2_buckets_and_flat_partition() {
+        let s = spec(
+            "deepspeed",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            2,
+        );
+        assert_eq!(
+            s.optimizer.implementation,
+            OptImpl::Fused,
+            "DeepSpeed's default"
+        );
+        let c = cand(2, 4);
+        let bufs = engine_bytes(&s, &c);
+        assert_eq!(bufs.len(), 1, "{bufs:?}");
+        assert_eq!(bufs[0].1, 2 * H * H * 2);
+        assert!(bufs[0].0.contains("reduce_bucket_size"), "{}", bufs[0].0);
+        let p = Profile::for_target(s.target);
+        let opt = OptimizerModel {
+            name: "adamw",
+            state_bytes: 0,
+            master_bytes: 4 * MODEL,
+            temp_bytes: 4 * LAYER,
+        };
+        let values = [MODEL - 3, 1, 1, 1];
+        let partition = MODEL.div_ceil(4);
+        let round = |b: u64| b.div_ceil(512) * 512;
+        assert_eq!(
+            step_temporaries(&s, &p, &c, &opt, &values),
+            Some(p.allocated(partition * 2) + p.allocated(partition * 4))
+        );
+        assert_eq!(p.allocated(partition * 2), round(partition * 2));
+        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one more.
+        let mut foreach = s.clone();
+        foreach.optimizer.implementation = OptImpl::Foreach;
+        assert_eq!(
+            step_temporaries(&foreach, &p, &c, &opt, &values),
+            Some(p.allocated(partition * 2) + 2 * p.allocated(partition * 4))
+        );
+        // Eager PyTorch keeps `memory::optimizer`'s temporaries.
+        let eager = Profile::pytorch();
+        assert_eq!(step_temporaries(&s, &eager, &c, &opt, &values), None);
+    }
+
+    /// DeepSpeed ZeRO-3 (`stage3.py`, `partition_parameters.py`): one reduce bucket, a
+    /// prefetch of min(0.9 H², the next layer), and the norms (under the persistence
+    /// threshold) whole on every rank.
+    #[test]
+    fn deepspeed_zero3_bucket_prefetch_and_persistent_norms() {
+        let s = spec(
+            "deepspeed",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            3,
+        );
+        let bufs = engine_bytes(&s, &cand(3, 4));
+        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
+        let norms = (2 * 2 + 1) * H;
+        assert_eq!(
+            bytes,
+            vec![H * H * 2, (H * H * 9 / 10) * 2, (norms - norms / 4) * 2],
+            "{bufs:?}"
+        );
+        // fp32 weights: ZeRO keeps its own fp32 partition besides them.
+        let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 1);
+        let bufs = engine_bytes(&fp32, &cand(1, 4));
+        assert_eq!(bufs[1].1, MODEL.div_ceil(4) * 4, "{bufs:?}");
+    }
+
+    /// Megatron-Core (`param_and_grad_buffer.py`, `distrib_optimizer.py`): bf16 weights whole,
+    /// an fp32 gradient buffer whole on every rank, fp32 main weights and Adam state over the
+    /// data ranks: 2 + 4 + 12 / d bytes a parameter.
+    #[test]
+    fn megatron_distributed_optimizer_holds_6_plus_12_over_d() {
+        let s = spec(
+            "megatron",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            1,
+        );
+        assert_eq!(s.optimizer.implementation, OptImpl::Fused);
+        let r = evaluate(&s, &cand(1, 4));
+        let at = |k: &str| r.breakdown[k];
+        let slack = 23 * 512 * 3;
+        assert!(
+            at("weights").abs_diff(2 * MODEL) <= slack,
+            "{}",
+            at("weights")
+        );
+        assert_eq!(at("grads"), Profile::megatron().allocated(4 * MODEL));
+        assert!(
+            at("optimizer").abs_diff((12 * MODEL).div_ceil(4)) <= slack,
+            "{}",
+            at("optimizer")
+        );
+        assert!(engine_bytes(&s, &cand(1, 4)).is_empty());
+        assert_eq!(
+            at("workspace"),
+            Profile::pytorch().workspace_bytes + megatron::TE_WORKSPACE_BYTES
+        );
+    }
+
+    #[test]
+    fn engines_refuse_what_they_do_not_run() {
+        use crate::profile::engines::{check_zero, offload_refusal};
+        use crate::spec::{OffloadTo, Target};
+        assert!(check_zero(Target::Fsdp, 1).is_err());
+        assert!(check_zero(Target::Fsdp, 3).is_ok());
+        assert!(check_zero(Target::Megatron, 3).is_err());
+        assert!(check_zero(Target::Deepspeed, 3).is_ok());
+        let opt = Offload {
+            what: OffloadWhat::Optimizer,
+            to: OffloadTo::Cpu,
+        };
+        assert!(offload_refusal(Target::Megatron, &opt).is_none());
+        assert!(offload_refusal(Target::Fsdp, &opt).is_some());
+        assert!(offload_refusal(Target::Deepspeed, &opt).is_none());
+    }
+}

@@ -81,7 +81,12 @@ pub fn layer_params(m: &crate::spec::ModelSpec, tensor: u64) -> u64 {
         crate::spec::Mlp::Swiglu => 3 * m.hidden * ffn,
         crate::spec::Mlp::Gelu => 2 * m.hidden * ffn,
     };
-    attn + mlp * m.experts.max(1) + 4 * m.hidden
+    // Two norms a layer: an RMSNorm has a scale, a LayerNorm a scale and a bias.
+    let norms = match m.norm {
+        crate::spec::Norm::Rmsnorm => 2 * m.hidden,
+        crate::spec::Norm::Layernorm => 4 * m.hidden,
+    };
+    attn + mlp * m.experts.max(1) + norms
 }
 
 /// Parameters of the whole model (elements): layers, embeddings and an untied head.
