@@ -216,6 +216,15 @@ pub fn buffers(
     Some(out)
 }
 
+/// Does the engine keep the reduced gradient partition in host memory because the optimizer
+/// is there? DeepSpeed does from ZeRO-2 on: `stage_1_and_2.py` `copy_grads_in_partition`
+/// copies each reduced gradient into the host fp32 partition under `cpu_offload` instead of
+/// `grads_in_partition`, and `stage3.py` allocates `grad_partitions_flat_buffer` on
+/// `self.device`, the CPU with `offload_optimizer`. The device keeps the reduce buckets only.
+pub fn grads_follow_host_optimizer(profile: &Profile, cand: &Candidate) -> bool {
+    profile.engine == Engine::DeepSpeed && cand.zero >= 2 && cand.offloads(OffloadWhat::Optimizer)
+}
+
 /// Megatron-Core's contiguous gradient buffer on this rank (bytes), or `None` for engines
 /// whose gradients the backward allocates. It is allocated when the model is wrapped and
 /// never freed (`param_and_grad_buffer.py` `_ParamAndGradBuffer`), whole on every
@@ -517,6 +526,30 @@ mod tests {
         assert_eq!(
             at("workspace"),
             Profile::pytorch().workspace_bytes + megatron::TE_WORKSPACE_BYTES
+        );
+    }
+
+    /// ZeRO-3 with `offload_optimizer`: the gradient partition lives on the host
+    /// (`stage3.py`: `grad_partitions_flat_buffer` on `self.device`, the CPU), eager
+    /// PyTorch's generic ZeRO keeps it on the device.
+    #[test]
+    fn deepspeed_offload_keeps_the_gradient_partition_on_the_host() {
+        // Two micro-batches: the second starts with every gradient shard allocated.
+        let mut c = cand(3, 4);
+        c.grad_accum = 2;
+        c.offload = vec![Offload {
+            what: OffloadWhat::Optimizer,
+            to: crate::spec::OffloadTo::Cpu,
+        }];
+        let precision = "{ params = bf16 compute = bf16 master = fp32 }";
+        let ds = evaluate(&spec("deepspeed", precision, 3), &c);
+        let eager = evaluate(&spec("pytorch", precision, 3), &c);
+        assert!(ds.breakdown["grads"] < 1 << 20, "{}", ds.breakdown["grads"]);
+        let shard = (2 * MODEL).div_ceil(4);
+        let eager_grads = eager.breakdown["grads"];
+        assert!(
+            eager_grads.abs_diff(shard) <= 23 * 512,
+            "{eager_grads} vs {shard}"
         );
     }
 

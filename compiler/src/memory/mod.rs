@@ -313,9 +313,12 @@ fn evaluate_stage(
         persistent.grad_divisor = u64::MAX;
     } else if !units
         && ((cand.zero >= 2 && profile.grads_sharded_in_backward)
-            || cand.offloads(OffloadWhat::Grads))
+            || cand.offloads(OffloadWhat::Grads)
+            || engines::grads_follow_host_optimizer(profile, cand))
     {
-        persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads) {
+        persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads)
+            || engines::grads_follow_host_optimizer(profile, cand)
+        {
             u64::MAX
         } else {
             dp
