@@ -63,9 +63,12 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
             .join(", ")
     );
     let mut relaxations: Vec<(String, Spec)> = Vec::new();
-    // FSDP2's offload moves everything together, which the offload pass does not offer.
+    // FSDP2 and Megatron-Core run no parameter offload (`profile::engines::offload_refusal`).
     let can_offload = (spec.target.is_pytorch_engine() || spec.gpu_count() > 1)
-        && spec.target != crate::spec::Target::Fsdp;
+        && !matches!(
+            spec.target,
+            crate::spec::Target::Fsdp | crate::spec::Target::Megatron
+        );
     let wanted = [OffloadWhat::Optimizer, OffloadWhat::Params];
     if can_offload
         && !wanted
