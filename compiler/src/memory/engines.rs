@@ -147,7 +147,10 @@ pub fn buffers(
                 1 | 2 => {
                     // `stage_1_and_2.py` `setup_buckets`: with `contiguous_gradients` and
                     // `overlap_comm` (both written by rcoa), two `reduce_bucket_size` buffers in
-                    // the ZeRO dtype (the 16-bit weights' dtype, fp32 without bf16/fp16).
+                    // the ZeRO dtype (the 16-bit weights' dtype, fp32 without bf16/fp16). The
+                    // all-gather of the updated weights writes into the flat 16-bit groups in
+                    // place (`runtime/utils.py` `all_gather_into_tensor_dp_groups`;
+                    // `allgather_bucket_size` only chunks the legacy path): no buffer.
                     let b = 2 * bytes(deepspeed::reduce_bucket_elements(hidden), param_b);
                     add(
                         format!(
