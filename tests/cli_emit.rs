@@ -481,7 +481,9 @@ fn a_plan_file_is_compiled_and_emitted_for_every_target() {
 
 /// A plan without a `target` line predicts rcoa's Burn executor; emitted for
 /// a PyTorch engine it is judged by that engine's profile: the guide's 8B
-/// ZeRO-3 setup on 4 × A100-40GB with fused AdamW fits and is written.
+/// ZeRO-3 setup on 4 × A100-40GB with fused AdamW fits and is written, for
+/// DeepSpeed itself and for every launcher (which run it on DeepSpeed), and
+/// the notes name the engine the numbers are for.
 #[test]
 fn a_plan_is_judged_by_the_profile_of_the_engine_it_is_emitted_for() {
     let dir = scratch("engine-profile");
@@ -490,18 +492,91 @@ fn a_plan_is_judged_by_the_profile_of_the_engine_it_is_emitted_for() {
     )
     .unwrap();
     assert!(source.contains("target pytorch"));
+    assert!(source.contains("impl = fused"));
     let burn = source.replace("target pytorch", "");
     std::fs::write(dir.join("burn.plan"), &burn).unwrap();
+    for target in ["deepspeed", "torchrun", "slurm", "accelerate"] {
+        let out = rcoa()
+            .args(["emit", "burn.plan", "--target", target, "-o", target])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{target}: {err}");
+        assert!(
+            err.contains("compiled under the `deepspeed` profile (DeepSpeed)"),
+            "{target}: {err}"
+        );
+        assert!(
+            err.contains("is for DeepSpeed (the `deepspeed` profile)"),
+            "{target}: {err}"
+        );
+        let ds: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(target).join("ds_config.json")).unwrap(),
+        )
+        .unwrap();
+        let z = &ds["zero_optimization"];
+        assert_eq!(z["stage"], 3, "{target}");
+        // The bucket the `deepspeed` profile charges is the one the file sets.
+        assert_eq!(
+            z["reduce_bucket_size"],
+            rcoa_compiler::profile::engines::deepspeed::reduce_bucket_elements(4096)
+        );
+        assert_eq!(ds["optimizer"]["type"], "AdamW");
+        assert!(
+            ds["optimizer"]["params"].get("torch_adam").is_none(),
+            "FusedAdam"
+        );
+    }
+}
+
+/// `accelerate --fsdp` compiles under the FSDP2 profile (fp32 sharded weights with bf16
+/// compute is its mixed precision); a plan DDP runs (no sharding, no master copy) is
+/// compiled as eager PyTorch and ships no ds_config.json.
+#[test]
+fn fsdp_and_ddp_launches_are_compiled_for_their_engine() {
+    let dir = scratch("engine-fsdp-ddp");
+    let plan = |zero: u8| {
+        format!(
+            "model \"llama-3.2-1b\"\nhardware {{ gpu = h100-80gb gpus_per_node = 4 }}\n\
+             precision {{ params = fp32 compute = bf16 }}\noptimizer adamw {{ lr = 1e-4 }}\n\
+             train {{ seq_len = 2048 global_batch = 32 }}\nparallel {{ zero = {zero} tensor = 1 pipeline = 1 }}\n"
+        )
+    };
+    std::fs::write(dir.join("fsdp.plan"), plan(3)).unwrap();
+    std::fs::write(dir.join("ddp.plan"), plan(0)).unwrap();
     let out = rcoa()
-        .args(["emit", "burn.plan", "--target", "deepspeed"])
+        .args([
+            "emit",
+            "fsdp.plan",
+            "--target",
+            "accelerate",
+            "--fsdp",
+            "-o",
+            "fsdp",
+        ])
         .current_dir(&dir)
         .output()
         .unwrap();
     let err = text(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("compiled with the `pytorch` profile"), "{err}");
-    let ds: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(ds["zero_optimization"]["stage"], 3);
+    assert!(
+        err.contains("compiled under the `fsdp` profile (FSDP2)"),
+        "{err}"
+    );
+    assert!(err.contains("is for FSDP2 (the `fsdp` profile)"), "{err}");
+    let out = rcoa()
+        .args(["emit", "ddp.plan", "--target", "torchrun", "-o", "ddp"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("compiled under the `pytorch` profile (PyTorch)"),
+        "{err}"
+    );
+    assert!(!dir.join("ddp/ds_config.json").exists());
 }
 
 #[test]

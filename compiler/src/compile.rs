@@ -134,6 +134,7 @@ fn check_supported(spec: &Spec) -> Result<(), CompileError> {
 pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
     check_supported(spec)?;
     check_scale(spec)?;
+    crate::profile::engines::check_precision(spec)?;
     let profile = Profile::for_target(spec.target);
     let mut decisions = Vec::new();
     crate::explain::record_given(spec, &profile, &mut decisions);

@@ -500,10 +500,46 @@ impl FitSpec {
     }
 }
 
-/// The executor the prediction is for.
+/// The engine the prediction is for (`docs/engines.md`): each holds different bytes for
+/// the same plan, so each has its own profile (`crate::profile::Profile::for_target`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Target {
+    /// rcoa's own Burn executor (`rcoa run`).
     Burn,
+    /// PyTorch eager (Hugging Face modules, PEFT), data parallelism as DDP.
     Pytorch,
+    /// PyTorch FSDP2 (`fully_shard`) with `MixedPrecisionPolicy`.
+    Fsdp,
+    /// DeepSpeed's engine: ZeRO 0-3, offload, its FusedAdam and buckets.
+    Deepspeed,
+    /// Megatron-Core: distributed optimizer, contiguous gradient and parameter buffers.
+    Megatron,
+}
+
+impl Target {
+    /// Every target, in the order the language lists them.
+    pub const ALL: [Target; 5] = [
+        Target::Burn,
+        Target::Pytorch,
+        Target::Fsdp,
+        Target::Deepspeed,
+        Target::Megatron,
+    ];
+
+    /// The name a plan writes after `target`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Target::Burn => "burn",
+            Target::Pytorch => "pytorch",
+            Target::Fsdp => "fsdp",
+            Target::Deepspeed => "deepspeed",
+            Target::Megatron => "megatron",
+        }
+    }
+
+    /// A PyTorch engine (every target but rcoa's Burn executor).
+    pub fn is_pytorch_engine(self) -> bool {
+        self != Target::Burn
+    }
 }

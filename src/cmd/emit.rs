@@ -3,9 +3,11 @@
 //! engine reads.
 //!
 //! PLAN is a `.plan` file (loaded, resolved and compiled like `rcoa compile`,
-//! but under the profile of the engine the files launch: every `--target`
-//! here launches PyTorch, so a `.plan` is compiled as `target pytorch`
-//! whatever its `target` line says) or a lowered plan saved as JSON
+//! but under the profile of the engine the files launch, whatever its `target`
+//! line says: `deepspeed` for `--target deepspeed`, `fsdp` for `accelerate
+//! --fsdp`, and for torchrun / Slurm / Accelerate `deepspeed` when the compiled
+//! plan needs DeepSpeed (ZeRO, offload, an fp32 master of 16-bit weights),
+//! `pytorch` (DDP) otherwise) or a lowered plan saved as JSON
 //! (`*.json`, the `LoweredPlan` serde form, emitted as it was compiled), so a
 //! plan compiled once can be emitted for several engines. Without `-o`
 //! the files go to stdout (a `==> NAME <==` header before each when there
@@ -79,7 +81,7 @@ struct Loaded {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let loaded = match load(&args.plan) {
+    let loaded = match load(&args.plan, args.target, args.fsdp) {
         Ok(l) => l,
         Err(code) => return code,
     };
@@ -130,8 +132,8 @@ pub fn run(args: Args) -> ExitCode {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Reads PLAN: a lowered plan JSON, or a `.plan` file to compile.
-fn load(path: &Path) -> Result<Loaded, ExitCode> {
+/// Reads PLAN: a lowered plan JSON, or a `.plan` file to compile for `target`'s engine.
+fn load(path: &Path, target: Target, fsdp: bool) -> Result<Loaded, ExitCode> {
     if path.extension().is_some_and(|e| e == "json") {
         let text = std::fs::read_to_string(path).map_err(|e| {
             eprintln!("error: cannot read {}: {e}", path.display());
@@ -149,28 +151,49 @@ fn load(path: &Path) -> Result<Loaded, ExitCode> {
             source: None,
         });
     }
-    compile_plan(path)
+    compile_plan(path, target, fsdp)
 }
 
-/// `.plan` → LoweredPlan: loaded like every subcommand does ([`load_spec`]),
-/// then compiled under the PyTorch engines' profile (the plan's own `target`
-/// may be `burn`, the default, which predicts rcoa's executor: a verdict for
-/// the wrong engine would refuse plans DeepSpeed runs, or pass plans it
-/// cannot); diagnostics go to stderr and a bad plan exits 2.
-fn compile_plan(path: &Path) -> Result<Loaded, ExitCode> {
+/// `.plan` → LoweredPlan: loaded like every subcommand does ([`load_spec`]), then
+/// compiled under the profile of the engine the files launch (the plan's own `target` may be
+/// `burn`, the default, which predicts rcoa's executor: a verdict for the wrong engine would
+/// refuse plans DeepSpeed runs, or pass plans it cannot). A launcher without `--fsdp` runs
+/// DeepSpeed exactly when the compiled plan needs it ([`emit::needs_deepspeed`]), which only
+/// the compilation decides: compiled as DDP first, and again under `deepspeed` when the
+/// decisions need DeepSpeed. Diagnostics go to stderr and a bad plan exits 2.
+fn compile_plan(path: &Path, target: Target, fsdp: bool) -> Result<Loaded, ExitCode> {
+    use rcoa_compiler::spec::Target as Engine;
     let mut loaded = load_spec(path)?;
-    if loaded.spec.target != rcoa_compiler::spec::Target::Pytorch {
-        eprintln!(
-            "note: {} is compiled with the `pytorch` profile for the engine these files launch (its `target` is {})",
-            path.display(),
-            format!("{:?}", loaded.spec.target).to_lowercase()
-        );
-        loaded.spec.target = rcoa_compiler::spec::Target::Pytorch;
+    let written = loaded.spec.target;
+    let compile = |spec: &rcoa_compiler::spec::Spec| {
+        rcoa_compiler::compile(spec).map_err(|e| {
+            eprint!("{}", render(&e));
+            ExitCode::from(BAD_PLAN)
+        })
+    };
+    let fixed = match target {
+        Target::Deepspeed => Some(Engine::Deepspeed),
+        Target::Accelerate if fsdp => Some(Engine::Fsdp),
+        _ => None,
+    };
+    loaded.spec.target = fixed.unwrap_or(Engine::Pytorch);
+    let mut compilation = compile(&loaded.spec)?;
+    if fixed.is_none() && emit::needs_deepspeed(&compilation.lowered) {
+        loaded.spec.target = Engine::Deepspeed;
+        compilation = compile(&loaded.spec)?;
     }
-    let compilation = rcoa_compiler::compile(&loaded.spec).map_err(|e| {
-        eprint!("{}", render(&e));
-        ExitCode::from(BAD_PLAN)
-    })?;
+    let used = loaded.spec.target;
+    if used != written {
+        eprintln!(
+            "note: {} is compiled under the `{}` profile ({}), the engine these files launch (its `target` is {})",
+            path.display(),
+            used.as_str(),
+            rcoa_compiler::profile::Profile::for_target(used)
+                .engine
+                .display_name(),
+            written.as_str()
+        );
+    }
     Ok(Loaded {
         lowered: compilation.lowered,
         source: Some((path.display().to_string(), loaded.source, loaded.spans)),

@@ -131,7 +131,7 @@ const NEXT: &[&str] = &[
     "a LoRA fine-tune: add `adapter lora { rank = 16 alpha = 32 targets = [q, k, v, o] }` (or `adapter qlora` for a 4-bit base)",
     "optimizer: lr, betas and weight_decay in `optimizer adamw { ... }`; `adam8bit` halves optimizer state",
     "fit: allow `offload = [optimizer]` to let the compiler move state to the host; `budget = 90%` leaves headroom",
-    "target: `target pytorch` predicts a PyTorch/DeepSpeed job instead of `rcoa run` (docs/language.md)",
+    "target: `target pytorch`, `fsdp`, `deepspeed` or `megatron` predicts that engine's job instead of `rcoa run` (docs/engines.md)",
 ];
 
 /// The `model` line for a preset or a Hugging Face config, and the model's

@@ -195,7 +195,16 @@ fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
 
 /// Parse, resolve and compile a `.plan` file; diagnostics go to stderr (exit 2).
 fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
-    let loaded = super::common::load_spec(path)?;
+    let mut loaded = super::common::load_spec(path)?;
+    // `rcoa run` is the Burn executor: its decisions and prediction are `target burn`'s.
+    let written = std::mem::replace(&mut loaded.spec.target, rcoa_compiler::spec::Target::Burn);
+    if written != rcoa_compiler::spec::Target::Burn {
+        eprintln!(
+            "note: {} is compiled under the `burn` profile for rcoa's executor (its `target` is {})",
+            path.display(),
+            written.as_str()
+        );
+    }
     match rcoa_compiler::compile(&loaded.spec) {
         Ok(c) => Ok(c.lowered),
         Err(e) => {

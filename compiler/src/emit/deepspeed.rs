@@ -451,8 +451,10 @@ fn zero(
     let r = &plan.resolved;
     let stage = r.zero;
     let hidden = plan.model.hidden;
-    // Saturating: a custom model's hidden size is the user's number, not a bounded one.
-    let bucket = hidden.saturating_mul(hidden);
+    // The sizes the `deepspeed` profile predicts with (saturating: a custom model's hidden
+    // size is the user's number, not a bounded one).
+    use crate::profile::engines::deepspeed as ds;
+    let bucket = ds::reduce_bucket_elements(hidden);
     let mut z = Map::new();
     z.insert("stage".into(), json!(stage));
     match stage {
@@ -470,15 +472,21 @@ fn zero(
             z.insert("reduce_bucket_size".into(), json!(bucket));
             z.insert(
                 "stage3_prefetch_bucket_size".into(),
-                json!(bucket.saturating_mul(9) / 10),
+                json!(ds::prefetch_bucket_elements(hidden)),
             );
             z.insert(
                 "stage3_param_persistence_threshold".into(),
-                json!(hidden.saturating_mul(10)),
+                json!(ds::persistence_threshold(hidden)),
             );
-            z.insert("stage3_max_live_parameters".into(), json!(1_000_000_000u64));
-            z.insert("stage3_max_reuse_distance".into(), json!(1_000_000_000u64));
-            z.insert("sub_group_size".into(), json!(1_000_000_000u64));
+            z.insert(
+                "stage3_max_live_parameters".into(),
+                json!(ds::MAX_LIVE_PARAMETERS),
+            );
+            z.insert(
+                "stage3_max_reuse_distance".into(),
+                json!(ds::MAX_REUSE_DISTANCE),
+            );
+            z.insert("sub_group_size".into(), json!(ds::SUB_GROUP_SIZE));
             // Without it a ZeRO-3 model saves only its shards.
             z.insert(
                 "stage3_gather_16bit_weights_on_model_save".into(),

@@ -348,16 +348,24 @@ pub(crate) fn checkpoint_sentence(plan: &LoweredPlan) -> Option<String> {
     ))
 }
 
-/// The prediction's executor, when it is not the PyTorch engines these files launch.
+/// Which engine the plan's memory prediction is for: rcoa's Burn executor is flagged (the
+/// files launch a PyTorch engine); a PyTorch engine's profile is named.
 pub(crate) fn target_sentence(plan: &LoweredPlan) -> Option<String> {
-    match plan.target {
-        crate::spec::Target::Pytorch => None,
-        crate::spec::Target::Burn => Some(
+    let t = plan.target;
+    if !t.is_pytorch_engine() {
+        return Some(
             "the plan's memory prediction is for rcoa's Burn executor (`target burn`), not for the PyTorch \
              engines these files launch: add `target pytorch` to the plan and compile again to predict them"
                 .to_string(),
-        ),
+        );
     }
+    Some(format!(
+        "the memory prediction ({:.2} GiB peak per GPU of a {:.2} GiB budget) is for {} (the `{}` profile)",
+        plan.prediction.peak_bytes as f64 / (1u64 << 30) as f64,
+        plan.prediction.budget_bytes as f64 / (1u64 << 30) as f64,
+        crate::profile::Profile::for_target(t).engine.display_name(),
+        t.as_str()
+    ))
 }
 
 /// The adapter in words, when the plan trains one.

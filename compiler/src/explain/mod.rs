@@ -77,6 +77,12 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         format!("precision params = {} compute = {}", p.params.as_str(), p.compute.as_str()),
         if autocast {
             "autocast: fp32 weights, 16-bit matmuls; trainable weights get cached 16-bit copies for the forward, the residual stream stays fp32".to_string()
+        } else if profile.engine == crate::profile::Engine::Fsdp2 && p.is_autocast() {
+            format!(
+                "FSDP2 MixedPrecisionPolicy(param_dtype={c}, reduce_dtype=fp32): {} sharded weights at rest, each layer gathered in {c} only while it runs, fp32 sharded gradients; modules compute in {c}, no autocast",
+                p.params.as_str(),
+                c = p.compute.as_str()
+            )
         } else {
             format!("{} runs in the weights' element type, no casts", profile.name)
         },
@@ -243,10 +249,7 @@ fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
 }
 
 fn mechanism(profile: &Profile) -> &'static str {
-    match profile.name {
-        "pytorch" => "per-layer non-reentrant torch.utils.checkpoint",
-        _ => "rcoa's per-layer segment recomputation",
-    }
+    profile.recompute_mechanism()
 }
 
 fn gib(b: u64) -> String {

@@ -378,7 +378,7 @@ impl<'a> Builder<'a> {
         let t = self.tape.tensor(p.id).clone();
         let elems = p.rows * p.cols;
         // Gathered per use; the Burn executor's whole-unit gathers are tensors of the tape.
-        let gathered = if self.gather && !self.units {
+        let gathered = if self.gather && !self.units && self.profile.engine.gathers_per_op() {
             self.bytes(elems, t.dtype)
         } else {
             0

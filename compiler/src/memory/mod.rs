@@ -18,6 +18,7 @@
 //! [`crate::profile::Profile`].
 
 pub mod build;
+pub mod engines;
 pub mod optimizer;
 pub mod parallel;
 pub mod quant;
@@ -304,11 +305,20 @@ fn evaluate_stage(
         }
     }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
-    if !units
+    let trainable_values: Vec<u64> = trainable.iter().map(|(_, n)| *n).collect();
+    let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum());
+    if let Some(b) = grad_buffer {
+        // Megatron's gradient buffer replaces the gradients the backward would allocate.
+        persistent.fixed[Category::Grads as usize] = b;
+        persistent.grad_divisor = u64::MAX;
+    } else if !units
         && ((cand.zero >= 2 && profile.grads_sharded_in_backward)
-            || cand.offloads(OffloadWhat::Grads))
+            || cand.offloads(OffloadWhat::Grads)
+            || engines::grads_follow_host_optimizer(profile, cand))
     {
-        persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads) {
+        persistent.grad_divisor = if cand.offloads(OffloadWhat::Grads)
+            || engines::grads_follow_host_optimizer(profile, cand)
+        {
             u64::MAX
         } else {
             dp
@@ -368,7 +378,8 @@ fn evaluate_stage(
     at_opt[Category::WeightCopies as usize] = 0;
     if opt_on_gpu {
         at_opt[Category::Workspace as usize] +=
-            opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 });
+            engines::step_temporaries(spec, profile, cand, &opt, &trainable_values)
+                .unwrap_or_else(|| opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 }));
     }
     if units && opt_on_gpu == cand.offloads(OffloadWhat::Params) {
         // The updated fp32 shard comes up from the host optimizer into the device weights,

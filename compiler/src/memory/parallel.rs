@@ -55,11 +55,18 @@ pub struct ParallelTerms {
     /// The Burn executor's parameter offload: one unit-sized device buffer the host shards
     /// are uploaded through before each unit's gather.
     pub staging_buffer: u64,
+    /// FSDP2's, DeepSpeed's or Megatron's own buffers (`memory::engines`), in place of the
+    /// generic data-parallel buckets above.
+    pub engine: Vec<super::engines::EngineBuffer>,
 }
 
 impl ParallelTerms {
     pub fn added(&self) -> u64 {
-        self.reduce_bucket + self.gather_bucket + self.pipeline_buffers + self.staging_buffer
+        self.reduce_bucket
+            + self.gather_bucket
+            + self.pipeline_buffers
+            + self.staging_buffer
+            + self.engine.iter().map(|b| b.bytes).sum::<u64>()
     }
 }
 
@@ -74,7 +81,12 @@ pub fn layer_params(m: &crate::spec::ModelSpec, tensor: u64) -> u64 {
         crate::spec::Mlp::Swiglu => 3 * m.hidden * ffn,
         crate::spec::Mlp::Gelu => 2 * m.hidden * ffn,
     };
-    attn + mlp * m.experts.max(1) + 4 * m.hidden
+    // Two norms a layer: an RMSNorm has a scale, a LayerNorm a scale and a bias.
+    let norms = match m.norm {
+        crate::spec::Norm::Rmsnorm => 2 * m.hidden,
+        crate::spec::Norm::Layernorm => 4 * m.hidden,
+    };
+    attn + mlp * m.experts.max(1) + norms
 }
 
 /// Parameters of the whole model (elements): layers, embeddings and an untied head.
@@ -84,8 +96,15 @@ pub fn model_params(m: &crate::spec::ModelSpec) -> u64 {
     m.layers * layer_params(m, 1) + embed + head + m.hidden
 }
 
-/// The per-rank terms for `cand`, given the single-stage report.
-pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTerms {
+/// The per-rank terms for `cand` (the plan's candidate, before
+/// [`super::engines::engine_candidate`]) on `stage`, given the stage's report.
+pub fn terms(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    stage: &Stage,
+    report: &MemoryReport,
+) -> ParallelTerms {
     let d = cand.data.max(1);
     let grad_b = spec.precision.grads.bytes();
     let param_b = spec.precision.params.bytes();
@@ -93,7 +112,9 @@ pub fn terms(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> ParallelTe
     let mut t = ParallelTerms::default();
     let burn = spec.target == crate::spec::Target::Burn;
     let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
-    if burn && !report.units.is_empty() {
+    if let Some(bufs) = super::engines::buffers(spec, cand, profile, stage, report) {
+        t.engine = bufs;
+    } else if burn && !report.units.is_empty() {
         // The Burn executor's ZeRO-3 / parameter offload reduces each unit's gradient (a tape
         // transient) as the backward leaves it: no flat vectors. Offloaded weights are fp32
         // on the host: this rank's shard of a unit comes up as fp32 before its cast.
@@ -171,8 +192,9 @@ pub fn evaluate_stages(
     super::stages(spec, cand)
         .into_iter()
         .map(|stage| {
-            let mut r = evaluate_on(spec, cand, profile, &stage, timeline);
-            let t = terms(spec, cand, &r);
+            let run = super::engines::engine_candidate(profile, cand);
+            let mut r = evaluate_on(spec, &run, profile, &stage, timeline);
+            let t = terms(spec, cand, profile, &stage, &r);
             apply(&mut r, &t);
             (stage, r)
         })
@@ -232,8 +254,8 @@ pub fn ranks(spec: &Spec, cand: &Candidate, profile: &Profile) -> Vec<RankMemory
         .enumerate()
         .map(|(i, (stage, r))| {
             // The terms depend on the parameter counts only, which `apply` leaves alone.
-            let t = terms(spec, cand, &r);
-            describe(spec, cand, stage, &r, &t, i == w)
+            let t = terms(spec, cand, profile, &stage, &r);
+            describe(spec, cand, profile, stage, &r, &t, i == w)
         })
         .collect()
 }
@@ -241,6 +263,7 @@ pub fn ranks(spec: &Spec, cand: &Candidate, profile: &Profile) -> Vec<RankMemory
 fn describe(
     spec: &Spec,
     cand: &Candidate,
+    profile: &Profile,
     stage: Stage,
     r: &MemoryReport,
     terms: &ParallelTerms,
@@ -320,6 +343,7 @@ fn describe(
     } else {
         of(1, "optimizer state", String::new())
     };
+    let (weights, grads, optimizer) = engine_shares(spec, cand, profile, weights, grads, optimizer);
     let at = |k: &str| r.breakdown.get(k).copied().unwrap_or(0);
     if !r.units.is_empty() {
         return RankMemory {
@@ -361,6 +385,7 @@ fn describe(
             .iter()
             .filter(|(b, _)| *b > 0)
             .map(|(b, what)| format!("{what} {:.2} GiB", *b as f64 / (1u64 << 30) as f64))
+            .chain(terms.engine.iter().map(|b| b.what.clone()))
             .collect::<Vec<_>>()
             .join(", ");
         holds.push(Holding {
@@ -376,6 +401,57 @@ fn describe(
         holds,
         peak_bytes: r.peak_bytes,
         worst,
+    }
+}
+
+/// The weights / gradients / optimizer lines in the words of the engine that holds them
+/// (`memory::engines`); the generic ZeRO wording for eager PyTorch, DeepSpeed and Burn.
+fn engine_shares(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    weights: String,
+    grads: String,
+    optimizer: String,
+) -> (String, String, String) {
+    use crate::profile::Engine;
+    let d = cand.data.max(1);
+    let p = &spec.precision;
+    match profile.engine {
+        Engine::Fsdp2 => (
+            format!(
+                "1/{d} of the stage's weights in {} (FSDP2 fully_shard); each layer gathered in {} for its use ({})",
+                p.params.as_str(),
+                p.compute.as_str(),
+                if super::engines::fsdp_reshards_after_forward(cand.zero) {
+                    "resharded after its forward, gathered again for its backward"
+                } else {
+                    "kept gathered until its backward"
+                }
+            ),
+            format!(
+                "1/{d} of the stage's gradients in {} (FSDP2 reduce-scatter in fp32)",
+                p.params.as_str()
+            ),
+            format!("1/{d} of the stage's optimizer state (on FSDP2's sharded parameters)"),
+        ),
+        Engine::Megatron => (
+            weights,
+            format!(
+                "all the stage's gradients in Megatron's contiguous {} gradient buffer (grad_reduce_in_fp32)",
+                if crate::profile::engines::megatron::GRAD_REDUCE_IN_FP32 {
+                    "fp32"
+                } else {
+                    p.grads.as_str()
+                }
+            ),
+            if cand.zero >= 1 {
+                format!("1/{d} of the fp32 main weights and Adam state (distributed optimizer over data = {d})")
+            } else {
+                "all the stage's fp32 main weights and Adam state (no distributed optimizer)".to_string()
+            },
+        ),
+        _ => (weights, grads, optimizer),
     }
 }
 

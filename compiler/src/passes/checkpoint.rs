@@ -29,10 +29,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     pub fn new(spec: &Spec, profile: &Profile) -> Self {
-        let mechanism = match profile.name {
-            "pytorch" => "per-layer non-reentrant torch.utils.checkpoint",
-            _ => "rcoa's per-layer segment recomputation",
-        };
+        let mechanism = profile.recompute_mechanism();
         Checkpoint {
             choice: spec.fit.checkpoint,
             layers: spec.model.layers,

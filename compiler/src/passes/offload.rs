@@ -61,6 +61,10 @@ impl Pass for Offload<'_> {
                 decide(log, self, format!("{o} not used"), why);
                 continue;
             }
+            if let Some(why) = crate::profile::engines::offload_refusal(self.target, o) {
+                decide(log, self, format!("{o} not used"), why);
+                continue;
+            }
             if o.what == OffloadWhat::Activations {
                 decide(log, self, format!("{o} not used"),
                     "moving activations to the host is not modelled by the memory model; checkpointing covers the same memory");

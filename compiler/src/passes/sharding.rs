@@ -200,7 +200,16 @@ impl Pass for Sharding<'_> {
                            and offloads the optimizer to the host: write `zero = 2` (or `auto`), or `target pytorch` for DeepSpeed's ZeRO-3 (`rcoa emit`)".into(),
                 });
             }
-            Choice::Fixed(z) => vec![z],
+            Choice::Fixed(z) => {
+                crate::profile::engines::check_zero(self.target, z)?;
+                vec![z]
+            }
+            Choice::Auto if crate::profile::engines::zero_stages(self.target).is_some() => {
+                let (stages, why) =
+                    crate::profile::engines::zero_stages(self.target).unwrap_or((&[], ""));
+                decide(log, self, format!("zero ∈ {stages:?}"), why);
+                stages.to_vec()
+            }
             Choice::Auto if self.data_parallel_only() && !burn_zero3 => vec![0, 1, 2],
             Choice::Auto if self.data_parallel_only() => vec![0, 1, 2, 3],
             Choice::Auto => {

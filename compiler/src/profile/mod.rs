@@ -8,6 +8,10 @@
 //! measured. Invariant: a profile holds no per-configuration corrections;
 //! every number applies to every plan that targets that executor.
 
+pub mod engines;
+
+pub use engines::Engine;
+
 use crate::spec::Target;
 use serde::Serialize;
 
@@ -69,6 +73,9 @@ pub const BURN_BUILDS_WHOLE_MODEL: bool = true;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Profile {
     pub name: &'static str,
+    /// The engine whose own allocations (buckets, flat partitions, gathered units) are added
+    /// to the tape (`memory::engines`).
+    pub engine: Engine,
     /// `params = fp32, compute = bf16` runs as autocast: per-op casts of
     /// activations, cached 16-bit copies of trainable weights for the whole
     /// forward, fp32 residual stream. Without it the executor computes in the
@@ -179,6 +186,9 @@ impl Profile {
         match target {
             Target::Pytorch => Profile::pytorch(),
             Target::Burn => Profile::burn(),
+            Target::Fsdp => Profile::fsdp(),
+            Target::Deepspeed => Profile::deepspeed(),
+            Target::Megatron => Profile::megatron(),
         }
     }
 
@@ -187,6 +197,7 @@ impl Profile {
     pub fn pytorch() -> Profile {
         Profile {
             name: "pytorch",
+            engine: Engine::Eager,
             // DSL.md: `target pytorch` runs fp32 weights with bf16 compute as autocast.
             autocast: true,
             // groundtruth llama*_base vs llama350m_eager: SDPA rows save no score matrix.
@@ -273,6 +284,7 @@ impl Profile {
     pub fn burn() -> Profile {
         Profile {
             name: "burn",
+            engine: Engine::Burn,
             // BURN.md: "bf16/f16 are element types of the backend".
             autocast: false,
             // BURN.md: "Burn's multi-head attention keeps the full [batch, heads, seq, seq]

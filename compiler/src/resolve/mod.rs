@@ -175,6 +175,15 @@ pub fn resolve_with_spans(
         Some(s) => resolve_target(&mut cx, s),
         None => Some(Target::Burn),
     };
+    let optimizer = match (optimizer, target) {
+        (Some(o), Some(t)) => Some(crate::profile::engines::default_optimizer_impl(
+            o,
+            t,
+            cx.spans.get("optimizer.impl").is_some(),
+            &mut cx.defaults,
+        )),
+        (o, _) => o,
+    };
 
     constraints::check(
         &mut cx,
@@ -315,7 +324,7 @@ fn resolve_target(cx: &mut Cx, s: &Section) -> Option<Target> {
                 v,
                 "target",
                 NameKind::Target,
-                &[("burn", Target::Burn), ("pytorch", Target::Pytorch)],
+                &Target::ALL.map(|t| (t.as_str(), t)),
             )
         }
     };

@@ -880,3 +880,39 @@ fn chunked_loss_key() {
     let e = one(&src, "rcoa::wrong_kind");
     assert_eq!(text_at(&src, &e), "3");
 }
+
+#[test]
+fn target_names_every_engine_and_sets_its_optimizer_default() {
+    use crate::spec::OptImpl;
+    for t in Target::ALL {
+        let s = ok(&with(&format!("target {}", t.as_str())));
+        assert_eq!(s.target, t);
+    }
+    // DeepSpeed and Megatron build fused Adam unless the plan says otherwise; the default is
+    // recorded for --explain.
+    for engine in ["deepspeed", "megatron"] {
+        let s = ok(&with(&format!(
+            "optimizer adamw {{ lr = 1e-4 }}\ntarget {engine}"
+        )));
+        assert_eq!(s.optimizer.implementation, OptImpl::Fused, "{engine}");
+        assert!(s
+            .defaults
+            .iter()
+            .any(|(w, _)| w == "optimizer.impl = fused"));
+        let s = ok(&with(&format!(
+            "optimizer adamw {{ lr = 1e-4 impl = foreach }}\ntarget {engine}"
+        )));
+        assert_eq!(s.optimizer.implementation, OptImpl::Foreach, "written wins");
+    }
+    for other in ["pytorch", "fsdp", "burn"] {
+        let s = ok(&with(&format!(
+            "optimizer adamw {{ lr = 1e-4 }}\ntarget {other}"
+        )));
+        assert_eq!(s.optimizer.implementation, OptImpl::Foreach, "{other}");
+    }
+    let e = one(&with("target deepsped"), "rcoa::unknown_target");
+    let help = e.help.clone().unwrap_or_default();
+    for t in Target::ALL {
+        assert!(help.contains(&format!("`{}`", t.as_str())), "{help}");
+    }
+}

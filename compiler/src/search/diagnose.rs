@@ -11,7 +11,7 @@
 use super::Outcome;
 use crate::passes;
 use crate::profile::Profile;
-use crate::spec::{CheckpointChoice, Choice, Offload, OffloadTo, OffloadWhat, Spec, Target};
+use crate::spec::{CheckpointChoice, Choice, Offload, OffloadTo, OffloadWhat, Spec};
 use miette::Diagnostic;
 use thiserror::Error;
 
@@ -63,7 +63,12 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
             .join(", ")
     );
     let mut relaxations: Vec<(String, Spec)> = Vec::new();
-    let can_offload = spec.target == Target::Pytorch || spec.gpu_count() > 1;
+    // FSDP2 and Megatron-Core run no parameter offload (`profile::engines::offload_refusal`).
+    let can_offload = (spec.target.is_pytorch_engine() || spec.gpu_count() > 1)
+        && !matches!(
+            spec.target,
+            crate::spec::Target::Fsdp | crate::spec::Target::Megatron
+        );
     let wanted = [OffloadWhat::Optimizer, OffloadWhat::Params];
     if can_offload
         && !wanted

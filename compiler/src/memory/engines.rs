@@ -1,0 +1,575 @@
+//! What FSDP2, DeepSpeed and Megatron-Core allocate on a rank beyond the tape of eager
+//! PyTorch, from each engine's code (the settings are `crate::profile::engines`).
+//!
+//! Three kinds of term, each where it lives in time:
+//! - [`buffers`]: held for the whole step (gathered units, communication buckets, flat
+//!   partitions), added to every sample like `memory::parallel`'s generic buckets, which
+//!   they replace for these engines;
+//! - [`step_temporaries`]: what the optimizer step allocates (the flat fp32 gradient
+//!   partition DeepSpeed makes for its fused kernel), replacing the per-parameter
+//!   temporaries `memory::optimizer` models for `torch.optim`;
+//! - [`contiguous_grad_bytes`]: Megatron's gradient buffer, which exists from the model's
+//!   wrapping on, instead of gradients the backward allocates one by one.
+//!
+//! [`engine_candidate`] is how the engine runs a candidate: FSDP2 always shards parameters,
+//! gradients and optimizer state (`zero` only says whether a unit is resharded after its
+//! forward), so the tape is built as ZeRO-3.
+
+use super::optimizer::OptimizerModel;
+use super::parallel::layer_params;
+use super::{Candidate, MemoryReport, Stage};
+use crate::profile::engines::{deepspeed, fsdp, megatron};
+use crate::profile::{Engine, Profile};
+use crate::spec::{OffloadWhat, OptImpl, OptimizerKind, Spec};
+use std::borrow::Cow;
+
+/// A buffer an engine keeps beside the tape, named as `--explain` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineBuffer {
+    pub what: String,
+    pub bytes: u64,
+}
+
+/// `cand` as the engine runs it (see the module header).
+pub fn engine_candidate<'a>(profile: &Profile, cand: &'a Candidate) -> Cow<'a, Candidate> {
+    if profile.engine == Engine::Fsdp2 && cand.zero < 3 {
+        let mut c = cand.clone();
+        c.zero = 3;
+        return Cow::Owned(c);
+    }
+    Cow::Borrowed(cand)
+}
+
+/// FSDP2 reshards a unit after its forward (`reshard_after_forward=True`) when the plan
+/// says ZeRO-3; ZeRO-2 keeps every unit gathered from its forward to its backward (the
+/// `SHARD_GRAD_OP` the Accelerate emitter writes for `zero = 2`).
+pub fn fsdp_reshards_after_forward(plan_zero: u8) -> bool {
+    plan_zero >= 3
+}
+
+fn bytes(elems: u64, b: f64) -> u64 {
+    (elems as f64 * b).ceil() as u64
+}
+
+/// The whole-step buffers of `profile`'s engine on `stage`'s rank, or `None` for the engines
+/// `memory::parallel` models itself (eager PyTorch, Burn). `cand` is the plan's candidate
+/// (before [`engine_candidate`]); `report` the stage's tape.
+pub fn buffers(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    stage: &Stage,
+    report: &MemoryReport,
+) -> Option<Vec<EngineBuffer>> {
+    let m = &spec.model;
+    let d = cand.data.max(1);
+    let t = cand.tensor.max(1);
+    let trainable = report.params_trainable;
+    let param_b = spec.precision.params.bytes();
+    let grad_b = spec.precision.grads.bytes();
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut out = Vec::new();
+    let mut add = |what: String, bytes: u64| {
+        if bytes > 0 {
+            out.push(EngineBuffer { what, bytes });
+        }
+    };
+    match profile.engine {
+        Engine::Burn | Engine::Eager => return None,
+        Engine::Fsdp2 => {
+            // `_fsdp_param.py`: the unsharded parameters are in `param_dtype` (the plan's
+            // compute dtype), the all-gather output one flat buffer of a unit's size that
+            // `foreach_all_gather_copy_out` copies into the per-parameter outputs (both exist
+            // during the copy: one more unit).
+            let cb = spec.precision.compute.bytes().min(param_b);
+            let unit = layer_params(m, t);
+            let layers = stage.end_layer.saturating_sub(stage.first_layer);
+            let gathered_units = if fsdp_reshards_after_forward(cand.zero) {
+                (1 + fsdp::PREFETCH_UNITS).min(layers.max(1))
+            } else {
+                layers
+            };
+            let b = bytes((gathered_units + 1) * unit, cb);
+            add(
+                format!(
+                    "FSDP2 gathered layers {}: {gathered_units} unsharded in {} ({}) and the flat all-gather output being copied out, {} a layer",
+                    gib(b),
+                    spec.precision.compute.as_str(),
+                    if fsdp_reshards_after_forward(cand.zero) {
+                        "the running one and the prefetched next, reshard_after_forward=True"
+                    } else {
+                        "every layer from its forward to its backward, reshard_after_forward=False"
+                    },
+                    gib(bytes(unit, cb))
+                ),
+                b,
+            );
+            // `_fsdp_state.py` `_lazy_init`: the root module (embedding, final norm, head)
+            // is not resharded after forward; its parameters stay gathered until its backward.
+            if stage.embedding || stage.head {
+                let table = m.vocab.div_ceil(t) * m.hidden;
+                let tied = m.tie_embeddings;
+                let embed = if stage.embedding || (stage.head && tied) {
+                    table
+                } else {
+                    0
+                };
+                let head = if stage.head && !tied { table } else { 0 };
+                let root = embed + head + m.hidden;
+                add(
+                    format!(
+                        "FSDP2 root unit {} (embedding, final norm, head: gathered from its forward to its backward)",
+                        gib(bytes(root, cb))
+                    ),
+                    bytes(root, cb),
+                );
+            }
+            // `_fsdp_collectives.py` `foreach_reduce`: the unit's unsharded gradients (in the
+            // parameter dtype) are copied into an fp32 reduce-scatter input (`reduce_dtype`),
+            // the output is this rank's fp32 shard.
+            let rs = bytes(unit, cb) + bytes(unit, 4.0) + bytes(unit.div_ceil(d), 4.0);
+            add(
+                format!(
+                    "FSDP2 reduce-scatter {} (a layer's unsharded gradients, its fp32 input and fp32 shard)",
+                    gib(rs)
+                ),
+                rs,
+            );
+        }
+        Engine::DeepSpeed => {
+            let hidden = m.hidden;
+            let flat = |n: u64| n.div_ceil(if cand.zero >= 1 { d } else { 1 });
+            match cand.zero {
+                0 if d > 1 && trainable > 0 => {
+                    let b = bytes(deepspeed::ALLREDUCE_BUCKET_ELEMENTS.min(trainable), grad_b);
+                    add(format!("DeepSpeed all-reduce bucket {}", gib(b)), b);
+                }
+                1 | 2 => {
+                    // `stage_1_and_2.py` `setup_buckets`: with `contiguous_gradients` and
+                    // `overlap_comm` (both written by rcoa), two `reduce_bucket_size` buffers in
+                    // the ZeRO dtype (the 16-bit weights' dtype, fp32 without bf16/fp16). The
+                    // all-gather of the updated weights writes into the flat 16-bit groups in
+                    // place (`runtime/utils.py` `all_gather_into_tensor_dp_groups`;
+                    // `allgather_bucket_size` only chunks the legacy path): no buffer.
+                    let b = 2 * bytes(deepspeed::reduce_bucket_elements(hidden), param_b);
+                    add(
+                        format!(
+                            "DeepSpeed reduce buckets {} (2 × reduce_bucket_size, overlap_comm)",
+                            gib(b)
+                        ),
+                        b,
+                    );
+                }
+                _ => {
+                    // `stage3.py`: one IPG bucket of `reduce_bucket_size`, and the prefetch of
+                    // up to `stage3_prefetch_bucket_size` elements of the next modules.
+                    let b = bytes(deepspeed::reduce_bucket_elements(hidden), grad_b);
+                    add(
+                        format!("DeepSpeed reduce bucket {} (reduce_bucket_size)", gib(b)),
+                        b,
+                    );
+                    if d > 1 && !cand.offloads(OffloadWhat::Params) {
+                        let next =
+                            layer_params(m, t).min(deepspeed::prefetch_bucket_elements(hidden));
+                        let b = bytes(next, param_b);
+                        add(
+                            format!(
+                                "DeepSpeed ZeRO-3 prefetch {} (stage3_prefetch_bucket_size)",
+                                gib(b)
+                            ),
+                            b,
+                        );
+                        // `partition_parameters.py`: parameters under
+                        // `stage3_param_persistence_threshold` elements (10 × hidden: every
+                        // norm's scale) are never partitioned: every rank keeps them whole.
+                        let layers = stage.end_layer.saturating_sub(stage.first_layer);
+                        let norms = (2 * layers + u64::from(stage.head)) * hidden;
+                        let b = bytes(norms - norms.div_ceil(d), param_b);
+                        add(
+                            format!(
+                                "DeepSpeed ZeRO-3 persistent parameters {} (under stage3_param_persistence_threshold, whole on every rank)",
+                                gib(b)
+                            ),
+                            b,
+                        );
+                    }
+                }
+            }
+            // ZeRO 1-3 keep their own fp32 partition even of fp32 weights
+            // (`stage_1_and_2.py`: `single_partition_of_fp32_groups` is a `.clone().float()` of
+            // the partition; `stage3.py` `_create_fp32_partitions`): the memory model's master
+            // copy covers 16-bit weights only.
+            let no_master = spec.precision.master.is_none_or(|x| x.bytes() <= param_b);
+            if cand.zero >= 1 && param_b >= 4.0 && no_master && trainable > 0 {
+                let b = bytes(flat(trainable), 4.0);
+                if !cand.offloads(OffloadWhat::Optimizer) {
+                    add(
+                        format!("DeepSpeed fp32 partition of fp32 weights {}", gib(b)),
+                        b,
+                    );
+                }
+            }
+        }
+        Engine::Megatron => {
+            // The parameter buffer holds the 16-bit weights themselves and the buckets are
+            // views of the parameter and gradient buffers (`param_and_grad_buffer.py`): no
+            // bytes beyond the tape and [`contiguous_grad_bytes`].
+        }
+    }
+    Some(out)
+}
+
+/// Does the engine keep the reduced gradient partition in host memory because the optimizer
+/// is there? DeepSpeed does from ZeRO-2 on: `stage_1_and_2.py` `copy_grads_in_partition`
+/// copies each reduced gradient into the host fp32 partition under `cpu_offload` instead of
+/// `grads_in_partition`, and `stage3.py` allocates `grad_partitions_flat_buffer` on
+/// `self.device`, the CPU with `offload_optimizer`. The device keeps the reduce buckets only.
+pub fn grads_follow_host_optimizer(profile: &Profile, cand: &Candidate) -> bool {
+    profile.engine == Engine::DeepSpeed && cand.zero >= 2 && cand.offloads(OffloadWhat::Optimizer)
+}
+
+/// Megatron-Core's contiguous gradient buffer on this rank (bytes), or `None` for engines
+/// whose gradients the backward allocates. It is allocated when the model is wrapped and
+/// never freed (`param_and_grad_buffer.py` `_ParamAndGradBuffer`), whole on every
+/// data-parallel rank even with the distributed optimizer (the reduce-scatter writes into it).
+pub fn contiguous_grad_bytes(spec: &Spec, profile: &Profile, trainable_values: u64) -> Option<u64> {
+    if profile.engine != Engine::Megatron || trainable_values == 0 {
+        return None;
+    }
+    let b = if megatron::GRAD_REDUCE_IN_FP32 {
+        4.0
+    } else {
+        spec.precision.grads.bytes()
+    };
+    Some(profile.allocated(bytes(trainable_values, b)))
+}
+
+/// The optimizer step's temporaries on the device, or `None` to keep `memory::optimizer`'s
+/// (eager PyTorch's `torch.optim` over separate parameters). `trainable` holds each
+/// trainable tensor's values on this rank.
+pub fn step_temporaries(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    opt: &OptimizerModel,
+    trainable: &[u64],
+) -> Option<u64> {
+    let d = cand.data.max(1);
+    let shards = if cand.zero >= 1 { d } else { 1 };
+    let largest = trainable.iter().copied().max().unwrap_or(0);
+    // `memory::optimizer` adds an fp32 cast of the largest gradient for a master copy;
+    // both engines below keep fp32 gradients of their own instead.
+    let master_cast = if opt.master_bytes > 0 {
+        profile.allocated(bytes(largest, 4.0))
+    } else {
+        0
+    };
+    let generic = opt.temp_bytes.saturating_sub(master_cast).div_ceil(shards);
+    match profile.engine {
+        Engine::Burn | Engine::Eager | Engine::Fsdp2 => None,
+        // Megatron's main gradients are views of the fp32 gradient buffer: nothing is cast.
+        Engine::Megatron => Some(generic),
+        Engine::DeepSpeed => {
+            let values: u64 = trainable.iter().sum();
+            let partition = values.div_ceil(shards);
+            // ZeRO-3 steps one `sub_group_size` piece of the partition at a time.
+            let piece = if cand.zero >= 3 {
+                partition.min(deepspeed::SUB_GROUP_SIZE)
+            } else {
+                partition
+            };
+            // `stage_1_and_2.py` `step`: `flatten(averaged_gradients)` in the gradients' dtype,
+            // then `.to(fp32)` for `single_partition_of_fp32_groups[i].grad` (`stage3.py`
+            // `_prepare_fp32_grad_for_sub_group` likewise per sub-group).
+            let grad_b = spec.precision.grads.bytes();
+            let mut temp = profile.allocated(bytes(piece, grad_b));
+            if grad_b < 4.0 {
+                temp += profile.allocated(bytes(piece, 4.0));
+            }
+            // The optimizer runs over the one flat fp32 partition: FusedAdam allocates
+            // nothing; torch's foreach makes one partition-sized temporary, a per-parameter
+            // loop two (the partition is its one parameter).
+            let adam_like = matches!(
+                spec.optimizer.kind,
+                OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lion
+            );
+            temp += if adam_like {
+                match spec.optimizer.implementation {
+                    OptImpl::Fused => 0,
+                    OptImpl::Foreach => profile.allocated(bytes(piece, 4.0)),
+                    OptImpl::Plain => 2 * profile.allocated(bytes(piece, 4.0)),
+                }
+            } else {
+                generic
+            };
+            Some(temp)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::parallel;
+    use crate::spec::Offload;
+
+    // A 2-layer decoder small enough to count by hand: hidden 256, 4 heads of 64, SwiGLU
+    // ffn 1024, vocab 1000, untied head, RMSNorm.
+    const H: u64 = 256;
+    const F: u64 = 1024;
+    const V: u64 = 1000;
+    /// One layer: q, k, v, o (4 H²), gate, up, down (3 H F), two RMSNorm scales (2 H).
+    const LAYER: u64 = 4 * H * H + 3 * H * F + 2 * H;
+    /// The whole model: two layers, the embedding and the head (V H each), the final norm.
+    const MODEL: u64 = 2 * LAYER + 2 * V * H + H;
+
+    fn spec(target: &str, precision: &str, zero: u8) -> Spec {
+        let src = format!(
+            "model {{ arch = decoder layers = 2 hidden = {H} heads = 4 kv_heads = 4 ffn = {F} vocab = {V} tie_embeddings = false }}\n\
+             hardware {{ gpu = h100-80gb gpus_per_node = 4 }}\nprecision {precision}\n\
+             optimizer adamw {{ lr = 1e-4 }}\ntrain {{ seq_len = 128 global_batch = 16 }}\n\
+             parallel {{ zero = {zero} }}\ntarget {target}\n"
+        );
+        let file = rcoa_grammar::parse("t.plan", &src).unwrap();
+        let ctx =
+            crate::resolve::ResolveContext::new("t.plan", &src, std::path::PathBuf::from("."));
+        crate::resolve::resolve(&file, &ctx).unwrap()
+    }
+
+    fn cand(zero: u8, data: u64) -> Candidate {
+        Candidate {
+            micro_batch: 1,
+            grad_accum: 1,
+            data,
+            zero,
+            tensor: 1,
+            pipeline: 1,
+            context: 1,
+            sequence: false,
+            checkpoint_layers: vec![],
+            selective: false,
+            offload: vec![],
+        }
+    }
+
+    fn evaluate(s: &Spec, c: &Candidate) -> MemoryReport {
+        parallel::evaluate(s, c, &Profile::for_target(s.target), false)
+    }
+
+    fn engine_bytes(s: &Spec, c: &Candidate) -> Vec<(String, u64)> {
+        let p = Profile::for_target(s.target);
+        let stages = super::super::stages(s, c);
+        let r = super::super::evaluate_on(s, &engine_candidate(&p, c), &p, &stages[0], false);
+        buffers(s, c, &p, &stages[0], &r)
+            .unwrap()
+            .into_iter()
+            .map(|b| (b.what, b.bytes))
+            .collect()
+    }
+
+    #[test]
+    fn the_hand_count_is_the_model_the_tape_builds() {
+        let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        assert_eq!(parallel::layer_params(&s.model, 1), LAYER);
+        assert_eq!(evaluate(&s, &cand(3, 1)).params_total, MODEL);
+    }
+
+    /// FSDP2 at N = 4 (`_fsdp_collectives.py`, `_fsdp_state.py`): fp32 shards of weights,
+    /// gradients and Adam state (4 + 4 + 8 bytes over 4 ranks), two bf16 layers gathered plus
+    /// the all-gather output being copied out, the root unit (embedding, head, final norm)
+    /// gathered through forward and backward, and one layer's reduce-scatter (bf16
+    /// gradients, fp32 input, fp32 shard).
+    #[test]
+    fn fsdp2_two_layer_model_at_four_ranks() {
+        let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        let c = cand(3, 4);
+        let bufs = engine_bytes(&s, &c);
+        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
+        assert_eq!(
+            bytes,
+            vec![
+                3 * LAYER * 2,
+                (2 * V * H + H) * 2,
+                LAYER * 2 + LAYER * 4 + LAYER.div_ceil(4) * 4
+            ],
+            "{bufs:?}"
+        );
+        let r = evaluate(&s, &c);
+        let at = |k: &str| r.breakdown[k];
+        // Every tensor is one allocation rounded to 512 B: 23 tensors (9 a layer, embedding,
+        // head, final norm) at most 512 B each over their exact shard.
+        let slack = 23 * 512;
+        let shard = |b: u64| (MODEL * b).div_ceil(4);
+        assert!(
+            at("weights").abs_diff(shard(4)) <= slack,
+            "{}",
+            at("weights")
+        );
+        assert!(
+            at("optimizer").abs_diff(shard(8)) <= 2 * slack,
+            "{}",
+            at("optimizer")
+        );
+        assert_eq!(at("communication"), bytes.iter().sum::<u64>());
+        // reshard_after_forward=False (zero = 2) keeps both layers gathered: one more layer.
+        let two = engine_bytes(
+            &spec("fsdp", "{ params = fp32 compute = bf16 }", 2),
+            &cand(2, 4),
+        );
+        assert_eq!(two[0].1, 3 * LAYER * 2);
+        let bigger = |layers: u64| {
+            let mut s = spec("fsdp", "{ params = fp32 compute = bf16 }", 2);
+            s.model.layers = layers;
+            engine_bytes(&s, &cand(2, 4))[0].1
+        };
+        assert_eq!(
+            bigger(6),
+            7 * LAYER * 2,
+            "every layer stays gathered, plus the copy-out"
+        );
+    }
+
+    /// DeepSpeed ZeRO-2 (`stage_1_and_2.py`): two bf16 `reduce_bucket_size` buffers of H²
+    /// (what rcoa writes into ds_config.json) for the whole step, and at the step the flat
+    /// bf16 gradient partition and its fp32 cast, FusedAdam allocating nothing.
+    #[test]
+    fn deepspeed_zero2_buckets_and_flat_partition() {
+        let s = spec(
+            "deepspeed",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            2,
+        );
+        assert_eq!(
+            s.optimizer.implementation,
+            OptImpl::Fused,
+            "DeepSpeed's default"
+        );
+        let c = cand(2, 4);
+        let bufs = engine_bytes(&s, &c);
+        assert_eq!(bufs.len(), 1, "{bufs:?}");
+        assert_eq!(bufs[0].1, 2 * H * H * 2);
+        assert!(bufs[0].0.contains("reduce_bucket_size"), "{}", bufs[0].0);
+        let p = Profile::for_target(s.target);
+        let opt = OptimizerModel {
+            name: "adamw",
+            state_bytes: 0,
+            master_bytes: 4 * MODEL,
+            temp_bytes: 4 * LAYER,
+        };
+        let values = [MODEL - 3, 1, 1, 1];
+        let partition = MODEL.div_ceil(4);
+        let round = |b: u64| b.div_ceil(512) * 512;
+        assert_eq!(
+            step_temporaries(&s, &p, &c, &opt, &values),
+            Some(p.allocated(partition * 2) + p.allocated(partition * 4))
+        );
+        assert_eq!(p.allocated(partition * 2), round(partition * 2));
+        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one more.
+        let mut foreach = s.clone();
+        foreach.optimizer.implementation = OptImpl::Foreach;
+        assert_eq!(
+            step_temporaries(&foreach, &p, &c, &opt, &values),
+            Some(p.allocated(partition * 2) + 2 * p.allocated(partition * 4))
+        );
+        // Eager PyTorch keeps `memory::optimizer`'s temporaries.
+        let eager = Profile::pytorch();
+        assert_eq!(step_temporaries(&s, &eager, &c, &opt, &values), None);
+    }
+
+    /// DeepSpeed ZeRO-3 (`stage3.py`, `partition_parameters.py`): one reduce bucket, a
+    /// prefetch of min(0.9 H², the next layer), and the norms (under the persistence
+    /// threshold) whole on every rank.
+    #[test]
+    fn deepspeed_zero3_bucket_prefetch_and_persistent_norms() {
+        let s = spec(
+            "deepspeed",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            3,
+        );
+        let bufs = engine_bytes(&s, &cand(3, 4));
+        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
+        let norms = (2 * 2 + 1) * H;
+        assert_eq!(
+            bytes,
+            vec![H * H * 2, (H * H * 9 / 10) * 2, (norms - norms / 4) * 2],
+            "{bufs:?}"
+        );
+        // fp32 weights: ZeRO keeps its own fp32 partition besides them.
+        let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 1);
+        let bufs = engine_bytes(&fp32, &cand(1, 4));
+        assert_eq!(bufs[1].1, MODEL.div_ceil(4) * 4, "{bufs:?}");
+    }
+
+    /// Megatron-Core (`param_and_grad_buffer.py`, `distrib_optimizer.py`): bf16 weights whole,
+    /// an fp32 gradient buffer whole on every rank, fp32 main weights and Adam state over the
+    /// data ranks: 2 + 4 + 12 / d bytes a parameter.
+    #[test]
+    fn megatron_distributed_optimizer_holds_6_plus_12_over_d() {
+        let s = spec(
+            "megatron",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            1,
+        );
+        assert_eq!(s.optimizer.implementation, OptImpl::Fused);
+        let r = evaluate(&s, &cand(1, 4));
+        let at = |k: &str| r.breakdown[k];
+        let slack = 23 * 512 * 3;
+        assert!(
+            at("weights").abs_diff(2 * MODEL) <= slack,
+            "{}",
+            at("weights")
+        );
+        assert_eq!(at("grads"), Profile::megatron().allocated(4 * MODEL));
+        assert!(
+            at("optimizer").abs_diff((12 * MODEL).div_ceil(4)) <= slack,
+            "{}",
+            at("optimizer")
+        );
+        assert!(engine_bytes(&s, &cand(1, 4)).is_empty());
+        assert_eq!(
+            at("workspace"),
+            Profile::pytorch().workspace_bytes + megatron::TE_WORKSPACE_BYTES
+        );
+    }
+
+    /// ZeRO-3 with `offload_optimizer`: the gradient partition lives on the host
+    /// (`stage3.py`: `grad_partitions_flat_buffer` on `self.device`, the CPU), eager
+    /// PyTorch's generic ZeRO keeps it on the device.
+    #[test]
+    fn deepspeed_offload_keeps_the_gradient_partition_on_the_host() {
+        // Two micro-batches: the second starts with every gradient shard allocated.
+        let mut c = cand(3, 4);
+        c.grad_accum = 2;
+        c.offload = vec![Offload {
+            what: OffloadWhat::Optimizer,
+            to: crate::spec::OffloadTo::Cpu,
+        }];
+        let precision = "{ params = bf16 compute = bf16 master = fp32 }";
+        let ds = evaluate(&spec("deepspeed", precision, 3), &c);
+        let eager = evaluate(&spec("pytorch", precision, 3), &c);
+        assert!(ds.breakdown["grads"] < 1 << 20, "{}", ds.breakdown["grads"]);
+        let shard = (2 * MODEL).div_ceil(4);
+        let eager_grads = eager.breakdown["grads"];
+        assert!(
+            eager_grads.abs_diff(shard) <= 23 * 512,
+            "{eager_grads} vs {shard}"
+        );
+    }
+
+    #[test]
+    fn engines_refuse_what_they_do_not_run() {
+        use crate::profile::engines::{check_zero, offload_refusal};
+        use crate::spec::{OffloadTo, Target};
+        assert!(check_zero(Target::Fsdp, 1).is_err());
+        assert!(check_zero(Target::Fsdp, 3).is_ok());
+        assert!(check_zero(Target::Megatron, 3).is_err());
+        assert!(check_zero(Target::Deepspeed, 3).is_ok());
+        let opt = Offload {
+            what: OffloadWhat::Optimizer,
+            to: OffloadTo::Cpu,
+        };
+        assert!(offload_refusal(Target::Megatron, &opt).is_none());
+        assert!(offload_refusal(Target::Fsdp, &opt).is_some());
+        assert!(offload_refusal(Target::Deepspeed, &opt).is_none());
+    }
+}
