@@ -22,7 +22,7 @@ pub fn engine_target(engine: Engine) -> &'static str {
 /// `(gpus_per_node, nodes)` for a world of `n` ranks: eight to a node, the
 /// way H100 machines come, so a tensor-parallel group stays inside one.
 fn node_shape(n: u64) -> (u64, u64) {
-    if n > 8 && n % 8 == 0 {
+    if n > 8 && n.is_multiple_of(8) {
         (8, n / 8)
     } else {
         (n, 1)
@@ -108,10 +108,10 @@ pub fn plan_text(c: &RunConfig) -> String {
             lora.dropout
         ));
     }
-    if c.world_size == 1 {
+    if c.world_size() == 1 {
         line("hardware { gpu = h100-80gb }".into());
     } else {
-        let (per_node, nodes) = node_shape(c.world_size);
+        let (per_node, nodes) = node_shape(c.world_size());
         line(format!(
             "hardware {{ gpu = h100-80gb  gpus_per_node = {per_node}  nodes = {nodes} }}"
         ));

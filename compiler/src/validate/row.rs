@@ -64,9 +64,10 @@ pub struct RunConfig {
     /// Kept as written so the plan text spells it the way the file does.
     #[serde(default = "zero")]
     pub dropout: Number,
-    /// Ranks in the job; the row measures rank 0.
-    #[serde(default = "one")]
-    pub world_size: u64,
+    /// Ranks in the job (`world_size`; written on every multi-GPU row, absent
+    /// on a single-GPU one); the row measures rank 0. Read it with [`RunConfig::world_size`].
+    #[serde(rename = "world_size", default)]
+    pub world: Option<u64>,
     /// How the ranks split the work.
     #[serde(default)]
     pub engine: Engine,
@@ -141,29 +142,39 @@ pub enum MasterWeights {
 }
 
 impl RunConfig {
+    /// Ranks in the job: 1 for a single-GPU row.
+    pub fn world_size(&self) -> u64 {
+        self.world.unwrap_or(1)
+    }
+
     /// The data-parallel degree.
     pub fn data_parallel(&self) -> u64 {
-        self.world_size / self.tensor_parallel.max(1)
+        self.world_size() / self.tensor_parallel.max(1)
     }
 
     /// Settings that parse but cannot describe one run: a world of 0, a
     /// degree that does not divide it, a setting the engine does not have.
     pub fn check(&self) -> Result<(), String> {
         let engine = self.engine.name();
-        if self.world_size == 0 {
+        if self.engine != Engine::Eager && self.world.is_none() {
+            return Err(format!(
+                "engine {engine} without world_size; a multi-GPU row says how many ranks it ran"
+            ));
+        }
+        let world_size = self.world_size();
+        if world_size == 0 {
             return Err("world_size is 0; a run has at least one rank".into());
         }
-        if self.tensor_parallel == 0 || self.world_size % self.tensor_parallel != 0 {
+        if self.tensor_parallel == 0 || !world_size.is_multiple_of(self.tensor_parallel) {
             return Err(format!(
-                "tensor_parallel {} does not divide world_size {}",
-                self.tensor_parallel, self.world_size
+                "tensor_parallel {} does not divide world_size {world_size}",
+                self.tensor_parallel
             ));
         }
         match self.engine {
-            Engine::Eager if self.world_size != 1 => {
+            Engine::Eager if world_size != 1 => {
                 return Err(format!(
-                    "engine eager runs one rank, not world_size {}; name the multi-GPU engine (ddp, fsdp2, tp, deepspeed)",
-                    self.world_size
+                    "engine eager runs one rank, not world_size {world_size}; name the multi-GPU engine (ddp, fsdp2, tp, deepspeed)"
                 ))
             }
             Engine::Tp if self.tensor_parallel < 2 => {
@@ -456,7 +467,7 @@ mod tests {
     fn a_single_gpu_row_is_one_eager_rank() {
         let c = &parse("t.jsonl", ROW).unwrap().runs[0].config;
         assert_eq!(
-            (c.world_size, c.engine, c.tensor_parallel),
+            (c.world_size(), c.engine, c.tensor_parallel),
             (1, Engine::Eager, 1)
         );
         assert_eq!(
@@ -472,7 +483,7 @@ mod tests {
         let one = |text: String| parse("mgpu.jsonl", &text).unwrap().runs.remove(0).config;
         let c = one(ddp());
         assert_eq!(
-            (c.world_size, c.engine, c.data_parallel()),
+            (c.world_size(), c.engine, c.data_parallel()),
             (8, Engine::Ddp, 8)
         );
         let c = one(tp());
@@ -512,6 +523,15 @@ mod tests {
                 "world_size is 0",
             ),
             (multi(r#""world_size": 4"#), "engine eager runs one rank"),
+            (multi(r#""engine": "ddp""#), "engine ddp without world_size"),
+            (
+                ddp().replace(r#""world_size": 8"#, r#""world_size": "8""#),
+                "expected u64",
+            ),
+            (
+                ddp().replace(r#""batch": 2, "#, ""),
+                "missing field `batch`",
+            ),
             (multi(r#""world_size": -2, "engine": "ddp""#), "-2"),
             (
                 tp().replace(r#""tensor_parallel": 2"#, r#""tensor_parallel": 3"#),
