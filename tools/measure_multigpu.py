@@ -361,40 +361,24 @@ def measure(c, device):
         batches = mp.random_batches(c, dev)
         if on_gpu:
             meta["alloc_setup_B"] = torch.cuda.memory_allocated(dev)
-        autocast = c["autocast"] == "bf16"
-        pending = {}
+        if c["engine"] == "tp":
+            from torch.distributed.tensor.parallel import loss_parallel
 
-        def forward(ids):
-            if c["engine"] == "tp":
-                from torch.distributed.tensor.parallel import loss_parallel
-                # The head's logits stay sharded over the vocabulary; the loss
-                # reduces across the shards (Megatron's vocab-parallel loss).
+            # The head's logits stay sharded over the vocabulary; the loss reduces
+            # across the shards (Megatron's vocabulary-parallel cross-entropy), in
+            # the forward and the backward.
+            def forward(m):
                 with loss_parallel():
-                    return model(input_ids=ids, labels=ids).loss
-            return mp.loss_of(c, model, ids)
+                    return model(input_ids=batches[m], labels=batches[m]).loss
 
-        def run_phase(phase):
-            if phase.startswith("fwd"):
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                    pending["loss"] = forward(batches[int(phase[3:])]) / c["grad_accum"]
-            elif phase.startswith("bwd"):
-                loss = pending.pop("loss")
-                if c["engine"] == "tp":
-                    from torch.distributed.tensor.parallel import loss_parallel
-                    with loss_parallel():
-                        backward(loss)
-                else:
+            def backward_tp(loss):
+                with loss_parallel():
                     backward(loss)
-                value = loss.detach()
-                if hasattr(value, "full_tensor"):
-                    value = value.full_tensor()
-                return float(value) * c["grad_accum"]
-            elif phase == "opt":
-                step()
-            else:
-                zero_grad()
-            return None
 
+            run_phase = mp.phase_runner(c, dev, forward, backward_tp, step, zero_grad)
+        else:
+            run_phase = mp.phase_runner(c, dev, lambda m: mp.loss_of(c, model, batches[m]),
+                                        backward, step, zero_grad)
         mp.run_steps(c, dev, run_phase, steps, meta)
         return summarize(c, steps, meta)
     finally:

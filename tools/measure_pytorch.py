@@ -455,18 +455,50 @@ def loss_of(c, model, ids):
     return torch.nn.functional.cross_entropy(scores, torch.arange(half, device=ids.device))
 
 
-def measure(c):
-    """Run configuration c on cuda:0; returns its row."""
+def phase_runner(c, dev, forward, backward, step, zero_grad):
+    """The `run_phase` of `run_steps` for one engine: `forward(m)` is micro-batch
+    m's loss (run under bf16 autocast when c asks for it), `backward(loss)`,
+    `step()` and `zero_grad()` the engine's own calls."""
     import torch
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    autocast = c["autocast"] == "bf16"
+    pending = {}
+
+    def run_phase(phase):
+        if phase.startswith("fwd"):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                pending["loss"] = forward(int(phase[3:])) / c["grad_accum"]
+        elif phase.startswith("bwd"):
+            loss = pending.pop("loss")
+            backward(loss)
+            value = loss.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor loss (tensor parallelism)
+                value = value.full_tensor()
+            return float(value) * c["grad_accum"]
+        elif phase == "opt":
+            step()
+        else:
+            zero_grad()
+        return None
+
+    return run_phase
+
+
+def measure(c, device="cuda"):
+    """Run configuration c on cuda:0 (or, to test this script, on the CPU, where
+    there are no peaks to read); returns its row."""
+    import torch
+    on_gpu = device == "cuda"
+    dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     torch.set_float32_matmul_precision("high")  # fp32 runs use TF32 matmuls
     torch.manual_seed(0)
-    meta = {"device": "cuda", "pid": os.getpid(),
-            "alloc_conf_effective": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "device_total_B": torch.cuda.get_device_properties(dev).total_memory}
-    torch.cuda.init()
-    meta["device_used_after_init_B"] = torch.cuda.mem_get_info(dev)[1] - torch.cuda.mem_get_info(dev)[0]
+    meta = {"device": device, "pid": os.getpid(),
+            "alloc_conf_effective": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if on_gpu:
+        torch.cuda.set_device(dev)
+        meta["device_total_B"] = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info(dev)
+        meta["device_used_after_init_B"] = total - free
     steps = []
     t0 = time.perf_counter()
     try:
@@ -474,34 +506,23 @@ def measure(c):
     except torch.OutOfMemoryError as e:
         meta.update(oom=True, oom_phase="build", error=f"OutOfMemoryError: {e}")
         return summarize(c, steps, meta)
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     params = [p for p in model.parameters() if p.requires_grad]
     meta.update(model_facts(c, model, params, dev))
     meta["build_s"] = round(time.perf_counter() - t0, 3)
     opt = make_optimizer(c, params)
     batches = random_batches(c, dev)
-    meta["alloc_setup_B"] = torch.cuda.memory_allocated(dev)
-    autocast = c["autocast"] == "bf16"
-    pending = {}
-
-    def run_phase(phase):
-        if phase.startswith("fwd"):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                pending["loss"] = loss_of(c, model, batches[int(phase[3:])]) / c["grad_accum"]
-        elif phase.startswith("bwd"):
-            loss = pending.pop("loss")
-            loss.backward()
-            return float(loss.detach()) * c["grad_accum"]
-        elif phase == "opt":
-            opt.step()
-        else:
-            opt.zero_grad(set_to_none=True)
-        return None
-
+    if on_gpu:
+        meta["alloc_setup_B"] = torch.cuda.memory_allocated(dev)
+    run_phase = phase_runner(c, dev, lambda m: loss_of(c, model, batches[m]),
+                             lambda loss: loss.backward(), opt.step,
+                             lambda: opt.zero_grad(set_to_none=True))
     if not run_steps(c, dev, run_phase, steps, meta):
         return summarize(c, steps, meta)
-    smi = nvidia_smi("memory.used")
-    meta["smi_used_MiB_end"] = int(smi.split()[0]) if smi else None
+    if on_gpu:
+        smi = nvidia_smi("memory.used")
+        meta["smi_used_MiB_end"] = int(smi.split()[0]) if smi else None
     return summarize(c, steps, meta)
 
 
