@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import measure_pytorch as mp  # noqa: E402
@@ -418,6 +419,8 @@ def main():
     ap.add_argument("--only", nargs="+", metavar="NAME", help="measure only these configurations")
     ap.add_argument("--skip-engine", nargs="+", default=[], choices=ENGINES,
                     help="leave out configurations of these engines")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="configurations run at once, each in its own process (default 1)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: run every configuration at tiny size under the fake group (no peaks)")
     ap.add_argument("--list", action="store_true", help="print the configurations as JSON lines")
@@ -476,16 +479,29 @@ def main():
     except ImportError:
         env["deepspeed"] = None
     print(json.dumps(env), file=out, flush=True)
+    if args.jobs < 1:
+        print("measure_multigpu: --jobs must be at least 1", file=sys.stderr)
+        return 2
     failed = 0
     t0 = time.perf_counter()
-    for c in configs:
-        row = mp.run_child(c, args.timeout or c["timeout_s"], script=__file__, args=[args.device])
-        failed += row["status"] == "error"
-        print(json.dumps(row), file=out, flush=True)
-        peak = row.get("peak_train_B")
-        print(f"{c['name']:24s} {row['status']:5s} "
-              f"{'' if peak is None else f'{peak / 2**30:.2f} GiB'} {row.get('error') or ''}",
-              file=sys.stderr, flush=True)
+
+    def one(c):
+        return mp.run_child(c, args.timeout or c["timeout_s"], script=__file__, args=[args.device])
+
+    # Each process reads its own allocator's peak, so configurations running
+    # side by side measure what they measure alone; they share the device's
+    # memory, though, and one that runs out of it beside another is to be run
+    # again alone (tools/README.md).
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = pool.map(one, configs)  # in the configurations' order
+        for c, row in zip(configs, rows):
+            failed += row["status"] == "error"
+            row["concurrent_jobs"] = args.jobs
+            print(json.dumps(row), file=out, flush=True)
+            peak = row.get("peak_train_B")
+            print(f"{c['name']:24s} {row['status']:5s} "
+                  f"{'' if peak is None else f'{peak / 2**30:.2f} GiB'} {row.get('error') or ''}",
+                  file=sys.stderr, flush=True)
     print(f"measure_multigpu: {len(configs)} configurations in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     return 1 if failed else 0

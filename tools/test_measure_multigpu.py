@@ -167,19 +167,25 @@ class OnTheCpu(unittest.TestCase):
             names += ["deepspeed_z3_n8"]
         with tempfile.TemporaryDirectory() as d:
             p = os.path.join(d, "cpu.jsonl")
-            cls.proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "-o", p,
+            cls.proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "-o", p, "--jobs", "2",
                                        "--only", *names], capture_output=True, text=True)
             with open(p) as f:
                 lines = [json.loads(l) for l in f]
         cls.env = lines[0]
+        cls.order = [r["name"] for r in lines[1:]]
         cls.rows = {r["name"]: r for r in lines[1:]}
+        cls.names = names
 
     def test_every_configuration_ran(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-3000:])
         self.assertEqual(self.env["record"], "env")
+        # Two at a time, written in the sweep's order.
+        sweep = [c["name"] for c in mg.default_sweep() if c["name"] in self.names]
+        self.assertEqual(self.order, sweep)
         self.assertTrue(self.env["fake_process_group"])
         for name, r in self.rows.items():
             self.assertEqual(r["status"], "cpu", (name, r.get("error")))
+            self.assertEqual(r["concurrent_jobs"], 2)
             self.assertIsNone(r["peak_train_B"])  # the CPU has no allocator peaks
             self.assertEqual([p["phase"] for p in r["steps"][-1]["phases"]], ["fwd0", "bwd0", "opt", "zero"])
             self.assertTrue(all(s["complete"] for s in r["steps"]))
