@@ -215,8 +215,9 @@ def summarize(c, steps, meta):
     return row
 
 
-def read_configs(path):
-    """Configurations from a JSON list or JSON lines (configs or measured rows)."""
+def read_configs(path, normalize=normalize_config):
+    """Configurations from a JSON list or JSON lines (configs or measured rows),
+    each checked and completed by `normalize`."""
     if path == "-":
         text = sys.stdin.read()
     else:
@@ -242,7 +243,7 @@ def read_configs(path):
             items.append(r["config"] if isinstance(r, dict) and "config" in r else r)
     if not items:
         raise ConfigError(f"{path}: no configurations")
-    configs = [normalize_config(r) for r in items]
+    configs = [normalize(r) for r in items]
     names = [c["name"] for c in configs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -252,7 +253,8 @@ def read_configs(path):
 
 # ---------------------------------------------------------------- on the GPU
 
-def env_record():
+def env_record(device="cuda"):
+    """The machine and library versions; GPU facts only when `device` is cuda."""
     import torch
     env = {"record": "env", "python": platform.python_version(), "torch": torch.__version__,
            "torch_cuda": torch.version.cuda, "hostname": socket.gethostname(),
@@ -265,6 +267,9 @@ def env_record():
             env[mod] = __import__(mod).__version__
         except ImportError:
             env[mod] = None
+    if device != "cuda":
+        env["device"] = device
+        return env
     env["cudnn"] = torch.backends.cudnn.version()
     p = torch.cuda.get_device_properties(0)
     free, total = torch.cuda.mem_get_info(0)
@@ -294,6 +299,88 @@ def nvidia_smi(query):
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def memory(dev):
+    """The allocator's counters for one phase record. The CPU has none: zeros
+    there (a CPU run checks that a configuration runs, not what it holds)."""
+    import torch
+    if dev.type != "cuda":
+        return {"peak_B": 0, "alloc_B": 0, "reserved_peak_B": 0, "reserved_B": 0}
+    return {"peak_B": torch.cuda.max_memory_allocated(dev),
+            "alloc_B": torch.cuda.memory_allocated(dev),
+            "reserved_peak_B": torch.cuda.max_memory_reserved(dev),
+            "reserved_B": torch.cuda.memory_reserved(dev)}
+
+
+def reset_peak(dev):
+    """Waits for the device and starts a new peak."""
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def model_facts(c, model, params, dev):
+    """What was built: parameter counts, bytes and dtypes, and the build's memory."""
+    import torch
+    facts = {
+        "attn_implementation": c["attn"], "model_class": type(base_of(model)).__name__,
+        "is_gradient_checkpointing": bool(checkpointed_layers(c)),
+        "n_checkpointed_layers": len(checkpointed_layers(c)),
+        "params_total": sum(p.numel() for p in model.parameters()),
+        "params_trainable": sum(p.numel() for p in params),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "trainable_param_dtypes": sorted({str(p.dtype) for p in params}),
+    }
+    if dev.type == "cuda":
+        facts.update({"peak_build_B": torch.cuda.max_memory_allocated(dev),
+                      "alloc_build_B": torch.cuda.memory_allocated(dev),
+                      "reserved_build_B": torch.cuda.max_memory_reserved(dev)})
+    return facts
+
+
+def random_batches(c, dev):
+    """One [batch, seq] tensor of random token ids per micro-batch."""
+    import torch
+    gen = torch.Generator(device=dev).manual_seed(0)
+    low = 3 if c["family"] == "xlmr" else 0  # skip XLM-R's special tokens
+    return [torch.randint(low, c["vocab"], (c["batch"], c["seq"]), device=dev, generator=gen)
+            for _ in range(c["grad_accum"])]
+
+
+def run_steps(c, dev, run_phase, steps, meta):
+    """Runs c["steps"] optimizer steps, phase by phase (`phase_names`), each
+    with its own peak: `run_phase(name)` does the work of one phase and may
+    return the micro-batch's loss. Appends to `steps`; an out-of-memory error
+    ends the run and is recorded in `meta`. Returns False after an OOM."""
+    import torch
+    for n in range(1, c["steps"] + 1):
+        step = {"step": n, "complete": False, "phases": []}
+        steps.append(step)
+        for phase in phase_names(c["grad_accum"]):
+            reset_peak(dev)
+            t = time.perf_counter()
+            try:
+                loss = run_phase(phase)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except torch.OutOfMemoryError as e:
+                step["phases"].append({"phase": f"{phase}(failed)",
+                                       "ms": round(1000 * (time.perf_counter() - t), 3),
+                                       **memory(dev)})
+                meta.update(oom=True, oom_phase=f"step{n}.{phase}",
+                            error=f"OutOfMemoryError: {str(e).splitlines()[0]}")
+                return False
+            if loss is not None:
+                step["loss"] = loss
+            step["phases"].append({"phase": phase,
+                                   "ms": round(1000 * (time.perf_counter() - t), 3),
+                                   **memory(dev)})
+        step["complete"] = True
+    return True
 
 
 def build_model(c, device):
@@ -368,18 +455,50 @@ def loss_of(c, model, ids):
     return torch.nn.functional.cross_entropy(scores, torch.arange(half, device=ids.device))
 
 
-def measure(c):
-    """Run configuration c on cuda:0; returns its row."""
+def phase_runner(c, dev, forward, backward, step, zero_grad):
+    """The `run_phase` of `run_steps` for one engine: `forward(m)` is micro-batch
+    m's loss (run under bf16 autocast when c asks for it), `backward(loss)`,
+    `step()` and `zero_grad()` the engine's own calls."""
     import torch
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    autocast = c["autocast"] == "bf16"
+    pending = {}
+
+    def run_phase(phase):
+        if phase.startswith("fwd"):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                pending["loss"] = forward(int(phase[3:])) / c["grad_accum"]
+        elif phase.startswith("bwd"):
+            loss = pending.pop("loss")
+            backward(loss)
+            value = loss.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor loss (tensor parallelism)
+                value = value.full_tensor()
+            return float(value) * c["grad_accum"]
+        elif phase == "opt":
+            step()
+        else:
+            zero_grad()
+        return None
+
+    return run_phase
+
+
+def measure(c, device="cuda"):
+    """Run configuration c on cuda:0 (or, to test this script, on the CPU, where
+    there are no peaks to read); returns its row."""
+    import torch
+    on_gpu = device == "cuda"
+    dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     torch.set_float32_matmul_precision("high")  # fp32 runs use TF32 matmuls
     torch.manual_seed(0)
-    meta = {"device": "cuda", "pid": os.getpid(),
-            "alloc_conf_effective": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "device_total_B": torch.cuda.get_device_properties(dev).total_memory}
-    torch.cuda.init()
-    meta["device_used_after_init_B"] = torch.cuda.mem_get_info(dev)[1] - torch.cuda.mem_get_info(dev)[0]
+    meta = {"device": device, "pid": os.getpid(),
+            "alloc_conf_effective": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if on_gpu:
+        torch.cuda.set_device(dev)
+        meta["device_total_B"] = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info(dev)
+        meta["device_used_after_init_B"] = total - free
     steps = []
     t0 = time.perf_counter()
     try:
@@ -387,81 +506,36 @@ def measure(c):
     except torch.OutOfMemoryError as e:
         meta.update(oom=True, oom_phase="build", error=f"OutOfMemoryError: {e}")
         return summarize(c, steps, meta)
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     params = [p for p in model.parameters() if p.requires_grad]
-    meta.update({
-        "attn_implementation": c["attn"], "model_class": type(base_of(model)).__name__,
-        "is_gradient_checkpointing": bool(checkpointed_layers(c)),
-        "n_checkpointed_layers": len(checkpointed_layers(c)),
-        "build_s": round(time.perf_counter() - t0, 3),
-        "params_total": sum(p.numel() for p in model.parameters()),
-        "params_trainable": sum(p.numel() for p in params),
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "trainable_param_dtypes": sorted({str(p.dtype) for p in params}),
-        "peak_build_B": torch.cuda.max_memory_allocated(dev),
-        "alloc_build_B": torch.cuda.memory_allocated(dev),
-        "reserved_build_B": torch.cuda.max_memory_reserved(dev),
-    })
+    meta.update(model_facts(c, model, params, dev))
+    meta["build_s"] = round(time.perf_counter() - t0, 3)
     opt = make_optimizer(c, params)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    low = 3 if c["family"] == "xlmr" else 0  # skip XLM-R's special tokens
-    batches = [torch.randint(low, c["vocab"], (c["batch"], c["seq"]), device=dev, generator=gen)
-               for _ in range(c["grad_accum"])]
-    meta["alloc_setup_B"] = torch.cuda.memory_allocated(dev)
-    autocast = c["autocast"] == "bf16"
-    for n in range(1, c["steps"] + 1):
-        step = {"step": n, "complete": False, "phases": []}
-        steps.append(step)
-        loss = None
-        for phase in phase_names(c["grad_accum"]):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(dev)
-            t = time.perf_counter()
-            try:
-                if phase.startswith("fwd"):
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                        loss = loss_of(c, model, batches[int(phase[3:])]) / c["grad_accum"]
-                elif phase.startswith("bwd"):
-                    loss.backward()
-                    step["loss"] = float(loss.detach()) * c["grad_accum"]
-                    loss = None
-                elif phase == "opt":
-                    opt.step()
-                else:
-                    opt.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-            except torch.OutOfMemoryError as e:
-                step["phases"].append({"phase": f"{phase}(failed)",
-                                       "ms": round(1000 * (time.perf_counter() - t), 3),
-                                       "peak_B": torch.cuda.max_memory_allocated(dev),
-                                       "alloc_B": torch.cuda.memory_allocated(dev),
-                                       "reserved_peak_B": torch.cuda.max_memory_reserved(dev),
-                                       "reserved_B": torch.cuda.memory_reserved(dev)})
-                meta.update(oom=True, oom_phase=f"step{n}.{phase}",
-                            error=f"OutOfMemoryError: {str(e).splitlines()[0]}")
-                return summarize(c, steps, meta)
-            step["phases"].append({"phase": phase,
-                                   "ms": round(1000 * (time.perf_counter() - t), 3),
-                                   "peak_B": torch.cuda.max_memory_allocated(dev),
-                                   "alloc_B": torch.cuda.memory_allocated(dev),
-                                   "reserved_peak_B": torch.cuda.max_memory_reserved(dev),
-                                   "reserved_B": torch.cuda.memory_reserved(dev)})
-        step["complete"] = True
-    smi = nvidia_smi("memory.used")
-    meta["smi_used_MiB_end"] = int(smi.split()[0]) if smi else None
+    batches = random_batches(c, dev)
+    if on_gpu:
+        meta["alloc_setup_B"] = torch.cuda.memory_allocated(dev)
+    run_phase = phase_runner(c, dev, lambda m: loss_of(c, model, batches[m]),
+                             lambda loss: loss.backward(), opt.step,
+                             lambda: opt.zero_grad(set_to_none=True))
+    if not run_steps(c, dev, run_phase, steps, meta):
+        return summarize(c, steps, meta)
+    if on_gpu:
+        smi = nvidia_smi("memory.used")
+        meta["smi_used_MiB_end"] = int(smi.split()[0]) if smi else None
     return summarize(c, steps, meta)
 
 
-def run_child(c, timeout):
-    """Measures c in a fresh Python process; a crash or timeout becomes an error row."""
+def run_child(c, timeout, script=__file__, args=()):
+    """Measures c in a fresh Python process running `script --child ARGS`
+    (c on its stdin, its row the last JSON line of its stdout); a crash or
+    timeout becomes an error row."""
     env = dict(os.environ)
     if c.get("alloc_conf"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = c["alloc_conf"]
     t = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"],
+        proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", *args],
                               input=json.dumps(c), capture_output=True, text=True,
                               timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

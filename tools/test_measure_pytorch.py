@@ -166,6 +166,19 @@ class OnTheCpu(unittest.TestCase):
         self.assertTrue(lora and all(p.dtype == torch.float32 for p in lora))
         self.assertTrue(all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n))
 
+    def test_measure_runs_every_phase_of_every_step(self):
+        import math
+        c = mp.normalize_config({**TINY, "grad_accum": 2, "steps": 2})
+        row = mp.measure(c, "cpu")
+        self.assertEqual((row["status"], row["device"]), ("ok", "cpu"))
+        self.assertEqual([s["step"] for s in row["steps"]], [1, 2])
+        for s in row["steps"]:
+            self.assertTrue(s["complete"])
+            self.assertEqual([p["phase"] for p in s["phases"]], mp.phase_names(2))
+            self.assertTrue(math.isfinite(s["loss"]))
+        self.assertEqual(row["params_trainable"], row["params_total"])
+        self.assertEqual(row["tokens_per_step"], 2 * 16 * 2)
+
     def test_xlmr_mlm_and_contrastive(self):
         x = {"family": "xlmr", "kv_heads": 4, "max_pos": 32}
         self.step(**x, optimizer="adafactor")

@@ -2,6 +2,11 @@
 //! machine and `"record": "config"` for one configuration and what it measured.
 //! Only the fields the scorer (and the ground-truth tests) read are typed; the
 //! rest of each line (per-phase timings, notes) is ignored.
+//!
+//! A multi-GPU row (`tools/measure_multigpu.py`: rank 0 of a world of N under
+//! PyTorch's fake process group) adds `world_size`, `engine` and the engine's
+//! sharding settings; a single-GPU row leaves them out and reads as
+//! `engine: eager` on a world of 1.
 
 use serde::Deserialize;
 use serde_json::{Map, Number, Value};
@@ -59,6 +64,161 @@ pub struct RunConfig {
     /// Kept as written so the plan text spells it the way the file does.
     #[serde(default = "zero")]
     pub dropout: Number,
+    /// Ranks in the job (`world_size`; written on every multi-GPU row, absent
+    /// on a single-GPU one); the row measures rank 0. Read it with [`RunConfig::world_size`].
+    #[serde(rename = "world_size", default)]
+    pub world: Option<u64>,
+    /// How the ranks split the work.
+    #[serde(default)]
+    pub engine: Engine,
+    /// Tensor-parallel degree (`engine: tp`); the data-parallel degree is `world_size / tensor_parallel`.
+    #[serde(default = "one")]
+    pub tensor_parallel: u64,
+    /// Megatron-style sequence parallelism inside the tensor-parallel group.
+    #[serde(default)]
+    pub sequence_parallel: bool,
+    /// DeepSpeed's ZeRO stage (`engine: deepspeed`; 0–3).
+    #[serde(default)]
+    pub zero_stage: Option<u64>,
+    /// FSDP2's `MixedPrecisionPolicy` (`engine: fsdp2`); `None`: the layers compute in the weights' dtype.
+    #[serde(default)]
+    pub fsdp_mp: Option<FsdpMixedPrecision>,
+    /// FSDP2's `reshard_after_forward`.
+    #[serde(default = "yes")]
+    pub reshard_after_forward: bool,
+    /// fp32 master weights beside 16-bit weights (DeepSpeed's bf16 mode).
+    #[serde(default)]
+    pub master_weights: MasterWeights,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The training engine a row ran under.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// One process, plain PyTorch eager (the single-GPU rows).
+    #[default]
+    Eager,
+    /// `DistributedDataParallel`: every rank holds the whole model.
+    Ddp,
+    /// FSDP2 (`fully_shard` per decoder layer and the root): ZeRO-3.
+    Fsdp2,
+    /// Tensor parallelism through DTensor's `parallelize_module`.
+    Tp,
+    /// DeepSpeed ZeRO (stage in `zero_stage`).
+    Deepspeed,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Eager => "eager",
+            Engine::Ddp => "ddp",
+            Engine::Fsdp2 => "fsdp2",
+            Engine::Tp => "tp",
+            Engine::Deepspeed => "deepspeed",
+        }
+    }
+}
+
+/// FSDP2's `MixedPrecisionPolicy(param_dtype, reduce_dtype)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct FsdpMixedPrecision {
+    /// The dtype of the gathered (unsharded) weights the layers compute with.
+    pub param_dtype: WeightDtype,
+    /// The dtype gradients are reduce-scattered in.
+    pub reduce_dtype: WeightDtype,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MasterWeights {
+    #[default]
+    None,
+    Fp32,
+}
+
+impl RunConfig {
+    /// Ranks in the job: 1 for a single-GPU row.
+    pub fn world_size(&self) -> u64 {
+        self.world.unwrap_or(1)
+    }
+
+    /// The data-parallel degree.
+    pub fn data_parallel(&self) -> u64 {
+        self.world_size() / self.tensor_parallel.max(1)
+    }
+
+    /// Settings that parse but cannot describe one run: a world of 0, a
+    /// degree that does not divide it, a setting the engine does not have.
+    pub fn check(&self) -> Result<(), String> {
+        let engine = self.engine.name();
+        if self.engine != Engine::Eager && self.world.is_none() {
+            return Err(format!(
+                "engine {engine} without world_size; a multi-GPU row says how many ranks it ran"
+            ));
+        }
+        let world_size = self.world_size();
+        if world_size == 0 {
+            return Err("world_size is 0; a run has at least one rank".into());
+        }
+        if self.tensor_parallel == 0 || !world_size.is_multiple_of(self.tensor_parallel) {
+            return Err(format!(
+                "tensor_parallel {} does not divide world_size {world_size}",
+                self.tensor_parallel
+            ));
+        }
+        match self.engine {
+            Engine::Eager if world_size != 1 => {
+                return Err(format!(
+                    "engine eager runs one rank, not world_size {world_size}; name the multi-GPU engine (ddp, fsdp2, tp, deepspeed)"
+                ))
+            }
+            Engine::Tp if self.tensor_parallel < 2 => {
+                return Err("engine tp needs tensor_parallel >= 2".into())
+            }
+            Engine::Deepspeed => match self.zero_stage {
+                Some(0..=3) => {}
+                Some(s) => return Err(format!("zero_stage {s}; DeepSpeed's stages are 0 to 3")),
+                None => return Err("engine deepspeed needs zero_stage (0 to 3)".into()),
+            },
+            _ => {}
+        }
+        if self.engine != Engine::Tp && self.tensor_parallel != 1 {
+            return Err(format!(
+                "tensor_parallel {} with engine {engine}; only engine tp splits the layers",
+                self.tensor_parallel
+            ));
+        }
+        if self.sequence_parallel && self.tensor_parallel < 2 {
+            return Err("sequence_parallel needs tensor_parallel >= 2".into());
+        }
+        if self.engine != Engine::Deepspeed && self.zero_stage.is_some() {
+            return Err(format!(
+                "zero_stage with engine {engine}; it is DeepSpeed's setting (fsdp2 is ZeRO-3 by construction)"
+            ));
+        }
+        if self.engine != Engine::Fsdp2 && self.fsdp_mp.is_some() {
+            return Err(format!(
+                "fsdp_mp with engine {engine}; it is FSDP2's setting"
+            ));
+        }
+        if !self.reshard_after_forward {
+            return Err(
+                "reshard_after_forward false: the plan language has no setting for weights kept gathered from the forward to the backward".into(),
+            );
+        }
+        if self.master_weights == MasterWeights::Fp32 && self.weight_dtype == WeightDtype::Fp32 {
+            return Err(
+                "master_weights fp32 over fp32 weights; master copies are for 16-bit weights"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
 }
 
 fn one() -> u64 {
@@ -191,6 +351,13 @@ pub fn parse(file: &str, text: &str) -> Result<MeasuredFile, FileError> {
             Record::Env(env) => out.env.push(env),
             Record::Config(run) => {
                 let run = *run;
+                if let Err(reason) = run.config.check() {
+                    return Err(FileError::Malformed {
+                        file: file.to_string(),
+                        line: i + 1,
+                        reason: format!("configuration `{}`: {reason}", run.name),
+                    });
+                }
                 if !run.oom && run.peak_train_bytes.is_none() {
                     return Err(FileError::Malformed {
                         file: file.to_string(),
@@ -217,6 +384,34 @@ pub fn parse(file: &str, text: &str) -> Result<MeasuredFile, FileError> {
 #[cfg(test)]
 pub(crate) mod tests_support {
     pub(crate) const ROW: &str = r#"{"record": "config", "name": "tiny", "config": {"name": "tiny", "family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 1000, "max_pos": 256, "tie_embeddings": false, "batch": 2, "seq": 128, "grad_accum": 1, "weight_dtype": "fp32", "autocast": "bf16", "optimizer": "adamw", "grad_ckpt": false, "ckpt_every": 1, "attn": "sdpa", "lora": null, "loss": "lm", "dropout": 0.0, "steps": 3, "note": "ignored"}, "status": "ok", "oom": false, "peak_train_B": 1000000}"#;
+
+    /// [`ROW`] as rank 0 of a multi-GPU run: `fields` are JSON members added to its `config`.
+    pub(crate) fn multi(fields: &str) -> String {
+        ROW.replace("\"note\": \"ignored\"", fields)
+    }
+
+    pub(crate) fn ddp() -> String {
+        multi(r#""world_size": 8, "engine": "ddp""#)
+    }
+
+    pub(crate) fn tp() -> String {
+        multi(r#""world_size": 2, "engine": "tp", "tensor_parallel": 2, "sequence_parallel": true"#)
+    }
+
+    pub(crate) fn fsdp2() -> String {
+        multi(
+            r#""world_size": 16, "engine": "fsdp2", "fsdp_mp": {"param_dtype": "bf16", "reduce_dtype": "fp32"}, "reshard_after_forward": true"#,
+        )
+        .replace("\"autocast\": \"bf16\"", "\"autocast\": \"none\"")
+    }
+
+    pub(crate) fn deepspeed() -> String {
+        multi(
+            r#""world_size": 4, "engine": "deepspeed", "zero_stage": 2, "master_weights": "fp32""#,
+        )
+        .replace("\"weight_dtype\": \"fp32\"", "\"weight_dtype\": \"bf16\"")
+        .replace("\"autocast\": \"bf16\"", "\"autocast\": \"none\"")
+    }
 }
 
 #[cfg(test)]
@@ -266,6 +461,134 @@ mod tests {
         assert!(e.to_string().contains("peak_train_B"), "{e}");
         let oom = text.replace("\"oom\": false", "\"oom\": true");
         assert!(parse("gt.jsonl", &oom).unwrap().runs[0].oom);
+    }
+
+    #[test]
+    fn a_single_gpu_row_is_one_eager_rank() {
+        let c = &parse("t.jsonl", ROW).unwrap().runs[0].config;
+        assert_eq!(
+            (c.world_size(), c.engine, c.tensor_parallel),
+            (1, Engine::Eager, 1)
+        );
+        assert_eq!(
+            (c.zero_stage, c.fsdp_mp, c.master_weights),
+            (None, None, MasterWeights::None)
+        );
+        assert!(c.reshard_after_forward && !c.sequence_parallel);
+    }
+
+    #[test]
+    fn multi_gpu_rows_parse_with_their_engine_settings() {
+        use super::tests_support::{ddp, deepspeed, fsdp2, tp};
+        let one = |text: String| parse("mgpu.jsonl", &text).unwrap().runs.remove(0).config;
+        let c = one(ddp());
+        assert_eq!(
+            (c.world_size(), c.engine, c.data_parallel()),
+            (8, Engine::Ddp, 8)
+        );
+        let c = one(tp());
+        assert_eq!(
+            (c.engine, c.tensor_parallel, c.data_parallel()),
+            (Engine::Tp, 2, 1)
+        );
+        assert!(c.sequence_parallel);
+        let c = one(fsdp2());
+        assert_eq!((c.engine, c.data_parallel()), (Engine::Fsdp2, 16));
+        assert_eq!(
+            c.fsdp_mp,
+            Some(FsdpMixedPrecision {
+                param_dtype: WeightDtype::Bf16,
+                reduce_dtype: WeightDtype::Fp32
+            })
+        );
+        let c = one(deepspeed());
+        assert_eq!((c.engine, c.zero_stage), (Engine::Deepspeed, Some(2)));
+        assert_eq!(
+            (c.weight_dtype, c.master_weights),
+            (WeightDtype::Bf16, MasterWeights::Fp32)
+        );
+    }
+
+    #[test]
+    fn a_bad_multi_gpu_row_names_file_line_and_what_is_wrong() {
+        use super::tests_support::{ddp, deepspeed, fsdp2, multi, tp};
+        let env = "{\"record\": \"env\"}\n";
+        for (row, words) in [
+            (
+                multi(r#""world_size": 8, "engine": "megatron""#),
+                "unknown variant `megatron`",
+            ),
+            (
+                multi(r#""world_size": 0, "engine": "ddp""#),
+                "world_size is 0",
+            ),
+            (multi(r#""world_size": 4"#), "engine eager runs one rank"),
+            (multi(r#""engine": "ddp""#), "engine ddp without world_size"),
+            (
+                ddp().replace(r#""world_size": 8"#, r#""world_size": "8""#),
+                "expected u64",
+            ),
+            (
+                ddp().replace(r#""batch": 2, "#, ""),
+                "missing field `batch`",
+            ),
+            (multi(r#""world_size": -2, "engine": "ddp""#), "-2"),
+            (
+                tp().replace(r#""tensor_parallel": 2"#, r#""tensor_parallel": 3"#),
+                "does not divide",
+            ),
+            (
+                tp().replace(r#""tensor_parallel": 2, "#, ""),
+                "engine tp needs tensor_parallel",
+            ),
+            (
+                ddp().replace(
+                    r#""world_size": 8"#,
+                    r#""world_size": 8, "tensor_parallel": 2"#,
+                ),
+                "only engine tp",
+            ),
+            (
+                deepspeed().replace(r#""zero_stage": 2, "#, ""),
+                "needs zero_stage",
+            ),
+            (
+                deepspeed().replace(r#""zero_stage": 2"#, r#""zero_stage": 4"#),
+                "stages are 0 to 3",
+            ),
+            (
+                ddp().replace("\"ddp\"", "\"ddp\", \"zero_stage\": 1"),
+                "DeepSpeed's setting",
+            ),
+            (
+                ddp().replace("\"ddp\"", "\"ddp\", \"sequence_parallel\": true"),
+                "sequence_parallel",
+            ),
+            (
+                fsdp2().replace("\"engine\": \"fsdp2\"", "\"engine\": \"ddp\""),
+                "FSDP2's setting",
+            ),
+            (
+                fsdp2().replace(
+                    "\"reshard_after_forward\": true",
+                    "\"reshard_after_forward\": false",
+                ),
+                "reshard_after_forward",
+            ),
+            (
+                fsdp2().replace(r#""param_dtype": "bf16", "#, ""),
+                "param_dtype",
+            ),
+            (
+                deepspeed().replace("\"weight_dtype\": \"bf16\"", "\"weight_dtype\": \"fp32\""),
+                "master_weights",
+            ),
+        ] {
+            let e = parse("mgpu.jsonl", &format!("{env}{row}\n")).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.starts_with("mgpu.jsonl:2: "), "{msg}");
+            assert!(msg.contains(words), "{words:?} not in {msg}");
+        }
     }
 
     #[test]

@@ -303,6 +303,51 @@ mod tests {
         assert!(row_line(&r).starts_with("tiny "), "{}", row_line(&r));
     }
 
+    fn predicted(text: &str) -> u64 {
+        let f = row::parse("t.jsonl", text).unwrap();
+        match score(&f.runs[0]).outcome {
+            Outcome::Scored {
+                predicted_bytes, ..
+            } => predicted_bytes,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn ddp_and_tp_rows_compile_on_the_pytorch_profile() {
+        use row::tests_support::{ddp, tp, ROW};
+        let single = predicted(ROW);
+        // Every DDP rank holds what the single GPU held, and more only for
+        // what data parallelism adds.
+        assert!(
+            predicted(&ddp()) >= single,
+            "{} < {single}",
+            predicted(&ddp())
+        );
+        // Two tensor-parallel ranks split the layers: rank 0 holds less.
+        assert!(
+            predicted(&tp()) < single,
+            "{} >= {single}",
+            predicted(&tp())
+        );
+    }
+
+    #[test]
+    fn engine_rows_score_or_name_the_profile_they_need() {
+        use row::tests_support::{deepspeed, fsdp2};
+        for (text, target) in [(fsdp2(), "fsdp"), (deepspeed(), "deepspeed")] {
+            let f = row::parse("t.jsonl", &text).unwrap();
+            match score(&f.runs[0]).outcome {
+                Outcome::Scored { .. } => {}
+                Outcome::Failed { stage, message } => {
+                    assert_eq!(stage, "resolve", "{message}");
+                    assert!(message.contains(target), "{message}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn an_oom_row_too_large_for_the_gpu_is_predicted_not_to_fit() {
         let text = row::tests_support::ROW
