@@ -112,6 +112,7 @@ impl SpecBuilder {
                 sequence: Choice::Fixed(false),
                 context: Choice::Fixed(1),
                 expert: Choice::Fixed(1),
+                virtual_stages: 1,
             },
             fit: FitSpec {
                 budget: Budget::Fraction(1.0),
@@ -121,6 +122,7 @@ impl SpecBuilder {
                 objective: Objective::Throughput,
             },
             target: Target::Pytorch,
+            optimizer_in_backward: false,
             defaults: Vec::new(),
         };
         SpecBuilder { spec }

@@ -14,6 +14,8 @@
 //! shown are the seconds priced; the JSON carries them as `parallel.ranks` and
 //! `parallel.traffic`.
 
+mod setups;
+
 use crate::compile::Compilation;
 use crate::memory::{Category, Phase, Sample};
 use crate::profile::Profile;
@@ -126,6 +128,7 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         ));
     }
     techniques(spec, profile, log);
+    setups::record(spec, log);
     if let Some(a) = &spec.adapter {
         if profile.adapter_suffix_match
             && spec.model.arch == crate::spec::Arch::Encoder

@@ -10,7 +10,7 @@
 //! table), or at the section when the value is a default.
 
 use super::model::divisors;
-use super::problem::{ParallelProduct, Problem};
+use super::problem::{Inapplicable, ParallelProduct, Problem};
 use super::values::Cx;
 use crate::spec::{
     AdapterSpec, Budget, CheckpointChoice, Choice, FitSpec, HardwareSpec, Mlp, ModelSpec,
@@ -34,6 +34,9 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
     }
     if let Some(par) = p.parallel {
         sequence_needs_tensor(cx, par);
+    }
+    if let (Some(m), Some(par)) = (p.model, p.parallel) {
+        virtual_stages(cx, m, par, p.train);
     }
     let mut product_ok = true;
     if let (Some(par), Some(hw)) = (p.parallel, p.hardware) {
@@ -84,7 +87,7 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
         }
     }
     if let (Some(Some(a)), Some(m)) = (p.adapter, p.model) {
-        if m.mlp == Mlp::Gelu && a.targets.contains(&Proj::Gate) {
+        if m.mlp != Mlp::Swiglu && a.targets.contains(&Proj::Gate) {
             let span = span_or(cx, "adapter.targets.gate", "adapter");
             cx.report(Problem::TargetNotInModel {
                 target: "gate",
@@ -341,5 +344,67 @@ fn fit_vs_hardware(cx: &mut Cx, f: &FitSpec, hw: &HardwareSpec) {
                 span,
             });
         }
+    }
+}
+
+/// Megatron's interleaved schedule: a fixed pipeline of 2 or more, every model chunk the
+/// same number of layers (`num_layers` divisible by pipeline × virtual stages), and the
+/// micro-batches per step a multiple of the pipeline (Megatron's
+/// `microbatch_group_size_per_vp_stage`, the pipeline size by default; an `auto`
+/// `grad_accum` is searched over such values only).
+fn virtual_stages(cx: &mut Cx, m: &ModelSpec, par: &ParallelSpec, t: Option<&TrainSpec>) {
+    let v = par.virtual_stages;
+    if v <= 1 {
+        return;
+    }
+    let span = span_or(cx, "parallel.virtual_stages", "parallel");
+    let Some(p) = par.pipeline.fixed().filter(|p| *p > 1) else {
+        cx.report(Problem::NotApplicable {
+            key: "virtual_stages",
+            because: Inapplicable::VirtualStagesNeedPipeline,
+            span,
+        });
+        return;
+    };
+    if !m.layers.is_multiple_of(p * v) {
+        cx.report(Problem::NotDivisible {
+            what: "layers",
+            value: m.layers,
+            by_what: "pipeline × virtual_stages",
+            by: p * v,
+            span,
+            by_span: None,
+            divisor_is_primary: true,
+            options: divisors(m.layers / p.min(m.layers).max(1))
+                .into_iter()
+                .filter(|d| m.layers.is_multiple_of(p * d))
+                .collect(),
+        });
+    }
+    if let Some(a) = t.and_then(|t| t.grad_accum.fixed()) {
+        if !a.is_multiple_of(p) {
+            cx.report(Problem::NotDivisible {
+                what: "grad_accum",
+                value: a,
+                by_what: "pipeline",
+                by: p,
+                span: span_or(cx, "train.grad_accum", "train"),
+                by_span: cx.spans.get("parallel.pipeline"),
+                divisor_is_primary: false,
+                options: vec![],
+            });
+        }
+    }
+}
+
+/// `optimizer { in_backward = true }`: one backward per step (no accumulation).
+pub(super) fn in_backward(cx: &mut Cx, t: Option<&TrainSpec>) {
+    if t.and_then(|t| t.grad_accum.fixed()).is_some_and(|a| a > 1) {
+        let span = span_or(cx, "optimizer.in_backward", "optimizer");
+        cx.report(Problem::NotApplicable {
+            key: "optimizer.in_backward",
+            because: Inapplicable::InBackwardNoAccumulation,
+            span,
+        });
     }
 }

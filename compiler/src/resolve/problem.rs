@@ -317,6 +317,12 @@ pub(crate) enum Inapplicable {
     NeedsContrastive,
     /// `base` is for QLoRA.
     BaseNeedsQlora,
+    /// `virtual_stages` > 1 needs a fixed `pipeline` > 1.
+    VirtualStagesNeedPipeline,
+    /// bitsandbytes has paged Adam, AdamW, 8-bit Adam and Lion only.
+    PagedNeedsBitsandbytes,
+    /// `in_backward` steps each parameter once per backward: no accumulation.
+    InBackwardNoAccumulation,
 }
 
 impl Problem {

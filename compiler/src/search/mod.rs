@@ -338,6 +338,17 @@ fn groups(spec: &Spec, space: &SearchSpace) -> Vec<Vec<Group>> {
                         if space.grad_accum.is_some_and(|f| f != ga) {
                             continue;
                         }
+                        // A step in the backward is one step per backward: no accumulation.
+                        if spec.optimizer_in_backward && ga != 1 {
+                            continue;
+                        }
+                        // Megatron's interleaved schedule runs micro-batches in groups of
+                        // the pipeline size.
+                        if spec.parallel.virtual_stages > 1
+                            && !ga.is_multiple_of(layout.pipeline.max(1))
+                        {
+                            continue;
+                        }
                         list.push(Group {
                             base: Point {
                                 layout,
