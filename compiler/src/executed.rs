@@ -10,7 +10,7 @@
 //! host memory) stays in `rcoa_backend::check_plan_ranks`.
 
 use crate::compile::CompileError;
-use crate::spec::{Mlp, Norm, OptImpl, Spec, Target};
+use crate::spec::{CheckpointChoice, Mlp, Norm, OptImpl, Spec, Target};
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
 /// is for it (`target burn`).
@@ -36,6 +36,12 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
         return Some((
             "a squared-ReLU MLP (`model.mlp = squared_relu`)".into(),
             "its MLPs are SwiGLU or GELU: write `mlp = swiglu` or `mlp = gelu`".into(),
+        ));
+    }
+    if spec.fit.checkpoint == CheckpointChoice::SelectiveOp {
+        return Some((
+            "op-level selective recomputation (`fit.checkpoint = selective_op`)".into(),
+            "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
         ));
     }
     if spec.optimizer_in_backward {

@@ -468,6 +468,10 @@ pub enum CheckpointChoice {
     Full,
     /// Recompute attention internals only.
     Selective,
+    /// torchtitan's op-level selective recomputation (`selective_ac_option = "op"`): every
+    /// layer recomputed, except the outputs of its attention kernel and of every other
+    /// matmul, which are kept from the forward.
+    SelectiveOp,
     Auto,
     /// Every Nth layer is recomputed.
     Every(u64),
@@ -527,6 +531,10 @@ pub struct FitSpec {
     pub checkpoint: CheckpointChoice,
     /// What may move off the GPU (allowed, not required). Sorted.
     pub offload: Vec<Offload>,
+    /// What must move off the GPU (`must_offload`): every candidate has it. Sorted, one
+    /// place per kind.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub must_offload: Vec<Offload>,
     pub objective: Objective,
 }
 

@@ -119,6 +119,7 @@ impl SpecBuilder {
                 reserve: None,
                 checkpoint: CheckpointChoice::None,
                 offload: vec![],
+                must_offload: vec![],
                 objective: Objective::Throughput,
             },
             target: Target::Pytorch,

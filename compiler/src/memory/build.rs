@@ -51,6 +51,9 @@ pub(crate) struct Builder<'a> {
     pub trainable: Vec<(TensorId, u64)>,
     /// Tensors a calling frame references until the current layer's last op.
     frame_holds: Vec<TensorId>,
+    /// `checkpoint = selective_op`: the layer's matmuls so far (torchtitan keeps the
+    /// outputs of the odd ones).
+    op_sac: Option<u32>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -111,7 +114,29 @@ impl<'a> Builder<'a> {
             open_unit: None,
             trainable: Vec::new(),
             frame_holds: Vec::new(),
+            op_sac: (spec.fit.checkpoint == crate::spec::CheckpointChoice::SelectiveOp)
+                .then_some(0),
         }
+    }
+
+    /// torchtitan's op-level selective recomputation (`_op_sac_save_list`, "saves output of
+    /// all compute ops, except every second mm"): inside a layer, `outs` of an op of the
+    /// save list are kept from the forward for the recompute. `mm`: the op is a matmul,
+    /// kept only when it is the layer's 1st, 3rd, 5th, … (the count restarts per layer).
+    fn keep_for_recompute(&mut self, outs: &[TensorId], mm: bool) {
+        let Some(count) = self.op_sac.as_mut() else {
+            return;
+        };
+        if self.layer.is_none() {
+            return;
+        }
+        if mm {
+            *count += 1;
+            if *count % 2 == 0 {
+                return;
+            }
+        }
+        self.tape.kept.extend_from_slice(outs);
     }
 
     fn bytes(&self, elems: u64, dtype: Dtype) -> u64 {
@@ -452,6 +477,7 @@ impl<'a> Builder<'a> {
             inputs.push(b.id);
         }
         let o = self.op(name, &inputs, &[out], &saved);
+        self.keep_for_recompute(&[out], true);
         let rows: u64 = shape[..last].iter().product();
         let f = 2.0 * rows as f64 * inf as f64 * p.rows as f64;
         let bwd = f * (self.rg(xc) as u8 as f64) + f * (self.rg(w) as u8 as f64);
@@ -672,6 +698,7 @@ impl<'a> Builder<'a> {
             let out = self.tensor("attention", &[self.tokens, heads * hd], act, rg);
             let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
             let o = self.op("attention", &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
+            self.keep_for_recompute(&[out, lse], false);
             // Flash backward accumulates dq in fp32.
             let dq = self.bytes(self.tokens * heads * hd, Dtype::Fp32);
             let info = &mut self.tape.ops[o];
@@ -1029,6 +1056,9 @@ impl<'a> Builder<'a> {
     fn layer(&mut self, index: u32, x: TensorId) -> TensorId {
         let first_op = self.tape.ops.len() as u32;
         self.layer = Some(index);
+        if let Some(c) = self.op_sac.as_mut() {
+            *c = 0;
+        }
         self.begin_unit("layer");
         let h = self.spec.model.hidden;
         let out = match self.spec.model.arch {

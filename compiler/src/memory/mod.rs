@@ -592,8 +592,11 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
     let mut flops = 0.0;
     let mut moved = 0.0;
     let mut kernels = 0u64;
+    let kept = tape.kept_mask();
     for (i, op) in tape.ops.iter().enumerate() {
-        let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed);
+        // A kept output's op does not run again in the recompute.
+        let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed)
+            && !op.outputs.iter().any(|o| kept[o.0 as usize]);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         flops += op.flops * fwd_times

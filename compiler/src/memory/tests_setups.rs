@@ -258,3 +258,68 @@ fn paged_state_is_evicted_down_to_the_budget() {
     assert_eq!(r.paged_evicted_bytes, state);
     assert!(r.peak_bytes + r.reserve_bytes > need - state - (1 << 30));
 }
+
+/// torchtitan's op-level recomputation keeps, per layer, the fused attention kernel's
+/// output and log-sum-exp and the outputs of the 1st, 3rd, 5th and 7th matmuls (q, v,
+/// gate and down of a SwiGLU layer), bf16 under autocast: between full recomputation and
+/// none in memory, and cheaper than full in FLOPs (the kept ops do not run again).
+#[test]
+fn selective_op_keeps_attention_and_every_other_matmul() {
+    use crate::spec::CheckpointChoice;
+    let p = Profile::for_target(Target::Pytorch);
+    let spec = |choice: CheckpointChoice| {
+        let mut s = SpecBuilder::new().build();
+        s.fit.checkpoint = choice;
+        s
+    };
+    let run = |choice: CheckpointChoice, all: bool| {
+        let s = spec(choice);
+        // Enough tokens that activations, not the optimizer step, make the peak.
+        let c = Candidate {
+            checkpoint_layers: if all {
+                (0..s.model.layers).collect()
+            } else {
+                vec![]
+            },
+            micro_batch: 8,
+            ..cand()
+        };
+        let profile = &p;
+        let b = Builder::new(&s, profile, &c).build(0..s.model.layers, true, true);
+        let w = tape::walk(&b.tape, &Persistent::default(), false);
+        let r = evaluate(&s, &c, profile, false);
+        (
+            w.forward_end[Category::Activations as usize],
+            r.peak_bytes,
+            r.step_flops,
+        )
+    };
+    let (a_full, p_full, f_full) = run(CheckpointChoice::Full, true);
+    let (a_op, p_op, f_op) = run(CheckpointChoice::SelectiveOp, true);
+    let (_, p_none, f_none) = run(CheckpointChoice::None, false);
+    let s = spec(CheckpointChoice::SelectiveOp);
+    let m = &s.model;
+    let c = Candidate {
+        micro_batch: 8,
+        ..cand()
+    };
+    let tokens = c.micro_batch * s.train.seq_len;
+    let (q, kv) = (m.heads * m.head_dim, m.kv_heads * m.head_dim);
+    // Each an allocation of PyTorch's caching allocator (large ones rounded to 2 MiB).
+    let bf16 = |n: u64| p.allocated(2 * n);
+    let per_layer = bf16(tokens * q) // q_proj
+        + bf16(tokens * kv) // v_proj
+        + bf16(tokens * q) // attention output
+        + p.allocated(4 * c.micro_batch * m.heads * s.train.seq_len) // log-sum-exp, fp32
+        + bf16(tokens * m.ffn) // gate_proj
+        + bf16(tokens * m.hidden); // down_proj
+    assert_eq!(a_op - a_full, m.layers * per_layer);
+    assert!(
+        p_full < p_op && p_op < p_none,
+        "{p_full} < {p_op} < {p_none}"
+    );
+    assert!(
+        f_none < f_op && f_op < f_full,
+        "{f_none} < {f_op} < {f_full}"
+    );
+}

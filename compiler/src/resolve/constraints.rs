@@ -74,6 +74,9 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
     if let (Some(f), Some(hw)) = (p.fit, p.hardware) {
         fit_vs_hardware(cx, f, hw);
     }
+    if let Some(f) = p.fit {
+        must_offload_places(cx, f);
+    }
     if let (Some(f), Some(m)) = (p.fit, p.model) {
         if let CheckpointChoice::Every(n) = f.checkpoint {
             if n > m.layers {
@@ -332,16 +335,43 @@ fn fit_vs_hardware(cx: &mut Cx, f: &FitSpec, hw: &HardwareSpec) {
             });
         }
     }
-    for o in &f.offload {
+    for (list, o) in f
+        .offload
+        .iter()
+        .map(|o| ("offload", o))
+        .chain(f.must_offload.iter().map(|o| ("must_offload", o)))
+    {
         let missing = match o.to {
             OffloadTo::Nvme => hw.nvme_bytes.is_none(),
             OffloadTo::Cpu => hw.host_memory_bytes.is_none(),
         };
         if missing {
-            let span = span_or(cx, &format!("fit.offload.{o}"), "fit");
+            let span = span_or(cx, &format!("fit.{list}.{o}"), "fit");
             cx.report(Problem::OffloadNeedsStorage {
                 nvme: o.to == OffloadTo::Nvme,
                 span,
+            });
+        }
+    }
+}
+
+/// A required offload puts its kind of tensor in one place: no other place for it in
+/// `must_offload` or `offload`.
+fn must_offload_places(cx: &mut Cx, f: &FitSpec) {
+    for (i, m) in f.must_offload.iter().enumerate() {
+        let clash = f.must_offload[i + 1..]
+            .iter()
+            .map(|o| ("must_offload", o))
+            .chain(f.offload.iter().map(|o| ("offload", o)))
+            .find(|(_, o)| o.what == m.what && o.to != m.to);
+        if let Some((list, o)) = clash {
+            let span = span_or(cx, &format!("fit.must_offload.{m}"), "fit");
+            let other_span = cx.spans.get(&format!("fit.{list}.{o}"));
+            cx.report(Problem::OffloadTwoPlaces {
+                item: m.to_string(),
+                other: o.to_string(),
+                span,
+                other_span,
             });
         }
     }
@@ -375,9 +405,10 @@ fn virtual_stages(cx: &mut Cx, m: &ModelSpec, par: &ParallelSpec, t: Option<&Tra
             span,
             by_span: None,
             divisor_is_primary: true,
-            options: divisors(m.layers / p.min(m.layers).max(1))
+            // pipeline × virtual_stages products that cut the layers evenly.
+            options: divisors(m.layers)
                 .into_iter()
-                .filter(|d| m.layers.is_multiple_of(p * d))
+                .filter(|d| d.is_multiple_of(p))
                 .collect(),
         });
     }

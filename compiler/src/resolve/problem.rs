@@ -297,6 +297,14 @@ pub(crate) enum Problem {
         nvme: bool,
         span: Span,
     },
+    /// `must_offload` sends `item`'s tensors to one place and `other` (in `must_offload`
+    /// or `offload`) to another.
+    OffloadTwoPlaces {
+        item: String,
+        other: String,
+        span: Span,
+        other_span: Option<Span>,
+    },
     Tf32NeedsFp32 {
         span: Span,
     },
@@ -358,6 +366,7 @@ impl Problem {
             | BudgetTooLarge { span, .. }
             | ReserveTooLarge { span, .. }
             | SequenceNeedsTensor { span, .. }
+            | OffloadTwoPlaces { span, .. }
             | ExpertNeedsExperts { span, .. }
             | QloraBase { span, .. }
             | TargetNotInModel { span, .. }

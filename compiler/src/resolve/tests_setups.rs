@@ -171,3 +171,56 @@ fn optimizer_in_backward_and_paged() {
     );
     assert!(run(&src.replace("grad_accum = 4", "grad_accum = 1")).is_ok());
 }
+
+#[test]
+fn checkpoint_selective_op() {
+    let s = ok("fit { checkpoint = selective_op }");
+    assert_eq!(s.fit.checkpoint, CheckpointChoice::SelectiveOp);
+    let (code, at, msg, help) = one("fit { checkpoint = selective_ops }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::unknown_value", "selective_ops")
+    );
+    assert!(
+        format!("{msg} {help}").contains("selective_op"),
+        "{msg} / {help}"
+    );
+}
+
+#[test]
+fn must_offload() {
+    assert!(ok("").fit.must_offload.is_empty());
+    let s = ok("fit { must_offload = [optimizer]  offload = [params:cpu] }");
+    assert_eq!(
+        s.fit.must_offload,
+        vec![Offload {
+            what: OffloadWhat::Optimizer,
+            to: OffloadTo::Cpu
+        }]
+    );
+    assert_eq!(s.fit.offload.len(), 1);
+    // The same tensors required in one place and allowed or required in another.
+    let nvme = BASE.replace("gpus_per_node = 8", "gpus_per_node = 8  nvme = 4 TB");
+    let src =
+        format!("{nvme}fit {{ must_offload = [optimizer:cpu]  offload = [optimizer:nvme] }}\n");
+    let e = run(&src).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::conflict"], "{:?}", e.errors());
+    let e = &e.errors()[0];
+    let at = e.span().unwrap();
+    assert_eq!(&src[at.start..at.end], "optimizer:cpu");
+    assert!(e.message().contains("`optimizer:nvme`"), "{}", e.message());
+    assert!(e.help().unwrap().contains("one place"));
+    let src = format!("{nvme}fit {{ must_offload = [grads:cpu, grads:nvme] }}\n");
+    assert_eq!(run(&src).unwrap_err().codes(), vec!["rcoa::conflict"]);
+    // Required NVMe offload needs an NVMe size.
+    let (code, at, ..) = one("fit { must_offload = [params:nvme] }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::missing_key", "params:nvme")
+    );
+    let (code, at, ..) = one("fit { must_offload = [weights] }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::unknown_value", "weights")
+    );
+}

@@ -463,6 +463,23 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             vec![(span, format!("must be less than {}", bytes(budget)))],
             Some("the reserve is taken out of the budget; make it smaller or raise `budget`".into()),
         ),
+        OffloadTwoPlaces {
+            item,
+            other,
+            span,
+            other_span,
+        } => {
+            let mut labels = vec![(span, "required here".to_string())];
+            if let Some(o) = other_span {
+                labels.push((o, format!("`{other}` here")));
+            }
+            err(
+                "rcoa::conflict",
+                format!("`must_offload` requires `{item}`, but `{other}` puts the same tensors elsewhere"),
+                labels,
+                Some(format!("a kind of tensor lives in one place: remove `{other}`, or require it instead of `{item}`")),
+            )
+        }
         SequenceNeedsTensor { span, tensor_span } => {
             let mut labels = vec![(span, "needs tensor parallelism".to_string())];
             if let Some(t) = tensor_span {

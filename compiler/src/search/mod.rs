@@ -58,6 +58,7 @@ impl Point {
             Recompute::Block(k) => (0..layers).filter(|i| i % per_stage.max(1) < k).collect(),
             Recompute::Every(n) => (0..layers).filter(|i| i % n.max(1) == 0).collect(),
             Recompute::Selective => Vec::new(),
+            Recompute::SelectiveOp => (0..layers).collect(),
         };
         Candidate {
             micro_batch: self.micro_batch,
@@ -87,6 +88,7 @@ impl Point {
             Recompute::Every(1) => "full".into(),
             Recompute::Every(n) => format!("every {n}"),
             Recompute::Selective => "selective".into(),
+            Recompute::SelectiveOp => "selective_op".into(),
         }
     }
 }
