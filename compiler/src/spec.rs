@@ -44,7 +44,7 @@ pub struct Spec {
     /// parameter's step runs as soon as its gradient is produced, which is then freed.
     /// Kept out of [`OptimizerSpec`] (the executors' lowered plan): no executor that reads
     /// it runs this (`crate::executed`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_false")]
     pub optimizer_in_backward: bool,
     /// Values the plan left out that resolve filled in from other values
     /// (`model.mlp = swiglu`, why), for `--explain`.
@@ -449,6 +449,10 @@ fn one() -> u64 {
 
 fn is_one(v: &u64) -> bool {
     *v == 1
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 // ---------------------------------------------------------------- fit

@@ -341,6 +341,15 @@ pub fn render_text(c: &Compilation) -> String {
         let _ = writeln!(s, "  {:<18} {:>11}  {:>5.1}%", cat.as_str(), gib(b), share);
     }
     let _ = writeln!(s, "  {:<18} {:>11}", "peak", gib(pr.peak_bytes));
+    if rep.paged_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "  {:<18} {:>11}  of the optimizer state in unified memory (`impl = paged`), {} of it on the host at the peak",
+            "paged",
+            gib(rep.paged_bytes),
+            gib(rep.paged_evicted_bytes)
+        );
+    }
     let _ = writeln!(
         s,
         "  {:<18} {:>11}  (kept out of the budget)",
@@ -544,7 +553,7 @@ pub fn to_json(c: &Compilation) -> Value {
     let r = &l.resolved;
     let pr = &l.prediction;
     let rep = &c.report;
-    json!({
+    let mut out = json!({
         "target": c.profile.name,
         "memory": {
             "peak_bytes": pr.peak_bytes,
@@ -592,5 +601,12 @@ pub fn to_json(c: &Compilation) -> Value {
         "residency": l.residency(),
         "params": { "total": rep.params_total, "trainable": rep.params_trainable },
         "graph": c.graph,
-    })
+    });
+    if rep.paged_bytes > 0 {
+        // `impl = paged` (memory::paged): the state in unified memory, and what of it the
+        // driver keeps on the host at the peak.
+        out["memory"]["paged_bytes"] = json!(rep.paged_bytes);
+        out["memory"]["paged_evicted_bytes"] = json!(rep.paged_evicted_bytes);
+    }
+    out
 }

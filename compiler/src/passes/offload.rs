@@ -149,7 +149,12 @@ impl Pass for Offload<'_> {
                 "required by the plan (`must_offload`): every candidate moves it off the GPU, whether or not the plan would fit without",
             );
         }
-        if !items.is_empty() {
+        // What the search may add to the required items.
+        let optional: Vec<&Item> = items
+            .iter()
+            .filter(|o| !self.required.contains(o))
+            .collect();
+        if !optional.is_empty() {
             let host = match self.hardware.host_memory_bytes {
                 Some(b) => format!(
                     "{:.0} GiB of host memory per node",

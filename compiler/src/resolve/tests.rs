@@ -328,7 +328,7 @@ fn unknown_names() {
     assert!(e
         .help()
         .unwrap()
-        .contains("`none`, `full`, `selective`, `auto`"));
+        .contains("`none`, `full`, `selective`, `selective_op`, `auto`"));
 }
 
 #[test]
