@@ -11,7 +11,11 @@ const BASE: &str = "model \"tiny-decoder\"\nhardware { gpu = h100-80gb  gpus_per
                     train { seq_len = 64  global_batch = 16 }\n";
 
 fn spec(extra: &str) -> Spec {
-    let src = format!("{BASE}{extra}\n");
+    spec_of(&format!("{BASE}{extra}\n"))
+}
+
+fn spec_of(src: &str) -> Spec {
+    let src = src.to_string();
     let file = rcoa_grammar::parse("t.plan", &src).unwrap();
     let ctx = ResolveContext::new("t.plan", src.clone(), PathBuf::new());
     resolve(&file, &ctx).unwrap_or_else(|e| panic!("{:?}\n{src}", e.errors()))
@@ -109,4 +113,29 @@ fn a_required_offload_is_in_the_chosen_plan() {
         .offload
         .iter()
         .any(|o| o.what == OffloadWhat::Params));
+}
+
+/// `--explain` names each setup with what the memory model does with it.
+#[test]
+fn explain_names_each_setup() {
+    let src = BASE.replace(
+        "model \"tiny-decoder\"",
+        "model \"tiny-decoder\" { layers = 4 }",
+    )
+        + "parallel { pipeline = 2  virtual_stages = 2 }\noptimizer adamw { impl = paged }\n\
+           fit { checkpoint = selective_op }\ntarget pytorch\n";
+    let c = rcoa_compiler::compile(&spec_of(&src)).unwrap();
+    let text = rcoa_compiler::explain::render_text(&c);
+    for needle in [
+        "virtual_stages = 2: Megatron's interleaved 1F1B",
+        "2 model chunks of 1 layers",
+        "optimizer.impl = paged",
+        "checkpoint = selective_op",
+        "paged  ",
+    ] {
+        assert!(text.contains(needle), "--explain lacks {needle:?}:\n{text}");
+    }
+    let json = rcoa_compiler::explain::to_json(&c);
+    assert!(json["memory"]["paged_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(json["resolved"]["checkpoint"], "selective_op");
 }

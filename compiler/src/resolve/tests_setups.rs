@@ -224,3 +224,35 @@ fn must_offload() {
         ("rcoa::unknown_value", "weights")
     );
 }
+
+/// A Llama `config.json` with `attention_bias` and `mlp_bias` reads as `bias = true`; one
+/// without the other is refused (the plan's `bias` says both at once).
+#[test]
+fn hf_llama_biases() {
+    let dir = std::env::temp_dir().join(format!("rcoa-setups-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = |extra: &str| {
+        format!(
+            r#"{{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256{extra}}}"#
+        )
+    };
+    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let resolve_with = |extra: &str| {
+        std::fs::write(dir.join("c.json"), config(extra)).unwrap();
+        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
+    };
+    let s = resolve_with("").unwrap();
+    assert_eq!(s.model.numerics.linear_bias, None);
+    let s = resolve_with(r#", "attention_bias": true, "mlp_bias": true"#).unwrap();
+    assert_eq!(s.model.numerics.linear_bias, Some(true));
+    let e = resolve_with(r#", "attention_bias": true"#).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::hf_config"]);
+    assert!(
+        e.errors()[0].message().contains("attention_bias"),
+        "{:?}",
+        e.errors()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
