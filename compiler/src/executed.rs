@@ -10,7 +10,8 @@
 //! host memory) stays in `rcoa_backend::check_plan_ranks`.
 
 use crate::compile::CompileError;
-use crate::spec::{CheckpointChoice, Mlp, Norm, OptImpl, Spec, Target};
+use crate::lowered::LoweredPlan;
+use crate::spec::{CheckpointChoice, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, Spec, Target};
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
 /// is for it (`target burn`).
@@ -31,29 +32,14 @@ pub fn check(spec: &Spec) -> Result<(), CompileError> {
 
 /// (the setup, what the plan can say instead for `rcoa run`).
 fn refusal(spec: &Spec) -> Option<(String, String)> {
-    let m = &spec.model;
-    if m.mlp == Mlp::SquaredRelu {
-        return Some((
-            "a squared-ReLU MLP (`model.mlp = squared_relu`)".into(),
-            "its MLPs are SwiGLU or GELU: write `mlp = swiglu` or `mlp = gelu`".into(),
-        ));
-    }
-    if spec.fit.checkpoint == CheckpointChoice::SelectiveOp {
-        return Some((
-            "op-level selective recomputation (`fit.checkpoint = selective_op`)".into(),
-            "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
-        ));
+    let selective_op = spec.fit.checkpoint == CheckpointChoice::SelectiveOp;
+    if let Some(r) = carried(&spec.model, &spec.optimizer, selective_op) {
+        return Some(r);
     }
     if spec.optimizer_in_backward {
         return Some((
             "the optimizer step in the backward (`optimizer.in_backward = true`)".into(),
             "it steps once after the backward: remove `in_backward`".into(),
-        ));
-    }
-    if spec.optimizer.implementation == OptImpl::Paged {
-        return Some((
-            "bitsandbytes' paged optimizers (`optimizer.impl = paged`)".into(),
-            "its optimizer state is ordinary device (or, offloaded, host) memory: write `impl = fused`, or `fit.offload = [optimizer]` to let the state move to the host".into(),
         ));
     }
     if spec.parallel.virtual_stages > 1 {
@@ -63,6 +49,18 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
                 spec.parallel.virtual_stages
             ),
             "it trains data-parallel only: remove `virtual_stages` and `pipeline`".into(),
+        ));
+    }
+    None
+}
+
+/// The setups a lowered plan carries (the executor's input): the model's MLP and biases,
+/// the optimizer's implementation, op-level recomputation.
+fn carried(m: &ModelSpec, o: &OptimizerSpec, selective_op: bool) -> Option<(String, String)> {
+    if m.mlp == Mlp::SquaredRelu {
+        return Some((
+            "a squared-ReLU MLP (`model.mlp = squared_relu`)".into(),
+            "its MLPs are SwiGLU or GELU: write `mlp = swiglu` or `mlp = gelu`".into(),
         ));
     }
     let layernorm = m.norm == Norm::Layernorm;
@@ -77,7 +75,34 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
             "its projections have biases exactly when the norm is LayerNorm: remove `bias`".into(),
         ));
     }
+    if selective_op {
+        return Some((
+            "op-level selective recomputation (`fit.checkpoint = selective_op`)".into(),
+            "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
+        ));
+    }
+    if o.implementation == OptImpl::Paged {
+        return Some((
+            "bitsandbytes' paged optimizers (`optimizer.impl = paged`)".into(),
+            "its optimizer state is ordinary device (or, offloaded, host) memory: write `impl = fused`, or `fit.offload = [optimizer]` to let the state move to the host".into(),
+        ));
+    }
     None
+}
+
+/// For `rcoa run --lowered FILE.json`: `Err` naming a setup of the lowered plan that the
+/// executor does not carry out (a plan compiled for another engine), as
+/// [`check`] refuses it at compile time. A lowered plan does not carry `in_backward` or
+/// `virtual_stages`; its pipeline degree is refused by the executor itself.
+pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
+    let selective_op = plan.resolved.checkpoint == "selective_op";
+    match carried(&plan.model, &plan.optimizer, selective_op) {
+        None => Ok(()),
+        Some((what, instead)) => Err(format!(
+            "`rcoa run` does not execute {what}: {instead} (this lowered plan was compiled for `target {}`)",
+            format!("{:?}", plan.target).to_lowercase()
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -139,3 +139,35 @@ fn explain_names_each_setup() {
     assert!(json["memory"]["paged_bytes"].as_u64().unwrap() > 0);
     assert_eq!(json["resolved"]["checkpoint"], "selective_op");
 }
+
+/// `rcoa run --lowered` takes plans compiled for any engine: what the executor does not
+/// build is refused from the lowered plan too.
+#[test]
+fn lowered_plans_for_other_engines_are_checked() {
+    use rcoa_compiler::executed::check_lowered;
+    let plain = rcoa_compiler::compile(&spec("")).unwrap();
+    assert_eq!(check_lowered(&plain.lowered), Ok(()));
+    for (extra, names) in [
+        (
+            "model \"tiny-decoder\" { mlp = squared_relu }",
+            "squared-ReLU",
+        ),
+        (
+            "model \"tiny-decoder\" { bias = true }",
+            "`model.bias = true`",
+        ),
+        (
+            "model \"tiny-decoder\"\noptimizer adamw { impl = paged }",
+            "paged",
+        ),
+        (
+            "model \"tiny-decoder\"\nfit { checkpoint = selective_op }",
+            "selective_op",
+        ),
+    ] {
+        let src = BASE.replace("model \"tiny-decoder\"", extra) + "target pytorch\n";
+        let c = rcoa_compiler::compile(&spec_of(&src)).unwrap();
+        let e = check_lowered(&c.lowered).unwrap_err();
+        assert!(e.contains(names) && e.contains("`target pytorch`"), "{e}");
+    }
+}
