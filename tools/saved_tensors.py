@@ -42,6 +42,75 @@ def saved(fn, named):
     return out, names
 
 
+def sac():
+    """torchtitan's op-level selective recomputation (`selective_ac_option = "op"`):
+    its policy keeps the outputs of ops on the save list "except every second mm",
+    counting `aten.mm` per layer forward. In a Llama block (q, k, v, o, w1, w3, w2)
+    that keeps the 1st, 3rd, 5th and 7th matmuls. `F.linear` with a bias dispatches
+    `aten.addmm`, which is not on the list: a biased projection is neither kept nor
+    counted."""
+    from collections import defaultdict
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    with Ops() as plain:
+        F.linear(x, w)
+    with Ops() as biased:
+        F.linear(x, w, b)
+    assert torch.ops.aten.mm.default in plain.ops, plain.ops
+    assert torch.ops.aten.addmm.default in biased.ops, biased.ops
+    assert torch.ops.aten.mm.default not in biased.ops, biased.ops
+    print("F.linear dispatches: no bias -> aten.mm, bias -> aten.addmm")
+
+    save_list = {torch.ops.aten.mm.default}
+    kept = []
+
+    def context():
+        meta = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == torch.ops.aten.mm.default:
+                meta[mode] += 1
+            save = func in save_list and not (
+                func == torch.ops.aten.mm.default and meta[mode] % 2 == 0
+            )
+            if save and not ctx.is_recompute:
+                kept.append(meta[mode])
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    ws = [torch.randn(16, 16, requires_grad=True) for _ in range(7)]
+
+    def block(h):
+        q, k, v = (F.linear(h, w) for w in ws[:3])
+        o = F.linear(q + k + v, ws[3])
+        return F.linear(F.silu(F.linear(o, ws[4])) * F.linear(o, ws[5]), ws[6])
+
+    y = checkpoint(block, x[..., :16], use_reentrant=False, context_fn=context)
+    y.sum().backward()
+    print("torchtitan op-SAC keeps the outputs of matmuls", kept, "of 7")
+    assert kept == [1, 3, 5, 7], kept
+
+
 def main():
     torch.manual_seed(0)
     tokens, h, f = 8, 16, 64
@@ -106,6 +175,7 @@ def main():
     _, s = saved(gelu_mlp, named)
     print("linear -> gelu -> linear saves:", sorted(s))
     assert sorted(s) == ["a", "h", "w1", "w2", "x"], s
+    sac()
     print("ok")
 
 

@@ -477,7 +477,11 @@ impl<'a> Builder<'a> {
             inputs.push(b.id);
         }
         let o = self.op(name, &inputs, &[out], &saved);
-        self.keep_for_recompute(&[out], true);
+        if bias.is_none() {
+            // `F.linear` with a bias dispatches `aten.addmm`, which torchtitan's save list
+            // lacks: neither kept nor counted (`tools/saved_tensors.py`).
+            self.keep_for_recompute(&[out], true);
+        }
         let rows: u64 = shape[..last].iter().product();
         let f = 2.0 * rows as f64 * inf as f64 * p.rows as f64;
         let bwd = f * (self.rg(xc) as u8 as f64) + f * (self.rg(w) as u8 as f64);

@@ -322,4 +322,23 @@ fn selective_op_keeps_attention_and_every_other_matmul() {
         f_none < f_op && f_op < f_full,
         "{f_none} < {f_op} < {f_full}"
     );
+
+    // Biased projections dispatch `aten.addmm`, not on the list: only the attention
+    // kernel's outputs are kept.
+    let kept_with_bias = |choice: CheckpointChoice| {
+        let mut s = spec(choice);
+        s.model.numerics.linear_bias = Some(true);
+        let c = Candidate {
+            checkpoint_layers: (0..s.model.layers).collect(),
+            ..c.clone()
+        };
+        let b = Builder::new(&s, &p, &c).build(0..s.model.layers, true, true);
+        let w = tape::walk(&b.tape, &Persistent::default(), false);
+        w.forward_end[Category::Activations as usize]
+    };
+    let attention = bf16(tokens * q) + p.allocated(4 * c.micro_batch * m.heads * s.train.seq_len);
+    assert_eq!(
+        kept_with_bias(CheckpointChoice::SelectiveOp) - kept_with_bias(CheckpointChoice::Full),
+        m.layers * attention
+    );
 }

@@ -64,7 +64,7 @@ impl Pass for Checkpoint {
             }
             CheckpointChoice::SelectiveOp => {
                 decide(log, self, "checkpoint = selective_op (every layer, keeping its attention kernel's and every other matmul's outputs)",
-                    "torchtitan's op-level selective recomputation (`selective_ac_option = \"op\"`): each layer keeps its input and the outputs of the ops in torchtitan's save list — the fused attention kernel (output and log-sum-exp) and the 1st, 3rd, 5th, … matmul of the layer — and recomputes the rest in its backward; the kept ops are not run again");
+                    "torchtitan's op-level selective recomputation (`selective_ac_option = \"op\"`): each layer keeps its input and the outputs of the ops in torchtitan's save list — the fused attention kernel (output and log-sum-exp) and the 1st, 3rd, 5th, … `aten.mm` of the layer (a projection with a bias runs `aten.addmm`, not on the list) — and recomputes the rest in its backward; the kept ops are not run again");
                 CheckpointDomain::Fixed(Recompute::SelectiveOp)
             }
             CheckpointChoice::Auto if self.quadratic_attention => {
