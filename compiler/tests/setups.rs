@@ -171,3 +171,21 @@ fn lowered_plans_for_other_engines_are_checked() {
         assert!(e.contains(names) && e.contains("`target pytorch`"), "{e}");
     }
 }
+
+/// The step in the backward: one backward per step, and `--explain` prices the saving.
+#[test]
+fn optimizer_in_backward_compiles_without_accumulation() {
+    let src = BASE.replace(
+        "train { seq_len = 64  global_batch = 16 }",
+        "train { seq_len = 64  global_batch = 16 }\noptimizer adamw { in_backward = true }\ntarget pytorch",
+    );
+    let c = rcoa_compiler::compile(&spec_of(&src)).unwrap();
+    assert_eq!(c.lowered.resolved.grad_accum, 1);
+    let d = c
+        .explain
+        .decisions
+        .iter()
+        .find(|d| d.what == "optimizer step in the backward")
+        .expect("priced in --explain");
+    assert!(d.why.contains("peak −"), "{}", d.why);
+}

@@ -218,6 +218,15 @@ fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
             without,
         );
     }
+    if spec.optimizer_in_backward {
+        let mut without = spec.clone();
+        without.optimizer_in_backward = false;
+        compare(
+            "optimizer step in the backward",
+            "each gradient freed by its parameter's step as the backward completes it, against one step after the backward over all of them",
+            without,
+        );
+    }
     if spec.optimizer.kind == OptimizerKind::Adam8bit {
         let mut without = spec.clone();
         without.optimizer.kind = OptimizerKind::Adamw;
