@@ -52,6 +52,14 @@ pub enum CompileError {
         #[help]
         help: String,
     },
+    /// A setup the plan's engine does not run (`crate::executed`).
+    #[error("{what}")]
+    #[diagnostic(code(rcoa::not_executed))]
+    NotExecuted {
+        what: String,
+        #[help]
+        help: String,
+    },
     #[error("{what}")]
     #[diagnostic(code(rcoa::inconsistent_plan))]
     Inconsistent {
@@ -133,6 +141,7 @@ fn check_supported(spec: &Spec) -> Result<(), CompileError> {
 /// Compile a resolved plan: decide the `auto`s, predict memory and time, lower.
 pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
     check_supported(spec)?;
+    crate::executed::check(spec)?;
     check_scale(spec)?;
     crate::profile::engines::check_precision(spec)?;
     let profile = Profile::for_target(spec.target);

@@ -7,6 +7,7 @@ pub mod catalog;
 pub mod compile;
 pub mod cost;
 pub mod emit;
+pub mod executed;
 pub mod explain;
 pub mod graph;
 pub mod lowered;

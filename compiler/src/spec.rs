@@ -40,6 +40,12 @@ pub struct Spec {
     pub parallel: ParallelSpec,
     pub fit: FitSpec,
     pub target: Target,
+    /// `optimizer { in_backward = true }` (torchtune's `optimizer_in_bwd`): each
+    /// parameter's step runs as soon as its gradient is produced, which is then freed.
+    /// Kept out of [`OptimizerSpec`] (the executors' lowered plan): no executor that reads
+    /// it runs this (`crate::executed`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optimizer_in_backward: bool,
     /// Values the plan left out that resolve filled in from other values
     /// (`model.mlp = swiglu`, why), for `--explain`.
     pub defaults: Vec<(String, String)>,
@@ -65,6 +71,8 @@ pub enum Arch {
 pub enum Mlp {
     Swiglu,
     Gelu,
+    /// Megatron's `squared_relu`: `relu(x) ** 2` between two matmuls (no gate).
+    SquaredRelu,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +123,17 @@ pub struct ModelSpec {
     pub weights: Option<String>,
 }
 
+impl ModelSpec {
+    /// Do the attention and MLP projections have biases? As the plan says, else as the
+    /// families rcoa knows: LayerNorm models (GPT-2, BERT, XLM-R) have them, RMSNorm
+    /// models (Llama, Mistral) do not — the rule rcoa's executor builds by.
+    pub fn linear_bias(&self) -> bool {
+        self.numerics
+            .linear_bias
+            .unwrap_or(self.norm == Norm::Layernorm)
+    }
+}
+
 /// Per-family numerical details of the forward pass.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -127,6 +146,10 @@ pub struct Numerics {
     pub gelu_tanh: bool,
     /// First position id (XLM-R / RoBERTa: `pad_token_id + 1`).
     pub position_offset: u64,
+    /// Biases on every linear projection (`model { bias = .. }`, Megatron's
+    /// `add_bias_linear`); `None`: the family's, see [`ModelSpec::linear_bias`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub linear_bias: Option<bool>,
 }
 
 impl Default for Numerics {
@@ -136,6 +159,7 @@ impl Default for Numerics {
             rope_theta: 10000.0,
             gelu_tanh: false,
             position_offset: 0,
+            linear_bias: None,
         }
     }
 }
@@ -323,6 +347,10 @@ pub enum OptImpl {
     Foreach,
     Fused,
     Plain,
+    /// bitsandbytes' paged optimizers (`PagedAdamW`, `PagedAdamW8bit`, `PagedLion`): their
+    /// fused kernel, the state in CUDA unified memory that the driver evicts to the host
+    /// when the device runs out (`memory::paged`).
+    Paged,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -409,6 +437,22 @@ pub struct ParallelSpec {
     pub sequence: Choice<bool>,
     pub context: Choice<u64>,
     pub expert: Choice<u64>,
+    /// Model chunks per pipeline rank (Megatron's interleaved 1F1B,
+    /// `--virtual-pipeline-model-parallel-size`); 1: the plain 1F1B schedule.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub virtual_stages: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(v: &u64) -> bool {
+    *v == 1
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 // ---------------------------------------------------------------- fit
@@ -428,6 +472,10 @@ pub enum CheckpointChoice {
     Full,
     /// Recompute attention internals only.
     Selective,
+    /// torchtitan's op-level selective recomputation (`selective_ac_option = "op"`): every
+    /// layer recomputed, except the outputs of its attention kernel and of every other
+    /// matmul, which are kept from the forward.
+    SelectiveOp,
     Auto,
     /// Every Nth layer is recomputed.
     Every(u64),
@@ -487,6 +535,10 @@ pub struct FitSpec {
     pub checkpoint: CheckpointChoice,
     /// What may move off the GPU (allowed, not required). Sorted.
     pub offload: Vec<Offload>,
+    /// What must move off the GPU (`must_offload`): every candidate has it. Sorted, one
+    /// place per kind.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub must_offload: Vec<Offload>,
     pub objective: Objective,
 }
 

@@ -112,15 +112,18 @@ impl SpecBuilder {
                 sequence: Choice::Fixed(false),
                 context: Choice::Fixed(1),
                 expert: Choice::Fixed(1),
+                virtual_stages: 1,
             },
             fit: FitSpec {
                 budget: Budget::Fraction(1.0),
                 reserve: None,
                 checkpoint: CheckpointChoice::None,
                 offload: vec![],
+                must_offload: vec![],
                 objective: Objective::Throughput,
             },
             target: Target::Pytorch,
+            optimizer_in_backward: false,
             defaults: Vec::new(),
         };
         SpecBuilder { spec }

@@ -292,6 +292,7 @@ fn one_gpu_plans_get_exactly_the_single_gpu_models() {
         sequence: Choice::Fixed(false),
         context: Choice::Fixed(1),
         expert: Choice::Fixed(1),
+        virtual_stages: 1,
     };
     fixed.fit.checkpoint = CheckpointChoice::Every(2);
     let c = compile(&fixed).unwrap();

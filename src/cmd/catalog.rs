@@ -138,6 +138,7 @@ fn mlp(m: Mlp) -> String {
     match m {
         Mlp::Swiglu => "swiglu",
         Mlp::Gelu => "gelu",
+        Mlp::SquaredRelu => "squared_relu",
     }
     .into()
 }

@@ -184,10 +184,16 @@ fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
             eprintln!("error: cannot read `{}`: {e}", path.display());
             ExitCode::from(2)
         })?;
-        return serde_json::from_str(&text).map_err(|e| {
+        let plan: LoweredPlan = serde_json::from_str(&text).map_err(|e| {
             eprintln!("error: `{}` is not a lowered plan: {e}", path.display());
             ExitCode::from(2)
-        });
+        })?;
+        // A plan compiled for another engine may name what the executor does not build.
+        rcoa_compiler::executed::check_lowered(&plan).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        })?;
+        return Ok(plan);
     }
     let path = args.plan.as_ref().ok_or(ExitCode::from(2))?;
     lower_plan(path)

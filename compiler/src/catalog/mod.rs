@@ -362,6 +362,9 @@ mod tests {
                     let layer = 4 * (h * h + h) + 2 * h + (h * f + f) + (f * h + h) + 2 * h;
                     emb + l * layer + h * h + h
                 }
+                (Mlp::SquaredRelu, _) => {
+                    panic!("{}: count a squared-ReLU preset's parameters here", e.name)
+                }
             };
             assert_eq!(
                 count, e.params,

@@ -20,7 +20,9 @@
 //!   around the ring, once in the forward and twice in the backward.
 //! - **pipeline**: activations and their gradients cross each stage
 //!   boundary; the 1F1B bubble adds `(p-1)` micro-step times to the `m`
-//!   micro-steps, the `(p-1)/(m+p-1)` share of the step.
+//!   micro-steps, the `(p-1)/(m+p-1)` share of the step. Interleaved over
+//!   `v` virtual stages, each boundary is crossed `v` times per micro-batch
+//!   and the bubble is `(p-1)/v` micro-step times.
 //! - **offload**: bytes over PCIe (~25 GB/s per GPU) or NVMe (slower) and
 //!   the CPU optimizer's update.
 //! - **the Burn executor's ZeRO-3** (units: embedding, layers, head): every
@@ -473,11 +475,30 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     if p > 1 {
         let pp = link(spec, t * c * d * 2);
         let (g, mi) = (Group::Pipeline, Cadence::MicroStep);
-        // With tensor parallelism each rank sends its 1/t slice of the boundary activation.
+        // With tensor parallelism each rank sends its 1/t slice of the boundary activation;
+        // interleaved, every one of its model chunks sends its own.
+        let v = spec.parallel.virtual_stages.max(1) as f64;
         let f = "stage boundary activation (forward)";
-        r.push(Collective::SendRecv, f, g, p, pp, act / t as f64, 1.0, mi);
+        r.push(Collective::SendRecv, f, g, p, pp, act / t as f64, v, mi);
         let b = "its gradient (backward)";
-        r.push(Collective::SendRecv, b, g, p, pp, act / t as f64, 1.0, mi);
+        r.push(Collective::SendRecv, b, g, p, pp, act / t as f64, v, mi);
+    }
+    if report.paged_evicted_bytes > 0 {
+        // `memory::paged`: the evicted pages go out as the step needs the room and come
+        // back when the optimizer step reads them.
+        let w = "paged optimizer state evicted to the host and read back";
+        let bytes = 2.0 * report.paged_evicted_bytes as f64;
+        let pcie = (Link::Pcie, PCIE_BYTES_PER_S);
+        r.push(
+            Collective::HostTransfer,
+            w,
+            Group::Host,
+            1,
+            pcie,
+            bytes,
+            1.0,
+            Cadence::OptimizerStep,
+        );
     }
     let mut host_optimizer_s = 0.0;
     for o in &cand.offload {
@@ -583,14 +604,15 @@ pub fn estimate(
     let pipeline_p2p_s = seconds_of(&traffic, Group::Pipeline);
     let offload_s = seconds_of(&traffic, Group::Host) + host_optimizer_s;
     let bubble_s = if p > 1 {
-        // 1F1B: (p-1) micro-step times of idle on top of the m micro-steps.
+        // 1F1B: (p-1) micro-step times of idle on top of the m micro-steps; interleaved over
+        // v model chunks, (p-1)/v (Narayanan et al. 2021, §2.2).
         let micro = (base.step_seconds
             - base.optimizer_seconds
             - profile.step_overhead_s
             - base.communication_seconds)
             .max(0.0)
             / ga;
-        (p - 1) as f64 * micro
+        (p - 1) as f64 * micro / spec.parallel.virtual_stages.max(1) as f64
     } else {
         0.0
     };

@@ -14,6 +14,8 @@
 //! shown are the seconds priced; the JSON carries them as `parallel.ranks` and
 //! `parallel.traffic`.
 
+mod setups;
+
 use crate::compile::Compilation;
 use crate::memory::{Category, Phase, Sample};
 use crate::profile::Profile;
@@ -132,6 +134,7 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         ));
     }
     techniques(spec, profile, log);
+    setups::record(spec, log);
     if let Some(a) = &spec.adapter {
         if profile.adapter_suffix_match
             && spec.model.arch == crate::spec::Arch::Encoder
@@ -218,6 +221,15 @@ fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
                 "the LM head and cross-entropy {} tokens at a time: no [tokens, vocab] fp32 logits; the backward recomputes each chunk's logits",
                 crate::memory::build::CHUNKED_LOSS_TOKENS
             ),
+            without,
+        );
+    }
+    if spec.optimizer_in_backward {
+        let mut without = spec.clone();
+        without.optimizer_in_backward = false;
+        compare(
+            "optimizer step in the backward",
+            "each gradient freed by its parameter's step as the backward completes it, against one step after the backward over all of them",
             without,
         );
     }
@@ -341,6 +353,15 @@ pub fn render_text(c: &Compilation) -> String {
         let _ = writeln!(s, "  {:<18} {:>11}  {:>5.1}%", cat.as_str(), gib(b), share);
     }
     let _ = writeln!(s, "  {:<18} {:>11}", "peak", gib(pr.peak_bytes));
+    if rep.paged_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "  {:<18} {:>11}  of the optimizer state in unified memory (`impl = paged`), {} of it on the host at the peak",
+            "paged",
+            gib(rep.paged_bytes),
+            gib(rep.paged_evicted_bytes)
+        );
+    }
     let _ = writeln!(
         s,
         "  {:<18} {:>11}  (kept out of the budget)",
@@ -544,7 +565,7 @@ pub fn to_json(c: &Compilation) -> Value {
     let r = &l.resolved;
     let pr = &l.prediction;
     let rep = &c.report;
-    json!({
+    let mut out = json!({
         "target": c.profile.name,
         "memory": {
             "peak_bytes": pr.peak_bytes,
@@ -592,5 +613,12 @@ pub fn to_json(c: &Compilation) -> Value {
         "residency": l.residency(),
         "params": { "total": rep.params_total, "trainable": rep.params_trainable },
         "graph": c.graph,
-    })
+    });
+    if rep.paged_bytes > 0 {
+        // `impl = paged` (memory::paged): the state in unified memory, and what of it the
+        // driver keeps on the host at the peak.
+        out["memory"]["paged_bytes"] = json!(rep.paged_bytes);
+        out["memory"]["paged_evicted_bytes"] = json!(rep.paged_evicted_bytes);
+    }
+    out
 }

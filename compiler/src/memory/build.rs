@@ -51,6 +51,9 @@ pub(crate) struct Builder<'a> {
     pub trainable: Vec<(TensorId, u64)>,
     /// Tensors a calling frame references until the current layer's last op.
     frame_holds: Vec<TensorId>,
+    /// `checkpoint = selective_op`: the layer's matmuls so far (torchtitan keeps the
+    /// outputs of the odd ones).
+    op_sac: Option<u32>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -111,7 +114,29 @@ impl<'a> Builder<'a> {
             open_unit: None,
             trainable: Vec::new(),
             frame_holds: Vec::new(),
+            op_sac: (spec.fit.checkpoint == crate::spec::CheckpointChoice::SelectiveOp)
+                .then_some(0),
         }
+    }
+
+    /// torchtitan's op-level selective recomputation (`_op_sac_save_list`, "saves output of
+    /// all compute ops, except every second mm"): inside a layer, `outs` of an op of the
+    /// save list are kept from the forward for the recompute. `mm`: the op is a matmul,
+    /// kept only when it is the layer's 1st, 3rd, 5th, … (the count restarts per layer).
+    fn keep_for_recompute(&mut self, outs: &[TensorId], mm: bool) {
+        let Some(count) = self.op_sac.as_mut() else {
+            return;
+        };
+        if self.layer.is_none() {
+            return;
+        }
+        if mm {
+            *count += 1;
+            if *count % 2 == 0 {
+                return;
+            }
+        }
+        self.tape.kept.extend_from_slice(outs);
     }
 
     fn bytes(&self, elems: u64, dtype: Dtype) -> u64 {
@@ -452,6 +477,11 @@ impl<'a> Builder<'a> {
             inputs.push(b.id);
         }
         let o = self.op(name, &inputs, &[out], &saved);
+        if bias.is_none() {
+            // `F.linear` with a bias dispatches `aten.addmm`, which torchtitan's save list
+            // lacks: neither kept nor counted (`tools/saved_tensors.py`).
+            self.keep_for_recompute(&[out], true);
+        }
         let rows: u64 = shape[..last].iter().product();
         let f = 2.0 * rows as f64 * inf as f64 * p.rows as f64;
         let bwd = f * (self.rg(xc) as u8 as f64) + f * (self.rg(w) as u8 as f64);
@@ -640,11 +670,11 @@ impl<'a> Builder<'a> {
         let (h, hd) = (m.hidden, m.head_dim);
         let heads = m.heads.div_ceil(t);
         let kv = m.kv_heads.div_ceil(t);
-        let encoder = m.arch == Arch::Encoder;
+        let bias = m.linear_bias();
         let rope = m.positions == Positions::Rope;
-        let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd, encoder);
-        let k = self.proj(Proj::K, "k_proj", x, h, kv * hd, encoder);
-        let v = self.proj(Proj::V, "v_proj", x, h, kv * hd, encoder);
+        let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd, bias);
+        let k = self.proj(Proj::K, "k_proj", x, h, kv * hd, bias);
+        let v = self.proj(Proj::V, "v_proj", x, h, kv * hd, bias);
         let (q, k) = if rope {
             (self.rope(q), self.rope(k))
         } else {
@@ -672,6 +702,7 @@ impl<'a> Builder<'a> {
             let out = self.tensor("attention", &[self.tokens, heads * hd], act, rg);
             let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
             let o = self.op("attention", &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
+            self.keep_for_recompute(&[out, lse], false);
             // Flash backward accumulates dq in fp32.
             let dq = self.bytes(self.tokens * heads * hd, Dtype::Fp32);
             let info = &mut self.tape.ops[o];
@@ -725,7 +756,7 @@ impl<'a> Builder<'a> {
             // transpose(1, 2).reshape(...) of a non-contiguous tensor copies.
             self.pointwise("transpose", &[out], act, &[])
         };
-        let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, encoder);
+        let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, bias);
         self.dropout(out, m.dropout)
     }
 
@@ -957,13 +988,16 @@ impl<'a> Builder<'a> {
     fn mlp(&mut self, x: TensorId) -> TensorId {
         let m = &self.spec.model;
         let (h, ffn) = (m.hidden, m.ffn.div_ceil(self.cand.tensor.max(1)));
+        // `F.linear` with a bias saves what it saves without one (its input and weight;
+        // the bias' gradient is a sum of the output's): `tools/saved_tensors.py`.
+        let bias = m.linear_bias();
         let out = match m.mlp {
             Mlp::Swiglu if self.profile.burn_ops => {
                 // backend/src/model.rs: `silu(gate(x)) * up(x)`; Burn's silu is
                 // `x * sigmoid(x)` and its sigmoid op saves its output: the MLP keeps five
                 // `[tokens, ffn]` tensors (gate, sigmoid, silu, up, product) for the
                 // backward — 5 x 46.1 MB per 350M layer in the trace.
-                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, false);
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, bias);
                 let dt = self.dtype(g);
                 let shape = self.shape(g);
                 let rg = self.rg(g);
@@ -972,29 +1006,43 @@ impl<'a> Builder<'a> {
                 // CubeCL's sigmoid runs in fp32 (`cast`, exp, log, ...): scratch while it runs.
                 self.tape.ops[o].fwd_workspace = self.bytes(self.elems(g), Dtype::Fp32);
                 let a = self.pointwise("silu", &[g, sg], dt, &[g, sg]);
-                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, false);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
                 let mdt = promote(dt, self.dtype(u));
                 let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
-                self.proj(Proj::Down, "down_proj", p, ffn, h, false)
+                self.proj(Proj::Down, "down_proj", p, ffn, h, bias)
             }
             Mlp::Swiglu => {
-                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, false);
-                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, false);
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, bias);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
                 let dt = self.dtype(g);
                 let a = self.pointwise("silu", &[g], dt, &[g]);
                 let mdt = promote(dt, self.dtype(u));
                 let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
-                self.proj(Proj::Down, "down_proj", p, ffn, h, false)
+                self.proj(Proj::Down, "down_proj", p, ffn, h, bias)
+            }
+            Mlp::SquaredRelu => {
+                // Megatron's `squared_relu`: `torch.pow(F.relu(x), 2)`. relu saves its output,
+                // pow its input (the same tensor), the down projection its input: two
+                // `[tokens, ffn]` tensors, as GELU; the matmul's output is not kept.
+                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
+                let dt = self.dtype(i);
+                let r = self.pointwise("relu", &[i], dt, &[]);
+                let op = self.tape.ops.len() - 1;
+                if self.rg(i) {
+                    self.tape.ops[op].saved = vec![r];
+                }
+                let a = self.pointwise("square", &[r], dt, &[r]);
+                self.proj(Proj::Down, "down_proj", a, ffn, h, bias)
             }
             Mlp::Gelu => {
-                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, true);
+                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
                 let dt = self.dtype(i);
                 let a = self.pointwise("gelu", &[i], dt, &[i]);
                 // BERT-style layers call `self.output(intermediate_output, ...)`: the caller's
                 // frame keeps the activation until the output block (dense, dropout, residual,
                 // norm) returns.
                 self.frame_holds.push(a);
-                self.proj(Proj::Down, "down_proj", a, ffn, h, true)
+                self.proj(Proj::Down, "down_proj", a, ffn, h, bias)
             }
         };
         self.dropout(out, m.dropout)
@@ -1012,6 +1060,9 @@ impl<'a> Builder<'a> {
     fn layer(&mut self, index: u32, x: TensorId) -> TensorId {
         let first_op = self.tape.ops.len() as u32;
         self.layer = Some(index);
+        if let Some(c) = self.op_sac.as_mut() {
+            *c = 0;
+        }
         self.begin_unit("layer");
         let h = self.spec.model.hidden;
         let out = match self.spec.model.arch {

@@ -295,7 +295,7 @@ pub fn step_temporaries(
             );
             temp += if adam_like {
                 match spec.optimizer.implementation {
-                    OptImpl::Fused => 0,
+                    OptImpl::Fused | OptImpl::Paged => 0,
                     OptImpl::Foreach => profile.allocated(bytes(piece, 4.0)),
                     OptImpl::Plain => 2 * profile.allocated(bytes(piece, 4.0)),
                 }

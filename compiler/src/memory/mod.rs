@@ -20,9 +20,12 @@
 pub mod build;
 pub mod engines;
 pub mod optimizer;
+pub mod paged;
 pub mod parallel;
 pub mod quant;
 pub mod tape;
+#[cfg(test)]
+mod tests_setups;
 #[cfg(test)]
 mod tests_techniques;
 
@@ -176,6 +179,17 @@ pub struct MemoryReport {
     /// Bytes of the parameters as this device keeps them between uses (a ZeRO-3 shard,
     /// nothing when offloaded; the whole model otherwise).
     pub resident_param_bytes: u64,
+    /// Optimizer state in CUDA unified memory (`impl = paged`), counted in `peak_bytes`
+    /// while the device has room; [`paged::evict`] takes off what it has not.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub paged_bytes: u64,
+    /// Of `paged_bytes`, what the driver keeps on the host at the peak ([`paged::evict`]).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub paged_evicted_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A pipeline stage the model evaluates: its layers, whether it holds the embedding and
@@ -190,7 +204,32 @@ pub struct Stage {
     pub end_layer: u64,
     pub embedding: bool,
     pub head: bool,
+    /// Micro-batches whose saved activations the stage holds at once, counted in model
+    /// chunks: `virtual_stages` chunks make one micro-batch of the whole stage.
     pub in_flight: u64,
+    /// Model chunks per rank (`parallel.virtual_stages`; 1 without interleaving).
+    #[serde(skip_serializing_if = "is_one")]
+    pub virtual_stages: u64,
+}
+
+fn is_one(v: &u64) -> bool {
+    *v == 1
+}
+
+/// Model-chunk forwards whose activations pipeline rank `rank` of `p` holds at its highest
+/// under Megatron's schedules with `m` micro-batches per step and `v` chunks per rank. 1F1B
+/// (`v = 1`): the rank runs `p - rank - 1` warm-up forwards, then one more before its first
+/// backward, `min(p - rank, m)`. Interleaved 1F1B (`schedules.py`,
+/// `get_pp_rank_microbatches`): `(p - rank - 1) * 2 + (v - 1) * g` warm-up chunk forwards
+/// (`g`, `microbatch_group_size_per_vp_stage`, defaults to `p`), then one more, out of
+/// `m * v`.
+pub fn chunks_in_flight(p: u64, rank: u64, m: u64, v: u64) -> u64 {
+    let (p, m, v) = (p.max(1), m.max(1), v.max(1));
+    if v == 1 {
+        return (p - rank.min(p - 1)).min(m);
+    }
+    let warmup = (p - rank.min(p - 1) - 1) * 2 + (v - 1) * p;
+    (warmup + 1).min(m * v)
 }
 
 /// The stages [`evaluate`] compares: the first stage (most micro-batches in flight under
@@ -200,6 +239,13 @@ pub fn stages(spec: &Spec, cand: &Candidate) -> Vec<Stage> {
     let layers = spec.model.layers;
     let stages = cand.pipeline.max(1);
     let per_stage = layers.div_ceil(stages).min(layers);
+    // Interleaving exists only across pipeline ranks.
+    let chunks = if stages > 1 {
+        spec.parallel.virtual_stages.max(1)
+    } else {
+        1
+    };
+    let m = cand.grad_accum.max(1);
     let mut v = vec![Stage {
         index: 0,
         stages,
@@ -207,7 +253,8 @@ pub fn stages(spec: &Spec, cand: &Candidate) -> Vec<Stage> {
         end_layer: per_stage,
         embedding: true,
         head: stages == 1,
-        in_flight: stages.min(cand.grad_accum.max(1)),
+        in_flight: chunks_in_flight(stages, 0, m, chunks),
+        virtual_stages: chunks,
     }];
     if stages > 1 {
         v.push(Stage {
@@ -217,7 +264,8 @@ pub fn stages(spec: &Spec, cand: &Candidate) -> Vec<Stage> {
             end_layer: layers,
             embedding: false,
             head: true,
-            in_flight: 1,
+            in_flight: chunks_in_flight(stages, stages - 1, m, chunks),
+            virtual_stages: chunks,
         });
     }
     v
@@ -238,7 +286,7 @@ pub fn evaluate_on(
         stage.first_layer..stage.end_layer,
         stage.embedding,
         stage.head,
-        stage.in_flight,
+        (stage.in_flight, stage.virtual_stages),
         timeline,
     )
 }
@@ -264,7 +312,7 @@ fn evaluate_stage(
     range: std::ops::Range<u64>,
     with_embedding: bool,
     with_head: bool,
-    in_flight: u64,
+    (in_flight, chunks): (u64, u64),
     timeline: bool,
 ) -> MemoryReport {
     let b = build::Builder::new(spec, profile, cand).build(range, with_embedding, with_head);
@@ -294,6 +342,17 @@ fn evaluate_stage(
         0
     };
     persistent.fixed[Category::Optimizer as usize] = state;
+    let paged_bytes = if opt_on_gpu && spec.optimizer.implementation == crate::spec::OptImpl::Paged
+    {
+        // bitsandbytes pages its state tensors, not a master copy of the weights.
+        (opt.state_bytes - opt.master_bytes).min(state)
+    } else {
+        0
+    };
+    let in_backward = spec.optimizer_in_backward;
+    if in_backward {
+        charge_steps_in_backward(spec, profile, cand, &mut tape, &trainable);
+    }
     if units {
         persistent.unit_grads = true;
         if !burn_host_grad_accumulator(profile, cand) {
@@ -324,13 +383,20 @@ fn evaluate_stage(
             dp
         };
     }
+    if in_backward {
+        // Each gradient lives only while its parameter's step runs (then `zero_grad`).
+        persistent.grad_divisor = u64::MAX;
+    }
     // Micro-batches in flight on a pipeline stage (1F1B: the first stage holds `stages`) keep
-    // what their forward saved until their backward runs.
-    if in_flight > 1 {
+    // what their forward saved until their backward runs. The tape is one micro-batch
+    // through all `chunks` model chunks of the stage; each further chunk forward in flight
+    // holds a chunk's share of what it saved (layers are alike).
+    if in_flight > chunks {
         let probe = tape::walk(&tape, &persistent, false);
         let a = Category::Activations as usize;
         let saved = probe.forward_end[a].saturating_sub(persistent.fixed[a]);
-        persistent.fixed[a] += (in_flight - 1) * saved;
+        persistent.fixed[a] +=
+            ((in_flight - chunks) as u128 * saved as u128 / chunks.max(1) as u128) as u64;
     }
     let first = tape::walk(&tape, &persistent, timeline);
     // An executor that samples its memory between segments (Burn) reports the highest
@@ -376,7 +442,7 @@ fn evaluate_stage(
     at_opt[Category::ActivationGrads as usize] = 0;
     at_opt[Category::Activations as usize] = persistent.fixed[Category::Activations as usize];
     at_opt[Category::WeightCopies as usize] = 0;
-    if opt_on_gpu {
+    if opt_on_gpu && !in_backward {
         at_opt[Category::Workspace as usize] +=
             engines::step_temporaries(spec, profile, cand, &opt, &trainable_values)
                 .unwrap_or_else(|| opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 }));
@@ -489,6 +555,30 @@ fn evaluate_stage(
             .filter(|t| t.role == tape::Role::Param)
             .map(|t| t.bytes)
             .sum(),
+        paged_bytes,
+        paged_evicted_bytes: 0,
+    }
+}
+
+/// The optimizer step in the backward: each trainable parameter's step runs where its
+/// gradient is complete — the backward of the first op (in forward order) that reads it —
+/// and its temporaries are that op's backward scratch.
+fn charge_steps_in_backward(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    tape: &mut tape::Tape,
+    trainable: &[(tape::TensorId, u64)],
+) {
+    let mut pending: BTreeMap<u32, u64> = trainable.iter().map(|(id, n)| (id.0, *n)).collect();
+    for o in 0..tape.ops.len() {
+        let mut temp = 0;
+        for &inp in &tape.ops[o].inputs {
+            if let Some(n) = pending.remove(&inp.0) {
+                temp += optimizer::in_backward_step_temp(spec, profile, tape, (inp, n), cand);
+            }
+        }
+        tape.ops[o].bwd_workspace += temp;
     }
 }
 
@@ -513,8 +603,11 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
     let mut flops = 0.0;
     let mut moved = 0.0;
     let mut kernels = 0u64;
+    let kept = tape.kept_mask();
     for (i, op) in tape.ops.iter().enumerate() {
-        let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed);
+        // A kept output's op does not run again in the recompute.
+        let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed)
+            && !op.outputs.iter().any(|o| kept[o.0 as usize]);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         flops += op.flops * fwd_times

@@ -113,7 +113,8 @@ pub fn model(
                 }
                 temp = match implementation {
                     OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
-                    OptImpl::Fused => 0,
+                    // bitsandbytes' paged kernels are fused too.
+                    OptImpl::Fused | OptImpl::Paged => 0,
                     OptImpl::Plain => 2 * full(largest, 1.0),
                 };
             }
@@ -123,7 +124,7 @@ pub fn model(
             state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
             temp = match implementation {
                 OptImpl::Foreach => state,
-                OptImpl::Fused => 0,
+                OptImpl::Fused | OptImpl::Paged => 0,
                 OptImpl::Plain => full(largest, 1.0),
             };
         }
@@ -170,4 +171,19 @@ pub fn model(
         master_bytes,
         temp_bytes: temp,
     }
+}
+
+/// With the step in the backward (`Spec::optimizer_in_backward`, torchtune's
+/// `optimizer_in_bwd`: one optimizer per parameter, stepped by a post-accumulate-grad
+/// hook), the temporaries of one parameter's step: [`model`] over that parameter alone
+/// (foreach over a one-tensor list allocates one tensor like it; fused and paged kernels
+/// none; the per-parameter loop two; plus the fp32 gradient cast for a master copy).
+pub fn in_backward_step_temp(
+    spec: &Spec,
+    profile: &Profile,
+    tape: &Tape,
+    param: (TensorId, u64),
+    c: &Candidate,
+) -> u64 {
+    model(spec, profile, tape, &[param], c).temp_bytes
 }

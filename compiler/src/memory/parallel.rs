@@ -79,7 +79,7 @@ pub fn layer_params(m: &crate::spec::ModelSpec, tensor: u64) -> u64 {
     let attn = m.hidden * (heads + 2 * kv) * m.head_dim + heads * m.head_dim * m.hidden;
     let mlp = match m.mlp {
         crate::spec::Mlp::Swiglu => 3 * m.hidden * ffn,
-        crate::spec::Mlp::Gelu => 2 * m.hidden * ffn,
+        crate::spec::Mlp::Gelu | crate::spec::Mlp::SquaredRelu => 2 * m.hidden * ffn,
     };
     // Two norms a layer: an RMSNorm has a scale, a LayerNorm a scale and a bias.
     let norms = match m.norm {
@@ -196,6 +196,7 @@ pub fn evaluate_stages(
             let mut r = evaluate_on(spec, &run, profile, &stage, timeline);
             let t = terms(spec, cand, profile, &stage, &r);
             apply(&mut r, &t);
+            super::paged::evict(spec, &mut r);
             (stage, r)
         })
         .collect()
@@ -303,7 +304,15 @@ fn describe(
     if c > 1 {
         shards.push(format!("1/{c} of each sequence's tokens (context = {c})"));
     }
-    if stage.in_flight > 1 {
+    if stage.virtual_stages > 1 {
+        let v = stage.virtual_stages;
+        shards.push(format!(
+            "{v} model chunks of {} layers (virtual_stages = {v}); activations of {} chunk forwards in flight (interleaved 1F1B), {:.2} micro-batches of the whole stage",
+            (stage.end_layer - stage.first_layer) / v,
+            stage.in_flight,
+            stage.in_flight as f64 / v as f64
+        ));
+    } else if stage.in_flight > 1 {
         shards.push(format!(
             "activations of {} micro-batches in flight (1F1B)",
             stage.in_flight

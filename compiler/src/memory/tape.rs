@@ -147,6 +147,21 @@ pub struct Tape {
     pub units: Vec<Unit>,
     /// The scalar the backward starts from.
     pub loss: Option<TensorId>,
+    /// Outputs a checkpointed layer keeps from its forward for its recompute, which
+    /// takes them instead of running their ops again (op-level selective recomputation,
+    /// `checkpoint = selective_op`).
+    pub kept: Vec<TensorId>,
+}
+
+impl Tape {
+    /// [`Tape::kept`] as a mask over tensor ids.
+    pub fn kept_mask(&self) -> Vec<bool> {
+        let mut m = vec![false; self.tensors.len()];
+        for t in &self.kept {
+            m[t.0 as usize] = true;
+        }
+        m
+    }
 }
 
 impl Tape {
@@ -395,6 +410,7 @@ impl<'a> Walk<'a> {
         // References a tensor starts with: forward uses within the range, saves that count,
         // holds. Counted once per range (indexed by tensor id).
         let mut refs_of: Vec<u32> = vec![0; tape.tensors.len()];
+        let kept = tape.kept_mask();
         for op in range.clone() {
             let l = &tape.ops[op];
             for &x in l.inputs.iter().chain(&l.holds) {
@@ -444,8 +460,17 @@ impl<'a> Walk<'a> {
                     if self.ckpt_input[out.0 as usize] {
                         refs += 1;
                     }
+                    // Kept by a checkpointed layer's forward for its recompute.
+                    if kept[out.0 as usize] && !counts_saves(op) {
+                        refs += 1;
+                    }
                 }
                 self.alloc(out, refs);
+                if recompute && kept[out.0 as usize] {
+                    // The recompute takes the kept tensor (alive: `alloc` added its uses),
+                    // and the forward's reference ends.
+                    self.release(out);
+                }
             }
             let ws = info.fwd_workspace;
             let mut extra = [0u64; Category::COUNT];

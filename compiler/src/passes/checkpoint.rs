@@ -10,7 +10,11 @@
 //! `selective` recomputes the attention core only (Megatron's selective
 //! recomputation): no whole layer is recomputed here; the memory model drops
 //! the core's quadratic saved tensors and charges their recompute
-//! (`memory::build`, `selective_attention`).
+//! (`memory::build`, `selective_attention`). `selective_op` is torchtitan's
+//! op-level recomputation: every layer recomputed except the outputs of its
+//! attention kernel and of every other matmul (`memory::build` marks them
+//! [`crate::memory::tape::Tape::kept`]). `auto` never picks it: it is what an
+//! engine that runs it is told to do.
 
 use super::{decide, CheckpointDomain, Pass, Plan, Recompute};
 use crate::compile::CompileError;
@@ -54,6 +58,11 @@ impl Pass for Checkpoint {
                 decide(log, self, "checkpoint = selective (attention core recomputed)",
                     "every layer keeps its projections' and MLP's activations but not the attention scores and probabilities, which the backward recomputes (one more q·kᵀ and probs·v per layer)");
                 CheckpointDomain::Fixed(Recompute::Selective)
+            }
+            CheckpointChoice::SelectiveOp => {
+                decide(log, self, "checkpoint = selective_op (every layer, keeping its attention kernel's and every other matmul's outputs)",
+                    "torchtitan's op-level selective recomputation (`selective_ac_option = \"op\"`): each layer keeps its input and the outputs of the ops in torchtitan's save list — the fused attention kernel (output and log-sum-exp) and the 1st, 3rd, 5th, … `aten.mm` of the layer (a projection with a bias runs `aten.addmm`, not on the list) — and recomputes the rest in its backward; the kept ops are not run again");
+                CheckpointDomain::Fixed(Recompute::SelectiveOp)
             }
             CheckpointChoice::Auto if self.quadratic_attention => {
                 decide(log, self, "checkpoint ∈ {first k layers of each stage, k = 0 … all; selective}",

@@ -61,6 +61,9 @@ pub enum Recompute {
     /// No layer recomputed whole; every layer's attention core recomputed in its backward
     /// (`checkpoint = selective`).
     Selective,
+    /// Every layer recomputed but the outputs its forward keeps: torchtitan's op-level
+    /// selective recomputation (`checkpoint = selective_op`; `memory::build` marks them).
+    SelectiveOp,
 }
 
 /// The checkpoint domain: fixed by the plan, or every block size of a stage (`auto`).
@@ -192,7 +195,9 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
     )
     .run(&mut plan, log)?;
     checkpoint::Checkpoint::new(spec, profile).run(&mut plan, log)?;
-    offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target).run(&mut plan, log)?;
+    offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target)
+        .required(&spec.fit.must_offload)
+        .run(&mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
     batch::Batch::new(spec).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.

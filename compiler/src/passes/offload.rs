@@ -2,6 +2,8 @@
 //!
 //! Only what `fit.offload` allows is tried, and never required: every
 //! subset of the allowed items is a candidate (the empty one first).
+//! `fit.must_offload` items are in every subset; one the plan's engine or the
+//! memory model cannot carry out is an error, never dropped.
 //! Parameters move only with ZeRO-3 on DeepSpeed (`offload_param`; the Burn
 //! executor under any stage); the search skips other stages there.
 //! Activations are not offered: the memory model
@@ -22,6 +24,8 @@ use crate::spec::{HardwareSpec, Offload as Item, OffloadTo, OffloadWhat, Target}
 
 pub struct Offload<'a> {
     allowed: &'a [Item],
+    /// `fit.must_offload`: in every set.
+    required: &'a [Item],
     hardware: &'a HardwareSpec,
     target: Target,
 }
@@ -30,9 +34,48 @@ impl<'a> Offload<'a> {
     pub fn new(allowed: &'a [Item], hardware: &'a HardwareSpec, target: Target) -> Self {
         Offload {
             allowed,
+            required: &[],
             hardware,
             target,
         }
+    }
+
+    /// What must be offloaded (`fit.must_offload`): every candidate has it.
+    pub fn required(mut self, required: &'a [Item]) -> Self {
+        self.required = required;
+        self
+    }
+
+    /// A required item the plan's engine cannot carry out, or the memory model cannot
+    /// price, is an error: dropping it would not be the plan.
+    fn check_required(&self, plan: &Plan) -> Result<(), CompileError> {
+        for o in self.required {
+            let burn_ok = (o.what == OffloadWhat::Optimizer
+                || (crate::profile::BURN_RUNS_ZERO3 && o.what == OffloadWhat::Params))
+                && o.to == OffloadTo::Cpu;
+            if self.target == Target::Burn && !burn_ok {
+                return Err(CompileError::NotExecuted {
+                    what: format!("`rcoa run` does not execute `must_offload = [{o}]` (the plan is `target burn`)"),
+                    help: "it offloads the optimizer state and update, and the parameters, to host memory only:                            require `optimizer:cpu` or `params:cpu`; or write `target pytorch` for DeepSpeed's gradient and NVMe offload (`rcoa emit`)".into(),
+                });
+            }
+            if o.what == OffloadWhat::Activations {
+                return Err(CompileError::Unsupported {
+                    feature: format!("`must_offload = [{o}]`"),
+                    help: "moving activations to the host is not modelled; `checkpoint` covers the same memory".into(),
+                });
+            }
+            if o.what == OffloadWhat::Params
+                && self.target != Target::Burn
+                && !plan.space.zero.contains(&3)
+            {
+                return Err(CompileError::Inconsistent {
+                    what: format!("`must_offload = [{o}]` needs ZeRO-3, but the plan's `zero` excludes it"),
+                    help: "DeepSpeed offloads parameters only under ZeRO-3 (`offload_param`): write `zero = 3` or `auto`".into(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -42,9 +85,13 @@ impl Pass for Offload<'_> {
     }
 
     fn run(&self, plan: &mut Plan, log: &mut Vec<Decision>) -> Result<(), CompileError> {
-        let mut items: Vec<Item> = Vec::new();
+        self.check_required(plan)?;
+        let mut items: Vec<Item> = self.required.to_vec();
         let burn = self.target == Target::Burn;
         for o in self.allowed {
+            if self.required.contains(o) {
+                continue;
+            }
             // The Burn executor moves the optimizer state and its update to
             // host memory (`backend/src/shard`), and the parameters when it runs ZeRO-3.
             let burn_params = crate::profile::BURN_RUNS_ZERO3 && o.what == OffloadWhat::Params;
@@ -80,15 +127,38 @@ impl Pass for Offload<'_> {
                 .filter(|(i, _)| mask & (1 << i) != 0)
                 .map(|(_, o)| *o)
                 .collect();
-            // One place per tensor kind.
+            // One place per tensor kind; every required item.
             let mut whats: Vec<OffloadWhat> = set.iter().map(|o| o.what).collect();
+            whats.sort();
             whats.dedup();
-            if whats.len() == set.len() {
+            if whats.len() == set.len() && self.required.iter().all(|r| set.contains(r)) {
+                let mut set = set;
+                set.sort();
                 sets.push(set);
             }
         }
         sets.sort_by_key(|s| s.len());
-        if !items.is_empty() {
+        if !self.required.is_empty() {
+            decide(
+                log,
+                self,
+                format!(
+                    "offload ⊇ [{}]",
+                    self.required
+                        .iter()
+                        .map(|o| o.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                "required by the plan (`must_offload`): every candidate moves it off the GPU, whether or not the plan would fit without",
+            );
+        }
+        // What the search may add to the required items.
+        let optional: Vec<&Item> = items
+            .iter()
+            .filter(|o| !self.required.contains(o))
+            .collect();
+        if !optional.is_empty() {
             let host = match self.hardware.host_memory_bytes {
                 Some(b) => format!(
                     "{:.0} GiB of host memory per node",

@@ -10,7 +10,7 @@
 //! table), or at the section when the value is a default.
 
 use super::model::divisors;
-use super::problem::{ParallelProduct, Problem};
+use super::problem::{Inapplicable, ParallelProduct, Problem};
 use super::values::Cx;
 use crate::spec::{
     AdapterSpec, Budget, CheckpointChoice, Choice, FitSpec, HardwareSpec, Mlp, ModelSpec,
@@ -34,6 +34,9 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
     }
     if let Some(par) = p.parallel {
         sequence_needs_tensor(cx, par);
+    }
+    if let (Some(m), Some(par)) = (p.model, p.parallel) {
+        virtual_stages(cx, m, par, p.train);
     }
     let mut product_ok = true;
     if let (Some(par), Some(hw)) = (p.parallel, p.hardware) {
@@ -71,6 +74,9 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
     if let (Some(f), Some(hw)) = (p.fit, p.hardware) {
         fit_vs_hardware(cx, f, hw);
     }
+    if let Some(f) = p.fit {
+        must_offload_places(cx, f);
+    }
     if let (Some(f), Some(m)) = (p.fit, p.model) {
         if let CheckpointChoice::Every(n) = f.checkpoint {
             if n > m.layers {
@@ -84,7 +90,7 @@ pub(super) fn check(cx: &mut Cx, p: Parts) {
         }
     }
     if let (Some(Some(a)), Some(m)) = (p.adapter, p.model) {
-        if m.mlp == Mlp::Gelu && a.targets.contains(&Proj::Gate) {
+        if m.mlp != Mlp::Swiglu && a.targets.contains(&Proj::Gate) {
             let span = span_or(cx, "adapter.targets.gate", "adapter");
             cx.report(Problem::TargetNotInModel {
                 target: "gate",
@@ -329,17 +335,107 @@ fn fit_vs_hardware(cx: &mut Cx, f: &FitSpec, hw: &HardwareSpec) {
             });
         }
     }
-    for o in &f.offload {
+    for (list, o) in f
+        .offload
+        .iter()
+        .map(|o| ("offload", o))
+        .chain(f.must_offload.iter().map(|o| ("must_offload", o)))
+    {
         let missing = match o.to {
             OffloadTo::Nvme => hw.nvme_bytes.is_none(),
             OffloadTo::Cpu => hw.host_memory_bytes.is_none(),
         };
         if missing {
-            let span = span_or(cx, &format!("fit.offload.{o}"), "fit");
+            let span = span_or(cx, &format!("fit.{list}.{o}"), "fit");
             cx.report(Problem::OffloadNeedsStorage {
                 nvme: o.to == OffloadTo::Nvme,
                 span,
             });
         }
+    }
+}
+
+/// A required offload puts its kind of tensor in one place: no other place for it in
+/// `must_offload` or `offload`.
+fn must_offload_places(cx: &mut Cx, f: &FitSpec) {
+    for (i, m) in f.must_offload.iter().enumerate() {
+        let clash = f.must_offload[i + 1..]
+            .iter()
+            .map(|o| ("must_offload", o))
+            .chain(f.offload.iter().map(|o| ("offload", o)))
+            .find(|(_, o)| o.what == m.what && o.to != m.to);
+        if let Some((list, o)) = clash {
+            let span = span_or(cx, &format!("fit.must_offload.{m}"), "fit");
+            let other_span = cx.spans.get(&format!("fit.{list}.{o}"));
+            cx.report(Problem::OffloadTwoPlaces {
+                item: m.to_string(),
+                other: o.to_string(),
+                span,
+                other_span,
+            });
+        }
+    }
+}
+
+/// Megatron's interleaved schedule: a fixed pipeline of 2 or more, every model chunk the
+/// same number of layers (`num_layers` divisible by pipeline × virtual stages), and the
+/// micro-batches per step a multiple of the pipeline (Megatron's
+/// `microbatch_group_size_per_vp_stage`, the pipeline size by default; an `auto`
+/// `grad_accum` is searched over such values only).
+fn virtual_stages(cx: &mut Cx, m: &ModelSpec, par: &ParallelSpec, t: Option<&TrainSpec>) {
+    let v = par.virtual_stages;
+    if v <= 1 {
+        return;
+    }
+    let span = span_or(cx, "parallel.virtual_stages", "parallel");
+    let Some(p) = par.pipeline.fixed().filter(|p| *p > 1) else {
+        cx.report(Problem::NotApplicable {
+            key: "virtual_stages",
+            because: Inapplicable::VirtualStagesNeedPipeline,
+            span,
+        });
+        return;
+    };
+    if !m.layers.is_multiple_of(p * v) {
+        cx.report(Problem::NotDivisible {
+            what: "layers",
+            value: m.layers,
+            by_what: "pipeline × virtual_stages",
+            by: p * v,
+            span,
+            by_span: None,
+            divisor_is_primary: true,
+            // pipeline × virtual_stages products that cut the layers evenly.
+            options: divisors(m.layers)
+                .into_iter()
+                .filter(|d| d.is_multiple_of(p))
+                .collect(),
+        });
+    }
+    if let Some(a) = t.and_then(|t| t.grad_accum.fixed()) {
+        if !a.is_multiple_of(p) {
+            cx.report(Problem::NotDivisible {
+                what: "grad_accum",
+                value: a,
+                by_what: "pipeline",
+                by: p,
+                span: span_or(cx, "train.grad_accum", "train"),
+                by_span: cx.spans.get("parallel.pipeline"),
+                divisor_is_primary: false,
+                options: vec![],
+            });
+        }
+    }
+}
+
+/// `optimizer { in_backward = true }`: one backward per step (no accumulation).
+pub(super) fn in_backward(cx: &mut Cx, t: Option<&TrainSpec>) {
+    if t.and_then(|t| t.grad_accum.fixed()).is_some_and(|a| a > 1) {
+        let span = span_or(cx, "optimizer.in_backward", "optimizer");
+        cx.report(Problem::NotApplicable {
+            key: "optimizer.in_backward",
+            because: Inapplicable::InBackwardNoAccumulation,
+            span,
+        });
     }
 }

@@ -13,12 +13,20 @@ use super::values::{self, Cx, Fields};
 use crate::spec::{Budget, CheckpointChoice, FitSpec, Objective, Offload, OffloadTo, OffloadWhat};
 use rcoa_grammar::{Section, Value, ValueKind};
 
-pub(crate) const KEYS: &[&str] = &["budget", "reserve", "checkpoint", "offload", "objective"];
+pub(crate) const KEYS: &[&str] = &[
+    "budget",
+    "reserve",
+    "checkpoint",
+    "offload",
+    "must_offload",
+    "objective",
+];
 
 const CHECKPOINTS: &[(&str, CheckpointChoice)] = &[
     ("none", CheckpointChoice::None),
     ("full", CheckpointChoice::Full),
     ("selective", CheckpointChoice::Selective),
+    ("selective_op", CheckpointChoice::SelectiveOp),
     ("auto", CheckpointChoice::Auto),
 ];
 const OBJECTIVES: &[(&str, Objective)] = &[
@@ -40,6 +48,7 @@ pub(super) fn default() -> FitSpec {
         reserve: None,
         checkpoint: CheckpointChoice::Auto,
         offload: Vec::new(),
+        must_offload: Vec::new(),
         objective: Objective::Throughput,
     }
 }
@@ -68,9 +77,12 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<FitSpec> {
     let checkpoint = f
         .get("checkpoint")
         .map_or(Some(d.checkpoint), |v| checkpoint(cx, v));
-    let offload = f
+    let may = f
         .get("offload")
-        .map_or(Some(Vec::new()), |v| offload(cx, v));
+        .map_or(Some(Vec::new()), |v| offload(cx, v, "offload"));
+    let must = f
+        .get("must_offload")
+        .map_or(Some(Vec::new()), |v| offload(cx, v, "must_offload"));
     let objective = f.get("objective").map_or(Some(d.objective), |v| {
         values::pick(cx, v, "objective", NameKind::Value, OBJECTIVES)
     });
@@ -84,7 +96,8 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<FitSpec> {
             None => None,
         },
         checkpoint: checkpoint?,
-        offload: offload?,
+        offload: may?,
+        must_offload: must?,
         objective: objective?,
     })
 }
@@ -112,14 +125,15 @@ fn checkpoint(cx: &mut Cx, v: &Value) -> Option<CheckpointChoice> {
     }
 }
 
-fn offload(cx: &mut Cx, v: &Value) -> Option<Vec<Offload>> {
+/// An offload list (`offload`, `must_offload`: `slot`).
+fn offload(cx: &mut Cx, v: &Value, slot: &'static str) -> Option<Vec<Offload>> {
     // A single item without brackets is unambiguous; accept it.
     let items: &[Value] = match &v.kind {
         ValueKind::List(items) => items,
         ValueKind::Ident(_) | ValueKind::Placed { .. } => std::slice::from_ref(v),
         other => {
             cx.report(Problem::WrongKind {
-                slot: "offload",
+                slot,
                 expected: Expected::OffloadList,
                 found: super::wording::found(other),
                 span: v.span,
@@ -132,7 +146,7 @@ fn offload(cx: &mut Cx, v: &Value) -> Option<Vec<Offload>> {
     for item in items {
         let one = match &item.kind {
             ValueKind::Ident(_) => {
-                values::pick(cx, item, "offload", NameKind::Value, WHATS).map(|what| Offload {
+                values::pick(cx, item, slot, NameKind::Value, WHATS).map(|what| Offload {
                     what,
                     to: OffloadTo::Cpu,
                 })
@@ -146,13 +160,13 @@ fn offload(cx: &mut Cx, v: &Value) -> Option<Vec<Offload>> {
                     kind: ValueKind::Ident(place.name.clone()),
                     span: place.span,
                 };
-                let what = values::pick(cx, &w, "offload", NameKind::Value, WHATS);
-                let to = values::pick(cx, &p, "offload", NameKind::Value, PLACES);
+                let what = values::pick(cx, &w, slot, NameKind::Value, WHATS);
+                let to = values::pick(cx, &p, slot, NameKind::Value, PLACES);
                 what.zip(to).map(|(what, to)| Offload { what, to })
             }
             other => {
                 cx.report(Problem::WrongKind {
-                    slot: "offload",
+                    slot,
                     expected: Expected::OffloadList,
                     found: super::wording::found(other),
                     span: item.span,
@@ -162,7 +176,7 @@ fn offload(cx: &mut Cx, v: &Value) -> Option<Vec<Offload>> {
         };
         match one {
             Some(o) => {
-                cx.spans.insert(format!("fit.offload.{o}"), item.span);
+                cx.spans.insert(format!("fit.{slot}.{o}"), item.span);
                 out.push(o);
             }
             None => ok = false,

@@ -146,6 +146,25 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         _ => ("layer_norm_eps", 1e-12),
     };
     n.norm_eps = c.float(eps_key)?.unwrap_or(eps_default);
+    if c.model_type == "llama" {
+        // LlamaConfig's `attention_bias` (q, k, v, o) and `mlp_bias` (gate, up, down):
+        // the plan's `bias` says both at once.
+        let attention = c.flag("attention_bias", false)?;
+        let mlp = c.flag("mlp_bias", false)?;
+        if attention != mlp {
+            return Err(HfDetail::Unsupported {
+                key: if attention {
+                    "attention_bias"
+                } else {
+                    "mlp_bias"
+                },
+                value: "true (biases on one kind of projection only)".into(),
+            });
+        }
+        if attention {
+            n.linear_bias = Some(true);
+        }
+    }
     if matches!(c.model_type, "llama" | "mistral") {
         n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
         if let Some(v) = c.obj.get("rope_scaling").filter(|v| !v.is_null()) {

@@ -137,9 +137,12 @@ pub fn resolve_with_spans(
         Some(s) => precision::resolve(&mut cx, s),
         None => Some(precision::default()),
     };
-    let optimizer = match get("optimizer") {
-        Some(s) => optimizer::resolve(&mut cx, s),
-        None => Some(optimizer::default()),
+    let (optimizer, in_backward) = match get("optimizer") {
+        Some(s) => match optimizer::resolve(&mut cx, s) {
+            Some((o, b)) => (Some(o), b),
+            None => (None, false),
+        },
+        None => (Some(optimizer::default()), false),
     };
     let train = match get("train") {
         Some(s) => train::resolve(&mut cx, s, model.as_ref().map(|m| m.arch)),
@@ -196,6 +199,9 @@ pub fn resolve_with_spans(
             fit: fit.as_ref(),
         },
     );
+    if in_backward {
+        constraints::in_backward(&mut cx, train.as_ref());
+    }
 
     if cx.problems.is_empty() {
         if let (
@@ -221,6 +227,7 @@ pub fn resolve_with_spans(
                 parallel,
                 fit,
                 target,
+                optimizer_in_backward: in_backward,
                 defaults: std::mem::take(&mut cx.defaults),
             };
             return Ok((spec, cx.spans));
@@ -337,3 +344,5 @@ fn resolve_target(cx: &mut Cx, s: &Section) -> Option<Target> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_setups;

@@ -40,6 +40,7 @@ pub(crate) const KEYS: &[&str] = &[
     "experts",
     "experts_per_token",
     "dropout",
+    "bias",
 ];
 
 /// Keys an explicit `model { ... }` must give. The others default from
@@ -57,7 +58,11 @@ fn arch_defaults(arch: Arch) -> (Mlp, Norm, bool) {
 }
 
 const ARCHS: &[(&str, Arch)] = &[("decoder", Arch::Decoder), ("encoder", Arch::Encoder)];
-const MLPS: &[(&str, Mlp)] = &[("swiglu", Mlp::Swiglu), ("gelu", Mlp::Gelu)];
+const MLPS: &[(&str, Mlp)] = &[
+    ("swiglu", Mlp::Swiglu),
+    ("gelu", Mlp::Gelu),
+    ("squared_relu", Mlp::SquaredRelu),
+];
 const NORMS: &[(&str, Norm)] = &[("rmsnorm", Norm::Rmsnorm), ("layernorm", Norm::Layernorm)];
 const POSITIONS: &[(&str, Positions)] =
     &[("rope", Positions::Rope), ("learned", Positions::Learned)];
@@ -81,6 +86,8 @@ struct Draft {
     experts: Option<u64>,
     experts_per_token: Option<u64>,
     dropout: Option<f64>,
+    /// Written `bias`, or the base's; `None`: the family's ([`ModelSpec::linear_bias`]).
+    bias: Option<bool>,
 }
 
 impl Draft {
@@ -102,6 +109,7 @@ impl Draft {
             experts: Some(m.experts),
             experts_per_token: Some(m.experts_per_token),
             dropout: Some(m.dropout),
+            bias: m.numerics.linear_bias,
         }
     }
 }
@@ -238,6 +246,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
     if let Some(v) = f.get("dropout") {
         d.dropout = values::number(cx, v, "dropout", Range::UnitInterval).or(d.dropout);
     }
+    if let Some(v) = f.get("bias") {
+        d.bias = values::boolean(cx, v, "bias").or(d.bias);
+    }
     if !cx.clean_since(mark) {
         return None;
     }
@@ -335,10 +346,13 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         dropout: d.dropout.unwrap_or(0.0),
         // A Hugging Face base keeps its numerics and checkpoint; an override
         // of its shape then makes the checkpoint not fit, reported at load.
-        numerics: base
-            .as_ref()
-            .map(|b| b.numerics.clone())
-            .unwrap_or_default(),
+        numerics: crate::spec::Numerics {
+            linear_bias: d.bias,
+            ..base
+                .as_ref()
+                .map(|b| b.numerics.clone())
+                .unwrap_or_default()
+        },
         weights: base.as_ref().and_then(|b| b.weights.clone()),
     };
     for p in check_shape(&spec, &span_of) {

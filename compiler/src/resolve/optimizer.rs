@@ -6,7 +6,8 @@
 //! 1e-4), `betas` (0.9, 0.999) (Lion (0.9, 0.99); Adafactor (0, 0.999): no
 //! first moment, as transformers' Adafactor with `beta1=None`), `weight_decay`
 //! 0.01 for AdamW and 0 otherwise, `momentum` 0, `state` fp32 (int8 for
-//! adam8bit), `impl` foreach. SGD has no betas (stored as (0, 0)); only SGD
+//! adam8bit), `impl` foreach (`paged`: bitsandbytes' paged optimizers, for
+//! adam, adamw, adam8bit and lion), `in_backward` false. SGD has no betas (stored as (0, 0)); only SGD
 //! has momentum — writing the other optimizer's knob is an error, not
 //! silently ignored.
 
@@ -15,7 +16,15 @@ use super::values::{self, Cx, Fields};
 use crate::spec::{Dtype, OptImpl, OptimizerKind, OptimizerSpec};
 use rcoa_grammar::Section;
 
-pub(crate) const KEYS: &[&str] = &["lr", "betas", "momentum", "weight_decay", "state", "impl"];
+pub(crate) const KEYS: &[&str] = &[
+    "lr",
+    "betas",
+    "momentum",
+    "weight_decay",
+    "state",
+    "impl",
+    "in_backward",
+];
 
 pub(crate) const NAMES: &[&str] = &[
     "adamw",
@@ -45,6 +54,15 @@ const IMPLS: &[(&str, OptImpl)] = &[
     ("foreach", OptImpl::Foreach),
     ("fused", OptImpl::Fused),
     ("plain", OptImpl::Plain),
+    ("paged", OptImpl::Paged),
+];
+
+/// bitsandbytes has paged versions of these only.
+const PAGED: &[OptimizerKind] = &[
+    OptimizerKind::Adamw,
+    OptimizerKind::Adam,
+    OptimizerKind::Adam8bit,
+    OptimizerKind::Lion,
 ];
 
 /// Without an `optimizer` section: `optimizer adamw`.
@@ -74,7 +92,9 @@ fn defaults(kind: OptimizerKind) -> OptimizerSpec {
     }
 }
 
-pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<OptimizerSpec> {
+/// The section, and whether each parameter's step runs in the backward (`in_backward`,
+/// which [`crate::spec::Spec`] keeps apart from the optimizer).
+pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<(OptimizerSpec, bool)> {
     let mark = cx.mark();
     let kind = match s.args.as_slice() {
         [] => {
@@ -121,7 +141,19 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<OptimizerSpec> {
     let imp = f
         .get("impl")
         .map(|v| values::pick(cx, v, "impl", NameKind::Value, IMPLS));
+    let in_backward = f
+        .get("in_backward")
+        .map(|v| values::boolean(cx, v, "in_backward"));
     let kind = kind?;
+    if let (Some(Some(OptImpl::Paged)), Some(span)) = (imp, f.span("impl")) {
+        if !PAGED.contains(&kind) {
+            cx.report(Problem::NotApplicable {
+                key: "impl = paged",
+                because: Inapplicable::PagedNeedsBitsandbytes,
+                span,
+            });
+        }
+    }
     let is_sgd = kind == OptimizerKind::Sgd;
     // A zero momentum is "no momentum" for any optimizer (and what the
     // ground-truth generator writes for plain SGD); only a real value is an error.
@@ -164,5 +196,5 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<OptimizerSpec> {
     if let Some(Some(x)) = imp {
         o.implementation = x;
     }
-    Some(o)
+    Some((o, matches!(in_backward, Some(Some(true)))))
 }

@@ -3,7 +3,8 @@
 //!
 //! Defaults (`DSL.md`): `data = auto` (the GPUs left over), `zero = 0`,
 //! `tensor = 1`, `pipeline = 1`, `sequence = false`, `context = 1`,
-//! `expert = 1`; every key may be `auto`. Divisibility by the model's
+//! `expert = 1`, `virtual_stages = 1`; every key but `virtual_stages` may be
+//! `auto`. Divisibility by the model's
 //! dimensions and the product against the GPU count are checked in
 //! [`super::constraints`].
 
@@ -13,7 +14,14 @@ use crate::spec::{Choice, ParallelSpec};
 use rcoa_grammar::Section;
 
 pub(crate) const KEYS: &[&str] = &[
-    "data", "zero", "tensor", "pipeline", "sequence", "context", "expert",
+    "data",
+    "zero",
+    "tensor",
+    "pipeline",
+    "sequence",
+    "context",
+    "expert",
+    "virtual_stages",
 ];
 
 /// Without a `parallel` section.
@@ -26,6 +34,7 @@ pub(super) fn default() -> ParallelSpec {
         sequence: Choice::Fixed(false),
         context: Choice::Fixed(1),
         expert: Choice::Fixed(1),
+        virtual_stages: 1,
     }
 }
 
@@ -72,6 +81,10 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ParallelSpec> {
     let sequence = f
         .get("sequence")
         .map_or(Some(d.sequence), |v| values::auto_bool(cx, v, "sequence"));
+    // A schedule, not a degree the search weighs: never `auto`.
+    let virtual_stages = f.get("virtual_stages").map_or(Some(1), |v| {
+        values::integer_in(cx, v, "virtual_stages", 1, 1 << 16)
+    });
     if !cx.clean_since(mark) {
         return None;
     }
@@ -83,5 +96,6 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ParallelSpec> {
         sequence: sequence?,
         context: context?,
         expert: expert?,
+        virtual_stages: virtual_stages?,
     })
 }

@@ -297,6 +297,14 @@ pub(crate) enum Problem {
         nvme: bool,
         span: Span,
     },
+    /// `must_offload` sends `item`'s tensors to one place and `other` (in `must_offload`
+    /// or `offload`) to another.
+    OffloadTwoPlaces {
+        item: String,
+        other: String,
+        span: Span,
+        other_span: Option<Span>,
+    },
     Tf32NeedsFp32 {
         span: Span,
     },
@@ -317,6 +325,12 @@ pub(crate) enum Inapplicable {
     NeedsContrastive,
     /// `base` is for QLoRA.
     BaseNeedsQlora,
+    /// `virtual_stages` > 1 needs a fixed `pipeline` > 1.
+    VirtualStagesNeedPipeline,
+    /// bitsandbytes has paged Adam, AdamW, 8-bit Adam and Lion only.
+    PagedNeedsBitsandbytes,
+    /// `in_backward` steps each parameter once per backward: no accumulation.
+    InBackwardNoAccumulation,
 }
 
 impl Problem {
@@ -352,6 +366,7 @@ impl Problem {
             | BudgetTooLarge { span, .. }
             | ReserveTooLarge { span, .. }
             | SequenceNeedsTensor { span, .. }
+            | OffloadTwoPlaces { span, .. }
             | ExpertNeedsExperts { span, .. }
             | QloraBase { span, .. }
             | TargetNotInModel { span, .. }

@@ -93,6 +93,7 @@ fn defaults_of_a_minimal_plan() {
             sequence: Choice::Fixed(false),
             context: Choice::Fixed(1),
             expert: Choice::Fixed(1),
+            virtual_stages: 1,
         }
     );
     assert_eq!(s.fit.budget, Budget::Fraction(1.0));
@@ -327,7 +328,7 @@ fn unknown_names() {
     assert!(e
         .help()
         .unwrap()
-        .contains("`none`, `full`, `selective`, `auto`"));
+        .contains("`none`, `full`, `selective`, `selective_op`, `auto`"));
 }
 
 #[test]

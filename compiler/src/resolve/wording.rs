@@ -463,6 +463,23 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             vec![(span, format!("must be less than {}", bytes(budget)))],
             Some("the reserve is taken out of the budget; make it smaller or raise `budget`".into()),
         ),
+        OffloadTwoPlaces {
+            item,
+            other,
+            span,
+            other_span,
+        } => {
+            let mut labels = vec![(span, "required here".to_string())];
+            if let Some(o) = other_span {
+                labels.push((o, format!("`{other}` here")));
+            }
+            err(
+                "rcoa::conflict",
+                format!("`must_offload` requires `{item}`, but `{other}` puts the same tensors elsewhere"),
+                labels,
+                Some(format!("a kind of tensor lives in one place: remove `{other}`, or require it instead of `{item}`")),
+            )
+        }
         SequenceNeedsTensor { span, tensor_span } => {
             let mut labels = vec![(span, "needs tensor parallelism".to_string())];
             if let Some(t) = tensor_span {
@@ -491,7 +508,7 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             "rcoa::conflict",
             format!("the model has no `{target}` projection"),
             vec![(span, "not in this model".into())],
-            Some("`gate` exists only in gated (`mlp = swiglu`) models; a `gelu` MLP has `up` and `down`".into()),
+            Some("`gate` exists only in gated (`mlp = swiglu`) models; `gelu` and `squared_relu` MLPs have `up` and `down`".into()),
         ),
         EmptyTargets { span } => err(
             "rcoa::out_of_range",
@@ -513,6 +530,18 @@ pub(crate) fn word(p: Problem) -> ResolveError {
                 Inapplicable::BaseNeedsQlora => (
                     format!("`{key}` applies only to `adapter qlora`"),
                     "a LoRA base keeps the params dtype; use `adapter qlora { base = nf4 ... }` for a 4-bit base".to_string(),
+                ),
+                Inapplicable::PagedNeedsBitsandbytes => (
+                    format!("`{key}` applies only to adam, adamw, adam8bit and lion"),
+                    "bitsandbytes has paged versions of those optimizers only; write `impl = foreach` or `fused`, or change the optimizer".to_string(),
+                ),
+                Inapplicable::InBackwardNoAccumulation => (
+                    format!("`{key}` cannot accumulate gradients over micro-batches"),
+                    "each parameter's step runs as its gradient is produced, so every backward is a step (torchtune refuses `gradient_accumulation_steps` > 1 with `optimizer_in_bwd`): write `grad_accum = 1`, or remove `in_backward`".to_string(),
+                ),
+                Inapplicable::VirtualStagesNeedPipeline => (
+                    format!("`{key}` needs a pipeline: a fixed `pipeline` of 2 or more"),
+                    "interleaving splits each pipeline rank's layers into model chunks; write `pipeline = 4` (say), or remove it".to_string(),
                 ),
             };
             err("rcoa::not_applicable", message, vec![(span, "not applicable here".into())], Some(help))

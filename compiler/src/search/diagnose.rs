@@ -95,7 +95,10 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
     }
     if matches!(
         spec.fit.checkpoint,
-        CheckpointChoice::None | CheckpointChoice::Every(_) | CheckpointChoice::Selective
+        CheckpointChoice::None
+            | CheckpointChoice::Every(_)
+            | CheckpointChoice::Selective
+            | CheckpointChoice::SelectiveOp
     ) {
         let mut s = spec.clone();
         s.fit.checkpoint = CheckpointChoice::Auto;

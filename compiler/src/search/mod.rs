@@ -58,6 +58,7 @@ impl Point {
             Recompute::Block(k) => (0..layers).filter(|i| i % per_stage.max(1) < k).collect(),
             Recompute::Every(n) => (0..layers).filter(|i| i % n.max(1) == 0).collect(),
             Recompute::Selective => Vec::new(),
+            Recompute::SelectiveOp => (0..layers).collect(),
         };
         Candidate {
             micro_batch: self.micro_batch,
@@ -87,6 +88,7 @@ impl Point {
             Recompute::Every(1) => "full".into(),
             Recompute::Every(n) => format!("every {n}"),
             Recompute::Selective => "selective".into(),
+            Recompute::SelectiveOp => "selective_op".into(),
         }
     }
 }
@@ -336,6 +338,17 @@ fn groups(spec: &Spec, space: &SearchSpace) -> Vec<Vec<Group>> {
                         }
                         let ga = per_rank / mb;
                         if space.grad_accum.is_some_and(|f| f != ga) {
+                            continue;
+                        }
+                        // A step in the backward is one step per backward: no accumulation.
+                        if spec.optimizer_in_backward && ga != 1 {
+                            continue;
+                        }
+                        // Megatron's interleaved schedule runs micro-batches in groups of
+                        // the pipeline size.
+                        if spec.parallel.virtual_stages > 1
+                            && !ga.is_multiple_of(layout.pipeline.max(1))
+                        {
                             continue;
                         }
                         list.push(Group {

@@ -1,0 +1,144 @@
+//! What `rcoa run` executes: setups the language says and the memory model
+//! predicts for PyTorch engines, but rcoa's Burn executor (`backend/`) does
+//! not carry out.
+//!
+//! A plan with `target burn` (the default) is a plan for `rcoa run`, so such a
+//! setup is refused when the plan is compiled, before any pass: the search
+//! never picks it and the executor never receives it. The error names the
+//! setup and the `target` that predicts it. What the executor refuses at run
+//! time for other reasons (a data-parallel degree against the ranks started,
+//! host memory) stays in `rcoa_backend::check_plan_ranks`.
+
+use crate::compile::CompileError;
+use crate::lowered::LoweredPlan;
+use crate::spec::{CheckpointChoice, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, Spec, Target};
+
+/// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
+/// is for it (`target burn`).
+pub fn check(spec: &Spec) -> Result<(), CompileError> {
+    if spec.target != Target::Burn {
+        return Ok(());
+    }
+    match refusal(spec) {
+        None => Ok(()),
+        Some((what, instead)) => Err(CompileError::NotExecuted {
+            what: format!("`rcoa run` does not execute {what} (the plan is `target burn`)"),
+            help: format!(
+                "{instead}; or write `target pytorch` to predict it for PyTorch engines (`rcoa emit`)"
+            ),
+        }),
+    }
+}
+
+/// (the setup, what the plan can say instead for `rcoa run`).
+fn refusal(spec: &Spec) -> Option<(String, String)> {
+    let selective_op = spec.fit.checkpoint == CheckpointChoice::SelectiveOp;
+    if let Some(r) = carried(&spec.model, &spec.optimizer, selective_op) {
+        return Some(r);
+    }
+    if spec.optimizer_in_backward {
+        return Some((
+            "the optimizer step in the backward (`optimizer.in_backward = true`)".into(),
+            "it steps once after the backward: remove `in_backward`".into(),
+        ));
+    }
+    if spec.parallel.virtual_stages > 1 {
+        return Some((
+            format!(
+                "interleaved pipeline stages (`parallel.virtual_stages = {}`)",
+                spec.parallel.virtual_stages
+            ),
+            "it trains data-parallel only: remove `virtual_stages` and `pipeline`".into(),
+        ));
+    }
+    None
+}
+
+/// The setups a lowered plan carries (the executor's input): the model's MLP and biases,
+/// the optimizer's implementation, op-level recomputation.
+fn carried(m: &ModelSpec, o: &OptimizerSpec, selective_op: bool) -> Option<(String, String)> {
+    if m.mlp == Mlp::SquaredRelu {
+        return Some((
+            "a squared-ReLU MLP (`model.mlp = squared_relu`)".into(),
+            "its MLPs are SwiGLU or GELU: write `mlp = swiglu` or `mlp = gelu`".into(),
+        ));
+    }
+    let layernorm = m.norm == Norm::Layernorm;
+    if m.linear_bias() != layernorm {
+        let (bias, norm) = if layernorm {
+            ("no biases (`model.bias = false`)", "LayerNorm")
+        } else {
+            ("linear biases (`model.bias = true`)", "RMSNorm")
+        };
+        return Some((
+            format!("{bias} with {norm}"),
+            "its projections have biases exactly when the norm is LayerNorm: remove `bias`".into(),
+        ));
+    }
+    if selective_op {
+        return Some((
+            "op-level selective recomputation (`fit.checkpoint = selective_op`)".into(),
+            "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
+        ));
+    }
+    if o.implementation == OptImpl::Paged {
+        return Some((
+            "bitsandbytes' paged optimizers (`optimizer.impl = paged`)".into(),
+            "its optimizer state is ordinary device (or, offloaded, host) memory: write `impl = fused`, or `fit.offload = [optimizer]` to let the state move to the host".into(),
+        ));
+    }
+    None
+}
+
+/// For `rcoa run --lowered FILE.json`: `Err` naming a setup of the lowered plan that the
+/// executor does not carry out (a plan compiled for another engine), as
+/// [`check`] refuses it at compile time. A lowered plan does not carry `in_backward` or
+/// `virtual_stages`; its pipeline degree is refused by the executor itself.
+pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
+    let selective_op = plan.resolved.checkpoint == "selective_op";
+    match carried(&plan.model, &plan.optimizer, selective_op) {
+        None => Ok(()),
+        Some((what, instead)) => Err(format!(
+            "`rcoa run` does not execute {what}: {instead} (this lowered plan was compiled for `target {}`)",
+            format!("{:?}", plan.target).to_lowercase()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::SpecBuilder;
+
+    fn burn() -> Spec {
+        let mut s = SpecBuilder::new().build();
+        s.target = Target::Burn;
+        s
+    }
+
+    fn refused(spec: &Spec) -> String {
+        match check(spec) {
+            Err(CompileError::NotExecuted { what, help }) => format!("{what} | {help}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn burn_refuses_what_the_executor_does_not_build() {
+        let mut s = burn();
+        assert_eq!(check(&s), Ok(()));
+        s.model.mlp = Mlp::SquaredRelu;
+        assert!(refused(&s).contains("squared-ReLU"), "{}", refused(&s));
+        s.target = Target::Pytorch;
+        assert_eq!(check(&s), Ok(()));
+
+        let mut s = burn();
+        s.model.numerics.linear_bias = Some(true);
+        assert!(refused(&s).contains("`model.bias = true`"));
+        // Saying what the executor does anyway is no refusal.
+        s.model.numerics.linear_bias = Some(false);
+        assert_eq!(check(&s), Ok(()));
+        s.model.norm = Norm::Layernorm;
+        assert!(refused(&s).contains("no biases"));
+    }
+}

@@ -1,0 +1,61 @@
+//! `--explain` lines for the setups of `docs/language.md` that only some engines
+//! run (linear biases, squared-ReLU MLPs, ...): what the memory model does
+//! with each, so a reader can check it against the engine's code.
+
+use super::Decision;
+use crate::spec::{Mlp, Norm, Spec};
+
+pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
+    let m = &spec.model;
+    if let Some(b) = m.numerics.linear_bias {
+        let family = m.norm == Norm::Layernorm;
+        if b != family {
+            log.push(Decision::new(
+                "model",
+                format!("bias = {b}"),
+                if b {
+                    "every attention and MLP projection has a bias (Megatron's `add_bias_linear`): one vector per projection in the weights, gradients and optimizer state; `F.linear` saves its input and weight with or without one, so nothing more is saved"
+                } else {
+                    "no projection has a bias: the weights, gradients and optimizer state lose one vector per projection"
+                },
+            ));
+        }
+    }
+    if spec.optimizer_in_backward {
+        log.push(Decision::new(
+            "given",
+            "optimizer.in_backward = true",
+            "torchtune's `optimizer_in_bwd`: each parameter's step runs in a post-accumulate-grad hook as soon as its gradient is complete, then the gradient is freed; no full set of gradients ever exists (each lives only during its own backward op), the step's temporaries are one parameter's, charged to that op's backward; one backward per step (grad_accum = 1)",
+        ));
+    }
+    if spec.optimizer.implementation == crate::spec::OptImpl::Paged {
+        log.push(Decision::new(
+            "given",
+            "optimizer.impl = paged",
+            "bitsandbytes' paged optimizer: a fused kernel (no temporaries); its state is CUDA unified memory, counted on the device while the budget has room and evicted to the host for what it has not (then moved out and back over PCIe each step, priced as host traffic); bytes other than the state must fit on their own",
+        ));
+    }
+    let v = spec.parallel.virtual_stages;
+    if v > 1 {
+        let p = spec.parallel.pipeline.fixed().unwrap_or(1);
+        log.push(Decision::new(
+            "given",
+            format!("virtual_stages = {v}"),
+            format!(
+                "Megatron's interleaved 1F1B: each of the {p} pipeline ranks holds {v} model chunks of {} layers; the bubble is (p−1)/v = {:.2} micro-steps instead of {}, every stage boundary is crossed {v} times a micro-batch, and the first rank keeps (p−1)·2 + (v−1)·p + 1 = {} chunk forwards in flight ({:.2} micro-batches of its stage; plain 1F1B: {p}); micro-batches per step are a multiple of {p}",
+                m.layers / (p * v).max(1),
+                (p - 1) as f64 / v as f64,
+                p - 1,
+                (p - 1) * 2 + (v - 1) * p + 1,
+                ((p - 1) * 2 + (v - 1) * p + 1) as f64 / v as f64,
+            ),
+        ));
+    }
+    if m.mlp == Mlp::SquaredRelu {
+        log.push(Decision::new(
+            "model",
+            "mlp = squared_relu",
+            "Megatron's `squared_relu`: up projection, `relu(x) ** 2`, down projection; the backward keeps relu's output (pow's input, the same tensor) and the square (the down projection's input): two [tokens, ffn] tensors per layer, not the up projection's output",
+        ));
+    }
+}

@@ -1,0 +1,258 @@
+//! Resolver tests of the setups only some engines run (`docs/language.md`):
+//! what each key reads to, and the diagnostic of each bad value.
+
+use super::*;
+use crate::spec::*;
+use std::path::Path;
+
+const BASE: &str = r#"
+model "llama-3.1-8b"
+hardware { gpu = h100-80gb gpus_per_node = 8 }
+train { seq_len = 2048 global_batch = 64 }
+"#;
+
+fn run(src: &str) -> Result<Spec, ResolveErrors> {
+    let file = rcoa_grammar::parse("test.plan", src)
+        .unwrap_or_else(|e| panic!("parse failed: {e:?}\n{src}"));
+    resolve(
+        &file,
+        &ResolveContext::new("test.plan", src, Path::new(".")),
+    )
+}
+
+fn ok(extra: &str) -> Spec {
+    let src = format!("{BASE}{extra}\n");
+    run(&src).unwrap_or_else(|e| panic!("expected ok, got {:?}\n{src}", e.errors()))
+}
+
+/// The single error of `BASE + extra`: its code, the text it points at, its message and help.
+fn one(extra: &str) -> (String, String, String, String) {
+    let src = format!("{BASE}{extra}\n");
+    let e = run(&src).expect_err(&src);
+    assert_eq!(e.errors().len(), 1, "{:#?}", e.errors());
+    let e = &e.errors()[0];
+    let at = e
+        .span()
+        .map_or(String::new(), |s| src[s.start..s.end].to_string());
+    (
+        e.code().to_string(),
+        at,
+        e.message().to_string(),
+        e.help().unwrap_or_default().to_string(),
+    )
+}
+
+#[test]
+fn model_bias_and_squared_relu() {
+    let s = ok("");
+    assert_eq!(
+        (s.model.numerics.linear_bias, s.model.linear_bias()),
+        (None, false)
+    );
+    // The override is written into the preset.
+    let s = BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { bias = true mlp = squared_relu }",
+    );
+    let s = run(&s).unwrap();
+    assert_eq!(s.model.numerics.linear_bias, Some(true));
+    assert!(s.model.linear_bias());
+    assert_eq!(s.model.mlp, Mlp::SquaredRelu);
+    // An explicit GPT block: LayerNorm has biases unless told otherwise.
+    let gpt = "model { arch = decoder layers = 2 hidden = 64 heads = 4 ffn = 256 vocab = 100 \
+               norm = layernorm mlp = squared_relu bias = false }\n\
+               hardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let s = run(gpt).unwrap();
+    assert!(!s.model.linear_bias());
+    assert!(run(&gpt.replace(" bias = false", ""))
+        .unwrap()
+        .model
+        .linear_bias());
+
+    let bad = BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { bias = 1 }",
+    );
+    let e = run(&bad).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::wrong_kind"]);
+    let bad = BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { mlp = squared_rellu }",
+    );
+    let e = run(&bad).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::unknown_value"]);
+    assert!(
+        format!("{:?}", e.errors()[0]).contains("squared_relu"),
+        "did you mean: {:?}",
+        e.errors()[0]
+    );
+    // No gate to adapt.
+    let lora = BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { mlp = squared_relu }\nadapter lora { rank = 8 alpha = 16 targets = [q, gate] }",
+    );
+    let e = run(&lora).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::conflict"], "{:?}", e.errors());
+}
+
+#[test]
+fn virtual_stages() {
+    assert_eq!(ok("").parallel.virtual_stages, 1);
+    let s = ok("parallel { pipeline = 4 virtual_stages = 2 }");
+    assert_eq!(
+        (s.parallel.pipeline, s.parallel.virtual_stages),
+        (Choice::Fixed(4), 2)
+    );
+    let (code, at, msg, help) = one("parallel { virtual_stages = 2 }");
+    assert_eq!((code.as_str(), at.as_str()), ("rcoa::not_applicable", "2"));
+    assert!(msg.contains("fixed `pipeline` of 2 or more"), "{msg}");
+    assert!(help.contains("pipeline = 4"), "{help}");
+    let (code, ..) = one("parallel { pipeline = auto virtual_stages = 2 }");
+    assert_eq!(code, "rcoa::not_applicable");
+    let (code, ..) = one("parallel { pipeline = 4 virtual_stages = auto }");
+    assert_eq!(code, "rcoa::wrong_kind");
+    let (code, ..) = one("parallel { pipeline = 4 virtual_stages = 0 }");
+    assert_eq!(code, "rcoa::out_of_range");
+    // 32 layers do not cut into 4 × 3 equal chunks.
+    let (code, at, msg, _) = one("parallel { pipeline = 4 virtual_stages = 3 }");
+    assert_eq!((code.as_str(), at.as_str()), ("rcoa::not_divisible", "3"));
+    assert!(msg.contains("pipeline × virtual_stages"), "{msg}");
+    // Megatron groups micro-batches by the pipeline size (data = 8 / 4 = 2).
+    let plan = |ga: u64| {
+        let train = format!(
+            "global_batch = {} micro_batch = 2 grad_accum = {ga}",
+            4 * ga
+        );
+        format!(
+            "{}parallel {{ pipeline = 4 virtual_stages = 2 }}\n",
+            BASE.replace("global_batch = 64", &train)
+        )
+    };
+    assert!(run(&plan(16)).is_ok());
+    let e = run(&plan(15)).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::not_divisible"], "{:?}", e.errors());
+    assert!(e.errors()[0].message().contains("grad_accum"));
+}
+
+#[test]
+fn optimizer_in_backward_and_paged() {
+    let s = ok("");
+    assert!(!s.optimizer_in_backward);
+    let s = ok("optimizer adamw { in_backward = true impl = fused }");
+    assert!(s.optimizer_in_backward);
+    assert_eq!(s.optimizer.implementation, OptImpl::Fused);
+    for kind in ["adamw", "adam", "adam8bit", "lion"] {
+        let s = ok(&format!("optimizer {kind} {{ impl = paged }}"));
+        assert_eq!(s.optimizer.implementation, OptImpl::Paged, "{kind}");
+    }
+    let (code, at, msg, help) = one("optimizer sgd { impl = paged }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::not_applicable", "paged")
+    );
+    assert!(msg.contains("adam, adamw, adam8bit and lion"), "{msg}");
+    assert!(help.contains("bitsandbytes"), "{help}");
+    let (code, ..) = one("optimizer adamw { in_backward = yes }");
+    assert_eq!(code, "rcoa::wrong_kind");
+    // No gradient accumulation with the step in the backward.
+    let plan = BASE.replace("global_batch = 64", "global_batch = 64 grad_accum = 4");
+    let src = format!("{plan}optimizer adamw {{ in_backward = true }}\n");
+    let e = run(&src).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::not_applicable"], "{:?}", e.errors());
+    let err = &e.errors()[0];
+    assert!(
+        err.message().contains("cannot accumulate"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        &src[err.span().unwrap().start..err.span().unwrap().end],
+        "true"
+    );
+    assert!(run(&src.replace("grad_accum = 4", "grad_accum = 1")).is_ok());
+}
+
+#[test]
+fn checkpoint_selective_op() {
+    let s = ok("fit { checkpoint = selective_op }");
+    assert_eq!(s.fit.checkpoint, CheckpointChoice::SelectiveOp);
+    let (code, at, msg, help) = one("fit { checkpoint = selective_ops }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::unknown_value", "selective_ops")
+    );
+    assert!(
+        format!("{msg} {help}").contains("selective_op"),
+        "{msg} / {help}"
+    );
+}
+
+#[test]
+fn must_offload() {
+    assert!(ok("").fit.must_offload.is_empty());
+    let s = ok("fit { must_offload = [optimizer]  offload = [params:cpu] }");
+    assert_eq!(
+        s.fit.must_offload,
+        vec![Offload {
+            what: OffloadWhat::Optimizer,
+            to: OffloadTo::Cpu
+        }]
+    );
+    assert_eq!(s.fit.offload.len(), 1);
+    // The same tensors required in one place and allowed or required in another.
+    let nvme = BASE.replace("gpus_per_node = 8", "gpus_per_node = 8  nvme = 4 TB");
+    let src =
+        format!("{nvme}fit {{ must_offload = [optimizer:cpu]  offload = [optimizer:nvme] }}\n");
+    let e = run(&src).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::conflict"], "{:?}", e.errors());
+    let e = &e.errors()[0];
+    let at = e.span().unwrap();
+    assert_eq!(&src[at.start..at.end], "optimizer:cpu");
+    assert!(e.message().contains("`optimizer:nvme`"), "{}", e.message());
+    assert!(e.help().unwrap().contains("one place"));
+    let src = format!("{nvme}fit {{ must_offload = [grads:cpu, grads:nvme] }}\n");
+    assert_eq!(run(&src).unwrap_err().codes(), vec!["rcoa::conflict"]);
+    // Required NVMe offload needs an NVMe size.
+    let (code, at, ..) = one("fit { must_offload = [params:nvme] }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::missing_key", "params:nvme")
+    );
+    let (code, at, ..) = one("fit { must_offload = [weights] }");
+    assert_eq!(
+        (code.as_str(), at.as_str()),
+        ("rcoa::unknown_value", "weights")
+    );
+}
+
+/// A Llama `config.json` with `attention_bias` and `mlp_bias` reads as `bias = true`; one
+/// without the other is refused (the plan's `bias` says both at once).
+#[test]
+fn hf_llama_biases() {
+    let dir = std::env::temp_dir().join(format!("rcoa-setups-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = |extra: &str| {
+        format!(
+            r#"{{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256{extra}}}"#
+        )
+    };
+    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let resolve_with = |extra: &str| {
+        std::fs::write(dir.join("c.json"), config(extra)).unwrap();
+        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
+    };
+    let s = resolve_with("").unwrap();
+    assert_eq!(s.model.numerics.linear_bias, None);
+    let s = resolve_with(r#", "attention_bias": true, "mlp_bias": true"#).unwrap();
+    assert_eq!(s.model.numerics.linear_bias, Some(true));
+    let e = resolve_with(r#", "attention_bias": true"#).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::hf_config"]);
+    assert!(
+        e.errors()[0].message().contains("attention_bias"),
+        "{:?}",
+        e.errors()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
