@@ -397,8 +397,9 @@ impl<I: Backend> Builder<I> {
             .device
             .get_or_insert_with(|| first_device(unit))
             .clone();
-        let (params, t, f) = unit_values::<B, M>(unit, &device);
-        let (t_len, f_len) = (dims(&t), dims(&f));
+        let (params, t, f) = unit_values::<B, M>(unit);
+        let len = |v: &[Tensor<I, 1>]| v.iter().map(dims).sum::<usize>();
+        let (t_len, f_len) = (len(&t), len(&f));
         let (t_ws, f_ws, t_os) = (
             t_len.div_ceil(self.wshards),
             f_len.div_ceil(self.wshards),
@@ -410,16 +411,13 @@ impl<I: Backend> Builder<I> {
         };
         let dt = self.storage.dtype;
         if let Some(m) = &mut self.master {
-            m.push(shard_of(t.clone(), self.oshards, self.oi))?;
+            m.push(shard_of(&t, self.oshards, self.oi, &device))?;
         }
-        self.work.push(crate::model::to_dtype(
-            shard_of(t, self.wshards, self.wi),
-            dt,
-        ))?;
-        self.frozen.push(crate::model::to_dtype(
-            shard_of(f, self.wshards, self.wi),
-            dt,
-        ))?;
+        let (ws, wi) = (self.wshards, self.wi);
+        self.work
+            .push(crate::model::to_dtype(shard_of(&t, ws, wi, &device), dt))?;
+        self.frozen
+            .push(crate::model::to_dtype(shard_of(&f, ws, wi, &device), dt))?;
         self.units.push(UnitLayout {
             params,
             t_len,
@@ -508,33 +506,43 @@ fn first_device<B: AutodiffBackend, M: Module<B>>(
     d.0.unwrap_or_default()
 }
 
-/// Shard `index` of `t` padded to `shards` equal parts, in a buffer of its
-/// own (not a view that would keep all of `t` alive).
-fn shard_of<I: Backend>(t: Tensor<I, 1>, shards: usize, index: usize) -> Tensor<I, 1> {
-    let n = t.dims()[0];
+/// Shard `index` of the concatenation of `pieces`, padded to `shards` equal
+/// parts, in a buffer of its own: the concatenation itself is never made,
+/// and the shard is no view that would keep the pieces alive.
+fn shard_of<I: Backend>(
+    pieces: &[Tensor<I, 1>],
+    shards: usize,
+    index: usize,
+    device: &I::Device,
+) -> Tensor<I, 1> {
+    let n: usize = pieces.iter().map(dims).sum();
     let per = n.div_ceil(shards);
-    if per == 0 {
-        return t;
-    }
-    let device = t.device();
     let (lo, hi) = ((index * per).min(n), ((index + 1) * per).min(n));
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for p in pieces {
+        let len = dims(p);
+        let (a, b) = (lo.max(at), hi.min(at + len));
+        if a < b {
+            parts.push(p.clone().slice(a - at..b - at));
+        }
+        at += len;
+    }
     // `cat` writes a new tensor of `per` values (the padding's zeros, if
     // any, at its end).
-    Tensor::cat(
-        vec![t.slice(lo..hi), Tensor::zeros([per - (hi - lo)], &device)],
-        0,
-    )
+    parts.push(Tensor::zeros([per - (hi - lo)], device));
+    Tensor::cat(parts, 0)
 }
 
-/// A unit's parameters in visit order, its trainable values and its frozen
-/// values, fp32, flattened in visit order.
+/// A unit's parameters in visit order, and its trainable and frozen values,
+/// fp32, one flat view per parameter (no copy of an fp32 parameter).
+#[allow(clippy::type_complexity)]
 fn unit_values<B: AutodiffBackend, M: Module<B>>(
     m: &M,
-    device: &burn::tensor::Device<B::InnerBackend>,
 ) -> (
     Vec<ParamInfo>,
-    Tensor<B::InnerBackend, 1>,
-    Tensor<B::InnerBackend, 1>,
+    Vec<Tensor<B::InnerBackend, 1>>,
+    Vec<Tensor<B::InnerBackend, 1>>,
 ) {
     struct Values<I: Backend> {
         params: Vec<ParamInfo>,
@@ -550,7 +558,7 @@ fn unit_values<B: AutodiffBackend, M: Module<B>>(
                 shape: t.shape(),
                 trainable,
             });
-            let flat = t.cast(FloatDType::F32).flatten(0, D - 1);
+            let flat = crate::model::to_dtype(t, FloatDType::F32).flatten(0, D - 1);
             if trainable {
                 self.t.push(flat);
             } else {
@@ -564,11 +572,7 @@ fn unit_values<B: AutodiffBackend, M: Module<B>>(
         f: Vec::new(),
     };
     m.visit(&mut v);
-    (
-        v.params,
-        super::cat_or_empty(v.t, device),
-        super::cat_or_empty(v.f, device),
-    )
+    (v.params, v.t, v.f)
 }
 
 /// Replaces every parameter by a 1-element placeholder (id and
