@@ -471,21 +471,60 @@ fn burn_unit_holdings(
     holds
 }
 
-/// Add `t` to every sample of `r` (the buffers live through the whole step).
+/// Add `t` to every sample of the step in `r` (the buffers live through the whole step;
+/// they do not exist yet while the model is built, the `setup` phase).
 pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
+    use super::{Category, Phase};
     let add = t.added();
     if add == 0 {
         return;
     }
     let shift = |b: u64| b + add;
-    r.peak_bytes = shift(r.peak_bytes);
     for s in &mut r.timeline {
-        s.bytes = shift(s.bytes);
+        if s.phase != Phase::Setup {
+            s.bytes = shift(s.bytes);
+        }
     }
-    for v in r.phase_peaks.values_mut() {
-        *v = shift(*v);
+    let setup = Phase::Setup.as_str();
+    for (phase, v) in r.phase_peaks.iter_mut() {
+        if phase != setup {
+            *v = shift(*v);
+        }
     }
-    *r.breakdown.entry("communication".to_string()).or_default() += add;
+    if r.peak.phase != Phase::Setup {
+        r.peak_bytes = shift(r.peak_bytes);
+        *r.breakdown.entry("communication".to_string()).or_default() += add;
+        return;
+    }
+    // The setup was the highest point; with the buffers the step may pass it.
+    let step = r
+        .phase_peaks
+        .iter()
+        .filter(|(phase, _)| *phase != setup)
+        .map(|(_, v)| *v)
+        .max()
+        .unwrap_or(0);
+    if step <= r.peak_bytes {
+        return;
+    }
+    r.peak_bytes = step;
+    let highest = r
+        .timeline
+        .iter()
+        .filter(|s| s.phase != Phase::Setup)
+        .max_by_key(|s| s.bytes);
+    if let Some(s) = highest {
+        r.peak = super::PeakLocation {
+            phase: s.phase,
+            op: s.op.clone(),
+            layer: s.layer,
+        };
+        r.breakdown = Category::ALL
+            .iter()
+            .map(|&c| (c.as_str().to_string(), s.by_category[c as usize]))
+            .collect();
+        r.breakdown.insert("communication".to_string(), add);
+    }
 }
 
 /// Ops whose `[tokens, hidden]` output lies outside the tensor-parallel regions: with
