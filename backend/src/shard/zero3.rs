@@ -169,11 +169,28 @@ impl<I: Backend> Vals<I> {
         }
     }
 
-    /// Append one unit's shard `t`, in this placement.
-    fn push(&mut self, t: Tensor<I, 1>) -> Result<(), RunError> {
+    /// Append shard `index` of `shards` of one unit's values (`pieces`,
+    /// fp32, in order) in `dtype`: on the device in a buffer of its own; to
+    /// the host a piece at a time, so the device never holds the shard.
+    fn push_shard(
+        &mut self,
+        pieces: &[Tensor<I, 1>],
+        (shards, index): (usize, usize),
+        dtype: FloatDType,
+        device: &I::Device,
+    ) -> Result<(), RunError> {
         match self {
-            Vals::Device(f) => f.push(t),
-            Vals::Host(v) => v.extend(to_host(t)?),
+            Vals::Device(f) => f.push(crate::model::to_dtype(
+                shard_of(pieces, shards, index, device),
+                dtype,
+            )),
+            Vals::Host(v) => {
+                let (parts, pad) = shard_parts(pieces, shards, index);
+                for p in parts {
+                    v.extend(to_host(crate::model::to_dtype(p, dtype))?);
+                }
+                v.resize(v.len() + pad, 0.0);
+            }
         }
         Ok(())
     }
@@ -411,13 +428,11 @@ impl<I: Backend> Builder<I> {
         };
         let dt = self.storage.dtype;
         if let Some(m) = &mut self.master {
-            m.push(shard_of(&t, self.oshards, self.oi, &device))?;
+            m.push_shard(&t, (self.oshards, self.oi), FloatDType::F32, &device)?;
         }
-        let (ws, wi) = (self.wshards, self.wi);
-        self.work
-            .push(crate::model::to_dtype(shard_of(&t, ws, wi, &device), dt))?;
-        self.frozen
-            .push(crate::model::to_dtype(shard_of(&f, ws, wi, &device), dt))?;
+        let w = (self.wshards, self.wi);
+        self.work.push_shard(&t, w, dt, &device)?;
+        self.frozen.push_shard(&f, w, dt, &device)?;
         self.units.push(UnitLayout {
             params,
             t_len,
@@ -507,14 +522,13 @@ fn first_device<B: AutodiffBackend, M: Module<B>>(
 }
 
 /// Shard `index` of the concatenation of `pieces`, padded to `shards` equal
-/// parts, in a buffer of its own: the concatenation itself is never made,
-/// and the shard is no view that would keep the pieces alive.
-fn shard_of<I: Backend>(
+/// parts: the slices of the pieces it covers, in order, and the zeros of
+/// padding after them. The concatenation itself is never made.
+fn shard_parts<I: Backend>(
     pieces: &[Tensor<I, 1>],
     shards: usize,
     index: usize,
-    device: &I::Device,
-) -> Tensor<I, 1> {
+) -> (Vec<Tensor<I, 1>>, usize) {
     let n: usize = pieces.iter().map(dims).sum();
     let per = n.div_ceil(shards);
     let (lo, hi) = ((index * per).min(n), ((index + 1) * per).min(n));
@@ -528,9 +542,20 @@ fn shard_of<I: Backend>(
         }
         at += len;
     }
-    // `cat` writes a new tensor of `per` values (the padding's zeros, if
-    // any, at its end).
-    parts.push(Tensor::zeros([per - (hi - lo)], device));
+    (parts, per - (hi - lo))
+}
+
+/// [`shard_parts`] in a buffer of its own on the device: no view that would
+/// keep the pieces alive.
+fn shard_of<I: Backend>(
+    pieces: &[Tensor<I, 1>],
+    shards: usize,
+    index: usize,
+    device: &I::Device,
+) -> Tensor<I, 1> {
+    let (mut parts, pad) = shard_parts(pieces, shards, index);
+    // `cat` writes a new tensor (the padding's zeros at its end).
+    parts.push(Tensor::zeros([pad], device));
     Tensor::cat(parts, 0)
 }
 

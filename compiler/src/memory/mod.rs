@@ -175,6 +175,11 @@ pub struct MemoryReport {
     /// Bytes of the parameters as this device keeps them between uses (a ZeRO-3 shard,
     /// nothing when offloaded; the whole model otherwise).
     pub resident_param_bytes: u64,
+    /// When the setup is the highest point: the step's highest point, where it is and its
+    /// breakdown (the layout's communication buffers, which [`parallel::apply`] adds, exist
+    /// from the first step on and may lift the step above the setup).
+    #[serde(skip)]
+    pub step_peak: Option<(u64, PeakLocation, BTreeMap<String, u64>)>,
 }
 
 /// A pipeline stage the model evaluates: its layers, whether it holds the embedding and
@@ -377,6 +382,7 @@ fn evaluate_stage(
         let shards = if cand.zero >= 1 { dp } else { 1 };
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
+    let mut before_setup: Option<tape::Peak> = None;
     // A point outside the walked tape (the optimizer step, the setup build): on the
     // timeline (first, or last), in the phase peaks, and the peak when it is the highest.
     let mut point = |phase: Phase, op: &str, by_category: tape::Bytes, first: bool| {
@@ -399,6 +405,9 @@ fn evaluate_stage(
             }
         }
         if bytes > peak.bytes {
+            if phase == Phase::Setup {
+                before_setup = Some(peak.clone());
+            }
             peak = tape::Peak {
                 bytes,
                 phase,
@@ -414,10 +423,21 @@ fn evaluate_stage(
         let at_setup = burn_setup(spec, cand, profile, &tape, opt.master_bytes);
         point(Phase::Setup, SETUP_OP, at_setup, true);
     }
-    let mut breakdown = BTreeMap::new();
-    for c in Category::ALL {
-        breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
-    }
+    let categories = |p: &tape::Peak| -> BTreeMap<String, u64> {
+        Category::ALL
+            .iter()
+            .map(|&c| (c.as_str().to_string(), p.by_category[c as usize]))
+            .collect()
+    };
+    let breakdown = categories(&peak);
+    let step_peak = before_setup.map(|p| {
+        let location = PeakLocation {
+            phase: p.phase,
+            op: p.op.clone(),
+            layer: p.layer,
+        };
+        (p.bytes, location, categories(&p))
+    });
     let (flops, moved, kernels) = tape_work(&tape);
     // The allocator's pool beyond the reported peak (CubeCL keeps the pages it grew): a
     // measured factor of the highest bytes in use at any op (transients included), larger
@@ -462,6 +482,7 @@ fn evaluate_stage(
             .filter(|t| t.role == tape::Role::Param)
             .map(|t| t.bytes)
             .sum(),
+        step_peak,
     }
 }
 
@@ -470,10 +491,11 @@ fn evaluate_stage(
 /// that order, each loaded from the Hugging Face checkpoint a tensor at a time when the plan
 /// has weights, and then kept or cut into this rank's shards before the next unit is made:
 /// - ZeRO-3 / parameter offload ([`burn_units`]): the unit is made in fp32 (the values the
-///   master starts from); each of its shards is cut into a buffer of its own, in fp32, then
-///   cast to the storage dtype (or copied to the host); then the whole unit is dropped. At
-///   unit `u`: what the units before it left + `u` in fp32 + `u`'s shards, plus the fp32
-///   shard being cast or copied, or (loading) one tensor's fp32 values beside the old one.
+///   master starts from); each of its device shards is cut into an fp32 buffer of its own,
+///   then cast to the storage dtype; host shards go down a parameter at a time (cast on the
+///   device first); then the whole unit is dropped. At unit `u`: what the units before it
+///   left + `u` in fp32 + `u`'s shards, plus the fp32 shard being cast (or the parameter
+///   being cast for the host), or (loading) one tensor's fp32 values beside the old one.
 /// - otherwise the unit is made in the dtype the run keeps it in (fp32 with an fp32 master,
 ///   of which the 16-bit working copy is cast at the end): what the units before it left +
 ///   `u` + one tensor's fp32 draw before its 16-bit cast, or (loading) its fp32 values and
@@ -575,14 +597,16 @@ fn burn_setup(
             } else {
                 0
             };
-            let shard = m.trainable.max(m.frozen).div_ceil(wshards) as f64;
-            let cut = if sixteen || on_host {
-                alloc(4.0 * shard)
-                    + if sixteen && on_host {
-                        alloc(storage.bytes() * shard)
-                    } else {
-                        0
-                    }
+            // A device shard is cut into an fp32 buffer, then cast; a host shard goes down a
+            // parameter at a time, cast on the device first.
+            let cut = if on_host {
+                if sixteen {
+                    alloc(storage.bytes() * m.largest as f64)
+                } else {
+                    0
+                }
+            } else if sixteen {
+                alloc(4.0 * m.trainable.max(m.frozen).div_ceil(wshards) as f64)
             } else {
                 0
             };

@@ -474,7 +474,7 @@ fn burn_unit_holdings(
 /// Add `t` to every sample of the step in `r` (the buffers live through the whole step;
 /// they do not exist yet while the model is built, the `setup` phase).
 pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
-    use super::{Category, Phase};
+    use super::Phase;
     let add = t.added();
     if add == 0 {
         return;
@@ -497,33 +497,13 @@ pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
         return;
     }
     // The setup was the highest point; with the buffers the step may pass it.
-    let step = r
-        .phase_peaks
-        .iter()
-        .filter(|(phase, _)| *phase != setup)
-        .map(|(_, v)| *v)
-        .max()
-        .unwrap_or(0);
-    if step <= r.peak_bytes {
-        return;
-    }
-    r.peak_bytes = step;
-    let highest = r
-        .timeline
-        .iter()
-        .filter(|s| s.phase != Phase::Setup)
-        .max_by_key(|s| s.bytes);
-    if let Some(s) = highest {
-        r.peak = super::PeakLocation {
-            phase: s.phase,
-            op: s.op.clone(),
-            layer: s.layer,
-        };
-        r.breakdown = Category::ALL
-            .iter()
-            .map(|&c| (c.as_str().to_string(), s.by_category[c as usize]))
-            .collect();
-        r.breakdown.insert("communication".to_string(), add);
+    if let Some((bytes, at, breakdown)) = r.step_peak.take() {
+        if bytes + add > r.peak_bytes {
+            r.peak_bytes = bytes + add;
+            r.peak = at;
+            r.breakdown = breakdown;
+            *r.breakdown.entry("communication".to_string()).or_default() += add;
+        }
     }
 }
 
