@@ -646,7 +646,7 @@ pub struct ModelInit<'a> {
 /// what the trainer builds one at a time (`crate::setup`).
 pub enum Part<B: Backend> {
     Embed(Embed<B>),
-    Layer(usize, Layer<B>),
+    Layer(usize, Box<Layer<B>>),
     Head(Head<B>),
 }
 
@@ -753,7 +753,7 @@ impl<B: ExecBackend> Model<B> {
         let mut ids = Ids::new();
         unit(Part::Embed(Embed::new(&mut ids, init, device)))?;
         for i in 0..init.model.layers as usize {
-            unit(Part::Layer(i, Layer::new(&mut ids, init, device)))?;
+            unit(Part::Layer(i, Box::new(Layer::new(&mut ids, init, device))))?;
         }
         unit(Part::Head(Head::new(&mut ids, init, device)))
     }
@@ -766,7 +766,7 @@ impl<B: Backend> Model<B> {
         for p in parts {
             match p {
                 Part::Embed(e) => embed = Some(e),
-                Part::Layer(_, l) => layers.push(l),
+                Part::Layer(_, l) => layers.push(*l),
                 Part::Head(h) => head = Some(h),
             }
         }

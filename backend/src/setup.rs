@@ -87,8 +87,8 @@ pub fn build<B: ExecAutodiff>(
                 Part::Embed(e.map(&mut Placeholders))
             }
             Part::Layer(i, l) => {
-                b.add::<B, _>(&l)?;
-                Part::Layer(i, l.map(&mut Placeholders))
+                b.add::<B, _>(&*l)?;
+                Part::Layer(i, Box::new(l.map(&mut Placeholders)))
             }
             Part::Head(h) => {
                 b.add::<B, _>(&h)?;

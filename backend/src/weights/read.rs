@@ -5,8 +5,11 @@ use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
+/// One tensor: its shape and its values as f32.
+pub type Values = (Vec<usize>, Vec<f32>);
+
 /// Tensors by name: shape and values as f32.
-pub type Stored = HashMap<String, (Vec<usize>, Vec<f32>)>;
+pub type Stored = HashMap<String, Values>;
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
@@ -141,7 +144,7 @@ impl Lazy {
 
     /// One tensor's shape and values as f32 (`None`: no such tensor; an
     /// error: its bytes could not be read).
-    pub fn get(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, String> {
+    pub fn get(&self, name: &str) -> Result<Option<Values>, String> {
         let Some(&f) = self.at.get(name) else {
             return Ok(None);
         };
