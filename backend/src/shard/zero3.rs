@@ -270,7 +270,7 @@ pub struct Zero3<I: Backend> {
     device: I::Device,
 }
 
-/// What `for_plan` needs to know about the run's precision.
+/// What the [`Builder`] needs to know about the run's precision.
 pub struct Storage {
     /// Dtype the weights are stored (and gathered) in.
     pub dtype: FloatDType,
@@ -297,36 +297,6 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .offload
         .iter()
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
-}
-
-/// `for_plan`'s answer: the per-unit state (if any) and the model the
-/// trainer keeps.
-pub type Sharded<B> = (
-    Option<Zero3<<B as AutodiffBackend>::InnerBackend>>,
-    Model<B>,
-);
-
-/// The per-unit state for `plan` and the skeleton that replaces `model`
-/// (its parameters are 1-element placeholders with the same ids), or `None`
-/// when the plan keeps whole weights on the device. `model` holds the fp32
-/// weights, equal on every rank. (`Trainer::new` builds the model a unit at
-/// a time into a [`Builder`] instead, so the whole model never exists.)
-pub fn for_plan<B: ExecAutodiff>(
-    plan: &LoweredPlan,
-    model: Model<B>,
-    storage: Storage,
-    collective: Option<&Collective<B::InnerBackend>>,
-) -> Result<Sharded<B>, RunError> {
-    let Some(mut b) = Builder::new(plan, storage, collective)? else {
-        return Ok((None, model));
-    };
-    b.add::<B, _>(&model.embed)?;
-    for l in &model.layers {
-        b.add::<B, _>(l)?;
-    }
-    b.add::<B, _>(&model.head)?;
-    let skeleton = model.map(&mut Placeholders);
-    Ok((Some(b.finish(plan)?), skeleton))
 }
 
 /// Builds one rank's ZeRO-3 / parameter-offload state a unit at a time:
@@ -734,7 +704,7 @@ impl<I: Backend> Zero3<I> {
     }
 
     /// Replace this rank's weight shards and master by those of `model`
-    /// (whole weights, as `for_plan` shards them): resume's path. The
+    /// (whole weights, cut as the [`Builder`] cuts them): resume's path. The
     /// optimizer state is untouched; the gradient accumulator is empty
     /// between steps.
     pub fn load_whole<B: ExecAutodiff<InnerBackend = I>>(
