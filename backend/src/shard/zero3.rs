@@ -2,7 +2,8 @@
 //! the step gathers each unit (the embedding, each layer, the head) for its
 //! forward and again for a checkpointed layer's recomputation, then reduces
 //! the unit's gradient as the backward leaves it (`UnitHooks`, called by
-//! `Trainer::micro_step_with`).
+//! `Trainer::micro_step_with`). The shards are cut at start-up a unit at a
+//! time (`Builder`, fed by `crate::setup`), so no rank holds the whole model.
 //!
 //! Two shard counts, each 1 or the run's `ranks`:
 //! - `wshards`, the weights at rest: `ranks` with ZeRO-3, else 1 (every rank
