@@ -490,8 +490,8 @@ fn evaluate_stage(
 /// by category. The units (the embedding, each layer, the head) are made one at a time in
 /// that order, each loaded from the Hugging Face checkpoint a tensor at a time when the plan
 /// has weights, and then kept or cut into this rank's shards before the next unit is made:
-/// - ZeRO-3 / parameter offload ([`burn_units`]): the unit is made in fp32 (the values the
-///   master starts from); each of its device shards is cut into an fp32 buffer of its own,
+/// - ZeRO-3 or parameter offload (`shard::zero3::wanted`): the unit is made in fp32 (the
+///   values the master starts from); each of its device shards is cut into an fp32 buffer,
 ///   then cast to the storage dtype; host shards go down a parameter at a time (cast on the
 ///   device first); then the whole unit is dropped. At unit `u`: what the units before it
 ///   left + `u` in fp32 + `u`'s shards, plus the fp32 shard being cast (or the parameter
@@ -510,7 +510,10 @@ fn burn_setup(
     master_bytes: u64,
 ) -> tape::Bytes {
     use crate::spec::Dtype;
-    let units = burn_units(profile, cand);
+    // The executor cuts units whenever it runs ZeRO-3 or offloads the parameters, one
+    // rank of ZeRO-3 included (`shard::zero3::wanted`), which the step charges as whole
+    // weights ([`burn_units`]).
+    let units = cand.zero >= 3 || cand.offloads(OffloadWhat::Params);
     let on_host = cand.offloads(OffloadWhat::Params);
     let opt_host = cand.offloads(OffloadWhat::Optimizer);
     let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
