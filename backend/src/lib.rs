@@ -33,6 +33,7 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod quant;
+pub mod setup;
 pub mod shard;
 pub mod testing;
 pub mod tokenizer;

@@ -260,8 +260,9 @@ impl<B: Backend> Linear<B> {
         let base_trainable = c.adapter.is_none();
         let quantized = c.proj.is_some() && c.adapter.is_some_and(|a| a.kind == AdapterKind::Qlora);
         // The same draw either way, so ids and the generator's stream do not
-        // depend on the base's storage.
-        let w = normal::<B, 2>([c.d_in, c.d_out], c.dtype, device);
+        // depend on the base's storage; NF4 quantizes the fp32 draw whatever
+        // the storage dtype, as when the model was built in fp32 and cast.
+        let w = normal::<B, 2>([c.d_in, c.d_out], FloatDType::F32, device);
         let (weight, nf4) = if quantized {
             // The dense weight's id stays unused: the other parameters keep
             // the ids they have under LoRA.
@@ -271,7 +272,7 @@ impl<B: Backend> Linear<B> {
                 .expect("a random normal weight is finite and of its own shape");
             (None, Some(q))
         } else {
-            (Some(param(ids, w, base_trainable)), None)
+            (Some(param(ids, to_dtype(w, c.dtype), base_trainable)), None)
         };
         let bias = c.bias.then(|| {
             param(
@@ -299,6 +300,18 @@ impl<B: Backend> Linear<B> {
             bias,
             lora,
         }
+    }
+
+    /// Why this projection (number `i` in layer order) has no usable base
+    /// after a load: see [`Model::quantization_error`].
+    fn quantization_error(&self, i: usize) -> Option<String> {
+        if self.weight.is_none() && self.nf4.0.is_none() {
+            return Some(format!(
+                "projection {i} (in layer order) has no base weight after loading: \
+                 the checkpoint was written for the other adapter kind (lora vs qlora)"
+            ));
+        }
+        self.nf4().and_then(|q| q.load_error()).map(str::to_string)
     }
 
     /// Elements of the NF4 base (0 for a dense weight).
@@ -629,12 +642,40 @@ pub struct ModelInit<'a> {
     pub dtype: FloatDType,
 }
 
-impl<B: ExecBackend> Model<B> {
-    pub fn new(init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let m = init.model;
-        let dt = init.dtype;
-        let mut ids = Ids::new();
+/// A model's units in construction order: what [`Model::new`] builds, and
+/// what the trainer builds one at a time (`crate::setup`).
+pub enum Part<B: Backend> {
+    Embed(Embed<B>),
+    Layer(usize, Box<Layer<B>>),
+    Head(Head<B>),
+}
+
+impl<B: ExecBackend> Embed<B> {
+    /// The embedding unit; draws first from the generator.
+    pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
+        let (m, dt) = (init.model, init.dtype);
         let (d, v) = (m.hidden as usize, m.vocab as usize);
+        let trainable = init.adapter.is_none();
+        Embed {
+            tokens: param(ids, normal::<B, 2>([v, d], dt, device), trainable),
+            positions: (m.positions == Positions::Learned).then(|| {
+                param(
+                    ids,
+                    normal::<B, 2>([m.max_positions as usize, d], dt, device),
+                    trainable,
+                )
+            }),
+            norm: (m.arch == Arch::Encoder)
+                .then(|| NormLayer::new(ids, m.norm, d, dt, trainable, device)),
+        }
+    }
+}
+
+impl<B: ExecBackend> Layer<B> {
+    /// One transformer layer, after the embedding and the layers before it.
+    pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
+        let (m, dt) = (init.model, init.dtype);
+        let d = m.hidden as usize;
         let (h, kvh, hd, ffn) = (
             m.heads as usize,
             m.kv_heads as usize,
@@ -642,7 +683,7 @@ impl<B: ExecBackend> Model<B> {
             m.ffn as usize,
         );
         let bias = m.norm == Norm::Layernorm;
-        let base_trainable = init.adapter.is_none();
+        let trainable = init.adapter.is_none();
         let lin = |ids: &mut Ids, d_in, d_out, proj| {
             Linear::new(
                 ids,
@@ -657,56 +698,90 @@ impl<B: ExecBackend> Model<B> {
                 device,
             )
         };
-        let embed = Embed {
-            tokens: param(&mut ids, normal::<B, 2>([v, d], dt, device), base_trainable),
-            positions: (m.positions == Positions::Learned).then(|| {
-                param(
-                    &mut ids,
-                    normal::<B, 2>([m.max_positions as usize, d], dt, device),
-                    base_trainable,
-                )
-            }),
-            norm: (m.arch == Arch::Encoder)
-                .then(|| NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device)),
-        };
-        let layers = (0..m.layers)
-            .map(|_| Layer {
-                norm1: NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device),
-                attn: Attention {
-                    q: lin(&mut ids, d, h * hd, Some(Proj::Q)),
-                    k: lin(&mut ids, d, kvh * hd, Some(Proj::K)),
-                    v: lin(&mut ids, d, kvh * hd, Some(Proj::V)),
-                    o: lin(&mut ids, h * hd, d, Some(Proj::O)),
-                },
-                norm2: NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device),
-                mlp: MlpLayer {
-                    gate: (m.mlp == Mlp::Swiglu).then(|| lin(&mut ids, d, ffn, Some(Proj::Gate))),
-                    up: lin(&mut ids, d, ffn, Some(Proj::Up)),
-                    down: lin(&mut ids, ffn, d, Some(Proj::Down)),
-                },
-            })
-            .collect();
-        let head = Head {
-            norm: (m.arch == Arch::Decoder)
-                .then(|| NormLayer::new(&mut ids, m.norm, d, dt, base_trainable, device)),
-            out: (init.lm_head && !m.tie_embeddings)
-                .then(|| param(&mut ids, normal::<B, 2>([d, v], dt, device), base_trainable)),
-        };
-        Model {
-            embed,
-            layers,
-            head,
+        Layer {
+            norm1: NormLayer::new(ids, m.norm, d, dt, trainable, device),
+            attn: Attention {
+                q: lin(ids, d, h * hd, Some(Proj::Q)),
+                k: lin(ids, d, kvh * hd, Some(Proj::K)),
+                v: lin(ids, d, kvh * hd, Some(Proj::V)),
+                o: lin(ids, h * hd, d, Some(Proj::O)),
+            },
+            norm2: NormLayer::new(ids, m.norm, d, dt, trainable, device),
+            mlp: MlpLayer {
+                gate: (m.mlp == Mlp::Swiglu).then(|| lin(ids, d, ffn, Some(Proj::Gate))),
+                up: lin(ids, d, ffn, Some(Proj::Up)),
+                down: lin(ids, ffn, d, Some(Proj::Down)),
+            },
         }
     }
+}
 
+impl<B: ExecBackend> Head<B> {
+    /// The head unit, after the last layer.
+    pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
+        let (m, dt) = (init.model, init.dtype);
+        let (d, v) = (m.hidden as usize, m.vocab as usize);
+        let trainable = init.adapter.is_none();
+        Head {
+            norm: (m.arch == Arch::Decoder)
+                .then(|| NormLayer::new(ids, m.norm, d, dt, trainable, device)),
+            out: (init.lm_head && !m.tie_embeddings)
+                .then(|| param(ids, normal::<B, 2>([d, v], dt, device), trainable)),
+        }
+    }
+}
+
+impl<B: ExecBackend> Model<B> {
+    pub fn new(init: &ModelInit<'_>, device: &B::Device) -> Self {
+        let mut parts = Vec::new();
+        Self::build_parts(init, device, &mut |p| {
+            parts.push(p);
+            Ok::<_, std::convert::Infallible>(())
+        })
+        .unwrap_or_else(|never| match never {});
+        Self::from_parts(parts)
+    }
+
+    /// Make the units one at a time, in the generator's order (the
+    /// embedding, each layer, the head), and hand each to `unit` before the
+    /// next is made: the one place units are constructed.
+    pub fn build_parts<E>(
+        init: &ModelInit<'_>,
+        device: &B::Device,
+        unit: &mut dyn FnMut(Part<B>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut ids = Ids::new();
+        unit(Part::Embed(Embed::new(&mut ids, init, device)))?;
+        for i in 0..init.model.layers as usize {
+            unit(Part::Layer(i, Box::new(Layer::new(&mut ids, init, device))))?;
+        }
+        unit(Part::Head(Head::new(&mut ids, init, device)))
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// The model of units handed out by [`Model::build_parts`] (in its order).
+    pub fn from_parts(parts: Vec<Part<B>>) -> Self {
+        let (mut embed, mut layers, mut head) = (None, Vec::new(), None);
+        for p in parts {
+            match p {
+                Part::Embed(e) => embed = Some(e),
+                Part::Layer(_, l) => layers.push(*l),
+                Part::Head(h) => head = Some(h),
+            }
+        }
+        Model {
+            embed: embed.expect("build_parts makes the embedding"),
+            layers,
+            head: head.expect("build_parts makes the head"),
+        }
+    }
+}
+
+impl<B: ExecBackend> Model<B> {
     /// Every linear layer, in construction order.
     fn linears(&self) -> impl Iterator<Item = &Linear<B>> {
-        self.layers.iter().flat_map(|l| {
-            [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o]
-                .into_iter()
-                .chain(&l.mlp.gate)
-                .chain([&l.mlp.up, &l.mlp.down])
-        })
+        self.layers.iter().flat_map(|l| l.linears())
     }
 
     /// Elements of the NF4 bases (QLoRA), which no parameter visitor sees.
@@ -723,13 +798,7 @@ impl<B: ExecBackend> Model<B> {
         let mut i = 0;
         self.linears().find_map(|l| {
             i += 1;
-            if l.weight.is_none() && l.nf4.0.is_none() {
-                return Some(format!(
-                    "projection {i} (in layer order) has no base weight after loading: \
-                     the checkpoint was written for the other adapter kind (lora vs qlora)"
-                ));
-            }
-            l.nf4().and_then(|q| q.load_error()).map(str::to_string)
+            l.quantization_error(i)
         })
     }
 
@@ -804,37 +873,96 @@ impl<B: Backend> NormLayer<B> {
     }
 }
 
+impl<B: Backend> Embed<B> {
+    /// Replace the embedding's base parameters with the source's values.
+    pub fn load(&mut self, src: &mut Source<'_>) {
+        load_param(&mut self.tokens, "embed.tokens", src);
+        if let Some(p) = &mut self.positions {
+            load_param(p, "embed.positions", src);
+        }
+        if let Some(n) = &mut self.norm {
+            n.load("embed.norm", src);
+        }
+    }
+}
+
+impl<B: Backend> Layer<B> {
+    /// Replace layer `i`'s base parameters (not LoRA's) with the source's values.
+    pub fn load(&mut self, i: usize, src: &mut Source<'_>) {
+        let n = format!("layers.{i}");
+        self.norm1.load(&format!("{n}.norm1"), src);
+        self.attn.q.load(&format!("{n}.attn.q"), src);
+        self.attn.k.load(&format!("{n}.attn.k"), src);
+        self.attn.v.load(&format!("{n}.attn.v"), src);
+        self.attn.o.load(&format!("{n}.attn.o"), src);
+        self.norm2.load(&format!("{n}.norm2"), src);
+        if let Some(g) = &mut self.mlp.gate {
+            g.load(&format!("{n}.mlp.gate"), src);
+        }
+        self.mlp.up.load(&format!("{n}.mlp.up"), src);
+        self.mlp.down.load(&format!("{n}.mlp.down"), src);
+    }
+
+    /// Why a projection's base is unusable after a load (see
+    /// [`Model::quantization_error`]); `first` numbers this layer's first
+    /// projection.
+    fn quantization_error(&self, first: usize) -> Option<String> {
+        let mut i = first;
+        self.linears().find_map(|l| {
+            i += 1;
+            l.quantization_error(i)
+        })
+    }
+
+    fn linears(&self) -> impl Iterator<Item = &Linear<B>> {
+        [&self.attn.q, &self.attn.k, &self.attn.v, &self.attn.o]
+            .into_iter()
+            .chain(&self.mlp.gate)
+            .chain([&self.mlp.up, &self.mlp.down])
+    }
+}
+
+impl<B: Backend> Head<B> {
+    /// Replace the head's base parameters with the source's values.
+    pub fn load(&mut self, src: &mut Source<'_>) {
+        if let Some(n) = &mut self.norm {
+            n.load("head.norm", src);
+        }
+        if let Some(p) = &mut self.out {
+            load_param(p, "head.out", src);
+        }
+    }
+}
+
+impl<B: Backend> Part<B> {
+    /// Replace the unit's base parameters with the source's values.
+    pub fn load(&mut self, src: &mut Source<'_>) {
+        match self {
+            Part::Embed(e) => e.load(src),
+            Part::Layer(i, l) => l.load(*i, src),
+            Part::Head(h) => h.load(src),
+        }
+    }
+
+    /// Why a projection's base is unusable after the unit's load (QLoRA),
+    /// numbered as [`Model::quantization_error`] numbers it.
+    pub fn quantization_error(&self) -> Option<String> {
+        match self {
+            Part::Layer(i, l) => l.quantization_error(i * l.linears().count()),
+            _ => None,
+        }
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// Replace every base parameter (not LoRA's) with the source's values,
     /// keeping ids, dtypes and trainability.
     pub fn load(&mut self, src: &mut Source<'_>) {
-        load_param(&mut self.embed.tokens, "embed.tokens", src);
-        if let Some(p) = &mut self.embed.positions {
-            load_param(p, "embed.positions", src);
-        }
-        if let Some(n) = &mut self.embed.norm {
-            n.load("embed.norm", src);
-        }
+        self.embed.load(src);
         for (i, l) in self.layers.iter_mut().enumerate() {
-            let n = format!("layers.{i}");
-            l.norm1.load(&format!("{n}.norm1"), src);
-            l.attn.q.load(&format!("{n}.attn.q"), src);
-            l.attn.k.load(&format!("{n}.attn.k"), src);
-            l.attn.v.load(&format!("{n}.attn.v"), src);
-            l.attn.o.load(&format!("{n}.attn.o"), src);
-            l.norm2.load(&format!("{n}.norm2"), src);
-            if let Some(g) = &mut l.mlp.gate {
-                g.load(&format!("{n}.mlp.gate"), src);
-            }
-            l.mlp.up.load(&format!("{n}.mlp.up"), src);
-            l.mlp.down.load(&format!("{n}.mlp.down"), src);
+            l.load(i, src);
         }
-        if let Some(n) = &mut self.head.norm {
-            n.load("head.norm", src);
-        }
-        if let Some(p) = &mut self.head.out {
-            load_param(p, "head.out", src);
-        }
+        self.head.load(src);
     }
 }
 

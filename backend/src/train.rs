@@ -39,7 +39,7 @@ use crate::data::{Batch, Batcher};
 use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout, TAU};
 use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
 use crate::memory::MemoryProbe;
-use crate::model::{Ctx, Embed, Head, Layer, Model, ModelInit};
+use crate::model::{Ctx, Embed, Head, Layer, Model};
 use crate::ops::{ExecAutodiff, ExecBackend};
 use crate::optim::adam8bit::Adam8bitOptimizer;
 use crate::RunError;
@@ -458,38 +458,14 @@ impl<B: ExecAutodiff> Trainer<B> {
         let optim = Optim::for_plan(plan)?;
         B::seed(&device, cfg.seed);
         let lm_head = plan.train.loss != Loss::Contrastive;
-        let init = ModelInit {
-            model: &plan.model,
-            adapter: plan.adapter.as_ref(),
-            lm_head,
-            dtype: FloatDType::F32,
-        };
-        let mut model = Model::<B>::new(&init, &device);
-        if let Some(dir) = &plan.model.weights {
-            // A Hugging Face checkpoint replaces the random base weights
-            // (LoRA's A and B keep their initialisation).
-            crate::weights::load_into(&mut model, &plan.model, Path::new(dir))?;
-            if let Some(e) = model.quantization_error() {
-                return Err(RunError::Weights(format!("{dir}: {e}")));
-            }
-        }
-        // ZeRO-3 / parameter offload: shards replace the weights, `model`
-        // becomes a skeleton with the same ids.
-        let (zero3, mut model) = crate::shard::zero3::for_plan(
-            plan,
-            model,
-            crate::shard::zero3::Storage {
-                dtype: precision.params,
-                master: precision.master,
-            },
-            cfg.collective.as_ref(),
-        )?;
-        let mut work = None;
-        if zero3.is_none() && precision.master {
-            work = Some(model.clone().map(&mut CastParams(precision.params)));
-        } else if zero3.is_none() && precision.params != FloatDType::F32 {
-            model = model.map(&mut CastParams(precision.params));
-        }
+        // One unit at a time, each loaded, cast or sharded before the next
+        // is made (`crate::setup`).
+        let built =
+            crate::setup::build::<B>(plan, precision, lm_head, cfg.collective.as_ref(), &device)?;
+        let (zero3, model) = (built.zero3, built.model);
+        // The 16-bit working copy of the fp32 master.
+        let work = (zero3.is_none() && precision.master)
+            .then(|| model.clone().map(&mut CastParams(precision.params)));
         let seq = plan.train.seq_len as usize;
         let ctx = Ctx::new(
             &plan.model,

@@ -2,7 +2,8 @@
 //! the step gathers each unit (the embedding, each layer, the head) for its
 //! forward and again for a checkpointed layer's recomputation, then reduces
 //! the unit's gradient as the backward leaves it (`UnitHooks`, called by
-//! `Trainer::micro_step_with`).
+//! `Trainer::micro_step_with`). The shards are cut at start-up a unit at a
+//! time (`Builder`, fed by `crate::setup`), so no rank holds the whole model.
 //!
 //! Two shard counts, each 1 or the run's `ranks`:
 //! - `wshards`, the weights at rest: `ranks` with ZeRO-3, else 1 (every rank
@@ -82,9 +83,73 @@ struct UnitLayout {
     t_ooff: usize,
 }
 
+/// A rank's flat values on the device: one tensor, or one per unit as the
+/// per-unit build left them (concatenated in unit order), until the first
+/// optimizer step needs them whole.
+struct Flat<I: Backend> {
+    parts: Vec<Tensor<I, 1>>,
+    /// Where each part starts in the concatenation.
+    starts: Vec<usize>,
+    len: usize,
+}
+
+impl<I: Backend> Flat<I> {
+    fn whole(t: Tensor<I, 1>) -> Self {
+        let len = t.dims()[0];
+        Flat {
+            parts: vec![t],
+            starts: vec![0],
+            len,
+        }
+    }
+
+    fn empty() -> Self {
+        Flat {
+            parts: Vec::new(),
+            starts: Vec::new(),
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, t: Tensor<I, 1>) {
+        let n = t.dims()[0];
+        if n > 0 {
+            self.starts.push(self.len);
+            self.parts.push(t);
+            self.len += n;
+        }
+    }
+
+    /// `range`, which lies within one part (a unit's, or the whole).
+    fn slice(&self, range: std::ops::Range<usize>) -> Tensor<I, 1> {
+        let p = self.starts.partition_point(|&s| s <= range.start).max(1) - 1;
+        let at = self.starts[p];
+        self.parts[p]
+            .clone()
+            .slice(range.start - at..range.end - at)
+    }
+
+    /// The values as one tensor (the parts concatenated once, then kept so).
+    fn make_whole(&mut self, device: &I::Device) -> Tensor<I, 1> {
+        if self.parts.len() != 1 {
+            let parts = std::mem::take(&mut self.parts);
+            *self = Flat::whole(super::cat_or_empty(parts, device));
+        }
+        self.parts[0].clone()
+    }
+
+    fn to_host(&self) -> Result<Vec<f32>, RunError> {
+        let mut out = Vec::with_capacity(self.len);
+        for p in &self.parts {
+            out.extend(to_host(p.clone())?);
+        }
+        Ok(out)
+    }
+}
+
 /// Flat values on the device (storage dtype) or in host memory (fp32).
 enum Vals<I: Backend> {
-    Device(Tensor<I, 1>),
+    Device(Flat<I>),
     Host(Vec<f32>),
 }
 
@@ -93,8 +158,42 @@ impl<I: Backend> Vals<I> {
         Ok(if host {
             Vals::Host(to_host(t)?)
         } else {
-            Vals::Device(t)
+            Vals::Device(Flat::whole(t))
         })
+    }
+
+    fn new(host: bool) -> Self {
+        if host {
+            Vals::Host(Vec::new())
+        } else {
+            Vals::Device(Flat::empty())
+        }
+    }
+
+    /// Append shard `index` of `shards` of one unit's values (`pieces`,
+    /// fp32, in order) in `dtype`: on the device in a buffer of its own; to
+    /// the host a piece at a time, so the device never holds the shard.
+    fn push_shard(
+        &mut self,
+        pieces: &[Tensor<I, 1>],
+        (shards, index): (usize, usize),
+        dtype: FloatDType,
+        device: &I::Device,
+    ) -> Result<(), RunError> {
+        match self {
+            Vals::Device(f) => f.push(crate::model::to_dtype(
+                shard_of(pieces, shards, index, device),
+                dtype,
+            )),
+            Vals::Host(v) => {
+                let (parts, pad) = shard_parts(pieces, shards, index);
+                for p in parts {
+                    v.extend(to_host(crate::model::to_dtype(p, dtype))?);
+                }
+                v.resize(v.len() + pad, 0.0);
+            }
+        }
+        Ok(())
     }
 
     /// `range` on the device in `dtype` (uploaded from the host, through
@@ -106,7 +205,7 @@ impl<I: Backend> Vals<I> {
         device: &I::Device,
     ) -> Tensor<I, 1> {
         match self {
-            Vals::Device(t) => t.clone().slice(range),
+            Vals::Device(f) => f.slice(range),
             Vals::Host(v) => {
                 let n = range.len();
                 let t = Tensor::<I, 1>::from_data(TensorData::new(v[range].to_vec(), [n]), device);
@@ -117,7 +216,7 @@ impl<I: Backend> Vals<I> {
 
     fn len(&self) -> usize {
         match self {
-            Vals::Device(t) => t.dims()[0],
+            Vals::Device(f) => f.len,
             Vals::Host(v) => v.len(),
         }
     }
@@ -128,7 +227,7 @@ enum Master<I: Backend> {
     /// The weight shard itself (same layout, fp32 or no master wanted, and
     /// where the optimizer reads it).
     Work,
-    Device(Tensor<I, 1>),
+    Device(Flat<I>),
     Host(Vec<f32>),
 }
 
@@ -172,7 +271,7 @@ pub struct Zero3<I: Backend> {
     device: I::Device,
 }
 
-/// What `for_plan` needs to know about the run's precision.
+/// What the [`Builder`] needs to know about the run's precision.
 pub struct Storage {
     /// Dtype the weights are stored (and gathered) in.
     pub dtype: FloatDType,
@@ -201,133 +300,111 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
 }
 
-/// `for_plan`'s answer: the per-unit state (if any) and the model the
-/// trainer keeps.
-pub type Sharded<B> = (
-    Option<Zero3<<B as AutodiffBackend>::InnerBackend>>,
-    Model<B>,
-);
-
-/// The per-unit state for `plan` and the skeleton that replaces `model`
-/// (its parameters are 1-element placeholders with the same ids), or `None`
-/// when the plan keeps whole weights on the device. `model` holds the fp32
-/// weights, equal on every rank.
-pub fn for_plan<B: ExecAutodiff>(
-    plan: &LoweredPlan,
-    model: Model<B>,
+/// Builds one rank's ZeRO-3 / parameter-offload state a unit at a time:
+/// each unit handed to `add` (whole, fp32, equal on every rank) is cut into
+/// this rank's shards, which go straight to their place (device or host, in
+/// the storage dtype), so only one whole unit exists at a time.
+pub struct Builder<I: Backend> {
+    stage: u8,
+    ranks: usize,
+    index: usize,
+    local: usize,
+    wshards: usize,
+    oshards: usize,
+    /// This rank's weight and optimizer shard indices.
+    wi: usize,
+    oi: usize,
     storage: Storage,
-    collective: Option<&Collective<B::InnerBackend>>,
-) -> Result<Sharded<B>, RunError> {
-    if !wanted(plan) {
-        return Ok((None, model));
-    }
-    let stage = plan.resolved.zero;
-    let (ranks, index, local) = rank_place(collective)?;
-    let wshards = if stage >= 3 { ranks } else { 1 };
-    let oshards = if stage >= 1 { ranks } else { 1 };
-    if index >= ranks.max(1) {
-        return Err(RunError::Collective(format!(
-            "shard {index} of {ranks}: burn-collective numbered this rank outside the run"
-        )));
-    }
-    let device = first_device(&model);
-    let host = params_offloaded(plan);
-    let opt_host = optimizer_offloaded(plan);
-
-    let wi = if wshards > 1 { index } else { 0 };
-    let oi = if oshards > 1 { index } else { 0 };
-    let (units, work_fp32, frozen, master_fp32) =
-        shard_units::<B>(&model, (wshards, wi), (oshards, oi), &device);
-    let n_layers = model.layers.len();
-    let skeleton = model.map(&mut Placeholders);
-
-    let master_is_work = wshards == oshards
-        && (storage.dtype == FloatDType::F32 || !storage.master)
-        && (host || !opt_host);
-    let master = if master_is_work {
-        Master::Work
-    } else if opt_host || host {
-        Master::Host(to_host(master_fp32)?)
-    } else {
-        Master::Device(master_fp32)
-    };
-    let work = Vals::place(crate::model::to_dtype(work_fp32, storage.dtype), host)?;
-    let frozen = Vals::place(crate::model::to_dtype(frozen, storage.dtype), host)?;
-    let place = if opt_host {
-        Place::Host {
-            threads: host_threads(local),
-        }
-    } else {
-        Place::Device
-    };
-    let t_total = units.last().map_or(0, |l| l.t_ooff + l.t_os);
-    // The compiler's condition (`memory::burn_host_grad_accumulator`): ZeRO-3
-    // on one rank without parameter offload is charged as whole weights on
-    // the device, its gradient there too.
-    let acc = if opt_host && (host || wshards > 1) {
-        Grads::Host(vec![0.0; t_total])
-    } else {
-        Grads::Device((0..units.len()).map(|_| None).collect())
-    };
-    let z = Zero3 {
-        stage,
-        ranks,
-        wshards,
-        oshards,
-        index,
-        layers: n_layers,
-        storage: storage.dtype,
-        params_on_host: host,
-        acc,
-        units,
-        work,
-        frozen,
-        master,
-        optim: FlatOptim::new(Rule::for_plan(plan)?, place, t_total),
-        tied: plan.train.loss != Loss::Contrastive && plan.model.tie_embeddings,
-        schedule: Vec::new(),
-        pos: 0,
-        ready: None,
-        pending: None,
-        device,
-    };
-    let need = z.host_bytes() * local as u64;
-    if need > 0 {
-        crate::check_host_memory(plan, need, crate::host_memory_available())?;
-    }
-    Ok((Some(z), skeleton))
+    host: bool,
+    opt_host: bool,
+    units: Vec<UnitLayout>,
+    work: Vals<I>,
+    frozen: Vals<I>,
+    master: Option<Vals<I>>,
+    device: Option<I::Device>,
+    /// Host memory free before the build (`crate::host_memory_available`),
+    /// what the offloaded state is checked against.
+    host_available: Option<u64>,
 }
 
-/// Every unit's layout and this rank's shards of `model`'s values (whole
-/// weights): the trainable and frozen weight shards (`wshards`, index) and
-/// the trainable values' optimizer shard (`oshards`, index), each
-/// concatenated over the units, fp32.
-#[allow(clippy::type_complexity)]
-fn shard_units<B: ExecAutodiff>(
-    model: &Model<B>,
-    (wshards, wi): (usize, usize),
-    (oshards, oi): (usize, usize),
-    device: &burn::tensor::Device<B::InnerBackend>,
-) -> (
-    Vec<UnitLayout>,
-    Tensor<B::InnerBackend, 1>,
-    Tensor<B::InnerBackend, 1>,
-    Tensor<B::InnerBackend, 1>,
-) {
-    let mut units = Vec::new();
-    let (mut work, mut frozen, mut master) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut t_woff, mut f_woff, mut t_ooff) = (0, 0, 0);
-    let mut add = |params: Vec<ParamInfo>, t: Tensor<B::InnerBackend, 1>, f| {
-        let (t_len, f_len) = (t.dims()[0], dims(&f));
+impl<I: Backend> Builder<I> {
+    /// `None` when `plan` keeps whole weights on the device.
+    pub fn new(
+        plan: &LoweredPlan,
+        storage: Storage,
+        collective: Option<&Collective<I>>,
+    ) -> Result<Option<Self>, RunError> {
+        if !wanted(plan) {
+            return Ok(None);
+        }
+        let stage = plan.resolved.zero;
+        let (ranks, index, local) = rank_place(collective)?;
+        let wshards = if stage >= 3 { ranks } else { 1 };
+        let oshards = if stage >= 1 { ranks } else { 1 };
+        if index >= ranks.max(1) {
+            return Err(RunError::Collective(format!(
+                "shard {index} of {ranks}: burn-collective numbered this rank outside the run"
+            )));
+        }
+        let host = params_offloaded(plan);
+        let opt_host = optimizer_offloaded(plan);
+        let master_is_work = wshards == oshards
+            && (storage.dtype == FloatDType::F32 || !storage.master)
+            && (host || !opt_host);
+        Ok(Some(Builder {
+            stage,
+            ranks,
+            index,
+            local,
+            wshards,
+            oshards,
+            wi: if wshards > 1 { index } else { 0 },
+            oi: if oshards > 1 { index } else { 0 },
+            storage,
+            host,
+            opt_host,
+            units: Vec::new(),
+            work: Vals::new(host),
+            frozen: Vals::new(host),
+            master: (!master_is_work).then(|| Vals::new(opt_host || host)),
+            device: None,
+            host_available: (host || opt_host)
+                .then(crate::host_memory_available)
+                .flatten(),
+        }))
+    }
+
+    /// The next unit (embedding, each layer, head: forward order), whole
+    /// and fp32: its layout and this rank's shards of it. The caller drops
+    /// the unit afterwards.
+    pub fn add<B: AutodiffBackend<InnerBackend = I>, M: Module<B>>(
+        &mut self,
+        unit: &M,
+    ) -> Result<(), RunError> {
+        let device = self
+            .device
+            .get_or_insert_with(|| first_device(unit))
+            .clone();
+        let (params, t, f) = unit_values::<B, M>(unit);
+        let len = |v: &[Tensor<I, 1>]| v.iter().map(dims).sum::<usize>();
+        let (t_len, f_len) = (len(&t), len(&f));
         let (t_ws, f_ws, t_os) = (
-            t_len.div_ceil(wshards),
-            f_len.div_ceil(wshards),
-            t_len.div_ceil(oshards),
+            t_len.div_ceil(self.wshards),
+            f_len.div_ceil(self.wshards),
+            t_len.div_ceil(self.oshards),
         );
-        work.push(shard_of(t.clone(), wshards, wi));
-        frozen.push(shard_of(f, wshards, wi));
-        master.push(shard_of(t, oshards, oi));
-        units.push(UnitLayout {
+        let (t_woff, f_woff, t_ooff) = match self.units.last() {
+            Some(l) => (l.t_woff + l.t_ws, l.f_woff + l.f_ws, l.t_ooff + l.t_os),
+            None => (0, 0, 0),
+        };
+        let dt = self.storage.dtype;
+        if let Some(m) = &mut self.master {
+            m.push_shard(&t, (self.oshards, self.oi), FloatDType::F32, &device)?;
+        }
+        let w = (self.wshards, self.wi);
+        self.work.push_shard(&t, w, dt, &device)?;
+        self.frozen.push_shard(&f, w, dt, &device)?;
+        self.units.push(UnitLayout {
             params,
             t_len,
             f_len,
@@ -338,32 +415,75 @@ fn shard_units<B: ExecAutodiff>(
             t_os,
             t_ooff,
         });
-        t_woff += t_ws;
-        f_woff += f_ws;
-        t_ooff += t_os;
-    };
-    let (p, t, f) = unit_values::<B, _>(&model.embed, device);
-    add(p, t, f);
-    for l in &model.layers {
-        let (p, t, f) = unit_values::<B, _>(l, device);
-        add(p, t, f);
+        Ok(())
     }
-    let (p, t, f) = unit_values::<B, _>(&model.head, device);
-    add(p, t, f);
-    let cat = |v: Vec<Tensor<B::InnerBackend, 1>>| super::cat_or_empty(v, device);
-    (units, cat(work), cat(frozen), cat(master))
+
+    /// The rank's state once every unit was added.
+    pub fn finish(self, plan: &LoweredPlan) -> Result<Zero3<I>, RunError> {
+        let device = self.device.unwrap_or_default();
+        let master = match self.master {
+            None => Master::Work,
+            Some(Vals::Host(v)) => Master::Host(v),
+            Some(Vals::Device(f)) => Master::Device(f),
+        };
+        let place = if self.opt_host {
+            Place::Host {
+                threads: host_threads(self.local),
+            }
+        } else {
+            Place::Device
+        };
+        let t_total = self.units.last().map_or(0, |l| l.t_ooff + l.t_os);
+        // The compiler's condition (`memory::burn_host_grad_accumulator`): ZeRO-3
+        // on one rank without parameter offload is charged as whole weights on
+        // the device, its gradient there too.
+        let acc = if self.opt_host && (self.host || self.wshards > 1) {
+            Grads::Host(vec![0.0; t_total])
+        } else {
+            Grads::Device((0..self.units.len()).map(|_| None).collect())
+        };
+        let z = Zero3 {
+            stage: self.stage,
+            ranks: self.ranks,
+            wshards: self.wshards,
+            oshards: self.oshards,
+            index: self.index,
+            layers: self.units.len().saturating_sub(2),
+            storage: self.storage.dtype,
+            params_on_host: self.host,
+            acc,
+            units: self.units,
+            work: self.work,
+            frozen: self.frozen,
+            master,
+            optim: FlatOptim::new(Rule::for_plan(plan)?, place, t_total),
+            tied: plan.train.loss != Loss::Contrastive && plan.model.tie_embeddings,
+            schedule: Vec::new(),
+            pos: 0,
+            ready: None,
+            pending: None,
+            device,
+        };
+        let need = z.host_bytes() * self.local as u64;
+        if need > 0 {
+            crate::check_host_memory(plan, need, self.host_available)?;
+        }
+        Ok(z)
+    }
 }
 
 fn dims<I: Backend>(t: &Tensor<I, 1>) -> usize {
     t.dims()[0]
 }
 
-fn first_device<B: Backend>(model: &Model<B>) -> B::Device {
+fn first_device<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+) -> burn::tensor::Device<B::InnerBackend> {
     struct Dev<D>(Option<D>);
-    impl<B: Backend> ModuleVisitor<B> for Dev<B::Device> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Dev<burn::tensor::Device<B::InnerBackend>> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if self.0.is_none() {
-                self.0 = Some(param.val().device());
+                self.0 = Some(param.val().inner().device());
             }
         }
     }
@@ -372,31 +492,53 @@ fn first_device<B: Backend>(model: &Model<B>) -> B::Device {
     d.0.unwrap_or_default()
 }
 
-/// Shard `index` of `t` padded to `shards` equal parts.
-fn shard_of<I: Backend>(t: Tensor<I, 1>, shards: usize, index: usize) -> Tensor<I, 1> {
-    let n = t.dims()[0];
+/// Shard `index` of the concatenation of `pieces`, padded to `shards` equal
+/// parts: the slices of the pieces it covers, in order, and the zeros of
+/// padding after them. The concatenation itself is never made.
+fn shard_parts<I: Backend>(
+    pieces: &[Tensor<I, 1>],
+    shards: usize,
+    index: usize,
+) -> (Vec<Tensor<I, 1>>, usize) {
+    let n: usize = pieces.iter().map(dims).sum();
     let per = n.div_ceil(shards);
-    if per == 0 {
-        return t;
+    let (lo, hi) = ((index * per).min(n), ((index + 1) * per).min(n));
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for p in pieces {
+        let len = dims(p);
+        let (a, b) = (lo.max(at), hi.min(at + len));
+        if a < b {
+            parts.push(p.clone().slice(a - at..b - at));
+        }
+        at += len;
     }
-    let device = t.device();
-    let padded = if per * shards > n {
-        Tensor::cat(vec![t, Tensor::zeros([per * shards - n], &device)], 0)
-    } else {
-        t
-    };
-    padded.slice(index * per..(index + 1) * per)
+    (parts, per - (hi - lo))
 }
 
-/// A unit's parameters in visit order, its trainable values and its frozen
-/// values, fp32, flattened in visit order.
+/// [`shard_parts`] in a buffer of its own on the device: no view that would
+/// keep the pieces alive.
+fn shard_of<I: Backend>(
+    pieces: &[Tensor<I, 1>],
+    shards: usize,
+    index: usize,
+    device: &I::Device,
+) -> Tensor<I, 1> {
+    let (mut parts, pad) = shard_parts(pieces, shards, index);
+    // `cat` writes a new tensor (the padding's zeros at its end).
+    parts.push(Tensor::zeros([pad], device));
+    Tensor::cat(parts, 0)
+}
+
+/// A unit's parameters in visit order, and its trainable and frozen values,
+/// fp32, one flat view per parameter (no copy of an fp32 parameter).
+#[allow(clippy::type_complexity)]
 fn unit_values<B: AutodiffBackend, M: Module<B>>(
     m: &M,
-    device: &burn::tensor::Device<B::InnerBackend>,
 ) -> (
     Vec<ParamInfo>,
-    Tensor<B::InnerBackend, 1>,
-    Tensor<B::InnerBackend, 1>,
+    Vec<Tensor<B::InnerBackend, 1>>,
+    Vec<Tensor<B::InnerBackend, 1>>,
 ) {
     struct Values<I: Backend> {
         params: Vec<ParamInfo>,
@@ -412,7 +554,7 @@ fn unit_values<B: AutodiffBackend, M: Module<B>>(
                 shape: t.shape(),
                 trainable,
             });
-            let flat = t.cast(FloatDType::F32).flatten(0, D - 1);
+            let flat = crate::model::to_dtype(t, FloatDType::F32).flatten(0, D - 1);
             if trainable {
                 self.t.push(flat);
             } else {
@@ -426,16 +568,12 @@ fn unit_values<B: AutodiffBackend, M: Module<B>>(
         f: Vec::new(),
     };
     m.visit(&mut v);
-    (
-        v.params,
-        super::cat_or_empty(v.t, device),
-        super::cat_or_empty(v.f, device),
-    )
+    (v.params, v.t, v.f)
 }
 
 /// Replaces every parameter by a 1-element placeholder (id and
 /// trainability kept): the skeleton whose units `Fill` rebuilds.
-struct Placeholders;
+pub(crate) struct Placeholders;
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Placeholders {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -519,7 +657,7 @@ impl<I: Backend> Zero3<I> {
         }
         match &self.master {
             Master::Work => Ok(None),
-            Master::Device(t) => Ok(Some(to_host(t.clone())?)),
+            Master::Device(t) => Ok(Some(t.to_host()?)),
             Master::Host(v) => Ok(Some(v.clone())),
         }
     }
@@ -543,7 +681,10 @@ impl<I: Backend> Zero3<I> {
         match &mut self.master {
             Master::Work => {}
             Master::Device(t) => {
-                *t = Tensor::from_data(TensorData::new(values, [want]), &self.device);
+                *t = Flat::whole(Tensor::from_data(
+                    TensorData::new(values, [want]),
+                    &self.device,
+                ));
             }
             Master::Host(v) => *v = values,
         }
@@ -564,7 +705,7 @@ impl<I: Backend> Zero3<I> {
     }
 
     /// Replace this rank's weight shards and master by those of `model`
-    /// (whole weights, as `for_plan` shards them): resume's path. The
+    /// (whole weights, cut as the [`Builder`] cuts them): resume's path. The
     /// optimizer state is untouched; the gradient accumulator is empty
     /// between steps.
     pub fn load_whole<B: ExecAutodiff<InnerBackend = I>>(
@@ -577,12 +718,42 @@ impl<I: Backend> Zero3<I> {
             ));
         }
         self.ready = None;
-        let wi = if self.wshards > 1 { self.index } else { 0 };
         let (oi, _) = self.optimizer_shard();
-        let (units, work, frozen, master) =
-            shard_units::<B>(model, (self.wshards, wi), (self.oshards, oi), &self.device);
-        let same = units.len() == self.units.len()
-            && units.iter().zip(&self.units).all(|(a, b)| {
+        // The same cut as the run's build: a builder with this rank's places.
+        let host = self.params_on_host;
+        let mut b = Builder {
+            stage: self.stage,
+            ranks: self.ranks,
+            index: self.index,
+            local: 1,
+            wshards: self.wshards,
+            oshards: self.oshards,
+            wi: if self.wshards > 1 { self.index } else { 0 },
+            oi,
+            storage: Storage {
+                dtype: self.storage,
+                master: false,
+            },
+            host,
+            opt_host: false,
+            units: Vec::new(),
+            work: Vals::new(host),
+            frozen: Vals::new(host),
+            master: match &self.master {
+                Master::Work => None,
+                Master::Host(_) => Some(Vals::new(true)),
+                Master::Device(_) => Some(Vals::new(false)),
+            },
+            device: Some(self.device.clone()),
+            host_available: None,
+        };
+        b.add::<B, _>(&model.embed)?;
+        for l in &model.layers {
+            b.add::<B, _>(l)?;
+        }
+        b.add::<B, _>(&model.head)?;
+        let same = b.units.len() == self.units.len()
+            && b.units.iter().zip(&self.units).all(|(a, b)| {
                 a.t_len == b.t_len
                     && a.f_len == b.f_len
                     && a.params.len() == b.params.len()
@@ -597,14 +768,13 @@ impl<I: Backend> Zero3<I> {
                     .into(),
             ));
         }
-        self.master = match &self.master {
-            Master::Work => Master::Work,
-            Master::Host(_) => Master::Host(to_host(master)?),
-            Master::Device(_) => Master::Device(master),
+        self.master = match b.master {
+            None => Master::Work,
+            Some(Vals::Host(v)) => Master::Host(v),
+            Some(Vals::Device(f)) => Master::Device(f),
         };
-        let host = self.params_on_host;
-        self.work = Vals::place(crate::model::to_dtype(work, self.storage), host)?;
-        self.frozen = Vals::place(crate::model::to_dtype(frozen, self.storage), host)?;
+        self.work = b.work;
+        self.frozen = b.frozen;
         Ok(())
     }
 
@@ -892,7 +1062,8 @@ impl<I: Backend> Zero3<I> {
                 None
             }
             (Master::Work, Place::Device, Vals::Device(w)) => {
-                Some(self.optim.step(lr, w.clone().cast(FloatDType::F32), grad)?)
+                let w = w.make_whole(&device);
+                Some(self.optim.step(lr, w.cast(FloatDType::F32), grad)?)
             }
             (Master::Work, Place::Device, Vals::Host(w)) => {
                 let u = self.optim.step(lr, upload(w, &device), grad)?;
@@ -900,8 +1071,8 @@ impl<I: Backend> Zero3<I> {
                 None
             }
             (Master::Device(m), Place::Device, _) => {
-                let u = self.optim.step(lr, m.clone(), grad)?;
-                *m = u.clone();
+                let u = self.optim.step(lr, m.make_whole(&device), grad)?;
+                *m = Flat::whole(u.clone());
                 Some(u)
             }
             (Master::Host(m), Place::Host { .. }, _) => {

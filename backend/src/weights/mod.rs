@@ -24,6 +24,7 @@ mod write;
 use crate::model::Model;
 use burn::tensor::backend::Backend;
 use rcoa_compiler::spec::{Arch, ModelSpec, Norm};
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -31,7 +32,7 @@ pub use config::hf_config;
 pub use export::{Export, SaveOptions};
 pub use lora::{lora_factors, merged_params, Factors};
 pub use peft::{peft_adapter, PeftInfo};
-pub use read::{read_checkpoint, Stored};
+pub use read::{read_checkpoint, Lazy, Stored};
 pub use write::{
     hf_tensors, hf_tensors_of, save_prefix, write_file, write_model, HfTensor, RcoaTensor,
     DEFAULT_MAX_SHARD_BYTES,
@@ -185,22 +186,179 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
 
 /// The prefix the checkpoint puts before the family's names (`model.`,
 /// `transformer.`, `roberta.`, or none).
-fn prefix_of(family: Family, stored: &Stored) -> Option<String> {
+fn prefix_of<'k>(family: Family, mut keys: impl Iterator<Item = &'k String>) -> Option<String> {
     let key = family.embedding_key();
-    let mut found: Vec<&String> = stored.keys().filter(|k| k.ends_with(key)).collect();
+    let mut found: Vec<&String> = keys.by_ref().filter(|k| k.ends_with(key)).collect();
     found.sort_by_key(|k| k.len());
     found.first().map(|k| k[..k.len() - key.len()].to_string())
 }
 
-/// Fill `model`'s base parameters from the safetensors checkpoint in `dir`.
+/// Tensors by name: all read (`Stored`), or read one at a time as the
+/// model's units ask for them (`read::Lazy`).
+trait Tensors {
+    fn names(&self) -> Vec<&String>;
+    /// Shape and values; `Err`: the bytes could not be read.
+    #[allow(clippy::type_complexity)]
+    fn tensor(&self, key: &str) -> Result<Option<(Vec<usize>, Cow<'_, [f32]>)>, String>;
+}
+
+impl Tensors for Stored {
+    fn names(&self) -> Vec<&String> {
+        self.keys().collect()
+    }
+    fn tensor(&self, key: &str) -> Result<Option<(Vec<usize>, Cow<'_, [f32]>)>, String> {
+        Ok(self
+            .get(key)
+            .map(|(s, v)| (s.clone(), Cow::Borrowed(v.as_slice()))))
+    }
+}
+
+impl Tensors for Lazy {
+    fn names(&self) -> Vec<&String> {
+        self.keys().collect()
+    }
+    fn tensor(&self, key: &str) -> Result<Option<(Vec<usize>, Cow<'_, [f32]>)>, String> {
+        Ok(self.get(key)?.map(|(s, v)| (s, Cow::Owned(v))))
+    }
+}
+
+/// Fills a model's base parameters from a checkpoint, one unit or the whole
+/// model at a time (`source`), and reports every problem together at the
+/// end (`finish`): missing, mis-shaped, unreadable and unexpected tensors,
+/// and parameters the family has no tensor for.
+pub struct Loader<T> {
+    tensors: T,
+    family: Family,
+    prefix: String,
+    used: BTreeSet<String>,
+    missing: Vec<String>,
+    misshaped: Vec<String>,
+    unmapped: Vec<String>,
+    unreadable: Vec<String>,
+}
+
+/// A loader reading each tensor from the files when a unit asks for it.
+pub type LazyLoader = Loader<Lazy>;
+
+impl LazyLoader {
+    /// The checkpoint in `dir` for a model of `spec`'s family; only the
+    /// files' headers are read here.
+    pub fn open(spec: &ModelSpec, dir: &Path) -> Result<Self, crate::RunError> {
+        let lazy = Lazy::open(dir).map_err(crate::RunError::Weights)?;
+        Loader::new(lazy, Family::of(spec))
+            .map_err(|e| crate::RunError::Weights(format!("{}: {e}", dir.display())))
+    }
+}
+
+#[allow(private_bounds)]
+impl<T: Tensors> Loader<T> {
+    fn new(tensors: T, family: Family) -> Result<Self, String> {
+        let Some(prefix) = prefix_of(family, tensors.names().into_iter()) else {
+            return Err(format!(
+                "no `{}` tensor: not a {family:?}-family checkpoint",
+                family.embedding_key()
+            ));
+        };
+        Ok(Loader {
+            tensors,
+            family,
+            prefix,
+            used: BTreeSet::new(),
+            missing: vec![],
+            misshaped: vec![],
+            unmapped: vec![],
+            unreadable: vec![],
+        })
+    }
+
+    /// The values of rcoa's parameter `name` of `shape` (the `Source` that
+    /// `Model::load` and the units' `load` read); `None` when the
+    /// checkpoint cannot give them (recorded for `finish`).
+    pub fn values(&mut self, name: &str, shape: &[usize]) -> Option<Vec<f32>> {
+        let Some(o) = origin(self.family, &self.prefix, name) else {
+            self.unmapped.push(name.to_string());
+            return None;
+        };
+        match fetch(&o, shape, &self.tensors, &mut self.used) {
+            Ok(v) => Some(v),
+            Err(Problem::Missing(k)) => {
+                self.missing.push(k);
+                None
+            }
+            Err(Problem::Shape(k)) => {
+                self.misshaped.push(k);
+                None
+            }
+            Err(Problem::Unreadable(why)) => {
+                self.unreadable.push(why);
+                None
+            }
+        }
+    }
+
+    /// Every problem met, with the tensors no parameter asked for.
+    pub fn finish(self) -> Result<(), String> {
+        let family = self.family;
+        let prefix = &self.prefix;
+        // Tied heads: `lm_head.weight` may be stored too, equal to the embeddings.
+        let mut unexpected: Vec<String> = self
+            .tensors
+            .names()
+            .into_iter()
+            .filter(|k| !self.used.contains(*k))
+            .filter(|k| !k.starts_with(prefix) || !family.ignorable(&k[prefix.len()..]))
+            .filter(|k| !(family != Family::Bert && *k == "lm_head.weight"))
+            .filter(|k| !(family == Family::Bert && k.starts_with("lm_head.")))
+            .cloned()
+            .collect();
+        unexpected.sort();
+        let mut parts = vec![];
+        if !self.unreadable.is_empty() {
+            parts.push(format!(
+                "unreadable tensors: {}",
+                self.unreadable.join("; ")
+            ));
+        }
+        if !self.missing.is_empty() {
+            parts.push(format!("missing tensors: {}", list(&self.missing)));
+        }
+        if !self.misshaped.is_empty() {
+            parts.push(format!(
+                "tensors of the wrong shape: {}",
+                self.misshaped.join(", ")
+            ));
+        }
+        if !self.unmapped.is_empty() {
+            parts.push(format!(
+                "parameters a {family:?} checkpoint has no tensor for: {}",
+                list(&self.unmapped)
+            ));
+        }
+        if !unexpected.is_empty() {
+            parts.push(format!("unexpected tensors: {}", list(&unexpected)));
+        }
+        if parts.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "the checkpoint does not fit the plan's model: {}",
+                parts.join("; ")
+            ))
+        }
+    }
+}
+
+/// Fill `model`'s base parameters from the safetensors checkpoint in `dir`,
+/// one tensor read at a time.
 pub fn load_into<B: Backend>(
     model: &mut Model<B>,
     spec: &ModelSpec,
     dir: &Path,
 ) -> Result<(), crate::RunError> {
-    let stored = read_checkpoint(dir).map_err(crate::RunError::Weights)?;
-    let family = Family::of(spec);
-    load_from(model, family, &stored)
+    let mut loader = LazyLoader::open(spec, dir)?;
+    model.load(&mut |name, shape| loader.values(name, shape));
+    loader
+        .finish()
         .map_err(|e| crate::RunError::Weights(format!("{}: {e}", dir.display())))
 }
 
@@ -210,69 +368,17 @@ pub fn load_from<B: Backend>(
     family: Family,
     stored: &Stored,
 ) -> Result<(), String> {
-    let Some(prefix) = prefix_of(family, stored) else {
-        return Err(format!(
-            "no `{}` tensor: not a {family:?}-family checkpoint",
-            family.embedding_key()
-        ));
-    };
-    let mut used: BTreeSet<String> = BTreeSet::new();
-    let mut missing: Vec<String> = vec![];
-    let mut misshaped: Vec<String> = vec![];
-    let mut unmapped: Vec<String> = vec![];
-    let mut src = |name: &str, shape: &[usize]| -> Option<Vec<f32>> {
-        let Some(o) = origin(family, &prefix, name) else {
-            unmapped.push(name.to_string());
-            return None;
-        };
-        match fetch(&o, shape, stored, &mut used) {
-            Ok(v) => Some(v),
-            Err(Problem::Missing(k)) => {
-                missing.push(k);
-                None
-            }
-            Err(Problem::Shape(k)) => {
-                misshaped.push(k);
-                None
-            }
-        }
-    };
-    model.load(&mut src);
-    // Tied heads: `lm_head.weight` may be stored too, equal to the embeddings.
-    let unexpected: Vec<&String> = stored
-        .keys()
-        .filter(|k| !used.contains(*k))
-        .filter(|k| !k.starts_with(&prefix) || !family.ignorable(&k[prefix.len()..]))
-        .filter(|k| !(family != Family::Bert && *k == "lm_head.weight"))
-        .filter(|k| !(family == Family::Bert && k.starts_with("lm_head.")))
-        .collect();
-    let mut parts = vec![];
-    if !missing.is_empty() {
-        parts.push(format!("missing tensors: {}", list(&missing)));
+    let mut loader = Loader::new(stored, family)?;
+    model.load(&mut |name, shape| loader.values(name, shape));
+    loader.finish()
+}
+
+impl<T: Tensors> Tensors for &T {
+    fn names(&self) -> Vec<&String> {
+        (*self).names()
     }
-    if !misshaped.is_empty() {
-        parts.push(format!(
-            "tensors of the wrong shape: {}",
-            misshaped.join(", ")
-        ));
-    }
-    if !unmapped.is_empty() {
-        parts.push(format!(
-            "parameters a {family:?} checkpoint has no tensor for: {}",
-            list(&unmapped)
-        ));
-    }
-    if !unexpected.is_empty() {
-        let u: Vec<String> = unexpected.into_iter().cloned().collect();
-        parts.push(format!("unexpected tensors: {}", list(&u)));
-    }
-    if parts.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "the checkpoint does not fit the plan's model: {}",
-            parts.join("; ")
-        ))
+    fn tensor(&self, key: &str) -> Result<Option<(Vec<usize>, Cow<'_, [f32]>)>, String> {
+        (*self).tensor(key)
     }
 }
 
@@ -283,22 +389,28 @@ fn list(v: &[String]) -> String {
 enum Problem {
     Missing(String),
     Shape(String),
+    Unreadable(String),
 }
 
 /// The values of one parameter, in rcoa's layout, as f32.
 fn fetch(
     o: &Origin,
     shape: &[usize],
-    stored: &Stored,
+    stored: &impl Tensors,
     used: &mut BTreeSet<String>,
 ) -> Result<Vec<f32>, Problem> {
-    let get = |k: &str| stored.get(k).ok_or_else(|| Problem::Missing(k.to_string()));
+    let get = |k: &str| match stored.tensor(k) {
+        Ok(Some(t)) => Ok(t),
+        Ok(None) => Err(Problem::Missing(k.to_string())),
+        Err(why) => Err(Problem::Unreadable(why)),
+    };
     let bad = |k: &str, got: &[usize], want: String| {
         Problem::Shape(format!("`{k}` is {got:?}, the plan needs {want}"))
     };
     match o {
         Origin::Whole { key, transpose } => {
             let (s, v) = get(key)?;
+            let (s, v) = (&s, v.as_ref());
             used.insert(key.clone());
             let want: Vec<usize> = if *transpose {
                 shape.iter().rev().copied().collect()
@@ -311,11 +423,12 @@ fn fetch(
             Ok(if *transpose {
                 transpose2(v, s[0], s[1])
             } else {
-                v.clone()
+                v.to_vec()
             })
         }
         Origin::Split { key, part, parts } => {
             let (s, v) = get(key)?;
+            let (s, v) = (&s, v.as_ref());
             used.insert(key.clone());
             let cols = *shape.last().unwrap_or(&0);
             let mut want = shape.to_vec();
@@ -333,11 +446,12 @@ fn fetch(
         Origin::PositionsWithType { key, types } => {
             let (s, v) = get(key)?;
             used.insert(key.clone());
-            if *s != shape {
-                return Err(bad(key, s, format!("{shape:?}")));
+            if s != shape {
+                return Err(bad(key, &s, format!("{shape:?}")));
             }
-            let mut out = v.clone();
-            if let Some((ts, tv)) = stored.get(types) {
+            let mut out = v.into_owned();
+            if let Some((ts, tv)) = stored.tensor(types).map_err(Problem::Unreadable)? {
+                let (ts, tv) = (&ts, tv.as_ref());
                 used.insert(types.clone());
                 let d = shape[1];
                 if ts.len() != 2 || ts[1] != d {

@@ -5,8 +5,11 @@ use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
+/// One tensor: its shape and its values as f32.
+pub type Values = (Vec<usize>, Vec<f32>);
+
 /// Tensors by name: shape and values as f32.
-pub type Stored = HashMap<String, (Vec<usize>, Vec<f32>)>;
+pub type Stored = HashMap<String, Values>;
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
@@ -89,6 +92,161 @@ fn shards(index: &Path) -> Result<Vec<String>, String> {
     Ok(files.into_iter().collect())
 }
 
+/// The safetensors checkpoint in a folder, opened for reading one tensor at
+/// a time: only the headers are read when it is opened, and each tensor's
+/// bytes when it is asked for, so a model can be loaded unit by unit without
+/// the whole checkpoint in memory.
+pub struct Lazy {
+    files: Vec<LazyFile>,
+    /// Tensor name → index in `files`.
+    at: HashMap<String, usize>,
+}
+
+struct LazyFile {
+    path: std::path::PathBuf,
+    /// Where the data section starts (after the length and the header).
+    data_start: u64,
+    meta: safetensors::tensor::Metadata,
+}
+
+impl Lazy {
+    /// The checkpoint in `dir` (`model.safetensors` or a sharded index), or
+    /// a sentence naming the file that could not be read and what to do.
+    pub fn open(dir: &Path) -> Result<Lazy, String> {
+        let files: Vec<String> = if dir.join(SINGLE).is_file() {
+            vec![SINGLE.to_string()]
+        } else if dir.join(INDEX).is_file() {
+            shards(&dir.join(INDEX))?
+        } else {
+            return Err(format!(
+                "{} has neither {SINGLE} nor {INDEX}",
+                dir.display()
+            ));
+        };
+        let mut lazy = Lazy {
+            files: Vec::new(),
+            at: HashMap::new(),
+        };
+        for f in files {
+            let file = LazyFile::open(&dir.join(&f))?;
+            for name in file.meta.tensors().into_keys() {
+                lazy.at.insert(name, lazy.files.len());
+            }
+            lazy.files.push(file);
+        }
+        Ok(lazy)
+    }
+
+    /// Every tensor name.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.at.keys()
+    }
+
+    /// One tensor's shape and values as f32 (`None`: no such tensor; an
+    /// error: its bytes could not be read).
+    pub fn get(&self, name: &str) -> Result<Option<Values>, String> {
+        let Some(&f) = self.at.get(name) else {
+            return Ok(None);
+        };
+        let file = &self.files[f];
+        let Some(info) = file.meta.info(name) else {
+            return Ok(None);
+        };
+        let (s, e) = info.data_offsets;
+        let mut bytes = vec![0u8; e - s];
+        let mut read = || -> std::io::Result<()> {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut h = std::fs::File::open(&file.path)?;
+            h.seek(SeekFrom::Start(file.data_start + s as u64))?;
+            h.read_exact(&mut bytes)
+        };
+        read().map_err(|e| {
+            format!(
+                "cannot read `{name}` from {}: {e}; it may be truncated: download or save it again",
+                file.path.display()
+            )
+        })?;
+        Ok(Some((info.shape.clone(), to_f32(info.dtype, &bytes))))
+    }
+}
+
+impl LazyFile {
+    fn open(path: &Path) -> Result<LazyFile, String> {
+        use std::io::Read;
+        let corrupt = |why: String| {
+            format!(
+                "{} is not a readable safetensors file ({why}); it may be truncated or corrupt: download or save it again",
+                path.display()
+            )
+        };
+        let mut h = std::fs::File::open(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let size = h
+            .metadata()
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+            .len();
+        let mut n = [0u8; 8];
+        h.read_exact(&mut n)
+            .map_err(|_| corrupt("no header length".into()))?;
+        let n = u64::from_le_bytes(n);
+        if n.saturating_add(8) > size {
+            return Err(corrupt(format!(
+                "a header of {n} bytes in a file of {size}"
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        h.read_exact(&mut header)
+            .map_err(|e| corrupt(e.to_string()))?;
+        // Deserializing validates the offsets: contiguous, each tensor's
+        // bytes its shape times its dtype.
+        let meta: safetensors::tensor::Metadata =
+            serde_json::from_slice(&header).map_err(|e| corrupt(e.to_string()))?;
+        let data_end = meta
+            .tensors()
+            .values()
+            .map(|i| i.data_offsets.1 as u64)
+            .max()
+            .unwrap_or(0);
+        if 8 + n + data_end != size {
+            return Err(corrupt(format!(
+                "the header describes {} bytes of data, the file holds {}",
+                data_end,
+                size - 8 - n
+            )));
+        }
+        Ok(LazyFile {
+            path: path.to_path_buf(),
+            data_start: 8 + n,
+            meta,
+        })
+    }
+}
+
+/// A tensor's little-endian bytes of `dtype` as f32. Integer and boolean
+/// buffers (position ids, attention-mask buffers) are never parameters:
+/// they come back empty, so a name nothing skips is still reported.
+fn to_f32(dtype: Dtype, data: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
+            .collect(),
+        _ => vec![],
+    }
+}
+
 fn read_file(path: &Path, out: &mut Stored, keep: &dyn Fn(&str) -> bool) -> Result<(), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -101,29 +259,7 @@ fn read_file(path: &Path, out: &mut Stored, keep: &dyn Fn(&str) -> bool) -> Resu
         if !keep(&name) {
             continue;
         }
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-                .collect(),
-            Dtype::F64 => data
-                .chunks_exact(8)
-                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
-                .collect(),
-            // Integer / boolean buffers (position ids, attention-mask
-            // buffers) are never parameters: keep their shape only, so
-            // they are reported if nothing skips them.
-            _ => vec![],
-        };
+        let values = to_f32(view.dtype(), view.data());
         out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(())

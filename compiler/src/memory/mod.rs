@@ -146,9 +146,9 @@ impl std::fmt::Display for PeakLocation {
     }
 }
 
-/// The setup sample's op: the Burn executor's whole-model build before ZeRO-3 or parameter
-/// offload shards it.
-pub const SETUP_OP: &str = "model built whole in fp32 before its cast or sharding";
+/// The setup sample's op: the Burn executor's start-up build, one unit at a time
+/// ([`burn_setup`]).
+pub const SETUP_OP: &str = "model built one unit at a time";
 
 /// The memory model's answer for one candidate on one GPU (the worst rank).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -186,6 +186,11 @@ pub struct MemoryReport {
     /// Of `paged_bytes`, what the driver keeps on the host at the peak ([`paged::evict`]).
     #[serde(skip_serializing_if = "is_zero")]
     pub paged_evicted_bytes: u64,
+    /// When the setup is the highest point: the step's highest point, where it is and its
+    /// breakdown (the layout's communication buffers, which [`parallel::apply`] adds, exist
+    /// from the first step on and may lift the step above the setup).
+    #[serde(skip)]
+    pub step_peak: Option<(u64, PeakLocation, BTreeMap<String, u64>)>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -454,6 +459,7 @@ fn evaluate_stage(
         let shards = if cand.zero >= 1 { dp } else { 1 };
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
+    let mut before_setup: Option<tape::Peak> = None;
     // A point outside the walked tape (the optimizer step, the setup build): on the
     // timeline (first, or last), in the phase peaks, and the peak when it is the highest.
     let mut point = |phase: Phase, op: &str, by_category: tape::Bytes, first: bool| {
@@ -476,6 +482,9 @@ fn evaluate_stage(
             }
         }
         if bytes > peak.bytes {
+            if phase == Phase::Setup {
+                before_setup = Some(peak.clone());
+            }
             peak = tape::Peak {
                 bytes,
                 phase,
@@ -487,30 +496,25 @@ fn evaluate_stage(
     };
     point(Phase::Optimizer, opt.name, at_opt, false);
     let (total, trainable_count) = param_counts(&tape);
-    if profile.burn_ops && crate::profile::BURN_BUILDS_WHOLE_MODEL {
-        // The Burn executor builds (and loads) the whole model in fp32 on every device
-        // before it casts it to its storage dtype or shards the units (`Trainer::new`,
-        // `backend/src/shard/zero3.rs`); a QLoRA base is quantized as it is made, so only
-        // its NF4 bytes exist. With 16-bit or sharded weights that build can be the run's
-        // highest point.
-        let built: u64 = tape
-            .tensors
-            .iter()
-            .filter(|t| t.role == tape::Role::Param)
-            .map(|t| match t.dtype {
-                crate::spec::Dtype::Nf4 => t.bytes,
-                _ => profile.allocated(4 * t.shape.iter().product::<u64>()),
-            })
-            .sum();
-        let mut at_setup: tape::Bytes = [0; Category::COUNT];
-        at_setup[Category::Weights as usize] = built;
-        at_setup[Category::Workspace as usize] = profile.workspace_bytes;
+    if profile.burn_ops {
+        let at_setup = burn_setup(spec, cand, profile, &tape, opt.master_bytes);
         point(Phase::Setup, SETUP_OP, at_setup, true);
     }
-    let mut breakdown = BTreeMap::new();
-    for c in Category::ALL {
-        breakdown.insert(c.as_str().to_string(), peak.by_category[c as usize]);
-    }
+    let categories = |p: &tape::Peak| -> BTreeMap<String, u64> {
+        Category::ALL
+            .iter()
+            .map(|&c| (c.as_str().to_string(), p.by_category[c as usize]))
+            .collect()
+    };
+    let breakdown = categories(&peak);
+    let step_peak = before_setup.map(|p| {
+        let location = PeakLocation {
+            phase: p.phase,
+            op: p.op.clone(),
+            layer: p.layer,
+        };
+        (p.bytes, location, categories(&p))
+    });
     let (flops, moved, kernels) = tape_work(&tape);
     // The allocator's pool beyond the reported peak (CubeCL keeps the pages it grew): a
     // measured factor of the highest bytes in use at any op (transients included), larger
@@ -557,6 +561,7 @@ fn evaluate_stage(
             .sum(),
         paged_bytes,
         paged_evicted_bytes: 0,
+        step_peak,
     }
 }
 
@@ -580,6 +585,168 @@ fn charge_steps_in_backward(
         }
         tape.ops[o].bwd_workspace += temp;
     }
+}
+
+/// The highest point of the Burn executor's start-up (`backend/src/setup.rs`), per device,
+/// by category. The units (the embedding, each layer, the head) are made one at a time in
+/// that order, each loaded from the Hugging Face checkpoint a tensor at a time when the plan
+/// has weights, and then kept or cut into this rank's shards before the next unit is made:
+/// - ZeRO-3 or parameter offload (`shard::zero3::wanted`): the unit is made in fp32 (the
+///   values the master starts from); each of its device shards is cut into an fp32 buffer,
+///   then cast to the storage dtype; host shards go down a parameter at a time (cast on the
+///   device first); then the whole unit is dropped. At unit `u`: what the units before it
+///   left + `u` in fp32 + `u`'s shards, plus the fp32 shard being cast (or the parameter
+///   being cast for the host), or (loading) one tensor's fp32 values beside the old one.
+/// - otherwise the unit is made in the dtype the run keeps it in (fp32 with an fp32 master,
+///   of which the 16-bit working copy is cast at the end): what the units before it left +
+///   `u` + one tensor's fp32 draw before its 16-bit cast, or (loading) its fp32 values and
+///   their cast.
+///
+/// The optimizer state and the gradient accumulator are made at the first step, not here.
+fn burn_setup(
+    spec: &Spec,
+    cand: &Candidate,
+    profile: &Profile,
+    tape: &tape::Tape,
+    master_bytes: u64,
+) -> tape::Bytes {
+    use crate::spec::Dtype;
+    // The executor cuts units whenever it runs ZeRO-3 or offloads the parameters, one
+    // rank of ZeRO-3 included (`shard::zero3::wanted`), which the step charges as whole
+    // weights ([`burn_units`]).
+    let units = cand.zero >= 3 || cand.offloads(OffloadWhat::Params);
+    let on_host = cand.offloads(OffloadWhat::Params);
+    let opt_host = cand.offloads(OffloadWhat::Optimizer);
+    let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
+    let oshards = if cand.zero >= 1 { cand.data.max(1) } else { 1 };
+    let master = master_bytes > 0;
+    let storage = match spec.precision.params {
+        Dtype::Tf32 => Dtype::Fp32,
+        d => d,
+    };
+    let sixteen = storage.bytes() < 4.0;
+    let loads = spec.model.weights.is_some();
+    let alloc = |b: f64| profile.allocated(b.ceil() as u64);
+    // Each parameter's unit: that of the first op reading it (layer ops carry their
+    // layer; the embedding's come before the first layer's, the head's after).
+    let first_layer_op = tape.ops.iter().position(|o| o.layer.is_some());
+    let mut unit_of: Vec<Option<(u8, u32)>> = vec![None; tape.tensors.len()];
+    for (i, op) in tape.ops.iter().enumerate().rev() {
+        let key = match op.layer {
+            Some(l) => (1, l),
+            None if first_layer_op.is_some_and(|f| i > f) => (2, 0),
+            None => (0, 0),
+        };
+        for t in &op.inputs {
+            unit_of[t.0 as usize] = Some(key);
+        }
+    }
+    #[derive(Default)]
+    struct Made {
+        /// The unit as it is made (fp32 when sharded or with a master; NF4 as NF4).
+        built: u64,
+        /// What it leaves on the device (the steady state's weights at rest).
+        kept: u64,
+        trainable: u64,
+        frozen: u64,
+        largest: u64,
+    }
+    let mut made: BTreeMap<(u8, u32), Made> = BTreeMap::new();
+    for (i, t) in tape.tensors.iter().enumerate() {
+        if t.role != tape::Role::Param {
+            continue;
+        }
+        let m = made.entry(unit_of[i].unwrap_or((2, 0))).or_default();
+        let n: u64 = t.shape.iter().product();
+        m.built += if t.dtype == Dtype::Nf4 {
+            quant::nf4_parts(n, profile.nf4_double_quant)
+                .iter()
+                .filter(|b| **b > 0)
+                .map(|b| profile.allocated(*b))
+                .sum()
+        } else if units || master {
+            alloc(4.0 * n as f64)
+        } else {
+            alloc(t.dtype.bytes() * n as f64)
+        };
+        m.kept += t.bytes;
+        if t.requires_grad {
+            m.trainable += n;
+        } else {
+            m.frozen += n;
+        }
+        if t.dtype != Dtype::Nf4 {
+            m.largest = m.largest.max(n);
+        }
+    }
+    let (mut weights, mut masters) = (0u64, 0u64);
+    let mut peak: tape::Bytes = [0; Category::COUNT];
+    let mut note = |w: u64, m: u64| {
+        if w + m > peak.iter().sum::<u64>() {
+            peak = [0; Category::COUNT];
+            peak[Category::Weights as usize] = w;
+            peak[Category::Optimizer as usize] = m;
+        }
+    };
+    for m in made.values() {
+        let load = if loads {
+            alloc(4.0 * m.largest as f64)
+        } else {
+            0
+        };
+        if units {
+            // The fp32 master shard stays on the device unless something is offloaded.
+            let master_u = if master && !on_host && !opt_host {
+                alloc(4.0 * m.trainable.div_ceil(oshards) as f64)
+            } else {
+                0
+            };
+            // A device shard is cut into an fp32 buffer, then cast; a host shard goes down a
+            // parameter at a time, cast on the device first.
+            let cut = if on_host {
+                if sixteen {
+                    alloc(storage.bytes() * m.largest as f64)
+                } else {
+                    0
+                }
+            } else if sixteen {
+                alloc(4.0 * m.trainable.max(m.frozen).div_ceil(wshards) as f64)
+            } else {
+                0
+            };
+            note(
+                weights + m.built + load.max(m.kept + cut),
+                masters + master_u,
+            );
+            weights += m.kept;
+            masters += master_u;
+        } else {
+            let draw = if sixteen && !master {
+                alloc(4.0 * m.largest as f64)
+            } else {
+                0
+            };
+            let cast = if loads && sixteen && !master {
+                alloc(storage.bytes() * m.largest as f64)
+            } else {
+                0
+            };
+            if master {
+                note(weights, masters + m.built + load);
+                masters += m.built;
+            } else {
+                note(weights + m.built + draw.max(load + cast), masters);
+                weights += m.built;
+            }
+        }
+    }
+    if !units && master {
+        // The 16-bit working copy, cast from the fp32 master.
+        weights = made.values().map(|m| m.kept).sum();
+    }
+    note(weights, masters);
+    peak[Category::Workspace as usize] = profile.workspace_bytes;
+    peak
 }
 
 fn param_counts(tape: &tape::Tape) -> (u64, u64) {

@@ -556,21 +556,40 @@ fn burn_unit_holdings(
     holds
 }
 
-/// Add `t` to every sample of `r` (the buffers live through the whole step).
+/// Add `t` to every sample of the step in `r` (the buffers live through the whole step;
+/// they do not exist yet while the model is built, the `setup` phase).
 pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
+    use super::Phase;
     let add = t.added();
     if add == 0 {
         return;
     }
     let shift = |b: u64| b + add;
-    r.peak_bytes = shift(r.peak_bytes);
     for s in &mut r.timeline {
-        s.bytes = shift(s.bytes);
+        if s.phase != Phase::Setup {
+            s.bytes = shift(s.bytes);
+        }
     }
-    for v in r.phase_peaks.values_mut() {
-        *v = shift(*v);
+    let setup = Phase::Setup.as_str();
+    for (phase, v) in r.phase_peaks.iter_mut() {
+        if phase != setup {
+            *v = shift(*v);
+        }
     }
-    *r.breakdown.entry("communication".to_string()).or_default() += add;
+    if r.peak.phase != Phase::Setup {
+        r.peak_bytes = shift(r.peak_bytes);
+        *r.breakdown.entry("communication".to_string()).or_default() += add;
+        return;
+    }
+    // The setup was the highest point; with the buffers the step may pass it.
+    if let Some((bytes, at, breakdown)) = r.step_peak.take() {
+        if bytes + add > r.peak_bytes {
+            r.peak_bytes = bytes + add;
+            r.peak = at;
+            r.breakdown = breakdown;
+            *r.breakdown.entry("communication".to_string()).or_default() += add;
+        }
+    }
 }
 
 /// Ops whose `[tokens, hidden]` output lies outside the tensor-parallel regions: with

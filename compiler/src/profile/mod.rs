@@ -61,13 +61,10 @@ pub enum Nf4Dequant {
     },
 }
 
-/// Does the Burn executor build (and load) the whole model in fp32 on every device before it
-/// casts it to 16 bits or ZeRO-3 / parameter offload shards it? It does (`Trainer::new`
-/// builds `Model` whole, then casts, or `backend/src/shard/zero3.rs` cuts the units): that
-/// build is charged as the `setup` phase, and for 16-bit or sharded models larger than
-/// half a GPU it is the peak. Clear this when the executor builds each unit in its storage
-/// dtype and shards it as it goes.
-pub const BURN_BUILDS_WHOLE_MODEL: bool = true;
+// At start-up the Burn executor builds the model one unit at a time (embedding, each layer,
+// head: `backend/src/setup.rs`), loading, casting or sharding each before the next is made,
+// so the whole model never exists in fp32: `memory::burn_setup` charges that build as the
+// `setup` point (what the units before leave + the unit being made).
 
 /// What differs between executors, for the memory and time models.
 #[derive(Clone, Debug, PartialEq, Serialize)]
