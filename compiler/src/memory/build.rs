@@ -706,8 +706,12 @@ impl<'a> Builder<'a> {
             } else {
                 sc
             };
-            // softmax(dtype=float32) on PyTorch; the element type on Burn.
-            let sm_dtype = if self.profile.autocast {
+            // Llama's eager attention asks for `softmax(dtype=float32)` and casts back before
+            // its dropout. BERT-style encoders call plain `softmax`: fp32 only because
+            // autocast runs softmax in fp32, and then the dropout runs on the fp32
+            // probabilities and `matmul(probs, v)` casts its input down (the copy it saves).
+            let decoder = m.arch == Arch::Decoder;
+            let sm_dtype = if self.profile.autocast && (decoder || self.autocast) {
                 Dtype::Fp32
             } else {
                 act
@@ -715,15 +719,26 @@ impl<'a> Builder<'a> {
             let p = self.pointwise("softmax", &[sc], sm_dtype, &[]);
             let op = self.tape.ops.len() - 1;
             self.tape.ops[op].saved = if self.rg(sc) { vec![p] } else { vec![] };
-            let p = self.cast(p, act);
-            let p = self.dropout(p, m.dropout);
+            let p = if decoder {
+                let p = self.cast(p, act);
+                self.dropout(p, m.dropout)
+            } else {
+                let p = self.dropout(p, m.dropout);
+                self.cast(p, act)
+            };
             let rg = self.rg(p) || self.rg(vr);
             let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
             let o = self.op("probs_v", &[p, vr], &[out], &[p, vr]);
             self.tape.ops[o].flops = score_flops / 2.0;
             self.tape.ops[o].bwd_flops = score_flops;
-            // transpose(1, 2).reshape(...) of a non-contiguous tensor copies.
-            self.pointwise("transpose", &[out], act, &[])
+            // transpose(1, 2).reshape(...) of a non-contiguous tensor copies, back to the
+            // projections' `[tokens, heads * head_dim]` (a `[b, h, s, d]` shape here would
+            // make o_proj's output, and an encoder's residual stream after it, `heads` times
+            // too large).
+            let rg = self.rg(out);
+            let flat = self.tensor("transpose", &[self.tokens, heads * hd], act, rg);
+            self.op("transpose", &[out], &[flat], &[]);
+            flat
         };
         let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, encoder);
         self.dropout(out, m.dropout)
