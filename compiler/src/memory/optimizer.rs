@@ -6,7 +6,8 @@
 //! as large as all trainable parameters (AdamW's `sqrt(v)`), fused kernels
 //! allocate nothing, a per-parameter loop only the largest parameter's
 //! temporaries; Adafactor keeps factored row/column statistics for matrices
-//! and allocates two full-size temporaries of the parameter being updated.
+//! and allocates fp32 temporaries of the parameter being updated (and fp32
+//! copies of a 16-bit one: [`adafactor_step_peak`]).
 
 use crate::memory::tape::{Tape, TensorId};
 use crate::memory::Candidate;
@@ -33,6 +34,37 @@ pub fn adam8bit_moment_bytes(n: u64) -> (u64, u64) {
 pub fn adam8bit_state_bytes(n: u64) -> u64 {
     let (codes, scales) = adam8bit_moment_bytes(n);
     2 * (codes + scales)
+}
+
+/// The highest temporaries of transformers' `Adafactor.step` (`transformers/optimization.py`),
+/// which updates one parameter at a time. For a 16-bit parameter without a master copy it
+/// upcasts first (`grad = grad.float()`, `p_data_fp32 = p.float()`: two fp32 copies), then
+/// `update = grad**2 + eps` allocates the square and the sum; `_approx_sq_grad`'s outer
+/// product (a factored matrix) or `exp_avg_sq.rsqrt()` (a vector) is made while that update
+/// lives, and `p_data_fp32.add_(-update)` negates into one more. All fp32, each as large as
+/// the parameter: 8 bytes per value beside the two copies. And the loop's local `update`
+/// still holds the previous parameter's update (4 bytes per value of it) until `grad**2 +
+/// eps` rebinds it. groundtruth llama1b_adafactor (fp32: no copies): optimizer peak - end
+/// = 2 x the 1.05 GB embedding; the bf16 rows of the tail trace
+/// (`docs/accuracy.md`): 4 fp32 copies of the embedding and the previous update.
+fn adafactor_step_peak(
+    trainable: &[(TensorId, u64)],
+    param_dtype: Dtype,
+    master: Option<Dtype>,
+    alloc: impl Fn(f64) -> u64,
+) -> u64 {
+    let upcast = param_dtype.bytes() < 4.0 && master.is_none();
+    let mut prev_update = 0;
+    let mut peak = 0;
+    for (_, n) in trainable {
+        let fp32 = alloc(*n as f64 * 4.0);
+        let copies = if upcast { 2 * fp32 } else { 0 };
+        // `grad**2` and `+ eps` beside the previous update: at least as high as the update
+        // beside its successor (the outer product, then the negation).
+        peak = peak.max(copies + 2 * fp32 + prev_update);
+        prev_update = fp32;
+    }
+    peak
 }
 
 pub struct OptimizerModel {
@@ -144,10 +176,7 @@ pub fn model(
                     alloc(*n as f64 * 4.0)
                 };
             }
-            // `update = grad**2 + eps` then `update = approx_sq_grad(...)`: two fp32
-            // temporaries of the parameter being updated (groundtruth llama1b_adafactor:
-            // optimizer peak - end = 2 x the 1.05 GB embedding).
-            temp = 2 * alloc(largest as f64 * 4.0);
+            temp = adafactor_step_peak(trainable, param_dtype, p.master, alloc);
         }
         OptimizerKind::AdamMini => {
             name = "adam-mini";
