@@ -44,13 +44,15 @@ pub fn adam8bit_state_bytes(n: u64) -> u64 {
 /// lives, and `p_data_fp32.add_(-update)` negates into one more. All fp32, each as large as
 /// the parameter: 8 bytes per value beside the two copies. And the loop's local `update`
 /// still holds the previous parameter's update (4 bytes per value of it) until `grad**2 +
-/// eps` rebinds it. groundtruth llama1b_adafactor (fp32: no copies): optimizer peak - end
+/// eps` rebinds it (unless `beta1` rebound it to the first moment, which is state).
+/// groundtruth llama1b_adafactor (fp32: no copies): optimizer peak - end
 /// = 2 x the 1.05 GB embedding; the bf16 rows of the tail trace
 /// (`docs/accuracy.md`): 4 fp32 copies of the embedding and the previous update.
 fn adafactor_step_peak(
     trainable: &[(TensorId, u64)],
     param_dtype: Dtype,
     master: Option<Dtype>,
+    first_moment: bool,
     alloc: impl Fn(f64) -> u64,
 ) -> u64 {
     let upcast = param_dtype.bytes() < 4.0 && master.is_none();
@@ -62,7 +64,8 @@ fn adafactor_step_peak(
         // `grad**2` and `+ eps` beside the previous update: at least as high as the update
         // beside its successor (the outer product, then the negation).
         peak = peak.max(copies + 2 * fp32 + prev_update);
-        prev_update = fp32;
+        // With a first moment `update` ends bound to the state (`update = exp_avg`).
+        prev_update = if first_moment { 0 } else { fp32 };
     }
     peak
 }
@@ -176,7 +179,16 @@ pub fn model(
                     alloc(*n as f64 * 4.0)
                 };
             }
-            temp = adafactor_step_peak(trainable, param_dtype, p.master, alloc);
+            // `beta1` set: an fp32 first moment per parameter (`zeros_like(grad)` of the
+            // upcast gradient), and `update` is rebound to it.
+            let first_moment = o.betas.0 > 0.0;
+            if first_moment {
+                state += trainable
+                    .iter()
+                    .map(|(_, n)| alloc(*n as f64 * 4.0))
+                    .sum::<u64>();
+            }
+            temp = adafactor_step_peak(trainable, param_dtype, p.master, first_moment, alloc);
         }
         OptimizerKind::AdamMini => {
             name = "adam-mini";
