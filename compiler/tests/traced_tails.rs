@@ -21,7 +21,7 @@ fn traces() -> PathBuf {
 /// bf16 model): autocast's fp32 LayerNorm makes an encoder's residual stream, and every
 /// checkpointed layer's saved input, fp32. `rcoa validate` writes such a row as
 /// `params = bf16 compute = bf16`, which the language reads as no autocast, so the model
-/// cannot be told (docs/accuracy.md: -18% on the XL row). Not scored here until the
+/// cannot be told (docs/accuracy.md: 17-20% under). Not scored here until the
 /// language can say it.
 fn expressible(run: &row::MeasuredRun) -> bool {
     !(run.config.weight_dtype == row::WeightDtype::Bf16

@@ -51,6 +51,8 @@ pub(crate) struct Builder<'a> {
     pub trainable: Vec<(TensorId, u64)>,
     /// Tensors a calling frame references until the current layer's last op.
     frame_holds: Vec<TensorId>,
+    /// The embedding output made a leaf that requires grad (`enable_input_require_grads`).
+    embedding_leaf: Option<TensorId>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -111,6 +113,7 @@ impl<'a> Builder<'a> {
             open_unit: None,
             trainable: Vec::new(),
             frame_holds: Vec::new(),
+            embedding_leaf: None,
         }
     }
 
@@ -1098,8 +1101,23 @@ impl<'a> Builder<'a> {
                 self.op("embedding", &[ids, table], &[e], &[table, ids]);
                 e
             } else {
-                let e = self.tensor("embedding", &[self.tokens, h], self.param, rg);
+                // `gradient_checkpointing_enable` (and PEFT over a checkpointed model) calls
+                // `enable_input_require_grads`: a hook makes the embedding output require
+                // grad. Over a frozen table that output is a leaf, which autograd's
+                // AccumulateGrad node keeps (and gives a `.grad`) until the graph is freed at
+                // the end of the backward; everything after it, the embedding's norm and
+                // dropout included, now saves for the backward.
+                let input_grads = !trainable && !self.cand.checkpoint_layers.is_empty();
+                let e = self.tensor(
+                    "embedding",
+                    &[self.tokens, h],
+                    self.param,
+                    rg || input_grads,
+                );
                 self.op("embedding", &[ids, embed.id], &[e], &[ids]);
+                if input_grads {
+                    self.embedding_leaf = Some(e);
+                }
                 e
             };
             let mut e = e;
@@ -1122,6 +1140,13 @@ impl<'a> Builder<'a> {
             self.tape.tensors[t.0 as usize].role = Role::Input;
             t
         };
+        if let Some(leaf) = self.embedding_leaf.take() {
+            // Held like a saved tensor of its first consumer: released when the backward
+            // reaches the embedding.
+            if let Some(op) = self.tape.ops.iter_mut().find(|o| o.inputs.contains(&leaf)) {
+                op.saved.push(leaf);
+            }
+        }
         for i in layers {
             x = self.layer(i as u32, x);
         }
