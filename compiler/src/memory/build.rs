@@ -342,6 +342,10 @@ impl<'a> Builder<'a> {
                 Some(m) if m.bytes() > dtype.bytes() => storage(m),
                 _ => storage(dtype),
             }
+        } else if dtype != self.param {
+            // A parameter kept in another dtype than the weights (PEFT's fp32 adapters over
+            // 16-bit weights): PyTorch's `.grad` takes the parameter's dtype.
+            storage(dtype)
         } else {
             storage(self.spec.precision.grads)
         };

@@ -70,6 +70,13 @@ fn adafactor_step_peak(
     peak
 }
 
+fn storage_dtype(d: Dtype) -> Dtype {
+    match d {
+        Dtype::Tf32 => Dtype::Fp32,
+        d => d,
+    }
+}
+
 pub struct OptimizerModel {
     pub name: &'static str,
     /// Everything the optimizer keeps between steps, the master copy included.
@@ -122,9 +129,27 @@ pub fn model(
     };
     // Every state tensor and temporary is one allocation of the executor's allocator.
     let alloc = |b: f64| profile.allocated(b.ceil() as u64);
-    let full = |elems: u64, copies: f64| alloc(elems as f64 * sb * copies);
+    // Without a master copy torch.optim's state is `zeros_like(p)`: each parameter's own dtype,
+    // so PEFT's fp32 adapters over bf16 weights keep fp32 moments (groundtruth
+    // llama8b_lora16_*: 2 x 4 bytes per adapter value).
+    let own_dtype = p.master.is_none() && o.kind != OptimizerKind::Adam8bit;
+    let sb_of = |id: TensorId| -> f64 {
+        if !own_dtype {
+            return sb;
+        }
+        let d = storage_dtype(tape.tensor(id).dtype);
+        o.state.bytes().min(d.bytes())
+    };
+    // One state tensor of parameter `id` (`n` values).
+    let full = |id: TensorId, n: u64| alloc(n as f64 * sb_of(id));
     let total_elems: u64 = trainable.iter().map(|(_, n)| n).sum();
     let largest: u64 = trainable.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    // The largest parameter's state tensor, in bytes.
+    let largest_full: u64 = trainable
+        .iter()
+        .map(|(id, n)| full(*id, *n))
+        .max()
+        .unwrap_or(0);
     let mut state: u64 = 0;
     let mut temp: u64 = 0;
     let mut master_bytes = 0;
@@ -143,29 +168,29 @@ pub fn model(
                     state += 2 * (alloc(codes as f64) + alloc(scales as f64));
                 }
             } else {
-                for (_, n) in trainable {
-                    state += 2 * full(*n, 1.0);
+                for (id, n) in trainable {
+                    state += 2 * full(*id, *n);
                 }
                 temp = match implementation {
-                    OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
+                    OptImpl::Foreach => trainable.iter().map(|(id, n)| full(*id, *n)).sum(),
                     OptImpl::Fused => 0,
-                    OptImpl::Plain => 2 * full(largest, 1.0),
+                    OptImpl::Plain => 2 * largest_full,
                 };
             }
         }
         OptimizerKind::Lion => {
             name = "lion";
-            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+            state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
             temp = match implementation {
                 OptImpl::Foreach => state,
                 OptImpl::Fused => 0,
-                OptImpl::Plain => full(largest, 1.0),
+                OptImpl::Plain => largest_full,
             };
         }
         OptimizerKind::Sgd => {
             name = "sgd";
             if o.momentum > 0.0 {
-                state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+                state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
             }
         }
         OptimizerKind::Adafactor => {
@@ -193,8 +218,8 @@ pub fn model(
         OptimizerKind::AdamMini => {
             name = "adam-mini";
             // First moment in full, second moment one value per block (head / neuron).
-            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
-            temp = 2 * full(largest, 1.0);
+            state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
+            temp = 2 * largest_full;
         }
     }
     if let Some(m) = p.master {
