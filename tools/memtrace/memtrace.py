@@ -279,7 +279,6 @@ def trace(c, steps, top, device):
     with tracker, CudaKernels():
         tracker.peak = tracker.current  # the training peak excludes the build
         for n in range(1, steps + 1):
-            base = tracker.current
             step_peak = 0
             for phase in mp.phase_names(c["grad_accum"]):
                 tracker.phase = f"step{n}.{phase}"
@@ -290,7 +289,7 @@ def trace(c, steps, top, device):
                     hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                     with ac, hooks:
                         loss = mp.loss_of(c, model, batches[int(phase[3:])]) / c["grad_accum"]
-                    del ac
+                    del ac  # its cast cache dies with it, as autocast's does when it exits
                 elif phase.startswith("bwd"):
                     state["backward"] = True
                     loss.backward()
@@ -303,7 +302,6 @@ def trace(c, steps, top, device):
                 step_peak = max(step_peak, tracker.phase_peaks[tracker.phase])
                 phase_ends[tracker.phase] = tracker.current
             step_peaks.append(step_peak)
-            del base
     by_label = defaultdict(int)
     for b, label in tracker.peak_live:
         by_label[label] += b
