@@ -88,7 +88,16 @@ fn spec_of(c: &RunConfig) -> Spec {
         .optimizer(kind)
         .optimizer_impl(implementation)
         .momentum(momentum)
-        .betas(0.9, 0.999)
+        // transformers' Adafactor as measured: no first moment (`beta1=None`), the
+        // resolver's default for `optimizer adafactor`.
+        .betas(
+            if kind == OptimizerKind::Adafactor {
+                0.0
+            } else {
+                0.9
+            },
+            0.999,
+        )
         .seq_len(c.seq)
         .global_batch(mb * ga)
         .micro_batch(Choice::Fixed(mb))

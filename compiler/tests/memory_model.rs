@@ -108,6 +108,37 @@ fn optimizer_implementation_changes_only_temporaries() {
     );
 }
 
+/// transformers' Adafactor with `beta1` keeps an fp32 `exp_avg` of every trainable value (of
+/// the upcast gradient, so fp32 over bf16 weights too) and rebinds `update` to it, so the
+/// previous parameter's update no longer outlives its step.
+#[test]
+fn adafactor_first_moment_is_fp32_state() {
+    let mut s = spec(4, 1);
+    s.precision = PrecisionSpec {
+        params: Dtype::Bf16,
+        compute: Dtype::Bf16,
+        master: None,
+        grads: Dtype::Bf16,
+    };
+    s.optimizer.kind = OptimizerKind::Adafactor;
+    s.optimizer.betas = (0.0, 0.999);
+    let p = Profile::pytorch();
+    let none = evaluate(&s, &cand(1), &p, true);
+    s.optimizer.betas = (0.9, 0.999);
+    let first = evaluate(&s, &cand(1), &p, true);
+    let values = first.params_trainable;
+    let grown = bytes(&first, Category::Optimizer) - bytes(&none, Category::Optimizer);
+    // Each parameter's moment is one allocation: 4 bytes a value and the allocator's rounding.
+    assert!(grown >= 4 * values, "{grown} < 4 x {values}");
+    let tensors = TrainGraph::build(&s, &cand(1), &p)
+        .summary()
+        .trainable_params as u64;
+    assert!(
+        grown <= 4 * values + tensors * (2 << 20),
+        "{grown} vs 4 x {values}"
+    );
+}
+
 #[test]
 fn gradient_accumulation_keeps_gradients_through_later_micro_batches() {
     let s = spec(4, 1);

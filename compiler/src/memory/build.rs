@@ -54,6 +54,8 @@ pub(crate) struct Builder<'a> {
     /// `checkpoint = selective_op`: the layer's matmuls so far (torchtitan keeps the
     /// outputs of the odd ones).
     op_sac: Option<u32>,
+    /// The embedding output made a leaf that requires grad (`enable_input_require_grads`).
+    embedding_leaf: Option<TensorId>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -116,6 +118,7 @@ impl<'a> Builder<'a> {
             frame_holds: Vec::new(),
             op_sac: (spec.fit.checkpoint == crate::spec::CheckpointChoice::SelectiveOp)
                 .then_some(0),
+            embedding_leaf: None,
         }
     }
 
@@ -364,6 +367,10 @@ impl<'a> Builder<'a> {
                 Some(m) if m.bytes() > dtype.bytes() => storage(m),
                 _ => storage(dtype),
             }
+        } else if dtype != self.param {
+            // A parameter kept in another dtype than the weights (PEFT's fp32 adapters over
+            // 16-bit weights): PyTorch's `.grad` takes the parameter's dtype.
+            storage(dtype)
         } else {
             storage(self.spec.precision.grads)
         };
@@ -737,8 +744,12 @@ impl<'a> Builder<'a> {
             } else {
                 sc
             };
-            // softmax(dtype=float32) on PyTorch; the element type on Burn.
-            let sm_dtype = if self.profile.autocast {
+            // Llama's eager attention asks for `softmax(dtype=float32)` and casts back before
+            // its dropout. BERT-style encoders call plain `softmax`: fp32 only because
+            // autocast runs softmax in fp32, and then the dropout runs on the fp32
+            // probabilities and `matmul(probs, v)` casts its input down (the copy it saves).
+            let decoder = m.arch == Arch::Decoder;
+            let sm_dtype = if self.profile.autocast && (decoder || self.autocast) {
                 Dtype::Fp32
             } else {
                 act
@@ -746,15 +757,26 @@ impl<'a> Builder<'a> {
             let p = self.pointwise("softmax", &[sc], sm_dtype, &[]);
             let op = self.tape.ops.len() - 1;
             self.tape.ops[op].saved = if self.rg(sc) { vec![p] } else { vec![] };
-            let p = self.cast(p, act);
-            let p = self.dropout(p, m.dropout);
+            let p = if decoder {
+                let p = self.cast(p, act);
+                self.dropout(p, m.dropout)
+            } else {
+                let p = self.dropout(p, m.dropout);
+                self.cast(p, act)
+            };
             let rg = self.rg(p) || self.rg(vr);
             let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
             let o = self.op("probs_v", &[p, vr], &[out], &[p, vr]);
             self.tape.ops[o].flops = score_flops / 2.0;
             self.tape.ops[o].bwd_flops = score_flops;
-            // transpose(1, 2).reshape(...) of a non-contiguous tensor copies.
-            self.pointwise("transpose", &[out], act, &[])
+            // transpose(1, 2).reshape(...) of a non-contiguous tensor copies, back to the
+            // projections' `[tokens, heads * head_dim]` (a `[b, h, s, d]` shape here would
+            // make o_proj's output, and an encoder's residual stream after it, `heads` times
+            // too large).
+            let rg = self.rg(out);
+            let flat = self.tensor("transpose", &[self.tokens, heads * hd], act, rg);
+            self.op("transpose", &[out], &[flat], &[]);
+            flat
         };
         let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, bias);
         self.dropout(out, m.dropout)
@@ -1134,8 +1156,23 @@ impl<'a> Builder<'a> {
                 self.op("embedding", &[ids, table], &[e], &[table, ids]);
                 e
             } else {
-                let e = self.tensor("embedding", &[self.tokens, h], self.param, rg);
+                // `gradient_checkpointing_enable` (and PEFT over a checkpointed model) calls
+                // `enable_input_require_grads`: a hook makes the embedding output require
+                // grad. Over a frozen table that output is a leaf, which autograd's
+                // AccumulateGrad node keeps (and gives a `.grad`) until the graph is freed at
+                // the end of the backward; everything after it, the embedding's norm and
+                // dropout included, now saves for the backward.
+                let input_grads = !trainable && !self.cand.checkpoint_layers.is_empty();
+                let e = self.tensor(
+                    "embedding",
+                    &[self.tokens, h],
+                    self.param,
+                    rg || input_grads,
+                );
                 self.op("embedding", &[ids, embed.id], &[e], &[ids]);
+                if input_grads {
+                    self.embedding_leaf = Some(e);
+                }
                 e
             };
             let mut e = e;
@@ -1158,6 +1195,13 @@ impl<'a> Builder<'a> {
             self.tape.tensors[t.0 as usize].role = Role::Input;
             t
         };
+        if let Some(leaf) = self.embedding_leaf.take() {
+            // Held like a saved tensor of its first consumer: released when the backward
+            // reaches the embedding.
+            if let Some(op) = self.tape.ops.iter_mut().find(|o| o.inputs.contains(&leaf)) {
+                op.saved.push(leaf);
+            }
+        }
         for i in layers {
             x = self.layer(i as u32, x);
         }

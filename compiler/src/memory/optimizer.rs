@@ -6,7 +6,8 @@
 //! as large as all trainable parameters (AdamW's `sqrt(v)`), fused kernels
 //! allocate nothing, a per-parameter loop only the largest parameter's
 //! temporaries; Adafactor keeps factored row/column statistics for matrices
-//! and allocates two full-size temporaries of the parameter being updated.
+//! and allocates fp32 temporaries of the parameter being updated (and fp32
+//! copies of a 16-bit one: [`adafactor_step_peak`]).
 
 use crate::memory::tape::{Tape, TensorId};
 use crate::memory::Candidate;
@@ -33,6 +34,47 @@ pub fn adam8bit_moment_bytes(n: u64) -> (u64, u64) {
 pub fn adam8bit_state_bytes(n: u64) -> u64 {
     let (codes, scales) = adam8bit_moment_bytes(n);
     2 * (codes + scales)
+}
+
+/// The highest temporaries of transformers' `Adafactor.step` (`transformers/optimization.py`),
+/// which updates one parameter at a time. For a 16-bit parameter without a master copy it
+/// upcasts first (`grad = grad.float()`, `p_data_fp32 = p.float()`: two fp32 copies), then
+/// `update = grad**2 + eps` allocates the square and the sum; `_approx_sq_grad`'s outer
+/// product (a factored matrix) or `exp_avg_sq.rsqrt()` (a vector) is made while that update
+/// lives, and `p_data_fp32.add_(-update)` negates into one more. All fp32, each as large as
+/// the parameter: 8 bytes per value beside the two copies. And the loop's local `update`
+/// still holds the previous parameter's update (4 bytes per value of it) until `grad**2 +
+/// eps` rebinds it (unless `beta1` rebound it to the first moment, which is state).
+/// groundtruth llama1b_adafactor (fp32: no copies): optimizer peak - end
+/// = 2 x the 1.05 GB embedding; the bf16 rows of the tail trace
+/// (`docs/accuracy.md`): 4 fp32 copies of the embedding and the previous update.
+fn adafactor_step_peak(
+    trainable: &[(TensorId, u64)],
+    param_dtype: Dtype,
+    master: Option<Dtype>,
+    first_moment: bool,
+    alloc: impl Fn(f64) -> u64,
+) -> u64 {
+    let upcast = param_dtype.bytes() < 4.0 && master.is_none();
+    let mut prev_update = 0;
+    let mut peak = 0;
+    for (_, n) in trainable {
+        let fp32 = alloc(*n as f64 * 4.0);
+        let copies = if upcast { 2 * fp32 } else { 0 };
+        // `grad**2` and `+ eps` beside the previous update: at least as high as the update
+        // beside its successor (the outer product, then the negation).
+        peak = peak.max(copies + 2 * fp32 + prev_update);
+        // With a first moment `update` ends bound to the state (`update = exp_avg`).
+        prev_update = if first_moment { 0 } else { fp32 };
+    }
+    peak
+}
+
+fn storage_dtype(d: Dtype) -> Dtype {
+    match d {
+        Dtype::Tf32 => Dtype::Fp32,
+        d => d,
+    }
 }
 
 pub struct OptimizerModel {
@@ -87,9 +129,27 @@ pub fn model(
     };
     // Every state tensor and temporary is one allocation of the executor's allocator.
     let alloc = |b: f64| profile.allocated(b.ceil() as u64);
-    let full = |elems: u64, copies: f64| alloc(elems as f64 * sb * copies);
+    // Without a master copy torch.optim's state is `zeros_like(p)`: each parameter's own dtype,
+    // so PEFT's fp32 adapters over bf16 weights keep fp32 moments (groundtruth
+    // llama8b_lora16_*: 2 x 4 bytes per adapter value).
+    let own_dtype = p.master.is_none() && o.kind != OptimizerKind::Adam8bit;
+    let sb_of = |id: TensorId| -> f64 {
+        if !own_dtype {
+            return sb;
+        }
+        let d = storage_dtype(tape.tensor(id).dtype);
+        o.state.bytes().min(d.bytes())
+    };
+    // One state tensor of parameter `id` (`n` values).
+    let full = |id: TensorId, n: u64| alloc(n as f64 * sb_of(id));
     let total_elems: u64 = trainable.iter().map(|(_, n)| n).sum();
     let largest: u64 = trainable.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    // The largest parameter's state tensor, in bytes.
+    let largest_full: u64 = trainable
+        .iter()
+        .map(|(id, n)| full(*id, *n))
+        .max()
+        .unwrap_or(0);
     let mut state: u64 = 0;
     let mut temp: u64 = 0;
     let mut master_bytes = 0;
@@ -108,30 +168,30 @@ pub fn model(
                     state += 2 * (alloc(codes as f64) + alloc(scales as f64));
                 }
             } else {
-                for (_, n) in trainable {
-                    state += 2 * full(*n, 1.0);
+                for (id, n) in trainable {
+                    state += 2 * full(*id, *n);
                 }
                 temp = match implementation {
-                    OptImpl::Foreach => trainable.iter().map(|(_, n)| full(*n, 1.0)).sum(),
+                    OptImpl::Foreach => trainable.iter().map(|(id, n)| full(*id, *n)).sum(),
                     // bitsandbytes' paged kernels are fused too.
                     OptImpl::Fused | OptImpl::Paged => 0,
-                    OptImpl::Plain => 2 * full(largest, 1.0),
+                    OptImpl::Plain => 2 * largest_full,
                 };
             }
         }
         OptimizerKind::Lion => {
             name = "lion";
-            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+            state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
             temp = match implementation {
                 OptImpl::Foreach => state,
                 OptImpl::Fused | OptImpl::Paged => 0,
-                OptImpl::Plain => full(largest, 1.0),
+                OptImpl::Plain => largest_full,
             };
         }
         OptimizerKind::Sgd => {
             name = "sgd";
             if o.momentum > 0.0 {
-                state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
+                state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
             }
         }
         OptimizerKind::Adafactor => {
@@ -145,16 +205,22 @@ pub fn model(
                     alloc(*n as f64 * 4.0)
                 };
             }
-            // `update = grad**2 + eps` then `update = approx_sq_grad(...)`: two fp32
-            // temporaries of the parameter being updated (groundtruth llama1b_adafactor:
-            // optimizer peak - end = 2 x the 1.05 GB embedding).
-            temp = 2 * alloc(largest as f64 * 4.0);
+            // `beta1` set: an fp32 first moment per parameter (`zeros_like(grad)` of the
+            // upcast gradient), and `update` is rebound to it.
+            let first_moment = o.betas.0 > 0.0;
+            if first_moment {
+                state += trainable
+                    .iter()
+                    .map(|(_, n)| alloc(*n as f64 * 4.0))
+                    .sum::<u64>();
+            }
+            temp = adafactor_step_peak(trainable, param_dtype, p.master, first_moment, alloc);
         }
         OptimizerKind::AdamMini => {
             name = "adam-mini";
             // First moment in full, second moment one value per block (head / neuron).
-            state = trainable.iter().map(|(_, n)| full(*n, 1.0)).sum();
-            temp = 2 * full(largest, 1.0);
+            state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
+            temp = 2 * largest_full;
         }
     }
     if let Some(m) = p.master {
