@@ -53,6 +53,7 @@ pub fn tiny_plan() -> LoweredPlan {
             compute: Dtype::Fp32,
             master: None,
             grads: Dtype::Fp32,
+            autocast: false,
         },
         optimizer: OptimizerSpec {
             kind: OptimizerKind::Adamw,

@@ -255,6 +255,7 @@ fn bf16_plans_run_in_fp32_on_the_cpu_with_a_note() {
         compute: Dtype::Bf16,
         master: Some(Dtype::Fp32),
         grads: Dtype::Bf16,
+        autocast: false,
     };
     let mut note = None;
     run_cpu(&plan, &opts(1), &mut |e| {

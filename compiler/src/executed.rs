@@ -11,7 +11,9 @@
 
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
-use crate::spec::{CheckpointChoice, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, Spec, Target};
+use crate::spec::{
+    CheckpointChoice, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, PrecisionSpec, Spec, Target,
+};
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
 /// is for it (`target burn`).
@@ -33,7 +35,7 @@ pub fn check(spec: &Spec) -> Result<(), CompileError> {
 /// (the setup, what the plan can say instead for `rcoa run`).
 fn refusal(spec: &Spec) -> Option<(String, String)> {
     let selective_op = spec.fit.checkpoint == CheckpointChoice::SelectiveOp;
-    if let Some(r) = carried(&spec.model, &spec.optimizer, selective_op) {
+    if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
         return Some(r);
     }
     if spec.optimizer_in_backward {
@@ -56,7 +58,18 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
 
 /// The setups a lowered plan carries (the executor's input): the model's MLP and biases,
 /// the optimizer's implementation, op-level recomputation.
-fn carried(m: &ModelSpec, o: &OptimizerSpec, selective_op: bool) -> Option<(String, String)> {
+fn carried(
+    m: &ModelSpec,
+    o: &OptimizerSpec,
+    p: &PrecisionSpec,
+    selective_op: bool,
+) -> Option<(String, String)> {
+    if p.autocast && p.params.bytes() <= p.compute.bytes() {
+        return Some((
+            "autocast over 16-bit weights (`precision.autocast = true`)".into(),
+            "it computes in the weights' dtype, or autocasts fp32 weights: remove `autocast`, or write `params = fp32`".into(),
+        ));
+    }
     if m.mlp == Mlp::SquaredRelu {
         return Some((
             "a squared-ReLU MLP (`model.mlp = squared_relu`)".into(),
@@ -96,7 +109,7 @@ fn carried(m: &ModelSpec, o: &OptimizerSpec, selective_op: bool) -> Option<(Stri
 /// `virtual_stages`; its pipeline degree is refused by the executor itself.
 pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let selective_op = plan.resolved.checkpoint == "selective_op";
-    match carried(&plan.model, &plan.optimizer, selective_op) {
+    match carried(&plan.model, &plan.optimizer, &plan.precision, selective_op) {
         None => Ok(()),
         Some((what, instead)) => Err(format!(
             "`rcoa run` does not execute {what}: {instead} (this lowered plan was compiled for `target {}`)",
@@ -138,6 +151,16 @@ mod tests {
         // Saying what the executor does anyway is no refusal.
         s.model.numerics.linear_bias = Some(false);
         assert_eq!(check(&s), Ok(()));
+
+        let mut s = burn();
+        s.precision.params = crate::spec::Dtype::Bf16;
+        s.precision.compute = crate::spec::Dtype::Bf16;
+        s.precision.autocast = true;
+        assert!(
+            refused(&s).contains("`precision.autocast = true`"),
+            "{}",
+            refused(&s)
+        );
         s.model.norm = Norm::Layernorm;
         assert!(refused(&s).contains("no biases"));
     }

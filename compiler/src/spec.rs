@@ -303,12 +303,19 @@ pub struct PrecisionSpec {
     /// Master copy kept by the optimizer (`None`: the params are updated in place).
     pub master: Option<Dtype>,
     pub grads: Dtype,
+    /// `autocast = true`: 16-bit weights trained under `torch.autocast` all the same (a
+    /// model loaded in bf16 and trained with `bf16=True`): no weight copies, but the ops
+    /// autocast runs in fp32 (LayerNorm, softmax, the loss) return fp32, so an encoder's
+    /// residual stream and every checkpointed layer input is fp32.
+    #[serde(default)]
+    pub autocast: bool,
 }
 
 impl PrecisionSpec {
-    /// fp32 weights with 16-bit compute: autocast casts weight copies per op.
+    /// Ops run under autocast: fp32 weights with 16-bit compute (weight copies cast per
+    /// op), or 16-bit weights with `autocast = true`.
     pub fn is_autocast(&self) -> bool {
-        self.params.bytes() > self.compute.bytes()
+        self.params.bytes() > self.compute.bytes() || self.autocast
     }
 }
 

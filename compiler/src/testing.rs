@@ -82,6 +82,7 @@ impl SpecBuilder {
                 compute: Dtype::Bf16,
                 master: None,
                 grads: Dtype::Fp32,
+                autocast: false,
             },
             optimizer: OptimizerSpec {
                 kind: OptimizerKind::Adamw,
@@ -169,6 +170,7 @@ impl SpecBuilder {
             compute,
             master,
             grads: params,
+            autocast: false,
         };
         self
     }

@@ -119,6 +119,7 @@ fn adafactor_first_moment_is_fp32_state() {
         compute: Dtype::Bf16,
         master: None,
         grads: Dtype::Bf16,
+        autocast: false,
     };
     s.optimizer.kind = OptimizerKind::Adafactor;
     s.optimizer.betas = (0.0, 0.999);
@@ -380,18 +381,21 @@ mod props {
                             compute: Dtype::Bf16,
                             master: None,
                             grads: Dtype::Fp32,
+                            autocast: false,
                         },
                         PrecisionSpec {
                             params: Dtype::Bf16,
                             compute: Dtype::Bf16,
                             master: Some(Dtype::Fp32),
                             grads: Dtype::Bf16,
+                            autocast: false,
                         },
                         PrecisionSpec {
                             params: Dtype::Fp32,
                             compute: Dtype::Tf32,
                             master: None,
                             grads: Dtype::Fp32,
+                            autocast: false,
                         },
                     ][prec];
                     if lora {

@@ -136,6 +136,7 @@ impl PlanBuilder {
             compute,
             master,
             grads: params,
+            autocast: false,
         };
         self
     }

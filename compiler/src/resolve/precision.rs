@@ -9,14 +9,15 @@
 //! `master = fp32` when params are narrower than 32 bits, else `none` (an
 //! fp32 copy of fp32 weights would be a second copy of the same thing), and
 //! `grads = params`. A one-word form followed by a block starts from the
-//! word and lets the block override.
+//! word and lets the block override. `autocast = true` trains 16-bit weights
+//! under autocast all the same (fp32 weights with 16-bit compute always are).
 
 use super::problem::{NameKind, Problem};
 use super::values::{self, Cx, Fields};
 use crate::spec::{Dtype, PrecisionSpec};
 use rcoa_grammar::Section;
 
-pub(crate) const KEYS: &[&str] = &["params", "compute", "master", "grads"];
+pub(crate) const KEYS: &[&str] = &["params", "compute", "master", "grads", "autocast"];
 
 const PARAMS: &[(&str, Dtype)] = &[
     ("fp32", Dtype::Fp32),
@@ -62,6 +63,7 @@ fn from_parts(
         compute: compute.unwrap_or(params),
         master: master.unwrap_or_else(|| default_master(params)),
         grads: grads.unwrap_or(params),
+        autocast: false,
     }
 }
 
@@ -108,6 +110,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<PrecisionSpec> {
     let grads = f
         .get("grads")
         .map(|v| values::pick(cx, v, "grads", NameKind::Dtype, GRADS));
+    let autocast = f
+        .get("autocast")
+        .map(|v| values::boolean(cx, v, "autocast"));
     if !cx.clean_since(mark) {
         return None;
     }
@@ -117,12 +122,23 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<PrecisionSpec> {
         .unwrap_or(Dtype::Bf16);
     // The word's compute applies only if the block did not change params.
     let word_compute = word.filter(|w| w.0 == params).map(|w| w.1);
-    let spec = from_parts(
+    let mut spec = from_parts(
         params,
         compute.flatten().or(word_compute),
         master.flatten(),
         grads.flatten(),
     );
+    if let Some(on) = autocast.flatten() {
+        let wider = spec.params.bytes() > spec.compute.bytes();
+        if (on && spec.compute.bytes() >= 4.0) || (!on && wider) {
+            cx.report(Problem::AutocastConflict {
+                span: f.span("autocast").unwrap_or(s.name.span),
+                on,
+            });
+            return None;
+        }
+        spec.autocast = on;
+    }
     if spec.compute == Dtype::Tf32 && spec.params != Dtype::Fp32 {
         cx.report(Problem::Tf32NeedsFp32 {
             span: f

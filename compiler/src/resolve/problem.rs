@@ -308,6 +308,12 @@ pub(crate) enum Problem {
     Tf32NeedsFp32 {
         span: Span,
     },
+    /// `autocast = true` with nothing narrower to cast to, or `autocast = false` where
+    /// fp32 weights with 16-bit compute can only run as autocast.
+    AutocastConflict {
+        span: Span,
+        on: bool,
+    },
     HfConfig {
         detail: HfDetail,
         span: Span,
@@ -374,6 +380,7 @@ impl Problem {
             | NotApplicable { span, .. }
             | OffloadNeedsStorage { span, .. }
             | Tf32NeedsFp32 { span }
+            | AutocastConflict { span, .. }
             | HfConfig { span, .. } => Some(*span),
             DuplicateSection { again, .. } | DuplicateKey { again, .. } => Some(*again),
         }

@@ -70,7 +70,8 @@ fn defaults_of_a_minimal_plan() {
             params: Dtype::Bf16,
             compute: Dtype::Bf16,
             master: Some(Dtype::Fp32),
-            grads: Dtype::Bf16
+            grads: Dtype::Bf16,
+            autocast: false,
         }
     );
     assert_eq!(s.optimizer.kind, OptimizerKind::Adamw);

@@ -561,6 +561,18 @@ pub(crate) fn word(p: Problem) -> ResolveError {
             vec![(span, "tf32 matmuls read fp32 tensors".into())],
             Some("use `params = fp32 compute = tf32`, or `compute = bf16` for 16-bit weights".into()),
         ),
+        AutocastConflict { span, on: true } => err(
+            "rcoa::conflict",
+            "`autocast = true` needs a 16-bit `compute`".into(),
+            vec![(span, "nothing narrower to cast to".into())],
+            Some("autocast runs matmuls in `compute`: set `compute = bf16` (or fp16)".into()),
+        ),
+        AutocastConflict { span, on: false } => err(
+            "rcoa::conflict",
+            "fp32 weights with 16-bit `compute` always run as autocast".into(),
+            vec![(span, "cannot be turned off here".into())],
+            Some("remove `autocast = false`, or store the weights in the compute dtype (`params = bf16`)".into()),
+        ),
         HfConfig { detail, span } => {
             let (message, label, help) = match detail {
                 HfDetail::Read { path, error } => (

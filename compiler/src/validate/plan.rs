@@ -133,8 +133,14 @@ pub fn plan_text(c: &RunConfig) -> String {
         MasterWeights::None => "none",
         MasterWeights::Fp32 => "fp32",
     };
+    // 16-bit weights trained under autocast all the same (`bf16=True` on a bf16 model).
+    let autocast = if c.fsdp_mp.is_none() && params == compute && c.autocast == Autocast::Bf16 {
+        "  autocast = true"
+    } else {
+        ""
+    };
     line(format!(
-        "precision {{ params = {params}  compute = {compute}  master = {master} }}"
+        "precision {{ params = {params}  compute = {compute}  master = {master}{autocast} }}"
     ));
     line(
         match c.optimizer {
