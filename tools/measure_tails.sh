@@ -7,7 +7,8 @@
 #
 #   sh tools/measure_tails.sh [OUT.jsonl]     # default tests/groundtruth/h100-pytorch-tails.jsonl
 #
-# Needs torch (CUDA), transformers and peft (tools/requirements.txt) and cargo. About 19
+# Needs torch (CUDA), transformers and peft (tools/requirements.txt); the scoring step runs
+# `$RCOA validate` (set RCOA to a built rcoa binary on a machine without cargo). About 19
 # configurations of 3 steps each: ~10 minutes on an H100. The CPU traces of the same
 # configurations are tools/memtrace/traces/tails.jsonl (docs/accuracy.md).
 set -eu
@@ -16,5 +17,11 @@ OUT=${1:-tests/groundtruth/h100-pytorch-tails.jsonl}
 PY=${PYTHON:-python3}
 status=0
 "$PY" tools/measure_pytorch.py tools/memtrace/tails-configs.jsonl -o "$OUT" || status=$?
-cargo run -q -- validate "$OUT" || true
+if [ -n "${RCOA:-}" ]; then
+  "$RCOA" validate "$OUT" || true
+elif command -v cargo >/dev/null 2>&1; then
+  cargo run -q -- validate "$OUT" || true
+else
+  echo "no cargo and no RCOA=path/to/rcoa: score later with \`rcoa validate $OUT\`" >&2
+fi
 exit "$status"
