@@ -259,7 +259,18 @@ fn optimizer(
 ) -> Result<(), EmitError> {
     let o = &plan.optimizer;
     let offloaded = offload_of(plan, OffloadWhat::Optimizer).is_some();
+    // bitsandbytes' paged optimizers are client optimizers to DeepSpeed, whatever the kind.
+    let paged = o.implementation == OptImpl::Paged;
+    let what = if paged {
+        format!(
+            "paged {} (bitsandbytes' `bnb.optim.Paged*`, state in CUDA unified memory)",
+            o.kind.as_str()
+        )
+    } else {
+        o.kind.as_str().to_string()
+    };
     let native = match o.kind {
+        _ if paged => None,
         OptimizerKind::Adamw => Some("AdamW"),
         OptimizerKind::Adam => Some("Adam"),
         OptimizerKind::Lion => Some("Lion"),
@@ -295,8 +306,7 @@ fn optimizer(
                 "optimizer",
                 format!(
                     "DeepSpeed's optimizer offload runs its own CPU optimizers (Adam, AdamW, Adagrad, Lion); \
-                     it cannot run {} on the CPU",
-                    o.kind.as_str()
+                     it cannot run {what} on the CPU"
                 ),
                 "use optimizer adamw/adam/lion with optimizer offload, or drop `optimizer` from fit.offload",
             ));
@@ -305,9 +315,8 @@ fn optimizer(
             root.insert("zero_allow_untested_optimizer".into(), json!(true));
         }
         notes.push(format!(
-            "DeepSpeed has no built-in {}: construct it in the training script (lr {}, weight decay {}) and pass \
+            "DeepSpeed has no built-in {what}: construct it in the training script (lr {}, weight decay {}) and pass \
              it as deepspeed.initialize(optimizer=...)",
-            o.kind.as_str(),
             o.lr,
             o.weight_decay
         ));
@@ -873,6 +882,17 @@ mod tests {
         let c: Value = serde_json::from_str(&bnb.files[0].contents).unwrap();
         assert!(c.get("optimizer").is_none());
         assert!(bnb.notes.iter().any(|n| n.contains("adam8bit")));
+        // A paged AdamW is no DeepSpeed AdamW (whose fused kernel the config would pick).
+        let mut paged = b().build();
+        paged.optimizer.implementation = OptImpl::Paged;
+        let e = deepspeed(&paged).unwrap();
+        let c: Value = serde_json::from_str(&e.files[0].contents).unwrap();
+        assert!(c.get("optimizer").is_none(), "{c}");
+        assert!(
+            e.notes.iter().any(|n| n.contains("paged adamw")),
+            "{:?}",
+            e.notes
+        );
         let off = b()
             .optimizer(OptimizerKind::Adafactor)
             .offload(OffloadWhat::Optimizer, OffloadTo::Cpu)

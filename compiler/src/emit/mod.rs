@@ -335,6 +335,9 @@ pub(crate) fn checkpoint_sentence(plan: &LoweredPlan) -> Option<String> {
     }
     let what = if r.checkpoint == "selective" {
         "recompute the attention internals (selective checkpointing)"
+    } else if r.checkpoint == "selective_op" {
+        "keep the matmul outputs and recompute the rest (torchtitan's op-level selective \
+         activation checkpointing, `selective_ac_option = \"op\"`)"
     } else {
         "recompute the whole layer forward (activation checkpointing)"
     };
@@ -390,6 +393,15 @@ pub(crate) fn adapter_sentence(plan: &LoweredPlan) -> Option<String> {
 mod tests {
     use super::*;
     use crate::emit::testing::PlanBuilder;
+
+    #[test]
+    fn op_level_recomputation_is_not_told_as_whole_layers() {
+        let mut plan = PlanBuilder::llama_8b().build();
+        plan.resolved.checkpoint = "selective_op".into();
+        plan.resolved.checkpoint_layers = (0..plan.model.layers).collect();
+        let s = checkpoint_sentence(&plan).unwrap();
+        assert!(s.contains("op-level") && !s.contains("whole layer"), "{s}");
+    }
 
     #[test]
     fn a_burn_prediction_is_flagged_for_every_engine() {
