@@ -179,24 +179,7 @@ mod tests {
 
     #[test]
     fn predicted_setup_peak_is_the_measured_one() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "setup::tests::setup_measured_in_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}");
-        assert!(
-            text.contains("1 passed"),
-            "the child ran the measurement: {text}"
-        );
+        crate::testing::run_ignored_in_child("setup::tests::setup_measured_in_child", CHILD);
     }
 
     /// One rank keeping the whole model (the CPU runs fp32: a 16-bit plan

@@ -115,3 +115,28 @@ pub fn tiny_encoder_plan(loss: Loss) -> LoweredPlan {
     p.train.loss = loss;
     p
 }
+
+/// Run the `#[ignore]`d test `test` (its full path, e.g. `setup::tests::x`)
+/// of this test binary alone in a child process with `env` set, so what it
+/// measures with the counting allocator sees no other test's allocations;
+/// fails with the child's output unless it passed.
+pub fn run_ignored_in_child(test: &str, env: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            test,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(env, "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("1 passed"),
+        "the child ran the measurement: {text}"
+    );
+}

@@ -409,24 +409,7 @@ mod tests {
     /// Measures in a process of its own: other tests allocate meanwhile.
     #[test]
     fn transient_is_bounded_by_the_chunk() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "quant::qlora::tests::transient_in_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}");
-        assert!(
-            text.contains("1 passed"),
-            "the child ran the measurement: {text}"
-        );
+        crate::testing::run_ignored_in_child("quant::qlora::tests::transient_in_child", CHILD);
     }
 
     /// A 1024 x 1024 weight in chunks of 64 Ki values: forward and input

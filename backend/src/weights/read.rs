@@ -17,18 +17,8 @@ const INDEX: &str = "model.safetensors.index.json";
 /// Every tensor of the checkpoint in `dir`, or a sentence naming the file
 /// that could not be read and what to do.
 pub fn read_checkpoint(dir: &Path) -> Result<Stored, String> {
-    let files: Vec<String> = if dir.join(SINGLE).is_file() {
-        vec![SINGLE.to_string()]
-    } else if dir.join(INDEX).is_file() {
-        shards(&dir.join(INDEX))?
-    } else {
-        return Err(format!(
-            "{} has neither {SINGLE} nor {INDEX}",
-            dir.display()
-        ));
-    };
     let mut out = Stored::new();
-    for f in files {
+    for f in checkpoint_files(dir)? {
         read_file(&dir.join(&f), &mut out, &|_| true)?;
     }
     Ok(out)
@@ -61,6 +51,21 @@ pub fn read_matching(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Option<S
         read_file(&dir.join(&f), &mut out, keep)?;
     }
     Ok(Some(out))
+}
+
+/// The files of the checkpoint in `dir`: `model.safetensors`, or the shards
+/// its index names.
+fn checkpoint_files(dir: &Path) -> Result<Vec<String>, String> {
+    if dir.join(SINGLE).is_file() {
+        Ok(vec![SINGLE.to_string()])
+    } else if dir.join(INDEX).is_file() {
+        shards(&dir.join(INDEX))
+    } else {
+        Err(format!(
+            "{} has neither {SINGLE} nor {INDEX}",
+            dir.display()
+        ))
+    }
 }
 
 /// The shard files an index names, each once, in order.
@@ -113,16 +118,7 @@ impl Lazy {
     /// The checkpoint in `dir` (`model.safetensors` or a sharded index), or
     /// a sentence naming the file that could not be read and what to do.
     pub fn open(dir: &Path) -> Result<Lazy, String> {
-        let files: Vec<String> = if dir.join(SINGLE).is_file() {
-            vec![SINGLE.to_string()]
-        } else if dir.join(INDEX).is_file() {
-            shards(&dir.join(INDEX))?
-        } else {
-            return Err(format!(
-                "{} has neither {SINGLE} nor {INDEX}",
-                dir.display()
-            ));
-        };
+        let files = checkpoint_files(dir)?;
         let mut lazy = Lazy {
             files: Vec::new(),
             at: HashMap::new(),
