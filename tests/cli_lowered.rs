@@ -100,3 +100,70 @@ fn an_unwritable_lowered_path_is_a_clear_error() {
     assert!(err.contains("cannot write the lowered plan"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// The step's schedule travels in the lowered plan (`resolved.optimizer_in_backward`,
+/// `resolved.virtual_stages`): `rcoa run --lowered` refuses a plan whose prediction assumed
+/// a step in the backward, and a plan written before the fields existed still reads, as
+/// the plain schedule.
+#[test]
+fn the_step_schedule_travels_in_the_lowered_plan() {
+    let dir = std::env::temp_dir().join(format!("rcoa-lowered-sched-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = std::fs::read_to_string(root().join("plans/tiny-cpu.plan"))
+        .unwrap()
+        .replace(
+            "micro_batch = 4\n  grad_accum = 2",
+            "micro_batch = 8\n  grad_accum = 1",
+        )
+        .replace(
+            "optimizer adamw { lr = 1e-3  weight_decay = 0.0 }",
+            "optimizer adamw { lr = 1e-3  weight_decay = 0.0  in_backward = true }",
+        )
+        .replace("target burn", "target pytorch");
+    let plan = dir.join("inbwd.plan");
+    std::fs::write(&plan, src).unwrap();
+    let lowered = dir.join("inbwd.json");
+    let out = rcoa()
+        .args(["compile", "--lowered"])
+        .arg(&lowered)
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&lowered).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["resolved"]["optimizer_in_backward"], true);
+    assert_eq!(json["resolved"]["virtual_stages"], 1);
+
+    let run = rcoa()
+        .args(["run", "--steps", "1", "--lowered"])
+        .arg(&lowered)
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("`optimizer.in_backward = true`"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+
+    // An older lowered plan, without the fields, reads as the plain schedule.
+    let resolved = json["resolved"].as_object_mut().unwrap();
+    resolved.remove("optimizer_in_backward");
+    resolved.remove("virtual_stages");
+    let old = dir.join("old.json");
+    std::fs::write(&old, serde_json::to_string(&json).unwrap()).unwrap();
+    let run = rcoa()
+        .args(["run", "--steps", "1", "--lowered"])
+        .arg(&old)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -90,6 +90,8 @@ pub fn tiny_plan() -> LoweredPlan {
             checkpoint: "none".into(),
             checkpoint_layers: vec![],
             offload: vec![],
+            virtual_stages: 1,
+            optimizer_in_backward: false,
         },
         prediction: Prediction {
             peak_bytes: 0,

@@ -178,6 +178,12 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         checkpoint: point.checkpoint_string(spec.model.layers),
         checkpoint_layers: cand.checkpoint_layers.clone(),
         offload: cand.offload.clone(),
+        virtual_stages: if cand.pipeline > 1 {
+            spec.parallel.virtual_stages.max(1)
+        } else {
+            1
+        },
+        optimizer_in_backward: spec.optimizer_in_backward,
     };
     let prediction = Prediction {
         peak_bytes: report.peak_bytes,

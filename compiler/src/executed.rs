@@ -38,18 +38,20 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
     if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
         return Some(r);
     }
-    if spec.optimizer_in_backward {
+    scheduled(spec.optimizer_in_backward, spec.parallel.virtual_stages)
+}
+
+/// The step's schedule: the optimizer in the backward, interleaved pipeline stages.
+fn scheduled(in_backward: bool, virtual_stages: u64) -> Option<(String, String)> {
+    if in_backward {
         return Some((
             "the optimizer step in the backward (`optimizer.in_backward = true`)".into(),
             "it steps once after the backward: remove `in_backward`".into(),
         ));
     }
-    if spec.parallel.virtual_stages > 1 {
+    if virtual_stages > 1 {
         return Some((
-            format!(
-                "interleaved pipeline stages (`parallel.virtual_stages = {}`)",
-                spec.parallel.virtual_stages
-            ),
+            format!("interleaved pipeline stages (`parallel.virtual_stages = {virtual_stages}`)"),
             "it trains data-parallel only: remove `virtual_stages` and `pipeline`".into(),
         ));
     }
@@ -105,11 +107,14 @@ fn carried(
 
 /// For `rcoa run --lowered FILE.json`: `Err` naming a setup of the lowered plan that the
 /// executor does not carry out (a plan compiled for another engine), as
-/// [`check`] refuses it at compile time. A lowered plan does not carry `in_backward` or
-/// `virtual_stages`; its pipeline degree is refused by the executor itself.
+/// [`check`] refuses it at compile time. Its pipeline degree is refused by the executor
+/// itself.
 pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
-    let selective_op = plan.resolved.checkpoint == "selective_op";
-    match carried(&plan.model, &plan.optimizer, &plan.precision, selective_op) {
+    let r = &plan.resolved;
+    let selective_op = r.checkpoint == "selective_op";
+    let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
+        .or_else(|| scheduled(r.optimizer_in_backward, r.virtual_stages));
+    match refusal {
         None => Ok(()),
         Some((what, instead)) => Err(format!(
             "`rcoa run` does not execute {what}: {instead} (this lowered plan was compiled for `target {}`)",
@@ -164,5 +169,23 @@ mod tests {
             "{}",
             refused(&s)
         );
+    }
+
+    /// A lowered plan carries the step's schedule; `rcoa run --lowered` refuses what it
+    /// does not run, as the compile-time check does.
+    #[test]
+    fn lowered_schedules_are_refused() {
+        use crate::emit::testing::PlanBuilder;
+        let plain = PlanBuilder::llama_8b().zero(0).build();
+        assert_eq!(check_lowered(&plain), Ok(()));
+        let inbwd = PlanBuilder::llama_8b().in_backward(true).build();
+        let e = check_lowered(&inbwd).unwrap_err();
+        assert!(e.contains("`optimizer.in_backward = true`"), "{e}");
+        let interleaved = PlanBuilder::llama_8b()
+            .pipeline(4)
+            .virtual_stages(2)
+            .build();
+        let e = check_lowered(&interleaved).unwrap_err();
+        assert!(e.contains("`parallel.virtual_stages = 2`"), "{e}");
     }
 }

@@ -44,6 +44,22 @@ pub struct Resolved {
     /// Indices of the layers whose forward is recomputed in the backward pass.
     pub checkpoint_layers: Vec<u64>,
     pub offload: Vec<Offload>,
+    /// Model chunks per pipeline rank (`parallel.virtual_stages`, Megatron's interleaved
+    /// 1F1B); 1: the plain schedule. The memory model held `in_flight` chunk forwards of
+    /// activations per rank by it, and the bubble it priced is `(pipeline − 1) / v`: an
+    /// executor that runs plain 1F1B instead holds more.
+    #[serde(default = "one")]
+    pub virtual_stages: u64,
+    /// Each parameter's optimizer step runs in the backward, as soon as its gradient is
+    /// complete, and the gradient is freed (`optimizer.in_backward`, torchtune's
+    /// `optimizer_in_bwd`); `grad_accum` is then 1. The prediction holds no full set of
+    /// gradients: an executor that steps after the backward holds them all.
+    #[serde(default)]
+    pub optimizer_in_backward: bool,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// What the memory and time models predict for one GPU (the worst rank).

@@ -94,6 +94,24 @@ pub fn accelerate(plan: &LoweredPlan) -> Result<Emission, EmitError> {
 pub fn accelerate_with(plan: &LoweredPlan, sharding: Sharding) -> Result<Emission, EmitError> {
     check_consistent(plan)?;
     let r = &plan.resolved;
+    // A plan compiled for FSDP2 was predicted with FSDP's sharding, never DeepSpeed's.
+    let sharding = match plan.target {
+        crate::spec::Target::Fsdp => Sharding::Fsdp,
+        crate::spec::Target::Megatron => {
+            return Err(unsupported(
+                E,
+                Setting::section("target"),
+                "megatron",
+                "the plan's memory was predicted for Megatron-Core (its gradient buffer and distributed \
+                 optimizer), which an Accelerate launch configuration does not set up",
+                "launch with --target torchrun (its script lists Megatron-LM's arguments), or compile for \
+                 `target pytorch` / `target deepspeed`",
+            ))
+        }
+        _ => sharding,
+    };
+    // The step in the backward lives in the script (DeepSpeed refuses it on its own).
+    let in_backward = super::script::in_backward_note(plan);
     let refuse = |key: &'static str, value: String| {
         Err(unsupported(
             E,
@@ -126,7 +144,7 @@ pub fn accelerate_with(plan: &LoweredPlan, sharding: Sharding) -> Result<Emissio
     let processes = h.nodes.saturating_mul(h.gpus_per_node);
     let multi_node = h.nodes > 1;
     let mut items = vec![item("compute_environment", s("LOCAL_MACHINE"))];
-    let mut notes = Vec::new();
+    let mut notes: Vec<String> = in_backward.into_iter().collect();
     let mut ds_file = None;
 
     if sharding == Sharding::Fsdp {
@@ -286,7 +304,6 @@ fn fsdp(
     items: &mut Vec<Item>,
     notes: &mut Vec<String>,
 ) -> Result<(), EmitError> {
-    use crate::spec::{OffloadTo, OffloadWhat};
     let r = &plan.resolved;
     let p = &plan.precision;
     let strategy = match r.zero {
@@ -303,32 +320,7 @@ fn fsdp(
     };
     // FSDP's CPU offload moves parameters and gradients and runs the optimizer
     // step on the CPU, all three together: only that exact set maps onto it.
-    let all_cpu = [
-        OffloadWhat::Optimizer,
-        OffloadWhat::Params,
-        OffloadWhat::Grads,
-    ];
-    let offload_params = if r.offload.is_empty() {
-        false
-    } else if r.offload.len() == 3
-        && all_cpu.iter().all(|w| {
-            r.offload
-                .iter()
-                .any(|o| o.what == *w && o.to == OffloadTo::Cpu)
-        })
-    {
-        true
-    } else {
-        let list: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
-        return Err(unsupported(
-            E,
-            Setting::new("fit", "offload"),
-            format!("[{}]", list.join(", ")),
-            "FSDP's CPU offload (fsdp_offload_params) moves parameters, gradients and the optimizer step to \
-             the CPU together, and nothing to NVMe; it cannot move a part of them",
-            "offload optimizer, params and grads to cpu together, or emit without --fsdp (DeepSpeed)",
-        ));
-    };
+    let offload_params = super::script::fsdp_cpu_offload(plan, E)?;
     let sixteen = |d: Dtype| matches!(d, Dtype::Bf16 | Dtype::Fp16);
     if p.compute == Dtype::Fp8 || (sixteen(p.params) && p.compute != p.params) {
         return Err(unsupported(
@@ -619,6 +611,36 @@ mod tests {
                 other => panic!("{key}: {other:?}"),
             }
         }
+    }
+
+    /// The plan's engine decides the sharding: an FSDP2 plan gets FSDP without `--fsdp`
+    /// (its step in the backward as a note), a Megatron-Core plan is refused.
+    #[test]
+    fn the_plans_engine_decides_the_sharding() {
+        use crate::spec::Target;
+        let fsdp = PlanBuilder::llama_8b()
+            .target(Target::Fsdp)
+            .precision(Dtype::Fp32, Dtype::Bf16, None)
+            .in_backward(true)
+            .build();
+        let e = accelerate(&fsdp).unwrap();
+        assert_eq!(e.files.len(), 1, "no DeepSpeed config");
+        assert!(e.files[0].contents.contains("distributed_type: 'FSDP'\n"));
+        assert!(
+            e.notes
+                .iter()
+                .any(|n| n.contains("register_post_accumulate_grad_hook")),
+            "{:?}",
+            e.notes
+        );
+        let megatron = PlanBuilder::llama_8b()
+            .target(Target::Megatron)
+            .zero(1)
+            .build();
+        assert!(matches!(
+            accelerate(&megatron),
+            Err(EmitError::Unsupported { .. })
+        ));
     }
 
     #[test]

@@ -24,8 +24,10 @@
 //! - recompute: `activation_checkpointing` with `number_checkpoints` and
 //!   `cpu_checkpointing` for activation offload; which layers is a note.
 //!
-//! Refused (with `rcoa::emit_unsupported`): fp8; pipeline > 1 with ZeRO-2/3
-//! (DeepSpeed's PipelineEngine asserts stage < 2); pipeline with tensor parallelism
+//! Refused (with `rcoa::emit_unsupported`): fp8; the optimizer step in the backward
+//! (`optimizer.in_backward`: DeepSpeed steps once after the backward); interleaved
+//! pipeline stages (`parallel.virtual_stages`: its PipelineEngine runs plain 1F1B);
+//! pipeline > 1 with ZeRO-2/3 (DeepSpeed's PipelineEngine asserts stage < 2); pipeline with tensor parallelism
 //! (needs Megatron-DeepSpeed); context parallelism and Megatron-style sequence
 //! parallelism (set up in model code, not the config); AutoEP with AutoTP; offloads
 //! outside what ZeRO-Offload/Infinity do (params without ZeRO-3, NVMe without
@@ -91,6 +93,7 @@ pub(crate) fn config(plan: &LoweredPlan) -> Result<(Value, Vec<String>), EmitErr
     );
     root.insert("gradient_accumulation_steps".into(), json!(r.grad_accum));
 
+    schedule(plan)?;
     let master16 = precision(plan, &mut root, &mut notes)?;
     optimizer(plan, master16, &mut root, &mut notes)?;
     parallelism(plan, &mut root, &mut notes)?;
@@ -103,6 +106,28 @@ pub(crate) fn config(plan: &LoweredPlan) -> Result<(Value, Vec<String>), EmitErr
             .flatten(),
     );
     Ok((Value::Object(root), notes))
+}
+
+/// The step's schedule: DeepSpeed's engine steps its optimizer once after the backward
+/// (`engine.step()` over the flat partitions), and its `PipelineEngine` runs plain 1F1B
+/// (`TrainSchedule`) with one stage per rank; neither an optimizer step in the backward
+/// nor interleaved stages is a setting of it, and either would hold more than predicted.
+fn schedule(plan: &LoweredPlan) -> Result<(), EmitError> {
+    let r = &plan.resolved;
+    if r.optimizer_in_backward {
+        return Err(super::script::in_backward_refusal(E, "DeepSpeed"));
+    }
+    if r.virtual_stages > 1 {
+        return Err(unsupported(
+            E,
+            Setting::new("parallel", "virtual_stages"),
+            r.virtual_stages,
+            "DeepSpeed's PipelineEngine runs one model chunk per stage (TrainSchedule, plain 1F1B); \
+             interleaved virtual stages are Megatron-Core's",
+            "remove `virtual_stages`, or launch with --target torchrun for a Megatron-LM script (`target megatron`)",
+        ));
+    }
+    Ok(())
 }
 
 fn dtype_value(d: Dtype) -> String {
@@ -927,5 +952,21 @@ mod tests {
     fn output_is_deterministic() {
         let plan = PlanBuilder::llama_8b().checkpoint_full().build();
         assert_eq!(deepspeed(&plan).unwrap(), deepspeed(&plan).unwrap());
+    }
+
+    /// DeepSpeed has no optimizer step in the backward and no interleaved pipeline: the
+    /// emitter names the setting rather than write a config that holds more than predicted.
+    #[test]
+    fn schedules_deepspeed_does_not_run_are_refused() {
+        let inbwd = PlanBuilder::llama_8b().in_backward(true).build();
+        assert_eq!(unsupported_setting(&inbwd), "optimizer.in_backward");
+        let interleaved = PlanBuilder::llama_8b()
+            .zero(1)
+            .pipeline(4)
+            .virtual_stages(2)
+            .build();
+        assert_eq!(unsupported_setting(&interleaved), "parallel.virtual_stages");
+        // The launchers ship DeepSpeed's config, so they refuse it too.
+        assert!(super::super::torchrun(&inbwd).is_err());
     }
 }

@@ -49,7 +49,7 @@ pub fn torchrun(plan: &LoweredPlan) -> Result<Emission, EmitError> {
             h.gpus_per_node
         ));
     }
-    s.push_str(&decisions_comment(plan, ds.is_some()));
+    s.push_str(&decisions_comment(plan, ds.is_some(), Engine::Torchrun)?);
     s.push_str("set -euo pipefail\n\n");
     s.push_str(
         "# PLACEHOLDER: your training script; this script's arguments are passed on to it.\n",
@@ -118,7 +118,7 @@ pub fn slurm(plan: &LoweredPlan) -> Result<Emission, EmitError> {
     s.push_str("#SBATCH --exclusive\n");
     s.push_str("#SBATCH --output=%x-%j.out\n");
     s.push('\n');
-    s.push_str(&decisions_comment(plan, ds.is_some()));
+    s.push_str(&decisions_comment(plan, ds.is_some(), Engine::Slurm)?);
     s.push_str("set -euo pipefail\n\n");
     s.push_str("# The first node of the allocation hosts the c10d rendezvous.\n");
     s.push_str("MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"\n");
@@ -235,8 +235,13 @@ fn torchrun_command(plan: &LoweredPlan, prefix: &str, rdzv_id: &str) -> String {
     s
 }
 
-/// The plan's decisions as a comment block, for the training script's author.
-fn decisions_comment(plan: &LoweredPlan, deepspeed: bool) -> String {
+/// The plan's decisions as a comment block, for the training script's author, with the
+/// lines its engine needs in the script ([`super::script::engine_lines`]).
+fn decisions_comment(
+    plan: &LoweredPlan,
+    deepspeed: bool,
+    engine: Engine,
+) -> Result<String, EmitError> {
     let r = &plan.resolved;
     let p = &plan.precision;
     let mut lines = vec![
@@ -246,11 +251,16 @@ fn decisions_comment(plan: &LoweredPlan, deepspeed: bool) -> String {
             r.micro_batch, r.grad_accum, plan.train.global_batch, plan.train.seq_len
         ),
         format!(
-            "  parallel: data {}, tensor {}{}, pipeline {}, context {}, expert {}, ZeRO stage {}",
+            "  parallel: data {}, tensor {}{}, pipeline {}{}, context {}, expert {}, ZeRO stage {}",
             r.data,
             r.tensor,
             if r.sequence { " (+sequence)" } else { "" },
             r.pipeline,
+            if r.virtual_stages > 1 {
+                format!(" ({} virtual stages each, interleaved 1F1B)", r.virtual_stages)
+            } else {
+                String::new()
+            },
             r.context,
             r.expert,
             r.zero
@@ -291,6 +301,7 @@ fn decisions_comment(plan: &LoweredPlan, deepspeed: bool) -> String {
             "or as `--deepspeed {DS_CONFIG}` to a Hugging Face Trainer script."
         ));
     }
+    lines.extend(super::script::engine_lines(plan, engine)?);
     let mut s = String::from("#\n");
     for l in lines {
         s.push_str("# ");
@@ -298,7 +309,7 @@ fn decisions_comment(plan: &LoweredPlan, deepspeed: bool) -> String {
         s.push('\n');
     }
     s.push_str("#\n");
-    s
+    Ok(s)
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -465,5 +476,53 @@ mod tests {
             "{}\n{script}",
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// A plan compiled for FSDP2 or Megatron-Core launches that engine's script: no
+    /// DeepSpeed config, and the script's engine lines (offload, interleaving, the step in
+    /// the backward) in the decisions comment, which the script checks still accept.
+    #[test]
+    fn fsdp2_and_megatron_plans_launch_their_own_engine() {
+        use crate::spec::{OffloadTo, OffloadWhat, Target};
+        let fsdp = PlanBuilder::llama_8b()
+            .target(Target::Fsdp)
+            .precision(Dtype::Fp32, Dtype::Bf16, None)
+            .offload(OffloadWhat::Optimizer, OffloadTo::Cpu)
+            .offload(OffloadWhat::Params, OffloadTo::Cpu)
+            .offload(OffloadWhat::Grads, OffloadTo::Cpu)
+            .in_backward(true)
+            .build();
+        for e in [torchrun(&fsdp).unwrap(), slurm(&fsdp).unwrap()] {
+            assert_eq!(e.files.len(), 1, "no ds_config.json for FSDP2");
+            let script = &e.files[0].contents;
+            assert!(
+                script.contains("offload_policy=CPUOffloadPolicy()"),
+                "{script}"
+            );
+            assert!(
+                script.contains("register_post_accumulate_grad_hook"),
+                "{script}"
+            );
+            assert!(schema::check_torchrun_script(script).is_empty());
+        }
+        let megatron = PlanBuilder::llama_8b()
+            .target(Target::Megatron)
+            .zero(1)
+            .pipeline(4)
+            .virtual_stages(2)
+            .build();
+        let e = slurm(&megatron).unwrap();
+        assert_eq!(e.files.len(), 1);
+        let script = &e.files[0].contents;
+        assert!(
+            script.contains("--num-layers-per-virtual-pipeline-stage 4"),
+            "{script}"
+        );
+        assert!(
+            script.contains("pipeline 4 (2 virtual stages each"),
+            "{script}"
+        );
+        assert!(schema::check_sbatch_script(script).is_empty());
+        assert!(schema::check_torchrun_script(script).is_empty());
     }
 }

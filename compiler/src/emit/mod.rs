@@ -36,6 +36,7 @@ mod accelerate;
 mod deepspeed;
 mod launch;
 pub mod schema;
+mod script;
 #[doc(hidden)]
 pub mod testing;
 
@@ -217,7 +218,15 @@ pub fn emit(engine: Engine, plan: &LoweredPlan) -> Result<Emission, EmitError> {
 /// fp32 master copy of 16-bit weights — plain DDP and Accelerate's MULTI_GPU
 /// have no mechanism for any of these, DeepSpeed has one for each. The
 /// launchers (torchrun, Slurm, Accelerate) then ship a `ds_config.json` too.
+/// Never for a plan compiled for FSDP2 or Megatron-Core: their own engine does
+/// each of these, as its profile predicted.
 pub fn needs_deepspeed(plan: &LoweredPlan) -> bool {
+    if matches!(
+        plan.target,
+        crate::spec::Target::Fsdp | crate::spec::Target::Megatron
+    ) {
+        return false;
+    }
     let p = &plan.precision;
     let sixteen_bit_params = matches!(p.params, Dtype::Bf16 | Dtype::Fp16);
     plan.resolved.zero > 0

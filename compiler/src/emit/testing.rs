@@ -27,6 +27,7 @@ pub struct PlanBuilder {
     checkpoint: String,
     checkpoint_layers: Vec<u64>,
     offload: Vec<Offload>,
+    virtual_stages: u64,
     step_seconds: f64,
 }
 
@@ -73,6 +74,7 @@ impl PlanBuilder {
             checkpoint: "none".into(),
             checkpoint_layers: vec![],
             offload: vec![],
+            virtual_stages: 1,
             step_seconds: 2.5,
         }
     }
@@ -93,6 +95,21 @@ impl PlanBuilder {
     }
     pub fn pipeline(mut self, degree: u64) -> Self {
         self.pipeline = degree;
+        self
+    }
+    /// Model chunks per pipeline rank (interleaved 1F1B).
+    pub fn virtual_stages(mut self, v: u64) -> Self {
+        self.virtual_stages = v;
+        self
+    }
+    /// Each parameter's optimizer step in the backward.
+    pub fn in_backward(mut self, on: bool) -> Self {
+        self.spec.optimizer_in_backward = on;
+        self
+    }
+    /// The engine the prediction is for.
+    pub fn target(mut self, target: Target) -> Self {
+        self.spec.target = target;
         self
     }
     pub fn context(mut self, degree: u64) -> Self {
@@ -220,6 +237,8 @@ impl PlanBuilder {
             checkpoint: self.checkpoint,
             checkpoint_layers: self.checkpoint_layers,
             offload: self.offload,
+            virtual_stages: self.virtual_stages,
+            optimizer_in_backward: self.spec.optimizer_in_backward,
         };
         let tokens = (self.spec.train.global_batch * self.spec.train.seq_len) as f64;
         let prediction = Prediction {
