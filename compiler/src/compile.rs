@@ -144,6 +144,7 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
     crate::executed::check(spec)?;
     check_scale(spec)?;
     crate::profile::engines::check_precision(spec)?;
+    crate::profile::engines::check_schedule(spec)?;
     let profile = Profile::for_target(spec.target);
     let mut decisions = Vec::new();
     crate::explain::record_given(spec, &profile, &mut decisions);

@@ -138,7 +138,10 @@ impl LoweredPlan {
         let d = r.data.max(1);
         let has = |w: OffloadWhat| r.offload.iter().any(|o| o.what == w);
         let burn = self.target == Target::Burn;
-        let zero3 = r.zero >= 3 && d > 1;
+        // FSDP2 shards weights and gradients under `zero = 2` too (it only keeps each unit
+        // gathered until its backward: `memory::engines::engine_candidate`).
+        let fsdp = self.target == Target::Fsdp;
+        let zero3 = (r.zero >= 3 || fsdp) && d > 1;
         // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.
         let units = burn && (r.zero >= 3 || has(OffloadWhat::Params));
         let place = |host: bool| if host { Place::Host } else { Place::Device };
@@ -179,7 +182,7 @@ impl LoweredPlan {
             master,
             optimizer_shards: if r.zero >= 1 { d } else { 1 },
             optimizer_state: place(has(OffloadWhat::Optimizer)),
-            grad_shards: if (units && r.zero >= 1) || (!burn && r.zero >= 2) {
+            grad_shards: if (units && r.zero >= 1) || (!burn && (r.zero >= 2 || fsdp)) {
                 d
             } else {
                 1

@@ -215,3 +215,22 @@ impl SpecBuilder {
         target: Target => target;
     }
 }
+
+/// A candidate on one GPU: `micro_batch` sequences, no accumulation, every parallel degree
+/// 1, ZeRO 0, nothing recomputed or offloaded. A test changes what it names with struct
+/// update syntax: `Candidate { data: 4, zero: 3, ..one_gpu(1) }`.
+pub fn one_gpu(micro_batch: u64) -> crate::memory::Candidate {
+    crate::memory::Candidate {
+        micro_batch,
+        grad_accum: 1,
+        data: 1,
+        zero: 0,
+        tensor: 1,
+        pipeline: 1,
+        context: 1,
+        sequence: false,
+        checkpoint_layers: vec![],
+        selective: false,
+        offload: vec![],
+    }
+}

@@ -7,7 +7,7 @@ use rcoa_compiler::graph::{Node, TrainGraph};
 use rcoa_compiler::memory::{evaluate, Candidate, Category};
 use rcoa_compiler::profile::Profile;
 use rcoa_compiler::spec::*;
-use rcoa_compiler::testing::SpecBuilder;
+use rcoa_compiler::testing::{one_gpu, SpecBuilder};
 use rcoa_compiler::{compile, CompileError};
 
 fn spec(layers: u64, gpus: u64) -> Spec {
@@ -20,19 +20,7 @@ fn spec(layers: u64, gpus: u64) -> Spec {
 }
 
 fn cand(data: u64) -> Candidate {
-    Candidate {
-        micro_batch: 8,
-        grad_accum: 1,
-        data,
-        zero: 0,
-        tensor: 1,
-        pipeline: 1,
-        context: 1,
-        sequence: false,
-        checkpoint_layers: vec![],
-        selective: false,
-        offload: vec![],
-    }
+    Candidate { data, ..one_gpu(8) }
 }
 
 fn bytes(r: &rcoa_compiler::memory::MemoryReport, c: Category) -> u64 {

@@ -47,6 +47,19 @@ pub fn fsdp_reshards_after_forward(plan_zero: u8) -> bool {
     plan_zero >= 3
 }
 
+/// The largest parameter (elements, per tensor-parallel rank) of `stage`'s units: a layer's
+/// largest projection, or the embedding / head table on the stages that hold it.
+fn largest_param(m: &crate::spec::ModelSpec, t: u64, stage: &Stage) -> u64 {
+    let q = m.hidden * m.heads.div_ceil(t) * m.head_dim;
+    let mlp = m.hidden * m.ffn.div_ceil(t);
+    let table = if stage.embedding || stage.head {
+        m.vocab.div_ceil(t) * m.hidden
+    } else {
+        0
+    };
+    q.max(mlp).max(table)
+}
+
 fn bytes(elems: u64, b: f64) -> u64 {
     (elems as f64 * b).ceil() as u64
 }
@@ -106,8 +119,8 @@ pub fn buffers(
             );
             // `_fsdp_state.py` `_lazy_init`: the root module (embedding, final norm, head)
             // is not resharded after forward; its parameters stay gathered until its backward.
-            if stage.embedding || stage.head {
-                let table = m.vocab.div_ceil(t) * m.hidden;
+            let table = m.vocab.div_ceil(t) * m.hidden;
+            let root = if stage.embedding || stage.head {
                 let tied = m.tie_embeddings;
                 let embed = if stage.embedding || (stage.head && tied) {
                     table
@@ -115,13 +128,40 @@ pub fn buffers(
                     0
                 };
                 let head = if stage.head && !tied { table } else { 0 };
-                let root = embed + head + m.hidden;
+                embed + head + m.hidden
+            } else {
+                0
+            };
+            if root > 0 {
                 add(
                     format!(
                         "FSDP2 root unit {} (embedding, final norm, head: gathered from its forward to its backward)",
                         gib(bytes(root, cb))
                     ),
                     bytes(root, cb),
+                );
+            }
+            if cand.offloads(OffloadWhat::Params) {
+                // `_fsdp_param.py` `all_gather_inputs` under `CPUOffloadPolicy` (the foreach
+                // fast path of `_get_param_all_gather_inputs` is skipped): each parameter's
+                // padded shard is copied up from pinned host memory in its own dtype
+                // (`.to(device)`), then cast to `param_dtype` (`_to_dtype_if_needed`); the
+                // unit's cast shards are held until `all_gather_copy_in` writes them into the
+                // all-gather output, the uploaded copy of one parameter at a time. Without a
+                // cast the uploaded shards are the inputs themselves.
+                let largest_unit = unit.max(root);
+                let b = if cb < param_b {
+                    bytes(largest_unit.div_ceil(d), cb)
+                        + bytes(largest_param(m, t, stage).div_ceil(d), param_b)
+                } else {
+                    bytes(largest_unit.div_ceil(d), param_b)
+                };
+                add(
+                    format!(
+                        "FSDP2 CPU offload copy-in {} (this rank's shards of the largest unit uploaded from host memory before its all-gather)",
+                        gib(b)
+                    ),
+                    b,
                 );
             }
             // `_fsdp_collectives.py` `foreach_reduce`: the unit's unsharded gradients (in the
@@ -217,6 +257,22 @@ pub fn buffers(
         }
     }
     Some(out)
+}
+
+/// The parts one trainable parameter's step temporaries are cut into on the device when it
+/// steps in the backward (`Spec::optimizer_in_backward`), or `None` when the step runs on
+/// the host (the optimizer offloaded: FSDP2's `CPUOffloadPolicy` hands the hook the sharded
+/// gradient already copied to the CPU, `_fsdp_collectives.py` `foreach_reduce`). FSDP2's
+/// hook fires on the sharded parameter: the step's temporaries are a shard's.
+pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u64> {
+    if cand.offloads(OffloadWhat::Optimizer) {
+        return None;
+    }
+    Some(if profile.engine == Engine::Fsdp2 {
+        cand.data.max(1)
+    } else {
+        1
+    })
 }
 
 /// Does the engine keep the reduced gradient partition in host memory because the optimizer
@@ -338,17 +394,9 @@ mod tests {
 
     fn cand(zero: u8, data: u64) -> Candidate {
         Candidate {
-            micro_batch: 1,
-            grad_accum: 1,
             data,
             zero,
-            tensor: 1,
-            pipeline: 1,
-            context: 1,
-            sequence: false,
-            checkpoint_layers: vec![],
-            selective: false,
-            offload: vec![],
+            ..crate::testing::one_gpu(1)
         }
     }
 
@@ -569,7 +617,142 @@ mod tests {
             to: OffloadTo::Cpu,
         };
         assert!(offload_refusal(Target::Megatron, &opt).is_none());
-        assert!(offload_refusal(Target::Fsdp, &opt).is_some());
+        assert!(offload_refusal(Target::Fsdp, &opt).is_none());
         assert!(offload_refusal(Target::Deepspeed, &opt).is_none());
+        let nvme = Offload {
+            what: OffloadWhat::Params,
+            to: OffloadTo::Nvme,
+        };
+        assert!(offload_refusal(Target::Fsdp, &nvme).is_some());
+        // FSDP2's CPUOffloadPolicy is all three or nothing.
+        use crate::profile::engines::offload_set_refusal;
+        let all: Vec<Offload> = crate::profile::engines::FSDP_CPU_OFFLOAD
+            .iter()
+            .map(|&what| Offload {
+                what,
+                to: OffloadTo::Cpu,
+            })
+            .collect();
+        assert!(offload_set_refusal(Target::Fsdp, &all).is_none());
+        assert!(offload_set_refusal(Target::Fsdp, &[]).is_none());
+        assert!(offload_set_refusal(Target::Fsdp, &all[..2]).is_some());
+        assert!(offload_set_refusal(Target::Deepspeed, &all[..1]).is_none());
+    }
+
+    fn cpu_offload(c: Candidate) -> Candidate {
+        let offload = crate::profile::engines::FSDP_CPU_OFFLOAD
+            .iter()
+            .map(|&what| Offload {
+                what,
+                to: crate::spec::OffloadTo::Cpu,
+            })
+            .collect();
+        Candidate { offload, ..c }
+    }
+
+    /// FSDP2's `CPUOffloadPolicy` at N = 4 (`_fsdp_param.py`, `_fsdp_collectives.py`): the
+    /// fp32 shards of weights, gradients and Adam state are in host memory; the device keeps
+    /// what is gathered (two bf16 layers plus the all-gather output, the root unit), one
+    /// layer's reduce-scatter, and the copy-in of a layer's shards: each parameter's fp32
+    /// shard uploaded and cast to bf16, the layer's bf16 shards held until the all-gather,
+    /// one fp32 parameter shard at a time (the largest, an MLP projection: H × F).
+    #[test]
+    fn fsdp2_cpu_offload_keeps_only_gathered_units_on_the_device() {
+        let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        let c = cpu_offload(cand(3, 4));
+        let bufs = engine_bytes(&s, &c);
+        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
+        let copy_in = LAYER.div_ceil(4) * 2 + (H * F).div_ceil(4) * 4;
+        assert_eq!(copy_in, 786_688);
+        assert_eq!(
+            bytes,
+            vec![
+                3 * LAYER * 2,
+                (2 * V * H + H) * 2,
+                copy_in,
+                LAYER * 2 + LAYER * 4 + LAYER.div_ceil(4) * 4
+            ],
+            "{bufs:?}"
+        );
+        assert!(bufs[2].0.contains("CPU offload copy-in"), "{}", bufs[2].0);
+        let r = evaluate(&s, &c);
+        let at = |k: &str| r.breakdown[k];
+        // One byte a tensor rounded to 512: 23 tensors.
+        assert!(at("weights") <= 23 * 512, "{}", at("weights"));
+        assert_eq!(at("optimizer"), 0);
+        assert!(at("grads") <= 23 * 512, "{}", at("grads"));
+        assert_eq!(at("communication"), bytes.iter().sum::<u64>());
+        // The same plan on the device holds the fp32 weight and Adam shards (4 + 8 bytes over
+        // 4 ranks) through the step, far more than the copy-in.
+        let on_device = evaluate(&s, &cand(3, 4));
+        let held = on_device.breakdown["weights"] + on_device.breakdown["optimizer"];
+        assert!(
+            held.abs_diff((MODEL * 12).div_ceil(4)) <= 3 * 23 * 512,
+            "{held}"
+        );
+        assert!(r.peak_bytes + held - copy_in <= on_device.peak_bytes + 3 * 23 * 512);
+        // fp32 compute casts nothing: the uploaded fp32 shards are the all-gather inputs.
+        let fp32 = spec("fsdp", "{ params = fp32 compute = fp32 }", 3);
+        let b = engine_bytes(&fp32, &c);
+        assert_eq!(b[2].1, LAYER.div_ceil(4) * 4, "{b:?}");
+    }
+
+    /// The step in the backward under FSDP2 runs on the sharded parameter: its temporaries
+    /// are a shard's (1/data), and none on the device when the optimizer is on the host.
+    #[test]
+    fn fsdp2_steps_in_the_backward_on_shards() {
+        let p = Profile::fsdp();
+        assert_eq!(in_backward_step_shards(&p, &cand(3, 4)), Some(4));
+        assert_eq!(in_backward_step_shards(&p, &cpu_offload(cand(3, 4))), None);
+        assert_eq!(
+            in_backward_step_shards(&Profile::pytorch(), &cand(0, 4)),
+            Some(1)
+        );
+    }
+
+    /// The search under `target fsdp` offloads all three (CPUOffloadPolicy) or nothing: a
+    /// part of the set is never a candidate, and a required part is a clear error.
+    #[test]
+    fn fsdp2_offload_is_searched_as_one_policy() {
+        let plan = |fit: &str| {
+            let src = format!(
+                "model {{ arch = decoder layers = 2 hidden = {H} heads = 4 kv_heads = 4 ffn = {F} vocab = {V} tie_embeddings = false }}\n\
+                 hardware {{ gpu = h100-80gb gpus_per_node = 4 }}\nprecision {{ params = fp32 compute = bf16 }}\n\
+                 optimizer adamw {{ lr = 1e-4 }}\ntrain {{ seq_len = 128 global_batch = 16 }}\n\
+                 parallel {{ zero = 3 }}\nfit {{ {fit} }}\ntarget fsdp\n"
+            );
+            let file = rcoa_grammar::parse("t.plan", &src).unwrap();
+            let ctx =
+                crate::resolve::ResolveContext::new("t.plan", &src, std::path::PathBuf::from("."));
+            crate::compile(&crate::resolve::resolve(&file, &ctx).unwrap())
+        };
+        let all = plan("must_offload = [optimizer, params, grads]").unwrap();
+        let off: Vec<String> = all
+            .lowered
+            .resolved
+            .offload
+            .iter()
+            .map(|o| o.to_string())
+            .collect();
+        assert_eq!(off, ["optimizer:cpu", "params:cpu", "grads:cpu"]);
+        assert_eq!(all.lowered.residency().weights, crate::lowered::Place::Host);
+        // Allowed in part: never used, and the decision says why.
+        let part = plan("offload = [optimizer, params]").unwrap();
+        assert!(part.lowered.resolved.offload.is_empty());
+        assert!(
+            part.explain
+                .decisions
+                .iter()
+                .any(|d| format!("{d:?}").contains("CPUOffloadPolicy")),
+            "{:?}",
+            part.explain.decisions
+        );
+        match plan("must_offload = [optimizer]") {
+            Err(crate::compile::CompileError::Inconsistent { what, help }) => {
+                assert!(what.contains("CPUOffloadPolicy"), "{what}");
+                assert!(help.contains("[optimizer, params, grads]"), "{help}");
+            }
+            other => panic!("{:?}", other.map(|c| c.lowered.resolved)),
+        }
     }
 }

@@ -243,7 +243,8 @@ pub fn model(
 /// `optimizer_in_bwd`: one optimizer per parameter, stepped by a post-accumulate-grad
 /// hook), the temporaries of one parameter's step: [`model`] over that parameter alone
 /// (foreach over a one-tensor list allocates one tensor like it; fused and paged kernels
-/// none; the per-parameter loop two; plus the fp32 gradient cast for a master copy).
+/// none; the per-parameter loop two; plus the fp32 gradient cast for a master copy), cut as
+/// the engine steps it ([`super::engines::in_backward_step_shards`]).
 pub fn in_backward_step_temp(
     spec: &Spec,
     profile: &Profile,
@@ -251,5 +252,10 @@ pub fn in_backward_step_temp(
     param: (TensorId, u64),
     c: &Candidate,
 ) -> u64 {
-    model(spec, profile, tape, &[param], c).temp_bytes
+    match super::engines::in_backward_step_shards(profile, c) {
+        Some(shards) => model(spec, profile, tape, &[param], c)
+            .temp_bytes
+            .div_ceil(shards),
+        None => 0,
+    }
 }

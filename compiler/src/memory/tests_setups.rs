@@ -8,22 +8,11 @@ use super::tape::{self, Persistent};
 use super::{evaluate, Candidate, Category};
 use crate::profile::Profile;
 use crate::spec::{Mlp, Spec, Target};
-use crate::testing::SpecBuilder;
+use crate::testing::{one_gpu, SpecBuilder};
 
+/// The setups' candidate: two sequences on one GPU.
 fn cand() -> Candidate {
-    Candidate {
-        micro_batch: 2,
-        grad_accum: 1,
-        data: 1,
-        zero: 0,
-        tensor: 1,
-        pipeline: 1,
-        context: 1,
-        sequence: false,
-        checkpoint_layers: vec![],
-        selective: false,
-        offload: vec![],
-    }
+    one_gpu(2)
 }
 
 /// Activation bytes saved for the backward when the forward ends (PyTorch profile).

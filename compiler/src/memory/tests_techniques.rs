@@ -3,21 +3,12 @@
 use super::{evaluate, Candidate};
 use crate::profile::Profile;
 use crate::spec::{CheckpointChoice, OptimizerKind, Target};
-use crate::testing::SpecBuilder;
+use crate::testing::{one_gpu, SpecBuilder};
 
 fn cand(layers: &[u64]) -> Candidate {
     Candidate {
-        micro_batch: 4,
-        grad_accum: 1,
-        data: 1,
-        zero: 0,
-        tensor: 1,
-        pipeline: 1,
-        context: 1,
-        sequence: false,
         checkpoint_layers: layers.to_vec(),
-        selective: false,
-        offload: vec![],
+        ..one_gpu(4)
     }
 }
 

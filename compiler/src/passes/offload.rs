@@ -5,7 +5,10 @@
 //! `fit.must_offload` items are in every subset; one the plan's engine or the
 //! memory model cannot carry out is an error, never dropped.
 //! Parameters move only with ZeRO-3 on DeepSpeed (`offload_param`; the Burn
-//! executor under any stage); the search skips other stages there.
+//! executor under any stage); the search skips other stages there. FSDP2 moves
+//! parameters, gradients and the optimizer step to the host together
+//! (`CPUOffloadPolicy`): its only sets are none or all three
+//! (`profile::engines::offload_set_refusal`).
 //! Activations are not offered: the memory model
 //! does not model moving checkpointed inputs to the host, and a move it
 //! cannot price is not one the compiler may choose. Host and NVMe capacity
@@ -71,7 +74,12 @@ impl<'a> Offload<'a> {
             {
                 return Err(CompileError::Inconsistent {
                     what: format!("`must_offload = [{o}]` needs ZeRO-3, but the plan's `zero` excludes it"),
-                    help: "DeepSpeed offloads parameters only under ZeRO-3 (`offload_param`): write `zero = 3` or `auto`".into(),
+                    help: if self.target == Target::Fsdp {
+                        "rcoa prices FSDP2's CPUOffloadPolicy with reshard_after_forward=True: write `zero = 3` or `auto`"
+                    } else {
+                        "DeepSpeed offloads parameters only under ZeRO-3 (`offload_param`): write `zero = 3` or `auto`"
+                    }
+                    .into(),
                 });
             }
         }
@@ -131,10 +139,28 @@ impl Pass for Offload<'_> {
             let mut whats: Vec<OffloadWhat> = set.iter().map(|o| o.what).collect();
             whats.sort();
             whats.dedup();
-            if whats.len() == set.len() && self.required.iter().all(|r| set.contains(r)) {
+            if whats.len() == set.len()
+                && self.required.iter().all(|r| set.contains(r))
+                && crate::profile::engines::offload_set_refusal(self.target, &set).is_none()
+            {
                 let mut set = set;
                 set.sort();
                 sets.push(set);
+            }
+        }
+        if !items.is_empty() && sets.iter().all(|s| s.is_empty()) {
+            if let Some(why) = crate::profile::engines::offload_set_refusal(self.target, &items) {
+                if !self.required.is_empty() {
+                    return Err(CompileError::Inconsistent {
+                        what: format!(
+                            "`must_offload` cannot be carried out by `target {}`: {why}",
+                            self.target.as_str()
+                        ),
+                        help: "write `must_offload = [optimizer, params, grads]` (each to cpu)"
+                            .into(),
+                    });
+                }
+                decide(log, self, "offload = []", why);
             }
         }
         sets.sort_by_key(|s| s.len());

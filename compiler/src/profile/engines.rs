@@ -220,11 +220,12 @@ pub fn check_zero(target: Target, zero: u8) -> Result<(), crate::compile::Compil
 pub fn offload_refusal(target: Target, o: &crate::spec::Offload) -> Option<&'static str> {
     use crate::spec::{OffloadTo, OffloadWhat};
     match target {
-        // `CPUOffloadPolicy` moves the sharded parameters, their gradients and the optimizer
-        // step to the host together; one alone is not an FSDP2 setting.
-        Target::Fsdp => Some(
-            "FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step to the host together, \
-             which rcoa does not model for FSDP2: use `target deepspeed` (ZeRO-Offload) for offload",
+        // `CPUOffloadPolicy` keeps the sharded parameters and their gradients in (pinned)
+        // host memory and steps the optimizer there; nothing goes to NVMe, and activations
+        // stay (`_fsdp_param.py`: `offload_to_cpu`). Which sets it runs: [`offload_set_refusal`].
+        Target::Fsdp if o.to == OffloadTo::Nvme || o.what == OffloadWhat::Activations => Some(
+            "FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step to host memory, \
+             never to NVMe and never activations: use `target deepspeed` (ZeRO-Infinity) for NVMe",
         ),
         // Megatron-Core's `optimizer_cpu_offload` (HybridDeviceOptimizer) is its one offload.
         Target::Megatron if !(o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu) => Some(
@@ -233,6 +234,63 @@ pub fn offload_refusal(target: Target, o: &crate::spec::Offload) -> Option<&'sta
         ),
         _ => None,
     }
+}
+
+/// FSDP2's one offload: `CPUOffloadPolicy`, the sharded parameters, their gradients and
+/// the optimizer step on the host, all three.
+pub const FSDP_CPU_OFFLOAD: [crate::spec::OffloadWhat; 3] = [
+    crate::spec::OffloadWhat::Optimizer,
+    crate::spec::OffloadWhat::Params,
+    crate::spec::OffloadWhat::Grads,
+];
+
+/// Why `target`'s engine cannot run the offload set `set` as a whole, or `None` when it
+/// can: FSDP2 runs nothing offloaded, or exactly [`FSDP_CPU_OFFLOAD`] to the CPU
+/// (`fully_shard(offload_policy=CPUOffloadPolicy())` moves the three together).
+pub fn offload_set_refusal(target: Target, set: &[crate::spec::Offload]) -> Option<&'static str> {
+    use crate::spec::OffloadTo;
+    if target != Target::Fsdp || set.is_empty() {
+        return None;
+    }
+    let exact = set.len() == FSDP_CPU_OFFLOAD.len()
+        && FSDP_CPU_OFFLOAD
+            .iter()
+            .all(|w| set.iter().any(|o| o.what == *w && o.to == OffloadTo::Cpu));
+    (!exact).then_some(
+        "FSDP2's CPUOffloadPolicy moves the sharded parameters, their gradients and the optimizer step to \
+         the host together: offload all three (`offload = [optimizer, params, grads]`) or none",
+    )
+}
+
+/// A schedule of the step the target's engine does not run: the optimizer step in the
+/// backward (torchtune's `optimizer_in_bwd`, per-parameter hooks) is eager PyTorch's and
+/// FSDP2's; DeepSpeed and Megatron-Core step once after the backward over their flat
+/// buffers. Interleaved pipeline stages are Megatron-Core's (and `torch.distributed.pipelining`'s
+/// `ScheduleInterleaved1F1B`); DeepSpeed's `PipelineEngine` runs plain 1F1B.
+pub fn check_schedule(spec: &crate::spec::Spec) -> Result<(), crate::compile::CompileError> {
+    let engine = Profile::for_target(spec.target).engine.display_name();
+    let t = spec.target.as_str();
+    if spec.optimizer_in_backward && matches!(spec.target, Target::Deepspeed | Target::Megatron) {
+        return Err(crate::compile::CompileError::Inconsistent {
+            what: format!(
+                "`optimizer.in_backward = true` is not what `target {t}` runs: {engine} steps its optimizer once after \
+                 the backward, over every gradient"
+            ),
+            help: "remove `in_backward`, or write `target fsdp` or `target pytorch` (torchtune's optimizer_in_bwd)"
+                .into(),
+        });
+    }
+    if spec.parallel.virtual_stages > 1 && spec.target == Target::Deepspeed {
+        return Err(crate::compile::CompileError::Inconsistent {
+            what: format!(
+                "`parallel.virtual_stages = {}` is not what `target {t}` runs: DeepSpeed's PipelineEngine holds one \
+                 model chunk per stage (plain 1F1B)",
+                spec.parallel.virtual_stages
+            ),
+            help: "remove `virtual_stages`, or write `target megatron` for Megatron-Core's interleaved schedule".into(),
+        });
+    }
+    Ok(())
 }
 
 /// A precision the target's engine has no setting for. FSDP2's mixed precision is fp32

@@ -63,20 +63,23 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
             .join(", ")
     );
     let mut relaxations: Vec<(String, Spec)> = Vec::new();
-    // FSDP2 and Megatron-Core run no parameter offload (`profile::engines::offload_refusal`).
+    // Megatron-Core runs no parameter offload (`profile::engines::offload_refusal`); FSDP2
+    // offloads parameters, gradients and the optimizer step together (CPUOffloadPolicy).
+    let fsdp = spec.target == crate::spec::Target::Fsdp;
     let can_offload = (spec.target.is_pytorch_engine() || spec.gpu_count() > 1)
-        && !matches!(
-            spec.target,
-            crate::spec::Target::Fsdp | crate::spec::Target::Megatron
-        );
-    let wanted = [OffloadWhat::Optimizer, OffloadWhat::Params];
+        && spec.target != crate::spec::Target::Megatron;
+    let wanted: &[OffloadWhat] = if fsdp {
+        &crate::profile::engines::FSDP_CPU_OFFLOAD
+    } else {
+        &[OffloadWhat::Optimizer, OffloadWhat::Params]
+    };
     if can_offload
         && !wanted
             .iter()
             .all(|w| spec.fit.offload.iter().any(|o| o.what == *w))
     {
         let mut s = spec.clone();
-        for w in wanted {
+        for &w in wanted {
             if !s.fit.offload.iter().any(|o| o.what == w) {
                 s.fit.offload.push(Offload {
                     what: w,
@@ -88,10 +91,12 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
         if s.parallel.zero.fixed().is_some_and(|z| z < 3) {
             s.parallel.zero = Choice::Auto;
         }
-        relaxations.push((
-            "`offload = [optimizer, params]` (with `zero = auto`)".into(),
-            s,
-        ));
+        let label = if fsdp {
+            "`offload = [optimizer, params, grads]` (FSDP2's CPUOffloadPolicy, with `zero = auto`)"
+        } else {
+            "`offload = [optimizer, params]` (with `zero = auto`)"
+        };
+        relaxations.push((label.into(), s));
     }
     if matches!(
         spec.fit.checkpoint,
