@@ -10,6 +10,7 @@
 //! (pessimistic). Invariant: the model is monotone — more FLOPs, bytes or
 //! traffic never predict a faster step.
 
+mod fsdp;
 pub mod parallel;
 
 use crate::memory::{Candidate, MemoryReport};

@@ -25,6 +25,8 @@
 //!   and the bubble is `(p-1)/v` micro-step times.
 //! - **offload**: bytes over PCIe (~25 GB/s per GPU) or NVMe (slower) and
 //!   the CPU optimizer's update.
+//! - **FSDP2** (`target fsdp`, [`super::fsdp`]): all-gathers of the `param_dtype` copy
+//!   (cast before the collective), reduce-scatters in fp32, `CPUOffloadPolicy`'s transfers.
 //! - **the Burn executor's ZeRO-3** (units: embedding, layers, head): every
 //!   unit all-gathered for its forward, the checkpointed layers again for
 //!   their recompute (the others keep theirs), every unit's fp32 gradient
@@ -275,14 +277,14 @@ fn link(spec: &Spec, span: u64) -> (Link, f64) {
 }
 
 /// Builds [`Traffic`] rows, pricing each the same way.
-struct Rows {
+pub(super) struct Rows {
     ga: f64,
     rows: Vec<Traffic>,
 }
 
 impl Rows {
     #[allow(clippy::too_many_arguments)]
-    fn push(
+    pub(super) fn push(
         &mut self,
         collective: Collective,
         what: &'static str,
@@ -350,7 +352,10 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     // separately: ZeRO-3 shards both, ZeRO 1/2 with offloaded weights only the latter.
     let wshards = if cand.zero >= 3 { d } else { 1 };
     let oshards = if cand.zero >= 1 { d } else { 1 };
-    if units && d > 1 {
+    let fsdp = spec.target == crate::spec::Target::Fsdp;
+    if fsdp && d > 1 {
+        super::fsdp::data_parallel(&mut r, spec, cand, report, d, link(spec, t * c * d));
+    } else if units && d > 1 {
         let dp = link(spec, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
         if wshards > 1 {
@@ -501,7 +506,10 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
         );
     }
     let mut host_optimizer_s = 0.0;
-    for o in &cand.offload {
+    if fsdp {
+        host_optimizer_s += super::fsdp::offload(&mut r, spec, cand, report);
+    }
+    for o in cand.offload.iter().filter(|_| !fsdp) {
         let to = match o.to {
             OffloadTo::Cpu => (Link::Pcie, PCIE_BYTES_PER_S),
             OffloadTo::Nvme => (Link::Nvme, NVME_BYTES_PER_S),
