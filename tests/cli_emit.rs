@@ -11,7 +11,7 @@
 use rcoa_compiler::emit::testing::PlanBuilder;
 use rcoa_compiler::emit::{self, schema, Engine};
 use rcoa_compiler::lowered::LoweredPlan;
-use rcoa_compiler::spec::{AdapterKind, Dtype, OffloadTo, OffloadWhat, OptimizerKind};
+use rcoa_compiler::spec::{AdapterKind, Dtype, OffloadTo, OffloadWhat, OptimizerKind, Target};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -178,7 +178,61 @@ fn plan_matrix() -> Vec<(&'static str, LoweredPlan)> {
                 .build(),
         ),
         ("no-steps", b().nodes(4, 8).steps(None).build()),
+        ("fsdp2-offload-in-backward", fsdp2_offload_plan()),
+        (
+            "megatron-interleaved",
+            b().target(Target::Megatron)
+                .zero(1)
+                .pipeline(4)
+                .virtual_stages(2)
+                .build(),
+        ),
     ]
+}
+
+/// FSDP2 with `CPUOffloadPolicy` and the optimizer stepped in the backward.
+fn fsdp2_offload_plan() -> LoweredPlan {
+    PlanBuilder::llama_8b()
+        .target(Target::Fsdp)
+        .precision(Dtype::Fp32, Dtype::Bf16, None)
+        .offload(OffloadWhat::Optimizer, OffloadTo::Cpu)
+        .offload(OffloadWhat::Params, OffloadTo::Cpu)
+        .offload(OffloadWhat::Grads, OffloadTo::Cpu)
+        .in_backward(true)
+        .build()
+}
+
+/// A lowered plan compiled for FSDP2 launches FSDP2: the torchrun script carries its
+/// `fully_shard` calls with `CPUOffloadPolicy` and the step-in-backward hooks, and ships
+/// no DeepSpeed config; DeepSpeed itself refuses the step in the backward by name.
+#[test]
+fn an_fsdp2_plan_launches_fsdp2_and_deepspeed_refuses_its_schedule() {
+    let (out, _) = run_emit(
+        &fsdp2_offload_plan(),
+        "fsdp2-torchrun",
+        &["--target", "torchrun"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    assert!(!script.contains("==> ds_config.json"), "{script}");
+    assert!(
+        script.contains("fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())"),
+        "{script}"
+    );
+    assert!(
+        script.contains("p.register_post_accumulate_grad_hook(step)"),
+        "{script}"
+    );
+
+    let (out, _) = run_emit(
+        &PlanBuilder::llama_8b().in_backward(true).build(),
+        "inbwd-deepspeed",
+        &["--target", "deepspeed"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(err.contains("rcoa::emit_unsupported"), "{err}");
+    assert!(err.contains("`optimizer.in_backward`"), "{err}");
 }
 
 /// Every string scalar YAML 1.1 (PyYAML, which Accelerate uses) would read as a boolean.

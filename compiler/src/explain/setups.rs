@@ -22,10 +22,14 @@ pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
         }
     }
     if spec.optimizer_in_backward {
+        let engine = match spec.target {
+            crate::spec::Target::Fsdp => "; under FSDP2 the hooks sit on the sharded parameters and fire once a unit's reduced shard is set: the temporaries are a shard's (1/data), none on the device when CPUOffloadPolicy steps on the host",
+            _ => "",
+        };
         log.push(Decision::new(
             "given",
             "optimizer.in_backward = true",
-            "torchtune's `optimizer_in_bwd`: each parameter's step runs in a post-accumulate-grad hook as soon as its gradient is complete, then the gradient is freed; no full set of gradients ever exists (each lives only during its own backward op), the step's temporaries are one parameter's, charged to that op's backward; one backward per step (grad_accum = 1)",
+            format!("torchtune's `optimizer_in_bwd`: each parameter's step runs in a post-accumulate-grad hook as soon as its gradient is complete, then the gradient is freed; no full set of gradients ever exists (each lives only during its own backward op), the step's temporaries are one parameter's, charged to that op's backward; one backward per step (grad_accum = 1){engine}"),
         ));
     }
     if spec.optimizer.implementation == crate::spec::OptImpl::Paged {

@@ -639,6 +639,29 @@ mod tests {
         assert!(offload_set_refusal(Target::Deepspeed, &all[..1]).is_none());
     }
 
+    /// The step's schedule each engine runs: DeepSpeed and Megatron-Core step after the
+    /// backward; DeepSpeed's pipeline is plain 1F1B.
+    #[test]
+    fn engines_refuse_schedules_they_do_not_run() {
+        use crate::profile::engines::check_schedule;
+        let precision = "{ params = bf16 compute = bf16 master = fp32 }";
+        for (target, zero) in [("deepspeed", 1), ("megatron", 1)] {
+            let mut s = spec(target, precision, zero);
+            assert!(check_schedule(&s).is_ok());
+            s.optimizer_in_backward = true;
+            let e = check_schedule(&s).unwrap_err().to_string();
+            assert!(e.contains("in_backward") && e.contains(target), "{e}");
+        }
+        let mut fsdp = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
+        fsdp.optimizer_in_backward = true;
+        fsdp.parallel.virtual_stages = 2;
+        assert!(check_schedule(&fsdp).is_ok());
+        let mut ds = spec("deepspeed", precision, 1);
+        ds.parallel.virtual_stages = 2;
+        let e = check_schedule(&ds).unwrap_err().to_string();
+        assert!(e.contains("virtual_stages"), "{e}");
+    }
+
     fn cpu_offload(c: Candidate) -> Candidate {
         let offload = crate::profile::engines::FSDP_CPU_OFFLOAD
             .iter()
