@@ -633,6 +633,33 @@ fn fsdp_and_ddp_launches_are_compiled_for_their_engine() {
     assert!(!dir.join("ddp/ds_config.json").exists());
 }
 
+/// A plan written `target fsdp` keeps its engine under `--target torchrun`: it is compiled
+/// under the FSDP2 profile (no note about another profile) and the script shards with
+/// `fully_shard`, not DeepSpeed.
+#[test]
+fn a_plan_written_for_fsdp2_is_launched_as_fsdp2_by_torchrun() {
+    let dir = scratch("engine-fsdp-torchrun");
+    std::fs::write(
+        dir.join("fsdp.plan"),
+        "model \"llama-3.2-1b\"\nhardware { gpu = h100-80gb gpus_per_node = 4 }\n\
+         precision { params = fp32 compute = bf16 }\noptimizer adamw { lr = 1e-4 }\n\
+         train { seq_len = 2048 global_batch = 32 }\nparallel { zero = 3 tensor = 1 pipeline = 1 }\n\
+         target fsdp\n",
+    )
+    .unwrap();
+    let out = rcoa()
+        .args(["emit", "fsdp.plan", "--target", "torchrun", "-o", "out"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("is compiled under the"), "{err}");
+    let script = std::fs::read_to_string(dir.join("out/torchrun.sh")).unwrap();
+    assert!(script.contains("fully_shard"), "{script}");
+    assert!(!dir.join("out/ds_config.json").exists());
+}
+
 #[test]
 fn a_refusal_points_at_the_setting_in_the_plan() {
     // Run from the repository with a relative path, so the diagnostic names the file as a user would.

@@ -174,6 +174,10 @@ fn compile_plan(path: &Path, target: Target, fsdp: bool) -> Result<Loaded, ExitC
     let fixed = match target {
         Target::Deepspeed => Some(Engine::Deepspeed),
         Target::Accelerate if fsdp => Some(Engine::Fsdp),
+        // A plan written for FSDP2 or Megatron keeps its engine: torchrun and Slurm launch
+        // either (the emitted script carries its `fully_shard` / Megatron lines), and
+        // Accelerate shards an FSDP2 plan with FSDP (and refuses a Megatron one by name).
+        _ if matches!(written, Engine::Fsdp | Engine::Megatron) => Some(written),
         _ => None,
     };
     loaded.spec.target = fixed.unwrap_or(Engine::Pytorch);
