@@ -177,15 +177,17 @@ pub fn cache_dir(info: &CudaInfo) -> PathBuf {
 /// Point the driver's PTX→SASS JIT cache at `kernel_cache::driver_jit_dir`
 /// with room for a model's kernels, unless the user set `CUDA_CACHE_PATH` /
 /// `CUDA_CACHE_MAXSIZE`. CubeCL caches PTX only; every load of it is JIT-
-/// compiled by the driver, whose default cache (256 MiB in `~/.nv`) evicts
-/// part of a large model's kernels. Must run before the first `cuInit`
-/// (the preflight's): the driver reads these variables there, once.
+/// compiled by the driver, whose default cache (`~/.nv/ComputeCache`, 1 GiB)
+/// is shared with every other CUDA program and evicts the oldest entries.
+/// Must run before the first `cuInit` (the preflight's): the driver reads
+/// these variables there, once.
 pub fn configure_driver_jit_cache() {
     let root = crate::kernel_cache::cache_root();
     let env = crate::kernel_cache::driver_jit_env(&root, |v| std::env::var_os(v).is_some());
     for (name, value) in env {
         if name == "CUDA_CACHE_PATH" {
-            // The driver does not create it; without it the cache is off.
+            // rcoa names the directory, so rcoa makes it; the driver only
+            // has to write there.
             let _ = std::fs::create_dir_all(&value);
         }
         // Before any CUDA or rank thread exists; nothing reads the

@@ -42,8 +42,9 @@ pub fn driver_jit_dir(root: &Path) -> PathBuf {
 }
 
 /// The driver's JIT cache size: its documented maximum (4 GiB). The
-/// default (256 MiB on recent drivers) holds only part of a model's
-/// kernels, and an evicted kernel is JIT-compiled again at the next load.
+/// default (1 GiB on servers, 256 MiB on embedded platforms) is shared with
+/// every other CUDA program of the user, and an evicted kernel is
+/// JIT-compiled again at its next load.
 pub const DRIVER_JIT_MAXSIZE: u64 = 4 << 30;
 
 /// The environment the driver's JIT cache needs, for variables the user

@@ -583,7 +583,7 @@ pub struct LocalDevice<D> {
 pub type ProbeFactory<D> = fn(&D) -> Box<dyn MemoryProbe>;
 
 enum RankMessage {
-    Event(Event),
+    Event(Box<Event>),
     Done(u32, Box<Result<Summary, RunError>>),
 }
 
@@ -650,7 +650,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
                 let mut probe = probe(&device);
                 let mut report = |e: Event| {
                     if local == 0 {
-                        let _ = tx.send(RankMessage::Event(e));
+                        let _ = tx.send(RankMessage::Event(Box::new(e)));
                     }
                 };
                 execute::<B>(
@@ -685,7 +685,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
     let mut left = n;
     while left > 0 {
         match rx.recv() {
-            Ok(RankMessage::Event(e)) => on_event(e),
+            Ok(RankMessage::Event(e)) => on_event(*e),
             Ok(RankMessage::Done(local, result)) => {
                 // The first failure ends the run; ranks blocked in a
                 // collective waiting for the failed one are not waited for.

@@ -53,7 +53,7 @@ pub fn run(args: Args) -> ExitCode {
         )));
         return ExitCode::from(2);
     }
-    let distributed = (args.devices > 1).then(|| Distributed {
+    let distributed = (args.devices > 1).then_some(Distributed {
         nodes: 1,
         node_rank: 0,
         devices: args.devices,
