@@ -343,7 +343,10 @@ pub(crate) fn run_probed(
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
-    // (CubeCL's memory pool is configured here, before the first device use.)
+    // POOL HOOK: CubeCL's memory pool is configured here, after the caches
+    // and before the first device use. CubeCL's configuration is `set` once
+    // per process (a second `set` is ignored): a pool setting that lives in
+    // `CubeClRuntimeConfig` belongs in `configure_cache`'s `cfg` instead.
     on_event(Event::Compiling {
         cold,
         entries: crate::kernel_cache::count_entries(&dir),

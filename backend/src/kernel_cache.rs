@@ -64,30 +64,57 @@ pub fn driver_jit_env(root: &Path, is_set: impl Fn(&str) -> bool) -> Vec<(&'stat
     env
 }
 
-/// Entries in CubeCL's caches under `dir`: lines of its `*.json.log`
-/// files (one compiled kernel or one tuning result each). 0 for a missing
-/// directory.
-pub fn count_entries(dir: &Path) -> u64 {
+/// CubeCL's cache files under `dir` (`*.json.log`, in any depth).
+fn cubecl_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
+        return;
     };
-    let mut n = 0;
     for e in entries.flatten() {
         let path = e.path();
         let Ok(kind) = e.file_type() else { continue };
         if kind.is_dir() {
-            n += count_entries(&path);
+            cubecl_files(&path, out);
         } else if path
             .file_name()
             .and_then(|f| f.to_str())
             .is_some_and(|f| f.ends_with(".json.log"))
         {
-            if let Ok(bytes) = std::fs::read(&path) {
-                n += bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+            out.push(path);
+        }
+    }
+}
+
+/// Entries in CubeCL's caches under `dir`: lines of its `*.json.log`
+/// files (one compiled kernel or one tuning result each). 0 for a missing
+/// directory. Reads the files (the PTX cache of a model is around 100 MB),
+/// so it is for messages, once per run; `has_entries` is the cheap test.
+pub fn count_entries(dir: &Path) -> u64 {
+    use std::io::Read;
+    let mut files = Vec::new();
+    cubecl_files(dir, &mut files);
+    let mut n = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    for path in files {
+        let Ok(mut f) = std::fs::File::open(&path) else {
+            continue;
+        };
+        while let Ok(len) = f.read(&mut buf) {
+            if len == 0 {
+                break;
             }
+            n += buf[..len].iter().filter(|&&b| b == b'\n').count() as u64;
         }
     }
     n
+}
+
+/// Whether CubeCL's caches under `dir` hold anything (file sizes only).
+pub fn has_entries(dir: &Path) -> bool {
+    let mut files = Vec::new();
+    cubecl_files(dir, &mut files);
+    files
+        .iter()
+        .any(|p| std::fs::metadata(p).is_ok_and(|m| m.len() > 0))
 }
 
 // ---------------------------------------------------------------- autotune
@@ -176,7 +203,7 @@ const WARMED: &str = "warmed.jsonl";
 /// the cache `dir` (`record_warmed`). A cache with no CubeCL entry holds
 /// none, whatever the record says (it was emptied).
 pub fn warmed(dir: &Path, fingerprint: &str) -> Vec<Shape> {
-    if count_entries(dir) == 0 {
+    if !has_entries(dir) {
         return Vec::new();
     }
     let Ok(text) = std::fs::read_to_string(dir.join(WARMED)) else {
@@ -251,6 +278,14 @@ mod tests {
         std::fs::write(tune.join("matmul.json.log.lock"), "x\ny\n").unwrap();
         std::fs::write(d.join(WARMED), "{}\n{}\n").unwrap();
         assert_eq!(count_entries(&d), 4);
+        assert!(has_entries(&d));
+        std::fs::write(ptx.join("ptx.json.log"), "").unwrap();
+        std::fs::write(tune.join("matmul.json.log"), "").unwrap();
+        assert_eq!(count_entries(&d), 0);
+        assert!(
+            !has_entries(&d),
+            "the record and lock files are not CubeCL's entries"
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 

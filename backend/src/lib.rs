@@ -10,7 +10,9 @@
 //! The executor is instantiated twice, no more (each instantiation costs
 //! minutes of compile time): `Autodiff<NdArray>` on the CPU, always built, and
 //! `Autodiff<Cuda>` behind the `cuda` feature (`cuda` module: preflight of the
-//! driver, NVRTC and headers; CubeCL's persistent kernel cache).
+//! driver, NVRTC and headers; CubeCL's persistent kernel cache). `warmup`
+//! runs a plan's first steps to fill that cache ahead of a run
+//! (`kernel_cache`, `shapes`; docs/cold-start.md).
 //!
 //! Data parallelism runs over processes and, within a process, over its
 //! devices, one thread each (`distributed`: burn-collective's all-reduce of

@@ -3,8 +3,10 @@
 //!
 //! The plan comes from a `.plan` file (parsed, resolved and compiled here) or
 //! from `--lowered FILE.json` (a serialized `LoweredPlan`, e.g. written by
-//! another tool). Text mode shows a progress bar; JSON mode prints one object
-//! per step and a final summary, one per line, on stdout. Exit status: 0 done,
+//! another tool). Text mode shows a progress bar (on CUDA, before the first
+//! pass of each shape the kernel cache lacks, a line saying it compiles and a
+//! spinner: `compile_notice`); JSON mode prints one object per step and a
+//! final summary, one per line, on stdout. Exit status: 0 done,
 //! 1 the run failed while training (divergence, backend failure), 2 bad plan,
 //! bad usage, or an unavailable device.
 //!
