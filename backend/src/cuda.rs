@@ -20,10 +20,10 @@
 //!
 //! Order matters (docs/cold-start.md): the driver's own PTX→SASS cache is
 //! configured through the environment, which the driver reads once, at
-//! `cuInit`, and the preflight is the first `cuInit`; so
-//! `configure_driver_jit_cache` runs before it. CubeCL's configuration is
-//! read once per process, at its first use, so `configure_cache` sets it
-//! before any CubeCL call.
+//! `cuInit`, and the preflight's is the first; so the preflight sets it
+//! (`configure_driver_jit_cache`) between finding the driver and `cuInit`.
+//! CubeCL's configuration is read once per process, at its first use, so
+//! `configure_cache` sets it before any CubeCL call.
 
 use crate::memory::MemoryProbe;
 use crate::{Event, RunError, RunOptions, Summary};
@@ -61,6 +61,8 @@ pub fn preflight() -> Result<CudaInfo, RunError> {
     let driver = open_any(DRIVER_NAMES).ok_or_else(|| {
         unavailable("the NVIDIA driver library (libcuda.so) was not found: is there a GPU and its driver on this machine?".into())
     })?;
+    // Loading the library did not initialise CUDA; `query_driver` will.
+    configure_driver_jit_cache();
     let cuda_path = cubecl::cuda::install::cuda_path();
     if open_any(NVRTC_NAMES).is_none() {
         // Load it from the toolkit directory and keep it loaded for cudarc.
@@ -179,8 +181,8 @@ pub fn cache_dir(info: &CudaInfo) -> PathBuf {
 /// `CUDA_CACHE_MAXSIZE`. CubeCL caches PTX only; every load of it is JIT-
 /// compiled by the driver, whose default cache (`~/.nv/ComputeCache`, 1 GiB)
 /// is shared with every other CUDA program and evicts the oldest entries.
-/// Must run before the first `cuInit` (the preflight's): the driver reads
-/// these variables there, once.
+/// Must run before the first `cuInit` (the preflight's, which calls it once
+/// the driver library is found): the driver reads these variables there, once.
 pub fn configure_driver_jit_cache() {
     let root = crate::kernel_cache::cache_root();
     let env = crate::kernel_cache::driver_jit_env(&root, |v| std::env::var_os(v).is_some());
@@ -339,7 +341,6 @@ pub(crate) fn run_probed(
     probe: crate::ProbeFactory<CudaDevice>,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
-    configure_driver_jit_cache();
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
