@@ -125,8 +125,12 @@ fn warmup_on_the_cpu_runs_the_shapes_saves_nothing_and_changes_no_run() {
     // Nothing written: not beside the plan, not in a cache.
     assert_eq!(tree(&dir), before, "rcoa warmup wrote or changed files");
     assert!(!home.join("xdg").exists());
-    // The run after it is the run before it.
+    // The run after it is the run before it, and on the CPU it says nothing
+    // about compiling.
     assert_eq!(run_losses(&home, &plan, &eval), before_run);
+    let out = rcoa(&home, &["run", plan.to_str().unwrap(), "--steps", "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("compiling kernels"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
