@@ -37,6 +37,8 @@ enum Command {
     Compile(cmd::compile::Args),
     /// Train with the compiled plan on Burn (CPU or CUDA).
     Run(Box<cmd::run::Args>),
+    /// Compile and tune a plan's CUDA kernels ahead of `rcoa run` (two steps on a throwaway model).
+    Warmup(cmd::warmup::Args),
     /// The held-out loss of a plan's model on a data file (forward only, CPU).
     Eval(cmd::eval::Args),
     /// Serve the meeting point of a data-parallel `rcoa run` over several processes.
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::Catalog(a) => cmd::catalog::run(a),
         Command::Compile(a) => cmd::compile::run(a),
         Command::Run(a) => cmd::run::run(*a),
+        Command::Warmup(a) => cmd::warmup::run(a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Orchestrate(a) => cmd::orchestrate::run(a),
         Command::Emit(a) => cmd::emit::run(a),

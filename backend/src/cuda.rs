@@ -17,6 +17,13 @@
 //! (`~/.cache/...`), keyed by GPU and driver because compiled kernels and
 //! tuning results are only valid for them. A cold cache is reported so the
 //! user knows the first step compiles.
+//!
+//! Order matters (docs/cold-start.md): the driver's own PTX→SASS cache is
+//! configured through the environment, which the driver reads once, at
+//! `cuInit`, and the preflight's is the first; so the preflight sets it
+//! (`configure_driver_jit_cache`) between finding the driver and `cuInit`.
+//! CubeCL's configuration is read once per process, at its first use, so
+//! `configure_cache` sets it before any CubeCL call.
 
 use crate::memory::MemoryProbe;
 use crate::{Event, RunError, RunOptions, Summary};
@@ -54,6 +61,8 @@ pub fn preflight() -> Result<CudaInfo, RunError> {
     let driver = open_any(DRIVER_NAMES).ok_or_else(|| {
         unavailable("the NVIDIA driver library (libcuda.so) was not found: is there a GPU and its driver on this machine?".into())
     })?;
+    // Loading the library did not initialise CUDA; `query_driver` will.
+    configure_driver_jit_cache();
     let cuda_path = cubecl::cuda::install::cuda_path();
     if open_any(NVRTC_NAMES).is_none() {
         // Load it from the toolkit directory and keep it loaded for cudarc.
@@ -152,15 +161,7 @@ unsafe fn query_driver(lib: &libloading::Library) -> Result<(String, i32), Strin
 
 /// The persistent cache directory for this GPU and driver.
 pub fn cache_dir(info: &CudaInfo) -> PathBuf {
-    let root = std::env::var_os("RCOA_CACHE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let base = std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-                .unwrap_or_else(std::env::temp_dir);
-            base.join("rcoa").join("cubecl")
-        });
+    let root = crate::kernel_cache::cache_root();
     let gpu: String = info
         .gpu
         .chars()
@@ -175,9 +176,39 @@ pub fn cache_dir(info: &CudaInfo) -> PathBuf {
     root.join(format!("{gpu}-driver{}", info.driver_version))
 }
 
-/// Point CubeCL's compilation and autotune caches at `dir`. Returns whether
-/// the cache was cold (empty). Must run before the first CubeCL call.
+/// Point the driver's PTX→SASS JIT cache at `kernel_cache::driver_jit_dir`
+/// with room for a model's kernels, unless the user set `CUDA_CACHE_PATH` /
+/// `CUDA_CACHE_MAXSIZE`. CubeCL caches PTX only; every load of it is JIT-
+/// compiled by the driver, whose default cache (`~/.nv/ComputeCache`, 1 GiB)
+/// is shared with every other CUDA program and evicts the oldest entries.
+/// Must run before the first `cuInit` (the preflight's, which calls it once
+/// the driver library is found): the driver reads these variables there, once.
+pub fn configure_driver_jit_cache() {
+    let root = crate::kernel_cache::cache_root();
+    let env = crate::kernel_cache::driver_jit_env(&root, |v| std::env::var_os(v).is_some());
+    for (name, value) in env {
+        if name == "CUDA_CACHE_PATH" {
+            // rcoa names the directory, so rcoa makes it; the driver only
+            // has to write there.
+            let _ = std::fs::create_dir_all(&value);
+        }
+        // Before any CUDA or rank thread exists; nothing reads the
+        // environment concurrently.
+        std::env::set_var(name, value);
+    }
+}
+
+/// Point CubeCL's compilation and autotune caches at `dir`, and apply the
+/// autotune level `kernel_cache::set_autotune` chose. Returns whether the
+/// cache was cold (empty). Must run before the first CubeCL call.
+///
+/// Starts from the configuration CubeCL itself would read (a `cubecl.toml`
+/// or `burn.toml`'s `[cubecl]` in the working directory or above, then
+/// `CUBECL_AUTOTUNE_LEVEL` and the debug variables), so those still apply;
+/// only the cache locations, and the level when chosen, are rcoa's.
 pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
+    use crate::kernel_cache::AutotuneLevel as Level;
+    use cubecl::config::autotune::AutotuneLevel;
     use cubecl::config::cache::CacheConfig;
     use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
     let cold = std::fs::read_dir(dir)
@@ -189,9 +220,29 @@ pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
             dir.display()
         ))
     })?;
-    let mut cfg = CubeClRuntimeConfig::default();
+    // CubeCL panics on a malformed configuration file.
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let read =
+        std::panic::catch_unwind(|| CubeClRuntimeConfig::from_current_dir().override_from_env());
+    std::panic::set_hook(previous);
+    let mut cfg = read.map_err(|p| {
+        RunError::Unsupported(format!(
+            "CubeCL's configuration file (cubecl.toml or burn.toml's [cubecl], in the working directory or above) \
+             cannot be read: {}; fix or remove it",
+            panic_text(p.as_ref())
+        ))
+    })?;
     cfg.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
     cfg.autotune.cache = CacheConfig::File(dir.to_path_buf());
+    if let Some(level) = crate::kernel_cache::autotune() {
+        cfg.autotune.level = match level {
+            Level::Minimal => AutotuneLevel::Minimal,
+            Level::Balanced => AutotuneLevel::Balanced,
+            Level::Extensive => AutotuneLevel::Extensive,
+            Level::Full => AutotuneLevel::Full,
+        };
+    }
     // `set` panics if CubeCL already read its configuration (a second run in
     // one process); the first configuration then stays, which is fine.
     let _ = std::panic::catch_unwind(|| CubeClRuntimeConfig::set(cfg));
@@ -269,6 +320,9 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// The CUDA executor's instantiation.
+pub(crate) type B = burn::backend::Autodiff<burn::backend::Cuda<f32>>;
+
 /// Train on GPU 0, or with `--devices N` on GPUs 0..N, one rank (thread)
 /// each (`execute_ranks`).
 pub fn run(
@@ -276,11 +330,29 @@ pub fn run(
     opts: &RunOptions,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
-    type B = burn::backend::Autodiff<burn::backend::Cuda<f32>>;
+    run_probed(plan, opts, |d| Box::new(CudaProbe::new(d)), on_event)
+}
+
+/// `run` with each rank's probe from `probe` (`crate::warmup` wraps
+/// `CudaProbe` to report progress).
+pub(crate) fn run_probed(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    probe: crate::ProbeFactory<CudaDevice>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
-    on_event(Event::Compiling { cold });
+    // POOL HOOK: CubeCL's memory pool is configured here, after the caches
+    // and before the first device use. CubeCL's configuration is `set` once
+    // per process (a second `set` is ignored): a pool setting that lives in
+    // `CubeClRuntimeConfig` belongs in `configure_cache`'s `cfg` instead.
+    on_event(Event::Compiling {
+        cold,
+        entries: crate::kernel_cache::count_entries(&dir),
+        dir: dir.clone(),
+    });
     let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
     let name = |i: u32| {
         format!(
@@ -316,14 +388,7 @@ pub fn run(
                 )));
             }
         }
-        crate::execute_ranks::<B>(
-            plan,
-            opts,
-            devices,
-            true,
-            |d| Box::new(CudaProbe::new(d)),
-            on_event,
-        )
+        crate::execute_ranks::<B>(plan, opts, devices, true, probe, on_event)
     }));
     std::panic::set_hook(previous);
     result.unwrap_or_else(|p| Err(RunError::Backend(panic_text(p.as_ref()))))

@@ -10,7 +10,9 @@
 //! The executor is instantiated twice, no more (each instantiation costs
 //! minutes of compile time): `Autodiff<NdArray>` on the CPU, always built, and
 //! `Autodiff<Cuda>` behind the `cuda` feature (`cuda` module: preflight of the
-//! driver, NVRTC and headers; CubeCL's persistent kernel cache).
+//! driver, NVRTC and headers; CubeCL's persistent kernel cache). `warmup`
+//! runs a plan's first steps to fill that cache ahead of a run
+//! (`kernel_cache`, `shapes`; docs/cold-start.md).
 //!
 //! Data parallelism runs over processes and, within a process, over its
 //! devices, one thread each (`distributed`: burn-collective's all-reduce of
@@ -26,6 +28,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod distributed;
 pub mod eval;
+pub mod kernel_cache;
 pub mod loss;
 pub mod loss_chunked;
 pub mod memory;
@@ -34,10 +37,12 @@ pub mod ops;
 pub mod optim;
 pub mod quant;
 pub mod setup;
+pub mod shapes;
 pub mod shard;
 pub mod testing;
 pub mod tokenizer;
 pub mod train;
+pub mod warmup;
 pub mod weights;
 
 #[cfg(feature = "cuda")]
@@ -288,9 +293,12 @@ pub struct RunOptions {
 pub enum Event {
     /// Built and about to train.
     Started(Started),
-    /// The first step may compile kernels (CUDA, cold cache).
+    /// The first step may compile kernels (CUDA): `cold`, the kernel cache
+    /// `dir` was empty; it holds `entries` (`kernel_cache::count_entries`).
     Compiling {
         cold: bool,
+        dir: PathBuf,
+        entries: u64,
     },
     Step(StepReport),
     Saved {
@@ -320,6 +328,9 @@ pub struct Started {
     pub zero: u8,
     /// What is offloaded, as the plan writes it (`optimizer:cpu`).
     pub offload: Vec<String>,
+    /// The batch shapes this rank will compute, in the order they first
+    /// run (`shapes::of_run`): each compiles kernels on CUDA the first time.
+    pub shapes: Vec<shapes::Shape>,
 }
 
 /// The end of a run.
@@ -489,6 +500,9 @@ fn execute<B: ExecAutodiff>(
         shard::checkpoint::load_shard(&mut trainer, dir)?;
     }
     let (params, trainable) = trainer.param_counts();
+    // The ranks hold equal weights: global rank 0 alone writes checkpoints
+    // and evaluates.
+    let writer = opts.distributed.as_ref().is_none_or(|d| d.rank() == 0);
     on_event(Event::Started(Started {
         device: device_name,
         params,
@@ -504,11 +518,9 @@ fn execute<B: ExecAutodiff>(
         memory_measure: probe.what(),
         zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
         offload: shard::executed_offload(trainer.zero(), trainer.zero3()),
+        shapes: shapes::of_run(&trainer.batcher, eval_set.as_ref().filter(|_| writer)),
     }));
     let mut reports = Vec::new();
-    // The ranks hold equal weights: global rank 0 alone writes checkpoints
-    // and evaluates.
-    let writer = opts.distributed.as_ref().is_none_or(|d| d.rank() == 0);
     let eval_set = eval_set.filter(|_| writer);
     let mut eval_loss = None;
     if let Some(set) = &eval_set {
@@ -573,7 +585,7 @@ pub struct LocalDevice<D> {
 pub type ProbeFactory<D> = fn(&D) -> Box<dyn MemoryProbe>;
 
 enum RankMessage {
-    Event(Event),
+    Event(Box<Event>),
     Done(u32, Box<Result<Summary, RunError>>),
 }
 
@@ -640,7 +652,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
                 let mut probe = probe(&device);
                 let mut report = |e: Event| {
                     if local == 0 {
-                        let _ = tx.send(RankMessage::Event(e));
+                        let _ = tx.send(RankMessage::Event(Box::new(e)));
                     }
                 };
                 execute::<B>(
@@ -675,7 +687,7 @@ pub fn execute_ranks<B: ExecAutodiff>(
     let mut left = n;
     while left > 0 {
         match rx.recv() {
-            Ok(RankMessage::Event(e)) => on_event(e),
+            Ok(RankMessage::Event(e)) => on_event(*e),
             Ok(RankMessage::Done(local, result)) => {
                 // The first failure ends the run; ranks blocked in a
                 // collective waiting for the failed one are not waited for.
@@ -755,7 +767,20 @@ pub fn run_cpu(
     opts: &RunOptions,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
-    type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+    run_cpu_probed(plan, opts, |_| memory::cpu_probe(), on_event)
+}
+
+/// The CPU executor's instantiation.
+pub(crate) type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+/// `run_cpu` with each rank's probe from `probe` (`warmup` reports progress
+/// through it).
+pub(crate) fn run_cpu_probed(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    probe: ProbeFactory<burn::backend::ndarray::NdArrayDevice>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, RunError> {
     let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
     let devices = (0..n)
         .map(|i| LocalDevice {
@@ -767,14 +792,7 @@ pub fn run_cpu(
             },
         })
         .collect();
-    execute_ranks::<Cpu>(
-        plan,
-        opts,
-        devices,
-        false,
-        |_| memory::cpu_probe(),
-        on_event,
-    )
+    execute_ranks::<Cpu>(plan, opts, devices, false, probe, on_event)
 }
 
 /// The CUDA executor, or an error saying this build has none.

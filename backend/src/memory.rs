@@ -33,6 +33,10 @@ pub trait MemoryProbe {
     fn peak_reserved(&self) -> Option<u64>;
     /// What `peak` measures, for people.
     fn what(&self) -> &'static str;
+    /// Where the step is, told before every sample point (`forward:layer3`,
+    /// `optimizer`), sampled or not. A progress display uses it
+    /// (`crate::warmup`); probes ignore it.
+    fn at(&mut self, _at: &dyn Fn() -> String) {}
 }
 
 /// Live heap bytes of the process, and their high-water marks: one since

@@ -618,6 +618,7 @@ impl<B: ExecAutodiff> Trainer<B> {
 
     /// Take a memory sample; `per_layer` samples can be turned off.
     fn mark(&self, probe: &mut dyn MemoryProbe, per_layer: bool, at: &dyn Fn() -> String) {
+        probe.at(at);
         if per_layer && !self.per_layer_samples {
             return;
         }

@@ -1,9 +1,11 @@
-//! One module per subcommand; `common` holds loading and diagnostic rendering shared by them.
+//! One module per subcommand; `common` holds loading and diagnostic rendering shared by them,
+//! `compile_notice` what `run` says while CUDA kernels compile.
 
 pub mod catalog;
 pub mod check;
 pub mod common;
 pub mod compile;
+pub mod compile_notice;
 pub mod emit;
 pub mod eval;
 pub mod fmt;
@@ -11,3 +13,4 @@ pub mod init;
 pub mod orchestrate;
 pub mod run;
 pub mod validate;
+pub mod warmup;

@@ -3,8 +3,10 @@
 //!
 //! The plan comes from a `.plan` file (parsed, resolved and compiled here) or
 //! from `--lowered FILE.json` (a serialized `LoweredPlan`, e.g. written by
-//! another tool). Text mode shows a progress bar; JSON mode prints one object
-//! per step and a final summary, one per line, on stdout. Exit status: 0 done,
+//! another tool). Text mode shows a progress bar (on CUDA, before the first
+//! pass of each shape the kernel cache lacks, a line saying it compiles and a
+//! spinner: `compile_notice`); JSON mode prints one object per step and a
+//! final summary, one per line, on stdout. Exit status: 0 done,
 //! 1 the run failed while training (divergence, backend failure), 2 bad plan,
 //! bad usage, or an unavailable device.
 //!
@@ -35,6 +37,28 @@ pub enum Device {
 }
 
 pub use super::common::Format;
+
+/// CubeCL's autotune level (`docs/cold-start.md`): how coarsely shapes are
+/// bucketed into tuning keys, so how many tunings a run does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Autotune {
+    Minimal,
+    Balanced,
+    Extensive,
+    Full,
+}
+
+impl Autotune {
+    pub fn level(self) -> rcoa_backend::kernel_cache::AutotuneLevel {
+        use rcoa_backend::kernel_cache::AutotuneLevel as L;
+        match self {
+            Autotune::Minimal => L::Minimal,
+            Autotune::Balanced => L::Balanced,
+            Autotune::Extensive => L::Extensive,
+            Autotune::Full => L::Full,
+        }
+    }
+}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -108,6 +132,10 @@ pub struct Args {
     /// step, which may compile kernels; 600 afterwards]
     #[arg(long, value_name = "SECONDS")]
     collective_timeout: Option<u64>,
+    /// CUDA: CubeCL's autotune level; coarser shape buckets tune fewer times
+    /// (docs/cold-start.md). [default: CUBECL_AUTOTUNE_LEVEL, else balanced]
+    #[arg(long, value_enum)]
+    autotune: Option<Autotune>,
 }
 
 /// `--max-shard-size`: bytes, or a decimal size as `transformers` writes
@@ -200,7 +228,7 @@ fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
 }
 
 /// Parse, resolve and compile a `.plan` file; diagnostics go to stderr (exit 2).
-fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
+pub(crate) fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
     let mut loaded = super::common::load_spec(path)?;
     // `rcoa run` is the Burn executor: its decisions and prediction are `target burn`'s.
     let written = std::mem::replace(&mut loaded.spec.target, rcoa_compiler::spec::Target::Burn);
@@ -235,7 +263,7 @@ fn plan_name(args: &Args) -> String {
 /// the run ends with an error that says what failed; the panic itself gets
 /// one line on stderr instead of a panic report and a backtrace. Panics on
 /// the main thread keep the default report.
-fn quiet_collective_panics() {
+pub(crate) fn quiet_collective_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let thread = std::thread::current();
@@ -260,7 +288,7 @@ fn quiet_collective_panics() {
     }));
 }
 
-fn print_diagnostic(e: &RunError) {
+pub(crate) fn print_diagnostic(e: &RunError) {
     eprintln!("{}", rcoa_grammar::render::render_plain(e));
 }
 
@@ -323,17 +351,16 @@ pub fn run(args: Args) -> ExitCode {
     };
     let json = args.format == Format::Json;
     let text = !json && lead;
+    rcoa_backend::kernel_cache::set_autotune(args.autotune.map(Autotune::level));
     let mut bar: Option<indicatif::ProgressBar> = None;
     let steps = args.steps;
-    let mut cold_cache = false;
     let mut device = String::new();
     let mut steps_seen: Vec<rcoa_compiler::report::StepRecord> = Vec::new();
+    let mut notice = super::compile_notice::CompileNotice::new(&plan, ranks, text);
+    let mut first_step_done = false;
     let mut on_event = |e: Event| match e {
-        Event::Compiling { cold } => {
-            cold_cache = cold;
-            if cold && text {
-                eprintln!("CUDA kernel cache is cold: kernels are compiled once by NVRTC (the first step can take minutes; later runs reuse the cache)");
-            }
+        Event::Compiling { cold, dir, entries } => {
+            notice.compiling(dir, entries);
             if json {
                 println!(
                     "{}",
@@ -389,10 +416,7 @@ pub fn run(args: Args) -> ExitCode {
                 eprintln!("data       {}", s.data);
                 eprintln!("memory     {}", s.memory_measure);
                 let b = indicatif::ProgressBar::new(steps);
-                b.set_style(
-                    indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
-                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-                );
+                b.set_style(super::compile_notice::step_bar_style());
                 b.set_position(s.first_step.saturating_sub(1));
                 b.set_message(if s.first_step == 1 {
                     "first step (warm-up)".to_string()
@@ -401,8 +425,13 @@ pub fn run(args: Args) -> ExitCode {
                 });
                 bar = Some(b);
             }
+            notice.started(&s.shapes, bar.as_ref());
         }
         Event::Step(r) => {
+            if !first_step_done {
+                first_step_done = true;
+                notice.finished(rcoa_backend::shapes::Pass::Train, bar.as_ref());
+            }
             steps_seen.push(rcoa_compiler::report::StepRecord {
                 step: r.step,
                 loss: r.loss,
@@ -431,6 +460,7 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
         Event::Eval(r) => {
+            notice.finished(rcoa_backend::shapes::Pass::Eval, bar.as_ref());
             if json {
                 println!(
                     "{}",

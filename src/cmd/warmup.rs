@@ -1,0 +1,149 @@
+//! `rcoa warmup PLAN`: compile and tune on CUDA, ahead of `rcoa run`, the
+//! kernels a run of the plan needs, by running two steps of it on a
+//! throwaway model (`rcoa_backend::warmup`). Saves nothing but the kernel
+//! caches, which `rcoa run` then reads (the same directory). A progress line
+//! on stderr names the shape, the pass and the point in the step, with the
+//! elapsed time; the end says where the cache is, how many entries it gained
+//! and how long it took. On the CPU the same steps run and there is nothing
+//! to compile. Exit status: 0 done, 1 the backend failed, 2 bad plan, bad
+//! usage or no CUDA.
+
+use super::run::{lower_plan, print_diagnostic, Autotune, Device};
+use rcoa_backend::distributed::{Distributed, Timeouts};
+use rcoa_backend::{RunError, RunOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The `.plan` file whose run to prepare.
+    plan: PathBuf,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// The run's data-parallel ranks in this process, one device each: the plan's `data`
+    /// (as `rcoa run --devices N`).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    devices: u32,
+    /// The run's training file (`rcoa run --data`): a pairs file's padding masks compile
+    /// other kernels.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// The run's held-out file (`rcoa run --eval`): its batch shapes are compiled too.
+    #[arg(long, value_name = "FILE")]
+    eval: Option<PathBuf>,
+    /// CUDA: CubeCL's autotune level; give the run the same (tuning keys depend on it).
+    /// [default: CUBECL_AUTOTUNE_LEVEL, else balanced]
+    #[arg(long, value_enum)]
+    autotune: Option<Autotune>,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    let plan = match lower_plan(&args.plan) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let data = plan.resolved.data;
+    if data != args.devices as u64 {
+        print_diagnostic(&RunError::Distributed(format!(
+            "the plan is data-parallel over {data} rank(s) and `rcoa warmup` runs them as devices of one process, \
+             as `rcoa run --devices` does: pass --devices {data}, not {}",
+            args.devices
+        )));
+        return ExitCode::from(2);
+    }
+    let distributed = (args.devices > 1).then_some(Distributed {
+        nodes: 1,
+        node_rank: 0,
+        devices: args.devices,
+        local: 0,
+        network: None,
+        timeouts: Timeouts::DEFAULT,
+    });
+    if let Some(d) = &distributed {
+        if let Err(e) = d.validate() {
+            print_diagnostic(&e);
+            return ExitCode::from(2);
+        }
+        super::run::quiet_collective_panics();
+    }
+    if let Err(e) = rcoa_backend::check_plan_ranks(&plan, args.devices as u64) {
+        print_diagnostic(&e);
+        return ExitCode::from(2);
+    }
+    rcoa_backend::kernel_cache::set_autotune(args.autotune.map(Autotune::level));
+    let opts = RunOptions {
+        data: args.data.clone(),
+        eval: args.eval.clone(),
+        tokenizer: super::eval::hf_config_dir(&args.plan, &plan),
+        distributed,
+        ..Default::default()
+    };
+    let cuda = args.device == Device::Cuda;
+    eprintln!(
+        "warming up {}: {} steps of {} micro-batch(es) on a throwaway model, nothing saved but the kernel caches",
+        args.plan.display(),
+        rcoa_backend::warmup::STEPS,
+        plan.resolved
+            .grad_accum
+            .clamp(1, rcoa_backend::warmup::MAX_GRAD_ACCUM)
+    );
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let sink = bar.clone();
+    let result = rcoa_backend::warmup::run(
+        &plan,
+        &opts,
+        cuda,
+        Arc::new(move |line: &str| sink.set_message(line.to_string())),
+    );
+    bar.finish_and_clear();
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            print_diagnostic(&e);
+            return match e {
+                RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
+                    ExitCode::from(1)
+                }
+                _ => ExitCode::from(2),
+            };
+        }
+    };
+    let shapes: Vec<String> = report.shapes.iter().map(|s| s.to_string()).collect();
+    println!("device     {}", report.device);
+    println!("shapes     {}", shapes.join(", "));
+    println!("took       {:.1} s", report.seconds);
+    match &report.cache {
+        None => println!(
+            "cache      nothing to compile on the CPU (ndarray has no kernel compiler); \
+             on a GPU: `rcoa warmup PLAN --device cuda`, then `rcoa run PLAN --device cuda`"
+        ),
+        Some(c) => {
+            println!(
+                "cache      {}: {} entries, {} added (compiled kernels and tuning results)",
+                c.dir.display(),
+                c.entries_after,
+                c.entries_after.saturating_sub(c.entries_before)
+            );
+            if let Some(jit) = std::env::var_os("CUDA_CACHE_PATH") {
+                println!(
+                    "driver     PTX→SASS JIT cache {}",
+                    PathBuf::from(jit).display()
+                );
+            }
+            if let Some(e) = &c.record_error {
+                eprintln!(
+                    "note: the warmed shapes could not be recorded ({e}); `rcoa run` will say it compiles them, \
+                     and will find them cached"
+                );
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
