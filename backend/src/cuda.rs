@@ -280,6 +280,7 @@ pub fn run(
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
+    crate::pool::configure(crate::pool::selected())?;
     on_event(Event::Compiling { cold });
     let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
     let name = |i: u32| {

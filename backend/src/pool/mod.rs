@@ -135,6 +135,27 @@ pub(crate) fn to_cubecl(pools: &[Pool]) -> cubecl_runtime::memory_management::Me
     }
 }
 
+/// The choice of this process (`rcoa run --memory-pool`): CubeCL's configuration is
+/// process-wide too, and fixed once a device is in use.
+static SELECTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Select the pools the CUDA devices of this process get (`configure` applies it).
+pub fn select(choice: PoolChoice) {
+    SELECTED.store(
+        choice == PoolChoice::Compact,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// What [`select`] chose ([`PoolChoice::Default`] when nothing did).
+pub fn selected() -> PoolChoice {
+    if SELECTED.load(std::sync::atomic::Ordering::SeqCst) {
+        PoolChoice::Compact
+    } else {
+        PoolChoice::Default
+    }
+}
+
 /// Give the CUDA devices this process initialises from now on `choice`'s pools. Must run
 /// before the first use of a device (`cuda::run` calls it before anything touches one).
 #[cfg(feature = "cuda")]
@@ -177,6 +198,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn selection_is_remembered() {
+        assert_eq!(selected(), PoolChoice::Default);
+        select(PoolChoice::Compact);
+        assert_eq!(selected(), PoolChoice::Compact);
+        select(PoolChoice::Default);
+        assert_eq!(selected(), PoolChoice::Default);
     }
 
     #[test]
