@@ -220,23 +220,7 @@ target burn
         ("llama125m_every2.plan", 1.421),
     ];
 
-    /// A ≥ 1B decoder (Llama-3.2-1B's shape: 1.24B parameters), bf16 autocast, sequences
-    /// of 2048, every layer recomputed, two micro-batches accumulated.
-    const LLAMA_1B: &str = r#"
-model {
-  arch = decoder  layers = 16  hidden = 2048  heads = 32  kv_heads = 8
-  ffn = 8192  vocab = 128256  max_positions = 2048
-  mlp = swiglu  norm = rmsnorm  tie_embeddings = true
-}
-hardware { gpu = h100-80gb }
-precision { params = fp32  compute = bf16  master = fp32 }
-optimizer adamw { lr = 3e-4  betas = (0.9, 0.95)  weight_decay = 0.0 }
-train { seq_len = 2048  global_batch = 4  micro_batch = 2  grad_accum = 2  attention = eager }
-fit { checkpoint = full }
-target burn
-"#;
-
-    /// Every row: the measured ones, the 1B plan, and three held out of the choice of
+    /// Every row: the measured ones, the ≥ 1B plan, and three held out of the choice of
     /// `compact`'s sizes (changed from the rows above after the sweep was done).
     fn rows() -> Vec<(String, Trace, Option<f64>)> {
         let bench = |p: &str| std::fs::read_to_string(bench_dir().join(p)).expect("bench plan");
@@ -244,38 +228,54 @@ target burn
             .iter()
             .map(|(p, m)| (p.to_string(), trace_of(p, None, 3), Some(*m)))
             .collect();
+        let llama1b = bench("llama1b_pool.plan");
+        rows.push((
+            "llama1b_pool.plan (Llama-3.2-1B shape, mb 2 × 2, all recomputed)".into(),
+            trace_of("llama1b_pool.plan", None, 3),
+            None,
+        ));
+        // Each change must apply: a held-out plan equal to its source would prove nothing.
+        let edit = |src: &str, changes: &[(&str, &str)]| {
+            changes.iter().fold(src.to_string(), |s, (from, to)| {
+                assert!(s.contains(from), "`{from}` not in the plan");
+                s.replace(from, to)
+            })
+        };
         let held_out = [
             (
-                "llama1b (Llama-3.2-1B shape, mb 2 × 2, all recomputed)",
-                LLAMA_1B.to_string(),
-            ),
-            (
                 "held out: llama1b bf16 + fp32 master, mb 1 × 4, no recompute",
-                LLAMA_1B
-                    .replace("checkpoint = full", "checkpoint = none")
-                    .replace(
-                        "micro_batch = 2  grad_accum = 2",
-                        "micro_batch = 1  grad_accum = 4",
-                    )
-                    .replace(
-                        "params = fp32  compute = bf16",
-                        "params = bf16  compute = bf16",
-                    ),
+                edit(
+                    &llama1b,
+                    &[
+                        ("checkpoint = full", "checkpoint = none"),
+                        ("micro_batch = 2", "micro_batch = 1"),
+                        ("grad_accum = 2", "grad_accum = 4"),
+                        ("params = fp32", "params = bf16"),
+                    ],
+                ),
             ),
             (
                 "held out: llama350m seq 2048, mb 4, every 2nd layer recomputed",
-                bench("llama350m_eager.plan")
-                    .replace("seq_len = 1024", "seq_len = 2048")
-                    .replace("micro_batch = 8", "micro_batch = 4")
-                    .replace("global_batch = 8", "global_batch = 4")
-                    .replace("checkpoint = none", "checkpoint = every 2"),
+                edit(
+                    &bench("llama350m_eager.plan"),
+                    &[
+                        ("seq_len = 1024", "seq_len = 2048"),
+                        ("micro_batch = 8", "micro_batch = 4"),
+                        ("global_batch = 8", "global_batch = 4"),
+                        ("checkpoint = none", "checkpoint = every 2"),
+                    ],
+                ),
             ),
             (
                 "held out: llama_gqa vocab 50304, mb 16 × 2",
-                bench("llama_gqa.plan")
-                    .replace("micro_batch = 8", "micro_batch = 16")
-                    .replace("global_batch = 16", "global_batch = 32")
-                    .replace("vocab = 32000", "vocab = 50304"),
+                edit(
+                    &bench("llama_gqa.plan"),
+                    &[
+                        ("micro_batch = 8", "micro_batch = 16"),
+                        ("global_batch = 16", "global_batch = 32"),
+                        ("vocab = 32000", "vocab = 50304"),
+                    ],
+                ),
             ),
         ];
         for (name, source) in held_out {
