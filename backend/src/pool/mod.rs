@@ -156,19 +156,46 @@ pub fn selected() -> PoolChoice {
     }
 }
 
-/// Give the CUDA devices this process initialises from now on `choice`'s pools. Must run
-/// before the first use of a device (`cuda::run` calls it before anything touches one).
+/// The pools of this process's CUDA devices, once the first run chose them.
+#[cfg(feature = "cuda")]
+static APPLIED: std::sync::Mutex<Option<PoolChoice>> = std::sync::Mutex::new(None);
+
+/// Whether a run choosing `choice` may go on, given the choice an earlier run of this
+/// process applied (`applied`, updated): CubeCL's pools are fixed once a device is in use,
+/// so a later run must choose the same. `Ok(true)`: this is the first, set the pools.
+#[cfg(any(test, feature = "cuda"))]
+fn settle(applied: &mut Option<PoolChoice>, choice: PoolChoice) -> Result<bool, String> {
+    match *applied {
+        None => {
+            *applied = Some(choice);
+            Ok(true)
+        }
+        Some(earlier) if earlier == choice => Ok(false),
+        Some(earlier) => Err(format!(
+            "--memory-pool {} in a process whose GPU already runs with the {} pools (they \
+             are fixed once the device is in use); run it in a fresh process",
+            choice.as_str(),
+            earlier.as_str()
+        )),
+    }
+}
+
+/// Give the CUDA devices of this process `choice`'s pools. Must run before the first use
+/// of a device (`cuda::run` calls it before anything touches one).
 #[cfg(feature = "cuda")]
 pub fn configure(choice: PoolChoice) -> Result<(), crate::RunError> {
-    let Some(config) = memory_configuration(choice) else {
+    let mut applied = APPLIED.lock().unwrap_or_else(|p| p.into_inner());
+    let first = settle(&mut applied, choice).map_err(crate::RunError::Backend)?;
+    let Some(config) = memory_configuration(choice).filter(|_| first) else {
         return Ok(());
     };
     if cubecl::cuda::set_memory_configuration(config) {
         Ok(())
     } else {
+        *applied = Some(PoolChoice::Default);
         Err(crate::RunError::Backend(format!(
-            "--memory-pool {} came after this process had already used the GPU, whose pools \
-             stay as they were; run it in a fresh process",
+            "--memory-pool {} came after this process had already used the GPU with CubeCL's \
+             default pools, which stay; run it in a fresh process",
             choice.as_str()
         )))
     }
@@ -198,6 +225,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_first_run_of_a_process_fixes_its_pools() {
+        let mut applied = None;
+        assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(true));
+        assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(false));
+        let e = settle(&mut applied, PoolChoice::Default).unwrap_err();
+        assert!(
+            e.contains("fresh process") && e.contains("compact pools"),
+            "{e}"
+        );
+        let mut applied = None;
+        assert_eq!(settle(&mut applied, PoolChoice::Default), Ok(true));
+        assert!(settle(&mut applied, PoolChoice::Compact).is_err());
     }
 
     #[test]
