@@ -344,10 +344,10 @@ pub(crate) fn run_probed(
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
-    // POOL HOOK: CubeCL's memory pool is configured here, after the caches
-    // and before the first device use. CubeCL's configuration is `set` once
-    // per process (a second `set` is ignored): a pool setting that lives in
-    // `CubeClRuntimeConfig` belongs in `configure_cache`'s `cfg` instead.
+    // CubeCL's pools are fixed when the device is first used: after the caches
+    // (the pool setter is cubecl-cuda's own, not `CubeClRuntimeConfig`), before
+    // the first kernel.
+    crate::pool::configure(crate::pool::selected())?;
     on_event(Event::Compiling {
         cold,
         entries: crate::kernel_cache::count_entries(&dir),

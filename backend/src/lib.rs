@@ -35,6 +35,7 @@ pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod pool;
 pub mod quant;
 pub mod setup;
 pub mod shapes;

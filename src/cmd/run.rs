@@ -73,6 +73,10 @@ pub struct Args {
     steps: u64,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    /// CubeCL's memory pools on CUDA: `default` (CubeCL's own) or `compact` (reserves
+    /// less beyond the bytes in use; docs/memory-pool.md).
+    #[arg(long, value_name = "POOL", default_value = "default")]
+    memory_pool: rcoa_backend::pool::PoolChoice,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
     /// Train on this file instead of synthetic tokens: JSONL `{"text": …}` documents,
@@ -311,6 +315,13 @@ pub fn run(args: Args) -> ExitCode {
     if dist.is_some() {
         quiet_collective_panics();
     }
+    if args.memory_pool != rcoa_backend::pool::PoolChoice::Default && args.device != Device::Cuda {
+        eprintln!(
+            "rcoa run: --memory-pool configures CubeCL's pools on CUDA; use it with --device cuda"
+        );
+        return ExitCode::from(2);
+    }
+    rcoa_backend::pool::select(args.memory_pool);
     let ranks = dist.as_ref().map_or(1, |d| d.ranks());
     if let Err(e) = rcoa_backend::check_plan_ranks(&plan, ranks) {
         print_diagnostic(&e);
@@ -381,6 +392,7 @@ pub fn run(args: Args) -> ExitCode {
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
                         "ranks": ranks, "zero": s.zero, "offload": s.offload,
                         "weights": plan.model.weights,
+                        "memory_pool": (args.device == Device::Cuda).then(|| args.memory_pool.as_str()),
                     }))
                 );
             } else if text {

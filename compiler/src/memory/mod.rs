@@ -28,6 +28,7 @@ pub mod tape;
 mod tests_setups;
 #[cfg(test)]
 mod tests_techniques;
+pub mod trace;
 
 use crate::profile::Profile;
 use crate::spec::{Offload, OffloadWhat, Spec};

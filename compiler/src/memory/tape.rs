@@ -261,6 +261,24 @@ pub struct Persistent {
     pub unit_grads: bool,
 }
 
+/// One allocation or release of the walk, in order ([`walk_traced`]): what an allocator
+/// would see (`memory::trace` replays it through CubeCL's pools).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    Alloc { buffer: Buffer, bytes: u64 },
+    Free { buffer: Buffer },
+}
+
+/// A buffer of [`Event`]s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Buffer {
+    Tensor(TensorId),
+    /// The gradient of a tensor (a parameter's lives until the optimizer step).
+    Grad(TensorId),
+    /// Scratch alive while one op runs (workspaces, gradients added in place).
+    Scratch(u32),
+}
+
 /// The liveness walk's state.
 struct Walk<'a> {
     tape: &'a Tape,
@@ -282,6 +300,10 @@ struct Walk<'a> {
     unit_grad_bytes: u64,
     /// The unit of each op (`usize::MAX` outside units).
     unit_of: Vec<usize>,
+    /// [`walk_traced`]: the events so far, and the scratch of the op running.
+    events: Option<Vec<Event>>,
+    scratch: Vec<Buffer>,
+    scratch_count: u32,
 }
 
 impl<'a> Walk<'a> {
@@ -302,6 +324,32 @@ impl<'a> Walk<'a> {
         self.refs[i] = refs;
         let c = self.category(t) as usize;
         self.live[c] += self.tape.tensor(t).bytes;
+        self.event_alloc(Buffer::Tensor(t), self.tape.tensor(t).bytes);
+    }
+    fn event_alloc(&mut self, buffer: Buffer, bytes: u64) {
+        if let Some(e) = self.events.as_mut() {
+            e.push(Event::Alloc { buffer, bytes });
+        }
+    }
+    fn event_free(&mut self, buffer: Buffer) {
+        if let Some(e) = self.events.as_mut() {
+            e.push(Event::Free { buffer });
+        }
+    }
+    /// Scratch of the running op, freed by [`Walk::end_scratch`] (traced walks only).
+    fn add_scratch(&mut self, bytes: u64) {
+        if self.events.is_none() || bytes == 0 {
+            return;
+        }
+        let b = Buffer::Scratch(self.scratch_count);
+        self.scratch_count += 1;
+        self.event_alloc(b, bytes);
+        self.scratch.push(b);
+    }
+    fn end_scratch(&mut self) {
+        for b in std::mem::take(&mut self.scratch) {
+            self.event_free(b);
+        }
     }
     fn release(&mut self, t: TensorId) {
         let i = t.0 as usize;
@@ -313,6 +361,7 @@ impl<'a> Walk<'a> {
             self.alive[i] = false;
             let c = self.category(t) as usize;
             self.live[c] -= self.tape.tensor(t).bytes;
+            self.event_free(Buffer::Tensor(t));
         }
     }
     fn observe(&mut self, phase: Phase, op: &str, layer: Option<u32>, extra: Bytes) {
@@ -475,9 +524,11 @@ impl<'a> Walk<'a> {
             let ws = info.fwd_workspace;
             let mut extra = [0u64; Category::COUNT];
             extra[Category::Workspace as usize] = ws;
+            self.add_scratch(ws);
             // A recomputed layer's ops are forward ops (so the timeline shows them as such,
             // inside the backward); a peak there is reported as the backward's.
             self.observe_at(Phase::Forward, recompute, info.name, info.layer, extra);
+            self.end_scratch();
             for &inp in info.inputs.iter().chain(&info.holds) {
                 if tape
                     .tensor(inp)
@@ -496,6 +547,7 @@ impl<'a> Walk<'a> {
                     self.alive[i] = false;
                     let c = self.category(out) as usize;
                     self.live[c] -= tape.tensor(out).bytes;
+                    self.event_free(Buffer::Tensor(out));
                 }
             }
             let layer_end = tape
@@ -532,26 +584,32 @@ impl<'a> Walk<'a> {
             if t.role == Role::Param && self.persistent.unit_grads {
                 if self.unit_grad[i] {
                     extra[Category::ActivationGrads as usize] += t.grad_bytes;
+                    self.add_scratch(t.grad_bytes);
                 } else {
                     self.unit_grad[i] = true;
                     self.unit_grad_bytes += t.grad_bytes;
                     self.live[Category::Grads as usize] += t.grad_bytes;
+                    self.event_alloc(Buffer::Grad(inp), t.grad_bytes);
                 }
             } else if t.role == Role::Param {
                 let g = t.grad_bytes / self.persistent.grad_divisor.max(1);
                 if self.param_grad[i] || self.persistent.grads_exist {
                     // A new gradient added in place into the existing `.grad`.
                     extra[Category::ActivationGrads as usize] += t.grad_bytes;
+                    self.add_scratch(t.grad_bytes);
                 } else {
                     self.param_grad[i] = true;
                     self.live[Category::Grads as usize] += g;
+                    self.event_alloc(Buffer::Grad(inp), g);
                     if g < t.grad_bytes {
                         // Full gradient exists until reduce-scattered.
                         extra[Category::ActivationGrads as usize] += t.grad_bytes - g;
+                        self.add_scratch(t.grad_bytes - g);
                     }
                 }
             } else if self.grad_alive[i] {
                 extra[Category::ActivationGrads as usize] += t.bytes;
+                self.add_scratch(t.bytes);
             } else {
                 new_bufs.push(inp);
             }
@@ -559,15 +617,19 @@ impl<'a> Walk<'a> {
         for &b in &new_bufs {
             self.grad_alive[b.0 as usize] = true;
             self.live[Category::ActivationGrads as usize] += tape.tensor(b).bytes;
+            self.event_alloc(Buffer::Grad(b), tape.tensor(b).bytes);
         }
         extra[Category::Workspace as usize] += info.bwd_workspace;
+        self.add_scratch(info.bwd_workspace);
         self.observe(Phase::Backward, info.name, info.layer, extra);
+        self.end_scratch();
         // The op's output gradients are consumed; its saved tensors released.
         for &out in &info.outputs {
             let i = out.0 as usize;
             if self.grad_alive[i] {
                 self.grad_alive[i] = false;
                 self.live[Category::ActivationGrads as usize] -= tape.tensor(out).bytes;
+                self.event_free(Buffer::Grad(out));
             }
         }
         for &s in &info.saved {
@@ -583,7 +645,11 @@ impl<'a> Walk<'a> {
         }
         self.live[Category::Grads as usize] -= self.unit_grad_bytes;
         self.unit_grad_bytes = 0;
-        self.unit_grad.iter_mut().for_each(|g| *g = false);
+        for i in 0..self.unit_grad.len() {
+            if std::mem::take(&mut self.unit_grad[i]) {
+                self.event_free(Buffer::Grad(TensorId(i as u32)));
+            }
+        }
     }
 }
 
@@ -602,6 +668,24 @@ pub struct WalkResult {
 
 /// Walk one micro-step of `tape` on top of `persistent` bytes.
 pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
+    walk_inner(tape, persistent, record, None)
+}
+
+/// [`walk`], and every allocation and release it makes, in order. The parameters and step
+/// inputs come first (they exist before the forward); the parameters are never freed, nor
+/// are the parameters' gradients (the optimizer step consumes them).
+pub fn walk_traced(tape: &Tape, persistent: &Persistent) -> (WalkResult, Vec<Event>) {
+    let mut events = Vec::new();
+    let r = walk_inner(tape, persistent, false, Some(&mut events));
+    (r, events)
+}
+
+fn walk_inner(
+    tape: &Tape,
+    persistent: &Persistent,
+    record: bool,
+    trace: Option<&mut Vec<Event>>,
+) -> WalkResult {
     let n = tape.tensors.len();
     let mut w = Walk {
         tape,
@@ -619,6 +703,9 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         unit_grad: vec![false; n],
         unit_grad_bytes: 0,
         unit_of: vec![usize::MAX; tape.ops.len()],
+        events: trace.as_ref().map(|_| Vec::new()),
+        scratch: Vec::new(),
+        scratch_count: 0,
     };
     // The unit each op belongs to (units cover the tape when there are any).
     for (u, span) in tape.units.iter().enumerate() {
@@ -721,6 +808,9 @@ pub fn walk(tape: &Tape, persistent: &Persistent, record: bool) -> WalkResult {
         by_category: [0; Category::COUNT],
     });
     let boundary_peak = w.boundary_peak.clone().unwrap_or_else(|| peak.clone());
+    if let (Some(out), Some(events)) = (trace, w.events.take()) {
+        *out = events;
+    }
     WalkResult {
         peak,
         forward_end,

@@ -1,0 +1,262 @@
+//! CubeCL's memory pools on CUDA: which configuration `rcoa run --memory-pool`
+//! gives the device, and the `compact` one designed against a replay of the
+//! memory model's allocations (`replay`, tests only; `docs/memory-pool.md`).
+//!
+//! CubeCL 0.10's default (`SubSlices`) cuts pages of a quarter of the GPU's
+//! memory, divided by 4 down to ~20 MiB, and a pool takes a tensor when it
+//! is below the pool's slice limit or fills 80–100 % of its page: on an H100
+//! a 2.5–4 GiB tensor takes a whole 19.8 GiB page, a 268 MB attention score
+//! a 332 MB one. Pages are kept once grown (nothing frees them unless
+//! `memory_cleanup` is called), so reserved memory ends 1.2–1.7 × the bytes
+//! in use (docs/burn-h100.md). `compact` slices tensors up to 1 MiB out of
+//! 8 MiB pages and everything else up to 1 GiB out of 1 GiB pages, and gives
+//! larger tensors a page of their own, of their size (within 4 %).
+
+#[cfg(test)]
+mod replay;
+
+/// Which pool configuration the run's CUDA device gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolChoice {
+    /// CubeCL's own (`SubSlices`), what every measurement so far used.
+    #[default]
+    Default,
+    /// [`compact_pools`].
+    Compact,
+}
+
+impl PoolChoice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolChoice::Default => "default",
+            PoolChoice::Compact => "compact",
+        }
+    }
+}
+
+impl std::str::FromStr for PoolChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "default" => Ok(PoolChoice::Default),
+            "compact" => Ok(PoolChoice::Compact),
+            _ => Err(format!(
+                "unknown memory pool `{s}`: use `default` (CubeCL's own) or `compact`"
+            )),
+        }
+    }
+}
+
+/// One pool of a configuration, as CubeCL's `MemoryPoolOptions` describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// Every allocation a page of its own; takes sizes up to `max_alloc`.
+    Exclusive { max_alloc: u64 },
+    /// Slices of `page`-byte pages; takes sizes up to `max_slice` (or within 20 % of a page).
+    Sliced { page: u64, max_slice: u64 },
+}
+
+const MIB: u64 = 1 << 20;
+/// Tensors up to this size are sliced out of small pages.
+pub const SMALL_FROM: u64 = MIB;
+/// The page every tensor above [`SMALL_FROM`] and up to its size is sliced out of, whatever
+/// its size: sharing pages between sizes lets the backward reuse what the loss's large
+/// transients grew (exclusive pages per size class left those idle at the recompute peak:
+/// 1.42 × on llama350m_gc). Its size is the one the replay's sweep found best
+/// (`docs/memory-pool.md`): the transformer steps measured have their largest tensors,
+/// the fp32 logits, at about 1 GB.
+pub const PAGE: u64 = 1 << 30;
+/// Ratio between neighbouring exclusive pools' largest sizes above [`PAGE`]: a tensor gets a
+/// page of its own size, reused by tensors at most this much smaller.
+pub const EXCLUSIVE_STEP: f64 = 1.04;
+/// The largest tensor the compact configuration takes.
+pub const LARGEST: u64 = 256 << 30;
+/// CUDA's allocation alignment as CubeCL uses it (`cuMemAllocPitch`'s).
+pub const ALIGNMENT: u64 = 512;
+
+/// The `compact` configuration, first pool first (CubeCL gives an allocation to the first
+/// pool that takes its size).
+pub fn compact_pools() -> Vec<Pool> {
+    let mut pools = vec![
+        // Below CubeCL's alignment offsets are unusable on some backends; CubeCL's presets
+        // keep such sizes apart too.
+        Pool::Exclusive { max_alloc: 0 },
+        Pool::Sliced {
+            page: 8 * MIB,
+            max_slice: SMALL_FROM,
+        },
+        Pool::Sliced {
+            page: PAGE,
+            max_slice: PAGE,
+        },
+    ];
+    let mut max = PAGE as f64;
+    while (max as u64) < LARGEST {
+        max *= EXCLUSIVE_STEP;
+        pools.push(Pool::Exclusive {
+            max_alloc: (max as u64).next_multiple_of(ALIGNMENT),
+        });
+    }
+    pools
+}
+
+/// The configuration of `choice` as CubeCL takes it; `None`: CubeCL's default.
+#[cfg(any(test, feature = "cuda"))]
+pub fn memory_configuration(
+    choice: PoolChoice,
+) -> Option<cubecl_runtime::memory_management::MemoryConfiguration> {
+    match choice {
+        PoolChoice::Default => None,
+        PoolChoice::Compact => Some(to_cubecl(&compact_pools())),
+    }
+}
+
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) fn to_cubecl(pools: &[Pool]) -> cubecl_runtime::memory_management::MemoryConfiguration {
+    use cubecl_runtime::memory_management::{MemoryConfiguration, MemoryPoolOptions, PoolType};
+    MemoryConfiguration::Custom {
+        pool_options: pools
+            .iter()
+            .map(|p| MemoryPoolOptions {
+                pool_type: match *p {
+                    Pool::Exclusive { max_alloc } => PoolType::ExclusivePages {
+                        max_alloc_size: max_alloc,
+                    },
+                    Pool::Sliced { page, max_slice } => PoolType::SlicedPages {
+                        page_size: page,
+                        max_slice_size: max_slice,
+                    },
+                },
+                // Never: CubeCL 0.10 only checks it after a failed kernel, and a page given
+                // back would be grown again by the next step.
+                dealloc_period: None,
+            })
+            .collect(),
+    }
+}
+
+/// The choice of this process (`rcoa run --memory-pool`): CubeCL's configuration is
+/// process-wide too, and fixed once a device is in use.
+static SELECTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Select the pools the CUDA devices of this process get (`configure` applies it).
+pub fn select(choice: PoolChoice) {
+    SELECTED.store(
+        choice == PoolChoice::Compact,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// What [`select`] chose ([`PoolChoice::Default`] when nothing did).
+pub fn selected() -> PoolChoice {
+    if SELECTED.load(std::sync::atomic::Ordering::SeqCst) {
+        PoolChoice::Compact
+    } else {
+        PoolChoice::Default
+    }
+}
+
+/// The pools of this process's CUDA devices, once the first run chose them.
+#[cfg(feature = "cuda")]
+static APPLIED: std::sync::Mutex<Option<PoolChoice>> = std::sync::Mutex::new(None);
+
+/// Whether a run choosing `choice` may go on, given the choice an earlier run of this
+/// process applied (`applied`, updated): CubeCL's pools are fixed once a device is in use,
+/// so a later run must choose the same. `Ok(true)`: this is the first, set the pools.
+#[cfg(any(test, feature = "cuda"))]
+fn settle(applied: &mut Option<PoolChoice>, choice: PoolChoice) -> Result<bool, String> {
+    match *applied {
+        None => {
+            *applied = Some(choice);
+            Ok(true)
+        }
+        Some(earlier) if earlier == choice => Ok(false),
+        Some(earlier) => Err(format!(
+            "--memory-pool {} in a process whose GPU already runs with the {} pools (they \
+             are fixed once the device is in use); run it in a fresh process",
+            choice.as_str(),
+            earlier.as_str()
+        )),
+    }
+}
+
+/// Give the CUDA devices of this process `choice`'s pools. Must run before the first use
+/// of a device (`cuda::run` calls it before anything touches one).
+#[cfg(feature = "cuda")]
+pub fn configure(choice: PoolChoice) -> Result<(), crate::RunError> {
+    let mut applied = APPLIED.lock().unwrap_or_else(|p| p.into_inner());
+    let first = settle(&mut applied, choice).map_err(crate::RunError::Backend)?;
+    let Some(config) = memory_configuration(choice).filter(|_| first) else {
+        return Ok(());
+    };
+    if cubecl::cuda::set_memory_configuration(config) {
+        Ok(())
+    } else {
+        *applied = Some(PoolChoice::Default);
+        Err(crate::RunError::Backend(format!(
+            "--memory-pool {} came after this process had already used the GPU with CubeCL's \
+             default pools, which stay; run it in a fresh process",
+            choice.as_str()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compact_pools_cover_every_size_in_order() {
+        let pools = compact_pools();
+        // CubeCL numbers pools with a u8 and puts its persistent pool after them.
+        assert!(pools.len() < 250, "{}", pools.len());
+        let max = |p: &Pool| match *p {
+            Pool::Exclusive { max_alloc } => max_alloc,
+            Pool::Sliced { max_slice, .. } => max_slice,
+        };
+        assert!(pools.windows(2).all(|w| max(&w[0]) < max(&w[1])));
+        assert!(max(pools.last().unwrap()) >= LARGEST);
+        for p in &pools {
+            match *p {
+                Pool::Exclusive { max_alloc } => assert_eq!(max_alloc % ALIGNMENT, 0),
+                Pool::Sliced { page, max_slice } => {
+                    assert_eq!(page % ALIGNMENT, 0);
+                    assert!(max_slice <= page);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_first_run_of_a_process_fixes_its_pools() {
+        let mut applied = None;
+        assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(true));
+        assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(false));
+        let e = settle(&mut applied, PoolChoice::Default).unwrap_err();
+        assert!(
+            e.contains("fresh process") && e.contains("compact pools"),
+            "{e}"
+        );
+        let mut applied = None;
+        assert_eq!(settle(&mut applied, PoolChoice::Default), Ok(true));
+        assert!(settle(&mut applied, PoolChoice::Compact).is_err());
+    }
+
+    #[test]
+    fn selection_is_remembered() {
+        assert_eq!(selected(), PoolChoice::Default);
+        select(PoolChoice::Compact);
+        assert_eq!(selected(), PoolChoice::Compact);
+        select(PoolChoice::Default);
+        assert_eq!(selected(), PoolChoice::Default);
+    }
+
+    #[test]
+    fn choice_parses_and_names_itself() {
+        for c in [PoolChoice::Default, PoolChoice::Compact] {
+            assert_eq!(c.as_str().parse::<PoolChoice>(), Ok(c));
+        }
+        let e = "big".parse::<PoolChoice>().unwrap_err();
+        assert!(e.contains("`default`") && e.contains("`compact`"), "{e}");
+    }
+}

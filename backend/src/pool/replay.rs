@@ -1,0 +1,347 @@
+//! A run's allocations replayed through CubeCL 0.10's own memory management on the CPU.
+//!
+//! The events are the compiler's memory model of the run (`memory::trace`: the tape the
+//! `burn` profile walks, the parameters made at setup, the optimizer one parameter at a
+//! time); the pools are cubecl-runtime's `MemoryManagement` itself, over a storage that
+//! hands out ids and counts bytes but allocates nothing. What it reserves at its highest,
+//! divided by the highest bytes in use, is the pool factor `fits` multiplies by.
+
+use super::{memory_configuration, PoolChoice};
+use cubecl_ir::MemoryDeviceProperties;
+use cubecl_runtime::logging::ServerLogger;
+use cubecl_runtime::memory_management::{
+    ManagedMemoryHandle, MemoryAllocationMode, MemoryConfiguration, MemoryManagement,
+    MemoryManagementOptions,
+};
+use cubecl_runtime::server::IoError;
+use cubecl_runtime::storage::{ComputeStorage, StorageHandle, StorageId, StorageUtilization};
+use rcoa_compiler::memory::trace::{Event, Trace};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// `cuDeviceTotalMem` of the H100 80GB HBM3 of docs/burn-h100.md (its runs' `total_B`).
+pub const H100_MEMORY: u64 = 85_017_493_504;
+
+/// A storage of ids only: what CubeCL's pools ask of the device, counted.
+#[derive(Default)]
+struct FakeStorage {
+    sizes: HashMap<StorageId, u64>,
+    reserved: u64,
+    peak_reserved: u64,
+}
+
+impl ComputeStorage for FakeStorage {
+    type Resource = ();
+    fn alignment(&self) -> usize {
+        super::ALIGNMENT as usize
+    }
+    fn get(&mut self, _handle: &StorageHandle) {}
+    fn alloc(&mut self, size: u64) -> Result<StorageHandle, IoError> {
+        let id = StorageId::new();
+        self.sizes.insert(id, size);
+        self.reserved += size;
+        self.peak_reserved = self.peak_reserved.max(self.reserved);
+        Ok(StorageHandle::new(
+            id,
+            StorageUtilization { offset: 0, size },
+        ))
+    }
+    fn dealloc(&mut self, id: StorageId) {
+        if let Some(size) = self.sizes.remove(&id) {
+            self.reserved -= size;
+        }
+    }
+    fn flush(&mut self) {}
+}
+
+/// What a replay measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Replayed {
+    /// The highest bytes reserved from the device.
+    pub reserved: u64,
+    /// The highest bytes in use (live allocations, unpadded).
+    pub in_use: u64,
+}
+
+impl Replayed {
+    pub fn factor(&self) -> f64 {
+        self.reserved as f64 / self.in_use as f64
+    }
+}
+
+/// Replay `trace` through the pools of `config` (`None`: CubeCL's default, `SubSlices`) on a
+/// device of `device_memory` bytes. `persistent_params`: the parameters are made under
+/// `memory_persistent_allocations` (Burn's own initialisers do; rcoa's model does not).
+pub fn replay(
+    trace: &Trace,
+    config: Option<MemoryConfiguration>,
+    device_memory: u64,
+    persistent_params: bool,
+) -> Replayed {
+    let props = MemoryDeviceProperties {
+        // cubecl-cuda's: a quarter of the device's memory.
+        max_page_size: device_memory / 4,
+        alignment: super::ALIGNMENT,
+    };
+    let mut mm = MemoryManagement::from_configuration(
+        FakeStorage::default(),
+        &props,
+        config.unwrap_or_default(),
+        Arc::new(ServerLogger::default()),
+        MemoryManagementOptions::new("replay"),
+    );
+    let mut handles: HashMap<u64, (ManagedMemoryHandle, u64)> = HashMap::new();
+    let (mut in_use, mut peak_in_use) = (0u64, 0u64);
+    for e in &trace.events {
+        match *e {
+            Event::Alloc { id, bytes, param } => {
+                let persistent = param && persistent_params;
+                if persistent {
+                    mm.mode(MemoryAllocationMode::Persistent);
+                }
+                let h = mm
+                    .reserve(bytes)
+                    .unwrap_or_else(|e| panic!("no pool takes {bytes} B: {e:?}"));
+                if persistent {
+                    mm.mode(MemoryAllocationMode::Auto);
+                }
+                handles.insert(id, (h, bytes));
+                in_use += bytes;
+                peak_in_use = peak_in_use.max(in_use);
+            }
+            Event::Free { id } => {
+                if let Some((_, bytes)) = handles.remove(&id) {
+                    in_use -= bytes;
+                }
+            }
+            Event::StepEnd => {
+                // CubeCL's own account agrees with the storage's.
+                assert_eq!(mm.memory_usage().bytes_reserved, mm.storage().reserved);
+            }
+        }
+    }
+    Replayed {
+        reserved: mm.storage().peak_reserved,
+        in_use: peak_in_use,
+    }
+}
+
+/// [`replay`] with the pools of `choice` on an H100.
+pub fn replay_choice(trace: &Trace, choice: PoolChoice, persistent_params: bool) -> Replayed {
+    replay(
+        trace,
+        memory_configuration(choice),
+        H100_MEMORY,
+        persistent_params,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcoa_compiler::memory::trace::run_trace;
+    use rcoa_compiler::resolve::{resolve, ResolveContext};
+    use std::path::PathBuf;
+
+    fn bench_dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench")
+    }
+
+    /// The run's trace of a plan of `backend/bench/` (or of `source` under that name).
+    fn trace_of(name: &str, source: Option<&str>, steps: u32) -> Trace {
+        let source = match source {
+            Some(s) => s.to_string(),
+            None => std::fs::read_to_string(bench_dir().join(name)).expect("bench plan"),
+        };
+        let file = rcoa_grammar::parse(name, &source).expect("parses");
+        let ctx = ResolveContext {
+            name: name.into(),
+            source: source.clone(),
+            base_dir: bench_dir(),
+        };
+        let spec = resolve(&file, &ctx).expect("resolves");
+        let c = rcoa_compiler::compile(&spec).expect("compiles");
+        run_trace(&spec, &c.candidate, &c.profile, steps).expect("in the trace's scope")
+    }
+
+    /// A pool that gives every allocation a page of exactly its size reserves exactly the
+    /// bytes in use at the highest point: checks the replay's accounting, not CubeCL.
+    #[test]
+    fn one_page_per_allocation_reserves_the_peak_in_use() {
+        use cubecl_runtime::memory_management::{MemoryPoolOptions, PoolType};
+        let trace = trace_of("tiny.plan", Some(TINY), 2);
+        // Exclusive pools whose sizes are the trace's own: a page is made of the size
+        // asked and reused only by that size.
+        let mut sizes: Vec<u64> = trace
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Alloc { bytes, .. } => Some(bytes.next_multiple_of(super::super::ALIGNMENT)),
+                _ => None,
+            })
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let config = MemoryConfiguration::Custom {
+            pool_options: sizes
+                .iter()
+                .map(|&s| MemoryPoolOptions {
+                    pool_type: PoolType::ExclusivePages { max_alloc_size: s },
+                    dealloc_period: None,
+                })
+                .collect(),
+        };
+        assert!(sizes.len() < 250, "{} sizes", sizes.len());
+        let r = replay(&trace, Some(config), H100_MEMORY, false);
+        assert_eq!(r.in_use, trace.peak_live);
+        assert!(r.reserved >= r.in_use);
+    }
+
+    const TINY: &str = r#"
+model { arch = decoder layers = 2 hidden = 256 heads = 4 ffn = 688 vocab = 1000 max_positions = 128 }
+hardware { gpu = h100-80gb }
+precision { params = fp32 compute = bf16 master = fp32 }
+optimizer adamw { lr = 1e-4 }
+train { seq_len = 128 global_batch = 4 micro_batch = 4 grad_accum = 1 attention = eager }
+fit { checkpoint = none }
+target burn
+"#;
+
+    /// The rows of docs/burn-h100.md: (plan, measured reserved ÷ the model's highest bytes
+    /// in use, fused executor).
+    const MEASURED: &[(&str, f64)] = &[
+        ("llama350m_eager.plan", 1.275),
+        ("llama350m_fp32.plan", 1.204),
+        ("llama125m_base.plan", 1.318),
+        ("llama125m_bf16.plan", 1.339),
+        ("llama125m_fp32.plan", 1.236),
+        ("llama_gqa.plan", 1.231),
+        ("llama350m_gc.plan", 1.644),
+        ("llama125m_every2.plan", 1.421),
+    ];
+
+    /// Every row: the measured ones, the ≥ 1B plan, and three held out of the choice of
+    /// `compact`'s sizes (changed from the rows above after the sweep was done).
+    fn rows() -> Vec<(String, Trace, Option<f64>)> {
+        let bench = |p: &str| std::fs::read_to_string(bench_dir().join(p)).expect("bench plan");
+        let mut rows: Vec<(String, Trace, Option<f64>)> = MEASURED
+            .iter()
+            .map(|(p, m)| (p.to_string(), trace_of(p, None, 3), Some(*m)))
+            .collect();
+        let llama1b = bench("llama1b_pool.plan");
+        rows.push((
+            "llama1b_pool.plan (Llama-3.2-1B shape, mb 2 × 2, all recomputed)".into(),
+            trace_of("llama1b_pool.plan", None, 3),
+            None,
+        ));
+        // Each change must apply: a held-out plan equal to its source would prove nothing.
+        let edit = |src: &str, changes: &[(&str, &str)]| {
+            changes.iter().fold(src.to_string(), |s, (from, to)| {
+                assert!(s.contains(from), "`{from}` not in the plan");
+                s.replace(from, to)
+            })
+        };
+        let held_out = [
+            (
+                "held out: llama1b bf16 + fp32 master, mb 1 × 4, no recompute",
+                edit(
+                    &llama1b,
+                    &[
+                        ("checkpoint = full", "checkpoint = none"),
+                        ("micro_batch = 2", "micro_batch = 1"),
+                        ("grad_accum = 2", "grad_accum = 4"),
+                        ("params = fp32", "params = bf16"),
+                    ],
+                ),
+            ),
+            (
+                "held out: llama350m seq 2048, mb 4, every 2nd layer recomputed",
+                edit(
+                    &bench("llama350m_eager.plan"),
+                    &[
+                        ("seq_len = 1024", "seq_len = 2048"),
+                        ("micro_batch = 8", "micro_batch = 4"),
+                        ("global_batch = 8", "global_batch = 4"),
+                        ("checkpoint = none", "checkpoint = every 2"),
+                    ],
+                ),
+            ),
+            (
+                "held out: llama_gqa vocab 50304, mb 16 × 2",
+                edit(
+                    &bench("llama_gqa.plan"),
+                    &[
+                        ("micro_batch = 8", "micro_batch = 16"),
+                        ("global_batch = 16", "global_batch = 32"),
+                        ("vocab = 32000", "vocab = 50304"),
+                    ],
+                ),
+            ),
+        ];
+        for (name, source) in held_out {
+            rows.push((
+                name.to_string(),
+                trace_of("held_out.plan", Some(&source), 3),
+                None,
+            ));
+        }
+        rows
+    }
+
+    /// The table of docs/memory-pool.md (`cargo test -p rcoa-backend --lib pool::replay --
+    /// --nocapture` prints it), and the compact pools' bound on every row.
+    #[test]
+    fn compact_pools_reserve_at_most_1_1_times_the_bytes_in_use() {
+        println!("| plan | highest in use (B) | measured (H100) | default (replay) | compact (replay) | compact, parameters persistent |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+        let mut worst: f64 = 0.0;
+        for (name, trace, measured) in rows() {
+            let d = replay_choice(&trace, PoolChoice::Default, false);
+            let c = replay_choice(&trace, PoolChoice::Compact, false);
+            let cp = replay_choice(&trace, PoolChoice::Compact, true);
+            println!(
+                "| {name} | {} | {} | {:.3} | {:.3} | {:.3} |",
+                d.in_use,
+                measured.map_or("—".into(), |m| format!("{m:.3}")),
+                d.factor(),
+                c.factor(),
+                cp.factor()
+            );
+            worst = worst.max(c.factor());
+        }
+        assert!(
+            worst <= 1.1,
+            "compact reserves {worst:.3} × the bytes in use"
+        );
+    }
+
+    /// How much the compact pools' factor depends on the size of their large page: printed
+    /// for docs/memory-pool.md (`-- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a table for the docs, 30 s"]
+    fn page_size_sensitivity() {
+        let rows = rows();
+        for mib in [512u64, 768, 1024, 1280, 1536, 2048] {
+            let pools: Vec<_> = crate::pool::compact_pools()
+                .into_iter()
+                .map(|p| match p {
+                    crate::pool::Pool::Sliced { page, .. } if page == crate::pool::PAGE => {
+                        crate::pool::Pool::Sliced {
+                            page: mib << 20,
+                            max_slice: mib << 20,
+                        }
+                    }
+                    p => p,
+                })
+                .collect();
+            let f: Vec<String> = rows
+                .iter()
+                .map(|(_, t, _)| {
+                    let r = replay(t, Some(crate::pool::to_cubecl(&pools)), H100_MEMORY, false);
+                    format!("{:.3}", r.factor())
+                })
+                .collect();
+            println!("| {mib} MiB | {} |", f.join(" | "));
+        }
+    }
+}

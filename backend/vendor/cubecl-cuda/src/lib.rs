@@ -1,0 +1,67 @@
+#[macro_use]
+extern crate derive_new;
+extern crate alloc;
+
+mod compute;
+mod device;
+mod runtime;
+
+pub use device::*;
+pub use runtime::*;
+
+#[cfg(feature = "ptx-wmma")]
+pub(crate) type WmmaCompiler = cubecl_cpp::cuda::mma::PtxWmmaCompiler;
+
+#[cfg(not(feature = "ptx-wmma"))]
+pub(crate) type WmmaCompiler = cubecl_cpp::cuda::mma::CudaWmmaCompiler;
+
+pub mod install {
+    use std::path::PathBuf;
+
+    pub fn include_path() -> PathBuf {
+        let mut path = cuda_path().expect("
+        CUDA installation not found.
+        Please ensure that CUDA is installed and the CUDA_PATH environment variable is set correctly.
+        Note: Default paths are used for Linux (/usr/local/cuda) and Windows (C:/Program Files/NVIDIA GPU Computing Toolkit/CUDA/), which may not be correct.
+    ");
+        path.push("include");
+        path
+    }
+
+    pub fn cccl_include_path() -> PathBuf {
+        let mut path = include_path();
+        path.push("cccl");
+        path
+    }
+
+    pub fn cuda_path() -> Option<PathBuf> {
+        if let Ok(path) = std::env::var("CUDA_PATH") {
+            return Some(PathBuf::from(path));
+        }
+
+        #[cfg(target_os = "linux")]
+        {
+            // If it is installed as part of the distribution
+            return if std::fs::exists("/usr/local/cuda").is_ok_and(|exists| exists) {
+                Some(PathBuf::from("/usr/local/cuda"))
+            } else if std::fs::exists("/opt/cuda").is_ok_and(|exists| exists) {
+                Some(PathBuf::from("/opt/cuda"))
+            } else if std::fs::exists("/usr/bin/nvcc").is_ok_and(|exists| exists) {
+                // Maybe the compiler was installed within the user path.
+                Some(PathBuf::from("/usr"))
+            } else {
+                None
+            };
+        }
+
+        #[cfg(target_os = "windows")]
+        {
+            return Some(PathBuf::from(
+                "C:/Program Files/NVIDIA GPU Computing Toolkit/CUDA/",
+            ));
+        }
+
+        #[allow(unreachable_code)]
+        None
+    }
+}
