@@ -26,6 +26,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod distributed;
 pub mod eval;
+pub mod kernels;
 pub mod loss;
 pub mod loss_chunked;
 pub mod memory;

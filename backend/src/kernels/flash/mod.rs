@@ -1,0 +1,38 @@
+//! Fused ("flash") attention for training: `softmax(scale · q kᵀ + mask) v`
+//! and its gradients without a `[batch, heads, s, t]` tensor in either
+//! direction (issue #13; `docs/flash-attention.md`).
+//!
+//! - [`blocked`]: the algorithm in plain Burn tensor ops, blocked over
+//!   queries so only `[b, h, block, t]` exists at once. The default of
+//!   `ExecBackend::flash_attention` (the CPU path) and the reference the
+//!   kernels' host glue is checked against.
+//! - `forward`, `backward`, `tile`, `launch`: the CubeCL kernels
+//!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
+//!   over key blocks and dQ over query blocks, atomics-free). Built with the
+//!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
+//!   them on wgpu (lavapipe on a machine without a GPU).
+//!
+//! Semantics shared by both: causal keeps key `j` for query `i` when
+//! `j ≤ i` (needs `s == t`); a padded key gets the eager path's additive
+//! `-1e9` (so a row whose every key is padded averages them, as eager
+//! attention does, instead of producing NaN); grouped-query attention reads
+//! kv head `h / (heads / kv_heads)` without repeating k and v.
+
+pub mod autodiff;
+pub mod blocked;
+
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod backward;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod forward;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod launch;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod tile;
+
+#[cfg(test)]
+mod reference;
+#[cfg(test)]
+mod tests_blocked;
+#[cfg(all(test, feature = "wgpu-kernels"))]
+mod tests_wgpu;
