@@ -77,6 +77,11 @@ fn promote(a: Dtype, b: Dtype) -> Dtype {
 /// Tokens per chunk of the chunked LM loss; the executor's `DEFAULT_CHUNK` is this.
 pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 
+/// Query rows per block of the Burn executor's plain flash attention
+/// (`backend/src/kernels/flash/blocked.rs` `QUERY_BLOCK`; a backend test
+/// checks they agree).
+pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
+
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
         let param = storage(spec.precision.params);
@@ -699,7 +704,10 @@ impl<'a> Builder<'a> {
             && self.spec.train.attention != Attention::Eager
             && (sixteen_bit || kv == heads || !self.profile.gqa_without_repeat);
         let act = self.dtype(q);
-        let out = if fused {
+        let burn_flash = self.profile.burn_ops && self.spec.train.attention == Attention::Flash;
+        let out = if burn_flash {
+            self.burn_flash_attention(q, k, v, heads * hd, score_flops)
+        } else if fused {
             let (k, v) = if kv < heads && !self.profile.gqa_without_repeat {
                 (self.repeat_kv(k, heads * hd), self.repeat_kv(v, heads * hd))
             } else {
@@ -888,6 +896,53 @@ impl<'a> Builder<'a> {
         let o = self.op("probs_v", &[p, v], &[out], &[p, v]);
         self.tape.ops[o].flops = score_flops / 2.0;
         self.tape.ops[o].bwd_flops = score_flops;
+        // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
+        let rg = self.rg(out);
+        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
+        self.op("transpose", &[out], &[flat], &[]);
+        flat
+    }
+
+    /// `train { attention = flash }` on Burn (`backend/src/kernels/flash`,
+    /// `ops::flash_attention`): one autodiff node that saves q, k and v (not repeated for
+    /// grouped-query attention), the output `[b, h, s, d]` and the log-sum-exp `[b, h, s]`,
+    /// nothing quadratic. What `rcoa run` runs today on the CPU and on CUDA is the plain
+    /// path blocked over `BURN_FLASH_QUERY_BLOCK` queries, whose transients are
+    /// `[b, h, block, s]` score blocks: at most two in the forward (scores, their exp), four
+    /// in the backward (probabilities, dP, dS, one product), plus dQ's blocks and their
+    /// concatenation. Its LSE is in the compute dtype. Time: the two block products of the
+    /// forward (`score_flops`), five in the backward (S again, dV, dP, dQ, dK: 2.5 x), no
+    /// separate softmax passes (`docs/flash-attention.md`).
+    fn burn_flash_attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        width: u64,
+        score_flops: f64,
+    ) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (heads, hd) = (m.heads.div_ceil(t), m.head_dim);
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        let act = self.dtype(q);
+        let rg = self.rg(q) || self.rg(k) || self.rg(v);
+        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        let lse = self.tensor("lse", &[seqs * heads * s], act, false);
+        let o = self.op(
+            "flash_attention",
+            &[q, k, v],
+            &[out, lse],
+            &[q, k, v, out, lse],
+        );
+        let block = self.bytes(seqs * heads * BURN_FLASH_QUERY_BLOCK.min(s) * s, act);
+        let dq = self.bytes(seqs * heads * s * hd, act);
+        let info = &mut self.tape.ops[o];
+        info.flops = score_flops;
+        info.bwd_flops = 2.5 * score_flops;
+        info.fwd_workspace = 2 * block;
+        info.bwd_workspace = 4 * block + 2 * dq;
         // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
         let rg = self.rg(out);
         let flat = self.tensor("transpose", &[self.tokens, width], act, rg);

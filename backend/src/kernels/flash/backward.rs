@@ -49,6 +49,7 @@ pub fn flash_backward_kv<F: Float>(
     let kv_heads = k.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
+    let dim = q.shape(3);
     let bkv = CUBE_POS_Y as usize;
     let bi = bkv / kv_heads;
     let kvh = bkv % kv_heads;
@@ -64,7 +65,7 @@ pub fn flash_backward_kv<F: Float>(
     let mut dv = Array::<f32>::new(head_dim);
     let kb = bi * k.stride(0) + kvh * k.stride(1) + jr * k.stride(2);
     let vb = bi * v.stride(0) + kvh * v.stride(1) + jr * v.stride(2);
-    for c in 0..head_dim {
+    for c in 0..dim {
         kr[c] = f32::cast_from(k[kb + c * k.stride(3)]);
         vr[c] = f32::cast_from(v[vb + c * v.stride(3)]);
         dk[c] = f32::new(0.0);
@@ -93,31 +94,31 @@ pub fn flash_backward_kv<F: Float>(
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            load_rows::<F>(q, &mut qs, qbase, i0, s, head_dim);
-            load_rows::<F>(d_o, &mut dos, dobase, i0, s, head_dim);
+            load_rows::<F>(q, &mut qs, qbase, i0, s, dim);
+            load_rows::<F>(d_o, &mut dos, dobase, i0, s, dim);
             // This unit's query row's LSE and D = rowsum(dO ∘ O).
             let ir = min(i0 + unit, s - 1);
             ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
             let ob = bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2);
             let mut dsum = f32::new(0.0);
-            for c in 0..head_dim {
-                dsum += dos[unit * head_dim + c] * f32::cast_from(o[ob + c * o.stride(3)]);
+            for c in 0..dim {
+                dsum += dos[unit * dim + c] * f32::cast_from(o[ob + c * o.stride(3)]);
             }
             ds_row[unit] = dsum;
             sync_cube();
 
-            for il in 0..block {
+            for il in 0..min(block, s - i0) {
                 let i = i0 + il;
                 // A query past the end, or (causal) before this key: no term.
                 let skip = i >= s || excluded(jr, i, t, causal);
                 if !skip {
-                    let x = row_dot(&kr, &qs, il * head_dim, head_dim) * scale + bias;
+                    let x = row_dot(&kr, &qs, il * dim, dim) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    let dp = row_dot(&vr, &dos, il * head_dim, head_dim);
+                    let dp = row_dot(&vr, &dos, il * dim, dim);
                     let dsc = p * (dp - ds_row[il]) * scale;
-                    for c in 0..head_dim {
-                        dv[c] += p * dos[il * head_dim + c];
-                        dk[c] += dsc * qs[il * head_dim + c];
+                    for c in 0..dim {
+                        dv[c] += p * dos[il * dim + c];
+                        dk[c] += dsc * qs[il * dim + c];
                     }
                 }
             }
@@ -128,7 +129,7 @@ pub fn flash_backward_kv<F: Float>(
     if live {
         let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
         let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
-        for c in 0..head_dim {
+        for c in 0..dim {
             d_k[kb + c * d_k.stride(3)] = F::cast_from(dk[c]);
             d_v[vb + c * d_v.stride(3)] = F::cast_from(dv[c]);
         }
@@ -160,6 +161,7 @@ pub fn flash_backward_q<F: Float>(
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
+    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -177,7 +179,7 @@ pub fn flash_backward_q<F: Float>(
     let dob = bi * d_o.stride(0) + hi * d_o.stride(1) + r * d_o.stride(2);
     let ob = bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2);
     let mut dsum = f32::new(0.0);
-    for c in 0..head_dim {
+    for c in 0..dim {
         qr[c] = f32::cast_from(q[qb + c * q.stride(3)]) * scale;
         dor[c] = f32::cast_from(d_o[dob + c * d_o.stride(3)]);
         dsum += dor[c] * f32::cast_from(o[ob + c * o.stride(3)]);
@@ -197,21 +199,21 @@ pub fn flash_backward_q<F: Float>(
     }
     for kb in 0..end {
         let j0 = kb * block;
-        load_rows::<F>(k, &mut ks, kbase, j0, t, head_dim);
-        load_rows::<F>(v, &mut vs, vbase, j0, t, head_dim);
+        load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
+        load_rows::<F>(v, &mut vs, vbase, j0, t, dim);
         sync_cube();
-        for jl in 0..block {
+        for jl in 0..min(block, t - j0) {
             let j = j0 + jl;
             if !excluded(j, r, t, causal) {
-                let mut x = row_dot(&qr, &ks, jl * head_dim, head_dim);
+                let mut x = row_dot(&qr, &ks, jl * dim, dim);
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
                 let p = (x - lse_r).exp();
-                let dp = row_dot(&dor, &vs, jl * head_dim, head_dim);
+                let dp = row_dot(&dor, &vs, jl * dim, dim);
                 let dsc = p * (dp - dsum) * scale;
-                for c in 0..head_dim {
-                    dq[c] += dsc * ks[jl * head_dim + c];
+                for c in 0..dim {
+                    dq[c] += dsc * ks[jl * dim + c];
                 }
             }
         }
@@ -220,7 +222,7 @@ pub fn flash_backward_q<F: Float>(
 
     if live {
         let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
-        for c in 0..head_dim {
+        for c in 0..dim {
             d_q[qb + c * d_q.stride(3)] = F::cast_from(dq[c]);
         }
     }

@@ -40,6 +40,7 @@ pub fn flash_forward<F: Float>(
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
+    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -54,7 +55,7 @@ pub fn flash_forward<F: Float>(
     let mut qr = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);
     let qb = bi * q.stride(0) + hi * q.stride(1) + r * q.stride(2);
-    for c in 0..head_dim {
+    for c in 0..dim {
         qr[c] = f32::cast_from(q[qb + c * q.stride(3)]) * scale;
         acc[c] = f32::new(0.0);
     }
@@ -76,17 +77,20 @@ pub fn flash_forward<F: Float>(
     }
     for kb in 0..end {
         let j0 = kb * block;
-        load_rows::<F>(k, &mut ks, kbase, j0, t, head_dim);
-        load_rows::<F>(v, &mut vs, vbase, j0, t, head_dim);
+        load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
+        load_rows::<F>(v, &mut vs, vbase, j0, t, dim);
         sync_cube();
 
-        // S = (scale · q) Kᵀ for this row and block, and its maximum.
+        // S = (scale · q) Kᵀ for this row and block, and its maximum. The
+        // bound is a run-time value (the keys in this block), so shader
+        // compilers do not unroll it.
+        let n = min(block, t - j0);
         let mut mb = m;
-        for jl in 0..block {
+        for jl in 0..n {
             let j = j0 + jl;
             let mut x = f32::new(MASKED);
             if !excluded(j, r, t, causal) {
-                x = row_dot(&qr, &ks, jl * head_dim, head_dim);
+                x = row_dot(&qr, &ks, jl * dim, dim);
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
@@ -97,19 +101,19 @@ pub fn flash_forward<F: Float>(
         // Online softmax: rescale what was summed under the old maximum.
         let alpha = (m - mb).exp();
         l *= alpha;
-        for c in 0..head_dim {
+        for c in 0..dim {
             acc[c] *= alpha;
         }
         // O += P V.
-        for jl in 0..block {
+        for jl in 0..n {
             let p = select(
                 sc[jl] > f32::new(MASKED),
                 (sc[jl] - mb).exp(),
                 f32::new(0.0),
             );
             l += p;
-            for c in 0..head_dim {
-                acc[c] += p * vs[jl * head_dim + c];
+            for c in 0..dim {
+                acc[c] += p * vs[jl * dim + c];
             }
         }
         m = mb;
@@ -119,7 +123,7 @@ pub fn flash_forward<F: Float>(
     if live {
         let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
         let inv = f32::new(1.0) / l;
-        for c in 0..head_dim {
+        for c in 0..dim {
             out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
         }
         lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();

@@ -104,3 +104,96 @@ fn flash_blocked_with_frozen_q_k() {
     let err = worst(&values(v.grad(&grads).unwrap()), &want.d_v);
     assert!(err <= 1e-4, "dV differs by {err:e}");
 }
+
+/// The memory model's block is this path's block.
+#[test]
+fn flash_blocked_query_block_is_the_modelled_one() {
+    assert_eq!(
+        QUERY_BLOCK as u64,
+        rcoa_compiler::memory::build::BURN_FLASH_QUERY_BLOCK
+    );
+}
+
+/// Set in the child process of [`blocked_transient_is_linear_in_s`].
+const CHILD: &str = "RCOA_FLASH_BLOCKED_TRANSIENT_CHILD";
+
+/// Peak heap bytes above those live before `f`, counted by the test
+/// binary's allocator (process-wide, hence a child process).
+fn peak_of(f: impl FnOnce()) -> u64 {
+    use crate::memory::{AllocProbe, MemoryProbe};
+    let mut probe = AllocProbe::new().expect("the test binary counts allocations");
+    f();
+    probe.sample();
+    probe.step_peak()
+}
+
+/// Measures in a process of its own: other tests allocate meanwhile.
+#[test]
+fn blocked_transient_is_linear_in_s() {
+    crate::testing::run_ignored_in_child(
+        "kernels::flash::tests_blocked::blocked_transient_in_child",
+        CHILD,
+    );
+}
+
+/// 1 x 4 heads x 1024 queries (16 blocks), d 32: the forward and the
+/// backward stay within what `compiler/src/memory/build.rs`
+/// (`burn_flash_attention`) charges (2 score blocks forward, 4 backward,
+/// plus the outputs) and far below one `[b, h, s, s]` score tensor.
+#[test]
+#[ignore = "run in its own process by blocked_transient_is_linear_in_s"]
+fn blocked_transient_in_child() {
+    assert!(std::env::var_os(CHILD).is_some(), "run by its parent test");
+    let p = Problem::new(1, 4, 2, 1024, 1024, 32, true, &[100], 21);
+    let qs = [p.b, p.h, p.s, p.d];
+    let ks = [p.b, p.kvh, p.t, p.d];
+    let q = tensor::<Inner, 4>(&p.q, qs);
+    let k = tensor::<Inner, 4>(&p.k, ks);
+    let v = tensor::<Inner, 4>(&p.v, ks);
+    let d_o = tensor::<Inner, 4>(&p.d_o, qs);
+    let m = mask::<Inner>(&p);
+    let run = || {
+        let mut saved = None;
+        let fwd = peak_of(|| {
+            saved = Some(super::blocked::forward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &m,
+                p.scale,
+            ));
+        });
+        let (o, lse) = saved.unwrap();
+        let bwd = peak_of(|| {
+            let g = super::blocked::backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                o,
+                lse,
+                d_o.clone(),
+                &m,
+                p.scale,
+            );
+            drop(g);
+        });
+        (fwd, bwd)
+    };
+    run(); // thread pools and first-use buffers
+    let (fwd, bwd) = run();
+    let f32s = |n: usize| (n * 4) as u64;
+    let block = f32s(p.b * p.h * QUERY_BLOCK * p.t);
+    let (out, lse) = (f32s(p.b * p.h * p.s * p.d), f32s(p.b * p.h * p.s));
+    let kv = f32s(p.b * p.kvh * p.t * p.d);
+    let scores = f32s(p.b * p.h * p.s * p.t);
+    println!("forward {fwd} backward {bwd} bytes; block {block}, full scores {scores}");
+    // Forward: the model's 2 blocks, the output and LSE (and their per-block
+    // pieces before the concatenation).
+    let fwd_bound = 2 * block + 2 * (out + lse) + (64 << 10);
+    // Backward: 4 blocks, dQ twice (blocks, then their concatenation), dK,
+    // dV, and D = rowsum(dO ∘ O).
+    let bwd_bound = 4 * block + 2 * out + 2 * kv + lse + (64 << 10);
+    assert!(fwd <= fwd_bound, "forward {fwd} > {fwd_bound}");
+    assert!(bwd <= bwd_bound, "backward {bwd} > {bwd_bound}");
+    assert!(bwd < scores, "backward {bwd} ≥ one score tensor {scores}");
+}

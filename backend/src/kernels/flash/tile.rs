@@ -3,6 +3,12 @@
 //!
 //! Every kernel runs `block` units per cube, one per row of its block, so a
 //! block of rows is staged with one row per unit.
+//!
+//! Loops over the head dimension run to a run-time bound (`dim`, the
+//! tensors' last extent) although register arrays are sized at compile
+//! time: constant nested loops are unrolled by the shader compilers, which
+//! took lavapipe minutes per kernel. Whether CUDA wants them unrolled is a
+//! tuning question for the H100 session (`docs/flash-attention.md`).
 
 use cubecl::prelude::*;
 
@@ -21,13 +27,13 @@ pub fn load_rows<F: Float>(
     base: usize,
     r0: usize,
     n: usize,
-    #[comptime] head_dim: usize,
+    dim: usize,
 ) {
     let u = UNIT_POS_X as usize;
     let r = min(r0 + u, n - 1);
     let b = base + r * src.stride(2);
-    for c in 0..head_dim {
-        dst[u * head_dim + c] = f32::cast_from(src[b + c * src.stride(3)]);
+    for c in 0..dim {
+        dst[u * dim + c] = f32::cast_from(src[b + c * src.stride(3)]);
     }
 }
 
@@ -52,14 +58,9 @@ pub fn pad_bias(bias: &Tensor<f32>, bi: usize, j: usize) -> f32 {
 /// `Σ_c a[c] · rows[offset + c]`: one row of a register tile against one
 /// row of a shared-memory tile.
 #[cube]
-pub fn row_dot(
-    a: &Array<f32>,
-    rows: &SharedMemory<f32>,
-    offset: usize,
-    #[comptime] head_dim: usize,
-) -> f32 {
+pub fn row_dot(a: &Array<f32>, rows: &SharedMemory<f32>, offset: usize, dim: usize) -> f32 {
     let mut sum = f32::new(0.0);
-    for c in 0..head_dim {
+    for c in 0..dim {
         sum += a[c] * rows[offset + c];
     }
     sum
