@@ -30,6 +30,8 @@ pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 #[cfg(test)]
 mod reference;
 #[cfg(test)]
