@@ -47,6 +47,9 @@ impl<B: ExecBackend> Backward<B, 3> for FlashAttention {
     }
 }
 
+/// An output and its log-sum-exp.
+type OutLse<B> = (FloatTensor<B>, FloatTensor<B>);
+
 /// `ExecBackend::flash_attention_forward` on `Autodiff<B, C>`: the output is
 /// tracked, the log-sum-exp is returned as a constant.
 pub fn forward<B: ExecBackend, C: CheckpointStrategy>(
@@ -55,7 +58,7 @@ pub fn forward<B: ExecBackend, C: CheckpointStrategy>(
     v: FloatTensor<Autodiff<B, C>>,
     mask: &FlashMask<Autodiff<B, C>>,
     scale: f64,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+) -> OutLse<Autodiff<B, C>> {
     let mask = FlashMask {
         causal: mask.causal,
         key_bias: mask.key_bias.as_ref().map(|t| t.clone().inner()),

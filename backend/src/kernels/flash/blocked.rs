@@ -81,6 +81,7 @@ fn visible(sh: &Shape, mask: &FlashMask<impl Backend>, i0: usize, n: usize) -> u
 
 /// `scale · q kᵀ + masks` for one query block over its `tv` visible keys:
 /// `[b, kvh, g · n, tv]`.
+#[allow(clippy::too_many_arguments)]
 fn scores<B: Backend>(
     qb: Tensor<B, 4>,
     k: &Tensor<B, 4>,

@@ -45,7 +45,7 @@ impl FlashDims {
         if d.batch == 0 || d.heads == 0 || d.q_len == 0 || d.kv_len == 0 || d.head_dim == 0 {
             return Err(format!("empty attention shape {d:?}"));
         }
-        if d.kv_heads == 0 || d.heads % d.kv_heads != 0 {
+        if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {
             return Err(format!(
                 "{} query heads cannot share {} kv heads evenly",
                 d.heads, d.kv_heads

@@ -137,8 +137,8 @@ impl Problem {
                         }
                     }
                     let row = ((bi * h + hi) * s + i) * d;
-                    for c in 0..d {
-                        e.o[row + c] = o[c] as f32;
+                    for (c, oc) in o.iter().enumerate() {
+                        e.o[row + c] = *oc as f32;
                     }
                     // Softmax backward: dS = P ∘ (dO vᵀ − rowsum(dO ∘ O)).
                     let big_d: f64 = (0..d).map(|c| doa(i, c) * o[c]).sum();
@@ -154,8 +154,8 @@ impl Problem {
                             dv[kv_at(j) + c] += pj * doa(i, c);
                         }
                     }
-                    for c in 0..d {
-                        e.d_q[row + c] = dq[c] as f32;
+                    for (c, g) in dq.iter().enumerate() {
+                        e.d_q[row + c] = *g as f32;
                     }
                 }
             }
