@@ -36,5 +36,5 @@ pub mod cuda;
 mod reference;
 #[cfg(test)]
 mod tests_blocked;
-#[cfg(all(test, feature = "wgpu-kernels"))]
-mod tests_wgpu;
+#[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
+mod tests_kernels;

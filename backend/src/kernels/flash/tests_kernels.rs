@@ -1,0 +1,260 @@
+//! The kernels against the f64 reference, on any CubeCL runtime: wgpu
+//! (`wgpu-kernels`; on this project's CPU-only machines that is lavapipe,
+//! Vulkan on the CPU) and CUDA (`cuda`, for the GPU session). With no
+//! device the tests print why and pass without checking anything.
+
+use cubecl::prelude::*;
+
+use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch};
+use super::reference::{worst, Problem};
+
+/// A runtime's client, or `None` (with a note) where it has no device:
+/// cubecl panics when it finds none.
+fn client_or_skip<R: Runtime>(
+    device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
+) -> Option<ComputeClient<R>> {
+    let found = std::panic::catch_unwind(|| R::client(&device()));
+    if found.is_err() {
+        eprintln!(
+            "SKIPPED: no {} device; the flash kernels were not run",
+            std::any::type_name::<R>()
+        );
+    }
+    found.ok()
+}
+
+/// A contiguous f32 tensor on the device.
+struct Buf<R: Runtime> {
+    handle: cubecl::server::Handle,
+    runtime: std::marker::PhantomData<R>,
+    shape: Vec<usize>,
+}
+
+impl<R: Runtime> Buf<R> {
+    fn new(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
+        assert_eq!(data.len(), shape.iter().product::<usize>());
+        Buf {
+            handle: client.create_from_slice(f32::as_bytes(data)),
+            shape: shape.to_vec(),
+            runtime: std::marker::PhantomData,
+        }
+    }
+
+    fn zeros(client: &ComputeClient<R>, shape: &[usize]) -> Self {
+        Self::new(client, &vec![0.0; shape.iter().product()], shape)
+    }
+
+    fn arg(&self) -> TensorArg<R> {
+        let mut strides = vec![1; self.shape.len()];
+        for i in (0..self.shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * self.shape[i + 1];
+        }
+        unsafe {
+            TensorArg::from_raw_parts(
+                self.handle.clone(),
+                strides.as_slice().into(),
+                self.shape.as_slice().into(),
+            )
+        }
+    }
+
+    fn read(&self, client: &ComputeClient<R>) -> Vec<f32> {
+        let bytes = client.read_one_unchecked(self.handle.clone());
+        f32::from_bytes(&bytes).to_vec()
+    }
+}
+
+/// Everything one problem's kernels return.
+struct Got {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    d_q: Vec<f32>,
+    d_k: Vec<f32>,
+    d_v: Vec<f32>,
+}
+
+fn run<R: Runtime>(client: &ComputeClient<R>, p: &Problem) -> Got {
+    let dims = FlashDims {
+        batch: p.b,
+        heads: p.h,
+        kv_heads: p.kvh,
+        q_len: p.s,
+        kv_len: p.t,
+        head_dim: p.d,
+    };
+    dims.check(p.causal).expect("a shape the kernels take");
+    let cfg = FlashLaunch {
+        dims,
+        causal: p.causal,
+        padding: p.keep.is_some(),
+        scale: p.scale as f32,
+        dtype: f32::as_type_native_unchecked().storage_type(),
+    };
+    let qs = [p.b, p.h, p.s, p.d];
+    let ks = [p.b, p.kvh, p.t, p.d];
+    let q = Buf::new(client, &p.q, &qs);
+    let k = Buf::new(client, &p.k, &ks);
+    let v = Buf::new(client, &p.v, &ks);
+    let d_o = Buf::new(client, &p.d_o, &qs);
+    let key_bias = match p.key_bias() {
+        Some(bias) => Buf::new(client, &bias, &[p.b, p.t]),
+        None => Buf::zeros(client, &[1, 1]),
+    };
+    let o = Buf::zeros(client, &qs);
+    let lse = Buf::zeros(client, &[p.b, p.h, p.s]);
+    launch::forward(
+        client,
+        &cfg,
+        q.arg(),
+        k.arg(),
+        v.arg(),
+        key_bias.arg(),
+        o.arg(),
+        lse.arg(),
+    );
+    let inputs = || BackwardInputs {
+        q: q.arg(),
+        k: k.arg(),
+        v: v.arg(),
+        o: o.arg(),
+        d_o: d_o.arg(),
+        lse: lse.arg(),
+        key_bias: key_bias.arg(),
+    };
+    let (d_q, d_k, d_v) = (
+        Buf::zeros(client, &qs),
+        Buf::zeros(client, &ks),
+        Buf::zeros(client, &ks),
+    );
+    launch::backward_kv(client, &cfg, inputs(), d_k.arg(), d_v.arg());
+    launch::backward_q(client, &cfg, inputs(), d_q.arg());
+    Got {
+        o: o.read(client),
+        lse: lse.read(client),
+        d_q: d_q.read(client),
+        d_k: d_k.read(client),
+        d_v: d_v.read(client),
+    }
+}
+
+/// Output within 1e-4, LSE within 1e-4, gradients within 1e-3 (relative to
+/// `1 + |x|`), for one problem.
+fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
+    let Some(client) = client else { return };
+    let want = p.expected();
+    let got = run(&client, &p);
+    let errs = [
+        ("O", worst(&got.o, &want.o), 1e-4),
+        ("LSE", worst(&got.lse, &want.lse), 1e-4),
+        ("dQ", worst(&got.d_q, &want.d_q), 1e-3),
+        ("dK", worst(&got.d_k, &want.d_k), 1e-3),
+        ("dV", worst(&got.d_v, &want.d_v), 1e-3),
+    ];
+    for (name, err, tol) in errs {
+        assert!(err <= tol, "{what}: {name} differs by {err:e} (> {tol:e})");
+    }
+}
+
+/// The same problems on each runtime.
+macro_rules! kernel_tests {
+    () => {
+        #[test]
+        fn bidirectional() {
+            // 37 queries: not a multiple of the 32-row block.
+            check(
+                client(),
+                Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
+                "bidirectional d32",
+            );
+        }
+
+        #[test]
+        fn causal() {
+            check(
+                client(),
+                Problem::new(2, 4, 4, 45, 45, 32, true, &[], 2),
+                "causal d32",
+            );
+        }
+
+        #[test]
+        fn grouped_query_causal() {
+            // Four query heads per kv head; d 64 (the block is 32 rows).
+            check(
+                client(),
+                Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
+                "gqa causal d64",
+            );
+        }
+
+        #[test]
+        fn padding() {
+            // Batch rows with 0 and 9 padded keys, bidirectional (an encoder) and
+            // causal with grouped query heads.
+            check(
+                client(),
+                Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 4),
+                "padding",
+            );
+            check(
+                client(),
+                Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
+                "padding causal gqa",
+            );
+        }
+
+        #[test]
+        fn head_dim_128_cross_lengths() {
+            // d 128 (16-row blocks), more keys than queries (bidirectional only).
+            check(
+                client(),
+                Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
+                "d128 cross",
+            );
+            check(
+                client(),
+                Problem::new(1, 2, 2, 50, 50, 128, true, &[], 7),
+                "d128 causal",
+            );
+        }
+
+        #[test]
+        fn odd_head_dim() {
+            check(
+                client(),
+                Problem::new(1, 3, 1, 17, 17, 24, true, &[2], 8),
+                "d24",
+            );
+        }
+    };
+}
+
+#[cfg(feature = "wgpu-kernels")]
+mod wgpu {
+    use super::*;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    fn client() -> Option<ComputeClient<WgpuRuntime>> {
+        static C: std::sync::OnceLock<Option<ComputeClient<WgpuRuntime>>> =
+            std::sync::OnceLock::new();
+        C.get_or_init(|| client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice))
+            .clone()
+    }
+
+    kernel_tests!();
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    fn client() -> Option<ComputeClient<CudaRuntime>> {
+        static C: std::sync::OnceLock<Option<ComputeClient<CudaRuntime>>> =
+            std::sync::OnceLock::new();
+        C.get_or_init(|| client_or_skip::<CudaRuntime>(|| CudaDevice::new(0)))
+            .clone()
+    }
+
+    kernel_tests!();
+}
