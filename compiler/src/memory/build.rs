@@ -910,9 +910,10 @@ impl<'a> Builder<'a> {
     /// path blocked over `BURN_FLASH_QUERY_BLOCK` queries, whose transients are
     /// `[b, h, block, s]` score blocks: at most two in the forward (scores, their exp), four
     /// in the backward (probabilities, dP, dS, one product), plus dQ's blocks and their
-    /// concatenation. Its LSE is in the compute dtype. Time: the two block products of the
-    /// forward (`score_flops`), five in the backward (S again, dV, dP, dQ, dK: 2.5 x), no
-    /// separate softmax passes (`docs/flash-attention.md`).
+    /// concatenation. Its LSE is in the compute dtype. Time: the CUDA kernels' block
+    /// products, no separate softmax passes: two in the forward (`score_flops`), seven in
+    /// the backward (S and dP in each of the atomics-free dK/dV and dQ kernels, then dV, dK,
+    /// dQ: 3.5 x; the blocked CPU path does five) (`docs/flash-attention.md`).
     fn burn_flash_attention(
         &mut self,
         q: TensorId,
@@ -940,7 +941,7 @@ impl<'a> Builder<'a> {
         let dq = self.bytes(seqs * heads * s * hd, act);
         let info = &mut self.tape.ops[o];
         info.flops = score_flops;
-        info.bwd_flops = 2.5 * score_flops;
+        info.bwd_flops = 3.5 * score_flops;
         info.fwd_workspace = 2 * block;
         info.bwd_workspace = 4 * block + 2 * dq;
         // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
