@@ -23,7 +23,45 @@ fn client_or_skip<R: Runtime>(
     found.ok()
 }
 
-/// A contiguous f32 tensor on the device.
+/// An element type the tests upload: f32, f16 or bf16.
+trait Elem: CubeElement + Float {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for burn::tensor::f16 {
+    fn from_f32(x: f32) -> Self {
+        Self::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Elem for burn::tensor::bf16 {
+    fn from_f32(x: f32) -> Self {
+        Self::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `x` rounded to `E` and back.
+fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
+}
+
+/// A contiguous tensor on the device.
 struct Buf<R: Runtime> {
     handle: cubecl::server::Handle,
     runtime: std::marker::PhantomData<R>,
@@ -32,16 +70,26 @@ struct Buf<R: Runtime> {
 
 impl<R: Runtime> Buf<R> {
     fn new(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
+        Self::new_as::<f32>(client, data, shape)
+    }
+
+    /// `data` stored as `E`.
+    fn new_as<E: Elem>(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
         assert_eq!(data.len(), shape.iter().product::<usize>());
+        let data: Vec<E> = data.iter().map(|&x| E::from_f32(x)).collect();
         Buf {
-            handle: client.create_from_slice(f32::as_bytes(data)),
+            handle: client.create_from_slice(E::as_bytes(&data)),
             shape: shape.to_vec(),
             runtime: std::marker::PhantomData,
         }
     }
 
     fn zeros(client: &ComputeClient<R>, shape: &[usize]) -> Self {
-        Self::new(client, &vec![0.0; shape.iter().product()], shape)
+        Self::zeros_as::<f32>(client, shape)
+    }
+
+    fn zeros_as<E: Elem>(client: &ComputeClient<R>, shape: &[usize]) -> Self {
+        Self::new_as::<E>(client, &vec![0.0; shape.iter().product()], shape)
     }
 
     fn arg(&self) -> TensorArg<R> {
@@ -59,8 +107,12 @@ impl<R: Runtime> Buf<R> {
     }
 
     fn read(&self, client: &ComputeClient<R>) -> Vec<f32> {
+        self.read_as::<f32>(client)
+    }
+
+    fn read_as<E: Elem>(&self, client: &ComputeClient<R>) -> Vec<f32> {
         let bytes = client.read_one_unchecked(self.handle.clone());
-        f32::from_bytes(&bytes).to_vec()
+        E::from_bytes(&bytes).iter().map(|&x| x.to_f32()).collect()
     }
 }
 
@@ -73,7 +125,8 @@ struct Got {
     d_v: Vec<f32>,
 }
 
-fn run<R: Runtime>(client: &ComputeClient<R>, p: &Problem) -> Got {
+/// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`.
+fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Got {
     let dims = FlashDims {
         batch: p.b,
         heads: p.h,
@@ -88,19 +141,19 @@ fn run<R: Runtime>(client: &ComputeClient<R>, p: &Problem) -> Got {
         causal: p.causal,
         padding: p.keep.is_some(),
         scale: p.scale as f32,
-        dtype: f32::as_type_native_unchecked().storage_type(),
+        dtype: E::as_type_native_unchecked().storage_type(),
     };
     let qs = [p.b, p.h, p.s, p.d];
     let ks = [p.b, p.kvh, p.t, p.d];
-    let q = Buf::new(client, &p.q, &qs);
-    let k = Buf::new(client, &p.k, &ks);
-    let v = Buf::new(client, &p.v, &ks);
-    let d_o = Buf::new(client, &p.d_o, &qs);
+    let q = Buf::new_as::<E>(client, &p.q, &qs);
+    let k = Buf::new_as::<E>(client, &p.k, &ks);
+    let v = Buf::new_as::<E>(client, &p.v, &ks);
+    let d_o = Buf::new_as::<E>(client, &p.d_o, &qs);
     let key_bias = match p.key_bias() {
         Some(bias) => Buf::new(client, &bias, &[p.b, p.t]),
         None => Buf::zeros(client, &[1, 1]),
     };
-    let o = Buf::zeros(client, &qs);
+    let o = Buf::zeros_as::<E>(client, &qs);
     let lse = Buf::zeros(client, &[p.b, p.h, p.s]);
     launch::forward(
         client,
@@ -122,18 +175,18 @@ fn run<R: Runtime>(client: &ComputeClient<R>, p: &Problem) -> Got {
         key_bias: key_bias.arg(),
     };
     let (d_q, d_k, d_v) = (
-        Buf::zeros(client, &qs),
-        Buf::zeros(client, &ks),
-        Buf::zeros(client, &ks),
+        Buf::zeros_as::<E>(client, &qs),
+        Buf::zeros_as::<E>(client, &ks),
+        Buf::zeros_as::<E>(client, &ks),
     );
     launch::backward_kv(client, &cfg, inputs(), d_k.arg(), d_v.arg());
     launch::backward_q(client, &cfg, inputs(), d_q.arg());
     Got {
-        o: o.read(client),
+        o: o.read_as::<E>(client),
         lse: lse.read(client),
-        d_q: d_q.read(client),
-        d_k: d_k.read(client),
-        d_v: d_v.read(client),
+        d_q: d_q.read_as::<E>(client),
+        d_k: d_k.read_as::<E>(client),
+        d_v: d_v.read_as::<E>(client),
     }
 }
 
@@ -142,7 +195,7 @@ fn run<R: Runtime>(client: &ComputeClient<R>, p: &Problem) -> Got {
 fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
     let Some(client) = client else { return };
     let want = p.expected();
-    let got = run(&client, &p);
+    let got = run::<R, f32>(&client, &p);
     let errs = [
         ("O", worst(&got.o, &want.o), 1e-4),
         ("LSE", worst(&got.lse, &want.lse), 1e-4),
@@ -152,6 +205,39 @@ fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
     ];
     for (name, err, tol) in errs {
         assert!(err <= tol, "{what}: {name} differs by {err:e} (> {tol:e})");
+    }
+}
+
+/// The kernels with 16-bit inputs and outputs (fp32 accumulation) against
+/// the reference on the same rounded inputs: the output within `tol`, the
+/// gradients within `4 · tol`, LSE (fp32) within 1e-3. Skipped, with a note,
+/// where the runtime lacks the type.
+fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64) {
+    let Some(client) = client else { return };
+    let ty = E::as_type_native_unchecked();
+    if !client.properties().supports_type(ty) {
+        eprintln!(
+            "SKIPPED: {} has no {ty:?}; the 16-bit kernels were not run",
+            std::any::type_name::<R>()
+        );
+        return;
+    }
+    let mut p = Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9);
+    p.q = round::<E>(&p.q);
+    p.k = round::<E>(&p.k);
+    p.v = round::<E>(&p.v);
+    p.d_o = round::<E>(&p.d_o);
+    let want = p.expected();
+    let got = run::<R, E>(&client, &p);
+    let errs = [
+        ("O", worst(&got.o, &want.o), tol),
+        ("LSE", worst(&got.lse, &want.lse), 1e-3),
+        ("dQ", worst(&got.d_q, &want.d_q), 4.0 * tol),
+        ("dK", worst(&got.d_k, &want.d_k), 4.0 * tol),
+        ("dV", worst(&got.d_v, &want.d_v), 4.0 * tol),
+    ];
+    for (name, err, tol) in errs {
+        assert!(err <= tol, "{ty:?}: {name} differs by {err:e} (> {tol:e})");
     }
 }
 
@@ -225,6 +311,16 @@ macro_rules! kernel_tests {
                 Problem::new(1, 3, 1, 17, 17, 24, true, &[2], 8),
                 "d24",
             );
+        }
+
+        #[test]
+        fn f16() {
+            check_16bit::<_, burn::tensor::f16>(client(), 2e-3);
+        }
+
+        #[test]
+        fn bf16() {
+            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2);
         }
     };
 }
