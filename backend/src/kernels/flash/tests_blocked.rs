@@ -137,9 +137,10 @@ fn blocked_transient_is_linear_in_s() {
 }
 
 /// 1 x 4 heads x 1024 queries (16 blocks), d 32: the forward and the
-/// backward stay within what `compiler/src/memory/build.rs`
-/// (`burn_flash_attention`) charges (2 score blocks forward, 4 backward,
-/// plus the outputs) and far below one `[b, h, s, s]` score tensor.
+/// backward stay within 2 and 4 score blocks of `[b, h, QUERY_BLOCK, s]`
+/// plus their outputs, far below one `[b, h, s, s]` score tensor. The
+/// blocks are the CPU's excess over `compiler/src/memory/build.rs`
+/// (`burn_flash_attention`), which charges the CUDA kernels (no blocks).
 #[test]
 #[ignore = "run in its own process by blocked_transient_is_linear_in_s"]
 fn blocked_transient_in_child() {
