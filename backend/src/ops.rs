@@ -120,33 +120,43 @@ impl<B> ExecAutodiff for B where B: AutodiffBackend<InnerBackend: ExecBackend> +
 
 impl ExecBackend for burn::backend::NdArray<f32> {}
 
-/// CUDA runs the CubeCL flash kernels (`kernels::flash::cuda`); the rest is
-/// Burn's.
-#[cfg(feature = "cuda")]
-impl ExecBackend for burn::backend::Cuda<f32> {
-    fn flash_attention_forward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        mask: &FlashMask<Self>,
-        scale: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        flash::cuda::forward(q, k, v, mask, scale)
-    }
+/// The fused CubeCL backends run the flash kernels (`kernels::flash::fused`);
+/// the rest is Burn's. CUDA for `rcoa run`; Wgpu so the tests run the same
+/// glue on lavapipe.
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+macro_rules! fused_cube_exec_backend {
+    ($backend:ty) => {
+        impl ExecBackend for $backend {
+            fn flash_attention_forward(
+                q: FloatTensor<Self>,
+                k: FloatTensor<Self>,
+                v: FloatTensor<Self>,
+                mask: &FlashMask<Self>,
+                scale: f64,
+            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+                flash::fused::forward(q, k, v, mask, scale)
+            }
 
-    fn flash_attention_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        o: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_o: FloatTensor<Self>,
-        mask: &FlashMask<Self>,
-        scale: f64,
-    ) -> [FloatTensor<Self>; 3] {
-        flash::cuda::backward(q, k, v, o, lse, d_o, mask, scale)
-    }
+            fn flash_attention_backward(
+                q: FloatTensor<Self>,
+                k: FloatTensor<Self>,
+                v: FloatTensor<Self>,
+                o: FloatTensor<Self>,
+                lse: FloatTensor<Self>,
+                d_o: FloatTensor<Self>,
+                mask: &FlashMask<Self>,
+                scale: f64,
+            ) -> [FloatTensor<Self>; 3] {
+                flash::fused::backward(q, k, v, o, lse, d_o, mask, scale)
+            }
+        }
+    };
 }
+
+#[cfg(feature = "cuda")]
+fused_cube_exec_backend!(burn::backend::Cuda<f32>);
+#[cfg(feature = "wgpu-kernels")]
+fused_cube_exec_backend!(burn::backend::Wgpu<f32>);
 
 /// Benchmarks only: `RCOA_COMPOSITE_SOFTMAX=1` runs Burn's composite softmax
 /// under autodiff instead, so one binary can time both (docs/burn-h100.md).

@@ -30,8 +30,8 @@ pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 
-#[cfg(feature = "cuda")]
-pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod fused;
 #[cfg(test)]
 mod reference;
 #[cfg(test)]

@@ -32,26 +32,35 @@ fn mask<B: burn::tensor::backend::Backend>(p: &Problem) -> FlashMask<B> {
 }
 
 fn check(p: Problem, what: &str) {
+    check_on::<Inner>(p, what);
+}
+
+/// `ops::flash_attention` on `B` and on `Autodiff<B>` (the LSE from `B`'s
+/// forward, the rest through the autodiff node) against the reference.
+pub(super) fn check_on<B: ExecBackend>(p: Problem, what: &str) {
     let want = p.expected();
     let qs = [p.b, p.h, p.s, p.d];
     let ks = [p.b, p.kvh, p.t, p.d];
 
     // The log-sum-exp, from the inner backend's forward.
-    let (_, lse) = Inner::flash_attention_forward(
-        tensor::<Inner, 4>(&p.q, qs).into_primitive().tensor(),
-        tensor::<Inner, 4>(&p.k, ks).into_primitive().tensor(),
-        tensor::<Inner, 4>(&p.v, ks).into_primitive().tensor(),
-        &mask::<Inner>(&p),
+    let (_, lse) = B::flash_attention_forward(
+        tensor::<B, 4>(&p.q, qs).into_primitive().tensor(),
+        tensor::<B, 4>(&p.k, ks).into_primitive().tensor(),
+        tensor::<B, 4>(&p.v, ks).into_primitive().tensor(),
+        &mask::<B>(&p),
         p.scale,
     );
-    let lse = Tensor::<Inner, 3>::from_primitive(TensorPrimitive::Float(lse));
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
 
-    let q = tensor::<Cpu, 4>(&p.q, qs).require_grad();
-    let k = tensor::<Cpu, 4>(&p.k, ks).require_grad();
-    let v = tensor::<Cpu, 4>(&p.v, ks).require_grad();
-    let y = flash_attention(q.clone(), k.clone(), v.clone(), &mask::<Cpu>(&p), p.scale);
-    let grads = (y.clone() * tensor::<Cpu, 4>(&p.d_o, qs)).sum().backward();
-    let grad = |t: &Tensor<Cpu, 4>| values(t.grad(&grads).expect("a gradient"));
+    type Ad<B> = Autodiff<B>;
+    let q = tensor::<Ad<B>, 4>(&p.q, qs).require_grad();
+    let k = tensor::<Ad<B>, 4>(&p.k, ks).require_grad();
+    let v = tensor::<Ad<B>, 4>(&p.v, ks).require_grad();
+    let y = flash_attention(q.clone(), k.clone(), v.clone(), &mask::<Ad<B>>(&p), p.scale);
+    let grads = (y.clone() * tensor::<Ad<B>, 4>(&p.d_o, qs))
+        .sum()
+        .backward();
+    let grad = |t: &Tensor<Ad<B>, 4>| values(t.grad(&grads).expect("a gradient"));
     let errs = [
         ("O", worst(&values(y), &want.o), 1e-4),
         ("LSE", worst(&values(lse), &want.lse), 1e-4),

@@ -338,6 +338,26 @@ mod wgpu {
     }
 
     kernel_tests!();
+
+    /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`
+    /// and its autodiff node through the fusion glue (`fused.rs`), the
+    /// kernels underneath.
+    #[test]
+    fn fused_backend_autodiff() {
+        if client().is_none() {
+            return;
+        }
+        type B = burn::backend::Wgpu<f32>;
+        let check = super::super::tests_blocked::check_on::<B>;
+        check(
+            Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 31),
+            "causal gqa padding",
+        );
+        check(
+            Problem::new(1, 2, 2, 21, 21, 64, false, &[], 32),
+            "bidirectional",
+        );
+    }
 }
 
 #[cfg(feature = "cuda")]
