@@ -3,9 +3,11 @@
 //! direction (issue #13; `docs/flash-attention.md`).
 //!
 //! - [`blocked`]: the algorithm in plain Burn tensor ops, blocked over
-//!   queries so only `[b, h, block, t]` exists at once. The default of
-//!   `ExecBackend::flash_attention` (the CPU path) and the reference the
-//!   kernels' host glue is checked against.
+//!   queries so only `[b, h, block, t]` exists at once: the default of
+//!   `ExecBackend::flash_attention_forward` / `_backward` (the CPU path).
+//! - [`autodiff`]: the one autodiff node (saves q, k, v, O, LSE).
+//! - `fused`: the kernels under Burn's fused CubeCL backends (`Cuda<f32>`,
+//!   and `Wgpu<f32>` in the tests).
 //! - `forward`, `backward`, `tile`, `launch`: the CubeCL kernels
 //!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
 //!   over key blocks and dQ over query blocks, atomics-free). Built with the
@@ -14,9 +16,9 @@
 //!
 //! Semantics shared by both: causal keeps key `j` for query `i` when
 //! `j ≤ i` (needs `s == t`); a padded key gets the eager path's additive
-//! `-1e9` (so a row whose every key is padded averages them, as eager
-//! attention does, instead of producing NaN); grouped-query attention reads
-//! kv head `h / (heads / kv_heads)` without repeating k and v.
+//! `-1e9`, so a row whose visible keys are all padding stays finite (never
+//! NaN); grouped-query attention reads kv head `h / (heads / kv_heads)`
+//! without repeating k and v.
 
 pub mod autodiff;
 pub mod blocked;
