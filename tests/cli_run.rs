@@ -323,3 +323,24 @@ fn tiny_cpu_qlora_plan_trains_with_adam8bit_and_resumes() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `train { attention = flash }` under `target burn` runs the fused
+/// attention op (`rcoa_backend::kernels::flash`) on the CPU: the tiny
+/// decoder trains with falling loss.
+#[test]
+fn flash_attention_plan_trains_on_the_cpu() {
+    let dir = temp("flash");
+    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
+    let path = dir.join("flash.plan");
+    std::fs::write(
+        &path,
+        source.replace("steps = 20", "steps = 20\n  attention = flash"),
+    )
+    .unwrap();
+    let (steps, summary) = run_json(&[path.to_str().unwrap(), "--steps", "12"]);
+    assert_eq!(steps.len(), 12);
+    let l = losses(&steps);
+    assert!(l[11] < l[0], "loss should fall: {l:?}");
+    assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -51,7 +51,8 @@ def flops_per_token(s):
     return 6 * matmul_params(s) + 6 * s["layers"] * s["seq"] * s["hidden"]
 
 
-def plan_text(name, s):
+def plan_text(name, s, attention=None):
+    attention = f"\n  attention = {attention}" if attention else ""
     return f"""# {name}: the speed benchmark's shape (backend/bench/speed.py), as PyTorch runs it:
 # fp32 weights, bf16 compute, AdamW, every activation kept.
 model {{
@@ -70,7 +71,7 @@ train {{
   seq_len = {s['seq']}
   global_batch = {s['batch']}
   micro_batch = {s['batch']}
-  grad_accum = 1
+  grad_accum = 1{attention}
 }}
 
 fit {{ checkpoint = none }}
@@ -137,7 +138,7 @@ def run_rcoa(a, shape, out):
     s = SHAPES[shape]
     plan = os.path.join(out, f"speed-{shape}.plan")
     with open(plan, "w") as f:
-        f.write(plan_text(shape, s))
+        f.write(plan_text(shape, s, a.rcoa_attention))
     env = dict(os.environ)
     if a.cold:
         env["RCOA_CACHE_DIR"] = tempfile.mkdtemp(prefix="rcoa-cold-cache-")
@@ -174,6 +175,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--engines", default="rcoa,eager,compile")
+    ap.add_argument("--rcoa-attention", choices=["flash", "eager", "sdpa"], default=None,
+                    help="`train { attention = ... }` of rcoa's plan (flash: the fused kernels)")
     ap.add_argument("--cold", action="store_true", help="rcoa starts from an empty kernel cache")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")

@@ -29,6 +29,7 @@ pub mod data;
 pub mod distributed;
 pub mod eval;
 pub mod kernel_cache;
+pub mod kernels;
 pub mod loss;
 pub mod loss_chunked;
 pub mod memory;

@@ -130,6 +130,10 @@ pub struct Ctx<B: Backend> {
     /// (`ops::attention_core`), instead of keeping the `[b, h, s, s]`
     /// probabilities.
     pub selective: bool,
+    /// `attention = flash`: the fused attention op (`ops::flash_attention`),
+    /// which keeps q, k, v, the output and the log-sum-exp and never repeats
+    /// k and v for grouped-query attention. Takes precedence over `selective`.
+    pub flash: bool,
 }
 
 impl<B: Backend> Ctx<B> {
@@ -191,6 +195,7 @@ impl<B: Backend> Ctx<B> {
             bias,
             padding: None,
             selective: false,
+            flash: false,
         }
     }
 
@@ -454,6 +459,16 @@ impl<B: ExecBackend> Attention<B> {
         if let Some((cos, sin)) = &ctx.rope {
             q = rope(q, cos, sin);
             k = rope(k, cos, sin);
+        }
+        if ctx.flash {
+            let mask = crate::kernels::flash::blocked::FlashMask {
+                causal: ctx.causal,
+                key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
+            };
+            let out = crate::ops::flash_attention(q, k, v, &mask, 1.0 / (hd as f64).sqrt());
+            return self
+                .o
+                .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
         }
         if kvh != h {
             // Grouped-query attention: each kv head serves h / kvh query heads.

@@ -22,6 +22,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{ActivationOps, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use crate::kernels::flash::{self, blocked::FlashMask};
 use crate::quant::nf4::Nf4Tensor;
 
 /// A backend the executor runs on: Burn's ops plus the ones above.
@@ -52,6 +53,51 @@ pub trait ExecBackend: Backend {
         attention_plain::<Self>(q, k, v, &bias, scale)
     }
 
+    /// Fused attention's forward ([`flash_attention`]): the output
+    /// `[b, h, s, d]` and the per-row log-sum-exp `[b, h, s]` of
+    /// `softmax(q kᵀ · scale + masks) v`, for `q [b, h, s, d]` and `k, v
+    /// [b, kv_heads, t, d]` (grouped-query without repeating k, v), never
+    /// materialising `[b, h, s, t]`. The default is the query-blocked plain
+    /// path (`kernels::flash::blocked`); a backend with a kernel overrides it.
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: &FlashMask<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, lse) = flash::blocked::forward(float4(q), float4(k), float4(v), mask, scale);
+        (o.into_primitive().tensor(), lse.into_primitive().tensor())
+    }
+
+    /// Fused attention's backward: dq, dk, dv from the forward's inputs,
+    /// output `o`, log-sum-exp `lse` and the output's gradient `d_o`
+    /// (FlashAttention-2: the probabilities are recomputed block by block).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        mask: &FlashMask<Self>,
+        scale: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        let lse = Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(lse));
+        let (dq, dk, dv) = flash::blocked::backward(
+            float4(q),
+            float4(k),
+            float4(v),
+            float4(o),
+            lse,
+            float4(d_o),
+            mask,
+            scale,
+        );
+        [dq, dk, dv].map(|t| t.into_primitive().tensor())
+    }
+
     /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
     /// [d, vocab]` against `targets [n]`, `chunk` rows of logits at a time
     /// (`loss_chunked`); under autodiff it saves the inputs only.
@@ -74,8 +120,43 @@ impl<B> ExecAutodiff for B where B: AutodiffBackend<InnerBackend: ExecBackend> +
 
 impl ExecBackend for burn::backend::NdArray<f32> {}
 
+/// The fused CubeCL backends run the flash kernels (`kernels::flash::fused`);
+/// the rest is Burn's. CUDA for `rcoa run`; Wgpu so the tests run the same
+/// glue on lavapipe.
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+macro_rules! fused_cube_exec_backend {
+    ($backend:ty) => {
+        impl ExecBackend for $backend {
+            fn flash_attention_forward(
+                q: FloatTensor<Self>,
+                k: FloatTensor<Self>,
+                v: FloatTensor<Self>,
+                mask: &FlashMask<Self>,
+                scale: f64,
+            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+                flash::fused::forward(q, k, v, mask, scale)
+            }
+
+            fn flash_attention_backward(
+                q: FloatTensor<Self>,
+                k: FloatTensor<Self>,
+                v: FloatTensor<Self>,
+                o: FloatTensor<Self>,
+                lse: FloatTensor<Self>,
+                d_o: FloatTensor<Self>,
+                mask: &FlashMask<Self>,
+                scale: f64,
+            ) -> [FloatTensor<Self>; 3] {
+                flash::fused::backward(q, k, v, o, lse, d_o, mask, scale)
+            }
+        }
+    };
+}
+
 #[cfg(feature = "cuda")]
-impl ExecBackend for burn::backend::Cuda<f32> {}
+fused_cube_exec_backend!(burn::backend::Cuda<f32>);
+#[cfg(feature = "wgpu-kernels")]
+fused_cube_exec_backend!(burn::backend::Wgpu<f32>);
 
 /// Benchmarks only: `RCOA_COMPOSITE_SOFTMAX=1` runs Burn's composite softmax
 /// under autodiff instead, so one binary can time both (docs/burn-h100.md).
@@ -139,6 +220,16 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         attention_autodiff::<B, C>(q, k, v, bias, scale)
     }
 
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: &FlashMask<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::kernels::flash::autodiff::forward::<B, C>(q, k, v, mask, scale)
+    }
+
     fn chunked_lm_loss(
         hidden: FloatTensor<Self>,
         head: FloatTensor<Self>,
@@ -154,6 +245,23 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
 pub fn softmax_last<B: ExecBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let y = B::softmax_last(x.into_primitive().tensor(), D);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// Fused attention, `softmax(q kᵀ · scale + masks) · v` with `q [b, h, s,
+/// d]`, `k, v [b, kv_heads, t, d]`: no `[b, h, s, t]` tensor is kept or
+/// (on a kernel backend) made, and k, v are not repeated for grouped-query
+/// attention. Under autodiff it saves q, k, v, the output and the
+/// log-sum-exp (`kernels::flash`, `docs/flash-attention.md`).
+pub fn flash_attention<B: ExecBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &FlashMask<B>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let (o, _lse) = B::flash_attention_forward(prim(q), prim(k), prim(v), mask, scale);
+    float4::<B>(o)
 }
 
 // ------------------------------------------------- selective recomputation

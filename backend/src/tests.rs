@@ -687,3 +687,35 @@ fn selective_recomputation_gives_the_same_gradients() {
         assert!(worst < 1e-4, "selective gradients differ by {worst}");
     }
 }
+
+/// `attention = flash` (the fused op: no repeated k/v, LSE saved) gives the
+/// loss and gradients of eager attention: a grouped-query decoder and an
+/// encoder.
+#[test]
+fn flash_attention_gives_the_same_gradients() {
+    let _serial = serial();
+    for plan in [
+        tiny_plan(),
+        tiny_encoder_plan(rcoa_compiler::spec::Loss::MaskedLm),
+    ] {
+        let grads = |attention: rcoa_compiler::spec::Attention| {
+            let mut p = plan.clone();
+            p.train.attention = attention;
+            let mut t = trainer(&p);
+            t.set_train_mode(false);
+            let batch = t.batcher.batch(0, 0);
+            let mut acc = GradientsParams::new();
+            let mut probe = RssProbe::new();
+            let loss = t
+                .micro_step(&batch, 0, 0, 1.0, &mut acc, &mut probe)
+                .into_scalar()
+                .elem::<f64>();
+            (loss, t.flatten(&acc))
+        };
+        let (l0, g0) = grads(rcoa_compiler::spec::Attention::Eager);
+        let (l1, g1) = grads(rcoa_compiler::spec::Attention::Flash);
+        assert!((l0 - l1).abs() < 1e-5, "loss {l0} vs {l1}");
+        let worst = max_rel_diff(&g1, &g0);
+        assert!(worst < 1e-4, "flash gradients differ by {worst}");
+    }
+}

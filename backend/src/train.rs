@@ -488,6 +488,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         let mut ictx = ictx;
         ctx.selective = selective;
         ictx.selective = selective;
+        let flash = plan.train.attention == rcoa_compiler::spec::Attention::Flash;
+        ctx.flash = flash;
+        ictx.flash = flash;
         let checkpointed = (0..plan.model.layers)
             .map(|i| plan.layer_checkpointed(i))
             .collect();

@@ -77,6 +77,12 @@ fn promote(a: Dtype, b: Dtype) -> Dtype {
 /// Tokens per chunk of the chunked LM loss; the executor's `DEFAULT_CHUNK` is this.
 pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 
+/// Query rows per block of the Burn executor's plain flash attention on the
+/// CPU (`backend/src/kernels/flash/blocked.rs` `QUERY_BLOCK`; a backend test
+/// checks they agree). The model charges the CUDA kernels, which have no such
+/// blocks (`burn_flash_attention`); this names the CPU's difference.
+pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
+
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
         let param = storage(spec.precision.params);
@@ -699,7 +705,10 @@ impl<'a> Builder<'a> {
             && self.spec.train.attention != Attention::Eager
             && (sixteen_bit || kv == heads || !self.profile.gqa_without_repeat);
         let act = self.dtype(q);
-        let out = if fused {
+        let burn_flash = self.profile.burn_ops && self.spec.train.attention == Attention::Flash;
+        let out = if burn_flash {
+            self.burn_flash_attention(q, k, v, heads * hd, score_flops)
+        } else if fused {
             let (k, v) = if kv < heads && !self.profile.gqa_without_repeat {
                 (self.repeat_kv(k, heads * hd), self.repeat_kv(v, heads * hd))
             } else {
@@ -888,6 +897,50 @@ impl<'a> Builder<'a> {
         let o = self.op("probs_v", &[p, v], &[out], &[p, v]);
         self.tape.ops[o].flops = score_flops / 2.0;
         self.tape.ops[o].bwd_flops = score_flops;
+        // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
+        let rg = self.rg(out);
+        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
+        self.op("transpose", &[out], &[flat], &[]);
+        flat
+    }
+
+    /// `train { attention = flash }` on Burn (`backend/src/kernels/flash`,
+    /// `ops::flash_attention`): one autodiff node that saves q, k and v (not repeated for
+    /// grouped-query attention), the output `[b, h, s, d]` and the fp32 log-sum-exp
+    /// `[b, h, s]`. On CUDA the CubeCL kernels make no transient beyond their outputs. The
+    /// CPU's blocked plain path also makes `[b, h, BURN_FLASH_QUERY_BLOCK, s]` score blocks
+    /// (2 forward, 4 backward) and keeps its LSE in the compute dtype: not charged here, since
+    /// the prediction is for the plan's GPU. The backend's memory test bounds that
+    /// difference. Time: the kernels' block products, with no separate softmax passes. The
+    /// forward has two (`score_flops`). The backward has seven: S and dP in each of the
+    /// atomics-free dK/dV and dQ kernels, then dV, dK and dQ, so 3.5 x
+    /// (`docs/flash-attention.md`).
+    fn burn_flash_attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        width: u64,
+        score_flops: f64,
+    ) -> TensorId {
+        let m = &self.spec.model;
+        let t = self.cand.tensor.max(1);
+        let (heads, hd) = (m.heads.div_ceil(t), m.head_dim);
+        let seqs = self.tokens / self.spec.train.seq_len.max(1);
+        let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
+        let act = self.dtype(q);
+        let rg = self.rg(q) || self.rg(k) || self.rg(v);
+        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
+        let o = self.op(
+            "flash_attention",
+            &[q, k, v],
+            &[out, lse],
+            &[q, k, v, out, lse],
+        );
+        let info = &mut self.tape.ops[o];
+        info.flops = score_flops;
+        info.bwd_flops = 3.5 * score_flops;
         // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
         let rg = self.rg(out);
         let flat = self.tensor("transpose", &[self.tokens, width], act, rg);

@@ -266,3 +266,32 @@ fn qlora_dequant_chunk_is_scratch_of_forward_and_input_gradient() {
     pt_ws("gate_proj", 2048 * 8192);
     pt_ws("q_proj", 2048 * 1024);
 }
+
+/// `attention = flash` on `target burn` (the executor's fused op) keeps q,
+/// k, v, the output and the log-sum-exp, nothing `[b, h, s, s]`: its peak is
+/// below eager attention's, and doubling the sequence (at the same tokens
+/// per micro-batch) grows eager's attention bytes but not flash's beyond the
+/// score blocks.
+#[test]
+fn flash_on_burn_keeps_nothing_quadratic() {
+    use crate::spec::Attention;
+    let peak = |attention: Attention, seq: u64, micro: u64| {
+        let mut spec = SpecBuilder::new().target(Target::Burn).build();
+        spec.train.attention = attention;
+        spec.train.seq_len = seq;
+        let mut c = cand(&[]);
+        c.micro_batch = micro;
+        evaluate(&spec, &c, &Profile::for_target(Target::Burn), false).peak_bytes
+    };
+    let (seq, micro) = (2048, 4);
+    let flash = peak(Attention::Flash, seq, micro);
+    let eager = peak(Attention::Eager, seq, micro);
+    assert!(flash < eager, "flash {flash} < eager {eager}");
+    let flash_long = peak(Attention::Flash, 2 * seq, micro / 2);
+    let eager_long = peak(Attention::Eager, 2 * seq, micro / 2);
+    let grew = |a: u64, b: u64| b as f64 / a as f64;
+    assert!(
+        grew(flash, flash_long) < 1.05 && grew(eager, eager_long) > 1.2,
+        "flash {flash} -> {flash_long}, eager {eager} -> {eager_long}"
+    );
+}

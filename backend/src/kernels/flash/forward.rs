@@ -1,0 +1,131 @@
+//! The forward kernel: `O = softmax(scale · Q Kᵀ + mask) V` and the per-row
+//! log-sum-exp, one query block per cube, streaming key/value blocks through
+//! shared memory with an online softmax (FlashAttention-2's forward).
+
+use cubecl::prelude::*;
+
+use super::tile::{excluded, load_rows, pad_bias, row_dot, MASKED};
+
+/// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
+/// row `CUBE_POS_X · block + u` (rows past the end compute on the last row
+/// and write nothing, so every unit reaches every barrier). Per key block the
+/// cube stages K and V in shared memory as fp32; each unit scores its row
+/// against the block (the `S = Q Kᵀ` block product), rescales its running
+/// output by `exp(m_old − m_new)` and adds `P V` (the second block product).
+/// Nothing `[s, t]`-sized exists: the scores of one row against one block
+/// live in registers.
+///
+/// Shapes: `q [b, h, s, d]`, `k, v [b, h / group, t, d]` (any strides),
+/// `key_bias [b, t]` (fp32, added to every query's score of key `j`: 0 or
+/// the executor's `-1e9` for a pad; read only when `padding`),
+/// `out [b, h, s, d]` and `lse [b, h, s]` (fp32). `causal` keeps key `j`
+/// for query `i` when `j ≤ i` (the host checks `s == t`).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    key_bias: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] block: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = q.shape(1);
+    let s = q.shape(2);
+    let t = k.shape(2);
+    let dim = q.shape(3);
+    let bh = CUBE_POS_Y as usize;
+    let bi = bh / heads;
+    let hi = bh % heads;
+    let kvh = hi / group as usize;
+    let unit = UNIT_POS_X as usize;
+    let first = CUBE_POS_X as usize * block;
+    let row = first + unit;
+    let live = row < s;
+    let r = min(row, s - 1);
+
+    // The query row, scaled once, and the running output, in fp32.
+    let mut qr = Array::<f32>::new(head_dim);
+    let mut acc = Array::<f32>::new(head_dim);
+    let qb = bi * q.stride(0) + hi * q.stride(1) + r * q.stride(2);
+    for c in 0..dim {
+        qr[c] = f32::cast_from(q[qb + c * q.stride(3)]) * scale;
+        acc[c] = f32::new(0.0);
+    }
+    let mut m = f32::new(MASKED);
+    let mut l = f32::new(0.0);
+
+    let mut ks = SharedMemory::<f32>::new(block * head_dim);
+    let mut vs = SharedMemory::<f32>::new(block * head_dim);
+    let mut sc = Array::<f32>::new(block);
+    let kbase = bi * k.stride(0) + kvh * k.stride(1);
+    let vbase = bi * v.stride(0) + kvh * v.stride(1);
+
+    let blocks = t.div_ceil(block);
+    let mut end = blocks;
+    if causal {
+        // Key blocks past this query block's last row are all in the future.
+        let last = min(first + block, s) - 1;
+        end = min(last / block + 1, blocks);
+    }
+    for kb in 0..end {
+        let j0 = kb * block;
+        load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
+        load_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        sync_cube();
+
+        // S = (scale · q) Kᵀ for this row and block, and its maximum. The
+        // bound is a run-time value (the keys in this block), so shader
+        // compilers do not unroll it.
+        let n = min(block, t - j0);
+        let mut mb = m;
+        for jl in 0..n {
+            let j = j0 + jl;
+            let mut x = f32::new(MASKED);
+            if !excluded(j, r, t, causal) {
+                x = row_dot(&qr, &ks, jl * dim, dim);
+                if padding {
+                    x += pad_bias(key_bias, bi, j);
+                }
+            }
+            sc[jl] = x;
+            mb = max(mb, x);
+        }
+        // Online softmax: rescale what was summed under the old maximum.
+        let alpha = (m - mb).exp();
+        l *= alpha;
+        for c in 0..dim {
+            acc[c] *= alpha;
+        }
+        // O += P V.
+        for jl in 0..n {
+            let p = select(
+                sc[jl] > f32::new(MASKED),
+                (sc[jl] - mb).exp(),
+                f32::new(0.0),
+            );
+            l += p;
+            for c in 0..dim {
+                acc[c] += p * vs[jl * dim + c];
+            }
+        }
+        m = mb;
+        sync_cube();
+    }
+
+    if live {
+        let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
+        let inv = f32::new(1.0) / l;
+        for c in 0..dim {
+            out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
+        }
+        lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();
+    }
+}

@@ -1,0 +1,226 @@
+//! The kernels under Burn's CubeCL backends behind their fusion layer
+//! (`burn::backend::Cuda<f32>`; `Wgpu<f32>` in the tests, so this glue runs
+//! on lavapipe too): the fusion queue is drained into CubeCL tensors
+//! (`resolve_tensor_float`), the kernels run on them, and their outputs are
+//! registered back with the fusion client as fresh tensors (what Burn's own
+//! `float_from_data` does). Shapes the kernels do not take (head dim above
+//! `launch::MAX_HEAD_DIM`, causal with `s != t`) run the blocked plain path
+//! instead, with one note on stderr.
+
+use burn::backend::ir::{BackendIr, InitOperationIr, OperationIr};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use burn_fusion::stream::OperationStreams;
+use burn_fusion::{get_client, Fusion, NoOp};
+use cubecl::prelude::TensorArg;
+
+use super::blocked::FlashMask;
+use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch};
+
+type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
+type Fused<R, BT> = Fusion<Inner<R, BT>>;
+
+/// The CubeCL tensor behind a fusion tensor (queued ops run first).
+fn resolve<R: CubeRuntime, BT: BoolElement>(t: FloatTensor<Fused<R, BT>>) -> CubeTensor<R> {
+    let client = t.client.clone();
+    client.resolve_tensor_float::<Inner<R, BT>>(t)
+}
+
+/// A CubeCL tensor handed back to the fusion layer.
+fn register<R: CubeRuntime, BT: BoolElement>(t: CubeTensor<R>) -> FloatTensor<Fused<R, BT>> {
+    let client = get_client::<Inner<R, BT>>(&t.device);
+    let (shape, dtype) = (t.shape(), t.dtype);
+    let handle = <Inner<R, BT> as BackendIr>::float_tensor_handle(t);
+    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            OperationStreams::default(),
+            OperationIr::Init(desc),
+            NoOp::<Inner<R, BT>>::new(),
+        )
+        .remove(0)
+}
+
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+/// The launch settings, or why the kernels cannot take these shapes.
+fn settings<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    causal: bool,
+    padding: bool,
+    scale: f64,
+) -> Result<FlashLaunch, String> {
+    let [batch, heads, q_len, head_dim] = q.shape().dims::<4>();
+    let [_, kv_heads, kv_len, _] = k.shape().dims::<4>();
+    let dims = FlashDims {
+        batch,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+    };
+    dims.check(causal)?;
+    Ok(FlashLaunch {
+        dims,
+        causal,
+        padding,
+        scale: scale as f32,
+        dtype: q.dtype.into(),
+    })
+}
+
+fn fallback_note(why: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| eprintln!("note: flash attention runs the blocked plain path: {why}"));
+}
+
+/// The key bias as the kernels read it (fp32), or a 1-element placeholder.
+fn key_bias<R: CubeRuntime, BT: BoolElement>(
+    mask: &FlashMask<Fused<R, BT>>,
+    like: &CubeTensor<R>,
+) -> CubeTensor<R> {
+    match &mask.key_bias {
+        Some(b) => {
+            let b =
+                Fused::<R, BT>::float_cast(b.clone().into_primitive().tensor(), FloatDType::F32);
+            into_contiguous(resolve::<R, BT>(b))
+        }
+        None => empty(like, Shape::new([1, 1]), DType::F32),
+    }
+}
+
+fn arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
+    t.clone().into_tensor_arg()
+}
+
+/// An output and its log-sum-exp.
+type OutLse<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// `ExecBackend::flash_attention_forward` on a fused CubeCL backend.
+pub fn forward<R: CubeRuntime, BT: BoolElement>(
+    q: FloatTensor<Fused<R, BT>>,
+    k: FloatTensor<Fused<R, BT>>,
+    v: FloatTensor<Fused<R, BT>>,
+    mask: &FlashMask<Fused<R, BT>>,
+    scale: f64,
+) -> OutLse<Fused<R, BT>> {
+    let (qc, kc, vc) = (
+        resolve::<R, BT>(q),
+        resolve::<R, BT>(k),
+        resolve::<R, BT>(v),
+    );
+    let cfg = match settings(&qc, &kc, mask.causal, mask.key_bias.is_some(), scale) {
+        Ok(cfg) => cfg,
+        Err(why) => {
+            fallback_note(&why);
+            let (o, lse) = super::blocked::forward(
+                float4(register::<R, BT>(qc)),
+                float4(register::<R, BT>(kc)),
+                float4(register::<R, BT>(vc)),
+                mask,
+                scale,
+            );
+            return (o.into_primitive().tensor(), lse.into_primitive().tensor());
+        }
+    };
+    let d = cfg.dims;
+    let bias = key_bias::<R, BT>(mask, &qc);
+    let o = empty(
+        &qc,
+        Shape::new([d.batch, d.heads, d.q_len, d.head_dim]),
+        qc.dtype,
+    );
+    let lse = empty(&qc, Shape::new([d.batch, d.heads, d.q_len]), DType::F32);
+    let client = qc.client.clone();
+    launch::forward(
+        &client,
+        &cfg,
+        arg(&qc),
+        arg(&kc),
+        arg(&vc),
+        arg(&bias),
+        arg(&o),
+        arg(&lse),
+    );
+    (register::<R, BT>(o), register::<R, BT>(lse))
+}
+
+/// `ExecBackend::flash_attention_backward` on a fused CubeCL backend.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<R: CubeRuntime, BT: BoolElement>(
+    q: FloatTensor<Fused<R, BT>>,
+    k: FloatTensor<Fused<R, BT>>,
+    v: FloatTensor<Fused<R, BT>>,
+    o: FloatTensor<Fused<R, BT>>,
+    lse: FloatTensor<Fused<R, BT>>,
+    d_o: FloatTensor<Fused<R, BT>>,
+    mask: &FlashMask<Fused<R, BT>>,
+    scale: f64,
+) -> [FloatTensor<Fused<R, BT>>; 3] {
+    let (qc, kc, vc) = (
+        resolve::<R, BT>(q),
+        resolve::<R, BT>(k),
+        resolve::<R, BT>(v),
+    );
+    let cfg = match settings(&qc, &kc, mask.causal, mask.key_bias.is_some(), scale) {
+        // The forward fell back for the same shapes: its LSE is the blocked
+        // path's, so the backward follows it.
+        Err(_) => {
+            let lse = burn::tensor::Tensor::<Fused<R, BT>, 3>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(lse),
+            );
+            let (dq, dk, dv) = super::blocked::backward(
+                float4(register::<R, BT>(qc)),
+                float4(register::<R, BT>(kc)),
+                float4(register::<R, BT>(vc)),
+                float4(o),
+                lse,
+                float4(d_o),
+                mask,
+                scale,
+            );
+            return [dq, dk, dv].map(|t| t.into_primitive().tensor());
+        }
+        Ok(cfg) => cfg,
+    };
+    let (oc, lsec, doc) = (
+        resolve::<R, BT>(o),
+        resolve::<R, BT>(lse),
+        resolve::<R, BT>(d_o),
+    );
+    let bias = key_bias::<R, BT>(mask, &qc);
+    let d_q = empty(&qc, qc.shape(), qc.dtype);
+    let d_k = empty(&kc, kc.shape(), kc.dtype);
+    let d_v = empty(&vc, vc.shape(), vc.dtype);
+    let client = qc.client.clone();
+    let inputs = || BackwardInputs {
+        q: arg(&qc),
+        k: arg(&kc),
+        v: arg(&vc),
+        o: arg(&oc),
+        d_o: arg(&doc),
+        lse: arg(&lsec),
+        key_bias: arg(&bias),
+    };
+    launch::backward_kv(&client, &cfg, inputs(), arg(&d_k), arg(&d_v));
+    launch::backward_q(&client, &cfg, inputs(), arg(&d_q));
+    [
+        register::<R, BT>(d_q),
+        register::<R, BT>(d_k),
+        register::<R, BT>(d_v),
+    ]
+}
+
+fn float4<R: CubeRuntime, BT: BoolElement>(
+    t: FloatTensor<Fused<R, BT>>,
+) -> burn::tensor::Tensor<Fused<R, BT>, 4> {
+    burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t))
+}

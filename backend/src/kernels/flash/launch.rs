@@ -1,0 +1,197 @@
+//! Host side of the kernels: block size, grid, launch. Runtime-generic: the
+//! same launches run on CUDA (`rcoa run`) and on wgpu (the tests, through
+//! lavapipe where there is no GPU).
+
+use cubecl::prelude::*;
+
+use super::backward::{flash_backward_kv, flash_backward_q};
+use super::forward::flash_forward;
+
+/// The largest head dimension the kernels take: a block of 8 rows of 256
+/// fp32 values per staged tensor keeps shared memory at 16 KiB (the least
+/// Vulkan guarantees).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// What one attention call computes on: `q [batch, heads, q_len, head_dim]`,
+/// `k, v [batch, kv_heads, kv_len, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashDims {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub head_dim: usize,
+}
+
+/// One launch's settings besides the tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashLaunch {
+    pub dims: FlashDims,
+    pub causal: bool,
+    /// A `key_bias [batch, kv_len]` fp32 tensor is passed (otherwise a
+    /// 1-element placeholder is, and never read).
+    pub padding: bool,
+    pub scale: f32,
+    /// The element type of q, k, v, O, dO and the gradients; LSE and the key
+    /// bias are fp32.
+    pub dtype: StorageType,
+}
+
+impl FlashDims {
+    /// Why the kernels cannot take these shapes, if they cannot.
+    pub fn check(&self, causal: bool) -> Result<(), String> {
+        let d = self;
+        if d.batch == 0 || d.heads == 0 || d.q_len == 0 || d.kv_len == 0 || d.head_dim == 0 {
+            return Err(format!("empty attention shape {d:?}"));
+        }
+        if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {
+            return Err(format!(
+                "{} query heads cannot share {} kv heads evenly",
+                d.heads, d.kv_heads
+            ));
+        }
+        if d.head_dim > MAX_HEAD_DIM {
+            return Err(format!(
+                "head dim {} is above the fused kernel's {MAX_HEAD_DIM}",
+                d.head_dim
+            ));
+        }
+        if causal && d.q_len != d.kv_len {
+            return Err(format!(
+                "causal attention needs as many queries as keys ({} vs {})",
+                d.q_len, d.kv_len
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rows per block (= units per cube): 2048 / head_dim fp32 values, so a
+    /// staged `[block, head_dim]` tile is 8 KiB, capped at 32 rows.
+    pub fn block(&self) -> usize {
+        (2048 / self.head_dim.max(1)).clamp(1, 32)
+    }
+
+    fn group(&self) -> u32 {
+        (self.heads / self.kv_heads) as u32
+    }
+}
+
+fn grid(rows: usize, block: usize, slices: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(rows.div_ceil(block) as u32, slices as u32, 1),
+        CubeDim::new_1d(block as u32),
+    )
+}
+
+/// Writes `out [b, h, s, d]` (`dtype`) and `lse [b, h, s]` (fp32).
+#[allow(clippy::too_many_arguments)]
+pub fn forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &FlashLaunch,
+    q: TensorArg<R>,
+    k: TensorArg<R>,
+    v: TensorArg<R>,
+    key_bias: TensorArg<R>,
+    out: TensorArg<R>,
+    lse: TensorArg<R>,
+) {
+    let d = &cfg.dims;
+    let block = d.block();
+    let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+    flash_forward::launch::<R>(
+        client,
+        count,
+        dim,
+        q,
+        k,
+        v,
+        key_bias,
+        out,
+        lse,
+        cfg.scale,
+        d.group(),
+        d.head_dim,
+        block,
+        cfg.causal,
+        cfg.padding,
+        cfg.dtype,
+    );
+}
+
+/// The tensors the backward reads (`o` and `lse` from [`forward`]).
+pub struct BackwardInputs<R: Runtime> {
+    pub q: TensorArg<R>,
+    pub k: TensorArg<R>,
+    pub v: TensorArg<R>,
+    pub o: TensorArg<R>,
+    pub d_o: TensorArg<R>,
+    pub lse: TensorArg<R>,
+    pub key_bias: TensorArg<R>,
+}
+
+/// Writes `d_k, d_v [b, kv_heads, t, d]`: one launch over key blocks.
+pub fn backward_kv<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &FlashLaunch,
+    x: BackwardInputs<R>,
+    d_k: TensorArg<R>,
+    d_v: TensorArg<R>,
+) {
+    let d = &cfg.dims;
+    let block = d.block();
+    let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
+    flash_backward_kv::launch::<R>(
+        client,
+        count,
+        dim,
+        x.q,
+        x.k,
+        x.v,
+        x.o,
+        x.d_o,
+        x.lse,
+        x.key_bias,
+        d_k,
+        d_v,
+        cfg.scale,
+        d.group(),
+        d.head_dim,
+        block,
+        cfg.causal,
+        cfg.padding,
+        cfg.dtype,
+    );
+}
+
+/// Writes `d_q [b, h, s, d]`: one launch over query blocks.
+pub fn backward_q<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &FlashLaunch,
+    x: BackwardInputs<R>,
+    d_q: TensorArg<R>,
+) {
+    let d = &cfg.dims;
+    let block = d.block();
+    let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+    flash_backward_q::launch::<R>(
+        client,
+        count,
+        dim,
+        x.q,
+        x.k,
+        x.v,
+        x.o,
+        x.d_o,
+        x.lse,
+        x.key_bias,
+        d_q,
+        cfg.scale,
+        d.group(),
+        d.head_dim,
+        block,
+        cfg.causal,
+        cfg.padding,
+        cfg.dtype,
+    );
+}

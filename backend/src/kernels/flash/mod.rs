@@ -1,0 +1,42 @@
+//! Fused ("flash") attention for training: `softmax(scale · q kᵀ + mask) v`
+//! and its gradients without a `[batch, heads, s, t]` tensor in either
+//! direction (issue #13; `docs/flash-attention.md`).
+//!
+//! - [`blocked`]: the algorithm in plain Burn tensor ops, blocked over
+//!   queries so only `[b, h, block, t]` exists at once: the default of
+//!   `ExecBackend::flash_attention_forward` / `_backward` (the CPU path).
+//! - [`autodiff`]: the one autodiff node (saves q, k, v, O, LSE).
+//! - `fused`: the kernels under Burn's fused CubeCL backends (`Cuda<f32>`,
+//!   and `Wgpu<f32>` in the tests).
+//! - `forward`, `backward`, `tile`, `launch`: the CubeCL kernels
+//!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
+//!   over key blocks and dQ over query blocks, atomics-free). Built with the
+//!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
+//!   them on wgpu (lavapipe on a machine without a GPU).
+//!
+//! Semantics shared by both: causal keeps key `j` for query `i` when
+//! `j ≤ i` (needs `s == t`); a padded key gets the eager path's additive
+//! `-1e9`, so a row whose visible keys are all padding stays finite (never
+//! NaN); grouped-query attention reads kv head `h / (heads / kv_heads)`
+//! without repeating k and v.
+
+pub mod autodiff;
+pub mod blocked;
+
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod backward;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod forward;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod launch;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod tile;
+
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod fused;
+#[cfg(test)]
+mod reference;
+#[cfg(test)]
+mod tests_blocked;
+#[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
+mod tests_kernels;

@@ -1,0 +1,376 @@
+//! The kernels against the f64 reference, on any CubeCL runtime: wgpu
+//! (`wgpu-kernels`; on this project's CPU-only machines that is lavapipe,
+//! Vulkan on the CPU) and CUDA (`cuda`, for the GPU session). With no
+//! device the tests print why and pass without checking anything.
+
+use cubecl::prelude::*;
+
+use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch};
+use super::reference::{worst, Problem};
+
+/// A runtime's client, or `None` (with a note) where it has no device:
+/// cubecl panics when it finds none.
+fn client_or_skip<R: Runtime>(
+    device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
+) -> Option<ComputeClient<R>> {
+    let found = std::panic::catch_unwind(|| R::client(&device()));
+    if found.is_err() {
+        eprintln!(
+            "SKIPPED: no {} device; the flash kernels were not run",
+            std::any::type_name::<R>()
+        );
+    }
+    found.ok()
+}
+
+/// An element type the tests upload: f32, f16 or bf16.
+trait Elem: CubeElement + Float {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for burn::tensor::f16 {
+    fn from_f32(x: f32) -> Self {
+        Self::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Elem for burn::tensor::bf16 {
+    fn from_f32(x: f32) -> Self {
+        Self::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `x` rounded to `E` and back.
+fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
+}
+
+/// A contiguous tensor on the device.
+struct Buf<R: Runtime> {
+    handle: cubecl::server::Handle,
+    runtime: std::marker::PhantomData<R>,
+    shape: Vec<usize>,
+}
+
+impl<R: Runtime> Buf<R> {
+    fn new(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
+        Self::new_as::<f32>(client, data, shape)
+    }
+
+    /// `data` stored as `E`.
+    fn new_as<E: Elem>(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
+        assert_eq!(data.len(), shape.iter().product::<usize>());
+        let data: Vec<E> = data.iter().map(|&x| E::from_f32(x)).collect();
+        Buf {
+            handle: client.create_from_slice(E::as_bytes(&data)),
+            shape: shape.to_vec(),
+            runtime: std::marker::PhantomData,
+        }
+    }
+
+    fn zeros(client: &ComputeClient<R>, shape: &[usize]) -> Self {
+        Self::zeros_as::<f32>(client, shape)
+    }
+
+    fn zeros_as<E: Elem>(client: &ComputeClient<R>, shape: &[usize]) -> Self {
+        Self::new_as::<E>(client, &vec![0.0; shape.iter().product()], shape)
+    }
+
+    fn arg(&self) -> TensorArg<R> {
+        let mut strides = vec![1; self.shape.len()];
+        for i in (0..self.shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * self.shape[i + 1];
+        }
+        unsafe {
+            TensorArg::from_raw_parts(
+                self.handle.clone(),
+                strides.as_slice().into(),
+                self.shape.as_slice().into(),
+            )
+        }
+    }
+
+    fn read(&self, client: &ComputeClient<R>) -> Vec<f32> {
+        self.read_as::<f32>(client)
+    }
+
+    fn read_as<E: Elem>(&self, client: &ComputeClient<R>) -> Vec<f32> {
+        let bytes = client.read_one_unchecked(self.handle.clone());
+        E::from_bytes(&bytes).iter().map(|&x| x.to_f32()).collect()
+    }
+}
+
+/// Everything one problem's kernels return.
+struct Got {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    d_q: Vec<f32>,
+    d_k: Vec<f32>,
+    d_v: Vec<f32>,
+}
+
+/// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`.
+fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Got {
+    let dims = FlashDims {
+        batch: p.b,
+        heads: p.h,
+        kv_heads: p.kvh,
+        q_len: p.s,
+        kv_len: p.t,
+        head_dim: p.d,
+    };
+    dims.check(p.causal).expect("a shape the kernels take");
+    let cfg = FlashLaunch {
+        dims,
+        causal: p.causal,
+        padding: p.keep.is_some(),
+        scale: p.scale as f32,
+        dtype: E::as_type_native_unchecked().storage_type(),
+    };
+    let qs = [p.b, p.h, p.s, p.d];
+    let ks = [p.b, p.kvh, p.t, p.d];
+    let q = Buf::new_as::<E>(client, &p.q, &qs);
+    let k = Buf::new_as::<E>(client, &p.k, &ks);
+    let v = Buf::new_as::<E>(client, &p.v, &ks);
+    let d_o = Buf::new_as::<E>(client, &p.d_o, &qs);
+    let key_bias = match p.key_bias() {
+        Some(bias) => Buf::new(client, &bias, &[p.b, p.t]),
+        None => Buf::zeros(client, &[1, 1]),
+    };
+    let o = Buf::zeros_as::<E>(client, &qs);
+    let lse = Buf::zeros(client, &[p.b, p.h, p.s]);
+    launch::forward(
+        client,
+        &cfg,
+        q.arg(),
+        k.arg(),
+        v.arg(),
+        key_bias.arg(),
+        o.arg(),
+        lse.arg(),
+    );
+    let inputs = || BackwardInputs {
+        q: q.arg(),
+        k: k.arg(),
+        v: v.arg(),
+        o: o.arg(),
+        d_o: d_o.arg(),
+        lse: lse.arg(),
+        key_bias: key_bias.arg(),
+    };
+    let (d_q, d_k, d_v) = (
+        Buf::zeros_as::<E>(client, &qs),
+        Buf::zeros_as::<E>(client, &ks),
+        Buf::zeros_as::<E>(client, &ks),
+    );
+    launch::backward_kv(client, &cfg, inputs(), d_k.arg(), d_v.arg());
+    launch::backward_q(client, &cfg, inputs(), d_q.arg());
+    Got {
+        o: o.read_as::<E>(client),
+        lse: lse.read(client),
+        d_q: d_q.read_as::<E>(client),
+        d_k: d_k.read_as::<E>(client),
+        d_v: d_v.read_as::<E>(client),
+    }
+}
+
+/// Output within 1e-4, LSE within 1e-4, gradients within 1e-3 (relative to
+/// `1 + |x|`), for one problem.
+fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
+    let Some(client) = client else { return };
+    let want = p.expected();
+    let got = run::<R, f32>(&client, &p);
+    let errs = [
+        ("O", worst(&got.o, &want.o), 1e-4),
+        ("LSE", worst(&got.lse, &want.lse), 1e-4),
+        ("dQ", worst(&got.d_q, &want.d_q), 1e-3),
+        ("dK", worst(&got.d_k, &want.d_k), 1e-3),
+        ("dV", worst(&got.d_v, &want.d_v), 1e-3),
+    ];
+    for (name, err, tol) in errs {
+        assert!(err <= tol, "{what}: {name} differs by {err:e} (> {tol:e})");
+    }
+}
+
+/// The kernels with 16-bit inputs and outputs (fp32 accumulation) against
+/// the reference on the same rounded inputs: the output within `tol`, the
+/// gradients within `4 · tol`, LSE (fp32) within 1e-3. Skipped, with a note,
+/// where the runtime lacks the type.
+fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64) {
+    let Some(client) = client else { return };
+    let ty = E::as_type_native_unchecked();
+    if !client.properties().supports_type(ty) {
+        eprintln!(
+            "SKIPPED: {} has no {ty:?}; the 16-bit kernels were not run",
+            std::any::type_name::<R>()
+        );
+        return;
+    }
+    let mut p = Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9);
+    p.q = round::<E>(&p.q);
+    p.k = round::<E>(&p.k);
+    p.v = round::<E>(&p.v);
+    p.d_o = round::<E>(&p.d_o);
+    let want = p.expected();
+    let got = run::<R, E>(&client, &p);
+    let errs = [
+        ("O", worst(&got.o, &want.o), tol),
+        ("LSE", worst(&got.lse, &want.lse), 1e-3),
+        ("dQ", worst(&got.d_q, &want.d_q), 4.0 * tol),
+        ("dK", worst(&got.d_k, &want.d_k), 4.0 * tol),
+        ("dV", worst(&got.d_v, &want.d_v), 4.0 * tol),
+    ];
+    for (name, err, tol) in errs {
+        assert!(err <= tol, "{ty:?}: {name} differs by {err:e} (> {tol:e})");
+    }
+}
+
+/// The same problems on each runtime.
+macro_rules! kernel_tests {
+    () => {
+        #[test]
+        fn bidirectional() {
+            // 37 queries: not a multiple of the 32-row block.
+            check(
+                client(),
+                Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
+                "bidirectional d32",
+            );
+        }
+
+        #[test]
+        fn causal() {
+            check(
+                client(),
+                Problem::new(2, 4, 4, 45, 45, 32, true, &[], 2),
+                "causal d32",
+            );
+        }
+
+        #[test]
+        fn grouped_query_causal() {
+            // Four query heads per kv head; d 64 (the block is 32 rows).
+            check(
+                client(),
+                Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
+                "gqa causal d64",
+            );
+        }
+
+        #[test]
+        fn padding() {
+            // Batch rows with 0 and 9 padded keys, bidirectional (an encoder) and
+            // causal with grouped query heads.
+            check(
+                client(),
+                Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 4),
+                "padding",
+            );
+            check(
+                client(),
+                Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
+                "padding causal gqa",
+            );
+        }
+
+        #[test]
+        fn head_dim_128_cross_lengths() {
+            // d 128 (16-row blocks), more keys than queries (bidirectional only).
+            check(
+                client(),
+                Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
+                "d128 cross",
+            );
+            check(
+                client(),
+                Problem::new(1, 2, 2, 50, 50, 128, true, &[], 7),
+                "d128 causal",
+            );
+        }
+
+        #[test]
+        fn odd_head_dim() {
+            check(
+                client(),
+                Problem::new(1, 3, 1, 17, 17, 24, true, &[2], 8),
+                "d24",
+            );
+        }
+
+        #[test]
+        fn f16() {
+            check_16bit::<_, burn::tensor::f16>(client(), 2e-3);
+        }
+
+        #[test]
+        fn bf16() {
+            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2);
+        }
+    };
+}
+
+#[cfg(feature = "wgpu-kernels")]
+mod wgpu {
+    use super::*;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    fn client() -> Option<ComputeClient<WgpuRuntime>> {
+        static C: std::sync::OnceLock<Option<ComputeClient<WgpuRuntime>>> =
+            std::sync::OnceLock::new();
+        C.get_or_init(|| client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice))
+            .clone()
+    }
+
+    kernel_tests!();
+
+    /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`
+    /// and its autodiff node through the fusion glue (`fused.rs`), the
+    /// kernels underneath.
+    #[test]
+    fn fused_backend_autodiff() {
+        if client().is_none() {
+            return;
+        }
+        type B = burn::backend::Wgpu<f32>;
+        let check = super::super::tests_blocked::check_on::<B>;
+        check(
+            Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 31),
+            "causal gqa padding",
+        );
+        check(
+            Problem::new(1, 2, 2, 21, 21, 64, false, &[], 32),
+            "bidirectional",
+        );
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    fn client() -> Option<ComputeClient<CudaRuntime>> {
+        static C: std::sync::OnceLock<Option<ComputeClient<CudaRuntime>>> =
+            std::sync::OnceLock::new();
+        C.get_or_init(|| client_or_skip::<CudaRuntime>(|| CudaDevice::new(0)))
+            .clone()
+    }
+
+    kernel_tests!();
+}

@@ -1,0 +1,67 @@
+//! Pieces the forward and backward kernels share: staging rows of a
+//! `[b, h, n, d]` tensor in shared memory, the masks, a row dot product.
+//!
+//! Every kernel runs `block` units per cube, one per row of its block, so a
+//! block of rows is staged with one row per unit.
+//!
+//! Loops over the head dimension run to a run-time bound (`dim`, the
+//! tensors' last extent) although register arrays are sized at compile
+//! time: constant nested loops are unrolled by the shader compilers, which
+//! took lavapipe minutes per kernel. Whether CUDA wants them unrolled is a
+//! tuning question for the H100 session (`docs/flash-attention.md`).
+
+use cubecl::prelude::*;
+
+/// The score of an excluded (future or out-of-range) key: below any real
+/// score, so `exp(x − max)` is 0 and a max over a block ignores it. Finite:
+/// WGSL has no infinity literal.
+pub const MASKED: f32 = -1.0e30;
+
+/// Copies rows `r0 .. r0 + block` of one `(batch, head)` slice of `src`
+/// (starting at element `base`) into `dst` as fp32, row-major `[block, d]`.
+/// Rows past `n` repeat row `n − 1`; the callers mask them.
+#[cube]
+pub fn load_rows<F: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<f32>,
+    base: usize,
+    r0: usize,
+    n: usize,
+    dim: usize,
+) {
+    let u = UNIT_POS_X as usize;
+    let r = min(r0 + u, n - 1);
+    let b = base + r * src.stride(2);
+    for c in 0..dim {
+        dst[u * dim + c] = f32::cast_from(src[b + c * src.stride(3)]);
+    }
+}
+
+/// Key `j` takes no part in query `i`'s softmax: past the keys, or in the
+/// future of a causal query.
+#[cube]
+pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool) -> bool {
+    let mut out = j >= t;
+    if causal {
+        out = out || j > i;
+    }
+    out
+}
+
+/// The additive padding bias of key `j` of batch row `bi` (0 for a real
+/// token, the executor's `-1e9` for a pad).
+#[cube]
+pub fn pad_bias(bias: &Tensor<f32>, bi: usize, j: usize) -> f32 {
+    bias[bi * bias.stride(0) + j * bias.stride(1)]
+}
+
+/// `Σ_c a[c] · rows[offset + c]`: one row of a register tile against one
+/// row of a shared-memory tile.
+#[cube]
+pub fn row_dot(a: &Array<f32>, rows: &SharedMemory<f32>, offset: usize, dim: usize) -> f32 {
+    let mut sum = f32::new(0.0);
+    for c in 0..dim {
+        sum += a[c] * rows[offset + c];
+    }
+    sum
+}

@@ -1,0 +1,3 @@
+//! Hand-written CubeCL kernels and their plain-tensor counterparts.
+
+pub mod flash;
