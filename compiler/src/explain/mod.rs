@@ -121,8 +121,13 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         )),
         _ => {}
     }
-    if profile.fused_attention && spec.train.attention != crate::spec::Attention::Eager {
-        log.push(Decision::new("model", format!("attention = {:?}", spec.train.attention).to_lowercase(), "fused kernel: no [batch, heads, seq, seq] scores are kept (math backend when fp32 with grouped-query attention)"));
+    if profile.fused(spec.train.attention) {
+        let why = if profile.fused_attention {
+            "fused kernel: no [batch, heads, seq, seq] scores are kept (math backend when fp32 with grouped-query attention)"
+        } else {
+            "rcoa's fused kernel: q, k, v, the output and an fp32 log-sum-exp are kept, no [batch, heads, seq, seq] scores"
+        };
+        log.push(Decision::new("model", format!("attention = {:?}", spec.train.attention).to_lowercase(), why));
     } else {
         log.push(Decision::new(
             "model",
@@ -203,9 +208,7 @@ fn techniques(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
     if spec.fit.checkpoint == CheckpointChoice::Selective {
         let mut without = spec.clone();
         without.fit.checkpoint = CheckpointChoice::None;
-        let how = if profile.fused_attention
-            && spec.train.attention != crate::spec::Attention::Eager
-        {
+        let how = if profile.fused(spec.train.attention) {
             "selective recomputation: the fused attention kernel keeps no scores, so there is nothing to recompute"
         } else {
             "selective recomputation: the attention scores and probabilities are not saved; the backward recomputes q·kᵀ and probs·v"

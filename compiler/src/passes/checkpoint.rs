@@ -20,7 +20,7 @@ use super::{decide, CheckpointDomain, Pass, Plan, Recompute};
 use crate::compile::CompileError;
 use crate::explain::Decision;
 use crate::profile::Profile;
-use crate::spec::{Attention, CheckpointChoice, Spec};
+use crate::spec::{CheckpointChoice, Spec};
 
 pub struct Checkpoint {
     choice: CheckpointChoice,
@@ -38,8 +38,7 @@ impl Checkpoint {
             choice: spec.fit.checkpoint,
             layers: spec.model.layers,
             mechanism,
-            quadratic_attention: !profile.fused_attention
-                || spec.train.attention == Attention::Eager,
+            quadratic_attention: !profile.fused(spec.train.attention),
         }
     }
 }

@@ -107,6 +107,17 @@ impl Pass for Fit<'_> {
                 ..point.clone()
             };
             let why = match memo_eval(&none) {
+                // The search takes the fastest candidate that fits: recomputation can win
+                // on time alone (selective recomputation's backward is predicted cheaper
+                // than reading back the saved scores).
+                Some(e) if none != point && e.fits => format!(
+                    "without recomputation it fits too ({} + reserve {} ≤ {} budget), but this is predicted faster: {:.4} s/step against {:.4} s",
+                    gib(e.peak_bytes as f64),
+                    gib(e.reserve_bytes as f64),
+                    gib(budget as f64),
+                    eval.step_seconds,
+                    e.step_seconds
+                ),
                 Some(e) if none != point => format!(
                     "without recomputation the peak is {} + reserve {} > {} budget; recomputing frees {} for {:+.3} s/step",
                     gib(e.peak_bytes as f64),

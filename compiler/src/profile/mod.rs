@@ -12,7 +12,7 @@ pub mod engines;
 
 pub use engines::Engine;
 
-use crate::spec::Target;
+use crate::spec::{Attention, Target};
 use serde::Serialize;
 
 /// Does rcoa's Burn executor run ZeRO-3 and parameter offload (`offload = [params]`, with
@@ -160,6 +160,14 @@ pub struct Profile {
 }
 
 impl Profile {
+    /// Whether `attention` runs as a fused kernel that keeps no `[batch, heads, seq, seq]`
+    /// tensor: SDPA/flash where the engine has them, and rcoa's own flash kernel
+    /// (`attention = flash`) in the Burn executor.
+    pub fn fused(&self, attention: Attention) -> bool {
+        attention != Attention::Eager
+            && (self.fused_attention || (self.burn_ops && attention == Attention::Flash))
+    }
+
     /// Bytes the allocator counts for a request of `raw` bytes.
     pub fn allocated(&self, raw: u64) -> u64 {
         let r = self.alloc_round.max(1);
@@ -356,6 +364,20 @@ impl Profile {
 #[cfg(test)]
 mod tests {
     use super::Profile;
+    use crate::spec::{Attention, Target};
+
+    /// The Burn executor fuses only `attention = flash` (its own kernel); PyTorch fuses
+    /// SDPA and flash; eager keeps the scores everywhere.
+    #[test]
+    fn which_attention_is_fused() {
+        let burn = Profile::for_target(Target::Burn);
+        let torch = Profile::for_target(Target::Pytorch);
+        assert!(burn.fused(Attention::Flash));
+        assert!(!burn.fused(Attention::Sdpa));
+        assert!(!burn.fused(Attention::Eager));
+        assert!(torch.fused(Attention::Sdpa) && torch.fused(Attention::Flash));
+        assert!(!torch.fused(Attention::Eager));
+    }
 
     #[test]
     fn caching_allocator_rounding() {
