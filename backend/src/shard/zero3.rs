@@ -300,6 +300,22 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
 }
 
+/// Whether a rank keeps an fp32 master apart from its weight shards: they
+/// are cut otherwise (`wshards` vs `oshards`), 16-bit with a master, or on
+/// the device while the optimizer is on the host. On the host when either
+/// is offloaded (`params_host`, `opt_host`).
+pub(crate) fn master_separate(
+    wshards: usize,
+    oshards: usize,
+    storage: &Storage,
+    params_host: bool,
+    opt_host: bool,
+) -> bool {
+    !(wshards == oshards
+        && (storage.dtype == FloatDType::F32 || !storage.master)
+        && (params_host || !opt_host))
+}
+
 /// Builds one rank's ZeRO-3 / parameter-offload state a unit at a time:
 /// each unit handed to `add` (whole, fp32, equal on every rank) is cut into
 /// this rank's shards, which go straight to their place (device or host, in
@@ -322,9 +338,6 @@ pub struct Builder<I: Backend> {
     frozen: Vals<I>,
     master: Option<Vals<I>>,
     device: Option<I::Device>,
-    /// Host memory free before the build (`crate::host_memory_available`),
-    /// what the offloaded state is checked against.
-    host_available: Option<u64>,
 }
 
 impl<I: Backend> Builder<I> {
@@ -348,9 +361,7 @@ impl<I: Backend> Builder<I> {
         }
         let host = params_offloaded(plan);
         let opt_host = optimizer_offloaded(plan);
-        let master_is_work = wshards == oshards
-            && (storage.dtype == FloatDType::F32 || !storage.master)
-            && (host || !opt_host);
+        let master_is_work = !master_separate(wshards, oshards, &storage, host, opt_host);
         Ok(Some(Builder {
             stage,
             ranks,
@@ -368,9 +379,6 @@ impl<I: Backend> Builder<I> {
             frozen: Vals::new(host),
             master: (!master_is_work).then(|| Vals::new(opt_host || host)),
             device: None,
-            host_available: (host || opt_host)
-                .then(crate::host_memory_available)
-                .flatten(),
         }))
     }
 
@@ -442,7 +450,7 @@ impl<I: Backend> Builder<I> {
         } else {
             Grads::Device((0..self.units.len()).map(|_| None).collect())
         };
-        let z = Zero3 {
+        Ok(Zero3 {
             stage: self.stage,
             ranks: self.ranks,
             wshards: self.wshards,
@@ -463,12 +471,7 @@ impl<I: Backend> Builder<I> {
             ready: None,
             pending: None,
             device,
-        };
-        let need = z.host_bytes() * self.local as u64;
-        if need > 0 {
-            crate::check_host_memory(plan, need, self.host_available)?;
-        }
-        Ok(z)
+        })
     }
 }
 
@@ -745,7 +748,6 @@ impl<I: Backend> Zero3<I> {
                 Master::Device(_) => Some(Vals::new(false)),
             },
             device: Some(self.device.clone()),
-            host_available: None,
         };
         b.add::<B, _>(&model.embed)?;
         for l in &model.layers {
