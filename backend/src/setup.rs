@@ -10,6 +10,10 @@
 //!   place in the storage dtype (`shard::zero3::Builder`), and the whole unit
 //!   is dropped before the next one is made; the trainer keeps a skeleton of
 //!   placeholders;
+//! - with ZeRO 1/2 or the optimizer on the host (`shard::Builder`): this
+//!   rank's part of the fp32 master shard is cut from the unit (made in fp32
+//!   when an fp32 master is kept), then the unit is cast to its storage
+//!   dtype and kept whole;
 //! - otherwise the unit is made directly in its storage dtype (fp32 when an
 //!   fp32 master is stepped: the trainer casts its 16-bit working copy from
 //!   it, both are the steady state).
@@ -17,11 +21,14 @@
 //! So no more than one unit exists at a time beyond what the run keeps. The
 //! compiler's `burn` profile charges exactly that as the `setup` point
 //! (`rcoa_compiler::memory::SETUP_OP`).
+//!
+//! Before the first unit, the host memory an offloaded run will hold is
+//! checked against the machine's free memory (`shard::layout::check_host`).
 
 use crate::model::{Model, ModelInit, Part};
 use crate::ops::ExecAutodiff;
 use crate::shard::zero3::{self, Placeholders, Zero3};
-use crate::train::Precision;
+use crate::train::{CastParams, Precision};
 use crate::RunError;
 use burn::module::Module;
 use burn::tensor::FloatDType;
@@ -29,10 +36,12 @@ use rcoa_compiler::lowered::LoweredPlan;
 use std::path::Path;
 
 /// What the trainer keeps of the model: the weights (a skeleton with ZeRO-3
-/// or parameter offload) and the per-unit shards, if any.
+/// or parameter offload) and the per-unit shards, if any, or the flat
+/// sharded optimizer with its master shard (ZeRO 1/2, optimizer offload).
 pub struct Built<B: ExecAutodiff> {
     pub model: Model<B>,
     pub zero3: Option<Zero3<B::InnerBackend>>,
+    pub zero: Option<crate::shard::Zero<B::InnerBackend>>,
 }
 
 /// Build `plan`'s model for this rank (`collective`), its weights from the
@@ -44,11 +53,22 @@ pub fn build<B: ExecAutodiff>(
     collective: Option<&crate::distributed::Collective<B::InnerBackend>>,
     device: &B::Device,
 ) -> Result<Built<B>, RunError> {
+    let (ranks, _, local) = crate::shard::rank_place(collective)?;
+    crate::shard::layout::check_host(
+        plan,
+        precision,
+        (ranks, local),
+        crate::host_memory_available(),
+    )?;
     let storage = zero3::Storage {
         dtype: precision.params,
         master: precision.master,
     };
     let mut shards = zero3::Builder::new(plan, storage, collective)?;
+    let mut flat = crate::shard::Builder::new(plan, precision.params, collective)?;
+    // A unit made in fp32 for its master is cast to its storage dtype once
+    // the master's part is cut.
+    let cast = (flat.is_some() && precision.master).then_some(precision.params);
     // Sharded units are cut from fp32 (the master's values); whole ones are
     // made in the dtype the run keeps them in.
     let dtype = if shards.is_some() || precision.master {
@@ -75,6 +95,20 @@ pub fn build<B: ExecAutodiff>(
             if let Some(e) = part.quantization_error() {
                 let dir = dir.map(|d| d.display().to_string()).unwrap_or_default();
                 return Err(RunError::Weights(format!("{dir}: {e}")));
+            }
+        }
+        if let Some(z) = &mut flat {
+            match &part {
+                Part::Embed(e) => z.add::<B, _>(e)?,
+                Part::Layer(_, l) => z.add::<B, _>(&**l)?,
+                Part::Head(h) => z.add::<B, _>(h)?,
+            }
+            if let Some(dt) = cast {
+                part = match part {
+                    Part::Embed(e) => Part::Embed(e.map(&mut CastParams(dt))),
+                    Part::Layer(i, l) => Part::Layer(i, Box::new(l.map(&mut CastParams(dt)))),
+                    Part::Head(h) => Part::Head(h.map(&mut CastParams(dt))),
+                };
             }
         }
         let Some(b) = &mut shards else {
@@ -104,7 +138,8 @@ pub fn build<B: ExecAutodiff>(
     }
     let model = Model::from_parts(parts);
     let zero3 = shards.map(|b| b.finish(plan)).transpose()?;
-    Ok(Built { model, zero3 })
+    let zero = flat.map(|b| b.finish()).transpose()?;
+    Ok(Built { model, zero3, zero })
 }
 
 #[cfg(test)]

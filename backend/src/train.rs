@@ -137,7 +137,7 @@ impl Precision {
 }
 
 /// Casts every float parameter to `dtype`, keeping ids and trainability.
-struct CastParams(FloatDType);
+pub(crate) struct CastParams(pub(crate) FloatDType);
 
 impl<B: AutodiffBackend> ModuleMapper<B> for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -462,9 +462,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         // is made (`crate::setup`).
         let built =
             crate::setup::build::<B>(plan, precision, lm_head, cfg.collective.as_ref(), &device)?;
-        let (zero3, model) = (built.zero3, built.model);
-        // The 16-bit working copy of the fp32 master.
-        let work = (zero3.is_none() && precision.master)
+        let (zero3, zero, model) = (built.zero3, built.zero, built.model);
+        // The 16-bit working copy of the fp32 master (with ZeRO the model is
+        // the 16-bit weights, the master a shard of `zero`'s).
+        let work = (zero3.is_none() && zero.is_none() && precision.master)
             .then(|| model.clone().map(&mut CastParams(precision.params)));
         let seq = plan.train.seq_len as usize;
         let ctx = Ctx::new(
@@ -501,7 +502,6 @@ impl<B: ExecAutodiff> Trainer<B> {
         };
         let reseed =
             plan.model.dropout > 0.0 || plan.adapter.as_ref().is_some_and(|a| a.dropout > 0.0);
-        let zero = crate::shard::for_plan::<B, _>(plan, &model, cfg.collective.as_ref())?;
         Ok(Trainer {
             export: crate::weights::Export::for_plan(plan, &model),
             identity: crate::checkpoint::Identity::of(plan, &precision),
@@ -551,6 +551,10 @@ impl<B: ExecAutodiff> Trainer<B> {
 
     pub(crate) fn zero3_mut(&mut self) -> Option<&mut crate::shard::zero3::Zero3<B::InnerBackend>> {
         self.zero3.as_mut()
+    }
+
+    pub(crate) fn zero_mut(&mut self) -> Option<&mut crate::shard::Zero<B::InnerBackend>> {
+        self.zero.as_mut()
     }
 
     /// This rank's optimizer state shard as bytes (`FlatOptim::save_state`)
@@ -927,7 +931,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             let model = self.model.clone();
             self.model = self.optim.step(self.lr, model, acc)?;
         }
-        if self.precision.master && self.zero3.is_none() {
+        if self.work.is_some() {
             self.work = Some(
                 self.model
                     .clone()
@@ -1061,12 +1065,14 @@ impl<B: ExecAutodiff> Trainer<B> {
 
     /// The weights of a resumed whole model, in the run's storage dtype.
     fn load_whole(&mut self, mut model: Model<B>) {
-        // Records hold fp32; restore the storage dtype.
-        if !self.precision.master && self.precision.params != FloatDType::F32 {
+        // Records hold fp32; restore the storage dtype (with a master the
+        // model is the master, but under ZeRO the 16-bit weights).
+        let master_whole = self.precision.master && self.zero.is_none();
+        if !master_whole && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));
         }
         self.model = model;
-        if self.precision.master {
+        if master_whole {
             self.work = Some(
                 self.model
                     .clone()

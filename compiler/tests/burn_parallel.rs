@@ -90,20 +90,50 @@ fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
     assert!(r.zero > 0 || !r.offload.is_empty(), "{r:?}");
 }
 
-/// ZeRO-2 on the Burn executor: the flat gradient, this rank's reduced shard
-/// and its fp32 master shard; gradients stay whole through the backward.
+/// ZeRO-2 on the Burn executor: the flat gradient and this rank's reduced shard;
+/// gradients stay whole through the backward. The default precision is bf16 with an
+/// fp32 master: a rank keeps the master of its shard only, charged with the optimizer
+/// state it is sharded with (not the whole fp32 model); fp32 weights keep an fp32 copy
+/// of the shard beside them, a communication term.
 #[test]
 fn burn_zero2_counts_the_flat_vector_and_the_shards() {
     let two = rcoa_compiler::compile(&spec(2, "burn", "zero = 2")).unwrap();
     assert_eq!(two.lowered.resolved.zero, 2);
-    let flat = two.report.params_trainable * 4;
-    let shard = flat.div_ceil(2);
+    let trainable = two.report.params_trainable;
+    let flat = trainable * 4;
+    let shard = trainable.div_ceil(2) * 4;
     let comm = two.lowered.prediction.breakdown["communication"];
-    assert_eq!(comm, flat + 2 * shard);
+    assert_eq!(comm, flat + shard);
+    // AdamW's two fp32 moments and the fp32 master, each a shard: 3 x 1/2 of 4 bytes
+    // per value (within the allocator's rounding per tensor).
+    let opt = two.lowered.prediction.breakdown["optimizer"] as f64;
+    let want = (3 * shard) as f64;
+    assert!((opt / want - 1.0).abs() < 1e-3, "{opt} vs {want}");
     let zero1 = rcoa_compiler::compile(&spec(2, "burn", "zero = 1")).unwrap();
     assert_eq!(
         zero1.lowered.prediction.breakdown["communication"],
-        2 * flat + shard
+        2 * flat
+    );
+    // The setup keeps the 16-bit weights, the master shard and one unit in fp32, never
+    // the whole fp32 model beside its 16-bit copy (1.5 x `flat`).
+    let setup = two.report.phase_peaks["setup"];
+    let weights = flat / 2;
+    assert!(setup >= weights + shard, "setup {setup}");
+    assert!(
+        setup < flat + weights,
+        "setup {setup} vs the fp32 model and its 16-bit copy"
+    );
+    let fp32 = {
+        let src = "model \"llama-3.2-1b\"\nhardware { gpu = h100-80gb  gpus_per_node = 2 }\n\
+                   precision fp32\ntrain { seq_len = 1024  global_batch = 16 }\n\
+                   parallel { zero = 2 }\ntarget burn\n";
+        let file = rcoa_grammar::parse("t.plan", src).unwrap();
+        let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
+        rcoa_compiler::compile(&spec).unwrap()
+    };
+    assert_eq!(
+        fp32.lowered.prediction.breakdown["communication"],
+        flat + 2 * shard
     );
 }
 

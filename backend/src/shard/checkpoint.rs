@@ -20,7 +20,9 @@
 //! the sharding `for_plan` does). The fp32 master shard is taken from the
 //! weights again, except where it holds more than they give back (16-bit
 //! weights): then it is written beside the optimizer shard as
-//! `master-shard-I-of-N.bin` (little-endian f32). ZeRO-3's optimizer shards
+//! `master-shard-I-of-N.bin` (little-endian f32). So it is with ZeRO 1/2
+//! and 16-bit weights, whose master is a shard of the flat vector (no file
+//! name tells the two layouts apart: the optimizer shard's does). ZeRO-3's optimizer shards
 //! over several ranks are laid out per unit: `optimizer-shard-I-of-N-per-unit.bin`.
 
 use crate::distributed::Collective;
@@ -86,7 +88,7 @@ fn shard_state<B: ExecAutodiff>(
 ) -> Result<(Vec<u8>, Option<Vec<f32>>), RunError> {
     match (trainer.zero3(), trainer.zero()) {
         (Some(z), _) => Ok((z.optimizer().save_state()?, z.master_state()?)),
-        (None, Some(z)) => Ok((z.optimizer().save_state()?, None)),
+        (None, Some(z)) => Ok((z.optimizer().save_state()?, z.master_state()?)),
         (None, None) => Ok((Vec::new(), None)),
     }
 }
@@ -177,15 +179,17 @@ pub fn load_shard<B: ExecAutodiff>(trainer: &mut Trainer<B>, dir: &Path) -> Resu
     load_master(trainer, dir, index, shards)
 }
 
-/// The fp32 master shard `save_shard` wrote beside a ZeRO-3 optimizer
-/// shard, when the weights do not give it back exactly.
+/// The fp32 master shard `save_shard` wrote beside the optimizer shard,
+/// when the weights do not give it back exactly.
 fn load_master<B: ExecAutodiff>(
     trainer: &mut Trainer<B>,
     dir: &Path,
     index: usize,
     shards: usize,
 ) -> Result<(), RunError> {
-    if !trainer.zero3().is_some_and(|z| z.master_kept()) {
+    let kept = trainer.zero3().is_some_and(|z| z.master_kept())
+        || trainer.zero().is_some_and(|z| z.master_kept());
+    if !kept {
         return Ok(());
     }
     let file = master_file(dir, index, shards);
@@ -207,8 +211,12 @@ fn load_master<B: ExecAutodiff>(
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    match trainer.zero3_mut() {
-        Some(z) => z.load_master_state(values),
+    let device = trainer.device.clone();
+    if let Some(z) = trainer.zero3_mut() {
+        return z.load_master_state(values);
+    }
+    match trainer.zero_mut() {
+        Some(z) => z.load_master_state(values, &device),
         None => Ok(()),
     }
 }

@@ -13,8 +13,8 @@
 //!   all-reduce).
 //!
 //! Then each rank steps its shard of the fp32 weights (its own copy, the
-//! master of its shard, taken from the model at the first step) with its
-//! shard of the optimizer state (`crate::optim::FlatOptim`), the updated
+//! master of its shard, cut from each unit's fp32 values as the start-up
+//! builds it: `Builder`) with its shard of the optimizer state (`crate::optim::FlatOptim`), the updated
 //! shards are all-gathered, and the full vector is written back into the
 //! model's trainable parameters (cast to their dtype). With
 //! `offload = [optimizer]` the state, the fp32 master shard and the update
@@ -23,12 +23,23 @@
 //! Stage 0 with the optimizer offloaded is the same with one shard: the mean
 //! gradient is all-reduced and every rank steps all of it on the host.
 //!
+//! With 16-bit weights and an fp32 master (`precision { params = bf16,
+//! master = fp32 }`) the rank keeps the 16-bit working weights the forward
+//! reads, and of the fp32 master only this shard: the units are built in
+//! fp32, the shard's values cut from each, and the unit cast to 16 bits
+//! before the next is made. The gradients of the 16-bit weights are cast to
+//! fp32 as they are accumulated; the updated shards are all-gathered in
+//! fp32 and written into the 16-bit weights. A checkpoint keeps the master
+//! shard beside the optimizer shard (the 16-bit weights do not give it
+//! back): `checkpoint`.
+//!
 //! ZeRO-3 and parameter offload shard the weights themselves and stream
-//! them per unit: `zero3`. Here, with 16-bit weights and an fp32 master the
-//! trainer still holds the whole fp32 model (its master); the optimizer
-//! state is what is sharded.
+//! them per unit: `zero3`.
 
 pub mod checkpoint;
+pub mod layout;
+#[cfg(test)]
+mod tests_memory;
 pub mod zero3;
 
 use crate::distributed::Collective;
@@ -54,6 +65,8 @@ pub struct Zero<I: Backend> {
     /// device, or in host memory beside the offloaded optimizer state.
     master: Option<Master<I>>,
     optim: FlatOptim<I>,
+    /// The weights' dtype: 16-bit ones do not give the master back.
+    storage: FloatDType,
 }
 
 enum Master<I: Backend> {
@@ -94,6 +107,7 @@ impl<I: Backend> Zero<I> {
         index: usize,
         len: usize,
         host: Option<usize>,
+        storage: FloatDType,
     ) -> Result<Self, RunError> {
         if stage > 2 {
             return Err(RunError::Unsupported(format!(
@@ -120,6 +134,7 @@ impl<I: Backend> Zero<I> {
             shard,
             master: None,
             optim: FlatOptim::new(rule, place, shard),
+            storage,
         })
     }
 
@@ -132,17 +147,9 @@ impl<I: Backend> Zero<I> {
     /// the update (0 without offload).
     pub fn host_bytes(&self) -> u64 {
         match self.optim.place() {
-            Place::Host { .. } => {
-                // State, the fp32 master shard and the gradient shard.
-                let per = self.optim_rule_state() + 2;
-                (per * self.shard * 4) as u64
-            }
+            Place::Host { .. } => flat_host_bytes(self.optim.rule().state_per_param(), self.shard),
             Place::Device => 0,
         }
-    }
-
-    fn optim_rule_state(&self) -> usize {
-        self.optim.rule().state_per_param()
     }
 
     /// Values in this rank's shard.
@@ -168,9 +175,54 @@ impl<I: Backend> Zero<I> {
     }
 
     /// Forget the master shard (after the model was replaced, e.g. by a
-    /// resume): the next step takes it from the model again.
+    /// resume): the next step takes it from fp32 weights again; 16-bit ones
+    /// need `load_master_state`.
     pub fn reset_master(&mut self) {
         self.master = None;
+    }
+
+    /// Whether the master shard holds more than the weights give back
+    /// (16-bit weights): a checkpoint then keeps it (`checkpoint`).
+    pub fn master_kept(&self) -> bool {
+        self.storage != FloatDType::F32
+    }
+
+    /// The fp32 master shard when `master_kept`.
+    pub fn master_state(&self) -> Result<Option<Vec<f32>>, RunError> {
+        if !self.master_kept() {
+            return Ok(None);
+        }
+        match &self.master {
+            Some(Master::Device(t)) => Ok(Some(crate::optim::to_host(t.clone())?)),
+            Some(Master::Host(v)) => Ok(Some(v.clone())),
+            None => Err(RunError::Checkpoint(
+                "the fp32 master shard is missing (16-bit weights cannot give it back)".into(),
+            )),
+        }
+    }
+
+    /// Restore the master shard written by `master_state`.
+    pub fn load_master_state(
+        &mut self,
+        values: Vec<f32>,
+        device: &burn::tensor::Device<I>,
+    ) -> Result<(), RunError> {
+        if values.len() != self.shard {
+            return Err(RunError::Checkpoint(format!(
+                "the fp32 master shard holds {} values, this rank's shard {}: \
+                 resume with the plan, ZeRO stage and rank count it was saved with",
+                values.len(),
+                self.shard
+            )));
+        }
+        self.master = Some(match self.optim.place() {
+            Place::Device => Master::Device(Tensor::from_data(
+                burn::tensor::TensorData::new(values, [self.shard]),
+                device,
+            )),
+            Place::Host { .. } => Master::Host(values),
+        });
+        Ok(())
     }
 
     /// One optimizer step of `model` with the gradients in `grads` (this
@@ -230,6 +282,11 @@ impl<I: Backend> Zero<I> {
         };
         let master = match self.master.take() {
             Some(m) => m,
+            None if self.master_kept() => {
+                return Err(RunError::Backend(
+                    "the fp32 master shard is missing: 16-bit weights cannot give it back".into(),
+                ))
+            }
             None => {
                 let mut all = flat_params::<B, M>(&model, &device);
                 if padded > self.len {
@@ -293,39 +350,140 @@ pub fn executed_offload<I: Backend>(
     out
 }
 
-/// The sharded step `plan` asks for, or `None` for Burn's own optimizer
-/// (ZeRO 0, nothing offloaded).
-pub fn for_plan<B: AutodiffBackend, M: Module<B>>(
-    plan: &rcoa_compiler::lowered::LoweredPlan,
-    model: &M,
-    collective: Option<&Collective<B::InnerBackend>>,
-) -> Result<Option<Zero<B::InnerBackend>>, RunError> {
-    use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
-    let r = &plan.resolved;
-    let host = r
-        .offload
-        .iter()
-        .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu);
-    if (r.zero == 0 && !host) || zero3::wanted(plan) {
-        // Whole weights on Burn's optimizer, or per-unit shards (`zero3`).
-        return Ok(None);
+/// Host bytes of the flat sharded step with the optimizer on the host: the
+/// state, the fp32 master shard and the gradient shard brought down for the
+/// update (`shard` values each).
+pub(crate) fn flat_host_bytes(state_per_param: usize, shard: usize) -> u64 {
+    ((state_per_param + 2) * shard * 4) as u64
+}
+
+/// Builds a rank's `Zero` during the start-up (`crate::setup`): the fp32
+/// master of its flat shard is cut from each unit as it is made (fp32 with
+/// an fp32 master; the caller casts the unit to 16 bits afterwards), one
+/// parameter at a time, into one buffer of the shard's size made at the
+/// first unit. So neither the whole fp32 model nor a concatenation of
+/// pieces exists. The shard's bounds come from the plan's parameter counts
+/// (`layout::unit_values`), checked against the units at `finish`.
+pub struct Builder<I: Backend> {
+    zero: Zero<I>,
+    /// This rank's range of the flat trainable vector (before padding).
+    lo: usize,
+    hi: usize,
+    /// Trainable values of the units cut so far.
+    at: usize,
+    master: Option<Master<I>>,
+    error: Option<RunError>,
+}
+
+impl<I: Backend> Builder<I> {
+    /// `None` unless `plan` steps the flat sharded optimizer
+    /// (`layout::flat_zero`).
+    pub fn new(
+        plan: &rcoa_compiler::lowered::LoweredPlan,
+        storage: FloatDType,
+        collective: Option<&Collective<I>>,
+    ) -> Result<Option<Self>, RunError> {
+        use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
+        if !layout::flat_zero(plan) {
+            return Ok(None);
+        }
+        let host = plan
+            .resolved
+            .offload
+            .iter()
+            .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu);
+        let (ranks, index, local) = rank_place(collective)?;
+        let len = layout::unit_values(plan).iter().map(|u| u.trainable).sum();
+        let zero = Zero::new(
+            plan.resolved.zero,
+            Rule::for_plan(plan)?,
+            ranks,
+            index,
+            len,
+            host.then(|| host_threads(local)),
+            storage,
+        )?;
+        let lo = (zero.index * zero.shard).min(len);
+        let hi = ((zero.index + 1) * zero.shard).min(len);
+        Ok(Some(Builder {
+            zero,
+            lo,
+            hi,
+            at: 0,
+            master: None,
+            error: None,
+        }))
     }
-    let (ranks, index, local) = rank_place(collective)?;
-    let rule = Rule::for_plan(plan)?;
-    let threads = host.then(|| host_threads(local));
-    let zero = Zero::new(
-        r.zero,
-        rule,
-        ranks,
-        index,
-        trainable_len::<B, M>(model),
-        threads,
-    )?;
-    if host {
-        let need = zero.host_bytes() * local as u64;
-        crate::check_host_memory(plan, need, crate::host_memory_available())?;
+
+    /// The next unit (embedding, each layer, head), its values those the
+    /// master starts from: this rank's part of its trainable values.
+    pub fn add<B: AutodiffBackend<InnerBackend = I>, M: Module<B>>(
+        &mut self,
+        unit: &M,
+    ) -> Result<(), RunError> {
+        struct Cut<'a, I: Backend> {
+            b: &'a mut Builder<I>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Cut<'_, B::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let b = &mut *self.b;
+                if b.error.is_some() {
+                    return;
+                }
+                let t = param.val().inner();
+                let device = t.device();
+                let shard = b.zero.shard;
+                // Made at the first parameter, also when none falls in this
+                // rank's range: the step finds the master there.
+                let master = b.master.get_or_insert_with(|| match b.zero.optim.place() {
+                    Place::Device => Master::Device(Tensor::zeros([shard], &device)),
+                    Place::Host { .. } => Master::Host(vec![0.0; shard]),
+                });
+                if !param.is_require_grad() {
+                    return;
+                }
+                let n = param.shape().num_elements();
+                let (at, lo, hi) = (b.at, b.lo, b.hi);
+                b.at += n;
+                let (from, to) = (lo.max(at), hi.min(at + n));
+                if from >= to {
+                    return;
+                }
+                let part = crate::model::to_dtype(t, FloatDType::F32)
+                    .flatten::<1>(0, D - 1)
+                    .slice(from - at..to - at);
+                match master {
+                    Master::Device(m) => {
+                        // In place: the buffer is this builder's alone.
+                        let whole = std::mem::replace(m, Tensor::zeros([0], &device));
+                        *m = whole.slice_assign(from - lo..to - lo, part);
+                    }
+                    Master::Host(v) => match crate::optim::to_host(part) {
+                        Ok(h) => v[from - lo..to - lo].copy_from_slice(&h),
+                        Err(e) => b.error = Some(e),
+                    },
+                }
+            }
+        }
+        unit.visit(&mut Cut { b: self });
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
-    Ok(Some(zero))
+
+    /// The rank's sharded optimizer once every unit was added.
+    pub fn finish(mut self) -> Result<Zero<I>, RunError> {
+        if self.at != self.zero.len {
+            return Err(RunError::Backend(format!(
+                "the model's units have {} trainable values, the plan's shapes give {}: \
+                 the flat shards would be cut at the wrong places",
+                self.at, self.zero.len
+            )));
+        }
+        self.zero.master = self.master.take();
+        Ok(self.zero)
+    }
 }
 
 /// The trainable parameters' values, fp32, in visit order.
@@ -345,21 +503,6 @@ pub fn flat_params<B: AutodiffBackend, M: Module<B>>(
     let mut v = Values(Vec::new());
     model.visit(&mut v);
     cat_or_empty(v.0, device)
-}
-
-/// Trainable parameter values of `model`.
-pub fn trainable_len<B: AutodiffBackend, M: Module<B>>(model: &M) -> usize {
-    struct Count(usize);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Count {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if param.is_require_grad() {
-                self.0 += param.shape().num_elements();
-            }
-        }
-    }
-    let mut c = Count(0);
-    model.visit(&mut c);
-    c.0
 }
 
 /// The trainable parameters' gradients, fp32, in visit order, taken out of

@@ -300,6 +300,49 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
 }
 
+/// QLoRA's frozen NF4 base is no float parameter: the units cut and
+/// gathered here never hold it, every rank keeps all of it on the device.
+/// The compiler's `burn` profile charges it sharded over the ranks with
+/// ZeRO-3 (and in host memory with parameter offload), so such a plan would
+/// be predicted below what a rank holds: refused before anything is built.
+pub fn refuse_quantized_base(plan: &LoweredPlan) -> Result<(), RunError> {
+    let qlora = plan
+        .adapter
+        .as_ref()
+        .is_some_and(|a| a.kind == rcoa_compiler::spec::AdapterKind::Qlora);
+    let sharded = plan.resolved.zero >= 3 && plan.resolved.data > 1;
+    let offloaded = params_offloaded(plan);
+    if qlora && (sharded || offloaded) {
+        return Err(RunError::Unsupported(format!(
+            "QLoRA with {}: the Burn executor keeps the whole NF4 base on every rank's device (it does not shard or \
+             offload frozen quantized weights), which the plan's prediction does not charge; use zero = 2 or less \
+             and no parameter offload (`offload = [optimizer]` is executed)",
+            if offloaded {
+                "the parameters offloaded"
+            } else {
+                "ZeRO-3 over several ranks"
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// Whether a rank keeps an fp32 master apart from its weight shards: they
+/// are cut otherwise (`wshards` vs `oshards`), 16-bit with a master, or on
+/// the device while the optimizer is on the host. On the host when either
+/// is offloaded (`params_host`, `opt_host`).
+pub(crate) fn master_separate(
+    wshards: usize,
+    oshards: usize,
+    storage: &Storage,
+    params_host: bool,
+    opt_host: bool,
+) -> bool {
+    !(wshards == oshards
+        && (storage.dtype == FloatDType::F32 || !storage.master)
+        && (params_host || !opt_host))
+}
+
 /// Builds one rank's ZeRO-3 / parameter-offload state a unit at a time:
 /// each unit handed to `add` (whole, fp32, equal on every rank) is cut into
 /// this rank's shards, which go straight to their place (device or host, in
@@ -322,9 +365,6 @@ pub struct Builder<I: Backend> {
     frozen: Vals<I>,
     master: Option<Vals<I>>,
     device: Option<I::Device>,
-    /// Host memory free before the build (`crate::host_memory_available`),
-    /// what the offloaded state is checked against.
-    host_available: Option<u64>,
 }
 
 impl<I: Backend> Builder<I> {
@@ -337,6 +377,7 @@ impl<I: Backend> Builder<I> {
         if !wanted(plan) {
             return Ok(None);
         }
+        refuse_quantized_base(plan)?;
         let stage = plan.resolved.zero;
         let (ranks, index, local) = rank_place(collective)?;
         let wshards = if stage >= 3 { ranks } else { 1 };
@@ -348,9 +389,7 @@ impl<I: Backend> Builder<I> {
         }
         let host = params_offloaded(plan);
         let opt_host = optimizer_offloaded(plan);
-        let master_is_work = wshards == oshards
-            && (storage.dtype == FloatDType::F32 || !storage.master)
-            && (host || !opt_host);
+        let master_is_work = !master_separate(wshards, oshards, &storage, host, opt_host);
         Ok(Some(Builder {
             stage,
             ranks,
@@ -368,9 +407,6 @@ impl<I: Backend> Builder<I> {
             frozen: Vals::new(host),
             master: (!master_is_work).then(|| Vals::new(opt_host || host)),
             device: None,
-            host_available: (host || opt_host)
-                .then(crate::host_memory_available)
-                .flatten(),
         }))
     }
 
@@ -442,7 +478,7 @@ impl<I: Backend> Builder<I> {
         } else {
             Grads::Device((0..self.units.len()).map(|_| None).collect())
         };
-        let z = Zero3 {
+        Ok(Zero3 {
             stage: self.stage,
             ranks: self.ranks,
             wshards: self.wshards,
@@ -463,12 +499,7 @@ impl<I: Backend> Builder<I> {
             ready: None,
             pending: None,
             device,
-        };
-        let need = z.host_bytes() * self.local as u64;
-        if need > 0 {
-            crate::check_host_memory(plan, need, self.host_available)?;
-        }
-        Ok(z)
+        })
     }
 }
 
@@ -745,7 +776,6 @@ impl<I: Backend> Zero3<I> {
                 Master::Device(_) => Some(Vals::new(false)),
             },
             device: Some(self.device.clone()),
-            host_available: None,
         };
         b.add::<B, _>(&model.embed)?;
         for l in &model.layers {
@@ -1282,4 +1312,45 @@ fn lost(u: Unit) -> RunError {
     RunError::Backend(format!(
         "ZeRO-3: the backward of {u:?} came without its forward's weights"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, Offload, Proj};
+
+    #[test]
+    fn a_qlora_base_is_never_planned_sharded_or_offloaded() {
+        let mut plan = crate::testing::tiny_plan();
+        plan.adapter = Some(AdapterSpec {
+            kind: AdapterKind::Qlora,
+            rank: 4,
+            alpha: 8.0,
+            targets: vec![Proj::Q],
+            dropout: 0.0,
+            base: Dtype::Nf4,
+        });
+        plan.resolved.data = 2;
+        plan.resolved.zero = 3;
+        let e = refuse_quantized_base(&plan).unwrap_err().to_string();
+        assert!(e.contains("NF4 base") && e.contains("ZeRO-3"), "{e}");
+        plan.resolved.zero = 2;
+        assert!(refuse_quantized_base(&plan).is_ok());
+        plan.resolved.offload = vec![Offload {
+            what: OffloadWhat::Params,
+            to: OffloadTo::Cpu,
+        }];
+        let e = refuse_quantized_base(&plan).unwrap_err().to_string();
+        assert!(e.contains("parameters offloaded"), "{e}");
+        // One rank of ZeRO-3 is charged whole weights, as it runs.
+        plan.resolved.offload.clear();
+        plan.resolved.data = 1;
+        plan.resolved.zero = 3;
+        assert!(refuse_quantized_base(&plan).is_ok());
+        // LoRA's dense base is sharded like any weight.
+        plan.resolved.data = 2;
+        plan.adapter.as_mut().unwrap().kind = AdapterKind::Lora;
+        plan.adapter.as_mut().unwrap().base = Dtype::Fp32;
+        assert!(refuse_quantized_base(&plan).is_ok());
+    }
 }

@@ -111,6 +111,23 @@ pub fn burn_units(profile: &Profile, cand: &Candidate) -> bool {
     profile.burn_ops && ((cand.zero >= 3 && cand.data > 1) || cand.offloads(OffloadWhat::Params))
 }
 
+/// Does the Burn executor step a flat sharded optimizer for `cand` (`backend/src/shard`,
+/// `shard::layout::flat_zero`): ZeRO 1/2, or the optimizer on the host, with whole weights
+/// on every rank? Its fp32 master shard is cut from each unit as the model is built.
+pub fn burn_flat_zero(profile: &Profile, cand: &Candidate) -> bool {
+    profile.burn_ops
+        && (cand.zero >= 1 || cand.offloads(OffloadWhat::Optimizer))
+        && !(cand.zero >= 3 || cand.offloads(OffloadWhat::Params))
+}
+
+/// Is the fp32 master copy of 16-bit weights charged with the optimizer state
+/// ([`optimizer::OptimizerModel::master_bytes`])?
+pub fn burn_master_in_state(spec: &Spec) -> bool {
+    spec.precision
+        .master
+        .is_some_and(|m| m.bytes() > spec.precision.params.bytes())
+}
+
 /// Is the fp32 gradient-shard accumulator of the Burn executor's ZeRO-3 in host memory?
 pub fn burn_host_grad_accumulator(profile: &Profile, cand: &Candidate) -> bool {
     burn_units(profile, cand)
@@ -598,6 +615,13 @@ fn charge_steps_in_backward(
 ///   device first); then the whole unit is dropped. At unit `u`: what the units before it
 ///   left + `u` in fp32 + `u`'s shards, plus the fp32 shard being cast (or the parameter
 ///   being cast for the host), or (loading) one tensor's fp32 values beside the old one.
+/// - ZeRO 1/2 or the optimizer on the host with whole weights ([`burn_flat_zero`]): this
+///   rank's fp32 master shard is one buffer made at the first unit (on the device unless
+///   the optimizer is on the host); each unit is made in fp32 with an fp32 master (else in
+///   its storage dtype), its part of the shard is cut a parameter at a time (a 16-bit
+///   parameter cast to fp32 first; an fp32 one is read in place), then a 16-bit unit made
+///   in fp32 is cast a parameter at a time and kept: what the units before it left + the
+///   master buffer + `u` + the largest of those transients.
 /// - otherwise the unit is made in the dtype the run keeps it in (fp32 with an fp32 master,
 ///   of which the 16-bit working copy is cast at the end): what the units before it left +
 ///   `u` + one tensor's fp32 draw before its 16-bit cast, or (loading) its fp32 values and
@@ -616,6 +640,7 @@ fn burn_setup(
     // rank of ZeRO-3 included (`shard::zero3::wanted`), which the step charges as whole
     // weights ([`burn_units`]).
     let units = cand.zero >= 3 || cand.offloads(OffloadWhat::Params);
+    let flat = burn_flat_zero(profile, cand);
     let on_host = cand.offloads(OffloadWhat::Params);
     let opt_host = cand.offloads(OffloadWhat::Optimizer);
     let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
@@ -651,6 +676,7 @@ fn burn_setup(
         trainable: u64,
         frozen: u64,
         largest: u64,
+        largest_trainable: u64,
     }
     let mut made: BTreeMap<(u8, u32), Made> = BTreeMap::new();
     for (i, t) in tape.tensors.iter().enumerate() {
@@ -678,9 +704,19 @@ fn burn_setup(
         }
         if t.dtype != Dtype::Nf4 {
             m.largest = m.largest.max(n);
+            if t.requires_grad {
+                m.largest_trainable = m.largest_trainable.max(n);
+            }
         }
     }
     let (mut weights, mut masters) = (0u64, 0u64);
+    // The flat step's fp32 master shard, one buffer from the first unit on.
+    let flat_master = if flat && !opt_host {
+        let trainable: u64 = made.values().map(|m| m.trainable).sum();
+        alloc(4.0 * trainable.div_ceil(oshards) as f64)
+    } else {
+        0
+    };
     let mut peak: tape::Bytes = [0; Category::COUNT];
     let mut note = |w: u64, m: u64| {
         if w + m > peak.iter().sum::<u64>() {
@@ -721,6 +757,30 @@ fn burn_setup(
             );
             weights += m.kept;
             masters += master_u;
+        } else if flat {
+            let draw = if sixteen && !master {
+                alloc(4.0 * m.largest as f64)
+            } else {
+                0
+            };
+            let cast = if loads && sixteen && !master {
+                alloc(storage.bytes() * m.largest as f64)
+            } else {
+                0
+            };
+            let cut = if sixteen && !master {
+                alloc(4.0 * m.largest_trainable as f64)
+            } else {
+                0
+            };
+            let to_storage = if sixteen && master {
+                alloc(storage.bytes() * m.largest as f64)
+            } else {
+                0
+            };
+            let transient = draw.max(load + cast).max(cut).max(to_storage);
+            note(weights + m.built + transient, flat_master);
+            weights += m.kept;
         } else {
             let draw = if sixteen && !master {
                 alloc(4.0 * m.largest as f64)
@@ -741,11 +801,11 @@ fn burn_setup(
             }
         }
     }
-    if !units && master {
+    if !units && !flat && master {
         // The 16-bit working copy, cast from the fp32 master.
         weights = made.values().map(|m| m.kept).sum();
     }
-    note(weights, masters);
+    note(weights, masters.max(flat_master));
     peak[Category::Workspace as usize] = profile.workspace_bytes;
     peak
 }

@@ -129,22 +129,28 @@ pub fn terms(
             let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
             t.staging_buffer = fp32.div_ceil(wshards);
         }
-    } else if burn && trainable > 0 && (host_optimizer || (cand.zero >= 1 && d > 1)) {
-        // rcoa's Burn executor (backend/src/shard): one flat fp32 gradient vector; stage 1
-        // all-reduces it (its reduced copy coexists), stage 2 reduce-scatters it (this rank's
-        // shard); the fp32 master of this rank's shard lives between steps (on the device, or
-        // on the host beside the offloaded optimizer); the all-gather's full vector comes
-        // after the flat buffers are freed. Counted over the whole step (the safe side).
+    } else if burn && trainable > 0 && (host_optimizer || cand.zero >= 1) {
+        // rcoa's Burn executor (backend/src/shard), which steps ZeRO 1/2 on one rank too: one
+        // flat fp32 gradient vector; stage 1 all-reduces it (its reduced copy coexists),
+        // stage 2 reduce-scatters it (this rank's shard); the fp32 master of this rank's
+        // shard lives between steps (on the device, or on the host beside the offloaded
+        // optimizer); the all-gather's full vector comes after the flat buffers are freed.
+        // Counted over the whole step (the safe side).
         let flat = trainable * 4;
         let shards = if cand.zero >= 1 { d } else { 1 };
-        let shard = flat.div_ceil(shards);
+        let shard = (trainable.div_ceil(shards)) * 4;
         let exchange = match (d, cand.zero) {
             (1, _) => flat,
             (_, 2) => flat + shard,
             _ => 2 * flat,
         };
-        // The master shard is on the host with the offloaded optimizer.
-        let master = if host_optimizer { 0 } else { shard };
+        // The master shard is on the host with the offloaded optimizer; the fp32 master of
+        // 16-bit weights is charged with the optimizer state it is sharded with.
+        let master = if host_optimizer || super::burn_master_in_state(spec) {
+            0
+        } else {
+            shard
+        };
         t.reduce_bucket = exchange.max(flat) + master;
     } else if d > 1 && trainable > 0 {
         // Full (unsharded) gradient bytes of this rank's stage.
