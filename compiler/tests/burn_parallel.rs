@@ -200,3 +200,52 @@ fn burn_setup_of_an_unsharded_16_bit_model_is_its_storage_plus_one_tensor() {
     );
     assert_eq!(setup(&src("precision bf16")), 4 * values + 2 * values);
 }
+
+/// QLoRA's NF4 base stays whole on every rank in the Burn executor: a search for
+/// `target burn` never charges it sharded (ZeRO-3) or on the host (parameter offload),
+/// and a plan that fixes either is refused by name.
+#[test]
+fn burn_qlora_keeps_its_base_replicated() {
+    let qlora = |parallel: &str, fit: &str| {
+        let src = format!(
+            "model \"llama-3.2-1b\"\nadapter qlora {{ rank = 16  alpha = 32  targets = [q, v] }}\n\
+             hardware {{ gpu = rtx4090-24gb  gpus_per_node = 2 }}\nprecision bf16\n\
+             train {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\n\
+             fit {{ {fit} }}\ntarget burn\n"
+        );
+        let file = rcoa_grammar::parse("t.plan", &src).unwrap();
+        let spec = resolve(&file, &ResolveContext::new("t.plan", src.as_str(), ".")).unwrap();
+        rcoa_compiler::compile(&spec)
+    };
+    let c = qlora(
+        "zero = auto",
+        "offload = [optimizer, params]  checkpoint = auto",
+    )
+    .unwrap();
+    let r = &c.lowered.resolved;
+    assert!(r.zero <= 2, "zero {}", r.zero);
+    assert!(
+        !c.lowered
+            .resolved
+            .offload
+            .iter()
+            .any(|o| o.what == rcoa_compiler::spec::OffloadWhat::Params),
+        "{:?}",
+        c.lowered.resolved.offload
+    );
+    assert!(c
+        .explain
+        .decisions
+        .iter()
+        .any(|d| d.what == "zero = 3 not used" && d.why.contains("NF4 base")));
+    for (parallel, fit) in [
+        ("zero = 3", "checkpoint = auto"),
+        ("zero = auto", "must_offload = [params]  checkpoint = auto"),
+    ] {
+        let e = qlora(parallel, fit).unwrap_err().to_string();
+        assert!(
+            e.contains("does not execute QLoRA"),
+            "{parallel} {fit}: {e}"
+        );
+    }
+}

@@ -127,7 +127,11 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         } else {
             "rcoa's fused kernel: q, k, v, the output and an fp32 log-sum-exp are kept, no [batch, heads, seq, seq] scores"
         };
-        log.push(Decision::new("model", format!("attention = {:?}", spec.train.attention).to_lowercase(), why));
+        log.push(Decision::new(
+            "model",
+            format!("attention = {:?}", spec.train.attention).to_lowercase(),
+            why,
+        ));
     } else {
         log.push(Decision::new(
             "model",

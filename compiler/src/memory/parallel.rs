@@ -433,6 +433,17 @@ fn engine_shares(
     let d = cand.data.max(1);
     let p = &spec.precision;
     match profile.engine {
+        // CPUOffloadPolicy: the sharded weights, gradients and optimizer state live in host
+        // memory; only the gathered copies (and the upload of a shard) are on the device.
+        Engine::Fsdp2 if cand.offloads(crate::spec::OffloadWhat::Params) => (
+            format!(
+                "1/{d} of the stage's weights in {} on the host (CPUOffloadPolicy); each layer's shard uploaded and gathered in {} for its use",
+                p.params.as_str(),
+                p.compute.as_str()
+            ),
+            format!("1/{d} of the stage's gradients on the host (CPUOffloadPolicy: each reduce-scattered shard goes down)"),
+            format!("1/{d} of the stage's optimizer state on the host (the step runs on the CPU)"),
+        ),
         Engine::Fsdp2 => (
             format!(
                 "1/{d} of the stage's weights in {} (FSDP2 fully_shard); each layer gathered in {} for its use ({})",

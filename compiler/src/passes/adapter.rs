@@ -7,7 +7,7 @@ use super::{decide, gib, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
 use crate::memory::parallel::model_params;
-use crate::spec::{AdapterSpec, Arch, ModelSpec, Proj};
+use crate::spec::{AdapterKind, AdapterSpec, Arch, ModelSpec, OffloadWhat, Proj, Target};
 
 pub struct Adapter<'a> {
     adapter: Option<&'a AdapterSpec>,
@@ -44,6 +44,64 @@ pub fn adapter_params(m: &ModelSpec, a: &AdapterSpec) -> u64 {
 impl<'a> Adapter<'a> {
     pub fn new(adapter: Option<&'a AdapterSpec>, model: &'a ModelSpec) -> Self {
         Adapter { adapter, model }
+    }
+}
+
+impl Adapter<'_> {
+    /// The Burn executor keeps a QLoRA base (packed NF4, no float parameter) whole on every
+    /// rank's device: it neither shards it under ZeRO-3 nor offloads it with the parameters
+    /// (`backend/src/shard/zero3.rs`, `refuse_quantized_base`). Run after sharding and
+    /// offload have set their domains: drops the candidates that would charge the base
+    /// sharded or on the host, and refuses a plan that leaves no other.
+    pub fn narrow_executed(
+        &self,
+        target: Target,
+        plan: &mut Plan,
+        log: &mut Vec<Decision>,
+    ) -> Result<(), CompileError> {
+        if target != Target::Burn || !self.adapter.is_some_and(|a| a.kind == AdapterKind::Qlora) {
+            return Ok(());
+        }
+        let refused = |what: &str, instead: &str| CompileError::NotExecuted {
+            what: format!(
+                "`rcoa run` does not execute QLoRA with {what} (the plan is `target burn`)"
+            ),
+            help: format!(
+                "the Burn executor keeps the whole NF4 base on every rank's device; {instead}; \
+                 or write `target pytorch` to predict it for PyTorch engines (`rcoa emit`)"
+            ),
+        };
+        let space = &mut plan.space;
+        let several_ranks = space.layouts.iter().all(|l| l.data > 1);
+        if several_ranks && space.zero.contains(&3) {
+            if space.zero == [3] {
+                return Err(refused(
+                    "ZeRO-3 over several ranks",
+                    "write `zero = 2` or less",
+                ));
+            }
+            space.zero.retain(|z| *z != 3);
+            decide(log, self, "zero = 3 not used",
+                "the Burn executor does not shard QLoRA's NF4 base: every rank keeps all of it, so ZeRO-3 would be predicted below what a rank holds");
+        }
+        let offloads_params =
+            |set: &Vec<crate::spec::Offload>| set.iter().any(|o| o.what == OffloadWhat::Params);
+        if space.offload.iter().any(offloads_params) {
+            space.offload.retain(|set| !offloads_params(set));
+            if space.offload.is_empty() {
+                return Err(refused(
+                    "the parameters offloaded",
+                    "offload the optimizer only (`offload = [optimizer]`)",
+                ));
+            }
+            decide(
+                log,
+                self,
+                "params:cpu not used",
+                "the Burn executor does not offload QLoRA's NF4 base: it stays on the device",
+            );
+        }
+        Ok(())
     }
 }
 

@@ -184,7 +184,8 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
         spec.adapter.as_ref(),
     )
     .run(&mut plan, log)?;
-    adapter::Adapter::new(spec.adapter.as_ref(), &spec.model).run(&mut plan, log)?;
+    let adapter = adapter::Adapter::new(spec.adapter.as_ref(), &spec.model);
+    adapter.run(&mut plan, log)?;
     // Sharding before batch: the data degree of each layout sets its per-rank batch.
     sharding::Sharding::new(
         &spec.parallel,
@@ -198,6 +199,7 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
     offload::Offload::new(&spec.fit.offload, &spec.hardware, spec.target)
         .required(&spec.fit.must_offload)
         .run(&mut plan, log)?;
+    adapter.narrow_executed(spec.target, &mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
     batch::Batch::new(spec).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.
