@@ -929,7 +929,23 @@ impl<B: Backend> Layer<B> {
         })
     }
 
-    fn linears(&self) -> impl Iterator<Item = &Linear<B>> {
+    /// The layer's NF4 bases (QLoRA), in construction order: ZeRO-3 cuts
+    /// them into shards and puts the gathered ones back
+    /// (`shard::zero3`).
+    pub(crate) fn nf4_bases_mut(&mut self) -> impl Iterator<Item = &mut Nf4Base<B>> {
+        [
+            &mut self.attn.q,
+            &mut self.attn.k,
+            &mut self.attn.v,
+            &mut self.attn.o,
+        ]
+        .into_iter()
+        .chain(self.mlp.gate.as_mut())
+        .chain([&mut self.mlp.up, &mut self.mlp.down])
+        .filter_map(|l| l.nf4.0.as_mut())
+    }
+
+    pub(crate) fn linears(&self) -> impl Iterator<Item = &Linear<B>> {
         [&self.attn.q, &self.attn.k, &self.attn.v, &self.attn.o]
             .into_iter()
             .chain(&self.mlp.gate)

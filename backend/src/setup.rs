@@ -7,7 +7,8 @@
 //! quantized as it loads); then
 //! - with ZeRO-3 or parameter offload, the unit (fp32, the values the master
 //!   shard starts from) is cut into this rank's shards, which go to their
-//!   place in the storage dtype (`shard::zero3::Builder`), and the whole unit
+//!   place in the storage dtype (`shard::zero3::Builder`; a QLoRA layer's
+//!   NF4 bases are cut too when the weights are sharded), and the whole unit
 //!   is dropped before the next one is made; the trainer keeps a skeleton of
 //!   placeholders;
 //! - with ZeRO 1/2 or the optimizer on the host (`shard::Builder`): this
@@ -120,8 +121,9 @@ pub fn build<B: ExecAutodiff>(
                 b.add::<B, _>(&e)?;
                 Part::Embed(e.map(&mut Placeholders))
             }
-            Part::Layer(i, l) => {
+            Part::Layer(i, mut l) => {
                 b.add::<B, _>(&*l)?;
+                b.add_nf4(&mut l)?;
                 Part::Layer(i, Box::new(l.map(&mut Placeholders)))
             }
             Part::Head(h) => {

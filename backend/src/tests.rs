@@ -719,3 +719,102 @@ fn flash_attention_gives_the_same_gradients() {
         assert!(worst < 1e-4, "flash gradients differ by {worst}");
     }
 }
+
+/// QLoRA's NF4 bases of `model`'s layers, host form, in order.
+fn nf4_bases(model: &crate::model::Model<Cpu>) -> Vec<crate::quant::nf4::Nf4Weight> {
+    model
+        .layers
+        .iter()
+        .flat_map(|l| l.linears().filter_map(|x| x.nf4()).collect::<Vec<_>>())
+        .map(|b| b.w.to_host().unwrap())
+        .collect()
+}
+
+fn qlora_plan() -> LoweredPlan {
+    let mut plan = tiny_plan();
+    plan.adapter = Some(AdapterSpec {
+        kind: AdapterKind::Qlora,
+        rank: 4,
+        alpha: 8.0,
+        targets: vec![Proj::Q, Proj::V, Proj::Down],
+        dropout: 0.0,
+        base: Dtype::Nf4,
+    });
+    plan
+}
+
+/// ZeRO-3 shards QLoRA's NF4 base (FSDP-QLoRA): on two ranks each holds
+/// about half of the encoded bases at rest, the gathered bases are the
+/// unsharded ones bit for bit (and stay so: frozen), and 10 steps give one
+/// rank's adapters and losses (with a recomputed layer, gathered again, and
+/// with the optimizer on the host).
+#[test]
+fn zero3_shards_the_qlora_base_and_matches_one_rank() {
+    use crate::distributed::{Collective, Distributed, Timeouts};
+    let _g = serial();
+    let one = two_rank_reference(qlora_plan());
+    let want = nf4_bases(&trainer(&one).whole_model().unwrap());
+    assert!(!want.is_empty());
+    let encoded: usize = want.iter().map(|w| w.bytes()).sum();
+    let mut plan = one.clone();
+    plan.resolved.micro_batch = 2;
+    plan.resolved.data = 2;
+    plan.resolved.zero = 3;
+    let ranks: Vec<_> = (0..2u32)
+        .map(|local| {
+            let (plan, want) = (plan.clone(), want.clone());
+            std::thread::spawn(move || {
+                let d = Distributed {
+                    nodes: 1,
+                    node_rank: 0,
+                    devices: 2,
+                    local,
+                    network: None,
+                    timeouts: Timeouts::uniform(std::time::Duration::from_secs(60)),
+                };
+                let device = Default::default();
+                let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
+                let progress = c.progress();
+                let mut o = opts(2);
+                o.distributed = Some(d);
+                let mut t = {
+                    let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
+                    Trainer::<Cpu>::new(
+                        &plan,
+                        TrainerConfig {
+                            seed: 11,
+                            batcher: batcher(&plan, &o)?,
+                            sixteen_bit: false,
+                            collective: Some(c),
+                        },
+                        device,
+                    )?
+                };
+                let held = 4 * t.zero3().unwrap().nf4_shard_words();
+                assert!(
+                    held > 0 && held <= encoded / 2 + 4 * 4,
+                    "{held} bytes of {encoded}"
+                );
+                assert!(
+                    nf4_bases(&t.whole_model()?) == want,
+                    "gathered bases differ"
+                );
+                progress.set_step(1);
+                t.train_step(&mut RssProbe::new())?;
+                assert!(nf4_bases(&t.whole_model()?) == want, "the base moved");
+                progress.set_done();
+                Ok::<_, RunError>(())
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().unwrap().unwrap();
+    }
+    sharded_matches_one_rank(
+        &one,
+        &[
+            (3, Off::None, vec![true, false]),
+            (3, Off::Optimizer, Vec::new()),
+        ],
+    );
+}

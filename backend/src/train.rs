@@ -1120,7 +1120,9 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// Number of parameters (all, trainable).
     pub fn param_counts(&self) -> (u64, u64) {
         if let Some(z) = &self.zero3 {
-            return z.param_counts();
+            // The skeleton's NF4 bases keep their shapes, sharded or not.
+            let (all, trainable) = z.param_counts();
+            return (all + self.model.quantized_params(), trainable);
         }
         struct Count(u64, u64);
         impl<B: Backend> ModuleVisitor<B> for Count {

@@ -32,6 +32,22 @@
 //! for before any other collective call, so one rank never has two calls
 //! under way.
 //!
+//! QLoRA's frozen NF4 base (no float parameter: Burn's visitors never see
+//! it) is sharded beside the unit's values when the weights are (ZeRO-3 over
+//! several ranks), as FSDP-QLoRA does: each layer's bases are encoded as one
+//! stream of bytes (each base's packed codes, its scale codes, its fp32
+//! scales' bits, [`encode_nf4`]), carried four bytes to an f32 word by
+//! reinterpreting the bits (`f32::from_bits`), and cut into equal shards of
+//! words. The layer's gather all-gathers its words after its float values
+//! (a second call, never prefetched) and rebuilds the packed bases from the
+//! words' bits; copies move bits unchanged and nothing computes with the
+//! words, so the gathered base is the unsharded one bit for bit. The base
+//! gets no gradient: nothing is reduced for it. The words come back through
+//! host memory to be reinterpreted as bytes (Burn has no bit cast): a
+//! round trip per use on a GPU, free on the CPU. With one weight shard the
+//! layers keep their bases whole, as without ZeRO-3; parameter offload of a
+//! QLoRA base is refused (`refuse_quantized_base`).
+//!
 //! With `offload = [params]` the weight shards and the fp32 master live in
 //! host memory (fp32 there, whatever the storage dtype); a unit's shard is
 //! uploaded right before its gather.
@@ -49,12 +65,14 @@ use crate::distributed::{Collective, Pending};
 use crate::model::{Embed, Head, Layer, Model};
 use crate::ops::ExecAutodiff;
 use crate::optim::{to_host, FlatOptim, Place, Rule};
+use crate::quant::base::Nf4Base;
+use crate::quant::nf4::{DeviceScales, Nf4Tensor, Nf4Weight, Scales};
 use crate::train::{Unit, UnitHooks};
 use crate::RunError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{Loss, OffloadTo, OffloadWhat};
 
@@ -81,6 +99,136 @@ struct UnitLayout {
     /// concatenated optimizer shard.
     t_os: usize,
     t_ooff: usize,
+    /// The unit's NF4 bases, sharded as words (empty: none, or kept whole).
+    q: QuantLayout,
+}
+
+/// One NF4 base in a unit's encoded stream: its shape, how many bytes of
+/// packed codes and scale codes and how many fp32 scales it holds.
+#[derive(Clone, Debug, PartialEq)]
+struct QuantInfo {
+    shape: [usize; 2],
+    packed: usize,
+    codes: usize,
+    floats: usize,
+    /// Double quantization's offset (`None`: fp32 scales).
+    offset: Option<f32>,
+}
+
+/// Where a unit's encoded NF4 bases sit in the rank's word shards.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct QuantLayout {
+    bases: Vec<QuantInfo>,
+    /// Words of the whole unit, per weight shard, and this unit's offset in
+    /// the rank's concatenated word shards.
+    len: usize,
+    ws: usize,
+    woff: usize,
+}
+
+/// `bases` as one stream of bytes (per base: packed codes, scale codes,
+/// fp32 scales little-endian), four bytes to a word by their bits, the
+/// last word padded with zero bytes.
+fn encode_nf4(bases: &[Nf4Weight]) -> (Vec<QuantInfo>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut infos = Vec::new();
+    for b in bases {
+        let (codes, floats, offset): (&[u8], &[f32], _) = match &b.scales {
+            Scales::Fp32(a) => (&[], a, None),
+            Scales::Double {
+                codes,
+                absmax2,
+                offset,
+            } => (codes, absmax2, Some(*offset)),
+        };
+        bytes.extend_from_slice(&b.packed);
+        bytes.extend_from_slice(codes);
+        bytes.extend(floats.iter().flat_map(|f| f.to_le_bytes()));
+        infos.push(QuantInfo {
+            shape: b.shape,
+            packed: b.packed.len(),
+            codes: codes.len(),
+            floats: floats.len(),
+            offset,
+        });
+    }
+    bytes.resize(bytes.len().div_ceil(4) * 4, 0);
+    let words = bytes
+        .chunks_exact(4)
+        .map(|w| f32::from_bits(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
+        .collect();
+    (infos, words)
+}
+
+/// The bases [`encode_nf4`] wrote into `words` (which may run longer).
+fn decode_nf4(infos: &[QuantInfo], words: &[f32]) -> Result<Vec<Nf4Weight>, RunError> {
+    let bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_bits().to_le_bytes())
+        .collect();
+    let mut at = 0;
+    let mut take = |n: usize| -> Result<&[u8], RunError> {
+        let s = bytes.get(at..at + n).ok_or_else(|| {
+            RunError::Backend(format!(
+                "ZeRO-3: a gathered NF4 base ends at byte {}, its layout needs {}",
+                bytes.len(),
+                at + n
+            ))
+        })?;
+        at += n;
+        Ok(s)
+    };
+    let mut out = Vec::with_capacity(infos.len());
+    for i in infos {
+        let packed = take(i.packed)?.to_vec();
+        let codes = take(i.codes)?.to_vec();
+        let floats: Vec<f32> = take(4 * i.floats)?
+            .chunks_exact(4)
+            .map(|f| f32::from_le_bytes([f[0], f[1], f[2], f[3]]))
+            .collect();
+        let scales = match i.offset {
+            None => Scales::Fp32(floats),
+            Some(offset) => Scales::Double {
+                codes,
+                absmax2: floats,
+                offset,
+            },
+        };
+        let w = Nf4Weight {
+            packed,
+            scales,
+            shape: i.shape,
+        };
+        w.validate()
+            .map_err(|e| RunError::Backend(format!("ZeRO-3: a gathered NF4 base: {e}")))?;
+        out.push(w);
+    }
+    Ok(out)
+}
+
+/// An NF4 base holding nothing but its shape: what a layer of the skeleton
+/// keeps while its base is sharded (its element count is still reported).
+fn empty_nf4<I: Backend>(shape: [usize; 2], device: &I::Device) -> Nf4Tensor<I> {
+    Nf4Tensor {
+        packed: Tensor::<I, 1, Int>::from_data(
+            TensorData::new(Vec::<u8>::new(), [0]),
+            (device, DType::U8),
+        ),
+        scales: DeviceScales::Fp32(Tensor::zeros([0], device)),
+        shape,
+    }
+}
+
+/// The host form of every NF4 base of `layer`.
+fn nf4_of<B: Backend>(layer: &Layer<B>) -> Result<Vec<Nf4Weight>, RunError> {
+    layer
+        .linears()
+        .filter_map(|l| l.nf4())
+        .map(|b| {
+            b.w.to_host()
+                .map_err(|e| RunError::Backend(format!("ZeRO-3: reading an NF4 base: {e}")))
+        })
+        .collect()
 }
 
 /// A rank's flat values on the device: one tensor, or one per unit as the
@@ -258,6 +406,8 @@ pub struct Zero3<I: Backend> {
     params_on_host: bool,
     work: Vals<I>,
     frozen: Vals<I>,
+    /// This rank's shards of the encoded NF4 bases (QLoRA), on the device.
+    quant: Flat<I>,
     master: Master<I>,
     optim: FlatOptim<I>,
     acc: Grads<I>,
@@ -300,29 +450,23 @@ fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
         .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
 }
 
-/// QLoRA's frozen NF4 base is no float parameter: the units cut and
-/// gathered here never hold it, every rank keeps all of it on the device.
-/// The compiler's `burn` profile charges it sharded over the ranks with
-/// ZeRO-3 (and in host memory with parameter offload), so such a plan would
-/// be predicted below what a rank holds: refused before anything is built.
+/// QLoRA's frozen NF4 base is sharded with ZeRO-3 (see the module header)
+/// but never moved to host memory: with parameter offload every rank would
+/// keep it whole on the device, which the compiler's `burn` profile charges
+/// on the host, so such a plan would be predicted below what a rank holds:
+/// refused before anything is built.
 pub fn refuse_quantized_base(plan: &LoweredPlan) -> Result<(), RunError> {
     let qlora = plan
         .adapter
         .as_ref()
         .is_some_and(|a| a.kind == rcoa_compiler::spec::AdapterKind::Qlora);
-    let sharded = plan.resolved.zero >= 3 && plan.resolved.data > 1;
-    let offloaded = params_offloaded(plan);
-    if qlora && (sharded || offloaded) {
-        return Err(RunError::Unsupported(format!(
-            "QLoRA with {}: the Burn executor keeps the whole NF4 base on every rank's device (it does not shard or \
-             offload frozen quantized weights), which the plan's prediction does not charge; use zero = 2 or less \
-             and no parameter offload (`offload = [optimizer]` is executed)",
-            if offloaded {
-                "the parameters offloaded"
-            } else {
-                "ZeRO-3 over several ranks"
-            }
-        )));
+    if qlora && params_offloaded(plan) {
+        return Err(RunError::Unsupported(
+            "QLoRA with the parameters offloaded: the Burn executor keeps the NF4 base on the device (sharded \
+             with ZeRO-3, whole otherwise), never in host memory, which the plan's prediction does not charge; \
+             drop `params` from `offload` (`offload = [optimizer]` and `zero = 3` are executed)"
+                .into(),
+        ));
     }
     Ok(())
 }
@@ -363,6 +507,7 @@ pub struct Builder<I: Backend> {
     units: Vec<UnitLayout>,
     work: Vals<I>,
     frozen: Vals<I>,
+    quant: Flat<I>,
     master: Option<Vals<I>>,
     device: Option<I::Device>,
 }
@@ -405,6 +550,7 @@ impl<I: Backend> Builder<I> {
             units: Vec::new(),
             work: Vals::new(host),
             frozen: Vals::new(host),
+            quant: Flat::empty(),
             master: (!master_is_work).then(|| Vals::new(opt_host || host)),
             device: None,
         }))
@@ -450,7 +596,55 @@ impl<I: Backend> Builder<I> {
             f_woff,
             t_os,
             t_ooff,
+            q: QuantLayout::default(),
         });
+        Ok(())
+    }
+
+    /// The NF4 bases (QLoRA) of `layer`, the unit just added: with several
+    /// weight shards, this rank's shard of their encoded words is kept and
+    /// the layer's bases are replaced by empty ones (so the skeleton holds
+    /// none of them); with one, the layer keeps them whole.
+    pub fn add_nf4<B: AutodiffBackend<InnerBackend = I>>(
+        &mut self,
+        layer: &mut Layer<B>,
+    ) -> Result<(), RunError> {
+        if self.wshards == 1 {
+            return Ok(());
+        }
+        self.cut_nf4(nf4_of(layer)?)?;
+        let device = self.device.clone().unwrap_or_default();
+        for b in layer.nf4_bases_mut() {
+            *b = Nf4Base::new(Nf4Tensor::from_inner(empty_nf4::<I>(b.w.shape, &device)));
+        }
+        Ok(())
+    }
+
+    fn cut_nf4(&mut self, bases: Vec<Nf4Weight>) -> Result<(), RunError> {
+        if bases.is_empty() {
+            return Ok(());
+        }
+        let device = self.device.clone().unwrap_or_default();
+        let woff = self.units.iter().map(|u| u.q.ws).sum();
+        let l = self
+            .units
+            .last_mut()
+            .ok_or_else(|| RunError::Backend("ZeRO-3: NF4 bases before their unit".into()))?;
+        let (infos, mut words) = encode_nf4(&bases);
+        drop(bases);
+        let len = words.len();
+        let ws = len.div_ceil(self.wshards);
+        words.resize(ws * self.wshards, 0.0);
+        let mine = words[self.wi * ws..(self.wi + 1) * ws].to_vec();
+        drop(words);
+        self.quant
+            .push(Tensor::from_data(TensorData::new(mine, [ws]), &device));
+        l.q = QuantLayout {
+            bases: infos,
+            len,
+            ws,
+            woff,
+        };
         Ok(())
     }
 
@@ -491,6 +685,7 @@ impl<I: Backend> Builder<I> {
             units: self.units,
             work: self.work,
             frozen: self.frozen,
+            quant: self.quant,
             master,
             optim: FlatOptim::new(Rule::for_plan(plan)?, place, t_total),
             tied: plan.train.loss != Loss::Contrastive && plan.model.tie_embeddings,
@@ -770,6 +965,7 @@ impl<I: Backend> Zero3<I> {
             units: Vec::new(),
             work: Vals::new(host),
             frozen: Vals::new(host),
+            quant: Flat::empty(),
             master: match &self.master {
                 Master::Work => None,
                 Master::Host(_) => Some(Vals::new(true)),
@@ -780,12 +976,16 @@ impl<I: Backend> Zero3<I> {
         b.add::<B, _>(&model.embed)?;
         for l in &model.layers {
             b.add::<B, _>(l)?;
+            if b.wshards > 1 {
+                b.cut_nf4(nf4_of(l)?)?;
+            }
         }
         b.add::<B, _>(&model.head)?;
         let same = b.units.len() == self.units.len()
             && b.units.iter().zip(&self.units).all(|(a, b)| {
                 a.t_len == b.t_len
                     && a.f_len == b.f_len
+                    && a.q == b.q
                     && a.params.len() == b.params.len()
                     && a.params
                         .iter()
@@ -805,6 +1005,7 @@ impl<I: Backend> Zero3<I> {
         };
         self.work = b.work;
         self.frozen = b.frozen;
+        self.quant = b.quant;
         Ok(())
     }
 
@@ -815,6 +1016,11 @@ impl<I: Backend> Zero3<I> {
     /// Values in this rank's weight shards (trainable and frozen).
     pub fn weight_shard_len(&self) -> usize {
         self.work.len() + self.frozen.len()
+    }
+
+    /// Words (4 bytes each) in this rank's shards of the NF4 bases.
+    pub fn nf4_shard_words(&self) -> usize {
+        self.quant.len
     }
 
     /// Parameters of the whole model (all, trainable).
@@ -930,6 +1136,35 @@ impl<I: Backend> Zero3<I> {
         Ok(self.split(u, all))
     }
 
+    /// Unit `u`'s NF4 bases, gathered from every rank's words and rebuilt
+    /// on the device (none when the unit keeps them whole). Called with no
+    /// other gather under way.
+    fn gather_nf4(
+        &self,
+        u: usize,
+        c: Option<&Collective<I>>,
+    ) -> Result<Vec<Nf4Tensor<I>>, RunError> {
+        let q = &self.units[u].q;
+        if q.bases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let piece = self.quant.slice(q.woff..q.woff + q.ws);
+        let all = match c {
+            Some(c) if self.wshards > 1 => c.all_gather(piece)?,
+            _ => piece,
+        };
+        let words = to_host(all)?;
+        let bases = decode_nf4(&q.bases, &words[..q.len.min(words.len())])?;
+        drop(words);
+        bases
+            .iter()
+            .map(|w| {
+                w.to_device::<I>(&self.device)
+                    .map_err(|e| RunError::Backend(format!("ZeRO-3: a gathered NF4 base: {e}")))
+            })
+            .collect()
+    }
+
     /// Wait for the gather under way, if any, before another collective
     /// call.
     fn settle(&mut self, c: Option<&Collective<I>>) -> Result<(), RunError> {
@@ -942,9 +1177,14 @@ impl<I: Backend> Zero3<I> {
         Ok(())
     }
 
-    /// Unit `u`'s gathered weights: the next unit of the schedule. Starts
-    /// the gather of the one after it.
-    fn take(&mut self, u: Unit, c: Option<&Collective<I>>) -> Result<Gathered<I>, RunError> {
+    /// Unit `u`'s gathered weights and NF4 bases: the next unit of the
+    /// schedule. Starts the gather of the one after it.
+    #[allow(clippy::type_complexity)]
+    fn take(
+        &mut self,
+        u: Unit,
+        c: Option<&Collective<I>>,
+    ) -> Result<(Gathered<I>, Vec<Nf4Tensor<I>>), RunError> {
         let want = self.unit_index(u);
         let pos = self.pos;
         if self.schedule.get(pos) != Some(&want) {
@@ -961,13 +1201,15 @@ impl<I: Backend> Zero3<I> {
             Some((p, g)) if p == pos => g,
             _ => self.gather_now(want, c)?,
         };
+        self.settle(c)?;
+        let bases = self.gather_nf4(want, c)?;
         if let (Some(c), Some(&next)) = (c, self.schedule.get(self.pos)) {
             let piece = self.piece(next);
             if self.wshards > 1 && dims(&piece) > 0 {
                 self.pending = Some((self.pos, c.start_all_gather(piece)?));
             }
         }
-        Ok(got)
+        Ok((got, bases))
     }
 
     /// Add unit `u`'s gradient (`flat`: fp32, the unit's trainable values in
@@ -1175,7 +1417,9 @@ impl<I: Backend> Zero3<I> {
         let embed = self.build(0, skeleton.embed.clone(), self.gather_now(0, c)?)?;
         let mut layers = Vec::new();
         for (i, l) in skeleton.layers.iter().enumerate() {
-            layers.push(self.build(i + 1, l.clone(), self.gather_now(i + 1, c)?)?);
+            let mut l = self.build(i + 1, l.clone(), self.gather_now(i + 1, c)?)?;
+            put_nf4(&mut l, self.gather_nf4(i + 1, c)?)?;
+            layers.push(l);
         }
         let h = self.layers + 1;
         let head = self.build(h, skeleton.head.clone(), self.gather_now(h, c)?)?;
@@ -1256,15 +1500,16 @@ impl<B: ExecAutodiff> UnitHooks<B> for Zero3Hooks<'_, B> {
     type Error = RunError;
 
     fn embed(&mut self) -> Result<Embed<B>, RunError> {
-        let g = self.zero.take(Unit::Embed, self.collective)?;
+        let (g, _) = self.zero.take(Unit::Embed, self.collective)?;
         let e = self.zero.build(0, self.skeleton.embed.clone(), g)?;
         self.embed = Some(e.clone());
         Ok(e)
     }
 
     fn layer(&mut self, i: usize, keep: bool) -> Result<Layer<B>, RunError> {
-        let g = self.zero.take(Unit::Layer(i), self.collective)?;
-        let l = self.zero.build(i + 1, self.skeleton.layers[i].clone(), g)?;
+        let (g, bases) = self.zero.take(Unit::Layer(i), self.collective)?;
+        let mut l = self.zero.build(i + 1, self.skeleton.layers[i].clone(), g)?;
+        put_nf4(&mut l, bases)?;
         // A checkpointed layer's forward keeps nothing: its weights go
         // with the caller's copy.
         self.layers[i] = keep.then(|| l.clone());
@@ -1273,10 +1518,10 @@ impl<B: ExecAutodiff> UnitHooks<B> for Zero3Hooks<'_, B> {
 
     fn head(&mut self) -> Result<(Head<B>, Embed<B>), RunError> {
         let h = self.zero.layers + 1;
-        let g = self.zero.take(Unit::Head, self.collective)?;
+        let (g, _) = self.zero.take(Unit::Head, self.collective)?;
         let head = self.zero.build(h, self.skeleton.head.clone(), g)?;
         let tied = if self.zero.tied {
-            let g = self.zero.take(Unit::Embed, self.collective)?;
+            let (g, _) = self.zero.take(Unit::Embed, self.collective)?;
             Some(self.zero.build(0, self.skeleton.embed.clone(), g)?)
         } else {
             None
@@ -1308,6 +1553,29 @@ impl<B: ExecAutodiff> UnitHooks<B> for Zero3Hooks<'_, B> {
     }
 }
 
+/// Put a layer's gathered NF4 `bases` (in construction order) in place of
+/// the skeleton's empty ones; none: the layer kept its own.
+fn put_nf4<B: AutodiffBackend>(
+    layer: &mut Layer<B>,
+    bases: Vec<Nf4Tensor<B::InnerBackend>>,
+) -> Result<(), RunError> {
+    if bases.is_empty() {
+        return Ok(());
+    }
+    let mut slots: Vec<_> = layer.nf4_bases_mut().collect();
+    if slots.len() != bases.len() {
+        return Err(RunError::Backend(format!(
+            "ZeRO-3 gathered {} NF4 bases for a layer of {}",
+            bases.len(),
+            slots.len()
+        )));
+    }
+    for (slot, b) in slots.iter_mut().zip(bases) {
+        **slot = Nf4Base::new(Nf4Tensor::from_inner(b));
+    }
+    Ok(())
+}
+
 fn lost(u: Unit) -> RunError {
     RunError::Backend(format!(
         "ZeRO-3: the backward of {u:?} came without its forward's weights"
@@ -1319,8 +1587,55 @@ mod tests {
     use super::*;
     use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, Offload, Proj};
 
+    /// Bases quantized from values that include every bit pattern a scale
+    /// could take come back from their words bit for bit, through a cut
+    /// into shards and their concatenation (what the all-gather does),
+    /// with fp32 and with double-quantized scales, of odd sizes.
     #[test]
-    fn a_qlora_base_is_never_planned_sharded_or_offloaded() {
+    fn encoded_nf4_bases_come_back_bit_for_bit() {
+        let values = |n: usize, k: u32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 * 0.37 + k as f32).sin() * 3.0).powi(3))
+                .collect()
+        };
+        let mut bases = vec![
+            Nf4Weight::quantize(&values(7 * 19, 1), [7, 19], false).unwrap(),
+            Nf4Weight::quantize(&values(130 * 129, 2), [130, 129], true).unwrap(),
+            Nf4Weight::quantize(&values(3, 3), [1, 3], true).unwrap(),
+        ];
+        // Scales whose bits are NaN payloads and subnormals: only copies
+        // may touch the words.
+        if let Scales::Fp32(a) = &mut bases[0].scales {
+            a[0] = f32::from_bits(0x7fa0_0001);
+            a[1] = f32::from_bits(0x0000_0003);
+        }
+        let (infos, words) = encode_nf4(&bases);
+        for shards in [1, 2, 3, 5] {
+            let per = words.len().div_ceil(shards);
+            let mut cut = words.clone();
+            cut.resize(per * shards, 0.0);
+            let gathered: Vec<f32> = cut.chunks(per).flat_map(|c| c.to_vec()).collect();
+            let back = decode_nf4(&infos, &gathered[..words.len()]).unwrap();
+            assert_eq!(back.len(), bases.len());
+            for (a, b) in back.iter().zip(&bases) {
+                assert_eq!(a.packed, b.packed);
+                assert_eq!(a.shape, b.shape);
+                match (&a.scales, &b.scales) {
+                    (Scales::Fp32(x), Scales::Fp32(y)) => assert_eq!(
+                        x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    ),
+                    (x, y) => assert_eq!(x, y),
+                }
+            }
+        }
+        // A stream cut short is named, not read past its end.
+        let e = decode_nf4(&infos, &words[..words.len() / 2]).unwrap_err();
+        assert!(e.to_string().contains("NF4 base"), "{e}");
+    }
+
+    #[test]
+    fn a_qlora_base_is_never_offloaded() {
         let mut plan = crate::testing::tiny_plan();
         plan.adapter = Some(AdapterSpec {
             kind: AdapterKind::Qlora,
@@ -1332,8 +1647,8 @@ mod tests {
         });
         plan.resolved.data = 2;
         plan.resolved.zero = 3;
-        let e = refuse_quantized_base(&plan).unwrap_err().to_string();
-        assert!(e.contains("NF4 base") && e.contains("ZeRO-3"), "{e}");
+        // ZeRO-3 shards the base: executed.
+        assert!(refuse_quantized_base(&plan).is_ok());
         plan.resolved.zero = 2;
         assert!(refuse_quantized_base(&plan).is_ok());
         plan.resolved.offload = vec![Offload {
@@ -1342,13 +1657,7 @@ mod tests {
         }];
         let e = refuse_quantized_base(&plan).unwrap_err().to_string();
         assert!(e.contains("parameters offloaded"), "{e}");
-        // One rank of ZeRO-3 is charged whole weights, as it runs.
-        plan.resolved.offload.clear();
-        plan.resolved.data = 1;
-        plan.resolved.zero = 3;
-        assert!(refuse_quantized_base(&plan).is_ok());
-        // LoRA's dense base is sharded like any weight.
-        plan.resolved.data = 2;
+        // LoRA's dense base is offloaded like any weight.
         plan.adapter.as_mut().unwrap().kind = AdapterKind::Lora;
         plan.adapter.as_mut().unwrap().base = Dtype::Fp32;
         assert!(refuse_quantized_base(&plan).is_ok());
