@@ -201,11 +201,12 @@ fn burn_setup_of_an_unsharded_16_bit_model_is_its_storage_plus_one_tensor() {
     assert_eq!(setup(&src("precision bf16")), 4 * values + 2 * values);
 }
 
-/// QLoRA's NF4 base stays whole on every rank in the Burn executor: a search for
-/// `target burn` never charges it sharded (ZeRO-3) or on the host (parameter offload),
-/// and a plan that fixes either is refused by name.
+/// QLoRA's NF4 base is sharded by the Burn executor's ZeRO-3 (FSDP-QLoRA) but never put
+/// in host memory: a search for `target burn` may pick ZeRO-3, which then charges each
+/// rank a shard of the base at rest and the gathered layer's base while it runs; it
+/// never offloads the parameters, and a plan that fixes parameter offload is refused.
 #[test]
-fn burn_qlora_keeps_its_base_replicated() {
+fn burn_qlora_shards_its_base_but_never_offloads_it() {
     let qlora = |parallel: &str, fit: &str| {
         let src = format!(
             "model \"llama-3.2-1b\"\nadapter qlora {{ rank = 16  alpha = 32  targets = [q, v] }}\n\
@@ -222,8 +223,6 @@ fn burn_qlora_keeps_its_base_replicated() {
         "offload = [optimizer, params]  checkpoint = auto",
     )
     .unwrap();
-    let r = &c.lowered.resolved;
-    assert!(r.zero <= 2, "zero {}", r.zero);
     assert!(
         !c.lowered
             .resolved
@@ -233,19 +232,17 @@ fn burn_qlora_keeps_its_base_replicated() {
         "{:?}",
         c.lowered.resolved.offload
     );
-    assert!(c
+    assert!(!c
         .explain
         .decisions
         .iter()
-        .any(|d| d.what == "zero = 3 not used" && d.why.contains("NF4 base")));
-    for (parallel, fit) in [
-        ("zero = 3", "checkpoint = auto"),
-        ("zero = auto", "must_offload = [params]  checkpoint = auto"),
-    ] {
-        let e = qlora(parallel, fit).unwrap_err().to_string();
-        assert!(
-            e.contains("does not execute QLoRA"),
-            "{parallel} {fit}: {e}"
-        );
-    }
+        .any(|d| d.what == "zero = 3 not used"));
+    // ZeRO-3 over the two ranks compiles (it was refused while the executor kept the base
+    // whole on every rank).
+    let c = qlora("data = 2  zero = 3", "checkpoint = auto").unwrap();
+    assert_eq!(c.lowered.resolved.zero, 3);
+    let e = qlora("zero = auto", "must_offload = [params]  checkpoint = auto")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not execute QLoRA"), "{e}");
 }

@@ -47,6 +47,10 @@ pub(crate) struct Builder<'a> {
     units: bool,
     /// The unit being built (index into `tape.units`).
     open_unit: Option<usize>,
+    /// Per unit of `tape.units`: bytes of its QLoRA NF4 bases gathered with it (ZeRO-3
+    /// over several ranks; the executor keeps them whole otherwise), which the executor
+    /// gathers after the unit's float values, never ahead (`backend/src/shard/zero3.rs`).
+    unit_nf4: Vec<u64>,
     /// Parameters the optimizer updates: (id, elements).
     pub trainable: Vec<(TensorId, u64)>,
     /// Tensors a calling frame references until the current layer's last op.
@@ -120,6 +124,7 @@ impl<'a> Builder<'a> {
             gather: zero3 || on_host,
             units: super::burn_units(profile, cand),
             open_unit: None,
+            unit_nf4: Vec::new(),
             trainable: Vec::new(),
             frame_holds: Vec::new(),
             op_sac: (spec.fit.checkpoint == crate::spec::CheckpointChoice::SelectiveOp)
@@ -194,6 +199,7 @@ impl<'a> Builder<'a> {
             prefetch_backward: 0,
         });
         self.open_unit = Some(self.tape.units.len() - 1);
+        self.unit_nf4.push(0);
     }
 
     /// Close the open unit: every op of it references the gathered tensor until it has run,
@@ -210,6 +216,10 @@ impl<'a> Builder<'a> {
             unit.end_op = end;
             (unit.gathered, unit.first_op, unit.bytes)
         };
+        // The NF4 words arrive as one gathered f32 tensor, read back and rebuilt into
+        // the packed bases: the words' bytes beside the rebuilt bases while they are
+        // decoded.
+        self.tape.ops[first as usize].fwd_workspace += self.unit_nf4[u];
         self.tape.tensors[g.0 as usize].bytes = bytes;
         self.tape.tensors[g.0 as usize].shape = vec![bytes];
         for o in first as usize + 1..end as usize {
@@ -230,13 +240,14 @@ impl<'a> Builder<'a> {
         let n = crate::profile::ZERO3_PREFETCH_UNITS;
         let units = self.tape.units.clone();
         for (i, u) in units.iter().enumerate() {
-            let ahead: u64 = units.iter().skip(i + 1).take(n).map(|x| x.bytes).sum();
-            let behind: u64 = units[..i]
-                .iter()
+            // A unit's NF4 bases are never prefetched.
+            let floats = |j: usize| units[j].bytes - self.unit_nf4[j];
+            let ahead: u64 = (i + 1..units.len()).take(n).map(floats).sum();
+            let behind: u64 = (0..i)
                 .rev()
                 .take(n)
-                .filter(|x| x.regathered)
-                .map(|x| x.bytes)
+                .filter(|&j| units[j].regathered)
+                .map(floats)
                 .sum();
             for o in u.first_op as usize..u.end_op as usize {
                 let op = &mut self.tape.ops[o];
@@ -364,7 +375,13 @@ impl<'a> Builder<'a> {
         let full = self.bytes(elems, dtype);
         let stored = full.div_ceil(self.param_shard);
         if let Some(u) = self.open_unit {
-            self.tape.units[u].bytes += full;
+            if dtype != Dtype::Nf4 {
+                self.tape.units[u].bytes += full;
+            } else if self.param_shard > 1 {
+                // Gathered only where sharded: with one rank the layer keeps them.
+                self.tape.units[u].bytes += full;
+                self.unit_nf4[u] += full;
+            }
         }
         let grad_dtype = if self.profile.burn_ops {
             // backend/src/train.rs: gradients come in the parameter's dtype and are cast to

@@ -48,11 +48,10 @@ impl<'a> Adapter<'a> {
 }
 
 impl Adapter<'_> {
-    /// The Burn executor keeps a QLoRA base (packed NF4, no float parameter) whole on every
-    /// rank's device: it neither shards it under ZeRO-3 nor offloads it with the parameters
-    /// (`backend/src/shard/zero3.rs`, `refuse_quantized_base`). Run after sharding and
-    /// offload have set their domains: drops the candidates that would charge the base
-    /// sharded or on the host, and refuses a plan that leaves no other.
+    /// The Burn executor shards a QLoRA base (packed NF4, no float parameter) under ZeRO-3
+    /// but never moves it to host memory (`backend/src/shard/zero3.rs`,
+    /// `refuse_quantized_base`). Run after offload has set its domain: drops the candidates
+    /// that would charge the base on the host, and refuses a plan that leaves no other.
     pub fn narrow_executed(
         &self,
         target: Target,
@@ -62,37 +61,19 @@ impl Adapter<'_> {
         if target != Target::Burn || !self.adapter.is_some_and(|a| a.kind == AdapterKind::Qlora) {
             return Ok(());
         }
-        let refused = |what: &str, instead: &str| CompileError::NotExecuted {
-            what: format!(
-                "`rcoa run` does not execute QLoRA with {what} (the plan is `target burn`)"
-            ),
-            help: format!(
-                "the Burn executor keeps the whole NF4 base on every rank's device; {instead}; \
-                 or write `target pytorch` to predict it for PyTorch engines (`rcoa emit`)"
-            ),
-        };
         let space = &mut plan.space;
-        let several_ranks = space.layouts.iter().all(|l| l.data > 1);
-        if several_ranks && space.zero.contains(&3) {
-            if space.zero == [3] {
-                return Err(refused(
-                    "ZeRO-3 over several ranks",
-                    "write `zero = 2` or less",
-                ));
-            }
-            space.zero.retain(|z| *z != 3);
-            decide(log, self, "zero = 3 not used",
-                "the Burn executor does not shard QLoRA's NF4 base: every rank keeps all of it, so ZeRO-3 would be predicted below what a rank holds");
-        }
         let offloads_params =
             |set: &Vec<crate::spec::Offload>| set.iter().any(|o| o.what == OffloadWhat::Params);
         if space.offload.iter().any(offloads_params) {
             space.offload.retain(|set| !offloads_params(set));
             if space.offload.is_empty() {
-                return Err(refused(
-                    "the parameters offloaded",
-                    "offload the optimizer only (`offload = [optimizer]`)",
-                ));
+                return Err(CompileError::NotExecuted {
+                    what: "`rcoa run` does not execute QLoRA with the parameters offloaded (the plan is `target burn`)".into(),
+                    help: "the Burn executor keeps the NF4 base on the device (sharded with ZeRO-3); offload the \
+                           optimizer only (`offload = [optimizer]`), or write `target pytorch` to predict it for \
+                           PyTorch engines (`rcoa emit`)"
+                        .into(),
+                });
             }
             decide(
                 log,
