@@ -187,31 +187,37 @@ impl Nf4Weight {
 
     /// The packed weight on `device`, for [`Nf4Tensor::dequantize`].
     pub fn to_device<B: Backend>(&self, device: &B::Device) -> Result<Nf4Tensor<B>, QuantError> {
+        self.clone().into_device(device)
+    }
+
+    /// [`Nf4Weight::to_device`], its buffers moved rather than copied (a
+    /// gathered base is rebuilt without a second copy of its codes).
+    pub fn into_device<B: Backend>(self, device: &B::Device) -> Result<Nf4Tensor<B>, QuantError> {
         self.validate()?;
         let blocks = self.blocks();
         // Padded to whole blocks so the device path reshapes without a tail.
-        let mut packed = self.packed.clone();
+        let mut packed = self.packed;
         packed.resize(blocks * BLOCK / 2, 0);
         let packed = Tensor::<B, 1, Int>::from_data(
             TensorData::new(packed, [blocks * BLOCK / 2]),
             (device, DType::U8),
         );
-        let scales = match &self.scales {
+        let scales = match self.scales {
             Scales::Fp32(a) => DeviceScales::Fp32(Tensor::from_floats(a.as_slice(), device)),
             Scales::Double {
                 codes,
                 absmax2,
                 offset,
-            } => DeviceScales::Double {
+            } => {
                 // One code per block, as bitsandbytes stores them: the
                 // dequantization pads the last 256-group for a moment.
-                codes: Tensor::from_data(
-                    TensorData::new(codes.clone(), [codes.len()]),
-                    (device, DType::U8),
-                ),
-                absmax2: Tensor::from_floats(absmax2.as_slice(), device),
-                offset: *offset,
-            },
+                let n = codes.len();
+                DeviceScales::Double {
+                    codes: Tensor::from_data(TensorData::new(codes, [n]), (device, DType::U8)),
+                    absmax2: Tensor::from_floats(absmax2.as_slice(), device),
+                    offset,
+                }
+            }
         };
         Ok(Nf4Tensor {
             packed,

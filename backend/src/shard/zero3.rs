@@ -126,13 +126,29 @@ struct QuantLayout {
     woff: usize,
 }
 
-/// `bases` as one stream of bytes (per base: packed codes, scale codes,
-/// fp32 scales little-endian), four bytes to a word by their bits, the
-/// last word padded with zero bytes.
-fn encode_nf4(bases: &[Nf4Weight]) -> (Vec<QuantInfo>, Vec<f32>) {
-    let mut bytes = Vec::new();
-    let mut infos = Vec::new();
-    for b in bases {
+/// Bytes packed four to an f32 word by their bits, little-endian.
+#[derive(Default)]
+struct WordWriter {
+    words: Vec<f32>,
+    word: [u8; 4],
+    n: usize,
+}
+
+impl WordWriter {
+    fn push(&mut self, bytes: impl IntoIterator<Item = u8>) {
+        for b in bytes {
+            self.word[self.n] = b;
+            self.n += 1;
+            if self.n == 4 {
+                self.words
+                    .push(f32::from_bits(u32::from_le_bytes(self.word)));
+                self.n = 0;
+            }
+        }
+    }
+
+    /// One more base: its packed codes, its scale codes, its fp32 scales.
+    fn base(&mut self, b: &Nf4Weight) -> QuantInfo {
         let (codes, floats, offset): (&[u8], &[f32], _) = match &b.scales {
             Scales::Fp32(a) => (&[], a, None),
             Scales::Double {
@@ -141,50 +157,70 @@ fn encode_nf4(bases: &[Nf4Weight]) -> (Vec<QuantInfo>, Vec<f32>) {
                 offset,
             } => (codes, absmax2, Some(*offset)),
         };
-        bytes.extend_from_slice(&b.packed);
-        bytes.extend_from_slice(codes);
-        bytes.extend(floats.iter().flat_map(|f| f.to_le_bytes()));
-        infos.push(QuantInfo {
+        self.push(b.packed.iter().copied());
+        self.push(codes.iter().copied());
+        self.push(floats.iter().flat_map(|f| f.to_le_bytes()));
+        QuantInfo {
             shape: b.shape,
             packed: b.packed.len(),
             codes: codes.len(),
             floats: floats.len(),
             offset,
-        });
+        }
     }
-    bytes.resize(bytes.len().div_ceil(4) * 4, 0);
-    let words = bytes
-        .chunks_exact(4)
-        .map(|w| f32::from_bits(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
-        .collect();
-    (infos, words)
+
+    /// The words, the last padded with zero bytes.
+    fn finish(mut self) -> Vec<f32> {
+        if self.n > 0 {
+            self.push(std::iter::repeat_n(0, 4 - self.n));
+        }
+        self.words
+    }
 }
 
-/// The bases [`encode_nf4`] wrote into `words` (which may run longer).
-fn decode_nf4(infos: &[QuantInfo], words: &[f32]) -> Result<Vec<Nf4Weight>, RunError> {
-    let bytes: Vec<u8> = words
-        .iter()
-        .flat_map(|w| w.to_bits().to_le_bytes())
-        .collect();
+/// `bases` as one stream of bytes (per base: packed codes, scale codes,
+/// fp32 scales little-endian), four bytes to a word by their bits, the
+/// last word padded with zero bytes.
+#[cfg(test)]
+fn encode_nf4(bases: &[Nf4Weight]) -> (Vec<QuantInfo>, Vec<f32>) {
+    let mut w = WordWriter::default();
+    let infos = bases.iter().map(|b| w.base(b)).collect();
+    (infos, w.finish())
+}
+
+/// The bases [`encode_nf4`] wrote into `words` (which may run longer),
+/// each handed to `each` as soon as it is read: the bytes are read off the
+/// words in place, so no copy of the whole stream is made.
+fn decode_nf4_each(
+    infos: &[QuantInfo],
+    words: &[f32],
+    mut each: impl FnMut(Nf4Weight) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    let total = 4 * words.len();
+    let byte = |i: usize| words[i / 4].to_bits().to_le_bytes()[i % 4];
     let mut at = 0;
-    let mut take = |n: usize| -> Result<&[u8], RunError> {
-        let s = bytes.get(at..at + n).ok_or_else(|| {
-            RunError::Backend(format!(
-                "ZeRO-3: a gathered NF4 base ends at byte {}, its layout needs {}",
-                bytes.len(),
+    let mut span = |n: usize| -> Result<std::ops::Range<usize>, RunError> {
+        if at + n > total {
+            return Err(RunError::Backend(format!(
+                "ZeRO-3: a gathered NF4 base ends at byte {total}, its layout needs {}",
                 at + n
-            ))
-        })?;
+            )));
+        }
         at += n;
-        Ok(s)
+        Ok(at - n..at)
     };
-    let mut out = Vec::with_capacity(infos.len());
     for i in infos {
-        let packed = take(i.packed)?.to_vec();
-        let codes = take(i.codes)?.to_vec();
-        let floats: Vec<f32> = take(4 * i.floats)?
-            .chunks_exact(4)
-            .map(|f| f32::from_le_bytes([f[0], f[1], f[2], f[3]]))
+        let blocks = (i.shape[0] * i.shape[1]).div_ceil(crate::quant::nf4::BLOCK);
+        // Room for the device's padding to whole blocks (`into_device`).
+        let mut packed = Vec::with_capacity(i.packed.max(blocks * crate::quant::nf4::BLOCK / 2));
+        packed.extend(span(i.packed)?.map(byte));
+        let codes: Vec<u8> = span(i.codes)?.map(byte).collect();
+        let fl = span(4 * i.floats)?;
+        let floats: Vec<f32> = (0..i.floats)
+            .map(|k| {
+                let b = fl.start + 4 * k;
+                f32::from_le_bytes([byte(b), byte(b + 1), byte(b + 2), byte(b + 3)])
+            })
             .collect();
         let scales = match i.offset {
             None => Scales::Fp32(floats),
@@ -201,8 +237,19 @@ fn decode_nf4(infos: &[QuantInfo], words: &[f32]) -> Result<Vec<Nf4Weight>, RunE
         };
         w.validate()
             .map_err(|e| RunError::Backend(format!("ZeRO-3: a gathered NF4 base: {e}")))?;
-        out.push(w);
+        each(w)?;
     }
+    Ok(())
+}
+
+/// [`decode_nf4_each`], collected.
+#[cfg(test)]
+fn decode_nf4(infos: &[QuantInfo], words: &[f32]) -> Result<Vec<Nf4Weight>, RunError> {
+    let mut out = Vec::new();
+    decode_nf4_each(infos, words, |w| {
+        out.push(w);
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -219,16 +266,18 @@ fn empty_nf4<I: Backend>(shape: [usize; 2], device: &I::Device) -> Nf4Tensor<I> 
     }
 }
 
-/// The host form of every NF4 base of `layer`.
-fn nf4_of<B: Backend>(layer: &Layer<B>) -> Result<Vec<Nf4Weight>, RunError> {
-    layer
-        .linears()
-        .filter_map(|l| l.nf4())
-        .map(|b| {
+/// The NF4 bases of `layer` encoded as words ([`WordWriter`]), read back
+/// from the device one at a time.
+fn nf4_words<B: Backend>(layer: &Layer<B>) -> Result<(Vec<QuantInfo>, Vec<f32>), RunError> {
+    let mut w = WordWriter::default();
+    let mut infos = Vec::new();
+    for b in layer.linears().filter_map(|l| l.nf4()) {
+        let host =
             b.w.to_host()
-                .map_err(|e| RunError::Backend(format!("ZeRO-3: reading an NF4 base: {e}")))
-        })
-        .collect()
+                .map_err(|e| RunError::Backend(format!("ZeRO-3: reading an NF4 base: {e}")))?;
+        infos.push(w.base(&host));
+    }
+    Ok((infos, w.finish()))
 }
 
 /// A rank's flat values on the device: one tensor, or one per unit as the
@@ -612,7 +661,7 @@ impl<I: Backend> Builder<I> {
         if self.wshards == 1 {
             return Ok(());
         }
-        self.cut_nf4(nf4_of(layer)?)?;
+        self.cut_nf4(nf4_words(layer)?)?;
         let device = self.device.clone().unwrap_or_default();
         for b in layer.nf4_bases_mut() {
             *b = Nf4Base::new(Nf4Tensor::from_inner(empty_nf4::<I>(b.w.shape, &device)));
@@ -620,8 +669,8 @@ impl<I: Backend> Builder<I> {
         Ok(())
     }
 
-    fn cut_nf4(&mut self, bases: Vec<Nf4Weight>) -> Result<(), RunError> {
-        if bases.is_empty() {
+    fn cut_nf4(&mut self, (infos, mut words): (Vec<QuantInfo>, Vec<f32>)) -> Result<(), RunError> {
+        if infos.is_empty() {
             return Ok(());
         }
         let device = self.device.clone().unwrap_or_default();
@@ -630,8 +679,6 @@ impl<I: Backend> Builder<I> {
             .units
             .last_mut()
             .ok_or_else(|| RunError::Backend("ZeRO-3: NF4 bases before their unit".into()))?;
-        let (infos, mut words) = encode_nf4(&bases);
-        drop(bases);
         let len = words.len();
         let ws = len.div_ceil(self.wshards);
         words.resize(ws * self.wshards, 0.0);
@@ -977,7 +1024,7 @@ impl<I: Backend> Zero3<I> {
         for l in &model.layers {
             b.add::<B, _>(l)?;
             if b.wshards > 1 {
-                b.cut_nf4(nf4_of(l)?)?;
+                b.cut_nf4(nf4_words(l)?)?;
             }
         }
         b.add::<B, _>(&model.head)?;
@@ -1153,16 +1200,20 @@ impl<I: Backend> Zero3<I> {
             Some(c) if self.wshards > 1 => c.all_gather(piece)?,
             _ => piece,
         };
-        let words = to_host(all)?;
-        let bases = decode_nf4(&q.bases, &words[..q.len.min(words.len())])?;
-        drop(words);
-        bases
-            .iter()
-            .map(|w| {
-                w.to_device::<I>(&self.device)
-                    .map_err(|e| RunError::Backend(format!("ZeRO-3: a gathered NF4 base: {e}")))
-            })
-            .collect()
+        // Read in place: the host bytes are the gathered tensor's, not a copy.
+        let data = all.into_data();
+        let words = data
+            .as_slice::<f32>()
+            .map_err(|e| RunError::Backend(format!("ZeRO-3: reading gathered NF4 words: {e:?}")))?;
+        let mut out = Vec::with_capacity(q.bases.len());
+        decode_nf4_each(&q.bases, &words[..q.len.min(words.len())], |w| {
+            out.push(
+                w.into_device::<I>(&self.device)
+                    .map_err(|e| RunError::Backend(format!("ZeRO-3: a gathered NF4 base: {e}")))?,
+            );
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// Wait for the gather under way, if any, before another collective
@@ -1581,6 +1632,10 @@ fn lost(u: Unit) -> RunError {
         "ZeRO-3: the backward of {u:?} came without its forward's weights"
     ))
 }
+
+#[cfg(test)]
+#[path = "zero3_nf4_memory.rs"]
+mod nf4_memory;
 
 #[cfg(test)]
 mod tests {
