@@ -1088,3 +1088,75 @@ fn zero3_save_writes_the_whole_model_for_hugging_face() {
     assert!(rel(checksum, gathered) <= 1e-5, "{checksum} vs {gathered}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ------------------------------------------------------------ QLoRA, ZeRO-3
+
+const QLORA: &str = "adapter qlora { rank = 4  alpha = 8  targets = [q, v, down] }\n";
+
+/// QLoRA under ZeRO-3 (its NF4 base sharded, gathered per layer) on two
+/// threads and on two processes: 10 steps give the losses and adapter
+/// weights of one rank training the same global batch, within 1e-5.
+#[test]
+fn qlora_zero3_on_two_ranks_matches_one_rank() {
+    let dir = temp("qlora-zero3");
+    let steps = "10";
+    let one_plan = dir.join("qlora-one.plan");
+    let plan =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan"))
+            .unwrap();
+    std::fs::write(&one_plan, format!("{plan}\n{QLORA}")).unwrap();
+    let single = dir.join("qlora-one.out");
+    let st = rcoa()
+        .arg("run")
+        .arg(&one_plan)
+        .args(["--steps", steps, "--format", "json"])
+        .stdout(std::fs::File::create(&single).unwrap())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let lines = json_lines(&single);
+    let one = (
+        losses(&lines),
+        summary(&lines)["param_checksum"].as_f64().unwrap(),
+    );
+    let two_plan = dir.join("qlora-z3.plan");
+    std::fs::write(&two_plan, format!("{}\n{QLORA}", zero_plan(3, false))).unwrap();
+
+    let mut children = Children(Vec::new());
+    let start = Instant::now();
+    let args = strings(&[
+        "--steps",
+        steps,
+        "--format",
+        "json",
+        "--devices",
+        "2",
+        "--device",
+        "cpu",
+    ]);
+    let (i, out, err) = spawn_run(&mut children, &dir, "qz3", &two_plan, &args);
+    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(status[0].success(), "2 threads: {stderr}");
+    let lines = json_lines(&out);
+    assert_started(&lines, 3, &[]);
+    let s = summary(&lines);
+    assert_matches_one(
+        "QLoRA, ZeRO-3, 2 threads",
+        &losses(&lines),
+        s["param_checksum"].as_f64().unwrap(),
+        &one,
+    );
+
+    let ranks = two_processes_lines(&dir, &two_plan, steps, &[]);
+    for lines in &ranks {
+        assert_started(lines, 3, &[]);
+    }
+    let (l0, l1) = (losses(&ranks[0]), losses(&ranks[1]));
+    assert_eq!(l0, l1, "the ranks disagree on the loss");
+    let c0 = summary(&ranks[0])["param_checksum"].as_f64().unwrap();
+    let c1 = summary(&ranks[1])["param_checksum"].as_f64().unwrap();
+    assert_eq!(c0, c1, "the ranks' weights diverged");
+    assert_matches_one("QLoRA, ZeRO-3, 2 processes", &l0, c0, &one);
+    let _ = std::fs::remove_dir_all(&dir);
+}

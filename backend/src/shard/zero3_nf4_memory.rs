@@ -1,7 +1,16 @@
-//! QLoRA under ZeRO-3 on two ranks (threads of one process) against the
-//! compiler's `burn` profile, measured with the counting allocator in a
-//! process of its own: each rank's start-up peak and the two ranks' highest
-//! live bytes together through a steady-state step.
+//! QLoRA under ZeRO-3 on two ranks (threads of one process) against ZeRO-2
+//! and the compiler's `burn` profile, measured with the counting allocator
+//! in a process of its own: each rank's start-up peak and the two ranks'
+//! highest live bytes together through a steady-state step.
+//!
+//! What it shows on the CPU (printed): a ZeRO-3 rank's start-up holds less
+//! than a ZeRO-2 rank's (the base is cut a layer at a time, so no rank keeps
+//! all of it), which is asserted. Neither stage's QLoRA peaks are within a
+//! few percent of the profile on the CPU (ZeRO-2's, unchanged by the
+//! sharding, were already about +50% at the step): the profile models
+//! CubeCL, and burn-ndarray's dequantization and copies hold more; the
+//! ZeRO-3 step also holds the gathered words beside their read-back while a
+//! layer's bases are rebuilt. Not asserted; see the report in `docs/`.
 
 use crate::memory::{AllocProbe, MemoryProbe};
 use crate::train::{Trainer, TrainerConfig};
@@ -13,11 +22,11 @@ type Inner = burn::backend::NdArray<f32>;
 
 const CHILD: &str = "RCOA_ZERO3_NF4_MEASURE_CHILD";
 
-/// Layers whose NF4 bases (4.2 M values, about 2.1 MiB each) outweigh the
-/// embedding and the head (0.5 MiB each in fp32).
+/// Layers whose NF4 bases (1 M values, about 0.5 MiB each) outweigh the
+/// embedding and the head (0.25 MiB each in fp32).
 fn plan(zero: u8) -> String {
     format!(
-        "model {{\n  arch = decoder\n  layers = 2\n  hidden = 512\n  heads = 4\n  ffn = 2048\n  \
+        "model {{\n  arch = decoder\n  layers = 2\n  hidden = 256\n  heads = 4\n  ffn = 1024\n  \
          mlp = swiglu\n  norm = rmsnorm\n  tie_embeddings = false\n  vocab = 256\n  max_positions = 64\n}}\n\
          adapter qlora {{ rank = 8  alpha = 16  targets = [q, k, v, o, gate, up, down] }}\n\
          precision fp32\noptimizer adamw {{ lr = 1e-3 }}\n\
@@ -187,4 +196,8 @@ fn zero3_qlora_measured_in_child() {
     let (plan2, setup2, step2) = compile(&plan(2));
     let (s2, p2) = measure(&plan2);
     println!("ZeRO-2 QLoRA: setup {s2:?} predicted {setup2}; step {p2} predicted 2 x {step2}");
+    for (a, b) in setups.iter().zip(&s2) {
+        assert!(a < b, "a ZeRO-3 rank's start-up {a} vs ZeRO-2's {b}");
+    }
+    assert!(setup3 < setup2, "predicted {setup3} vs {setup2}");
 }
