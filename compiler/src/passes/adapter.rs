@@ -62,6 +62,22 @@ impl Adapter<'_> {
             return Ok(());
         }
         let space = &mut plan.space;
+        // The executor shards the NF4 base under ZeRO-3, but the charge for it is unchecked
+        // on a GPU and the CPU measured the step above it (docs/distributed.md): `auto`
+        // does not pick it; a plan that writes `zero = 3` gets it, told so.
+        let several_ranks = space.layouts.iter().all(|l| l.data > 1);
+        if several_ranks && space.zero.contains(&3) {
+            if space.zero.len() > 1 {
+                space.zero.retain(|z| *z != 3);
+                decide(log, self, "zero = 3 not chosen for QLoRA",
+                    "the Burn executor shards the NF4 base under ZeRO-3, but that memory is not yet checked on a GPU \
+                     (on the CPU the step measured above the prediction): write `zero = 3` to use it");
+            } else {
+                decide(log, self, "zero = 3 with QLoRA (unchecked)",
+                    "the NF4 base is sharded and gathered per layer; this prediction is not yet checked on a GPU \
+                     and the CPU measured the step above it: leave headroom");
+            }
+        }
         let offloads_params =
             |set: &Vec<crate::spec::Offload>| set.iter().any(|o| o.what == OffloadWhat::Params);
         if space.offload.iter().any(offloads_params) {
