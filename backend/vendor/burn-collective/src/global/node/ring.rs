@@ -258,11 +258,7 @@ where
         };
         if is_phase_one {
             let tensor = B::float_from_data(download, device);
-            // rcoa patch: the received tensor (this call's alone) on the
-            // left, where backends add in place; the slice on the left is a
-            // view of the caller's tensor and forced a new slice-sized
-            // buffer. The same sum (addition commutes exactly).
-            slices[recv_slice_idx] = B::float_add(tensor, slices[recv_slice_idx].clone());
+            slices[recv_slice_idx] = B::float_add(slices[recv_slice_idx].clone(), tensor);
         } else {
             let tensor = B::float_from_data(download, device);
             let old_shape = slices[recv_slice_idx].shape();
