@@ -1113,7 +1113,7 @@ fn flat_exchange_plan(zero: u8) -> String {
 /// ring block `B` (the flat gradient vector over the two processes):
 /// `into_data` (B), the MessagePack bytes (B), the received bytes (B), their
 /// decoded `TensorData` (B), and it keeps a websocket buffer of B each way
-/// between steps: measured 3.5–4.3 B above the prediction; bounded here by
+/// between steps: measured 3.6–5.3 B above the prediction; bounded here by
 /// 8 B (docs/distributed.md). On a GPU these are host bytes, not device
 /// memory, and the prediction charges only the device side.
 #[test]

@@ -129,7 +129,7 @@ impl Distributed {
     /// host memory (`host`: `--device cpu`, no device pool) also counts
     /// burn-communication's serialised copies of the ring blocks, which the
     /// prediction (device memory) leaves out; docs/distributed.md measures
-    /// them (4–5 blocks, two kept between steps) and a test bounds them.
+    /// them (4–6 blocks, two kept between steps) and a test bounds them.
     pub fn describe_measure(d: Option<&Self>, measure: &str, host: bool) -> String {
         match d {
             Some(d) if host && d.nodes > 1 => format!(
