@@ -124,6 +124,24 @@ impl Distributed {
         self.node_rank as u64 * self.devices as u64 + self.local as u64
     }
 
+    /// `measure` (a memory probe's `what`), with what it counts beyond the
+    /// compiler's prediction in this run: over several processes a probe of
+    /// host memory (`host`: `--device cpu`, no device pool) also counts
+    /// burn-communication's serialised copies of the ring blocks, which the
+    /// prediction (device memory) leaves out; docs/distributed.md measures
+    /// them (4–6 blocks, two kept between steps) and a test bounds them.
+    pub fn describe_measure(d: Option<&Self>, measure: &str, host: bool) -> String {
+        match d {
+            Some(d) if host && d.nodes > 1 => format!(
+                "{measure}; with --nodes {} also the network transport's host copies of the \
+                 exchanged gradient blocks, which the prediction leaves out (up to 8 × the flat \
+                 fp32 gradients / {}: docs/distributed.md)",
+                d.nodes, d.nodes
+            ),
+            _ => measure.to_string(),
+        }
+    }
+
     /// Refuse inconsistent settings before anything connects.
     pub fn validate(&self) -> Result<(), RunError> {
         let bad = |s: String| Err(RunError::Distributed(s));
@@ -588,6 +606,9 @@ impl<I: Backend> Collective<I> {
             parts: Vec::new(),
             dtypes: Vec::new(),
         };
+        // The gradients are taken out of `grads` as they are read: once
+        // concatenated, the flat vector is their only copy during the
+        // all-reduce (not a second full-size one beside them).
         model.visit(&mut gather);
         let Gather {
             grads,
@@ -643,40 +664,41 @@ impl<I: Backend> Drop for Collective<I> {
     }
 }
 
-/// Reads the gradients of `grads`, flattened and in fp32, in visit order.
+/// Takes the gradients out of `grads`, flattened and in fp32, in visit
+/// order; `dtypes` has one entry per float parameter visited (`None`: it
+/// had no gradient).
 struct Gather<'a, I: Backend> {
     grads: &'a mut GradientsParams,
     parts: Vec<Tensor<I, 1>>,
-    dtypes: Vec<DType>,
+    dtypes: Vec<Option<DType>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.dtypes.push(g.dtype());
+        let g = self.grads.remove::<B::InnerBackend, D>(param.id);
+        self.dtypes.push(g.as_ref().map(|g| g.dtype()));
+        if let Some(g) = g {
             self.parts.push(g.cast(FloatDType::F32).flatten(0, D - 1));
         }
     }
 }
 
-/// Puts the reduced gradients back, in their shape and dtype, in the order
-/// `Gather` took them (the same visit).
+/// Puts the reduced gradients back, in their shape and dtype, for the
+/// parameters `Gather` took one from (the same visit).
 struct Scatter<'a, I: Backend> {
     grads: &'a mut GradientsParams,
     flat: Tensor<I, 1>,
     at: usize,
-    dtypes: std::vec::IntoIter<DType>,
+    dtypes: std::vec::IntoIter<Option<DType>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+        let Some(dtype) = self.dtypes.next().flatten() else {
             return;
         };
-        // Exactly the parameters `Gather` read have a gradient here.
-        let shape = g.shape();
+        let shape = param.shape();
         let n = shape.num_elements();
-        let dtype = self.dtypes.next().unwrap_or(DType::F32);
         let part = self.flat.clone().slice(self.at..self.at + n).reshape(shape);
         self.at += n;
         let part = crate::model::to_dtype(part, dtype.into());

@@ -325,7 +325,7 @@ pub struct Started {
     pub data: String,
     /// First step to run (1-based): > 1 after `--resume`.
     pub first_step: u64,
-    pub memory_measure: &'static str,
+    pub memory_measure: String,
     /// The ZeRO stage executed (0: Burn's optimizer on every rank).
     pub zero: u8,
     /// What is offloaded, as the plan writes it (`optimizer:cpu`).
@@ -517,7 +517,11 @@ fn execute<B: ExecAutodiff>(
         grad_accum: trainer.grad_accum,
         data,
         first_step: trainer.step + 1,
-        memory_measure: probe.what(),
+        memory_measure: distributed::Distributed::describe_measure(
+            opts.distributed.as_ref(),
+            probe.what(),
+            probe.peak_reserved().is_none(),
+        ),
         zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
         offload: shard::executed_offload(trainer.zero(), trainer.zero3()),
         shapes: shapes::of_run(&trainer.batcher, eval_set.as_ref().filter(|_| writer)),
@@ -567,6 +571,11 @@ fn execute<B: ExecAutodiff>(
         }
     }
     let mut summary = summarize(plan, &reports, probe);
+    summary.memory_measure = distributed::Distributed::describe_measure(
+        opts.distributed.as_ref(),
+        probe.what(),
+        probe.peak_reserved().is_none(),
+    );
     summary.param_checksum = trainer.param_checksum()?;
     summary.local_param_checksums = vec![summary.param_checksum];
     summary.eval_loss = eval_loss;

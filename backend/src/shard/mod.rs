@@ -6,11 +6,12 @@
 //! the model's visit order (the same on every rank, as `mean_step`), padded
 //! with fewer than `ranks` zeros to `ranks × shard`. Rank `r` owns shard
 //! `index(r)` (burn-collective's numbering, `Collective::shard_index`):
-//! - stage 1: the gradient is all-reduced (mean) whole; each rank keeps its
-//!   shard of it;
-//! - stage 2: the gradient is reduce-scattered (mean); each rank receives
-//!   only its shard (the loss is averaged by a separate `ranks`-element
-//!   all-reduce).
+//! - stages 1 and 2: the gradient is reduce-scattered (mean); each rank
+//!   receives only its shard (the loss is averaged by a separate
+//!   `ranks`-element all-reduce). The stages differ in what the compiler
+//!   plans around them, not here: Burn's `GradientsParams` holds the whole
+//!   accumulated gradient until the step under both, and stage 1's
+//!   all-reduce would only add a full-size result nobody reads.
 //!
 //! Then each rank steps its shard of the fp32 weights (its own copy, the
 //! master of its shard, cut from each unit's fp32 values as the start-up
@@ -242,30 +243,44 @@ impl<I: Backend> Zero<I> {
     {
         let device = loss.device();
         let padded = self.shard * self.shards;
-        let mut flat = flat_grads::<B, M>(&model, grads, &device);
-        if flat.dims()[0] != self.len {
+        let range = self.index * self.shard..(self.index + 1) * self.shard;
+        let loss = loss.cast(FloatDType::F32);
+        // One concatenation builds the whole exchanged vector: the gradients,
+        // the padding to `shards × shard`, and (stage 0's all-reduce, as
+        // `mean_step`) the loss slot. Concatenating again would copy the
+        // full vector once more while the first one is alive.
+        let loss_rides = collective.is_some() && self.shards == 1;
+        let mut tail = Vec::new();
+        if padded > self.len {
+            tail.push(Tensor::zeros([padded - self.len], &device));
+        }
+        if loss_rides {
+            tail.push(loss.clone());
+        }
+        let flat = flat_grads_then::<B, M>(&model, grads, tail, &device);
+        let extra = padded - self.len + usize::from(loss_rides);
+        if flat.dims()[0] != self.len + extra {
             return Err(RunError::Backend(format!(
                 "the model has {} trainable values, the sharded optimizer was built for {}",
-                flat.dims()[0],
+                flat.dims()[0].saturating_sub(extra),
                 self.len
             )));
         }
-        if padded > self.len {
-            flat = Tensor::cat(vec![flat, Tensor::zeros([padded - self.len], &device)], 0);
-        }
-        let range = self.index * self.shard..(self.index + 1) * self.shard;
-        let loss = loss.cast(FloatDType::F32);
-        let (grad, loss) = match (collective, self.stage) {
-            (None, _) => (flat.slice(range.clone()), loss),
-            (Some(c), 0 | 1) => {
-                // The loss rides along, as in `mean_step`.
-                let all = c.mean(Tensor::cat(vec![flat, loss], 0))?;
+        let (grad, loss) = match collective {
+            None => (flat.slice(range.clone()), loss),
+            Some(c) if loss_rides => {
+                let all = c.mean(flat)?;
                 (
                     all.clone().slice(range.clone()),
                     all.slice(padded..padded + 1),
                 )
             }
-            (Some(c), _) => {
+            Some(c) => {
+                // Stages 1 and 2 both reduce-scatter: the gradients are
+                // summed over the micro-batches in Burn's `GradientsParams`
+                // either way, and each rank steps only its shard, so the
+                // all-reduce's full result (and its ring's second phase and
+                // final concatenation) would be a full-size copy for nothing.
                 let (grad, at) = c.reduce_scatter_mean(flat)?;
                 if at != self.index {
                     return Err(RunError::Collective(format!(
@@ -512,30 +527,66 @@ pub(crate) fn flat_grads<B: AutodiffBackend, M: Module<B>>(
     grads: &mut GradientsParams,
     device: &burn::tensor::Device<B::InnerBackend>,
 ) -> Tensor<B::InnerBackend, 1> {
-    struct Take<'a, I: Backend> {
-        grads: &'a mut GradientsParams,
-        parts: Vec<Tensor<I, 1>>,
-        device: burn::tensor::Device<I>,
+    flat_grads_then::<B, M>(model, grads, Vec::new(), device)
+}
+
+/// `flat_grads` with `tail` appended: one buffer of the whole length, each
+/// gradient written into it (in place: the buffer is this call's alone) and
+/// dropped before the next is taken out of `grads`. A concatenation would
+/// hold every part and the result at once, and ndarray's makes one more
+/// full-size copy besides.
+pub(crate) fn flat_grads_then<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    tail: Vec<Tensor<B::InnerBackend, 1>>,
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> Tensor<B::InnerBackend, 1> {
+    struct Count(usize);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.is_require_grad() {
+                self.0 += param.shape().num_elements();
+            }
+        }
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B::InnerBackend> {
+    struct Write<'a, I: Backend> {
+        grads: &'a mut GradientsParams,
+        flat: Tensor<I, 1>,
+        at: usize,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Write<'_, B::InnerBackend> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if !param.is_require_grad() {
                 return;
             }
-            let part = match self.grads.remove::<B::InnerBackend, D>(param.id) {
-                Some(g) => g.cast(FloatDType::F32).flatten(0, D - 1),
-                None => Tensor::zeros([param.shape().num_elements()], &self.device),
-            };
-            self.parts.push(part);
+            let n = param.shape().num_elements();
+            // A parameter without a gradient keeps the buffer's zeros.
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                let part = g.cast(FloatDType::F32).flatten::<1>(0, D - 1);
+                let whole = std::mem::replace(&mut self.flat, Tensor::empty([0], &part.device()));
+                self.flat = whole.slice_assign(self.at..self.at + n, part);
+            }
+            self.at += n;
         }
     }
-    let mut t = Take {
+    let mut count = Count(0);
+    model.visit(&mut count);
+    let len = count.0;
+    let total = len + tail.iter().map(|t| t.dims()[0]).sum::<usize>();
+    let mut w = Write {
         grads,
-        parts: Vec::new(),
-        device: device.clone(),
+        flat: Tensor::zeros([total], device),
+        at: 0,
     };
-    model.visit(&mut t);
-    cat_or_empty(t.parts, device)
+    model.visit(&mut w);
+    let mut flat = w.flat;
+    let mut at = len;
+    for t in tail {
+        let n = t.dims()[0];
+        flat = flat.slice_assign(at..at + n, t);
+        at += n;
+    }
+    flat
 }
 
 pub(crate) fn cat_or_empty<I: Backend>(

@@ -131,17 +131,23 @@ pub fn terms(
         }
     } else if burn && trainable > 0 && (host_optimizer || cand.zero >= 1) {
         // rcoa's Burn executor (backend/src/shard), which steps ZeRO 1/2 on one rank too: one
-        // flat fp32 gradient vector; stage 1 all-reduces it (its reduced copy coexists),
-        // stage 2 reduce-scatters it (this rank's shard); the fp32 master of this rank's
-        // shard lives between steps (on the device, or on the host beside the offloaded
-        // optimizer); the all-gather's full vector comes after the flat buffers are freed.
-        // Counted over the whole step (the safe side).
+        // flat fp32 gradient vector, written gradient by gradient into one buffer (the
+        // gradients leave as it fills, so the two never both exist whole). Stages 1 and 2
+        // reduce-scatter it: burn-collective's ring keeps the vector while it receives and
+        // sums (in place into the received buffer) the other ranks' blocks, up to d − 1 of
+        // them before it hands back this rank's shard. Stage 0 (optimizer offloaded)
+        // all-reduces it: the ring's received blocks and its final concatenation make a
+        // second full vector. The fp32 master of this rank's shard lives between steps (on
+        // the device, or on the host beside the offloaded optimizer); the all-gather's full
+        // vector comes after the flat buffers are freed. Counted over the whole step (the
+        // safe side). Device memory only: the transport's serialised copies are host bytes
+        // (docs/distributed.md bounds them for `--device cpu`).
         let flat = trainable * 4;
         let shards = if cand.zero >= 1 { d } else { 1 };
         let shard = (trainable.div_ceil(shards)) * 4;
         let exchange = match (d, cand.zero) {
             (1, _) => flat,
-            (_, 2) => flat + shard,
+            (_, 1 | 2) => flat + (d - 1) * shard,
             _ => 2 * flat,
         };
         // The master shard is on the host with the offloaded optimizer; the fp32 master of
