@@ -36,7 +36,7 @@ fn plan(stage: u8) -> String {
 }
 
 /// The lowered plan, the compiler's setup point and its highest step point.
-fn compile(text: &str) -> (rcoa_compiler::lowered::LoweredPlan, u64, u64) {
+pub(crate) fn compile(text: &str) -> (rcoa_compiler::lowered::LoweredPlan, u64, u64) {
     let file = rcoa_grammar::parse("t.plan", text).expect("plan parses");
     let cx = rcoa_compiler::resolve::ResolveContext::new("t.plan", text, ".");
     let spec = rcoa_compiler::resolve::resolve(&file, &cx).expect("plan resolves");
@@ -55,7 +55,7 @@ fn compile(text: &str) -> (rcoa_compiler::lowered::LoweredPlan, u64, u64) {
 
 /// A probe that measures nothing: the ranks' own samples would reset the
 /// process-wide peak the test reads.
-struct Quiet;
+pub(crate) struct Quiet;
 
 impl MemoryProbe for Quiet {
     fn sample(&mut self) -> u64 {
@@ -85,8 +85,7 @@ fn close(what: &str, measured: u64, predicted: u64, tolerance: f64) -> bool {
 
 /// Each rank's start-up peak (the builds one at a time) and the two ranks'
 /// highest live bytes together through a steady-state step (the second).
-fn measure(text: &str) -> (Vec<u64>, u64) {
-    let (plan, _, _) = compile(text);
+pub(crate) fn measure(plan: &rcoa_compiler::lowered::LoweredPlan) -> (Vec<u64>, u64) {
     let turn = Arc::new(Mutex::new(()));
     let built = Arc::new(Barrier::new(2));
     let warm = Arc::new(Barrier::new(2));
@@ -192,7 +191,7 @@ fn zero_1_and_2_hold_what_the_burn_profile_charges() {
 fn zero_measured_in_child() {
     assert!(std::env::var_os(CHILD).is_some(), "run by its parent test");
     // Thread pools and first-use buffers before the measurement.
-    measure(&plan(1));
+    measure(&compile(&plan(1)).0);
     // Rank 1 owns the tail of the flat vector: its highest start-up point is
     // the head's cut. The prediction is CubeCL's, where flattening and
     // slicing a parameter make views; burn-ndarray copies both
@@ -204,8 +203,8 @@ fn zero_measured_in_child() {
     let mut ok = true;
     for stage in [1u8, 2] {
         let text = plan(stage);
-        let (_, setup, step) = compile(&text);
-        let (setups, step_peak) = measure(&text);
+        let (lowered, setup, step) = compile(&text);
+        let (setups, step_peak) = measure(&lowered);
         for (i, s) in setups.iter().enumerate() {
             ok &= close(
                 &format!("ZeRO-{stage} rank {i} setup"),

@@ -12,13 +12,8 @@
 //! ZeRO-3 step also holds the gathered words beside their read-back while a
 //! layer's bases are rebuilt. Not asserted; see the report in `docs/`.
 
-use crate::memory::{AllocProbe, MemoryProbe};
-use crate::train::{Trainer, TrainerConfig};
-use crate::RunOptions;
-use std::sync::{Arc, Barrier, Mutex};
-
-type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
-type Inner = burn::backend::NdArray<f32>;
+// The two-rank measurement of ZeRO 1/2 (`shard::tests_memory`), on QLoRA plans.
+use crate::shard::tests_memory::{compile, measure};
 
 const CHILD: &str = "RCOA_ZERO3_NF4_MEASURE_CHILD";
 
@@ -35,140 +30,6 @@ fn plan(zero: u8) -> String {
          hardware {{ gpu = h100-80gb  gpus_per_node = 2 }}\nparallel {{ data = 2  zero = {zero} }}\n\
          target burn\n"
     )
-}
-
-fn compile(text: &str) -> (rcoa_compiler::lowered::LoweredPlan, u64, u64) {
-    let file = rcoa_grammar::parse("t.plan", text).expect("plan parses");
-    let cx = rcoa_compiler::resolve::ResolveContext::new("t.plan", text, ".");
-    let spec = rcoa_compiler::resolve::resolve(&file, &cx).expect("plan resolves");
-    let c = rcoa_compiler::compile(&spec).expect("plan compiles");
-    let setup = c.report.phase_peaks["setup"];
-    let step = c
-        .report
-        .phase_peaks
-        .iter()
-        .filter(|(k, _)| k.as_str() != "setup")
-        .map(|(_, v)| *v)
-        .max()
-        .unwrap_or(0);
-    (c.lowered, setup, step)
-}
-
-struct Quiet;
-
-impl MemoryProbe for Quiet {
-    fn sample(&mut self) -> u64 {
-        0
-    }
-    fn begin_step(&mut self) {}
-    fn step_peak(&self) -> u64 {
-        0
-    }
-    fn peak(&self) -> u64 {
-        0
-    }
-    fn peak_reserved(&self) -> Option<u64> {
-        None
-    }
-    fn what(&self) -> &'static str {
-        "nothing"
-    }
-}
-
-/// Each rank's start-up peak (one build at a time) and both ranks' highest
-/// live bytes together through the second step.
-fn measure(plan: &rcoa_compiler::lowered::LoweredPlan) -> (Vec<u64>, u64) {
-    let turn = Arc::new(Mutex::new(()));
-    let (built, warm, measured) = (
-        Arc::new(Barrier::new(2)),
-        Arc::new(Barrier::new(2)),
-        Arc::new(Barrier::new(2)),
-    );
-    let step: Arc<Mutex<Option<AllocProbe>>> = Arc::new(Mutex::new(None));
-    let ranks: Vec<_> = (0..2u32)
-        .map(|local| {
-            let plan = plan.clone();
-            let (turn, built, warm, measured, step) = (
-                turn.clone(),
-                built.clone(),
-                warm.clone(),
-                measured.clone(),
-                step.clone(),
-            );
-            std::thread::Builder::new()
-                .stack_size(64 << 20)
-                .spawn(move || {
-                    use crate::distributed::{Collective, Distributed, Timeouts};
-                    let d = Distributed {
-                        nodes: 1,
-                        node_rank: 0,
-                        devices: 2,
-                        local,
-                        network: None,
-                        timeouts: Timeouts::uniform(std::time::Duration::from_secs(120)),
-                    };
-                    let c = Collective::<Inner>::register(&d, &Default::default()).unwrap();
-                    let progress = c.progress();
-                    let opts = RunOptions {
-                        steps: 2,
-                        seed: 5,
-                        distributed: Some(d),
-                        ..Default::default()
-                    };
-                    let batcher = crate::batcher(&plan, &opts).unwrap();
-                    let (mut trainer, setup) = {
-                        let _one = turn.lock().unwrap_or_else(|e| e.into_inner());
-                        let mut probe = AllocProbe::new().expect("the test binary counts");
-                        let t = Trainer::<Cpu>::new(
-                            &plan,
-                            TrainerConfig {
-                                seed: 5,
-                                batcher,
-                                sixteen_bit: false,
-                                collective: Some(c),
-                            },
-                            Default::default(),
-                        )
-                        .unwrap();
-                        probe.sample();
-                        (t, probe.step_peak())
-                    };
-                    built.wait();
-                    if local == 0 {
-                        *step.lock().unwrap() = Some(AllocProbe::new().unwrap());
-                    }
-                    trainer.train_step(&mut Quiet).unwrap();
-                    warm.wait();
-                    if local == 0 {
-                        step.lock().unwrap().as_mut().unwrap().begin_step();
-                    }
-                    warm.wait();
-                    trainer.train_step(&mut Quiet).unwrap();
-                    measured.wait();
-                    let peak = if local == 0 {
-                        let mut p = step.lock().unwrap();
-                        let p = p.as_mut().unwrap();
-                        p.sample();
-                        p.step_peak()
-                    } else {
-                        0
-                    };
-                    measured.wait();
-                    progress.set_done();
-                    drop(trainer);
-                    (setup, peak)
-                })
-                .unwrap()
-        })
-        .collect();
-    let mut setups = Vec::new();
-    let mut peak = 0;
-    for r in ranks {
-        let (s, p) = r.join().unwrap();
-        setups.push(s);
-        peak = peak.max(p);
-    }
-    (setups, peak)
 }
 
 #[test]
