@@ -252,15 +252,8 @@ mod tests {
             .map(|local| {
                 let (plan, turn, opts) = (sharded.clone(), turn.clone(), opts.clone());
                 std::thread::spawn(move || {
-                    use crate::distributed::{Collective, Distributed, Timeouts};
-                    let d = Distributed {
-                        nodes: 1,
-                        node_rank: 0,
-                        devices: 2,
-                        local,
-                        network: None,
-                        timeouts: Timeouts::uniform(std::time::Duration::from_secs(60)),
-                    };
+                    use crate::distributed::Collective;
+                    let d = crate::testing::thread_rank(local, 60);
                     let c = Collective::register(&d, &Default::default()).unwrap();
                     let mut o = opts;
                     o.distributed = Some(d);

@@ -118,6 +118,19 @@ pub fn tiny_encoder_plan(loss: Loss) -> LoweredPlan {
     p
 }
 
+/// Rank `local` of two data-parallel ranks that are threads of this process
+/// (no network), each collective timing out after `secs` seconds.
+pub fn thread_rank(local: u32, secs: u64) -> crate::distributed::Distributed {
+    crate::distributed::Distributed {
+        nodes: 1,
+        node_rank: 0,
+        devices: 2,
+        local,
+        network: None,
+        timeouts: crate::distributed::Timeouts::uniform(std::time::Duration::from_secs(secs)),
+    }
+}
+
 /// Run the `#[ignore]`d test `test` (its full path, e.g. `setup::tests::x`)
 /// of this test binary alone in a child process with `env` set, so what it
 /// measures with the counting allocator sees no other test's allocations;

@@ -454,7 +454,7 @@ impl Off {
 /// (threads of this process, micro-batch 2): after 10 steps every weight is
 /// within 1e-5 of one rank's, and the two ranks hold the same weights.
 fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)]) {
-    use crate::distributed::{Collective, Distributed, Timeouts};
+    use crate::distributed::Collective;
     let steps = 10;
     let mut t = trainer(one);
     for _ in 0..steps {
@@ -476,14 +476,7 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                 let built = built.clone();
                 let checkpointed = checkpointed.clone();
                 std::thread::spawn(move || {
-                    let d = Distributed {
-                        nodes: 1,
-                        node_rank: 0,
-                        devices: 2,
-                        local,
-                        network: None,
-                        timeouts: Timeouts::uniform(std::time::Duration::from_secs(60)),
-                    };
+                    let d = crate::testing::thread_rank(local, 60);
                     let device = Default::default();
                     let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
                     let progress = c.progress();
@@ -750,7 +743,7 @@ fn qlora_plan() -> LoweredPlan {
 /// with the optimizer on the host).
 #[test]
 fn zero3_shards_the_qlora_base_and_matches_one_rank() {
-    use crate::distributed::{Collective, Distributed, Timeouts};
+    use crate::distributed::Collective;
     let _g = serial();
     let one = two_rank_reference(qlora_plan());
     let want = nf4_bases(&trainer(&one).whole_model().unwrap());
@@ -764,14 +757,7 @@ fn zero3_shards_the_qlora_base_and_matches_one_rank() {
         .map(|local| {
             let (plan, want) = (plan.clone(), want.clone());
             std::thread::spawn(move || {
-                let d = Distributed {
-                    nodes: 1,
-                    node_rank: 0,
-                    devices: 2,
-                    local,
-                    network: None,
-                    timeouts: Timeouts::uniform(std::time::Duration::from_secs(60)),
-                };
+                let d = crate::testing::thread_rank(local, 60);
                 let device = Default::default();
                 let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
                 let progress = c.progress();

@@ -104,15 +104,8 @@ pub(crate) fn measure(plan: &rcoa_compiler::lowered::LoweredPlan) -> (Vec<u64>, 
             std::thread::Builder::new()
                 .stack_size(64 << 20)
                 .spawn(move || {
-                    use crate::distributed::{Collective, Distributed, Timeouts};
-                    let d = Distributed {
-                        nodes: 1,
-                        node_rank: 0,
-                        devices: 2,
-                        local,
-                        network: None,
-                        timeouts: Timeouts::uniform(std::time::Duration::from_secs(120)),
-                    };
+                    use crate::distributed::Collective;
+                    let d = crate::testing::thread_rank(local, 120);
                     let c = Collective::<Inner>::register(&d, &Default::default()).unwrap();
                     // Done: dropping the trainer leaves the collective, so the
                     // next run in this process can join one.
