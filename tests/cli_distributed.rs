@@ -279,6 +279,34 @@ fn two_processes_lines(
     runs.iter().map(|r| json_lines(&r.1)).collect()
 }
 
+/// The JSON lines of one process training `plan` for `steps` steps on two
+/// thread ranks (`--devices 2`); `what` names the run if it fails.
+fn two_threads_lines(
+    dir: &Path,
+    name: &str,
+    plan: &Path,
+    steps: &str,
+    what: &str,
+) -> Vec<serde_json::Value> {
+    let mut children = Children(Vec::new());
+    let start = Instant::now();
+    let args = strings(&[
+        "--steps",
+        steps,
+        "--format",
+        "json",
+        "--devices",
+        "2",
+        "--device",
+        "cpu",
+    ]);
+    let (i, out, err) = spawn_run(&mut children, dir, name, plan, &args);
+    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(status[0].success(), "{what}: {stderr}");
+    json_lines(&out)
+}
+
 /// Two processes of one rank each: (losses of rank 0, its checksum).
 fn two_processes(dir: &Path, plan: &Path, steps: &str) -> (Vec<f64>, f64) {
     let ranks = two_processes_lines(dir, plan, steps, &[]);
@@ -332,23 +360,7 @@ fn two_devices_in_one_process_match_two_processes() {
     let plan = dir.join("tiny-2ranks.plan");
     std::fs::write(&plan, TWO_RANKS).unwrap();
     let steps = "6";
-    let mut children = Children(Vec::new());
-    let start = Instant::now();
-    let args = strings(&[
-        "--steps",
-        steps,
-        "--format",
-        "json",
-        "--devices",
-        "2",
-        "--device",
-        "cpu",
-    ]);
-    let (i, out, err) = spawn_run(&mut children, &dir, "threads", &plan, &args);
-    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
-    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-    assert!(status[0].success(), "--devices 2 failed: {stderr}");
-    let lines = json_lines(&out);
+    let lines = two_threads_lines(&dir, "threads", &plan, steps, "--devices 2 failed");
     // Local rank 0 alone reports: one line per step.
     let threads = losses(&lines);
     assert_eq!(threads.len(), 6, "{lines:?}");
@@ -823,24 +835,8 @@ fn zero_stages_on_two_threads_match_one_rank() {
     for (zero, offload) in configs {
         let what = format!("zero {zero}, offload {offload:?}, 2 threads");
         let plan = zero_plan_file(&dir, zero, offload);
-        let mut children = Children(Vec::new());
-        let start = Instant::now();
-        let args = strings(&[
-            "--steps",
-            steps,
-            "--format",
-            "json",
-            "--devices",
-            "2",
-            "--device",
-            "cpu",
-        ]);
         let name = format!("z{zero}{}", offload.join(""));
-        let (i, out, err) = spawn_run(&mut children, &dir, &name, &plan, &args);
-        let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
-        let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-        assert!(status[0].success(), "{what}: {stderr}");
-        let lines = json_lines(&out);
+        let lines = two_threads_lines(&dir, &name, &plan, steps, &what);
         let listed = on_cpu(offload);
         let listed: Vec<&str> = listed.iter().map(String::as_str).collect();
         assert_started(&lines, zero, &listed);
@@ -1122,23 +1118,7 @@ fn qlora_zero3_on_two_ranks_matches_one_rank() {
     let two_plan = dir.join("qlora-z3.plan");
     std::fs::write(&two_plan, format!("{}\n{QLORA}", zero_plan(3, false))).unwrap();
 
-    let mut children = Children(Vec::new());
-    let start = Instant::now();
-    let args = strings(&[
-        "--steps",
-        steps,
-        "--format",
-        "json",
-        "--devices",
-        "2",
-        "--device",
-        "cpu",
-    ]);
-    let (i, out, err) = spawn_run(&mut children, &dir, "qz3", &two_plan, &args);
-    let status = wait_all(&mut children, &[i], start, DEADLINE, &[&err]);
-    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-    assert!(status[0].success(), "2 threads: {stderr}");
-    let lines = json_lines(&out);
+    let lines = two_threads_lines(&dir, "qz3", &two_plan, steps, "2 threads");
     assert_started(&lines, 3, &[]);
     let s = summary(&lines);
     assert_matches_one(
