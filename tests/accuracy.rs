@@ -26,9 +26,12 @@ fn ratio(line: &str, name: &str) -> (u32, u32) {
     (a.parse().unwrap(), b.parse().unwrap())
 }
 
-#[test]
-fn memory_model_meets_the_accuracy_bar() {
-    let out = rcoa(&["validate", "tests/groundtruth/h100-pytorch.jsonl"]);
+/// Scores `file` (under the repository root) and holds its summary to a bar: at least
+/// `min_rows` configurations, the median and maximum absolute errors (percent), every OOM
+/// row predicted not to fit (and at least one OOM row), every fitting row predicted to
+/// fit, no failures, one line per configuration.
+fn meets_bar(file: &str, min_rows: u32, median: f64, max: f64) {
+    let out = rcoa(&["validate", file]);
     assert_no_panic(&out);
     let stdout = text(&out.stdout);
     assert!(
@@ -39,21 +42,33 @@ fn memory_model_meets_the_accuracy_bar() {
     let last = stdout.lines().last().unwrap_or_default();
     assert!(last.starts_with("accuracy: "), "{last}");
     let n: u32 = field(last, "n").parse().unwrap();
-    assert!(n >= 40, "{last}");
-    assert!(pct(last, "median_abs_err") <= 3.0, "{last}");
-    assert!(pct(last, "max_abs_err") <= 12.0, "{last}");
+    assert!(n >= min_rows, "{last}");
+    assert!(pct(last, "median_abs_err") <= median, "{stdout}");
+    assert!(pct(last, "max_abs_err") <= max, "{stdout}");
     let (ok, total) = ratio(last, "oom_correct");
     assert!(total > 0 && ok == total, "{last}");
     assert_eq!(ratio(last, "fit_correct"), (n, n), "{last}");
     assert_eq!(field(last, "failures"), "0", "{last}");
     // One line per configuration, then the summary.
-    let configs =
-        std::fs::read_to_string(common::root().join("tests/groundtruth/h100-pytorch.jsonl"))
-            .unwrap()
-            .lines()
-            .filter(|l| l.contains("\"record\": \"config\""))
-            .count();
+    let configs = std::fs::read_to_string(common::root().join(file))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"record\": \"config\""))
+        .count();
     assert_eq!(stdout.lines().count(), configs + 1, "{stdout}");
+}
+
+#[test]
+fn memory_model_meets_the_accuracy_bar() {
+    meets_bar("tests/groundtruth/h100-pytorch.jsonl", 40, 3.0, 12.0);
+}
+
+/// Issue 14's tails (encoders with eager attention, bf16 weights with Adafactor,
+/// XLM-R-XL with LoRA), measured on an H100 after the model was fitted to CPU traces of
+/// the same configurations: the measurement had no say in the model.
+#[test]
+fn the_single_gpu_tails_meet_the_bar() {
+    meets_bar("tests/groundtruth/h100-pytorch-tails.jsonl", 21, 1.0, 5.0);
 }
 
 #[test]

@@ -30,6 +30,7 @@ Exit status: 0 every configuration ran (an OOM counts as a result),
 """
 import argparse
 import json
+import math
 import os
 import platform
 import socket
@@ -375,7 +376,9 @@ def run_steps(c, dev, run_phase, steps, meta):
                             error=f"OutOfMemoryError: {str(e).splitlines()[0]}")
                 return False
             if loss is not None:
-                step["loss"] = loss
+                # JSON has no NaN: a loss that is not finite (tensor parallelism under the fake
+                # process group reduces nothing, so bf16 activations can overflow) is null.
+                step["loss"] = loss if math.isfinite(loss) else None
             step["phases"].append({"phase": phase,
                                    "ms": round(1000 * (time.perf_counter() - t), 3),
                                    **memory(dev)})
