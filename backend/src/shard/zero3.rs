@@ -382,13 +382,16 @@ impl<I: Backend> Vals<I> {
                 shard_of(pieces, shards, index, device),
                 dtype,
             )),
-            Vals::Host(v) => {
-                let (parts, pad) = shard_parts(pieces, shards, index);
-                for p in parts {
-                    v.extend(to_host(crate::model::to_dtype(p, dtype))?);
-                }
-                v.resize(v.len() + pad, 0.0);
-            }
+            // Through one device buffer of the shard, as the device path makes it, rather
+            // than reading each piece's slice view back: on CUDA (fusion on) reading the
+            // views failed at the first unit with CUDA_ERROR_INVALID_VALUE in a kernel
+            // launch, while the device path ran (H100, 2026-11-25,
+            // bench/h100-results/2026-11-25/call3). The buffer is one unit's shard, for
+            // as long as the copy to the host takes.
+            Vals::Host(v) => v.extend(to_host(crate::model::to_dtype(
+                shard_of(pieces, shards, index, device),
+                dtype,
+            ))?),
         }
         Ok(())
     }
