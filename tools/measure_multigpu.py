@@ -350,6 +350,11 @@ def measure(c, device):
             model = mp.build_model(c, dev)
             params = [p for p in model.parameters() if p.requires_grad]
             meta.update(mp.model_facts(c, model, params, dev))
+            # FSDP2 and tensor parallelism replace the module's parameters by their shards;
+            # a list kept here would hold the whole unsharded model on rank 0 through every
+            # phase (rows without this flag carry it: rcoa validate takes param_bytes off).
+            del params
+            meta["built_params_released"] = True
             model, opt, backward, step, zero_grad = wrap(c, model, dev, mesh, meta)
         except torch.OutOfMemoryError as e:
             meta.update(oom=True, oom_phase="build", error=f"OutOfMemoryError: {e}")
