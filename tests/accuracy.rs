@@ -204,3 +204,42 @@ fn a_row_that_does_not_compile_is_a_failure_with_exit_1() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 14's multi-GPU rows of FSDP2 (`fully_shard` per layer and on the root) and DDP:
+/// rank 0 of N under the fake process group (`tools/measure_multigpu.py`), scored alone
+/// (the file's env record first). Rows measured while the script still held the unsharded
+/// parameters are scored without them (`MeasuredRun::engine_peak_bytes`). Tighter than the
+/// issue's 3% / 10%: the model follows FSDP2's and DDP's code buffer by buffer.
+#[test]
+fn the_fsdp2_and_ddp_ranks_meet_the_bar() {
+    let all = std::fs::read_to_string(common::root().join("tests/groundtruth/h100-multigpu.jsonl"))
+        .unwrap();
+    let ours = |l: &str| {
+        l.contains("\"record\": \"env\"")
+            || l.contains("\"name\": \"fsdp2_")
+            || l.contains("\"name\": \"ddp_")
+    };
+    let rows: String = all
+        .lines()
+        .filter(|l| ours(l))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let dir = common::root().join("target").join("accuracy-fsdp2-ddp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("h100-multigpu-fsdp2-ddp.jsonl");
+    std::fs::write(&data, &rows).unwrap();
+    let out = rcoa(&["validate", data.to_str().unwrap()]);
+    assert_no_panic(&out);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.starts_with("accuracy: "), "{last}");
+    // 15 FSDP2 rows (N from 2 to 64; bf16 / fp32 / mixed precision; checkpointing,
+    // accumulation, fused AdamW) and 4 DDP rows.
+    assert_eq!(field(last, "n"), "19", "{stdout}");
+    assert!(pct(last, "median_abs_err") <= 1.0, "{stdout}");
+    assert!(pct(last, "max_abs_err") <= 3.0, "{stdout}");
+    assert_eq!(ratio(last, "fit_correct"), (19, 19), "{last}");
+    assert_eq!(field(last, "failures"), "0", "{last}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

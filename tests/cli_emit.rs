@@ -216,7 +216,9 @@ fn an_fsdp2_plan_launches_fsdp2_and_deepspeed_refuses_its_schedule() {
     let script = text(&out.stdout);
     assert!(!script.contains("==> ds_config.json"), "{script}");
     assert!(
-        script.contains("fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())"),
+        script.contains(
+            "fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy(), reshard_after_forward=True)"
+        ),
         "{script}"
     );
     assert!(

@@ -41,10 +41,12 @@ configuration failed otherwise, 2 bad input, no CUDA device, or an engine
 that is not installed.
 """
 import argparse
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -350,7 +352,18 @@ def measure(c, device):
             model = mp.build_model(c, dev)
             params = [p for p in model.parameters() if p.requires_grad]
             meta.update(mp.model_facts(c, model, params, dev))
+            # FSDP2 and tensor parallelism replace the module's parameters by their shards;
+            # a list kept here would hold the whole unsharded model on rank 0 through every
+            # phase (rows without this flag carry it: rcoa validate takes param_bytes off).
+            built = [weakref.ref(p) for p in model.parameters()]
+            del params
+            meta["built_params_released"] = True
             model, opt, backward, step, zero_grad = wrap(c, model, dev, mesh, meta)
+            gc.collect()
+            # Parameters the engine replaced that something still holds (0 expected).
+            current = {id(p) for p in model.parameters()}
+            meta["built_params_still_held"] = sum(
+                1 for r in built if r() is not None and id(r()) not in current)
         except torch.OutOfMemoryError as e:
             meta.update(oom=True, oom_phase="build", error=f"OutOfMemoryError: {e}")
             return summarize(c, steps, meta)

@@ -203,6 +203,12 @@ class OnTheCpu(unittest.TestCase):
         self.assertLess(tp["param_bytes_local"], tp["param_bytes"] / 4 * 1.05)
         self.assertGreater(tp["param_bytes_local"], tp["param_bytes"] / 4)
 
+    def test_the_script_holds_no_parameter_its_engine_replaced(self):
+        # Else rank 0 would keep the whole unsharded model beside its shards.
+        for name, r in self.rows.items():
+            self.assertTrue(r["built_params_released"], name)
+            self.assertEqual(r["built_params_still_held"], 0, name)
+
     @unittest.skipUnless(have_deepspeed(), "deepspeed is not installed")
     def test_deepspeed_zero3_partitions_the_weights(self):
         ds = self.rows["deepspeed_z3_n8"]

@@ -139,7 +139,7 @@ impl LoweredPlan {
         let has = |w: OffloadWhat| r.offload.iter().any(|o| o.what == w);
         let burn = self.target == Target::Burn;
         // FSDP2 shards weights and gradients under `zero = 2` too (it only keeps each unit
-        // gathered until its backward: `memory::engines::engine_candidate`).
+        // gathered until its backward: `memory::fsdp`).
         let fsdp = self.target == Target::Fsdp;
         let zero3 = (r.zero >= 3 || fsdp) && d > 1;
         // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.

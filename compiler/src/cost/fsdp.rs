@@ -5,11 +5,11 @@
 //!   (`_to_dtype_if_needed`; the foreach fast path of `_fsdp_collectives.py`
 //!   `_get_param_all_gather_inputs` copies the fp32 shards into a `param_dtype` buffer), so
 //!   the wire carries the 16-bit copy, not the fp32 shard. Every unit is gathered for its
-//!   forward; with `reshard_after_forward=True` (`zero = 3`) each layer again for its
-//!   backward (its recompute included), while the root (embedding, final norm, head) is
-//!   never resharded after its forward (`_fsdp_state.py` `_lazy_init`).
-//! - **reduce-scatter in `reduce_dtype`** (fp32): `foreach_reduce` copies the unit's
-//!   gradients into an fp32 reduce-scatter input every micro-step.
+//!   forward; with `reshard_after_forward=True` (`zero = 3`, which rcoa's script passes to
+//!   the root too) every unit again for its backward (a layer's recompute included).
+//! - **reduce-scatter in `reduce_dtype`**: `foreach_reduce` copies the unit's gradients
+//!   into a reduce-scatter input every micro-step, in the shards' dtype (fp32 under the
+//!   mixed-precision policy rcoa writes; bf16 shards without a policy reduce in bf16).
 //! - **no all-gather after the step**: the optimizer updates the sharded parameters in place.
 //! - **`CPUOffloadPolicy`**: each gathered unit's shards come up from pinned host memory in
 //!   their own dtype (`sharded_param_data.to(device)`, before the cast), each reduced fp32
@@ -63,11 +63,25 @@ pub(super) fn data_parallel(
         mi,
     );
     if crate::memory::engines::fsdp_reshards_after_forward(cand.zero) {
-        let b = "FSDP2 all-gather of every layer again for its backward (reshard_after_forward=True), in param_dtype";
-        r.push(Collective::AllGather, b, g, n, link, layers * ag, 1.0, mi);
+        let b = "FSDP2 all-gather of every unit again for its backward (reshard_after_forward=True), in param_dtype";
+        r.push(
+            Collective::AllGather,
+            b,
+            g,
+            n,
+            link,
+            (layers + root) * ag,
+            1.0,
+            mi,
+        );
     }
-    let w = "FSDP2 reduce-scatter of the gradients in reduce_dtype (fp32)";
-    let grads = report.params_trainable as f64 * 4.0;
+    let reduce = spec.precision.params.bytes();
+    let w = if reduce >= 4.0 {
+        "FSDP2 reduce-scatter of the gradients in reduce_dtype (fp32)"
+    } else {
+        "FSDP2 reduce-scatter of the gradients in reduce_dtype (the 16-bit shards' dtype)"
+    };
+    let grads = report.params_trainable as f64 * reduce;
     r.push(Collective::ReduceScatter, w, g, n, link, grads, 1.0, mi);
 }
 
@@ -78,12 +92,11 @@ pub(super) fn offload(r: &mut Rows, spec: &Spec, cand: &Candidate, report: &Memo
     }
     let d = cand.data.max(1) as f64;
     let (layers, root) = stage_params(spec, cand, report);
-    let gathered = layers
-        + root
-        + if crate::memory::engines::fsdp_reshards_after_forward(cand.zero) {
-            layers
+    let gathered = (layers + root)
+        * if crate::memory::engines::fsdp_reshards_after_forward(cand.zero) {
+            2.0
         } else {
-            0.0
+            1.0
         };
     let pcie = (Link::Pcie, PCIE_BYTES_PER_S);
     let (h, ht, mi) = (Group::Host, Collective::HostTransfer, Cadence::MicroStep);
@@ -141,7 +154,7 @@ mod tests {
                 .bytes_per_call
         };
         assert_eq!(bytes_of("forward"), (2.0 * layer + root) * 2.0);
-        assert_eq!(bytes_of("backward"), 2.0 * layer * 2.0);
+        assert_eq!(bytes_of("backward"), (2.0 * layer + root) * 2.0);
         assert_eq!(bytes_of("reduce-scatter"), r.params_trainable as f64 * 4.0);
         assert_eq!(r.params_trainable as f64, 2.0 * layer + root);
         // Each rank sends (n-1)/n of each: 3/4.
@@ -194,8 +207,11 @@ mod tests {
         assert_eq!(host.len(), 2, "{host:?}");
         let layer = layer_params(&s.model, 1) as f64;
         let root = (2 * 1000 * 256 + 256) as f64;
-        // Forward: both layers and the root; backward: both layers again; fp32, 1/4 each.
-        assert_eq!(host[0].bytes_per_call, (4.0 * layer + root) * 4.0 / 4.0);
+        // Forward: both layers and the root; backward: all of them again; fp32, 1/4 each.
+        assert_eq!(
+            host[0].bytes_per_call,
+            (4.0 * layer + 2.0 * root) * 4.0 / 4.0
+        );
         assert_eq!(
             host[1].bytes_per_call,
             r.params_trainable as f64 * 4.0 / 4.0

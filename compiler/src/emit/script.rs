@@ -88,7 +88,14 @@ fn fsdp_lines(plan: &LoweredPlan, engine: Engine) -> Result<Vec<String>, EmitErr
         "  for layer in model.layers: fully_shard(layer{common}, reshard_after_forward={})",
         if r.zero >= 3 { "True" } else { "False" }
     ));
-    lines.push(format!("  fully_shard(model{common})"));
+    // `reshard_after_forward=None` (the default) keeps the root gathered after its forward;
+    // under `zero = 3` the model frees it and gathers it again for the backward, as it does
+    // every layer (`memory::fsdp`, measured: tests/groundtruth/h100-multigpu.jsonl).
+    lines.push(if r.zero >= 3 {
+        format!("  fully_shard(model{common}, reshard_after_forward=True)")
+    } else {
+        format!("  fully_shard(model{common})")
+    });
     lines.push(format!(
         "  load the model in {} (the sharded weights FSDP2 keeps{})",
         p.params.as_str(),
@@ -292,6 +299,13 @@ mod tests {
             .unwrap()
             .join("\n");
         assert!(z2.contains("reshard_after_forward=False"), "{z2}");
+        // The root: resharded under zero = 3 like the layers, FSDP2's default (gathered
+        // until its backward) under zero = 2.
+        assert!(
+            text.contains("fully_shard(model, mp_policy=mp, reshard_after_forward=True)"),
+            "{text}"
+        );
+        assert!(z2.contains("fully_shard(model, mp_policy=mp)\n"), "{z2}");
 
         let offloaded = fsdp()
             .offload(OffloadWhat::Optimizer, OffloadTo::Cpu)
@@ -302,7 +316,7 @@ mod tests {
             .unwrap()
             .join("\n");
         assert!(
-            text.contains("fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())"),
+            text.contains("fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy(), reshard_after_forward=True)"),
             "{text}"
         );
         // A part of the set is not an FSDP2 setting.

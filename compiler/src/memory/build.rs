@@ -33,8 +33,12 @@ pub(crate) struct Builder<'a> {
     autocast: bool,
     /// dtype of matmul outputs and most activations.
     act: Dtype,
-    /// dtype of the weights as stored.
+    /// dtype of the weights as the modules read them.
     param: Dtype,
+    /// dtype the weights are kept in between uses: `param`'s, except under FSDP2's
+    /// `MixedPrecisionPolicy`, whose shards keep the plan's `params` dtype while the modules
+    /// read gathered copies in `param_dtype` (the plan's `compute`).
+    stored: Dtype,
     layer: Option<u32>,
     /// Tokens per device flowing through the layers' projections.
     tokens: u64,
@@ -89,8 +93,14 @@ pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
 
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
-        let param = storage(spec.precision.params);
+        let stored = storage(spec.precision.params);
         let compute = storage(spec.precision.compute);
+        let fsdp = profile.engine == crate::profile::Engine::Fsdp2;
+        let param = if fsdp && compute.bytes() < stored.bytes() {
+            compute
+        } else {
+            stored
+        };
         let autocast = profile.autocast && spec.precision.is_autocast();
         let act = if autocast || !profile.autocast {
             compute
@@ -99,7 +109,9 @@ impl<'a> Builder<'a> {
         };
         let seqs = cand.micro_batch * spec.train.sequences_per_item();
         let tokens = (seqs * spec.train.seq_len).div_ceil(cand.context.max(1));
-        let zero3 = cand.zero >= 3 && cand.data > 1;
+        // FSDP2 shards the weights at rest under `zero = 2` too (it only keeps each unit
+        // gathered from its forward to its backward: `memory::fsdp`).
+        let zero3 = (cand.zero >= 3 || (fsdp && cand.zero >= 2)) && cand.data > 1;
         let on_host = cand.offloads(crate::spec::OffloadWhat::Params);
         // Offloaded parameters live in host memory and are fetched per layer like ZeRO-3's
         // gathers; a shard of 2^40 rounds their resident bytes to nothing.
@@ -118,6 +130,7 @@ impl<'a> Builder<'a> {
             autocast,
             act,
             param,
+            stored,
             layer: None,
             tokens,
             param_shard,
@@ -315,6 +328,7 @@ impl<'a> Builder<'a> {
             bytes_moved: moved as f64,
             holds: Vec::new(),
             inplace: false,
+            engine: Default::default(),
         });
         self.tape.ops.len() - 1
     }
@@ -373,7 +387,12 @@ impl<'a> Builder<'a> {
     ) -> Param {
         let elems = rows * cols;
         let full = self.bytes(elems, dtype);
-        let stored = full.div_ceil(self.param_shard);
+        let kept = if dtype == self.param {
+            self.bytes(elems, self.stored)
+        } else {
+            full
+        };
+        let stored = kept.div_ceil(self.param_shard);
         if let Some(u) = self.open_unit {
             if dtype != Dtype::Nf4 {
                 self.tape.units[u].bytes += full;
@@ -1373,6 +1392,26 @@ impl<'a> Builder<'a> {
         if self.units {
             self.charge_prefetch();
         }
+        self.charge_fsdp();
         self
+    }
+
+    /// FSDP2's gathered units and gradient buffers on every op (`memory::fsdp`), when its
+    /// units are gathered (sharded over data ranks, or offloaded to the host).
+    fn charge_fsdp(&mut self) {
+        if self.profile.engine != crate::profile::Engine::Fsdp2 || !self.gather {
+            return;
+        }
+        let profile = self.profile;
+        let allocated = |b: u64| profile.allocated(b);
+        super::fsdp::Schedule {
+            data: self.cand.data.max(1),
+            reshard: super::engines::fsdp_reshards_after_forward(self.cand.zero),
+            // MixedPrecisionPolicy(reduce_dtype=fp32) over fp32 shards, or no policy: the
+            // gradients are reduced in the shards' dtype either way.
+            reduce_bytes: self.stored.bytes(),
+            allocated: &allocated,
+        }
+        .apply(&mut self.tape);
     }
 }

@@ -2,42 +2,32 @@
 //! PyTorch, from each engine's code (the settings are `crate::profile::engines`).
 //!
 //! Three kinds of term, each where it lives in time:
-//! - [`buffers`]: held for the whole step (gathered units, communication buckets, flat
-//!   partitions), added to every sample like `memory::parallel`'s generic buckets, which
-//!   they replace for these engines;
+//! - [`buffers`]: held for the whole step (communication buckets, flat partitions, FSDP2's
+//!   offload upload), added to every sample like `memory::parallel`'s generic buckets, which
+//!   they replace for these engines (FSDP2's gathered units and gradient buffers live op by
+//!   op: `memory::fsdp` puts them on the tape);
 //! - [`step_temporaries`]: what the optimizer step allocates (the flat fp32 gradient
 //!   partition DeepSpeed makes for its fused kernel), replacing the per-parameter
 //!   temporaries `memory::optimizer` models for `torch.optim`;
 //! - [`contiguous_grad_bytes`]: Megatron's gradient buffer, which exists from the model's
 //!   wrapping on, instead of gradients the backward allocates one by one.
 //!
-//! [`engine_candidate`] is how the engine runs a candidate: FSDP2 always shards parameters,
-//! gradients and optimizer state (`zero` only says whether a unit is resharded after its
-//! forward), so the tape is built as ZeRO-3.
+//! FSDP2 always shards parameters, gradients and optimizer state: `zero` only says whether
+//! a unit is resharded after its forward (`memory::build` shards the weights of `zero = 2`
+//! too).
 
 use super::optimizer::OptimizerModel;
 use super::parallel::layer_params;
 use super::{Candidate, MemoryReport, Stage};
-use crate::profile::engines::{deepspeed, fsdp, megatron};
+use crate::profile::engines::{deepspeed, megatron};
 use crate::profile::{Engine, Profile};
 use crate::spec::{OffloadWhat, OptImpl, OptimizerKind, Spec};
-use std::borrow::Cow;
 
 /// A buffer an engine keeps beside the tape, named as `--explain` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineBuffer {
     pub what: String,
     pub bytes: u64,
-}
-
-/// `cand` as the engine runs it (see the module header).
-pub fn engine_candidate<'a>(profile: &Profile, cand: &'a Candidate) -> Cow<'a, Candidate> {
-    if profile.engine == Engine::Fsdp2 && cand.zero < 3 {
-        let mut c = cand.clone();
-        c.zero = 3;
-        return Cow::Owned(c);
-    }
-    Cow::Borrowed(cand)
 }
 
 /// FSDP2 reshards a unit after its forward (`reshard_after_forward=True`) when the plan
@@ -66,7 +56,7 @@ fn bytes(elems: u64, b: f64) -> u64 {
 
 /// The whole-step buffers of `profile`'s engine on `stage`'s rank, or `None` for the engines
 /// `memory::parallel` models itself (eager PyTorch, Burn). `cand` is the plan's candidate
-/// (before [`engine_candidate`]); `report` the stage's tape.
+/// `report` the stage's tape.
 pub fn buffers(
     spec: &Spec,
     cand: &Candidate,
@@ -90,35 +80,11 @@ pub fn buffers(
     match profile.engine {
         Engine::Burn | Engine::Eager => return None,
         Engine::Fsdp2 => {
-            // `_fsdp_param.py`: the unsharded parameters are in `param_dtype` (the plan's
-            // compute dtype), the all-gather output one flat buffer of a unit's size that
-            // `foreach_all_gather_copy_out` copies into the per-parameter outputs (both exist
-            // during the copy: one more unit).
+            // The gathered units, the backward's prefetch, the unsharded gradients and the
+            // reduce-scatter inputs live and die with the ops that use them: `memory::fsdp`
+            // places them on the tape. What stays here is the offload's upload.
             let cb = spec.precision.compute.bytes().min(param_b);
             let unit = layer_params(m, t);
-            let layers = stage.end_layer.saturating_sub(stage.first_layer);
-            let gathered_units = if fsdp_reshards_after_forward(cand.zero) {
-                (1 + fsdp::PREFETCH_UNITS).min(layers.max(1))
-            } else {
-                layers
-            };
-            let b = bytes((gathered_units + 1) * unit, cb);
-            add(
-                format!(
-                    "FSDP2 gathered layers {}: {gathered_units} unsharded in {} ({}) and the flat all-gather output being copied out, {} a layer",
-                    gib(b),
-                    spec.precision.compute.as_str(),
-                    if fsdp_reshards_after_forward(cand.zero) {
-                        "the running one and the prefetched next, reshard_after_forward=True"
-                    } else {
-                        "every layer from its forward to its backward, reshard_after_forward=False"
-                    },
-                    gib(bytes(unit, cb))
-                ),
-                b,
-            );
-            // `_fsdp_state.py` `_lazy_init`: the root module (embedding, final norm, head)
-            // is not resharded after forward; its parameters stay gathered until its backward.
             let table = m.vocab.div_ceil(t) * m.hidden;
             let root = if stage.embedding || stage.head {
                 let tied = m.tie_embeddings;
@@ -132,15 +98,6 @@ pub fn buffers(
             } else {
                 0
             };
-            if root > 0 {
-                add(
-                    format!(
-                        "FSDP2 root unit {} (embedding, final norm, head: gathered from its forward to its backward)",
-                        gib(bytes(root, cb))
-                    ),
-                    bytes(root, cb),
-                );
-            }
             if cand.offloads(OffloadWhat::Params) {
                 // `_fsdp_param.py` `all_gather_inputs` under `CPUOffloadPolicy` (the foreach
                 // fast path of `_get_param_all_gather_inputs` is skipped): each parameter's
@@ -164,17 +121,6 @@ pub fn buffers(
                     b,
                 );
             }
-            // `_fsdp_collectives.py` `foreach_reduce`: the unit's unsharded gradients (in the
-            // parameter dtype) are copied into an fp32 reduce-scatter input (`reduce_dtype`),
-            // the output is this rank's fp32 shard.
-            let rs = bytes(unit, cb) + bytes(unit, 4.0) + bytes(unit.div_ceil(d), 4.0);
-            add(
-                format!(
-                    "FSDP2 reduce-scatter {} (a layer's unsharded gradients, its fp32 input and fp32 shard)",
-                    gib(rs)
-                ),
-                rs,
-            );
         }
         Engine::DeepSpeed => {
             let hidden = m.hidden;
@@ -407,7 +353,7 @@ mod tests {
     fn engine_bytes(s: &Spec, c: &Candidate) -> Vec<(String, u64)> {
         let p = Profile::for_target(s.target);
         let stages = super::super::stages(s, c);
-        let r = super::super::evaluate_on(s, &engine_candidate(&p, c), &p, &stages[0], false);
+        let r = super::super::evaluate_on(s, c, &p, &stages[0], false);
         buffers(s, c, &p, &stages[0], &r)
             .unwrap()
             .into_iter()
@@ -422,59 +368,81 @@ mod tests {
         assert_eq!(evaluate(&s, &cand(3, 1)).params_total, MODEL);
     }
 
-    /// FSDP2 at N = 4 (`_fsdp_collectives.py`, `_fsdp_state.py`): fp32 shards of weights,
-    /// gradients and Adam state (4 + 4 + 8 bytes over 4 ranks), two bf16 layers gathered plus
-    /// the all-gather output being copied out, the root unit (embedding, head, final norm)
-    /// gathered through forward and backward, and one layer's reduce-scatter (bf16
-    /// gradients, fp32 input, fp32 shard).
+    /// The FSDP2 tape of a plan: its ops' engine scratch by unit, its peak report.
+    fn fsdp_tape(s: &Spec, c: &Candidate) -> (crate::memory::tape::Tape, MemoryReport) {
+        let p = Profile::for_target(s.target);
+        let b = crate::memory::build::Builder::new(s, &p, c).build(0..2, true, true);
+        (b.tape, evaluate(s, c))
+    }
+
+    /// The engine scratch of the first op of layer `layer` (`None`: the head's last op).
+    fn scratch_at(
+        tape: &crate::memory::tape::Tape,
+        layer: Option<usize>,
+    ) -> crate::memory::tape::EngineScratch {
+        match layer {
+            Some(l) => tape.ops[tape.layers[l].first_op as usize].engine,
+            None => tape.ops.last().unwrap().engine,
+        }
+    }
+
+    /// FSDP2 at N = 4 under `MixedPrecisionPolicy(bf16, fp32)` (`_fsdp_param_group.py`,
+    /// `_fsdp_collectives.py`): fp32 shards of weights, gradients and Adam state at rest;
+    /// while a layer runs forward the root unit (embedding, head, final norm), the layer's
+    /// unsharded bf16 copies and its flat all-gather output (kept until the next unit's
+    /// copy-out); in a layer's backward the root, the layer, the previous layer's prefetched
+    /// flat output, the next layer's fp32 reduce-scatter input and the unsharded bf16
+    /// gradients already made (the head's and norm's, the layer's later ops'). Every
+    /// parameter of this model is a multiple of 512 bytes in bf16: sums are exact.
     #[test]
     fn fsdp2_two_layer_model_at_four_ranks() {
         let s = spec("fsdp", "{ params = fp32 compute = bf16 }", 3);
         let c = cand(3, 4);
-        let bufs = engine_bytes(&s, &c);
-        let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
-        assert_eq!(
-            bytes,
-            vec![
-                3 * LAYER * 2,
-                (2 * V * H + H) * 2,
-                LAYER * 2 + LAYER * 4 + LAYER.div_ceil(4) * 4
-            ],
-            "{bufs:?}"
+        assert!(
+            engine_bytes(&s, &c).is_empty(),
+            "{:?}",
+            engine_bytes(&s, &c)
         );
-        let r = evaluate(&s, &c);
-        let at = |k: &str| r.breakdown[k];
-        // Every tensor is one allocation rounded to 512 B: 23 tensors (9 a layer, embedding,
-        // head, final norm) at most 512 B each over their exact shard.
+        let (tape, r) = fsdp_tape(&s, &c);
+        let root = (2 * V * H + H) * 2;
+        let layer = LAYER * 2;
+        let root_grads = (V * H + H) * 2;
+        assert_eq!(scratch_at(&tape, Some(0)).forward, [root + 2 * layer, 0]);
+        // Layer 1's first op (the input norm's upcast, no parameter) runs backward last in
+        // the layer: every gradient of the layer exists.
+        let l1 = scratch_at(&tape, Some(1));
+        assert_eq!(l1.backward, [root + layer + layer, root_grads + layer]);
+        assert_eq!(l1.recompute, [root + layer + layer, root_grads]);
+        // Layer 0 waits for layer 1's fp32 reduce-scatter input; nothing is prefetched.
+        let l0 = scratch_at(&tape, Some(0));
+        assert_eq!(l0.backward, [root + layer, LAYER * 4 + root_grads + layer]);
+        // The loss: the root and layer 1's flat output (forward: kept for the next unit's
+        // copy-out; backward: prefetched).
+        let loss = scratch_at(&tape, None);
+        assert_eq!(loss.forward, [root + layer, 0]);
+        assert_eq!(loss.backward, [root + layer, 0]);
+        // The modules compute in bf16: every activation is the one of bf16 weights.
+        let acts = |t: &crate::memory::tape::Tape| -> Vec<(crate::spec::Dtype, u64)> {
+            t.tensors
+                .iter()
+                .filter(|t| t.role == crate::memory::tape::Role::Activation)
+                .map(|t| (t.dtype, t.bytes))
+                .collect()
+        };
+        let bf16 = fsdp_tape(&spec("fsdp", "{ params = bf16 compute = bf16 }", 3), &c).0;
+        assert_eq!(acts(&tape), acts(&bf16));
+        // At rest: fp32 shards of the weights and both Adam moments.
         let slack = 23 * 512;
-        let shard = |b: u64| (MODEL * b).div_ceil(4);
-        assert!(
-            at("weights").abs_diff(shard(4)) <= slack,
-            "{}",
-            at("weights")
-        );
-        assert!(
-            at("optimizer").abs_diff(shard(8)) <= 2 * slack,
-            "{}",
-            at("optimizer")
-        );
-        assert_eq!(at("communication"), bytes.iter().sum::<u64>());
-        // reshard_after_forward=False (zero = 2) keeps both layers gathered: one more layer.
-        let two = engine_bytes(
+        assert!(r.resident_param_bytes.abs_diff((MODEL * 4).div_ceil(4)) <= slack);
+        assert!(r.breakdown["optimizer"].abs_diff((MODEL * 8).div_ceil(4)) <= 2 * slack);
+        // reshard_after_forward=False (zero = 2): layer 0 stays gathered through layer 1.
+        let two = fsdp_tape(
             &spec("fsdp", "{ params = fp32 compute = bf16 }", 2),
             &cand(2, 4),
-        );
-        assert_eq!(two[0].1, 3 * LAYER * 2);
-        let bigger = |layers: u64| {
-            let mut s = spec("fsdp", "{ params = fp32 compute = bf16 }", 2);
-            s.model.layers = layers;
-            engine_bytes(&s, &cand(2, 4))[0].1
-        };
-        assert_eq!(
-            bigger(6),
-            7 * LAYER * 2,
-            "every layer stays gathered, plus the copy-out"
-        );
+        )
+        .0;
+        assert_eq!(scratch_at(&two, Some(1)).forward, [root + 3 * layer, 0]);
+        assert_eq!(scratch_at(&two, Some(1)).backward[0], root + 2 * layer);
     }
 
     /// DeepSpeed ZeRO-2 (`stage_1_and_2.py`): two bf16 `reduce_bucket_size` buffers of H²
@@ -687,28 +655,23 @@ mod tests {
         let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
         let copy_in = LAYER.div_ceil(4) * 2 + (H * F).div_ceil(4) * 4;
         assert_eq!(copy_in, 786_688);
-        assert_eq!(
-            bytes,
-            vec![
-                3 * LAYER * 2,
-                (2 * V * H + H) * 2,
-                copy_in,
-                LAYER * 2 + LAYER * 4 + LAYER.div_ceil(4) * 4
-            ],
-            "{bufs:?}"
-        );
-        assert!(bufs[2].0.contains("CPU offload copy-in"), "{}", bufs[2].0);
+        assert_eq!(bytes, vec![copy_in], "{bufs:?}");
+        assert!(bufs[0].0.contains("CPU offload copy-in"), "{}", bufs[0].0);
         let r = evaluate(&s, &c);
         let at = |k: &str| r.breakdown[k];
-        // One byte a tensor rounded to 512: 23 tensors.
-        assert!(at("weights") <= 23 * 512, "{}", at("weights"));
+        // One byte a tensor rounded to 512: 23 tensors. The weights at the peak are the
+        // gathered units only.
+        assert!(
+            r.resident_param_bytes <= 23 * 512,
+            "{}",
+            r.resident_param_bytes
+        );
         assert_eq!(at("optimizer"), 0);
-        assert!(at("grads") <= 23 * 512, "{}", at("grads"));
         assert_eq!(at("communication"), bytes.iter().sum::<u64>());
         // The same plan on the device holds the fp32 weight and Adam shards (4 + 8 bytes over
         // 4 ranks) through the step, far more than the copy-in.
         let on_device = evaluate(&s, &cand(3, 4));
-        let held = on_device.breakdown["weights"] + on_device.breakdown["optimizer"];
+        let held = on_device.resident_param_bytes + on_device.breakdown["optimizer"];
         assert!(
             held.abs_diff((MODEL * 12).div_ceil(4)) <= 3 * 23 * 512,
             "{held}"
@@ -717,7 +680,7 @@ mod tests {
         // fp32 compute casts nothing: the uploaded fp32 shards are the all-gather inputs.
         let fp32 = spec("fsdp", "{ params = fp32 compute = fp32 }", 3);
         let b = engine_bytes(&fp32, &c);
-        assert_eq!(b[2].1, LAYER.div_ceil(4) * 4, "{b:?}");
+        assert_eq!(b[0].1, LAYER.div_ceil(4) * 4, "{b:?}");
     }
 
     /// The step in the backward under FSDP2 runs on the sharded parameter: its temporaries

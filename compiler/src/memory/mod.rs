@@ -19,6 +19,7 @@
 
 pub mod build;
 pub mod engines;
+mod fsdp;
 pub mod optimizer;
 pub mod paged;
 pub mod parallel;

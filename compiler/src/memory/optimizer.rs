@@ -137,7 +137,12 @@ pub fn model(
         if !own_dtype {
             return sb;
         }
-        let d = storage_dtype(tape.tensor(id).dtype);
+        let mut d = storage_dtype(tape.tensor(id).dtype);
+        if profile.engine == crate::profile::Engine::Fsdp2 && param_dtype.bytes() > d.bytes() {
+            // FSDP2's MixedPrecisionPolicy: the tape holds the modules' bf16 view, the
+            // optimizer steps the sharded parameters in the plan's `params` dtype.
+            d = param_dtype;
+        }
         o.state.bytes().min(d.bytes())
     };
     // One state tensor of parameter `id` (`n` values).

@@ -12,8 +12,8 @@
 //!   (a unit's size) through which offloaded shards are uploaded. Its gathered
 //!   units, prefetch and per-unit gradients are tensors of the tape
 //!   (`memory::build`, `Builder::begin_unit`), not terms here.
-//! - **Communication buffers**: DDP's gradient buckets (25 MiB, one being
-//!   reduced while the next fills), ZeRO-1/2's reduce and all-gather buckets
+//! - **Communication buffers**: DDP's gradient buckets (25 MiB each, all of
+//!   them allocated when the model is wrapped: a second copy of the gradients), ZeRO-1/2's reduce and all-gather buckets
 //!   (DeepSpeed's defaults: 5e8 elements each, never more than the gradients
 //!   themselves), ZeRO-3's prefetch bucket (5e7 elements of the next
 //!   layer's parameters) and reduce bucket, and the pipeline's send/receive
@@ -36,8 +36,6 @@ use crate::profile::Profile;
 use crate::spec::Spec;
 use serde::Serialize;
 
-/// PyTorch DDP's default `bucket_cap_mb`.
-pub const DDP_BUCKET_BYTES: u64 = 25 << 20;
 /// DeepSpeed's default `reduce_bucket_size` and `allgather_bucket_size` (elements).
 pub const ZERO_BUCKET_ELEMENTS: u64 = 500_000_000;
 /// DeepSpeed's default `stage3_prefetch_bucket_size` (elements).
@@ -96,8 +94,7 @@ pub fn model_params(m: &crate::spec::ModelSpec) -> u64 {
     m.layers * layer_params(m, 1) + embed + head + m.hidden
 }
 
-/// The per-rank terms for `cand` (the plan's candidate, before
-/// [`super::engines::engine_candidate`]) on `stage`, given the stage's report.
+/// The per-rank terms for `cand` on `stage`, given the stage's report.
 pub fn terms(
     spec: &Spec,
     cand: &Candidate,
@@ -168,7 +165,14 @@ pub fn terms(
             0 if spec.target == crate::spec::Target::Burn => {
                 t.reduce_bucket = 2 * trainable * 4;
             }
-            0 => t.reduce_bucket = 2 * DDP_BUCKET_BYTES.min(full_grads),
+            // DDP's `Reducer` allocates every bucket's flat gradient buffer when the model is
+            // wrapped (`reducer.cpp` `initialize_buckets`: one `at::empty` per bucket of up to
+            // `bucket_cap_mb`, in the parameters' dtype) and keeps them for the run; with
+            // `gradient_as_bucket_view=False` (the default) each `.grad` is a separate tensor
+            // copied into its bucket view, so the buckets are a second copy of every
+            // trainable gradient, whatever the bucket size (measured: ddp_* rows of
+            // `tests/groundtruth/h100-multigpu.jsonl`, alloc after setup = 2 × weights).
+            0 => t.reduce_bucket = full_grads,
             1 | 2 => {
                 t.reduce_bucket = ((ZERO_BUCKET_ELEMENTS as f64 * grad_b) as u64).min(full_grads);
                 // The all-gather of updated parameters runs after the step; the reduce bucket
@@ -204,8 +208,7 @@ pub fn evaluate_stages(
     super::stages(spec, cand)
         .into_iter()
         .map(|stage| {
-            let run = super::engines::engine_candidate(profile, cand);
-            let mut r = evaluate_on(spec, &run, profile, &stage, timeline);
+            let mut r = evaluate_on(spec, cand, profile, &stage, timeline);
             let t = terms(spec, cand, profile, &stage, &r);
             apply(&mut r, &t);
             super::paged::evict(spec, &mut r);
@@ -394,8 +397,16 @@ fn describe(
         },
     ];
     if terms.added() > 0 {
+        let ddp = cand.zero == 0 && spec.target != crate::spec::Target::Burn;
         let named = [
-            (terms.reduce_bucket, "gradient reduce bucket"),
+            (
+                terms.reduce_bucket,
+                if ddp {
+                    "DDP gradient buckets (a copy of every gradient, allocated when the model is wrapped)"
+                } else {
+                    "gradient reduce bucket"
+                },
+            ),
             (
                 terms.gather_bucket,
                 "prefetch of the next layer's gathered weights",
@@ -452,17 +463,19 @@ fn engine_shares(
         ),
         Engine::Fsdp2 => (
             format!(
-                "1/{d} of the stage's weights in {} (FSDP2 fully_shard); each layer gathered in {} for its use ({})",
+                "1/{d} of the stage's weights in {} (FSDP2 fully_shard), and the units gathered in {} while they run: the root (embedding, final norm, head), the running layer with its all-gather output or the next one's prefetch ({})",
                 p.params.as_str(),
                 p.compute.as_str(),
                 if super::engines::fsdp_reshards_after_forward(cand.zero) {
-                    "resharded after its forward, gathered again for its backward"
+                    "each resharded after its forward, gathered again for its backward"
                 } else {
-                    "kept gathered until its backward"
+                    "each kept gathered from its forward to its backward"
                 }
             ),
             format!(
-                "1/{d} of the stage's gradients in {} (FSDP2 reduce-scatter in fp32)",
+                "1/{d} of the stage's gradients in {}, and the unsharded {} gradients of the unit whose backward runs with the previous unit's reduce-scatter input (FSDP2 reduces in {})",
+                p.params.as_str(),
+                p.compute.as_str(),
                 p.params.as_str()
             ),
             format!("1/{d} of the stage's optimizer state (on FSDP2's sharded parameters)"),

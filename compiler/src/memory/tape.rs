@@ -94,6 +94,27 @@ pub struct OpInfo {
     /// The output may take the buffer of an input that dies at this op (an element-wise
     /// kernel writing in place; `Profile::inplace_elementwise`).
     pub inplace: bool,
+    /// An engine's buffers alive while the op runs, beyond the tape's tensors (FSDP2's
+    /// gathered units and gradient buffers: `memory::fsdp`).
+    pub engine: EngineScratch,
+}
+
+/// Bytes an engine holds while an op runs, per pass of the op, as `[weights, grads]`: what
+/// is gathered and what gradients wait for their reduction differ between the forward, a
+/// checkpointed layer's recompute (inside the backward) and the op's backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct EngineScratch {
+    pub forward: [u64; 2],
+    pub recompute: [u64; 2],
+    pub backward: [u64; 2],
+}
+
+impl EngineScratch {
+    /// `bytes` as extra live bytes by category (weights, grads).
+    fn add_to(bytes: [u64; 2], extra: &mut [u64; Category::COUNT]) {
+        extra[Category::Weights as usize] += bytes[0];
+        extra[Category::Grads as usize] += bytes[1];
+    }
 }
 
 impl OpInfo {
@@ -525,6 +546,13 @@ impl<'a> Walk<'a> {
             let mut extra = [0u64; Category::COUNT];
             extra[Category::Workspace as usize] = ws;
             self.add_scratch(ws);
+            let engine = if recompute {
+                info.engine.recompute
+            } else {
+                info.engine.forward
+            };
+            EngineScratch::add_to(engine, &mut extra);
+            self.add_scratch(engine[0] + engine[1]);
             // A recomputed layer's ops are forward ops (so the timeline shows them as such,
             // inside the backward); a peak there is reported as the backward's.
             self.observe_at(Phase::Forward, recompute, info.name, info.layer, extra);
@@ -621,6 +649,8 @@ impl<'a> Walk<'a> {
         }
         extra[Category::Workspace as usize] += info.bwd_workspace;
         self.add_scratch(info.bwd_workspace);
+        EngineScratch::add_to(info.engine.backward, &mut extra);
+        self.add_scratch(info.engine.backward[0] + info.engine.backward[1]);
         self.observe(Phase::Backward, info.name, info.layer, extra);
         self.end_scratch();
         // The op's output gradients are consumed; its saved tensors released.

@@ -86,14 +86,6 @@ pub mod deepspeed {
     pub const ALLREDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
 }
 
-/// FSDP2's behaviour under the `MixedPrecisionPolicy` a plan's precision names.
-pub mod fsdp {
-    /// Units gathered ahead of the running one: FSDP2's implicit forward prefetch and its
-    /// default backward prefetch each issue the next unit's all-gather while the current one
-    /// computes (`_fsdp_param_group.py` `pre_forward` / `_backward_prefetch`).
-    pub const PREFETCH_UNITS: u64 = 1;
-}
-
 /// Megatron-Core's buffers.
 pub mod megatron {
     /// `megatron/training/arguments.py`: with `--bf16` Megatron-LM sets

@@ -32,6 +32,33 @@ pub struct MeasuredRun {
     /// The highest `torch.cuda.max_memory_allocated()` over the training steps.
     #[serde(rename = "peak_train_B", default)]
     pub peak_train_bytes: Option<u64>,
+    /// The model's parameter bytes as built, before any engine sharded them.
+    #[serde(rename = "param_bytes", default)]
+    pub param_bytes: Option<u64>,
+    /// `tools/measure_multigpu.py` let go of the parameters it built before the engine
+    /// replaced them (absent from rows measured before that fix).
+    #[serde(default)]
+    pub built_params_released: bool,
+}
+
+impl MeasuredRun {
+    /// The peak the engine's rank 0 reached: `peak_train_B`, less what the measuring script
+    /// itself held. Before `built_params_released`, `measure_multigpu.py` kept a list of the
+    /// parameters it built, so when FSDP2 (`fully_shard`) or tensor parallelism
+    /// (`parallelize_module`) replaced them by their shards, the whole unsharded model
+    /// stayed allocated on rank 0 through every phase (`alloc_setup_B` − `param_bytes_local`
+    /// = `param_bytes`). A constant live set adds its bytes to every phase's
+    /// `max_memory_allocated()` and nothing else, so taking `param_bytes` off is exact.
+    pub fn engine_peak_bytes(&self) -> Option<u64> {
+        let peak = self.peak_train_bytes?;
+        let replaced = matches!(self.config.engine, Engine::Fsdp2 | Engine::Tp);
+        match self.param_bytes {
+            Some(held) if replaced && !self.built_params_released => {
+                Some(peak.saturating_sub(held))
+            }
+            _ => Some(peak),
+        }
+    }
 }
 
 /// What was run: the model, the batch, precision, optimizer and memory savers.
@@ -433,6 +460,29 @@ mod tests {
         assert_eq!(r.config.family, Family::Llama);
         assert_eq!(r.config.optimizer, OptimizerName::Adamw);
         assert!(r.config.lora.is_none());
+    }
+
+    /// Rows of FSDP2 and tensor parallelism measured while the script still held the built
+    /// parameters are scored without that copy; DDP's and DeepSpeed's never had it, and a
+    /// row saying the script let go of them is taken as measured.
+    #[test]
+    fn the_scripts_copy_of_replaced_parameters_is_taken_off() {
+        use super::tests_support::{ddp, deepspeed, fsdp2, tp};
+        let with = |row: String, fields: &str| {
+            row.replace(
+                "\"peak_train_B\": 1000000",
+                &format!("\"peak_train_B\": 1000000, \"param_bytes\": 300000{fields}"),
+            )
+        };
+        let peak = |text: String| parse("t.jsonl", &text).unwrap().runs[0].engine_peak_bytes();
+        assert_eq!(peak(with(fsdp2(), "")), Some(700_000));
+        assert_eq!(peak(with(tp(), "")), Some(700_000));
+        assert_eq!(peak(with(ddp(), "")), Some(1_000_000));
+        assert_eq!(peak(with(deepspeed(), "")), Some(1_000_000));
+        let released = ", \"built_params_released\": true";
+        assert_eq!(peak(with(fsdp2(), released)), Some(1_000_000));
+        // No param_bytes recorded: nothing to take off.
+        assert_eq!(peak(fsdp2()), Some(1_000_000));
     }
 
     #[test]

@@ -18,6 +18,10 @@ pub enum Outcome {
         /// (predicted − measured) / measured.
         rel_err: f64,
         fits: bool,
+        /// Bytes the measuring script held, taken off the row's `peak_train_B` to make
+        /// `measured_bytes` ([`MeasuredRun::engine_peak_bytes`]).
+        #[serde(skip_serializing_if = "is_zero")]
+        harness_bytes: u64,
     },
     /// It ran out of memory: the prediction must say it does not fit.
     Oom { predicted_bytes: u64, fits: bool },
@@ -26,6 +30,10 @@ pub enum Outcome {
         stage: &'static str,
         message: String,
     },
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -59,12 +67,13 @@ pub fn score_plan(run: &MeasuredRun, plan: &str) -> RowScore {
         Err(e) => return failed("compile", e.to_string()),
     };
     let p = &compiled.lowered.prediction;
-    let outcome = match (run.oom, run.peak_train_bytes) {
+    let outcome = match (run.oom, run.engine_peak_bytes()) {
         (false, Some(measured)) => Outcome::Scored {
             measured_bytes: measured,
             predicted_bytes: p.peak_bytes,
             rel_err: (p.peak_bytes as f64 - measured as f64) / measured as f64,
             fits: p.fits,
+            harness_bytes: run.peak_train_bytes.unwrap_or(measured) - measured,
         },
         _ => Outcome::Oom {
             predicted_bytes: p.peak_bytes,
@@ -186,13 +195,22 @@ pub fn row_line(r: &RowScore) -> String {
             predicted_bytes,
             rel_err,
             fits,
+            harness_bytes,
         } => format!(
-            "{:34} measured {:7.2} GiB predicted {:7.2} GiB err {:+6.1}%{}",
+            "{:34} measured {:7.2} GiB predicted {:7.2} GiB err {:+6.1}%{}{}",
             r.name,
             gib(*measured_bytes),
             gib(*predicted_bytes),
             100.0 * rel_err,
-            if *fits { "" } else { "  (predicted no fit)" }
+            if *fits { "" } else { "  (predicted no fit)" },
+            if *harness_bytes > 0 {
+                format!(
+                    "  (peak_train_B less the script's {:.2} GiB copy of the unsharded model)",
+                    gib(*harness_bytes)
+                )
+            } else {
+                String::new()
+            }
         ),
         Outcome::Oom {
             predicted_bytes,
@@ -222,6 +240,7 @@ mod tests {
                 predicted_bytes: 100,
                 rel_err,
                 fits,
+                harness_bytes: 0,
             },
         }
     }
