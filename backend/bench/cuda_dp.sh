@@ -10,7 +10,10 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/rcoa-out}; mkdir -p "$OUT"
 BIN=${BIN:-.rcoa-bin/rcoa}
 if [ ! -x "$BIN" ] && [ -f "$BIN.gz" ]; then gunzip -c "$BIN.gz" > /tmp/rcoa-bench && chmod +x /tmp/rcoa-bench && BIN=/tmp/rcoa-bench; fi
-if ls .rcoa-cache-tgz/part-* >/dev/null 2>&1; then cat .rcoa-cache-tgz/part-* | tar xzf - ; fi
+if ls .rcoa-cache-tgz/part-* >/dev/null 2>&1; then
+  # xz (packed below where the machine has it) or gzip, told apart by the first bytes.
+  if head -c 6 "$(ls .rcoa-cache-tgz/part-* | head -1)" | grep -q 7zXZ; then unz="xz -dc"; else unz="gzip -dc"; fi
+  cat .rcoa-cache-tgz/part-* | $unz | tar xf - ; fi
 STEPS=${1:-20}
 run() { RCOA_CACHE_DIR=$PWD/.rcoa-cache timeout 400 "$BIN" run "$@" --device cuda --steps "$STEPS" --format json; }
 run plans/tiny-cpu.plan > "$OUT/dp-single.jsonl" 2> "$OUT/dp-single.err"; echo "single: rc=$?"

@@ -125,13 +125,25 @@ def torch_worker(a):
     }))
 
 
+def run_capped(cmd, timeout, env=None):
+    """`cmd`'s exit status, stdout and stderr; a run past `timeout` seconds is killed and
+    reported with status None and what it printed so far (a cold kernel cache can take
+    minutes: the other engines' rows still come out)."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return None, text(e.stdout), text(e.stderr) + f"\ntimed out after {timeout} s"
+
+
 def run_torch(a, shape, engine):
     cmd = [sys.executable, __file__, "--worker", engine, "--shape", shape,
            "--device", a.device, "--steps", str(a.steps)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-    if p.returncode != 0:
-        return {"engine": f"pytorch {engine}", "error": p.stderr.strip().splitlines()[-1:] or ["failed"]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    rc, out, err = run_capped(cmd, a.timeout)
+    if rc != 0:
+        return {"engine": f"pytorch {engine}", "error": err.strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def run_rcoa(a, shape, out):
@@ -144,13 +156,13 @@ def run_rcoa(a, shape, out):
         env["RCOA_CACHE_DIR"] = tempfile.mkdtemp(prefix="rcoa-cold-cache-")
     cmd = [a.rcoa, "run", plan, "--device", a.device, "--steps", str(a.steps), "--format", "json"]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+    rc, stdout, stderr = run_capped(cmd, a.timeout, env)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, f"speed-{shape}-rcoa.jsonl"), "w") as f:
-        f.write(p.stdout)
-    summary = next((json.loads(l) for l in p.stdout.splitlines() if '"summary"' in l), None)
-    if p.returncode != 0 or summary is None:
-        return {"engine": "rcoa run", "error": p.stderr.strip().splitlines()[-3:] or ["failed"]}
+        f.write(stdout)
+    summary = next((json.loads(l) for l in stdout.splitlines() if '"summary"' in l), None)
+    if rc != 0 or summary is None:
+        return {"engine": "rcoa run", "error": stderr.strip().splitlines()[-3:] or ["failed"]}
     return {
         "engine": "rcoa run (burn)",
         "steady_step_seconds": summary["steady_step_seconds"],
