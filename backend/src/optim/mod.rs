@@ -444,7 +444,10 @@ pub fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
 }
 
 fn host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
-    t.into_data()
+    // `try_into_data`: a failed kernel before the read (on CUDA: a launch error) is an
+    // error here, with where it surfaced, not a panic caught far away as "reading data".
+    t.try_into_data()
+        .map_err(|e| RunError::Backend(format!("reading a shard back to the host: {e}")))?
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| RunError::Backend(format!("cannot read a shard back: {e:?}")))

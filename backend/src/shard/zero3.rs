@@ -632,12 +632,26 @@ impl<I: Backend> Builder<I> {
             None => (0, 0, 0),
         };
         let dt = self.storage.dtype;
+        let unit_no = self.units.len();
+        let at = |what: &'static str| {
+            move |e: RunError| match e {
+                RunError::Backend(m) => RunError::Backend(format!(
+                    "ZeRO-3 setup, unit {unit_no} (0: the embedding), {what}: {m}"
+                )),
+                e => e,
+            }
+        };
         if let Some(m) = &mut self.master {
-            m.push_shard(&t, (self.oshards, self.oi), FloatDType::F32, &device)?;
+            m.push_shard(&t, (self.oshards, self.oi), FloatDType::F32, &device)
+                .map_err(at("fp32 master shard"))?;
         }
         let w = (self.wshards, self.wi);
-        self.work.push_shard(&t, w, dt, &device)?;
-        self.frozen.push_shard(&f, w, dt, &device)?;
+        self.work
+            .push_shard(&t, w, dt, &device)
+            .map_err(at("trainable weight shard"))?;
+        self.frozen
+            .push_shard(&f, w, dt, &device)
+            .map_err(at("frozen weight shard"))?;
         self.units.push(UnitLayout {
             params,
             t_len,
