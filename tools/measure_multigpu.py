@@ -348,8 +348,11 @@ def measure(c, device):
         t0 = time.perf_counter()
         try:
             model = mp.build_model(c, dev)
-            params = [p for p in model.parameters() if p.requires_grad]
-            meta.update(mp.model_facts(c, model, params, dev))
+            meta.update(mp.model_facts(c, model, [p for p in model.parameters() if p.requires_grad],
+                                       dev))
+            # No reference to the unsharded parameters may outlive the wrap: fully_shard and
+            # parallelize_module replace them with shards, and a list held here would keep every
+            # whole weight allocated through the run (rank 0 would hold the model twice).
             model, opt, backward, step, zero_grad = wrap(c, model, dev, mesh, meta)
         except torch.OutOfMemoryError as e:
             meta.update(oom=True, oom_phase="build", error=f"OutOfMemoryError: {e}")
