@@ -388,7 +388,10 @@ fn evaluate_stage(
     }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
     let trainable_values: Vec<u64> = trainable.iter().map(|(_, n)| *n).collect();
-    let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum());
+    let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum())
+        .or_else(|| {
+            engines::zero3_grad_partition_bytes(spec, profile, cand, trainable_values.iter().sum())
+        });
     if let Some(b) = grad_buffer {
         // Megatron's gradient buffer replaces the gradients the backward would allocate.
         persistent.fixed[Category::Grads as usize] = b;

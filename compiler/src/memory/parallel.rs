@@ -615,6 +615,35 @@ pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
     }
 }
 
+/// The loss of a vocabulary-parallel head under PyTorch's DTensor tensor parallelism
+/// (`loss_parallel`, `torch/distributed/tensor/parallel/loss.py`), as scratch beyond the fused
+/// kernels eager PyTorch runs, for one rank's log-probabilities of `lsm_bytes` (its vocabulary
+/// shard, fp32 after Hugging Face's upcast): `(log_softmax forward, nll_loss backward)`, or
+/// `None` where the loss is not that one (one rank; Burn; Megatron-Core's fused
+/// `vocab_parallel_cross_entropy` and DeepSpeed, which run their own).
+///
+/// - Forward, `_log_softmax`: `shifted = x - max` stays beside the input while `exp(shifted)`
+///   and then `shifted - logsumexp` (the output) are made: one shard-sized tensor more than
+///   the fused `log_softmax`, which writes only its output.
+/// - Backward, `_nll_loss_and_log_softmax_backward` (run for `nll_loss_backward`; the
+///   log-softmax backward handler then passes its gradient through): `grad_input =
+///   zeros_like(x)`, `exp(x)`, their sum and its product with the loss gradient, three
+///   shard-sized tensors at once (the sum and either `exp(x)` or the product beside
+///   `grad_input`), where eager PyTorch's `nll_loss_backward` makes one before the fused
+///   log-softmax backward.
+///
+/// Seen on an H100 (`tests/groundtruth/h100-multigpu.jsonl`, `tp_bf16_n2/4/8`): the forward
+/// phase peaks 2.5 shards above its end and the backward 3 above it, exactly.
+pub fn vocab_parallel_loss_scratch(
+    profile: &Profile,
+    cand: &Candidate,
+    lsm_bytes: u64,
+) -> Option<(u64, u64)> {
+    use crate::profile::Engine;
+    let dtensor = matches!(profile.engine, Engine::Eager | Engine::Fsdp2);
+    (cand.tensor > 1 && dtensor && !profile.burn_ops).then_some((lsm_bytes, 2 * lsm_bytes))
+}
+
 /// Ops whose `[tokens, hidden]` output lies outside the tensor-parallel regions: with
 /// sequence parallelism each rank keeps `tokens / tensor` rows of it (Megatron-LM's
 /// sequence parallelism; the row-parallel projections reduce-scatter instead of

@@ -47,13 +47,14 @@ pub fn score_plan(run: &MeasuredRun, plan: &str) -> RowScore {
         Err(e) => return failed("parse", e.to_string()),
     };
     let ctx = ResolveContext::new(file, plan, std::path::PathBuf::new());
-    let spec = match resolve(&parsed, &ctx) {
+    let mut spec = match resolve(&parsed, &ctx) {
         Ok(s) => s,
         Err(errs) => {
             let all: Vec<String> = errs.errors().iter().map(|e| e.to_string()).collect();
             return failed("resolve", all.join("; "));
         }
     };
+    measured_settings(run, &mut spec);
     let compiled = match crate::compile(&spec) {
         Ok(c) => c,
         Err(e) => return failed("compile", e.to_string()),
@@ -74,6 +75,17 @@ pub fn score_plan(run: &MeasuredRun, plan: &str) -> RowScore {
     RowScore {
         name: run.name.clone(),
         outcome,
+    }
+}
+
+/// What the measured run set that no plan text says: `tools/measure_multigpu.py` leaves
+/// DeepSpeed's ZeRO sizes to DeepSpeed, where a `target deepspeed` plan means the
+/// `ds_config.json` rcoa writes (its buckets sized from the hidden width).
+fn measured_settings(run: &MeasuredRun, spec: &mut crate::spec::Spec) {
+    if run.config.engine == super::row::Engine::Deepspeed {
+        let stage = run.config.zero_stage.unwrap_or(0).min(3) as u8;
+        spec.deepspeed_zero =
+            Some(crate::profile::engines::deepspeed::ZeroSettings::library_defaults(stage));
     }
 }
 
