@@ -776,6 +776,64 @@ mod tests {
         assert!(opt.share.contains("ZeRO-1 over data = 2"), "{}", opt.share);
     }
 
+    /// DTensor's `loss_parallel` (tensor = 2, target pytorch): the log-softmax forward keeps
+    /// one more fp32 vocabulary shard of log-probabilities beside its input, the fused
+    /// backward of the loss two more; nothing on one rank, on Burn or on Megatron-Core.
+    #[test]
+    fn tensor_parallel_loss_scratch_is_one_and_two_vocabulary_shards() {
+        let s = spec();
+        let ops = |target: crate::spec::Target, tensor: u64| {
+            let mut s = s.clone();
+            s.target = target;
+            let p = Profile::for_target(target);
+            let c = Candidate {
+                tensor,
+                ..cand(1, 0, 1)
+            };
+            let tape = super::super::build::Builder::new(&s, &p, &c)
+                .build(0..s.model.layers, true, true)
+                .tape;
+            let at = |name: &str| tape.ops.iter().rposition(|o| o.name == name);
+            let lsm = at("log_softmax").map(|o| {
+                let out = tape.ops[o].outputs[0];
+                (
+                    tape.ops[o].fwd_workspace,
+                    tape.tensors[out.0 as usize].bytes,
+                )
+            });
+            (lsm, at("nll_loss").map(|o| tape.ops[o].bwd_workspace))
+        };
+        use crate::spec::Target;
+        let (Some((fwd, shard)), Some(bwd)) = ops(Target::Pytorch, 2) else {
+            panic!("no loss ops");
+        };
+        // [tokens, vocab / 2] fp32 log-probabilities.
+        let tokens = 2 * 128;
+        assert_eq!(
+            shard,
+            Profile::pytorch().allocated(tokens * s.model.vocab / 2 * 4)
+        );
+        let (Some((fwd1, _)), Some(bwd1)) = ops(Target::Pytorch, 1) else {
+            panic!("no loss ops");
+        };
+        assert_eq!((fwd - fwd1, bwd - bwd1), (shard, 2 * shard));
+        let (Some((mfwd, _)), Some(mbwd)) = ops(Target::Megatron, 2) else {
+            panic!("no loss ops");
+        };
+        assert_eq!((mfwd, mbwd), (fwd1, bwd1));
+        assert_eq!(
+            vocab_parallel_loss_scratch(
+                &Profile::burn(),
+                &Candidate {
+                    tensor: 2,
+                    ..cand(1, 0, 1)
+                },
+                1
+            ),
+            None
+        );
+    }
+
     #[test]
     fn one_gpu_has_one_rank_holding_everything() {
         let s = spec();
