@@ -322,7 +322,9 @@ pub fn zero3_grad_partition_bytes(
 /// 0.19.8 by listing the gathered parameters after each forward of this Llama (16 layers,
 /// 0.89 B parameters, 8 ranks, CPU, fake process group): none after the first step's
 /// forward, all of them after the second's and third's, with DeepSpeed's sizes, with rcoa's
-/// (prefetch 0.9 hidden²), with no prefetch, and with a reuse distance of 1,000; and on the
+/// (prefetch 0.9 hidden²), with no prefetch, and with a reuse distance of 1,000 (with no
+/// prefetch and a reuse distance of 1,000 together, only the head: both mechanisms keep
+/// them, and rcoa writes neither off); and on the
 /// H100 rows: each step after the first holds one whole bf16 copy of the model more at the
 /// forward's end (1,660 MiB + 32 MiB, `deepspeed_z3_n2/8/32`).
 pub fn zero3_keeps_forward_gathers(profile: &Profile, cand: &Candidate) -> bool {
