@@ -66,6 +66,8 @@ pub(crate) struct Builder<'a> {
     keep_gathers: bool,
     /// A gathered copy [`Self::weight`] made for the op about to read it ([`Self::linear`]).
     pending_gather: Option<TensorId>,
+    /// Parameters with a kept gather already (a tied head reads the embedding's).
+    kept_params: Vec<TensorId>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -140,15 +142,19 @@ impl<'a> Builder<'a> {
                 && !on_host
                 && super::engines::zero3_keeps_forward_gathers(profile, cand),
             pending_gather: None,
+            kept_params: Vec::new(),
         }
     }
 
     /// The whole copy of matrix `p` DeepSpeed ZeRO-3 gathers for its use and keeps until the
-    /// use's backward, or `None` where the gather is per-use scratch.
+    /// use's backward, or `None` where the gather is per-use scratch. A matrix kept from an
+    /// earlier use (a tied head reads the embedding's table) gets `None`, and its reader
+    /// charges no scratch ([`Self::kept_already`]).
     fn kept_gather(&mut self, p: Param, dtype: Dtype) -> Option<TensorId> {
-        if !self.keep_gathers || p.cols <= 1 {
+        if !self.keep_gathers || p.cols <= 1 || self.kept_already(p) {
             return None;
         }
+        self.kept_params.push(p.id);
         let elems = p.rows * p.cols;
         Some(self.tape.add_tensor(TensorInfo {
             name: "gathered_weight",
@@ -161,6 +167,11 @@ impl<'a> Builder<'a> {
             producer: None,
             held_until_forward_end: false,
         }))
+    }
+
+    /// Is `p` gathered and kept from an earlier use in this micro-step?
+    fn kept_already(&self, p: Param) -> bool {
+        self.keep_gathers && self.kept_params.contains(&p.id)
     }
 
     /// torchtitan's op-level selective recomputation (`_op_sac_save_list`, "saves output of
@@ -473,7 +484,7 @@ impl<'a> Builder<'a> {
         } else {
             None
         };
-        if kept.is_some() {
+        if kept.is_some() || self.kept_already(p) {
             gathered = 0;
         }
         if t.dtype == Dtype::Nf4 {

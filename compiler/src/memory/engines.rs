@@ -761,6 +761,14 @@ mod tests {
             let op = &tape.ops[tape.tensors[i].producer.unwrap().0 as usize];
             assert!(op.saved.iter().any(|t| t.0 as usize == i), "{}", op.name);
         }
+        // A tied head reads the embedding's gathered table: no second copy, no scratch.
+        let mut tied = s.clone();
+        tied.model.tie_embeddings = true;
+        let tape = tape_of(&tied, &c);
+        let gathered = |name: &str| tape.tensors.iter().filter(|t| t.name == name).count();
+        assert_eq!(gathered("gathered_weight"), 2 * 7 + 1);
+        let head = tape.ops.iter().find(|o| o.name == "lm_head").unwrap();
+        assert_eq!((head.fwd_workspace, head.bwd_workspace), (0, 0));
         let p = Profile::for_target(s.target);
         let partition = p.allocated(MODEL.div_ceil(4) * 2);
         assert_eq!(
