@@ -156,7 +156,7 @@ impl<'a> Builder<'a> {
         }
         self.kept_params.push(p.id);
         let elems = p.rows * p.cols;
-        Some(self.tape.add_tensor(TensorInfo {
+        let g = self.tape.add_tensor(TensorInfo {
             name: "gathered_weight",
             shape: vec![p.rows, p.cols],
             dtype,
@@ -166,7 +166,11 @@ impl<'a> Builder<'a> {
             grad_bytes: 0,
             producer: None,
             held_until_forward_end: false,
-        }))
+        });
+        // The coordinator keeps it whatever autograd saves: a checkpointed layer's stays
+        // from its forward through its recompute (which finds it gathered) to its backward.
+        self.tape.kept.push(g);
+        Some(g)
     }
 
     /// Is `p` gathered and kept from an earlier use in this micro-step?

@@ -785,6 +785,21 @@ mod tests {
             shards.abs_diff(MODEL.div_ceil(4) * 2) <= 23 * 512,
             "{shards}"
         );
+        // Checkpointed layers keep theirs too, from the forward through the recompute (which
+        // finds them gathered), and are still recomputed (more FLOPs).
+        let ckpt = Candidate {
+            checkpoint_layers: vec![0, 1],
+            ..c.clone()
+        };
+        let at_forward_end = |c: &Candidate| {
+            let r = parallel::evaluate(&s, c, &p, true);
+            let end = r.timeline.iter().find(|x| x.op == "forward end").unwrap();
+            end.by_category[crate::memory::Category::Weights as usize]
+        };
+        assert_eq!(at_forward_end(&c), at_forward_end(&ckpt));
+        assert_eq!(at_forward_end(&ckpt) - shards, total);
+        let work = |c: &Candidate| super::super::tape_work(&tape_of(&s, c)).0;
+        assert!(work(&ckpt) > work(&c));
         // fp32 weights: ZeRO keeps its own fp32 partition besides them.
         let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 1);
         let bufs = engine_bytes(&fp32, &cand(1, 4));

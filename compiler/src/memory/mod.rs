@@ -836,9 +836,13 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
     let mut kernels = 0u64;
     let kept = tape.kept_mask();
     for (i, op) in tape.ops.iter().enumerate() {
-        // A kept output's op does not run again in the recompute.
+        // A kept output's op does not run again in the recompute (a kept gathered weight is
+        // no output of its computation).
         let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed)
-            && !op.outputs.iter().any(|o| kept[o.0 as usize]);
+            && !op
+                .outputs
+                .iter()
+                .any(|o| kept[o.0 as usize] && tape.tensor(*o).role != tape::Role::Gathered);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         flops += op.flops * fwd_times
