@@ -483,6 +483,21 @@ fn engine_shares(
                 "all the stage's fp32 main weights and Adam state (no distributed optimizer)".to_string()
             },
         ),
+        Engine::DeepSpeed if super::engines::zero3_keeps_forward_gathers(profile, cand)
+            && !cand.offloads(crate::spec::OffloadWhat::Params) =>
+        {
+            (
+                format!(
+                    "1/{d} of the stage's weights (ZeRO-3 over data = {d}), plus every matrix gathered whole from its use in the forward until its backward (DeepSpeed's parameter coordinator, from the second step)"
+                ),
+                if super::engines::grads_follow_host_optimizer(profile, cand) {
+                    grads
+                } else {
+                    format!("1/{d} of the stage's gradients in DeepSpeed's flat partition, allocated with the optimizer")
+                },
+                optimizer,
+            )
+        }
         _ => (weights, grads, optimizer),
     }
 }
