@@ -32,6 +32,10 @@ pub struct MeasuredRun {
     /// The highest `torch.cuda.max_memory_allocated()` over the training steps.
     #[serde(rename = "peak_train_B", default)]
     pub peak_train_bytes: Option<u64>,
+    /// The `ds_config` a DeepSpeed run was given (`tools/measure_multigpu.py` records it):
+    /// the ZeRO sizes it sets override DeepSpeed's defaults.
+    #[serde(default)]
+    pub deepspeed_config: Option<Value>,
 }
 
 /// What was run: the model, the batch, precision, optimizer and memory savers.
