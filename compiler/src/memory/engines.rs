@@ -310,6 +310,33 @@ pub fn zero3_grad_partition_bytes(
     Some(profile.allocated(bytes(share, spec.precision.grads.bytes())))
 }
 
+/// The gradients DeepSpeed ZeRO-1 holds when its step runs (bytes), or `None` where they are
+/// what the backward left. Stage 1 keeps whole gradients through the backward and at the
+/// accumulation boundary reduces them into this rank's contiguous partition, clearing each
+/// `param.grad` (`stage_1_and_2.py` `reduce_gradients` → `reduce_ready_partitions_and_remove_grads`
+/// → `copy_grads_in_partition`): the step starts with the partition only, as ZeRO-2's. Seen
+/// on the H100: `deepspeed_z1_n8` and `deepspeed_z2_n8` agree in every phase.
+pub fn zero1_step_gradient_bytes(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    trainable_values: u64,
+) -> Option<u64> {
+    let d = cand.data.max(1);
+    if profile.engine != Engine::DeepSpeed
+        || cand.zero != 1
+        || d <= 1
+        || trainable_values == 0
+        || cand.offloads(OffloadWhat::Optimizer)
+    {
+        return None;
+    }
+    Some(profile.allocated(bytes(
+        trainable_values.div_ceil(d),
+        spec.precision.grads.bytes(),
+    )))
+}
+
 /// Does DeepSpeed ZeRO-3 keep every parameter it gathers in the forward until that
 /// parameter's module has run backward? It does from the second step on, with DeepSpeed's
 /// defaults and with what rcoa writes (`partitioned_param_coordinator.py`): the first step
@@ -457,6 +484,13 @@ pub fn step_temporaries(
                 }
                 t
             };
+            // ZeRO-1/2 free the flat copy and the gradient partition itself
+            // (`averaged_gradients[i] = None`) before `_optimizer_step`: the optimizer's own
+            // temporaries stand beside the fp32 gradient only. The partition is in the step's
+            // gradients; its bytes come off here.
+            let flat_and_cast = temp;
+            let partition = ((1..=2).contains(&cand.zero) && grad_b < 4.0)
+                .then(|| profile.allocated(bytes(piece, grad_b)));
             // The optimizer runs over the one flat fp32 partition: FusedAdam allocates
             // nothing; torch's foreach makes one partition-sized temporary, a per-parameter
             // loop two (the partition is its one parameter).
@@ -476,6 +510,13 @@ pub fn step_temporaries(
             } else {
                 generic
             };
+            if let Some(partition) = partition {
+                // The cast, then the fp32 gradient and the optimizer's temporaries without the
+                // flat copy and the partition (counted with the step's gradients).
+                let optimizer = temp - flat_and_cast;
+                let fp32 = flat_and_cast - partition;
+                temp = flat_and_cast.max((fp32 + optimizer).saturating_sub(partition));
+            }
             Some(temp)
         }
     }
@@ -675,13 +716,27 @@ mod tests {
             Some(p.allocated(partition * 2) + p.allocated(partition * 4))
         );
         assert_eq!(p.allocated(partition * 2), round(partition * 2));
-        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one more.
+        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one fp32
+        // partition more, after the bf16 partition and its flat copy are freed (no higher
+        // than the cast); a per-parameter loop two, which is.
         let mut foreach = s.clone();
         foreach.optimizer.implementation = OptImpl::Foreach;
+        let (bf16, fp32) = (p.allocated(partition * 2), p.allocated(partition * 4));
         assert_eq!(
             step_temporaries(&foreach, &p, &c, &opt, &values),
-            Some(p.allocated(partition * 2) + 2 * p.allocated(partition * 4))
+            Some(bf16 + fp32)
         );
+        foreach.optimizer.implementation = OptImpl::Plain;
+        assert_eq!(
+            step_temporaries(&foreach, &p, &c, &opt, &values),
+            Some(3 * fp32 - bf16)
+        );
+        // ZeRO-1 steps from the same partition: the whole gradients are reduced into it.
+        assert_eq!(
+            zero1_step_gradient_bytes(&s, &p, &cand(1, 4), MODEL),
+            Some(bf16)
+        );
+        assert_eq!(zero1_step_gradient_bytes(&s, &p, &c, MODEL), None);
         // Eager PyTorch keeps `memory::optimizer`'s temporaries.
         let eager = Profile::pytorch();
         assert_eq!(step_temporaries(&s, &eager, &c, &opt, &values), None);

@@ -465,6 +465,11 @@ fn evaluate_stage(
     }
     // The optimizer step: what the backward left (params, grads, state) plus temporaries.
     let mut at_opt = first.end;
+    if let Some(g) =
+        engines::zero1_step_gradient_bytes(spec, profile, cand, trainable_values.iter().sum())
+    {
+        at_opt[Category::Grads as usize] = g;
+    }
     at_opt[Category::ActivationGrads as usize] = 0;
     at_opt[Category::Activations as usize] = persistent.fixed[Category::Activations as usize];
     at_opt[Category::WeightCopies as usize] = 0;
