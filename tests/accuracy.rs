@@ -205,41 +205,67 @@ fn a_row_that_does_not_compile_is_a_failure_with_exit_1() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Issue 14's multi-GPU rows of FSDP2 (`fully_shard` per layer and on the root) and DDP:
-/// rank 0 of N under the fake process group (`tools/measure_multigpu.py`), scored alone
-/// (the file's env record first). Rows measured while the script still held the unsharded
-/// parameters are scored without them (`MeasuredRun::engine_peak_bytes`). Tighter than the
-/// issue's 3% / 10%: the model follows FSDP2's and DDP's code buffer by buffer.
-#[test]
-fn the_fsdp2_and_ddp_ranks_meet_the_bar() {
+/// The rows of `tests/groundtruth/h100-multigpu.jsonl` whose engine is one of `engines`
+/// (the env record first) in a scratch file, scored; the summary line. Rank 0 under the fake
+/// process group has no OOM rows, so [`meets_bar`]'s OOM check does not apply. Rows
+/// measured while the script still held the unsharded parameters are scored without them
+/// (`MeasuredRun::engine_peak_bytes`).
+fn multigpu_summary(engines: &[&str]) -> String {
     let all = std::fs::read_to_string(common::root().join("tests/groundtruth/h100-multigpu.jsonl"))
         .unwrap();
-    let ours = |l: &str| {
-        l.contains("\"record\": \"env\"")
-            || l.contains("\"name\": \"fsdp2_")
-            || l.contains("\"name\": \"ddp_")
-    };
-    let rows: String = all
-        .lines()
-        .filter(|l| ours(l))
-        .map(|l| format!("{l}\n"))
+    let tags: Vec<String> = engines
+        .iter()
+        .map(|e| format!("\"engine\": \"{e}\""))
         .collect();
-    let dir = common::root().join("target").join("accuracy-fsdp2-ddp");
-    std::fs::create_dir_all(&dir).unwrap();
-    let data = dir.join("h100-multigpu-fsdp2-ddp.jsonl");
-    std::fs::write(&data, &rows).unwrap();
-    let out = rcoa(&["validate", data.to_str().unwrap()]);
+    let rows: Vec<&str> = all
+        .lines()
+        .enumerate()
+        .filter(|(i, l)| *i == 0 || tags.iter().any(|t| l.contains(t.as_str())))
+        .map(|(_, l)| l)
+        .collect();
+    let file = scratch(&format!("multigpu-{}", engines.join("-"))).join("rows.jsonl");
+    std::fs::write(&file, rows.join("\n") + "\n").unwrap();
+    let out = rcoa(&["validate", file.to_str().unwrap()]);
     assert_no_panic(&out);
     let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    let last = stdout.lines().last().unwrap_or_default();
+    assert!(out.status.success(), "validate failed:\n{stdout}");
+    assert_eq!(stdout.lines().count(), rows.len(), "{stdout}");
+    let last = stdout.lines().last().unwrap_or_default().to_string();
     assert!(last.starts_with("accuracy: "), "{last}");
-    // 15 FSDP2 rows (N from 2 to 64; bf16 / fp32 / mixed precision; checkpointing,
-    // accumulation, fused AdamW) and 4 DDP rows.
-    assert_eq!(field(last, "n"), "19", "{stdout}");
-    assert!(pct(last, "median_abs_err") <= 1.0, "{stdout}");
-    assert!(pct(last, "max_abs_err") <= 3.0, "{stdout}");
-    assert_eq!(ratio(last, "fit_correct"), (19, 19), "{last}");
-    assert_eq!(field(last, "failures"), "0", "{last}");
-    std::fs::remove_dir_all(&dir).unwrap();
+    let n: u32 = field(&last, "n").parse().unwrap();
+    assert_eq!(n as usize, rows.len() - 1, "{stdout}");
+    assert_eq!(ratio(&last, "fit_correct"), (n, n), "{last}");
+    assert_eq!(field(&last, "failures"), "0", "{last}");
+    last
+}
+
+/// Issue 14's bar on the whole multi-GPU file: at least 30 configurations across FSDP2,
+/// DDP, tensor parallelism and DeepSpeed, median ≤ 3%, max ≤ 10%.
+#[test]
+fn the_multi_gpu_rows_meet_the_bar() {
+    let last = multigpu_summary(&["fsdp2", "ddp", "tp", "deepspeed"]);
+    assert!(field(&last, "n").parse::<u32>().unwrap() >= 30, "{last}");
+    assert!(pct(&last, "median_abs_err") <= 3.0, "{last}");
+    assert!(pct(&last, "max_abs_err") <= 10.0, "{last}");
+}
+
+/// FSDP2 (`fully_shard` per layer and on the root; N from 2 to 64; bf16 / fp32 / mixed
+/// precision; checkpointing, accumulation, fused AdamW) and DDP: tighter than the issue's
+/// bar, since the model follows their code buffer by buffer.
+#[test]
+fn the_fsdp2_and_ddp_ranks_meet_the_bar() {
+    let last = multigpu_summary(&["fsdp2", "ddp"]);
+    assert_eq!(field(&last, "n"), "19", "{last}");
+    assert!(pct(&last, "median_abs_err") <= 1.0, "{last}");
+    assert!(pct(&last, "max_abs_err") <= 3.0, "{last}");
+}
+
+/// DeepSpeed ZeRO 0-3: rank 0 of 2, 8 and 32 ranks, bf16 weights with fp32 master,
+/// DeepSpeed's default sizes (`docs/accuracy.md`, "DeepSpeed").
+#[test]
+fn deepspeed_rows_meet_the_multi_gpu_bar() {
+    let last = multigpu_summary(&["deepspeed"]);
+    assert!(field(&last, "n").parse::<u32>().unwrap() >= 7, "{last}");
+    assert!(pct(&last, "median_abs_err") <= 1.0, "{last}");
+    assert!(pct(&last, "max_abs_err") <= 3.0, "{last}");
 }

@@ -49,11 +49,22 @@ pub struct Spec {
     /// Values the plan left out that resolve filled in from other values
     /// (`model.mlp = swiglu`, why), for `--explain`.
     pub defaults: Vec<(String, String)>,
+    /// DeepSpeed's ZeRO sizes where the run sets them otherwise than rcoa writes them
+    /// (`rcoa validate`, for runs left to DeepSpeed's defaults); no plan text sets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deepspeed_zero: Option<crate::profile::engines::deepspeed::ZeroSettings>,
 }
 
 impl Spec {
     pub fn gpu_count(&self) -> u64 {
         self.hardware.gpus_per_node * self.hardware.nodes
+    }
+
+    /// The ZeRO sizes a `target deepspeed` run of this plan uses.
+    pub fn deepspeed_zero(&self) -> crate::profile::engines::deepspeed::ZeroSettings {
+        self.deepspeed_zero.unwrap_or_else(|| {
+            crate::profile::engines::deepspeed::ZeroSettings::rcoa(self.model.hidden)
+        })
     }
 }
 

@@ -126,6 +126,7 @@ impl SpecBuilder {
             target: Target::Pytorch,
             optimizer_in_backward: false,
             defaults: Vec::new(),
+            deepspeed_zero: None,
         };
         SpecBuilder { spec }
     }

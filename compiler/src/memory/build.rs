@@ -64,6 +64,14 @@ pub(crate) struct Builder<'a> {
     op_sac: Option<u32>,
     /// The embedding output made a leaf that requires grad (`enable_input_require_grads`).
     embedding_leaf: Option<TensorId>,
+    /// DeepSpeed ZeRO-3 keeps each matrix it gathers in the forward until that module's
+    /// backward (`memory::engines::zero3_keeps_forward_gathers`): the gathered copy is a tensor
+    /// the reading op makes and saves, not scratch.
+    keep_gathers: bool,
+    /// A gathered copy [`Self::weight`] made for the op about to read it ([`Self::linear`]).
+    pending_gather: Option<TensorId>,
+    /// Parameters with a kept gather already (a tied head reads the embedding's).
+    kept_params: Vec<TensorId>,
 }
 
 fn storage(d: Dtype) -> Dtype {
@@ -143,7 +151,44 @@ impl<'a> Builder<'a> {
             op_sac: (spec.fit.checkpoint == crate::spec::CheckpointChoice::SelectiveOp)
                 .then_some(0),
             embedding_leaf: None,
+            keep_gathers: zero3
+                && !on_host
+                && super::engines::zero3_keeps_forward_gathers(profile, cand),
+            pending_gather: None,
+            kept_params: Vec::new(),
         }
+    }
+
+    /// The whole copy of matrix `p` DeepSpeed ZeRO-3 gathers for its use and keeps until the
+    /// use's backward, or `None` where the gather is per-use scratch. A matrix kept from an
+    /// earlier use (a tied head reads the embedding's table) gets `None`, and its reader
+    /// charges no scratch ([`Self::kept_already`]).
+    fn kept_gather(&mut self, p: Param, dtype: Dtype) -> Option<TensorId> {
+        if !self.keep_gathers || p.cols <= 1 || self.kept_already(p) {
+            return None;
+        }
+        self.kept_params.push(p.id);
+        let elems = p.rows * p.cols;
+        let g = self.tape.add_tensor(TensorInfo {
+            name: "gathered_weight",
+            shape: vec![p.rows, p.cols],
+            dtype,
+            bytes: self.bytes(elems, dtype),
+            requires_grad: false,
+            role: Role::Gathered,
+            grad_bytes: 0,
+            producer: None,
+            held_until_forward_end: false,
+        });
+        // The coordinator keeps it whatever autograd saves: a checkpointed layer's stays
+        // from its forward through its recompute (which finds it gathered) to its backward.
+        self.tape.kept.push(g);
+        Some(g)
+    }
+
+    /// Is `p` gathered and kept from an earlier use in this micro-step?
+    fn kept_already(&self, p: Param) -> bool {
+        self.keep_gathers && self.kept_params.contains(&p.id)
     }
 
     /// torchtitan's op-level selective recomputation (`_op_sac_save_list`, "saves output of
@@ -452,11 +497,19 @@ impl<'a> Builder<'a> {
         let t = self.tape.tensor(p.id).clone();
         let elems = p.rows * p.cols;
         // Gathered per use; the Burn executor's whole-unit gathers are tensors of the tape.
-        let gathered = if self.gather && !self.units && self.profile.engine.gathers_per_op() {
+        let mut gathered = if self.gather && !self.units && self.profile.engine.gathers_per_op() {
             self.bytes(elems, t.dtype)
         } else {
             0
         };
+        let kept = if gathered > 0 && t.dtype != Dtype::Nf4 {
+            self.kept_gather(p, t.dtype)
+        } else {
+            None
+        };
+        if kept.is_some() || self.kept_already(p) {
+            gathered = 0;
+        }
         if t.dtype == Dtype::Nf4 {
             return match self.profile.nf4_dequant {
                 // bitsandbytes dequantizes per use and again in the backward: a transient copy.
@@ -480,10 +533,14 @@ impl<'a> Builder<'a> {
                 // autocast region (the forward) ends; a per-use cast is not cached.
                 held_until_forward_end: self.autocast && t.requires_grad,
             });
-            let o = self.op("cast", &[p.id], &[copy], &[]);
+            // A kept gather is cast from and held until the cast's backward.
+            let outputs: Vec<TensorId> = std::iter::once(copy).chain(kept).collect();
+            let saved: Vec<TensorId> = kept.into_iter().collect();
+            let o = self.op("cast", &[p.id], &outputs, &saved);
             self.tape.ops[o].fwd_workspace = gathered;
             return (copy, 0);
         }
+        self.pending_gather = kept;
         (p.id, gathered)
     }
 
@@ -501,6 +558,7 @@ impl<'a> Builder<'a> {
             x
         };
         let (w, ws) = self.weight(p);
+        let kept = self.pending_gather.take();
         let mut shape = self.shape(xc);
         let last = shape.len() - 1;
         let inf = shape[last];
@@ -525,7 +583,10 @@ impl<'a> Builder<'a> {
         if let Some(b) = bias {
             inputs.push(b.id);
         }
-        let o = self.op(name, &inputs, &[out], &saved);
+        // A kept gather is made with the output and held until the backward.
+        saved.extend(kept);
+        let outputs: Vec<TensorId> = std::iter::once(out).chain(kept).collect();
+        let o = self.op(name, &inputs, &outputs, &saved);
         if bias.is_none() {
             // `F.linear` with a bias dispatches `aten.addmm`, which torchtitan's save list
             // lacks: neither kept nor counted (`tools/saved_tensors.py`).
@@ -1258,7 +1319,10 @@ impl<'a> Builder<'a> {
                     self.param,
                     rg || input_grads,
                 );
-                self.op("embedding", &[ids, embed.id], &[e], &[ids]);
+                let kept = self.kept_gather(embed, self.param);
+                let outputs: Vec<TensorId> = std::iter::once(e).chain(kept).collect();
+                let saved: Vec<TensorId> = std::iter::once(ids).chain(kept).collect();
+                self.op("embedding", &[ids, embed.id], &outputs, &saved);
                 if input_grads {
                     self.embedding_leaf = Some(e);
                 }
@@ -1297,6 +1361,7 @@ impl<'a> Builder<'a> {
         if !with_head {
             // The stage's output is sent on; its gradient comes back: model as the loss.
             self.tape.loss = Some(x);
+            super::engines::backward_scratch(self.spec, self.profile, self.cand, &mut self.tape);
             return self;
         }
         self.begin_unit("head");
@@ -1383,7 +1448,15 @@ impl<'a> Builder<'a> {
                 };
                 let rg = self.rg(nll_in);
                 let loss_t = self.tensor("loss", &[1], Dtype::Fp32, rg);
-                self.op("nll_loss", &[nll_in], &[loss_t], &[nll_in]);
+                let nll = self.op("nll_loss", &[nll_in], &[loss_t], &[nll_in]);
+                if let Some((fwd, bwd)) = super::parallel::vocab_parallel_loss_scratch(
+                    self.profile,
+                    self.cand,
+                    self.tape.tensor(lsm).bytes,
+                ) {
+                    self.tape.ops[op].fwd_workspace += fwd;
+                    self.tape.ops[nll].bwd_workspace += bwd;
+                }
                 loss_t
             }
         };
@@ -1393,6 +1466,7 @@ impl<'a> Builder<'a> {
             self.charge_prefetch();
         }
         self.charge_fsdp();
+        super::engines::backward_scratch(self.spec, self.profile, self.cand, &mut self.tape);
         self
     }
 

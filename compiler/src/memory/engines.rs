@@ -69,7 +69,6 @@ pub fn buffers(
     let t = cand.tensor.max(1);
     let trainable = report.params_trainable;
     let param_b = spec.precision.params.bytes();
-    let grad_b = spec.precision.grads.bytes();
     let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let mut out = Vec::new();
     let mut add = |what: String, bytes: u64| {
@@ -124,61 +123,46 @@ pub fn buffers(
         }
         Engine::DeepSpeed => {
             let hidden = m.hidden;
+            let zs = spec.deepspeed_zero();
             let flat = |n: u64| n.div_ceil(if cand.zero >= 1 { d } else { 1 });
-            match cand.zero {
-                0 if d > 1 && trainable > 0 => {
-                    let b = bytes(deepspeed::ALLREDUCE_BUCKET_ELEMENTS.min(trainable), grad_b);
-                    add(format!("DeepSpeed all-reduce bucket {}", gib(b)), b);
-                }
-                1 | 2 => {
-                    // `stage_1_and_2.py` `setup_buckets`: with `contiguous_gradients` and
-                    // `overlap_comm` (both written by rcoa), two `reduce_bucket_size` buffers in
-                    // the ZeRO dtype (the 16-bit weights' dtype, fp32 without bf16/fp16). The
-                    // all-gather of the updated weights writes into the flat 16-bit groups in
-                    // place (`runtime/utils.py` `all_gather_into_tensor_dp_groups`;
-                    // `allgather_bucket_size` only chunks the legacy path): no buffer.
-                    let b = 2 * bytes(deepspeed::reduce_bucket_elements(hidden), param_b);
+            // ZeRO 0-2's buffers are allocated inside the backward (`backward_scratch`): the
+            // all-reduce's flat copy at its end, the reduce buckets at its first gradient.
+            if cand.zero >= 3 {
+                // `stage3.py` `__init__`: with `contiguous_gradients` the IPG bucket,
+                // `reduce_bucket_size` elements in the gradients' (the weights') dtype, is
+                // allocated with the optimizer and kept.
+                let b = bytes(zs.reduce_bucket, param_b);
+                add(
+                    format!("DeepSpeed reduce bucket {} (reduce_bucket_size)", gib(b)),
+                    b,
+                );
+                let kept = zero3_keeps_forward_gathers(profile, cand);
+                if d > 1 && !cand.offloads(OffloadWhat::Params) && !kept {
+                    let next = layer_params(m, t).min(zs.prefetch_bucket);
+                    let b = bytes(next, param_b);
                     add(
                         format!(
-                            "DeepSpeed reduce buckets {} (2 × reduce_bucket_size, overlap_comm)",
+                            "DeepSpeed ZeRO-3 prefetch {} (stage3_prefetch_bucket_size)",
                             gib(b)
                         ),
                         b,
                     );
                 }
-                _ => {
-                    // `stage3.py`: one IPG bucket of `reduce_bucket_size`, and the prefetch of
-                    // up to `stage3_prefetch_bucket_size` elements of the next modules.
-                    let b = bytes(deepspeed::reduce_bucket_elements(hidden), grad_b);
+                if d > 1 && !cand.offloads(OffloadWhat::Params) && hidden < zs.persistence_threshold
+                {
+                    // `partition_parameters.py`: parameters under
+                    // `stage3_param_persistence_threshold` elements (every norm's scale) are
+                    // never partitioned: every rank keeps them whole.
+                    let layers = stage.end_layer.saturating_sub(stage.first_layer);
+                    let norms = (2 * layers + u64::from(stage.head)) * hidden;
+                    let b = bytes(norms - norms.div_ceil(d), param_b);
                     add(
-                        format!("DeepSpeed reduce bucket {} (reduce_bucket_size)", gib(b)),
+                        format!(
+                            "DeepSpeed ZeRO-3 persistent parameters {} (under stage3_param_persistence_threshold, whole on every rank)",
+                            gib(b)
+                        ),
                         b,
                     );
-                    if d > 1 && !cand.offloads(OffloadWhat::Params) {
-                        let next =
-                            layer_params(m, t).min(deepspeed::prefetch_bucket_elements(hidden));
-                        let b = bytes(next, param_b);
-                        add(
-                            format!(
-                                "DeepSpeed ZeRO-3 prefetch {} (stage3_prefetch_bucket_size)",
-                                gib(b)
-                            ),
-                            b,
-                        );
-                        // `partition_parameters.py`: parameters under
-                        // `stage3_param_persistence_threshold` elements (10 × hidden: every
-                        // norm's scale) are never partitioned: every rank keeps them whole.
-                        let layers = stage.end_layer.saturating_sub(stage.first_layer);
-                        let norms = (2 * layers + u64::from(stage.head)) * hidden;
-                        let b = bytes(norms - norms.div_ceil(d), param_b);
-                        add(
-                            format!(
-                                "DeepSpeed ZeRO-3 persistent parameters {} (under stage3_param_persistence_threshold, whole on every rank)",
-                                gib(b)
-                            ),
-                            b,
-                        );
-                    }
                 }
             }
             // ZeRO 1-3 keep their own fp32 partition even of fp32 weights
@@ -246,6 +230,139 @@ pub fn contiguous_grad_bytes(spec: &Spec, profile: &Profile, trainable_values: u
     Some(profile.allocated(bytes(trainable_values, b)))
 }
 
+/// DeepSpeed ZeRO-3's flat gradient partition on this rank (bytes), or `None` where the
+/// backward allocates the gradients (every other engine and stage, or the partition on the
+/// host with the optimizer, [`grads_follow_host_optimizer`]). `stage3.py` `__init__`
+/// allocates `grad_partitions_flat_buffer` (`torch.zeros`, this rank's share of every
+/// trainable value in the gradient accumulation dtype, the weights' by default) with the
+/// optimizer and keeps it: the backward's reduce-scatter writes each shard into it. Seen on an
+/// H100 (`deepspeed_z3_n*`): 16 bytes a parameter over the ranks between steps (bf16 weight,
+/// fp32 master, Adam's two moments, bf16 gradient), 8 before the first step (no moments yet).
+pub fn zero3_grad_partition_bytes(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    trainable_values: u64,
+) -> Option<u64> {
+    let sharded = cand.zero >= 3 && cand.data > 1;
+    if profile.engine != Engine::DeepSpeed
+        || !sharded
+        || trainable_values == 0
+        || grads_follow_host_optimizer(profile, cand)
+    {
+        return None;
+    }
+    let share = trainable_values.div_ceil(cand.data);
+    Some(profile.allocated(bytes(share, spec.precision.grads.bytes())))
+}
+
+/// The gradients DeepSpeed ZeRO-1 holds when its step runs (bytes), or `None` where they are
+/// what the backward left. Stage 1 keeps whole gradients through the backward and at the
+/// accumulation boundary reduces them into this rank's contiguous partition, clearing each
+/// `param.grad` (`stage_1_and_2.py` `reduce_gradients` → `reduce_ready_partitions_and_remove_grads`
+/// → `copy_grads_in_partition`): the step starts with the partition only, as ZeRO-2's. Seen
+/// on the H100: `deepspeed_z1_n8` and `deepspeed_z2_n8` agree in every phase.
+pub fn zero1_step_gradient_bytes(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    trainable_values: u64,
+) -> Option<u64> {
+    let d = cand.data.max(1);
+    if profile.engine != Engine::DeepSpeed
+        || cand.zero != 1
+        || d <= 1
+        || trainable_values == 0
+        || cand.offloads(OffloadWhat::Optimizer)
+    {
+        return None;
+    }
+    Some(profile.allocated(bytes(
+        trainable_values.div_ceil(d),
+        spec.precision.grads.bytes(),
+    )))
+}
+
+/// Does DeepSpeed ZeRO-3 keep every parameter it gathers in the forward until that
+/// parameter's module has run backward? It does from the second step on, with DeepSpeed's
+/// defaults and with what rcoa writes (`partitioned_param_coordinator.py`): the first step
+/// records the module trace; from then on `fetch_sub_module` walks the recorded parameter
+/// trace, and its prefetch loop pops every entry whose parameter is already gathered or in
+/// flight without counting it against `stage3_prefetch_bucket_size`, so the walk runs through
+/// the rest of the forward into the backward entries, setting each parameter's
+/// `__most_recent_step_id_param_fetched_for` to its backward use; `__params_to_release` then
+/// keeps it (a reuse within `stage3_max_reuse_distance` keeps it too). Read on DeepSpeed
+/// 0.19.8 by listing the gathered parameters after each forward of this Llama (16 layers,
+/// 0.89 B parameters, 8 ranks, CPU, fake process group): none after the first step's
+/// forward, all of them after the second's and third's, with DeepSpeed's sizes, with rcoa's
+/// (prefetch 0.9 hidden²), with no prefetch, and with a reuse distance of 1,000 (with no
+/// prefetch and a reuse distance of 1,000 together, only the head: both mechanisms keep
+/// them, and rcoa writes neither off); and on the
+/// H100 rows: each step after the first holds one whole bf16 copy of the model more at the
+/// forward's end (1,660 MiB + 32 MiB, `deepspeed_z3_n2/8/32`).
+pub fn zero3_keeps_forward_gathers(profile: &Profile, cand: &Candidate) -> bool {
+    profile.engine == Engine::DeepSpeed && cand.zero >= 3 && cand.data > 1
+}
+
+/// Buffers DeepSpeed allocates inside the backward, as scratch of the ops whose backward runs
+/// while they exist (`tape` is the stage's micro-step):
+/// - ZeRO-1/2 (`stage_1_and_2.py` `setup_buckets`, from the first gradient hook until
+///   `independent_gradient_partition_epilogue` releases them): with `contiguous_gradients`
+///   one `reduce_bucket_size` buffer in the weights' dtype, two with `overlap_comm`;
+/// - ZeRO-0 (`runtime/engine.py` `allreduce_gradients` → `buffered_allreduce_fallback`): a
+///   flat copy of up to 5e8 gradient elements, made after the backward for the all-reduce.
+pub fn backward_scratch(
+    spec: &Spec,
+    profile: &Profile,
+    cand: &Candidate,
+    tape: &mut super::tape::Tape,
+) {
+    use super::tape::Role;
+    if profile.engine != Engine::DeepSpeed || cand.data.max(1) <= 1 {
+        return;
+    }
+    let zs = spec.deepspeed_zero();
+    let reads_trainable = |op: &super::tape::OpInfo| {
+        op.inputs.iter().any(|x| {
+            let t = &tape.tensors[x.0 as usize];
+            t.role == Role::Param && t.grad_bytes > 0
+        })
+    };
+    // The last op of the forward that reads a trainable weight runs backward first: its
+    // gradient is the first the hooks see.
+    let Some(first_grad) = tape.ops.iter().rposition(reads_trainable) else {
+        return;
+    };
+    let trainable: u64 = tape
+        .tensors
+        .iter()
+        .filter(|t| t.role == Role::Param && t.grad_bytes > 0)
+        .map(|t| t.grad_bytes)
+        .sum();
+    match cand.zero {
+        1 | 2 => {
+            let buffers = if zs.overlap_comm { 2 } else { 1 };
+            let b = buffers * bytes(zs.reduce_bucket, spec.precision.params.bytes());
+            for op in &mut tape.ops[..first_grad] {
+                op.bwd_workspace += b;
+            }
+        }
+        0 => {
+            // `grad_bytes` is each gradient's allocation; the flat copy holds their values.
+            let elems = (trainable as f64 / spec.precision.grads.bytes()) as u64;
+            let b = bytes(
+                elems.min(deepspeed::ALLREDUCE_BUCKET_ELEMENTS),
+                spec.precision.grads.bytes(),
+            );
+            // The backward's last op (the first of the forward that has one) runs last.
+            if let Some(i) = tape.ops.iter().position(|o| o.has_backward(tape)) {
+                tape.ops[i].bwd_workspace += b;
+            }
+        }
+        _ => {}
+    }
+}
+
 /// The optimizer step's temporaries on the device, or `None` to keep `memory::optimizer`'s
 /// (eager PyTorch's `torch.optim` over separate parameters). `trainable` holds each
 /// trainable tensor's values on this rank.
@@ -280,14 +397,46 @@ pub fn step_temporaries(
             } else {
                 partition
             };
-            // `stage_1_and_2.py` `step`: `flatten(averaged_gradients)` in the gradients' dtype,
-            // then `.to(fp32)` for `single_partition_of_fp32_groups[i].grad` (`stage3.py`
-            // `_prepare_fp32_grad_for_sub_group` likewise per sub-group).
             let grad_b = spec.precision.grads.bytes();
-            let mut temp = profile.allocated(bytes(piece, grad_b));
-            if grad_b < 4.0 {
-                temp += profile.allocated(bytes(piece, 4.0));
+            let fused = spec.optimizer.implementation == OptImpl::Fused;
+            if cand.zero == 0 && spec.precision.params.bytes() >= 4.0 {
+                // fp32 weights without ZeRO: DeepSpeed wraps nothing, torch's optimizer steps
+                // the parameters themselves.
+                return None;
             }
+            let mut temp = if cand.zero == 0 && !fused {
+                // 16-bit weights without ZeRO and torch's optimizer: `FP16_UnfusedOptimizer`
+                // (`fp16/unfused_optimizer.py` `step`) casts every 16-bit gradient to an fp32
+                // `.grad` of its master parameter, all of them before the step.
+                trainable
+                    .iter()
+                    .map(|&n| profile.allocated(bytes(n, 4.0)))
+                    .sum()
+            } else if cand.zero >= 3 {
+                // `stage3.py` `_prepare_fp32_grad_for_sub_group`: the sub-group's piece of the
+                // flat gradient partition (`zero3_grad_partition_bytes`) cast to fp32.
+                if grad_b < 4.0 {
+                    profile.allocated(bytes(piece, 4.0))
+                } else {
+                    0
+                }
+            } else {
+                // `stage_1_and_2.py` `step` (and `FP16_Optimizer` over a fused optimizer):
+                // `flatten(averaged_gradients)` in the gradients' dtype, then `.to(fp32)` for
+                // `single_partition_of_fp32_groups[i].grad`.
+                let mut t = profile.allocated(bytes(piece, grad_b));
+                if grad_b < 4.0 {
+                    t += profile.allocated(bytes(piece, 4.0));
+                }
+                t
+            };
+            // ZeRO-1/2 free the flat copy and the gradient partition itself
+            // (`averaged_gradients[i] = None`) before `_optimizer_step`: the optimizer's own
+            // temporaries stand beside the fp32 gradient only. The partition is in the step's
+            // gradients; its bytes come off here.
+            let flat_and_cast = temp;
+            let partition = ((1..=2).contains(&cand.zero) && grad_b < 4.0)
+                .then(|| profile.allocated(bytes(piece, grad_b)));
             // The optimizer runs over the one flat fp32 partition: FusedAdam allocates
             // nothing; torch's foreach makes one partition-sized temporary, a per-parameter
             // loop two (the partition is its one parameter).
@@ -295,7 +444,10 @@ pub fn step_temporaries(
                 spec.optimizer.kind,
                 OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lion
             );
-            temp += if adam_like {
+            temp += if cand.zero == 0 && !fused {
+                // ... over the separate fp32 master parameters: torch.optim's own temporaries.
+                generic
+            } else if adam_like {
                 match spec.optimizer.implementation {
                     OptImpl::Fused | OptImpl::Paged => 0,
                     OptImpl::Foreach => profile.allocated(bytes(piece, 4.0)),
@@ -304,6 +456,13 @@ pub fn step_temporaries(
             } else {
                 generic
             };
+            if let Some(partition) = partition {
+                // The cast, then the fp32 gradient and the optimizer's temporaries without the
+                // flat copy and the partition (counted with the step's gradients).
+                let optimizer = temp - flat_and_cast;
+                let fp32 = flat_and_cast - partition;
+                temp = flat_and_cast.max((fp32 + optimizer).saturating_sub(partition));
+            }
             Some(temp)
         }
     }
@@ -445,11 +604,39 @@ mod tests {
         assert_eq!(scratch_at(&two, Some(1)).backward[0], root + 2 * layer);
     }
 
-    /// DeepSpeed ZeRO-2 (`stage_1_and_2.py`): two bf16 `reduce_bucket_size` buffers of H²
-    /// (what rcoa writes into ds_config.json) for the whole step, and at the step the flat
-    /// bf16 gradient partition and its fp32 cast, FusedAdam allocating nothing.
+    /// The micro-step's tape of `s` under `c` (the first stage), as `memory::evaluate_on`
+    /// builds it.
+    fn tape_of(s: &Spec, c: &Candidate) -> crate::memory::tape::Tape {
+        let p = Profile::for_target(s.target);
+        let stage = &super::super::stages(s, c)[0];
+        crate::memory::build::Builder::new(s, &p, c)
+            .build(
+                stage.first_layer..stage.end_layer,
+                stage.embedding,
+                stage.head,
+            )
+            .tape
+    }
+
+    /// Each op's backward scratch in `with` beyond `without` (the same model).
+    fn bwd_scratch_added(with: &Spec, without: &Spec, c: &Candidate) -> Vec<u64> {
+        let (a, b) = (tape_of(with, c), tape_of(without, c));
+        assert_eq!(a.ops.len(), b.ops.len());
+        a.ops
+            .iter()
+            .zip(&b.ops)
+            .map(|(x, y)| x.bwd_workspace - y.bwd_workspace)
+            .collect()
+    }
+
+    /// DeepSpeed ZeRO-2 (`stage_1_and_2.py`): the bf16 `reduce_bucket_size` buffers (two with
+    /// `overlap_comm`, which rcoa writes; one under DeepSpeed's defaults) exist from the
+    /// first gradient (the head's) to the end of the backward, and nothing for the whole step;
+    /// at the step the flat bf16 gradient partition and its fp32 cast, FusedAdam allocating
+    /// nothing.
     #[test]
     fn deepspeed_zero2_buckets_and_flat_partition() {
+        use crate::profile::engines::deepspeed::ZeroSettings;
         let s = spec(
             "deepspeed",
             "{ params = bf16 compute = bf16 master = fp32 }",
@@ -461,10 +648,27 @@ mod tests {
             "DeepSpeed's default"
         );
         let c = cand(2, 4);
-        let bufs = engine_bytes(&s, &c);
-        assert_eq!(bufs.len(), 1, "{bufs:?}");
-        assert_eq!(bufs[0].1, 2 * H * H * 2);
-        assert!(bufs[0].0.contains("reduce_bucket_size"), "{}", bufs[0].0);
+        assert!(engine_bytes(&s, &c).is_empty());
+        let mut none = s.clone();
+        none.deepspeed_zero = Some(ZeroSettings {
+            reduce_bucket: 0,
+            ..ZeroSettings::rcoa(H)
+        });
+        let head = tape_of(&s, &c)
+            .ops
+            .iter()
+            .position(|o| o.name == "lm_head")
+            .unwrap();
+        let added = bwd_scratch_added(&s, &none, &c);
+        assert!(
+            added[..head].iter().all(|&b| b == 2 * H * H * 2),
+            "{added:?}"
+        );
+        assert!(added[head..].iter().all(|&b| b == 0), "{added:?}");
+        let mut library = s.clone();
+        library.deepspeed_zero = Some(ZeroSettings::library_defaults(2));
+        let added = bwd_scratch_added(&library, &none, &c);
+        assert_eq!(added[0], 500_000_000 * 2, "one bucket without overlap_comm");
         let p = Profile::for_target(s.target);
         let opt = OptimizerModel {
             name: "adamw",
@@ -480,40 +684,149 @@ mod tests {
             Some(p.allocated(partition * 2) + p.allocated(partition * 4))
         );
         assert_eq!(p.allocated(partition * 2), round(partition * 2));
-        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one more.
+        // torch's foreach AdamW (`torch_adam`) over the one flat partition: one fp32
+        // partition more, after the bf16 partition and its flat copy are freed (no higher
+        // than the cast); a per-parameter loop two, which is.
         let mut foreach = s.clone();
         foreach.optimizer.implementation = OptImpl::Foreach;
+        let (bf16, fp32) = (p.allocated(partition * 2), p.allocated(partition * 4));
         assert_eq!(
             step_temporaries(&foreach, &p, &c, &opt, &values),
-            Some(p.allocated(partition * 2) + 2 * p.allocated(partition * 4))
+            Some(bf16 + fp32)
         );
+        foreach.optimizer.implementation = OptImpl::Plain;
+        assert_eq!(
+            step_temporaries(&foreach, &p, &c, &opt, &values),
+            Some(3 * fp32 - bf16)
+        );
+        // ZeRO-1 steps from the same partition: the whole gradients are reduced into it.
+        assert_eq!(
+            zero1_step_gradient_bytes(&s, &p, &cand(1, 4), MODEL),
+            Some(bf16)
+        );
+        assert_eq!(zero1_step_gradient_bytes(&s, &p, &c, MODEL), None);
         // Eager PyTorch keeps `memory::optimizer`'s temporaries.
         let eager = Profile::pytorch();
         assert_eq!(step_temporaries(&s, &eager, &c, &opt, &values), None);
     }
 
-    /// DeepSpeed ZeRO-3 (`stage3.py`, `partition_parameters.py`): one reduce bucket, a
-    /// prefetch of min(0.9 H², the next layer), and the norms (under the persistence
-    /// threshold) whole on every rank.
+    /// DeepSpeed without ZeRO, bf16 weights and torch's AdamW (`FP16_UnfusedOptimizer`): the
+    /// all-reduce's flat copy of the gradients at the backward's end only, and at the step an
+    /// fp32 `.grad` of every parameter besides torch's own temporaries; fp32 weights are
+    /// stepped by torch alone.
     #[test]
-    fn deepspeed_zero3_bucket_prefetch_and_persistent_norms() {
+    fn deepspeed_zero0_casts_each_gradient_and_flattens_after_the_backward() {
+        let mut s = spec(
+            "deepspeed",
+            "{ params = bf16 compute = bf16 master = fp32 }",
+            0,
+        );
+        s.optimizer.implementation = OptImpl::Foreach;
+        let c = cand(0, 4);
+        assert!(engine_bytes(&s, &c).is_empty());
+        let tape = tape_of(&s, &c);
+        let last = tape.ops.iter().position(|o| o.has_backward(&tape)).unwrap();
+        let mut eager = s.clone();
+        eager.target = crate::spec::Target::Pytorch;
+        let added = bwd_scratch_added(&s, &eager, &c);
+        for (i, b) in added.iter().enumerate() {
+            assert_eq!(*b, if i == last { MODEL * 2 } else { 0 }, "op {i}");
+        }
+        let p = Profile::for_target(s.target);
+        let opt = OptimizerModel {
+            name: "adamw",
+            state_bytes: 0,
+            master_bytes: 4 * MODEL,
+            temp_bytes: 4 * MODEL + 4 * LAYER,
+        };
+        let values = [MODEL - 3, 1, 1, 1];
+        let fp32_grads: u64 = values.iter().map(|&n| p.allocated(n * 4)).sum();
+        let generic = 4 * MODEL + 4 * LAYER - p.allocated((MODEL - 3) * 4);
+        assert_eq!(
+            step_temporaries(&s, &p, &c, &opt, &values),
+            Some(fp32_grads + generic)
+        );
+        let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 0);
+        assert_eq!(step_temporaries(&fp32, &p, &c, &opt, &values), None);
+    }
+
+    /// DeepSpeed ZeRO-3 (`stage3.py`, `partition_parameters.py`,
+    /// `partitioned_param_coordinator.py`): one reduce bucket for the whole step, the norms
+    /// (under the persistence threshold) whole on every rank, the flat bf16 gradient partition
+    /// from the start, and every matrix gathered in the forward kept until its backward (no
+    /// separate prefetch).
+    #[test]
+    fn deepspeed_zero3_keeps_its_gathers_bucket_and_gradient_partition() {
+        use crate::profile::engines::deepspeed::ZeroSettings;
         let s = spec(
             "deepspeed",
             "{ params = bf16 compute = bf16 master = fp32 }",
             3,
         );
-        let bufs = engine_bytes(&s, &cand(3, 4));
+        let c = cand(3, 4);
+        let bufs = engine_bytes(&s, &c);
         let bytes: Vec<u64> = bufs.iter().map(|b| b.1).collect();
         let norms = (2 * 2 + 1) * H;
+        assert_eq!(bytes, vec![H * H * 2, (norms - norms / 4) * 2], "{bufs:?}");
+        let mut library = s.clone();
+        library.deepspeed_zero = Some(ZeroSettings::library_defaults(3));
+        assert_eq!(engine_bytes(&library, &c)[0].1, 500_000_000 * 2);
+        // Every matrix (7 a layer, the embedding and the head) gathered whole, made by the op
+        // that reads it and saved by it for its backward.
+        let tape = tape_of(&s, &c);
+        let kept: Vec<usize> = (0..tape.tensors.len())
+            .filter(|&i| tape.tensors[i].name == "gathered_weight")
+            .collect();
+        assert_eq!(kept.len(), 2 * 7 + 2);
+        let total: u64 = kept.iter().map(|&i| tape.tensors[i].bytes).sum();
+        assert_eq!(total, (MODEL - norms) * 2);
+        for &i in &kept {
+            let op = &tape.ops[tape.tensors[i].producer.unwrap().0 as usize];
+            assert!(op.saved.iter().any(|t| t.0 as usize == i), "{}", op.name);
+        }
+        // A tied head reads the embedding's gathered table: no second copy, no scratch.
+        let mut tied = s.clone();
+        tied.model.tie_embeddings = true;
+        let tape = tape_of(&tied, &c);
+        let gathered = |name: &str| tape.tensors.iter().filter(|t| t.name == name).count();
+        assert_eq!(gathered("gathered_weight"), 2 * 7 + 1);
+        let head = tape.ops.iter().find(|o| o.name == "lm_head").unwrap();
+        assert_eq!((head.fwd_workspace, head.bwd_workspace), (0, 0));
+        let p = Profile::for_target(s.target);
+        let partition = p.allocated(MODEL.div_ceil(4) * 2);
         assert_eq!(
-            bytes,
-            vec![H * H * 2, (H * H * 9 / 10) * 2, (norms - norms / 4) * 2],
-            "{bufs:?}"
+            zero3_grad_partition_bytes(&s, &p, &c, MODEL),
+            Some(partition)
         );
+        // At the backward's start: the weight shards, every matrix gathered, the gradient
+        // partition.
+        let r = evaluate(&s, &c);
+        assert_eq!(r.peak.phase, crate::memory::Phase::Backward, "{:?}", r.peak);
+        assert_eq!(r.breakdown["grads"], partition);
+        let shards = r.breakdown["weights"] - total;
+        assert!(
+            shards.abs_diff(MODEL.div_ceil(4) * 2) <= 23 * 512,
+            "{shards}"
+        );
+        // Checkpointed layers keep theirs too, from the forward through the recompute (which
+        // finds them gathered), and are still recomputed (more FLOPs).
+        let ckpt = Candidate {
+            checkpoint_layers: vec![0, 1],
+            ..c.clone()
+        };
+        let at_forward_end = |c: &Candidate| {
+            let r = parallel::evaluate(&s, c, &p, true);
+            let end = r.timeline.iter().find(|x| x.op == "forward end").unwrap();
+            end.by_category[crate::memory::Category::Weights as usize]
+        };
+        assert_eq!(at_forward_end(&c), at_forward_end(&ckpt));
+        assert_eq!(at_forward_end(&ckpt) - shards, total);
+        let work = |c: &Candidate| super::super::tape_work(&tape_of(&s, c)).0;
+        assert!(work(&ckpt) > work(&c));
         // fp32 weights: ZeRO keeps its own fp32 partition besides them.
         let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 1);
         let bufs = engine_bytes(&fp32, &cand(1, 4));
-        assert_eq!(bufs[1].1, MODEL.div_ceil(4) * 4, "{bufs:?}");
+        assert_eq!(bufs[0].1, MODEL.div_ceil(4) * 4, "{bufs:?}");
     }
 
     /// Megatron-Core (`param_and_grad_buffer.py`, `distrib_optimizer.py`): bf16 weights whole,

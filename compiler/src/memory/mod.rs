@@ -389,7 +389,10 @@ fn evaluate_stage(
     }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
     let trainable_values: Vec<u64> = trainable.iter().map(|(_, n)| *n).collect();
-    let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum());
+    let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum())
+        .or_else(|| {
+            engines::zero3_grad_partition_bytes(spec, profile, cand, trainable_values.iter().sum())
+        });
     if let Some(b) = grad_buffer {
         // Megatron's gradient buffer replaces the gradients the backward would allocate.
         persistent.fixed[Category::Grads as usize] = b;
@@ -463,6 +466,11 @@ fn evaluate_stage(
     }
     // The optimizer step: what the backward left (params, grads, state) plus temporaries.
     let mut at_opt = first.end;
+    if let Some(g) =
+        engines::zero1_step_gradient_bytes(spec, profile, cand, trainable_values.iter().sum())
+    {
+        at_opt[Category::Grads as usize] = g;
+    }
     at_opt[Category::ActivationGrads as usize] = 0;
     at_opt[Category::Activations as usize] = persistent.fixed[Category::Activations as usize];
     at_opt[Category::WeightCopies as usize] = 0;
@@ -834,9 +842,13 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
     let mut kernels = 0u64;
     let kept = tape.kept_mask();
     for (i, op) in tape.ops.iter().enumerate() {
-        // A kept output's op does not run again in the recompute.
+        // A kept output's op does not run again in the recompute (a kept gathered weight is
+        // no output of its computation).
         let recomputed = tape.layer_of_op(i).is_some_and(|l| l.checkpointed)
-            && !op.outputs.iter().any(|o| kept[o.0 as usize]);
+            && !op
+                .outputs
+                .iter()
+                .any(|o| kept[o.0 as usize] && tape.tensor(*o).role != tape::Role::Gathered);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         flops += op.flops * fwd_times

@@ -496,6 +496,21 @@ fn engine_shares(
                 "all the stage's fp32 main weights and Adam state (no distributed optimizer)".to_string()
             },
         ),
+        Engine::DeepSpeed if super::engines::zero3_keeps_forward_gathers(profile, cand)
+            && !cand.offloads(crate::spec::OffloadWhat::Params) =>
+        {
+            (
+                format!(
+                    "1/{d} of the stage's weights (ZeRO-3 over data = {d}), plus every matrix gathered whole from its use in the forward until its backward (DeepSpeed's parameter coordinator, from the second step)"
+                ),
+                if super::engines::grads_follow_host_optimizer(profile, cand) {
+                    grads
+                } else {
+                    format!("1/{d} of the stage's gradients in DeepSpeed's flat partition, allocated with the optimizer")
+                },
+                optimizer,
+            )
+        }
         _ => (weights, grads, optimizer),
     }
 }
@@ -628,6 +643,35 @@ pub fn apply(r: &mut MemoryReport, t: &ParallelTerms) {
     }
 }
 
+/// The loss of a vocabulary-parallel head under PyTorch's DTensor tensor parallelism
+/// (`loss_parallel`, `torch/distributed/tensor/parallel/loss.py`), as scratch beyond the fused
+/// kernels eager PyTorch runs, for one rank's log-probabilities of `lsm_bytes` (its vocabulary
+/// shard, fp32 after Hugging Face's upcast): `(log_softmax forward, nll_loss backward)`, or
+/// `None` where the loss is not that one (one rank; Burn; Megatron-Core's fused
+/// `vocab_parallel_cross_entropy` and DeepSpeed, which run their own).
+///
+/// - Forward, `_log_softmax`: `shifted = x - max` stays beside the input while `exp(shifted)`
+///   and then `shifted - logsumexp` (the output) are made: one shard-sized tensor more than
+///   the fused `log_softmax`, which writes only its output.
+/// - Backward, `_nll_loss_and_log_softmax_backward` (run for `nll_loss_backward`; the
+///   log-softmax backward handler then passes its gradient through): `grad_input =
+///   zeros_like(x)`, `exp(x)`, their sum and its product with the loss gradient, three
+///   shard-sized tensors at once (the sum and either `exp(x)` or the product beside
+///   `grad_input`), where eager PyTorch's `nll_loss_backward` makes one before the fused
+///   log-softmax backward.
+///
+/// Seen on an H100 (`tests/groundtruth/h100-multigpu.jsonl`, `tp_bf16_n2/4/8`): the forward
+/// phase peaks 2.5 shards above its end and the backward 3 above it, exactly.
+pub fn vocab_parallel_loss_scratch(
+    profile: &Profile,
+    cand: &Candidate,
+    lsm_bytes: u64,
+) -> Option<(u64, u64)> {
+    use crate::profile::Engine;
+    let dtensor = matches!(profile.engine, Engine::Eager | Engine::Fsdp2);
+    (cand.tensor > 1 && dtensor && !profile.burn_ops).then_some((lsm_bytes, 2 * lsm_bytes))
+}
+
 /// Ops whose `[tokens, hidden]` output lies outside the tensor-parallel regions: with
 /// sequence parallelism each rank keeps `tokens / tensor` rows of it (Megatron-LM's
 /// sequence parallelism; the row-parallel projections reduce-scatter instead of
@@ -758,6 +802,64 @@ mod tests {
         let opt = &first.holds.iter().find(|h| h.what == "optimizer").unwrap();
         assert!(opt.share.starts_with("1/2 of"), "{}", opt.share);
         assert!(opt.share.contains("ZeRO-1 over data = 2"), "{}", opt.share);
+    }
+
+    /// DTensor's `loss_parallel` (tensor = 2, target pytorch): the log-softmax forward keeps
+    /// one more fp32 vocabulary shard of log-probabilities beside its input, the fused
+    /// backward of the loss two more; nothing on one rank, on Burn or on Megatron-Core.
+    #[test]
+    fn tensor_parallel_loss_scratch_is_one_and_two_vocabulary_shards() {
+        let s = spec();
+        let ops = |target: crate::spec::Target, tensor: u64| {
+            let mut s = s.clone();
+            s.target = target;
+            let p = Profile::for_target(target);
+            let c = Candidate {
+                tensor,
+                ..cand(1, 0, 1)
+            };
+            let tape = super::super::build::Builder::new(&s, &p, &c)
+                .build(0..s.model.layers, true, true)
+                .tape;
+            let at = |name: &str| tape.ops.iter().rposition(|o| o.name == name);
+            let lsm = at("log_softmax").map(|o| {
+                let out = tape.ops[o].outputs[0];
+                (
+                    tape.ops[o].fwd_workspace,
+                    tape.tensors[out.0 as usize].bytes,
+                )
+            });
+            (lsm, at("nll_loss").map(|o| tape.ops[o].bwd_workspace))
+        };
+        use crate::spec::Target;
+        let (Some((fwd, shard)), Some(bwd)) = ops(Target::Pytorch, 2) else {
+            panic!("no loss ops");
+        };
+        // [tokens, vocab / 2] fp32 log-probabilities.
+        let tokens = 2 * 128;
+        assert_eq!(
+            shard,
+            Profile::pytorch().allocated(tokens * s.model.vocab / 2 * 4)
+        );
+        let (Some((fwd1, _)), Some(bwd1)) = ops(Target::Pytorch, 1) else {
+            panic!("no loss ops");
+        };
+        assert_eq!((fwd - fwd1, bwd - bwd1), (shard, 2 * shard));
+        let (Some((mfwd, _)), Some(mbwd)) = ops(Target::Megatron, 2) else {
+            panic!("no loss ops");
+        };
+        assert_eq!((mfwd, mbwd), (fwd1, bwd1));
+        assert_eq!(
+            vocab_parallel_loss_scratch(
+                &Profile::burn(),
+                &Candidate {
+                    tensor: 2,
+                    ..cand(1, 0, 1)
+                },
+                1
+            ),
+            None
+        );
     }
 
     #[test]

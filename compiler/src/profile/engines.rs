@@ -84,6 +84,47 @@ pub mod deepspeed {
     /// `allreduce_gradients` → `buffered_allreduce_fallback(elements_per_buffer=500000000)`),
     /// which rcoa's config does not change.
     pub const ALLREDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
+
+    /// The ZeRO sizes a DeepSpeed run uses: rcoa's (what [`crate::emit::deepspeed`] writes,
+    /// [`ZeroSettings::rcoa`]) unless the run was configured otherwise. `rcoa validate`
+    /// scores runs of `tools/measure_multigpu.py`, whose `ds_config` leaves every size to
+    /// DeepSpeed ([`ZeroSettings::library_defaults`]).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct ZeroSettings {
+        /// `reduce_bucket_size` (elements).
+        pub reduce_bucket: u64,
+        /// `stage3_prefetch_bucket_size` (elements).
+        pub prefetch_bucket: u64,
+        /// `stage3_param_persistence_threshold` (elements).
+        pub persistence_threshold: u64,
+        /// `overlap_comm`: ZeRO-1/2 double their reduce bucket (`stage_1_and_2.py`
+        /// `setup_buckets`).
+        pub overlap_comm: bool,
+    }
+
+    impl ZeroSettings {
+        /// What rcoa writes into `ds_config.json` for a model of `hidden` width (`overlap_comm`
+        /// and `contiguous_gradients` on at every stage).
+        pub fn rcoa(hidden: u64) -> ZeroSettings {
+            ZeroSettings {
+                reduce_bucket: reduce_bucket_elements(hidden),
+                prefetch_bucket: prefetch_bucket_elements(hidden),
+                persistence_threshold: persistence_threshold(hidden),
+                overlap_comm: true,
+            }
+        }
+        /// DeepSpeed's own defaults for ZeRO `stage` (`runtime/zero/config.py`): 5e8-element
+        /// reduce bucket, 5e7 prefetch, 1e5 persistence threshold, `overlap_comm` on for
+        /// stage 3 only, `contiguous_gradients` on.
+        pub fn library_defaults(stage: u8) -> ZeroSettings {
+            ZeroSettings {
+                reduce_bucket: 500_000_000,
+                prefetch_bucket: 50_000_000,
+                persistence_threshold: 100_000,
+                overlap_comm: stage >= 3,
+            }
+        }
+    }
 }
 
 /// Megatron-Core's buffers.

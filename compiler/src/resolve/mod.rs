@@ -229,6 +229,7 @@ pub fn resolve_with_spans(
                 target,
                 optimizer_in_backward: in_backward,
                 defaults: std::mem::take(&mut cx.defaults),
+                deepspeed_zero: None,
             };
             return Ok((spec, cx.spans));
         }

@@ -39,6 +39,10 @@ pub struct MeasuredRun {
     /// replaced them (absent from rows measured before that fix).
     #[serde(default)]
     pub built_params_released: bool,
+    /// The `ds_config` a DeepSpeed run was given (`tools/measure_multigpu.py` records it):
+    /// the ZeRO sizes it sets override DeepSpeed's defaults.
+    #[serde(default)]
+    pub deepspeed_config: Option<Value>,
 }
 
 impl MeasuredRun {

@@ -55,13 +55,14 @@ pub fn score_plan(run: &MeasuredRun, plan: &str) -> RowScore {
         Err(e) => return failed("parse", e.to_string()),
     };
     let ctx = ResolveContext::new(file, plan, std::path::PathBuf::new());
-    let spec = match resolve(&parsed, &ctx) {
+    let mut spec = match resolve(&parsed, &ctx) {
         Ok(s) => s,
         Err(errs) => {
             let all: Vec<String> = errs.errors().iter().map(|e| e.to_string()).collect();
             return failed("resolve", all.join("; "));
         }
     };
+    measured_settings(run, &mut spec);
     let compiled = match crate::compile(&spec) {
         Ok(c) => c,
         Err(e) => return failed("compile", e.to_string()),
@@ -84,6 +85,40 @@ pub fn score_plan(run: &MeasuredRun, plan: &str) -> RowScore {
         name: run.name.clone(),
         outcome,
     }
+}
+
+/// What the measured run set that no plan text says: a DeepSpeed run's ZeRO sizes are its
+/// `ds_config`'s, DeepSpeed's defaults where it leaves them out (`tools/measure_multigpu.py`
+/// leaves them all), where a `target deepspeed` plan means the `ds_config.json` rcoa writes
+/// (its buckets sized from the hidden width).
+fn measured_settings(run: &MeasuredRun, spec: &mut crate::spec::Spec) {
+    if run.config.engine != super::row::Engine::Deepspeed {
+        return;
+    }
+    let stage = run.config.zero_stage.unwrap_or(0).min(3) as u8;
+    let mut zs = crate::profile::engines::deepspeed::ZeroSettings::library_defaults(stage);
+    let zero = run
+        .deepspeed_config
+        .as_ref()
+        .and_then(|c| c.get("zero_optimization"));
+    // JSON numbers such as 5e8 come as floats.
+    let size = |key: &str| zero.and_then(|z| z.get(key)).and_then(|v| v.as_f64());
+    if let Some(n) = size("reduce_bucket_size") {
+        zs.reduce_bucket = n as u64;
+    }
+    if let Some(n) = size("stage3_prefetch_bucket_size") {
+        zs.prefetch_bucket = n as u64;
+    }
+    if let Some(n) = size("stage3_param_persistence_threshold") {
+        zs.persistence_threshold = n as u64;
+    }
+    if let Some(b) = zero
+        .and_then(|z| z.get("overlap_comm"))
+        .and_then(|v| v.as_bool())
+    {
+        zs.overlap_comm = b;
+    }
+    spec.deepspeed_zero = Some(zs);
 }
 
 /// [`score_plan`] on the plan [`plan_text`] writes for `run`.
@@ -231,6 +266,38 @@ pub fn row_line(r: &RowScore) -> String {
 mod tests {
     use super::*;
     use crate::validate::row;
+
+    /// The ZeRO sizes the scorer predicts a DeepSpeed row with: its `ds_config`'s, DeepSpeed's
+    /// defaults where it leaves them out; none for another engine.
+    #[test]
+    fn a_deepspeed_row_is_predicted_with_its_own_zero_sizes() {
+        use crate::profile::engines::deepspeed::ZeroSettings;
+        let settings = |text: &str| {
+            let run = row::parse("t.jsonl", text).unwrap().runs.remove(0);
+            let plan = plan_text(&run.config);
+            let parsed = rcoa_grammar::parse("t.plan", &plan).unwrap();
+            let ctx = ResolveContext::new("t.plan", &plan, std::path::PathBuf::new());
+            let mut spec = resolve(&parsed, &ctx).unwrap();
+            measured_settings(&run, &mut spec);
+            spec.deepspeed_zero
+        };
+        let plain = row::tests_support::deepspeed();
+        assert_eq!(settings(&plain), Some(ZeroSettings::library_defaults(2)));
+        let given = plain.replacen(
+            r#""record": "config","#,
+            r#""record": "config", "deepspeed_config": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e6, "overlap_comm": true}},"#,
+            1,
+        );
+        assert_eq!(
+            settings(&given),
+            Some(ZeroSettings {
+                reduce_bucket: 2_000_000,
+                overlap_comm: true,
+                ..ZeroSettings::library_defaults(2)
+            })
+        );
+        assert_eq!(settings(&row::tests_support::ddp()), None);
+    }
 
     fn scored(name: &str, rel_err: f64, fits: bool) -> RowScore {
         RowScore {
