@@ -51,29 +51,13 @@ pub(super) fn data_parallel(
     let (layers, root) = stage_params(spec, cand, report);
     let ag = gathered_bytes_per_value(spec);
     let (g, mi) = (Group::Data, Cadence::MicroStep);
-    let f = "FSDP2 all-gather of every unit for its forward, in param_dtype";
-    r.push(
-        Collective::AllGather,
-        f,
-        g,
-        n,
-        link,
-        (layers + root) * ag,
-        1.0,
-        mi,
-    );
+    let mut gathers = vec!["FSDP2 all-gather of every unit for its forward, in param_dtype"];
     if crate::memory::engines::fsdp_reshards_after_forward(cand.zero) {
-        let b = "FSDP2 all-gather of every unit again for its backward (reshard_after_forward=True), in param_dtype";
-        r.push(
-            Collective::AllGather,
-            b,
-            g,
-            n,
-            link,
-            (layers + root) * ag,
-            1.0,
-            mi,
-        );
+        gathers.push("FSDP2 all-gather of every unit again for its backward (reshard_after_forward=True), in param_dtype");
+    }
+    for what in gathers {
+        let bytes = (layers + root) * ag;
+        r.push(Collective::AllGather, what, g, n, link, bytes, 1.0, mi);
     }
     let reduce = spec.precision.params.bytes();
     let w = if reduce >= 4.0 {
