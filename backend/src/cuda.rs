@@ -309,7 +309,7 @@ impl MemoryProbe for CudaProbe {
         Some(self.reserved)
     }
     fn what(&self) -> &'static str {
-        "CubeCL bytes in use (live tensors), sampled after every layer's forward and backward and the optimizer step"
+        "CubeCL bytes in use (live tensors), sampled after every layer's forward and backward, inside the ZeRO-1/2 exchange and after the optimizer step"
     }
 }
 

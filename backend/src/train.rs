@@ -912,8 +912,14 @@ impl<B: ExecAutodiff> Trainer<B> {
                 RunError::Backend("a training step needs at least one micro-batch".into())
             })?;
             let model = self.model.clone();
-            let (model, loss) =
-                z.step::<B, _>(self.collective.as_ref(), self.lr, model, &mut acc, loss)?;
+            let (model, loss) = z.step::<B, _>(
+                self.collective.as_ref(),
+                self.lr,
+                model,
+                &mut acc,
+                loss,
+                probe,
+            )?;
             self.model = model;
             total = Some(loss);
         } else {

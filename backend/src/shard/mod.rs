@@ -229,6 +229,9 @@ impl<I: Backend> Zero<I> {
     /// One optimizer step of `model` with the gradients in `grads` (this
     /// rank's, summed over its micro-batches) and this rank's `loss`;
     /// returns the updated model and the loss averaged over the ranks.
+    /// `probe` is sampled where the exchange holds the most: a probe that
+    /// reads the bytes in use at sample points (CUDA) would miss those
+    /// transients between the backward's last sample and the optimizer's.
     pub fn step<B, M>(
         &mut self,
         collective: Option<&Collective<I>>,
@@ -236,6 +239,7 @@ impl<I: Backend> Zero<I> {
         model: M,
         grads: &mut GradientsParams,
         loss: Tensor<I, 1>,
+        probe: &mut dyn crate::memory::MemoryProbe,
     ) -> Result<(M, Tensor<I, 1>), RunError>
     where
         B: AutodiffBackend<InnerBackend = I>,
@@ -266,6 +270,7 @@ impl<I: Backend> Zero<I> {
                 self.len
             )));
         }
+        sample(probe, "exchange: flat gradients");
         let (grad, loss) = match collective {
             None => (flat.slice(range.clone()), loss),
             Some(c) if loss_rides => {
@@ -295,6 +300,7 @@ impl<I: Backend> Zero<I> {
                 (grad, losses.slice(0..1))
             }
         };
+        sample(probe, "exchange: reduced");
         let master = match self.master.take() {
             Some(m) => m,
             None if self.master_kept() => {
@@ -331,12 +337,19 @@ impl<I: Backend> Zero<I> {
             Some(c) if self.shards > 1 => c.all_gather(updated)?,
             _ => updated,
         };
+        sample(probe, "exchange: gathered");
         let model = model.map(&mut WriteParams::<I> {
             flat: full.slice(0..self.len),
             at: 0,
         });
         Ok((model, loss))
     }
+}
+
+/// One memory sample at `at`.
+fn sample(probe: &mut dyn crate::memory::MemoryProbe, at: &'static str) {
+    probe.at(&|| at.to_string());
+    probe.sample();
 }
 
 /// The ZeRO stage a rank executes (0: Burn's optimizer on every rank).
