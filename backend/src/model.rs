@@ -1071,7 +1071,6 @@ impl<B: Backend> Model<B> {
 mod qlora_tests {
     use super::*;
     use crate::testing::tiny_plan;
-    use crate::train::{Trainer, TrainerConfig};
     use burn::module::{ModuleMapper, ModuleVisitor};
     use burn::optim::GradientsParams;
     use burn::tensor::{TensorData, Tolerance};
@@ -1317,17 +1316,7 @@ mod qlora_tests {
             data: None,
             ..Default::default()
         };
-        let mut t = Trainer::<Ad>::new(
-            &plan,
-            TrainerConfig {
-                seed: 3,
-                batcher: crate::batcher(&plan, &opts).unwrap(),
-                sixteen_bit: false,
-                collective: None,
-            },
-            Default::default(),
-        )
-        .unwrap();
+        let mut t = crate::testing::trainer::<Ad>(&plan, &opts, 3).unwrap();
         let (all, trainable) = t.param_counts();
         let lora = 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16) + 2 * (32 + 64) + (64 + 32));
         assert_eq!(trainable, lora);

@@ -118,6 +118,26 @@ pub fn tiny_encoder_plan(loss: Loss) -> LoweredPlan {
     p
 }
 
+/// A one-rank trainer of `plan` on `B`'s default device, seeded with `seed`, with the
+/// batches `opts` names (its data file, or synthetic tokens): what most executor
+/// tests build.
+pub fn trainer<B: crate::ops::ExecAutodiff>(
+    plan: &LoweredPlan,
+    opts: &crate::RunOptions,
+    seed: u64,
+) -> Result<crate::train::Trainer<B>, crate::RunError> {
+    crate::train::Trainer::<B>::new(
+        plan,
+        crate::train::TrainerConfig {
+            seed,
+            batcher: crate::batcher(plan, opts)?,
+            sixteen_bit: false,
+            collective: None,
+        },
+        Default::default(),
+    )
+}
+
 /// Rank `local` of two data-parallel ranks that are threads of this process
 /// (no network), each collective timing out after `secs` seconds.
 pub fn thread_rank(local: u32, secs: u64) -> crate::distributed::Distributed {

@@ -39,18 +39,7 @@ fn opts(steps: u64) -> RunOptions {
 }
 
 fn trainer(plan: &LoweredPlan) -> Trainer<Cpu> {
-    let b = batcher(plan, &opts(1)).unwrap();
-    Trainer::<Cpu>::new(
-        plan,
-        TrainerConfig {
-            seed: 11,
-            batcher: b,
-            sixteen_bit: false,
-            collective: None,
-        },
-        Default::default(),
-    )
-    .unwrap()
+    crate::testing::trainer(plan, &opts(1), 11).unwrap()
 }
 
 fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -449,12 +438,40 @@ impl Off {
     }
 }
 
+/// Local rank `local` of two thread ranks of `plan` (seed 11, `steps` steps): its
+/// trainer, joined to the ranks' collective, and the collective's progress.
+fn rank_trainer(
+    plan: &LoweredPlan,
+    local: u32,
+    steps: u64,
+) -> Result<(Trainer<Cpu>, std::sync::Arc<crate::distributed::Progress>), RunError> {
+    use crate::distributed::Collective;
+    let d = crate::testing::thread_rank(local, 60);
+    let device = Default::default();
+    let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
+    let progress = c.progress();
+    let mut o = opts(steps);
+    o.distributed = Some(d);
+    // Seeding and initialising use the backend's global RNG.
+    let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    let t = Trainer::<Cpu>::new(
+        plan,
+        TrainerConfig {
+            seed: 11,
+            batcher: batcher(plan, &o)?,
+            sixteen_bit: false,
+            collective: Some(c),
+        },
+        device,
+    )?;
+    Ok((t, progress))
+}
+
 /// `one` (micro-batch 4 × grad_accum 2 on one rank, Burn's optimizer) and
 /// each of `configs` (ZeRO stage, offload, checkpointed layers) on two ranks
 /// (threads of this process, micro-batch 2): after 10 steps every weight is
 /// within 1e-5 of one rank's, and the two ranks hold the same weights.
 fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)]) {
-    use crate::distributed::Collective;
     let steps = 10;
     let mut t = trainer(one);
     for _ in 0..steps {
@@ -476,26 +493,7 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                 let built = built.clone();
                 let checkpointed = checkpointed.clone();
                 std::thread::spawn(move || {
-                    let d = crate::testing::thread_rank(local, 60);
-                    let device = Default::default();
-                    let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
-                    let progress = c.progress();
-                    let mut o = opts(steps);
-                    o.distributed = Some(d);
-                    let mut t = {
-                        // Seeding and initialising use the backend's global RNG.
-                        let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
-                        Trainer::<Cpu>::new(
-                            &plan,
-                            TrainerConfig {
-                                seed: 11,
-                                batcher: batcher(&plan, &o)?,
-                                sixteen_bit: false,
-                                collective: Some(c),
-                            },
-                            device,
-                        )?
-                    };
+                    let (mut t, progress) = rank_trainer(&plan, local, steps)?;
                     built.wait();
                     if !checkpointed.is_empty() {
                         t.set_checkpointed(checkpointed);
@@ -743,7 +741,6 @@ fn qlora_plan() -> LoweredPlan {
 /// with the optimizer on the host).
 #[test]
 fn zero3_shards_the_qlora_base_and_matches_one_rank() {
-    use crate::distributed::Collective;
     let _g = serial();
     let one = two_rank_reference(qlora_plan());
     let want = nf4_bases(&trainer(&one).whole_model().unwrap());
@@ -757,25 +754,7 @@ fn zero3_shards_the_qlora_base_and_matches_one_rank() {
         .map(|local| {
             let (plan, want) = (plan.clone(), want.clone());
             std::thread::spawn(move || {
-                let d = crate::testing::thread_rank(local, 60);
-                let device = Default::default();
-                let c = Collective::<burn::backend::NdArray<f32>>::register(&d, &device)?;
-                let progress = c.progress();
-                let mut o = opts(2);
-                o.distributed = Some(d);
-                let mut t = {
-                    let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
-                    Trainer::<Cpu>::new(
-                        &plan,
-                        TrainerConfig {
-                            seed: 11,
-                            batcher: batcher(&plan, &o)?,
-                            sixteen_bit: false,
-                            collective: Some(c),
-                        },
-                        device,
-                    )?
-                };
+                let (mut t, progress) = rank_trainer(&plan, local, 2)?;
                 let held = 4 * t.zero3().unwrap().nf4_shard_words();
                 assert!(
                     held > 0 && held <= encoded / 2 + 4 * 4,

@@ -8,7 +8,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::ElementConversion;
 use rcoa_backend::data::Batch;
 use rcoa_backend::memory::RssProbe;
-use rcoa_backend::train::{Trainer, TrainerConfig};
+use rcoa_backend::train::Trainer;
 use rcoa_backend::RunOptions;
 use rcoa_compiler::spec::Loss;
 
@@ -34,18 +34,7 @@ fn trainer() -> (Trainer<Cpu>, std::path::PathBuf) {
         data: Some(data),
         ..Default::default()
     };
-    let batcher = rcoa_backend::batcher(&plan, &opts).unwrap();
-    let t = Trainer::<Cpu>::new(
-        &plan,
-        TrainerConfig {
-            seed: 5,
-            batcher,
-            sixteen_bit: false,
-            collective: None,
-        },
-        Default::default(),
-    )
-    .unwrap();
+    let t = rcoa_backend::testing::trainer::<Cpu>(&plan, &opts, 5).unwrap();
     (t, dir)
 }
 

@@ -294,17 +294,7 @@ mod tests {
                 seed: 3,
                 ..Default::default()
             };
-            let t = crate::train::Trainer::<Cpu>::new(
-                &plan,
-                crate::train::TrainerConfig {
-                    seed: 3,
-                    batcher: crate::batcher(&plan, &opts).unwrap(),
-                    sixteen_bit: false,
-                    collective: None,
-                },
-                Default::default(),
-            )
-            .unwrap();
+            let t = crate::testing::trainer::<Cpu>(&plan, &opts, 3).unwrap();
             let got = match (t.zero(), t.zero3()) {
                 (Some(z), _) => z.host_bytes(),
                 (_, Some(z)) => z.host_bytes(),
