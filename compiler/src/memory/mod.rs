@@ -740,6 +740,18 @@ fn burn_setup(
         } else {
             0
         };
+        // 16-bit weights without a master copy: each is drawn in fp32 and cast (the flat
+        // and the whole-model paths; ZeRO-3 units cut their shards instead).
+        let draw = if sixteen && !master {
+            alloc(4.0 * m.largest as f64)
+        } else {
+            0
+        };
+        let cast = if loads && sixteen && !master {
+            alloc(storage.bytes() * m.largest as f64)
+        } else {
+            0
+        };
         if units {
             // The fp32 master shard stays on the device unless something is offloaded.
             let master_u = if master && !on_host && !opt_host {
@@ -767,16 +779,6 @@ fn burn_setup(
             weights += m.kept;
             masters += master_u;
         } else if flat {
-            let draw = if sixteen && !master {
-                alloc(4.0 * m.largest as f64)
-            } else {
-                0
-            };
-            let cast = if loads && sixteen && !master {
-                alloc(storage.bytes() * m.largest as f64)
-            } else {
-                0
-            };
             let cut = if sixteen && !master {
                 alloc(4.0 * m.largest_trainable as f64)
             } else {
@@ -791,16 +793,6 @@ fn burn_setup(
             note(weights + m.built + transient, flat_master);
             weights += m.kept;
         } else {
-            let draw = if sixteen && !master {
-                alloc(4.0 * m.largest as f64)
-            } else {
-                0
-            };
-            let cast = if loads && sixteen && !master {
-                alloc(storage.bytes() * m.largest as f64)
-            } else {
-                0
-            };
             if master {
                 note(weights, masters + m.built + load);
                 masters += m.built;
