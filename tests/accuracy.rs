@@ -26,12 +26,11 @@ fn ratio(line: &str, name: &str) -> (u32, u32) {
     (a.parse().unwrap(), b.parse().unwrap())
 }
 
-/// Scores `file` (under the repository root) and holds its summary to a bar: at least
-/// `min_rows` configurations, the median and maximum absolute errors (percent), every OOM
-/// row predicted not to fit (and at least one OOM row), every fitting row predicted to
-/// fit, no failures, one line per configuration.
-fn meets_bar(file: &str, min_rows: u32, median: f64, max: f64) {
-    let out = rcoa(&["validate", file]);
+/// Scores the measured runs in `path`: `rcoa validate` succeeds without a panic and
+/// prints one line per configuration, then a summary with every fitting row predicted
+/// to fit and no failures. Returns the output and its summary line.
+fn scored(path: &std::path::Path) -> (String, String) {
+    let out = rcoa(&["validate", path.to_str().unwrap()]);
     assert_no_panic(&out);
     let stdout = text(&out.stdout);
     assert!(
@@ -39,23 +38,31 @@ fn meets_bar(file: &str, min_rows: u32, median: f64, max: f64) {
         "validate failed:\n{stdout}\n{}",
         text(&out.stderr)
     );
-    let last = stdout.lines().last().unwrap_or_default();
-    assert!(last.starts_with("accuracy: "), "{last}");
-    let n: u32 = field(last, "n").parse().unwrap();
-    assert!(n >= min_rows, "{last}");
-    assert!(pct(last, "median_abs_err") <= median, "{stdout}");
-    assert!(pct(last, "max_abs_err") <= max, "{stdout}");
-    let (ok, total) = ratio(last, "oom_correct");
-    assert!(total > 0 && ok == total, "{last}");
-    assert_eq!(ratio(last, "fit_correct"), (n, n), "{last}");
-    assert_eq!(field(last, "failures"), "0", "{last}");
-    // One line per configuration, then the summary.
-    let configs = std::fs::read_to_string(common::root().join(file))
+    let configs = std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .filter(|l| l.contains("\"record\": \"config\""))
         .count();
     assert_eq!(stdout.lines().count(), configs + 1, "{stdout}");
+    let last = stdout.lines().last().unwrap_or_default().to_string();
+    assert!(last.starts_with("accuracy: "), "{last}");
+    let n: u32 = field(&last, "n").parse().unwrap();
+    assert_eq!(ratio(&last, "fit_correct"), (n, n), "{last}");
+    assert_eq!(field(&last, "failures"), "0", "{last}");
+    (stdout, last)
+}
+
+/// Scores `file` (under the repository root) and holds its summary to a bar: at least
+/// `min_rows` configurations, the median and maximum absolute errors (percent), every OOM
+/// row predicted not to fit (and at least one OOM row), and [`scored`]'s checks.
+fn meets_bar(file: &str, min_rows: u32, median: f64, max: f64) {
+    let (stdout, last) = scored(&common::root().join(file));
+    let n: u32 = field(&last, "n").parse().unwrap();
+    assert!(n >= min_rows, "{last}");
+    assert!(pct(&last, "median_abs_err") <= median, "{stdout}");
+    assert!(pct(&last, "max_abs_err") <= max, "{stdout}");
+    let (ok, total) = ratio(&last, "oom_correct");
+    assert!(total > 0 && ok == total, "{last}");
 }
 
 #[test]
@@ -225,17 +232,9 @@ fn multigpu_summary(engines: &[&str]) -> String {
         .collect();
     let file = scratch(&format!("multigpu-{}", engines.join("-"))).join("rows.jsonl");
     std::fs::write(&file, rows.join("\n") + "\n").unwrap();
-    let out = rcoa(&["validate", file.to_str().unwrap()]);
-    assert_no_panic(&out);
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "validate failed:\n{stdout}");
-    assert_eq!(stdout.lines().count(), rows.len(), "{stdout}");
-    let last = stdout.lines().last().unwrap_or_default().to_string();
-    assert!(last.starts_with("accuracy: "), "{last}");
+    let (stdout, last) = scored(&file);
     let n: u32 = field(&last, "n").parse().unwrap();
     assert_eq!(n as usize, rows.len() - 1, "{stdout}");
-    assert_eq!(ratio(&last, "fit_correct"), (n, n), "{last}");
-    assert_eq!(field(&last, "failures"), "0", "{last}");
     last
 }
 

@@ -203,17 +203,22 @@ fn wait_all(
 /// The losses of one process training `plans/tiny-cpu.plan` (micro-batch 4
 /// × grad_accum 2, the global batch of the data-parallel plans here).
 fn one_process(dir: &Path, steps: &str) -> (Vec<f64>, f64) {
-    let single = dir.join("single.out");
-    let plan1 = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
+    let plan = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
+    one_process_of(&plan, &dir.join("single.out"), steps)
+}
+
+/// The losses and parameter checksum of one process training `plan`, its
+/// JSON lines written to `single`.
+fn one_process_of(plan: &Path, single: &Path, steps: &str) -> (Vec<f64>, f64) {
     let st = rcoa()
         .arg("run")
-        .arg(&plan1)
+        .arg(plan)
         .args(["--steps", steps, "--format", "json"])
-        .stdout(std::fs::File::create(&single).unwrap())
+        .stdout(std::fs::File::create(single).unwrap())
         .status()
         .unwrap();
     assert!(st.success());
-    let lines = json_lines(&single);
+    let lines = json_lines(single);
     (
         losses(&lines),
         summary(&lines)["param_checksum"].as_f64().unwrap(),
@@ -1101,20 +1106,7 @@ fn qlora_zero3_on_two_ranks_matches_one_rank() {
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan"))
             .unwrap();
     std::fs::write(&one_plan, format!("{plan}\n{QLORA}")).unwrap();
-    let single = dir.join("qlora-one.out");
-    let st = rcoa()
-        .arg("run")
-        .arg(&one_plan)
-        .args(["--steps", steps, "--format", "json"])
-        .stdout(std::fs::File::create(&single).unwrap())
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let lines = json_lines(&single);
-    let one = (
-        losses(&lines),
-        summary(&lines)["param_checksum"].as_f64().unwrap(),
-    );
+    let one = one_process_of(&one_plan, &dir.join("qlora-one.out"), steps);
     let two_plan = dir.join("qlora-z3.plan");
     std::fs::write(&two_plan, format!("{}\n{QLORA}", zero_plan(3, false))).unwrap();
 
