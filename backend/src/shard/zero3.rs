@@ -377,21 +377,15 @@ impl<I: Backend> Vals<I> {
         dtype: FloatDType,
         device: &I::Device,
     ) -> Result<(), RunError> {
+        // One device buffer of the shard for either place. The host path once read each
+        // piece's slice view back instead: on CUDA (fusion on) that failed at the first unit
+        // with CUDA_ERROR_INVALID_VALUE in a kernel launch, while the device path ran (H100,
+        // 2026-11-25, bench/h100-results/2026-11-25/call3). For the host the buffer is one
+        // unit's shard, for as long as the copy takes.
+        let shard = crate::model::to_dtype(shard_of(pieces, shards, index, device), dtype);
         match self {
-            Vals::Device(f) => f.push(crate::model::to_dtype(
-                shard_of(pieces, shards, index, device),
-                dtype,
-            )),
-            // Through one device buffer of the shard, as the device path makes it, rather
-            // than reading each piece's slice view back: on CUDA (fusion on) reading the
-            // views failed at the first unit with CUDA_ERROR_INVALID_VALUE in a kernel
-            // launch, while the device path ran (H100, 2026-11-25,
-            // bench/h100-results/2026-11-25/call3). The buffer is one unit's shard, for
-            // as long as the copy to the host takes.
-            Vals::Host(v) => v.extend(to_host(crate::model::to_dtype(
-                shard_of(pieces, shards, index, device),
-                dtype,
-            ))?),
+            Vals::Device(f) => f.push(shard),
+            Vals::Host(v) => v.extend(to_host(shard)?),
         }
         Ok(())
     }
