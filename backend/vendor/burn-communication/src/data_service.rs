@@ -120,6 +120,29 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
         self.new_tensor_notify.notify_waiters();
     }
 
+    /// rcoa patch: exposes raw bytes (no serialisation) for `download_bytes`;
+    /// the peers agree on what they hold. burn-collective's host-staged ring
+    /// sends tensor blocks this way, in chunks sliced from one buffer
+    /// without copying.
+    pub async fn expose_bytes(
+        &self,
+        bytes: bytes::Bytes,
+        max_downloads: u32,
+        transfer_id: TensorTransferId,
+    ) {
+        let mut exposed_tensors = self.exposed_tensors.lock().await;
+        exposed_tensors.insert(
+            transfer_id,
+            TensorExposeState {
+                bytes,
+                max_downloads,
+                cur_download_count: 0,
+            },
+        );
+        core::mem::drop(exposed_tensors);
+        self.new_tensor_notify.notify_waiters();
+    }
+
     pub async fn close(&self) {
         // Send a closing message to every open WebSocket stream
 
@@ -142,6 +165,23 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
         remote: Address,
         transfer_id: TensorTransferId,
     ) -> Option<TensorData> {
+        let bytes = self.download_bytes(remote, transfer_id).await?;
+        let DataServiceMessage::Tensor(data) =
+            rmp_serde::from_slice(&bytes).expect("Can deserialize messages from the websocket.")
+        else {
+            panic!("Message should have been TensorData")
+        };
+        Some(data)
+    }
+
+    /// rcoa patch: downloads what a peer exposed, as the bytes it exposed
+    /// (`expose_bytes`, or the serialised message of `expose`). None if the
+    /// peer closes the connection.
+    pub async fn download_bytes(
+        &self,
+        remote: Address,
+        transfer_id: TensorTransferId,
+    ) -> Option<bytes::Bytes> {
         log::info!("Downloading tensor from {remote:?}");
 
         let stream = self.get_data_stream(remote).await;
@@ -162,13 +202,7 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
                 log::warn!("Received None message from the websocket, closing connection.");
                 return None;
             };
-
-            let DataServiceMessage::Tensor(data) = rmp_serde::from_slice(&msg.data)
-                .expect("Can deserialize messages from the websocket.")
-            else {
-                panic!("Message should have been TensorData")
-            };
-            return Some(data);
+            return Some(msg.data);
         }
         log::warn!("Closed connection");
         None

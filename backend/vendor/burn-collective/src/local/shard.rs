@@ -35,7 +35,9 @@ pub enum ShardKind {
 
 struct ShardCall<B: Backend> {
     caller: PeerId,
-    input: B::FloatTensorPrimitive,
+    /// Taken when the operation runs, so that the ring owns it alone (a
+    /// tensor still held here would stay allocated through the exchange).
+    input: Option<B::FloatTensorPrimitive>,
     device: B::Device,
     result_sender: SyncSender<ShardResult<B::FloatTensorPrimitive>>,
 }
@@ -79,7 +81,7 @@ impl<B: Backend> ShardOp<B> {
         }
         self.calls.push(ShardCall {
             caller,
-            input,
+            input: Some(input),
             device,
             result_sender,
         });
@@ -119,14 +121,18 @@ impl<B: Backend> ShardOp<B> {
             return Err(CollectiveError::ShardUnevenNodes);
         }
         let len = self.shape[0];
+        let mut inputs = self.calls.iter_mut().map(|c| {
+            let input = c.input.take().expect("each call's input is taken once");
+            B::float_to_device(input, &home)
+        });
         match self.kind {
             ShardKind::AllGather => {
-                let parts = self
-                    .calls
-                    .iter()
-                    .map(|c| B::float_to_device(c.input.clone(), &home))
-                    .collect::<Vec<_>>();
-                let block = B::float_cat(parts, 0);
+                let parts = inputs.collect::<Vec<_>>();
+                let block = if parts.len() == 1 {
+                    parts.into_iter().next().unwrap()
+                } else {
+                    B::float_cat(parts, 0)
+                };
                 let full = match global_client {
                     Some(node) => node.all_gather(block).await.map_err(CollectiveError::Global)?,
                     None => block,
@@ -147,9 +153,9 @@ impl<B: Backend> ShardOp<B> {
                 if len % ranks != 0 {
                     return Err(CollectiveError::ShardShapeMismatch);
                 }
-                let mut sum = B::float_to_device(self.calls[0].input.clone(), &home);
-                for c in &self.calls[1..] {
-                    sum = B::float_add(sum, B::float_to_device(c.input.clone(), &home));
+                let mut sum = inputs.next().expect("one call per local peer");
+                for input in inputs {
+                    sum = B::float_add(sum, input);
                 }
                 let mut block = match global_client {
                     Some(node) => node

@@ -22,8 +22,11 @@ pub struct AllReduceOp<B: Backend> {
 pub struct AllReduceOpCall<B: Backend> {
     /// Id of the caller for this operation
     caller: PeerId,
-    /// The tensor primitive passed as input
-    input: B::FloatTensorPrimitive,
+    /// The tensor primitive passed as input; rcoa patch: taken when the
+    /// operation runs, so that the reduction owns it alone (a tensor still
+    /// held here stays allocated through the exchange, and NdArray reads a
+    /// shared tensor back element by element).
+    input: Option<B::FloatTensorPrimitive>,
     /// Callback for the result of the all-reduce
     result_sender: SyncSender<AllReduceResult<B::FloatTensorPrimitive>>,
 }
@@ -68,7 +71,7 @@ impl<B: Backend> AllReduceOp<B> {
 
         self.calls.push(AllReduceOpCall {
             caller,
-            input,
+            input: Some(input),
             result_sender,
         });
 
@@ -121,8 +124,11 @@ impl<B: Backend> AllReduceOp<B> {
     ) -> Result<CollectiveTensorMap<B>, CollectiveError> {
         let tensors = self
             .calls
-            .iter()
-            .map(|call| (call.caller, call.input.clone()))
+            .iter_mut()
+            .map(|call| {
+                let input = call.input.take().expect("each call's input is taken once");
+                (call.caller, input)
+            })
             .collect();
 
         if let Some(global_client) = global_client.as_mut() {

@@ -1,0 +1,197 @@
+//! The collectives between processes (`rcoa run --nodes N`) against what the
+//! machine can move, measured in the same run.
+//!
+//! Two processes (this binary, started twice) join burn-collective through an
+//! orchestrator on loopback and time the three operations the executor uses
+//! on a flat fp32 vector: the all-reduce of data parallelism, and the
+//! reduce-scatter and all-gather of ZeRO. The baseline is two threads that
+//! swap the same number of bytes over plain loopback TCP sockets, in both
+//! directions at once, as a ring of two does. Each operation is reported as
+//! NCCL's bus bandwidth (the bytes one rank sends per second: 2(n−1)/n of the
+//! vector for an all-reduce, (n−1)/n for the other two) and as the ratio of
+//! that to the baseline (1.0: the collective moves bytes as fast as bare TCP).
+//!
+//!     cargo bench -p rcoa-backend --bench transport -- [MiB...]
+
+use burn::tensor::Tensor;
+use rcoa_backend::distributed::{Collective, Distributed, Network, Timeouts};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+type I = burn::backend::NdArray<f32>;
+
+const RANK_VAR: &str = "RCOA_TRANSPORT_RANK";
+const ORCHESTRATOR_VAR: &str = "RCOA_TRANSPORT_ORCHESTRATOR";
+const REPEATS: usize = 3;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn sizes_mib() -> Vec<usize> {
+    let given: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    if given.is_empty() {
+        vec![16, 256]
+    } else {
+        given
+    }
+}
+
+/// Seconds for each side of a loopback connection pair to send `bytes` to
+/// the other while receiving as many (the median of `REPEATS`).
+fn tcp_swap_seconds(bytes: usize) -> f64 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (b, _) = listener.accept().unwrap();
+    let data = vec![7u8; bytes];
+    let mut times = Vec::new();
+    for _ in 0..REPEATS {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for stream in [&a, &b] {
+                let data = &data;
+                s.spawn(move || {
+                    let (mut w, mut r) = (stream.try_clone().unwrap(), stream.try_clone().unwrap());
+                    let sender = std::thread::spawn({
+                        let data = data.clone();
+                        move || w.write_all(&data).unwrap()
+                    });
+                    let mut got = vec![0u8; 1 << 20];
+                    let mut left = bytes;
+                    while left > 0 {
+                        let n = r.read(&mut got[..left.min(1 << 20)]).unwrap();
+                        assert!(n > 0, "the peer closed the socket");
+                        left -= n;
+                    }
+                    sender.join().unwrap();
+                });
+            }
+        });
+        times.push(start.elapsed().as_secs_f64());
+    }
+    median(times)
+}
+
+/// One rank: times each operation on each size and prints `RESULT` lines.
+fn rank(rank: u32, orchestrator: String) {
+    let data_port = free_port();
+    let d = Distributed {
+        nodes: 2,
+        node_rank: rank,
+        devices: 1,
+        local: 0,
+        network: Some(Network {
+            orchestrator,
+            node_address: format!("127.0.0.1:{data_port}"),
+            data_port,
+        }),
+        timeouts: Timeouts::uniform(Duration::from_secs(300)),
+    };
+    let device = Default::default();
+    let c = Collective::<I>::register(&d, &device).unwrap();
+    c.progress().set_step(1);
+    // The first call waits for the peer to join; keep it out of the timings.
+    c.mean(Tensor::<I, 1>::ones([64], &device)).unwrap();
+    for mib in sizes_mib() {
+        let n = mib << 18; // fp32 values in `mib` MiB
+        // A fresh input per call, made outside the timing: a tensor shared
+        // with a clone is read back element by element by NdArray, which
+        // the executor's flat vectors (owned once) are not.
+        let timed = |what: &str, len: usize, f: &dyn Fn(Tensor<I, 1>)| {
+            let mut times = Vec::new();
+            for _ in 0..REPEATS {
+                let x = Tensor::<I, 1>::ones([len], &device);
+                let start = Instant::now();
+                f(x);
+                times.push(start.elapsed().as_secs_f64());
+            }
+            println!("RESULT {rank} {what} {mib} {}", median(times));
+        };
+        timed("all-reduce", n, &|x| {
+            c.mean(x).unwrap();
+        });
+        timed("reduce-scatter", n, &|x| {
+            c.reduce_scatter_mean(x).unwrap();
+        });
+        timed("all-gather", n / 2, &|x| {
+            c.all_gather(x).unwrap();
+        });
+    }
+    c.progress().set_done();
+}
+
+fn main() {
+    if let Ok(r) = std::env::var(RANK_VAR) {
+        rank(r.parse().unwrap(), std::env::var(ORCHESTRATOR_VAR).unwrap());
+        return;
+    }
+    let port = free_port();
+    std::thread::spawn(move || {
+        rcoa_backend::distributed::orchestrate(port, Duration::from_secs(3600)).unwrap()
+    });
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(&exe)
+                .env(RANK_VAR, r.to_string())
+                .env(ORCHESTRATOR_VAR, format!("127.0.0.1:{port}"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut rows: Vec<(String, usize, f64)> = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "a rank failed");
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some(rest) = line.strip_prefix("RESULT ") else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split(' ').collect();
+            let (what, mib, s) = (f[1].to_string(), f[2].parse().unwrap(), f[3].parse().unwrap());
+            // The slower rank's time is the operation's.
+            match rows.iter_mut().find(|r| r.0 == what && r.1 == mib) {
+                Some(r) => r.2 = r.2.max(s),
+                None => rows.push((what, mib, s)),
+            }
+        }
+    }
+    println!(
+        "{:<15} {:>8} {:>10} {:>12} {:>14} {:>8}",
+        "operation", "MiB", "seconds", "bus GB/s", "TCP GB/s", "ratio"
+    );
+    for (what, mib, s) in rows {
+        let bytes = (mib << 20) as f64;
+        // What one rank sends, n = 2: the all-reduce sends half the vector in
+        // each of its two phases; the others send half once (the all-gather's
+        // input is already the half).
+        let sent = if what == "all-reduce" { bytes } else { bytes / 2.0 };
+        let tcp = sent / tcp_swap_seconds(sent as usize);
+        let bus = sent / s;
+        println!(
+            "{what:<15} {mib:>8} {s:>10.3} {:>12.3} {:>14.3} {:>8.3}",
+            bus / 1e9,
+            tcp / 1e9,
+            bus / tcp
+        );
+    }
+}
