@@ -108,9 +108,9 @@ fn rank(rank: u32, orchestrator: String) {
     c.mean(Tensor::<I, 1>::ones([64], &device)).unwrap();
     for mib in sizes_mib() {
         let n = mib << 18; // fp32 values in `mib` MiB
-        // A fresh input per call, made outside the timing: a tensor shared
-        // with a clone is read back element by element by NdArray, which
-        // the executor's flat vectors (owned once) are not.
+                           // A fresh input per call, made outside the timing: a tensor shared
+                           // with a clone is read back element by element by NdArray, which
+                           // the executor's flat vectors (owned once) are not.
         let timed = |what: &str, len: usize, f: &dyn Fn(Tensor<I, 1>)| {
             let mut times = Vec::new();
             for _ in 0..REPEATS {
@@ -167,7 +167,11 @@ fn main() {
                 continue;
             };
             let f: Vec<&str> = rest.split(' ').collect();
-            let (what, mib, s) = (f[1].to_string(), f[2].parse().unwrap(), f[3].parse().unwrap());
+            let (what, mib, s) = (
+                f[1].to_string(),
+                f[2].parse().unwrap(),
+                f[3].parse().unwrap(),
+            );
             // The slower rank's time is the operation's.
             match rows.iter_mut().find(|r| r.0 == what && r.1 == mib) {
                 Some(r) => r.2 = r.2.max(s),
@@ -184,7 +188,11 @@ fn main() {
         // What one rank sends, n = 2: the all-reduce sends half the vector in
         // each of its two phases; the others send half once (the all-gather's
         // input is already the half).
-        let sent = if what == "all-reduce" { bytes } else { bytes / 2.0 };
+        let sent = if what == "all-reduce" {
+            bytes
+        } else {
+            bytes / 2.0
+        };
         let tcp = sent / tcp_swap_seconds(sent as usize);
         let bus = sent / s;
         println!(

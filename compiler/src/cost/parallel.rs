@@ -118,6 +118,10 @@ pub enum Link {
     IntraNode,
     /// Between nodes: `hardware.inter_node` per node, shared by its GPUs.
     InterNode,
+    /// Between nodes through the executor's own transport (rcoa's Burn executor:
+    /// burn-collective's ring through host memory and WebSocket): the slower of
+    /// `hardware.inter_node` and the transport's measured rate, per node.
+    HostTransport,
     /// Host memory over PCIe.
     Pcie,
     /// An NVMe drive behind the host.
@@ -129,6 +133,7 @@ impl Link {
         match self {
             Link::IntraNode => "intra_node",
             Link::InterNode => "inter_node",
+            Link::HostTransport => "transport",
             Link::Pcie => "pcie",
             Link::Nvme => "nvme",
         }
@@ -267,6 +272,9 @@ fn link(spec: &Spec, span: u64) -> (Link, f64) {
     let hw = &spec.hardware;
     if span <= hw.gpus_per_node.max(1) {
         (Link::IntraNode, hw.intra_node_bytes_per_s)
+    } else if let Some(rate) = Profile::for_target(spec.target).process_transport_bytes_per_s {
+        // One ring per node (its devices are reduced locally first), at the transport's rate.
+        (Link::HostTransport, hw.inter_node_bytes_per_s.min(rate))
     } else {
         // The node's inter-node bandwidth is shared by its GPUs, each in its own ring.
         (
@@ -756,6 +764,41 @@ mod tests {
         assert_eq!(t.len(), 3);
         let bw = s.hardware.inter_node_bytes_per_s / 4.0;
         assert!(close(rs[0].link_bytes_per_s, bw));
+    }
+
+    /// Between nodes the Burn executor's traffic goes through its own transport (one ring per
+    /// node, at the slower of the transport and the network), within a node over NVLink;
+    /// PyTorch's goes through NCCL at the network's rate per GPU.
+    #[test]
+    fn burn_prices_traffic_between_nodes_at_its_transport() {
+        let mut s = spec();
+        s.target = crate::spec::Target::Burn;
+        let rate = Profile::burn().process_transport_bytes_per_s.unwrap();
+        assert!(rate < s.hardware.inter_node_bytes_per_s);
+        let (t, _) = rows(&s, &cand(8, 2, 1, 1));
+        assert!(!t.is_empty());
+        for row in &t {
+            assert_eq!(row.link, Link::HostTransport, "{row:?}");
+            assert!(close(row.link_bytes_per_s, rate));
+            assert!(close(
+                row.seconds_per_step,
+                row.calls_per_step * row.sent_bytes_per_call / rate
+            ));
+        }
+        // A network slower than the transport is the limit.
+        s.hardware.inter_node_bytes_per_s = rate / 2.0;
+        let (t, _) = rows(&s, &cand(8, 2, 1, 1));
+        assert!(t.iter().all(|row| close(row.link_bytes_per_s, rate / 2.0)));
+        // Four ranks fit in a node: NVLink, no transport.
+        let (t, _) = rows(&s, &cand(4, 2, 1, 1));
+        assert!(t.iter().all(|row| row.link == Link::IntraNode), "{t:#?}");
+        // PyTorch: NCCL, the node's network shared by its four GPUs.
+        s.target = crate::spec::Target::Pytorch;
+        s.hardware.inter_node_bytes_per_s = 50e9;
+        let (t, _) = rows(&s, &cand(8, 2, 1, 1));
+        assert!(t
+            .iter()
+            .all(|row| row.link == Link::InterNode && close(row.link_bytes_per_s, 50e9 / 4.0)));
     }
 
     /// The Burn executor's ZeRO-3: every unit gathered once for the forward, only the

@@ -134,6 +134,11 @@ pub struct Profile {
     /// Bytes a host optimizer step touches per second per GPU's share of the host
     /// (`offload = [optimizer]`): weights, gradients and state read, weights and state written.
     pub host_optimizer_bytes_per_s: f64,
+    /// What one process sends per second to another through the executor's own transport
+    /// between nodes, whatever the network offers (`None`: the engine uses NCCL, and the
+    /// network is the limit). Priced as the rate of the node's one ring, since the
+    /// executor reduces a node's devices locally first.
+    pub process_transport_bytes_per_s: Option<f64>,
     /// An element-wise op writes into an input buffer nothing else references (CubeCL's
     /// in-place kernels when a tensor handle is uniquely owned): the output takes no new
     /// bytes when an input of the same size dies at that op.
@@ -253,6 +258,7 @@ impl Profile {
             // bitsandbytes' `MatMul4Bit` dequantizes the whole weight per use.
             nf4_dequant: Nf4Dequant::WholeWeight,
             host_optimizer_bytes_per_s: crate::cost::parallel::CPU_OPTIMIZER_BYTES_PER_S,
+            process_transport_bytes_per_s: None,
             inplace_elementwise: false,
             peak_sampled_at_segments: false,
             // The 1 GiB reserve above covers the caching allocator's fragmentation.
@@ -334,6 +340,15 @@ impl Profile {
             // 19.6 GB/s of 28 bytes per parameter (0.47 of a plain copy's 42 GB/s read + write).
             // This machine's figure; a GPU server's host share is to be measured there.
             host_optimizer_bytes_per_s: 19.6e9,
+            // burn-collective's ring between processes: device to host, WebSocket, host to
+            // device (backend/vendor/RCOA-PATCH.md). `cargo bench -p rcoa-backend --bench
+            // transport` on the 2-core machine this was written on, two processes on
+            // loopback, 256 MiB of fp32: bus bandwidth 0.50 GB/s all-reduce, 0.29
+            // reduce-scatter, 0.31 all-gather; the ZeRO operations' rate is taken. The
+            // H100 host (16 cores) moved 4 x this machine's rate before the ring was
+            // rewritten (docs/distributed.md, "Transport speed"); its figure is to be
+            // measured there.
+            process_transport_bytes_per_s: Some(0.3e9),
             inplace_elementwise: true,
             // backend/src/train.rs samples `bytes_in_use` after every layer's forward and
             // backward, the loss and the optimizer: what `rcoa run` reports as measured.
