@@ -1152,13 +1152,13 @@ fn flat_exchange_plan(zero: u8) -> String {
 /// ZeRO 0, 1 and 2 over two processes on the CPU: each process's measured
 /// peak (every heap allocation) is at least the prediction's device bytes
 /// less 10%, and at most the prediction plus what the network transport
-/// holds in host memory. The transport (burn-communication) serialises each
-/// ring block `B` (the flat gradient vector over the two processes):
-/// `into_data` (B), the MessagePack bytes (B), the received bytes (B), their
-/// decoded `TensorData` (B), and it keeps a websocket buffer of B each way
-/// between steps: measured 3.6–5.3 B above the prediction; bounded here by
-/// 8 B (docs/distributed.md). On a GPU these are host bytes, not device
-/// memory, and the prediction charges only the device side.
+/// holds in host memory. The ring (burn-collective, patched: host-staged,
+/// 8 MiB chunks) copies the ring block `B` it sends (the flat gradient vector
+/// over the two processes) and holds up to two received chunks and the
+/// WebSocket buffers: measured 1.0–1.44 B above the prediction (the release
+/// transport's serialised copies made it 3.6–5.3 B); bounded here by B plus
+/// three chunks (docs/distributed.md). On a GPU these are host bytes, not
+/// device memory, and the prediction charges only the device side.
 #[test]
 fn zero_exchange_over_two_processes_stays_within_the_prediction() {
     let dir = temp("flat-exchange");
@@ -1172,7 +1172,7 @@ fn zero_exchange_over_two_processes_stays_within_the_prediction() {
             let measured = s["measured_peak_bytes"].as_u64().unwrap();
             let predicted = s["predicted_peak_bytes"].as_u64().unwrap();
             let block = (trainable * 4).div_ceil(2);
-            let transport = 8 * block;
+            let transport = block + 3 * (8 << 20);
             assert!(
                 measured <= predicted + transport,
                 "zero {zero}, process {r}: measured {measured} B above the prediction \

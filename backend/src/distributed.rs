@@ -127,15 +127,15 @@ impl Distributed {
     /// `measure` (a memory probe's `what`), with what it counts beyond the
     /// compiler's prediction in this run: over several processes a probe of
     /// host memory (`host`: `--device cpu`, no device pool) also counts
-    /// burn-communication's serialised copies of the ring blocks, which the
-    /// prediction (device memory) leaves out; docs/distributed.md measures
-    /// them (4–6 blocks, two kept between steps) and a test bounds them.
+    /// the ring's host copies (the block it sends, the chunks it receives),
+    /// which the prediction (device memory) leaves out; docs/distributed.md
+    /// measures them (1–1.44 blocks) and a test bounds them.
     pub fn describe_measure(d: Option<&Self>, measure: &str, host: bool) -> String {
         match d {
             Some(d) if host && d.nodes > 1 => format!(
                 "{measure}; with --nodes {} also the network transport's host copies of the \
-                 exchanged gradient blocks, which the prediction leaves out (up to 8 × the flat \
-                 fp32 gradients / {}: docs/distributed.md)",
+                 exchanged gradient blocks, which the prediction leaves out (up to the flat fp32 \
+                 gradients / {} plus 24 MiB: docs/distributed.md)",
                 d.nodes, d.nodes
             ),
             _ => measure.to_string(),
