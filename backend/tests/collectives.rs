@@ -2,11 +2,12 @@
 //! processes: this test binary runs burn-collective's orchestrator in a
 //! thread and starts itself twice as the two ranks (`rank_process`, which
 //! does nothing unless `RCOA_COLLECTIVE_RANK` is set). Each rank
-//! reduce-scatters a vector, all-gathers a shard and prints what it got; the
+//! reduce-scatters a vector, all-gathers a shard (in fp32, then in f64) and
+//! all-reduces an odd-length vector, and prints what it got; the
 //! parent checks the mean, the order and the shard indices. Two threads of
 //! one process are tested in `distributed.rs`.
 
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use rcoa_backend::distributed::{Collective, Distributed, Network, Timeouts};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -52,11 +53,29 @@ fn rank_process() {
     let (shard, at) = c.reduce_scatter_mean(t).unwrap();
     let mine = Tensor::<I, 1>::from_floats([index as f32, 100.0 + index as f32], &device);
     let all = c.all_gather(mine).unwrap();
+    // The same in f64 (the ring adds on the host by dtype; NdArray has no
+    // 16-bit floats), and an all-reduce of an odd length.
+    let f64s =
+        |v: Vec<f32>| Tensor::<I, 1>::from_floats(v.as_slice(), &device).cast(FloatDType::F64);
+    let (wide_shard, _) = c
+        .reduce_scatter_mean(f64s(vec![x, 1.0, 2.0 * x, 10.0, 20.0 + x, 30.0]))
+        .unwrap();
+    let wide_all = c.all_gather(f64s(vec![index as f32, 0.5])).unwrap();
+    let odd = c
+        .mean(Tensor::<I, 1>::from_floats(
+            [x, 3.0, 2.0 * x, 5.0, 7.0],
+            &device,
+        ))
+        .unwrap();
+    let f32s = |t: Tensor<I, 1>| t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
     c.progress().set_done();
     println!(
-        "RESULT {index} {at} {:?} {:?}",
+        "RESULT {index} {at} {:?} {:?} {:?} {:?} {:?}",
         shard.into_data().to_vec::<f32>().unwrap(),
-        all.into_data().to_vec::<f32>().unwrap()
+        all.into_data().to_vec::<f32>().unwrap(),
+        f32s(wide_shard),
+        f32s(wide_all),
+        f32s(odd)
     );
 }
 
@@ -123,7 +142,10 @@ fn two_processes_gather_and_scatter() {
         let index: usize = line.split(' ').next().unwrap().parse().unwrap();
         assert_eq!(
             line,
-            &format!("{index} {index} {} {all}", shards[index]),
+            &format!(
+                "{index} {index} {} {all} {} [0.0, 0.5, 1.0, 0.5] [0.5, 3.0, 1.0, 5.0, 7.0]",
+                shards[index], shards[index]
+            ),
             "{seen:?}"
         );
         indices.push(index);
