@@ -331,15 +331,17 @@ impl<B: Backend, P: Protocol> Ring<B, P> {
             };
             let mut next = Some(download(0));
             for (c, range) in incoming.iter().enumerate() {
-                let got = next.take().expect("one download per chunk").await.unwrap();
+                // A peer that died (closed its connection, or could not be
+                // reached: the download task panics then) is an error, not a
+                // panic of the collective server task.
+                let lost = GlobalCollectiveError::PeerLost(self.prev_id);
+                let got = next.take().expect("one download per chunk").await;
+                let Ok(Some(got)) = got else {
+                    return Err(lost);
+                };
                 if c + 1 < incoming.len() {
                     next = Some(download(c + 1));
                 }
-                // A peer that died (closed its connection) is an error, not a
-                // panic of the collective server task.
-                let Some(got) = got else {
-                    return Err(GlobalCollectiveError::PeerLost(self.prev_id));
-                };
                 if got.len() != range.len() {
                     return Err(GlobalCollectiveError::PeerSentIncoherentTensor);
                 }
