@@ -12,7 +12,8 @@
 //! Every child is killed after a hard deadline, so a hang fails instead of
 //! blocking the test run.
 
-use std::net::{TcpListener, TcpStream};
+use rcoa_backend::testing::free_port;
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -66,15 +67,6 @@ fn temp(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// A port nothing listens on now (the OS picks it; released before use).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Kills every child it holds when dropped (also when a test panics).

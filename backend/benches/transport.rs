@@ -14,7 +14,8 @@
 //!     cargo bench -p rcoa-backend --bench transport -- [MiB...]
 
 use burn::tensor::Tensor;
-use rcoa_backend::distributed::{Collective, Distributed, Network, Timeouts};
+use rcoa_backend::distributed::Collective;
+use rcoa_backend::testing::{free_port, loopback_node};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
@@ -25,14 +26,6 @@ type I = burn::backend::NdArray<f32>;
 const RANK_VAR: &str = "RCOA_TRANSPORT_RANK";
 const ORCHESTRATOR_VAR: &str = "RCOA_TRANSPORT_ORCHESTRATOR";
 const REPEATS: usize = 3;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -88,19 +81,7 @@ fn tcp_swap_seconds(bytes: usize) -> f64 {
 
 /// One rank: times each operation on each size and prints `RESULT` lines.
 fn rank(rank: u32, orchestrator: String) {
-    let data_port = free_port();
-    let d = Distributed {
-        nodes: 2,
-        node_rank: rank,
-        devices: 1,
-        local: 0,
-        network: Some(Network {
-            orchestrator,
-            node_address: format!("127.0.0.1:{data_port}"),
-            data_port,
-        }),
-        timeouts: Timeouts::uniform(Duration::from_secs(300)),
-    };
+    let d = loopback_node(2, rank, orchestrator, Duration::from_secs(300));
     let device = Default::default();
     let c = Collective::<I>::register(&d, &device).unwrap();
     c.progress().set_step(1);

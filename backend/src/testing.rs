@@ -175,3 +175,36 @@ pub fn run_ignored_in_child(test: &str, env: &str) {
         "the child ran the measurement: {text}"
     );
 }
+
+/// A loopback port nothing listens on now (the OS picks it; released before use).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Process `node_rank` of `nodes`, one device each, meeting through the
+/// orchestrator at `orchestrator` on loopback, its data service on a free
+/// port, every collective call bounded by `limit`.
+pub fn loopback_node(
+    nodes: u32,
+    node_rank: u32,
+    orchestrator: String,
+    limit: std::time::Duration,
+) -> crate::distributed::Distributed {
+    let data_port = free_port();
+    crate::distributed::Distributed {
+        nodes,
+        node_rank,
+        devices: 1,
+        local: 0,
+        network: Some(crate::distributed::Network {
+            orchestrator,
+            node_address: format!("127.0.0.1:{data_port}"),
+            data_port,
+        }),
+        timeouts: crate::distributed::Timeouts::uniform(limit),
+    }
+}

@@ -8,19 +8,12 @@
 //! one process are tested in `distributed.rs`.
 
 use burn::tensor::{FloatDType, Tensor};
-use rcoa_backend::distributed::{Collective, Distributed, Network, Timeouts};
+use rcoa_backend::distributed::Collective;
+use rcoa_backend::testing::{free_port, loopback_node};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 type I = burn::backend::NdArray<f32>;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// One rank, when started by `two_processes_gather_and_scatter`.
 #[test]
@@ -30,19 +23,7 @@ fn rank_process() {
     };
     let rank: u32 = rank.parse().unwrap();
     let orchestrator = std::env::var("RCOA_COLLECTIVE_ORCHESTRATOR").unwrap();
-    let data_port = free_port();
-    let d = Distributed {
-        nodes: 2,
-        node_rank: rank,
-        devices: 1,
-        local: 0,
-        network: Some(Network {
-            orchestrator,
-            node_address: format!("127.0.0.1:{data_port}"),
-            data_port,
-        }),
-        timeouts: Timeouts::uniform(Duration::from_secs(30)),
-    };
+    let d = loopback_node(2, rank, orchestrator, Duration::from_secs(30));
     let device = Default::default();
     let c = Collective::<I>::register(&d, &device).unwrap();
     c.progress().set_step(1);
