@@ -131,6 +131,7 @@ fn main() {
     let children: Vec<_> = (0..2)
         .map(|r| {
             Command::new(&exe)
+                .args(std::env::args().skip(1))
                 .env(RANK_VAR, r.to_string())
                 .env(ORCHESTRATOR_VAR, format!("127.0.0.1:{port}"))
                 .stdout(Stdio::piped())
