@@ -268,11 +268,11 @@ impl StepTime {
 }
 
 /// The link a group spanning `span` consecutive ranks uses, and its bandwidth per GPU.
-fn link(spec: &Spec, span: u64) -> (Link, f64) {
+fn link(spec: &Spec, profile: &Profile, span: u64) -> (Link, f64) {
     let hw = &spec.hardware;
     if span <= hw.gpus_per_node.max(1) {
         (Link::IntraNode, hw.intra_node_bytes_per_s)
-    } else if let Some(rate) = Profile::for_target(spec.target).process_transport_bytes_per_s {
+    } else if let Some(rate) = profile.process_transport_bytes_per_s {
         // One ring per node (its devices are reduced locally first), at the transport's rate.
         (Link::HostTransport, hw.inter_node_bytes_per_s.min(rate))
     } else {
@@ -342,6 +342,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
         ga,
         rows: Vec::new(),
     };
+    let profile = Profile::for_target(spec.target);
     // Parameters of this rank's stage, per tensor-parallel rank (the tape's shapes are sharded).
     let stage_params = report.params_total as f64;
     let stage_trainable = report.params_trainable as f64;
@@ -362,9 +363,16 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     let oshards = if cand.zero >= 1 { d } else { 1 };
     let fsdp = spec.target == crate::spec::Target::Fsdp;
     if fsdp && d > 1 {
-        super::fsdp::data_parallel(&mut r, spec, cand, report, d, link(spec, t * c * d));
+        super::fsdp::data_parallel(
+            &mut r,
+            spec,
+            cand,
+            report,
+            d,
+            link(spec, &profile, t * c * d),
+        );
     } else if units && d > 1 {
-        let dp = link(spec, t * c * d);
+        let dp = link(spec, &profile, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
         if wshards > 1 {
             let f = "units gathered for their forward (Burn ZeRO-3)";
@@ -385,7 +393,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
             r.push(Collective::AllGather, u, g, n, dp, grads, 1.0, op);
         }
     } else if d > 1 {
-        let dp = link(spec, t * c * d);
+        let dp = link(spec, &profile, t * c * d);
         let (g, n, mi, op) = (Group::Data, d, Cadence::MicroStep, Cadence::OptimizerStep);
         let burn = spec.target == crate::spec::Target::Burn;
         match cand.zero {
@@ -454,7 +462,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     if t > 1 {
         // Two per layer in the forward, two in the backward, two per recomputed layer.
         let calls = 4.0 * layers + 2.0 * recomputed;
-        let tp = link(spec, t);
+        let tp = link(spec, &profile, t);
         let (g, mi) = (Group::Tensor, Cadence::MicroStep);
         if cand.sequence {
             let ag = "TP activations (sequence parallel: gather before a projection)";
@@ -477,7 +485,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
     if c > 1 {
         let kv_heads = spec.model.kv_heads.div_ceil(t) as f64;
         let chunk = tokens * 2.0 * kv_heads * spec.model.head_dim as f64 * 2.0;
-        let cp = link(spec, t * c);
+        let cp = link(spec, &profile, t * c);
         let hops = layers * (c - 1) as f64;
         let (g, mi) = (Group::Context, Cadence::MicroStep);
         let f = "ring attention k/v chunks (forward)";
@@ -486,7 +494,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
         r.push(Collective::SendRecv, b, g, c, cp, chunk, 2.0 * hops, mi);
     }
     if p > 1 {
-        let pp = link(spec, t * c * d * 2);
+        let pp = link(spec, &profile, t * c * d * 2);
         let (g, mi) = (Group::Pipeline, Cadence::MicroStep);
         // With tensor parallelism each rank sends its 1/t slice of the boundary activation;
         // interleaved, every one of its model chunks sends its own.
@@ -536,7 +544,6 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                 // else the accumulated shard once a step; the updated fp32 shard comes up
                 // unless the weights live on the host.
                 let shard_bytes = stage_trainable * 4.0 / oshards as f64;
-                let profile = crate::profile::Profile::for_target(spec.target);
                 let cadence = if crate::memory::burn_host_grad_accumulator(&profile, cand) {
                     mi
                 } else {
@@ -573,9 +580,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                 } else {
                     stage_trainable * (spec.optimizer.state.bytes() * 2.0 + 4.0) / shard
                 };
-                let rate =
-                    crate::profile::Profile::for_target(spec.target).host_optimizer_bytes_per_s;
-                host_optimizer_s += state / rate;
+                host_optimizer_s += state / profile.host_optimizer_bytes_per_s;
             }
             // Fetched for the forward and again for the backward of every micro-step.
             OffloadWhat::Params => {
