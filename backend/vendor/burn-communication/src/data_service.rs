@@ -107,17 +107,7 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
         let bytes: bytes::Bytes = rmp_serde::to_vec(&DataServiceMessage::Tensor(tensor_data))
             .unwrap()
             .into();
-        let mut exposed_tensors = self.exposed_tensors.lock().await;
-        exposed_tensors.insert(
-            transfer_id,
-            TensorExposeState {
-                bytes,
-                max_downloads,
-                cur_download_count: 0,
-            },
-        );
-        core::mem::drop(exposed_tensors);
-        self.new_tensor_notify.notify_waiters();
+        self.expose_bytes(bytes, max_downloads, transfer_id).await
     }
 
     /// rcoa patch: exposes raw bytes (no serialisation) for `download_bytes`;

@@ -334,10 +334,9 @@ impl<B: Backend, P: Protocol> Ring<B, P> {
                 // A peer that died (closed its connection, or could not be
                 // reached: the download task panics then) is an error, not a
                 // panic of the collective server task.
-                let lost = GlobalCollectiveError::PeerLost(self.prev_id);
                 let got = next.take().expect("one download per chunk").await;
                 let Ok(Some(got)) = got else {
-                    return Err(lost);
+                    return Err(GlobalCollectiveError::PeerLost(self.prev_id));
                 };
                 if c + 1 < incoming.len() {
                     next = Some(download(c + 1));
