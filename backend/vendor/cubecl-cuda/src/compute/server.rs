@@ -637,6 +637,12 @@ impl CudaServer {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
+        // rcoa patch: a kernel over zero elements has nothing to do, and the driver rejects a
+        // grid of zero blocks with CUDA_ERROR_INVALID_VALUE, which poisons the stream until the
+        // next read (upstream cubecl #1349, after 0.10).
+        if count.is_empty() {
+            return Ok(());
+        }
         let mut kernel_id = kernel.id();
         let logger = self.streams.logger.clone();
         kernel_id.mode(mode);
@@ -674,6 +680,9 @@ impl CudaServer {
                 (data[0], data[1], data[2])
             }
         };
+        if count.0 == 0 || count.1 == 0 || count.2 == 0 {
+            return Ok(());
+        }
 
         let (info_const, info_binding) = if grid_constants {
             let info = &bindings.info;
