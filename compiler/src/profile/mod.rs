@@ -342,13 +342,11 @@ impl Profile {
             host_optimizer_bytes_per_s: 19.6e9,
             // burn-collective's ring between processes: device to host, WebSocket, host to
             // device (backend/vendor/RCOA-PATCH.md). `cargo bench -p rcoa-backend --bench
-            // transport` on the 2-core machine this was written on, two processes on
-            // loopback, 256 MiB of fp32, ranges over runs of a shared VM: bus bandwidth
-            // 0.31-0.50 GB/s all-reduce, 0.19-0.29 reduce-scatter, 0.19-0.31 all-gather;
-            // the middle of the ZeRO operations' range is taken. The H100 host (16 cores)
-            // moved 4 x this machine's rate before the ring was rewritten
-            // (docs/distributed.md, "Transport speed"); its figure is to be measured there.
-            process_transport_bytes_per_s: Some(0.25e9),
+            // transport` on the H100 machine (16 cores), two processes on loopback, 256 MiB of
+            // fp32: bus bandwidth 0.53 GB/s all-reduce, 0.31 reduce-scatter, 0.34 all-gather
+            // (bare TCP 2.2-2.7 GB/s; backend/bench/h100-results/2026-11-25b/call1/transport.txt).
+            // ZeRO exchanges are reduce-scatters and all-gathers: the slower of the two is taken.
+            process_transport_bytes_per_s: Some(0.31e9),
             inplace_elementwise: true,
             // backend/src/train.rs samples `bytes_in_use` after every layer's forward and
             // backward, the loss and the optimizer: what `rcoa run` reports as measured.
