@@ -10,6 +10,9 @@
 //! NCCL's bus bandwidth (the bytes one rank sends per second: 2(n−1)/n of the
 //! vector for an all-reduce, (n−1)/n for the other two) and as the ratio of
 //! that to the baseline (1.0: the collective moves bytes as fast as bare TCP).
+//! Once per size, outside the timings, each rank also checks the values the
+//! three operations return (rank- and position-dependent inputs), and the
+//! benchmark fails if one is off.
 //!
 //!     cargo bench -p rcoa-backend --bench transport -- [MiB...]
 
@@ -112,8 +115,48 @@ fn rank(rank: u32, orchestrator: String) {
         timed("all-gather", n / 2, &|x| {
             c.all_gather(x).unwrap();
         });
+        check(&c, rank, n, &device);
     }
     c.progress().set_done();
+}
+
+/// Values that differ by rank and by position, so that a block put in the
+/// wrong place, or left over from an earlier call, shows.
+fn values(rank: u32, len: usize, device: &burn::tensor::Device<I>) -> Tensor<I, 1> {
+    Tensor::<I, 1, burn::tensor::Int>::arange(0..len as i64, device)
+        .float()
+        .mul_scalar(1e-6)
+        .add_scalar(rank as f64 + 1.0)
+}
+
+fn assert_close(what: &str, got: Tensor<I, 1>, want: Tensor<I, 1>) {
+    let err: f32 = (got - want).abs().max().into_scalar();
+    assert!(err <= 1e-5, "{what}: the result is off by {err}");
+}
+
+/// Outside the timings, once per size: each operation's values, each call
+/// right after the other as in a ZeRO step.
+fn check(c: &Collective<I>, rank: u32, n: usize, device: &burn::tensor::Device<I>) {
+    let mean = || values(0, n, device).add_scalar(0.5);
+    assert_close(
+        "all-reduce",
+        c.mean(values(rank, n, device)).unwrap(),
+        mean(),
+    );
+    let (shard, at) = c.reduce_scatter_mean(values(rank, n, device)).unwrap();
+    let half = n / 2;
+    assert_close(
+        "reduce-scatter",
+        shard,
+        mean().slice(at * half..(at + 1) * half),
+    );
+    let all = c.all_gather(values(rank, half, device)).unwrap();
+    for r in 0..2u32 {
+        let block = all
+            .clone()
+            .slice(r as usize * half..(r as usize + 1) * half);
+        assert_close("all-gather", block, values(r, half, device));
+    }
 }
 
 fn main() {
