@@ -14,17 +14,22 @@
 //! three operations return (rank- and position-dependent inputs), and the
 //! benchmark fails if one is off.
 //!
-//!     cargo bench -p rcoa-backend --bench transport -- [MiB...]
+//!     cargo bench -p rcoa-backend --bench transport -- [MiB...] [--cuda [--bf16]]
+//!
+//! `--cuda` (a build with `--features cuda`) puts both ranks' tensors on GPU 0
+//! through the executor's CUDA backend, so the device read-back and write are
+//! timed and checked too; `--bf16` sends bf16 vectors (CUDA only: NdArray has
+//! no bf16), the ring's 16-bit path.
 
-use burn::tensor::Tensor;
+use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, FloatDType, Int, Tensor};
 use rcoa_backend::distributed::Collective;
 use rcoa_backend::testing::{free_port, loopback_node};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-type I = burn::backend::NdArray<f32>;
 
 const RANK_VAR: &str = "RCOA_TRANSPORT_RANK";
 const ORCHESTRATOR_VAR: &str = "RCOA_TRANSPORT_ORCHESTRATOR";
@@ -84,24 +89,25 @@ fn tcp_swap_seconds(bytes: usize) -> f64 {
 }
 
 /// One rank: times each operation on each size and prints `RESULT` lines.
-fn rank(rank: u32, orchestrator: String) {
+fn rank<B: Backend>(rank: u32, orchestrator: String, device: B::Device, dtype: FloatDType) {
     let d = loopback_node(2, rank, orchestrator, Duration::from_secs(300));
-    let device = Default::default();
-    let c = Collective::<I>::register(&d, &device).unwrap();
+    let c = Collective::<B>::register(&d, &device).unwrap();
     c.progress().set_step(1);
     // The first call waits for the peer to join; keep it out of the timings.
-    c.mean(Tensor::<I, 1>::ones([64], &device)).unwrap();
+    c.mean(Tensor::<B, 1>::ones([64], &device)).unwrap();
     for mib in sizes_mib() {
         let n = mib << 18; // fp32 values in `mib` MiB
                            // A fresh input per call, made outside the timing: a tensor shared
                            // with a clone is read back element by element by NdArray, which
                            // the executor's flat vectors (owned once) are not.
-        let timed = |what: &str, len: usize, f: &dyn Fn(Tensor<I, 1>)| {
+        let timed = |what: &str, len: usize, f: &dyn Fn(Tensor<B, 1>)| {
             let mut times = Vec::new();
             for _ in 0..REPEATS {
-                let x = Tensor::<I, 1>::ones([len], &device);
+                let x = Tensor::<B, 1>::ones([len], &device).cast(dtype);
+                B::sync(&device).unwrap();
                 let start = Instant::now();
                 f(x);
+                B::sync(&device).unwrap();
                 times.push(start.elapsed().as_secs_f64());
             }
             println!("RESULT {rank} {what} {mib} {}", median(times));
@@ -115,53 +121,91 @@ fn rank(rank: u32, orchestrator: String) {
         timed("all-gather", n / 2, &|x| {
             c.all_gather(x).unwrap();
         });
-        check(&c, rank, n, &device);
+        check(&c, rank, n, &device, dtype);
     }
     c.progress().set_done();
 }
 
-/// Values that differ by rank and by position, so that a block put in the
-/// wrong place, or left over from an earlier call, shows.
-fn values(rank: u32, len: usize, device: &burn::tensor::Device<I>) -> Tensor<I, 1> {
-    Tensor::<I, 1, burn::tensor::Int>::arange(0..len as i64, device)
+/// Values that differ by rank and by position (period 61, prime to every
+/// block and chunk size), so that a block put in the wrong place, or left
+/// over from an earlier call, shows. Small integers and their halves: exact
+/// in fp32, fp16 and bf16 alike, so the check needs no tolerance.
+fn values<B: Backend>(
+    rank: u32,
+    len: usize,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Tensor<B, 1> {
+    Tensor::<B, 1, Int>::arange(0..len as i64, device)
+        .remainder_scalar(61)
         .float()
-        .mul_scalar(1e-6)
         .add_scalar(rank as f64 + 1.0)
+        .cast(dtype)
 }
 
-fn assert_close(what: &str, got: Tensor<I, 1>, want: Tensor<I, 1>) {
-    let err: f32 = (got - want).abs().max().into_scalar();
-    assert!(err <= 1e-5, "{what}: the result is off by {err}");
+fn assert_exact<B: Backend>(what: &str, got: Tensor<B, 1>, want: Tensor<B, 1>) {
+    let err: f32 = (got.cast(FloatDType::F32) - want.cast(FloatDType::F32))
+        .abs()
+        .max()
+        .into_scalar()
+        .elem();
+    assert!(err == 0.0, "{what}: the result is off by {err}");
 }
 
 /// Outside the timings, once per size: each operation's values, each call
 /// right after the other as in a ZeRO step.
-fn check(c: &Collective<I>, rank: u32, n: usize, device: &burn::tensor::Device<I>) {
-    let mean = || values(0, n, device).add_scalar(0.5);
-    assert_close(
+fn check<B: Backend>(
+    c: &Collective<B>,
+    rank: u32,
+    n: usize,
+    device: &B::Device,
+    dtype: FloatDType,
+) {
+    let mean = || values::<B>(0, n, device, dtype).add_scalar(0.5);
+    assert_exact(
         "all-reduce",
-        c.mean(values(rank, n, device)).unwrap(),
+        c.mean(values(rank, n, device, dtype)).unwrap(),
         mean(),
     );
-    let (shard, at) = c.reduce_scatter_mean(values(rank, n, device)).unwrap();
+    let (shard, at) = c
+        .reduce_scatter_mean(values(rank, n, device, dtype))
+        .unwrap();
     let half = n / 2;
-    assert_close(
+    assert_exact(
         "reduce-scatter",
         shard,
         mean().slice(at * half..(at + 1) * half),
     );
-    let all = c.all_gather(values(rank, half, device)).unwrap();
+    let all = c.all_gather(values(rank, half, device, dtype)).unwrap();
     for r in 0..2u32 {
         let block = all
             .clone()
             .slice(r as usize * half..(r as usize + 1) * half);
-        assert_close("all-gather", block, values(r, half, device));
+        assert_exact("all-gather", block, values(r, half, device, dtype));
     }
+}
+
+/// `--cuda` (with `--features cuda`): both ranks on GPU 0, the executor's
+/// CUDA backend; `--bf16`: the vectors in bf16 (CUDA only).
+fn run_rank(r: u32, orchestrator: String) {
+    let args: Vec<String> = std::env::args().collect();
+    let dtype = if args.iter().any(|a| a == "--bf16") {
+        FloatDType::BF16
+    } else {
+        FloatDType::F32
+    };
+    if args.iter().any(|a| a == "--cuda") {
+        #[cfg(feature = "cuda")]
+        return rank::<burn::backend::Cuda<f32>>(r, orchestrator, Default::default(), dtype);
+        #[cfg(not(feature = "cuda"))]
+        panic!("--cuda needs `--features cuda`");
+    }
+    rank::<NdArray<f32>>(r, orchestrator, Default::default(), dtype);
 }
 
 fn main() {
     if let Ok(r) = std::env::var(RANK_VAR) {
-        rank(r.parse().unwrap(), std::env::var(ORCHESTRATOR_VAR).unwrap());
+        run_rank(r.parse().unwrap(), std::env::var(ORCHESTRATOR_VAR).unwrap());
         return;
     }
     let port = free_port();
