@@ -95,11 +95,13 @@ fn rank<B: Backend>(rank: u32, orchestrator: String, device: B::Device, dtype: F
     c.progress().set_step(1);
     // The first call waits for the peer to join; keep it out of the timings.
     c.mean(Tensor::<B, 1>::ones([64], &device)).unwrap();
+    // Values in `mib` MiB of the vector's dtype (the table's GB/s count bytes).
+    let per_mib = (1 << 20) / if dtype == FloatDType::F32 { 4 } else { 2 };
     for mib in sizes_mib() {
-        let n = mib << 18; // fp32 values in `mib` MiB
-                           // A fresh input per call, made outside the timing: a tensor shared
-                           // with a clone is read back element by element by NdArray, which
-                           // the executor's flat vectors (owned once) are not.
+        let n = mib * per_mib;
+        // A fresh input per call, made outside the timing: a tensor shared with a clone is
+        // read back element by element by NdArray, which the executor's flat vectors (owned
+        // once) are not.
         let timed = |what: &str, len: usize, f: &dyn Fn(Tensor<B, 1>)| {
             let mut times = Vec::new();
             for _ in 0..REPEATS {
@@ -176,12 +178,13 @@ fn check<B: Backend>(
         shard,
         mean().slice(at * half..(at + 1) * half),
     );
+    // Blocks come in ring order, which is the order of the shard indices (set by when each
+    // node registered, not by its rank): this rank's block at `at`, the other's beside it.
     let all = c.all_gather(values(rank, half, device, dtype)).unwrap();
-    for r in 0..2u32 {
-        let block = all
-            .clone()
-            .slice(r as usize * half..(r as usize + 1) * half);
-        assert_exact("all-gather", block, values(r, half, device, dtype));
+    for p in 0..2 {
+        let owner = if p == at { rank } else { 1 - rank };
+        let block = all.clone().slice(p * half..(p + 1) * half);
+        assert_exact("all-gather", block, values(owner, half, device, dtype));
     }
 }
 
