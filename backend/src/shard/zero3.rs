@@ -809,11 +809,8 @@ fn shard_of<I: Backend>(
     device: &I::Device,
 ) -> Tensor<I, 1> {
     let (mut parts, pad) = shard_parts(pieces, shards, index);
-    // `cat` writes a new tensor (the padding's zeros at its end). No zero-length padding:
-    // it would be one more (empty) launch.
-    if pad > 0 || parts.is_empty() {
-        parts.push(Tensor::zeros([pad], device));
-    }
+    // `cat` writes a new tensor (the padding's zeros at its end).
+    parts.push(Tensor::zeros([pad], device));
     Tensor::cat(parts, 0)
 }
 
