@@ -16,15 +16,14 @@
 """
 import json
 import os
-import random
 import shutil
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "llama")
+# The fixtures' sentence grammar and the pinned causal evaluation (tools/hf_fixtures/README.md).
+sys.path.insert(0, os.path.join(ROOT, "tools", "hf_fixtures"))
 SEQ = 512
-WORDS = ("the cat dog bird sat ran flew on under over a red blue green mat tree "
-         "house quickly slowly and then it was big small happy sad").split()
 
 PLAN = """# A fine-tune of WORK/model (backend/bench/hf_finetune.py): bf16 autocast, fp32 master.
 model hf "model"
@@ -49,13 +48,9 @@ target burn
 """
 
 
-def sentences(n, seed):
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))) + "." for _ in range(n)]
-
-
 def make(work, layers):
     import torch
+    from make_fixtures import corpus
     from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(work, exist_ok=True)
@@ -74,30 +69,24 @@ def make(work, layers):
         shutil.copy(os.path.join(FIXTURE, f), out)
     for name, count, seed in (("train.jsonl", 20000, 1), ("eval.jsonl", 400, 2)):
         with open(os.path.join(work, name), "w") as f:
-            for s in sentences(count, seed):
+            for s in corpus(count, seed):
                 f.write(json.dumps({"text": s}) + "\n")
     open(os.path.join(work, "finetune.plan"), "w").write(PLAN.format(seq=SEQ))
     print(json.dumps({"parameters": n, "layers": layers, "files": sorted(os.listdir(out))}))
 
 
 def eval_loss(model_dir, work, eos):
-    """tokenizer(text) + EOS, concatenated, cut into SEQ-token windows (remainder dropped), mean of
-    the per-window losses, labels = inputs."""
-    import tokenizers
+    """The eval loss of the weights in `model_dir` on WORK/eval.jsonl, in fp32 on the GPU."""
     import torch
+    from roundtrip import eval_loss as pinned_eval_loss
     from transformers import AutoModelForCausalLM
 
-    tok = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
-    ids = []
-    for line in open(os.path.join(work, "eval.jsonl")):
-        ids += tok.encode(json.loads(line)["text"]).ids + [eos]
-    wins = torch.tensor([ids[i * SEQ:(i + 1) * SEQ] for i in range(len(ids) // SEQ)]).cuda()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in wins]
+    loss = pinned_eval_loss(model, os.path.join(FIXTURE, "tokenizer.json"),
+                            os.path.join(work, "eval.jsonl"), SEQ, eos)
     del model
     torch.cuda.empty_cache()
-    return sum(losses) / len(losses), len(losses)
+    return loss
 
 
 def check(work):
@@ -108,10 +97,9 @@ def check(work):
             e = json.loads(line)
             if "eval_loss" in e and e.get("event") == "eval":
                 evals.append(e)
-    before, windows = eval_loss(os.path.join(work, "model"), work, eos)
-    after, _ = eval_loss(os.path.join(work, "saved"), work, eos)
+    before = eval_loss(os.path.join(work, "model"), work, eos)
+    after = eval_loss(os.path.join(work, "saved"), work, eos)
     out = {
-        "windows": windows,
         "transformers_before": before,
         "rcoa_before": evals[0]["eval_loss"] if evals else None,
         "transformers_after": after,

@@ -105,7 +105,8 @@ def rcoa_eval(binary, saved, fixture, loss, work):
 
 @torch.no_grad()
 def window_losses(model, windows):
-    return [model(input_ids=torch.tensor([w]), labels=torch.tensor([w])).loss.item() for w in windows]
+    ids = [torch.tensor([w], device=model.device) for w in windows]
+    return [model(input_ids=w, labels=w).loss.item() for w in ids]
 
 
 @torch.no_grad()
