@@ -224,9 +224,12 @@ fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64, ctx: &Ctx<B>) ->
     // The mask comes from the backend's RNG, which the trainer re-seeds before
     // every layer (and before its recomputation), so a recomputed layer draws
     // the same mask as its first forward.
+    // `mask_fill` saves its 1-byte mask for the backward; `x * keep` would
+    // save the keep factors in x's dtype (2 or 4 bytes an element), where the
+    // memory model charges the mask's byte as PyTorch keeps it.
     let keep = Tensor::<B, D>::random(x.shape(), Distribution::Bernoulli(1.0 - p), &x.device());
-    let keep = to_dtype(keep, ctx.compute);
-    x * keep.div_scalar(1.0 - p)
+    x.mask_fill(keep.lower_elem(0.5), 0.0)
+        .mul_scalar(1.0 / (1.0 - p))
 }
 
 // ---------------------------------------------------------------- linear
@@ -255,7 +258,10 @@ struct LinearInit<'a> {
     bias: bool,
     proj: Option<Proj>,
     adapter: Option<&'a AdapterSpec>,
-    dtype: FloatDType,
+    /// The base weight's and bias's (frozen under an adapter).
+    base_dtype: FloatDType,
+    /// LoRA's A and B (trainable).
+    lora_dtype: FloatDType,
 }
 
 impl<B: Backend> Linear<B> {
@@ -277,22 +283,25 @@ impl<B: Backend> Linear<B> {
                 .expect("a random normal weight is finite and of its own shape");
             (None, Some(q))
         } else {
-            (Some(param(ids, to_dtype(w, c.dtype), base_trainable)), None)
+            (
+                Some(param(ids, to_dtype(w, c.base_dtype), base_trainable)),
+                None,
+            )
         };
         let bias = c.bias.then(|| {
             param(
                 ids,
-                Tensor::<B, 1>::zeros([c.d_out], device).cast(c.dtype),
+                Tensor::<B, 1>::zeros([c.d_out], device).cast(c.base_dtype),
                 base_trainable,
             )
         });
         let lora = if lora_on {
             let r = c.adapter.map(|a| a.rank as usize).unwrap_or(1);
             Some(Lora {
-                a: param(ids, normal::<B, 2>([c.d_in, r], c.dtype, device), true),
+                a: param(ids, normal::<B, 2>([c.d_in, r], c.lora_dtype, device), true),
                 b: param(
                     ids,
-                    Tensor::<B, 2>::zeros([r, c.d_out], device).cast(c.dtype),
+                    Tensor::<B, 2>::zeros([r, c.d_out], device).cast(c.lora_dtype),
                     true,
                 ),
             })
@@ -653,8 +662,23 @@ pub struct ModelInit<'a> {
     pub adapter: Option<&'a AdapterSpec>,
     /// Whether a vocabulary head runs (not for contrastive training).
     pub lm_head: bool,
-    /// Storage dtype of the parameters.
+    /// Storage dtype of the trainable parameters (fp32 when the optimizer
+    /// steps an fp32 master of 16-bit weights: the model built is the master).
     pub dtype: FloatDType,
+    /// Storage dtype of the frozen ones (an adapter's base, its embeddings,
+    /// norms and head): the run's params dtype even beside an fp32 master,
+    /// because nothing steps them, so no master copy of them is kept.
+    pub frozen: FloatDType,
+}
+
+impl ModelInit<'_> {
+    fn dtype_of(&self, trainable: bool) -> FloatDType {
+        if trainable {
+            self.dtype
+        } else {
+            self.frozen
+        }
+    }
 }
 
 /// A model's units in construction order: what [`Model::new`] builds, and
@@ -668,9 +692,13 @@ pub enum Part<B: Backend> {
 impl<B: ExecBackend> Embed<B> {
     /// The embedding unit; draws first from the generator.
     pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let (m, dt) = (init.model, init.dtype);
-        let (d, v) = (m.hidden as usize, m.vocab as usize);
+        let (m, d, v) = (
+            init.model,
+            init.model.hidden as usize,
+            init.model.vocab as usize,
+        );
         let trainable = init.adapter.is_none();
+        let dt = init.dtype_of(trainable);
         Embed {
             tokens: param(ids, normal::<B, 2>([v, d], dt, device), trainable),
             positions: (m.positions == Positions::Learned).then(|| {
@@ -689,7 +717,7 @@ impl<B: ExecBackend> Embed<B> {
 impl<B: ExecBackend> Layer<B> {
     /// One transformer layer, after the embedding and the layers before it.
     pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let (m, dt) = (init.model, init.dtype);
+        let m = init.model;
         let d = m.hidden as usize;
         let (h, kvh, hd, ffn) = (
             m.heads as usize,
@@ -699,6 +727,7 @@ impl<B: ExecBackend> Layer<B> {
         );
         let bias = m.norm == Norm::Layernorm;
         let trainable = init.adapter.is_none();
+        let dt = init.dtype_of(trainable);
         let lin = |ids: &mut Ids, d_in, d_out, proj| {
             Linear::new(
                 ids,
@@ -708,7 +737,8 @@ impl<B: ExecBackend> Layer<B> {
                     bias,
                     proj,
                     adapter: init.adapter,
-                    dtype: dt,
+                    base_dtype: dt,
+                    lora_dtype: init.dtype,
                 },
                 device,
             )
@@ -734,9 +764,13 @@ impl<B: ExecBackend> Layer<B> {
 impl<B: ExecBackend> Head<B> {
     /// The head unit, after the last layer.
     pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let (m, dt) = (init.model, init.dtype);
-        let (d, v) = (m.hidden as usize, m.vocab as usize);
+        let (m, d, v) = (
+            init.model,
+            init.model.hidden as usize,
+            init.model.vocab as usize,
+        );
         let trainable = init.adapter.is_none();
+        let dt = init.dtype_of(trainable);
         Head {
             norm: (m.arch == Arch::Decoder)
                 .then(|| NormLayer::new(ids, m.norm, d, dt, trainable, device)),
@@ -1149,6 +1183,7 @@ mod qlora_tests {
                     adapter: Some(a),
                     lm_head: true,
                     dtype: FloatDType::F32,
+                    frozen: FloatDType::F32,
                 },
                 device,
             )
@@ -1230,6 +1265,7 @@ mod qlora_tests {
                     adapter: a,
                     lm_head: true,
                     dtype: FloatDType::F32,
+                    frozen: FloatDType::F32,
                 },
                 &device,
             );
@@ -1279,6 +1315,7 @@ mod qlora_tests {
                     adapter: Some(a),
                     lm_head: true,
                     dtype: FloatDType::F32,
+                    frozen: FloatDType::F32,
                 },
                 &device,
             )
@@ -1339,6 +1376,101 @@ mod qlora_tests {
             for (x, y) in a.iter().zip(b) {
                 assert!((x - y).abs() <= 1e-4 * scale, "{x} vs {y}");
             }
+        }
+    }
+
+    /// Beside an fp32 master the model is built with its trainable
+    /// parameters in the master's dtype and its frozen ones (an adapter's
+    /// base, embeddings, norms, head) in the storage dtype, since nothing
+    /// steps them: under LoRA the base is no second copy. F64 stands in for
+    /// the master and F32 for 16 bits (ndarray has no bf16).
+    #[test]
+    fn frozen_parameters_are_made_in_their_own_dtype() {
+        let spec = tiny_plan().model;
+        for kind in [None, Some(AdapterKind::Lora), Some(AdapterKind::Qlora)] {
+            let a = kind.map(adapter);
+            let m = Model::<Ad>::new(
+                &ModelInit {
+                    model: &spec,
+                    adapter: a.as_ref(),
+                    lm_head: true,
+                    dtype: FloatDType::F64,
+                    frozen: FloatDType::F32,
+                },
+                &Default::default(),
+            );
+            struct Count(HashMap<(bool, String), usize>);
+            impl ModuleVisitor<Ad> for Count {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Ad, D>>) {
+                    let key = (p.is_require_grad(), format!("{:?}", p.val().dtype()));
+                    *self.0.entry(key).or_default() += 1;
+                }
+            }
+            let mut c = Count(HashMap::new());
+            m.visit(&mut c);
+            let dtypes = |trainable: bool| -> Vec<&String> {
+                c.0.keys()
+                    .filter(|(t, _)| *t == trainable)
+                    .map(|(_, d)| d)
+                    .collect()
+            };
+            assert_eq!(dtypes(true), ["F64"], "{kind:?}: {:?}", c.0);
+            if kind.is_some() {
+                assert_eq!(dtypes(false), ["F32"], "{kind:?}: {:?}", c.0);
+            } else {
+                assert!(dtypes(false).is_empty(), "{:?}", c.0);
+            }
+        }
+    }
+
+    /// Set in the child process of [`dropout_keeps_a_byte_an_element`].
+    const DROPOUT_CHILD: &str = "RCOA_DROPOUT_MEMORY_CHILD";
+
+    /// Measures in a process of its own: other tests allocate meanwhile.
+    #[test]
+    fn dropout_keeps_a_byte_an_element() {
+        crate::testing::run_ignored_in_child(
+            "model::qlora_tests::dropout_memory_in_child",
+            DROPOUT_CHILD,
+        );
+    }
+
+    /// What dropout's autodiff node keeps for the backward is its 1-byte mask
+    /// (the memory model's `dropout_mask`), not keep factors in x's dtype;
+    /// and its gradient is the kept elements' scale, zero where dropped.
+    #[test]
+    #[ignore = "run in its own process by dropout_keeps_a_byte_an_element"]
+    fn dropout_memory_in_child() {
+        use crate::memory::{AllocProbe, MemoryProbe};
+        assert!(
+            std::env::var_os(DROPOUT_CHILD).is_some(),
+            "run by its parent test"
+        );
+        let spec = tiny_plan().model;
+        let device = Default::default();
+        let ctx = Ctx::<Ad>::new(&spec, None, 8, FloatDType::F32, &device);
+        let n = 1 << 18;
+        let x = Tensor::<Ad, 2>::ones([64, n / 64], &device).require_grad();
+        let held = |f: &dyn Fn() -> Tensor<Ad, 2>| {
+            let mut probe = AllocProbe::new().expect("the test binary counts allocations");
+            let y = f();
+            (y, probe.sample())
+        };
+        let _ = held(&|| dropout(x.clone(), 0.25, &ctx)); // first-use buffers
+        let (y, live) = held(&|| dropout(x.clone(), 0.25, &ctx));
+        // The output (4 bytes an element) and the mask (1), plus small change.
+        let out = 4 * n as u64;
+        assert!(
+            live >= out + n as u64 && live <= out + n as u64 + (64 << 10),
+            "{live} bytes held for {n} elements"
+        );
+        let g = y.clone().sum().backward();
+        let dx: Vec<f32> = x.grad(&g).unwrap().into_data().to_vec().unwrap();
+        let yv: Vec<f32> = y.inner().into_data().to_vec().unwrap();
+        let dropped = yv.iter().filter(|v| **v == 0.0).count() as f64 / n as f64;
+        assert!((dropped - 0.25).abs() < 0.01, "dropped {dropped}");
+        for (d, v) in dx.iter().zip(&yv) {
+            assert_eq!(d, v, "the gradient of sum(y) is y's scale where kept");
         }
     }
 }

@@ -17,7 +17,8 @@
 //!   dtype and kept whole;
 //! - otherwise the unit is made directly in its storage dtype (fp32 when an
 //!   fp32 master is stepped: the trainer casts its 16-bit working copy from
-//!   it, both are the steady state).
+//!   it, both are the steady state; frozen parameters, which have no master,
+//!   are made in the 16-bit dtype and shared by the two).
 //!
 //! So no more than one unit exists at a time beyond what the run keeps. The
 //! compiler's `burn` profile charges exactly that as the `setup` point
@@ -77,11 +78,19 @@ pub fn build<B: ExecAutodiff>(
     } else {
         precision.params
     };
+    // Frozen parameters have no master: beside an fp32 master they are made
+    // in the storage dtype, and the 16-bit working copy shares them.
+    let frozen = if shards.is_some() {
+        dtype
+    } else {
+        precision.params
+    };
     let init = ModelInit {
         model: &plan.model,
         adapter: plan.adapter.as_ref(),
         lm_head,
         dtype,
+        frozen,
     };
     let dir = plan.model.weights.as_deref().map(Path::new);
     let mut loader = dir

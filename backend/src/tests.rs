@@ -282,6 +282,7 @@ fn padding_hides_pad_tokens_from_real_tokens() {
         adapter: None,
         lm_head: false,
         dtype: burn::tensor::FloatDType::F32,
+        frozen: burn::tensor::FloatDType::F32,
     };
     let model = Model::<Inner>::new(&init, &device);
     let mut ctx = Ctx::<Inner>::new(&plan.model, None, 5, burn::tensor::FloatDType::F32, &device);

@@ -141,11 +141,32 @@ pub(crate) struct CastParams(pub(crate) FloatDType);
 
 impl<B: AutodiffBackend> ModuleMapper<B> for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, t, _) = param.consume();
-        let trainable = t.is_require_grad();
-        let inner = crate::model::to_dtype(t.inner(), self.0);
-        Param::initialized(id, Tensor::from_inner(inner).set_require_grad(trainable))
+        cast_param(param, self.0, true)
     }
+}
+
+/// Casts the frozen parameters only: beside an fp32 master they are kept in
+/// the 16-bit storage dtype, which the working copy shares (`crate::setup`).
+struct CastFrozen(FloatDType);
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastFrozen {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        cast_param(param, self.0, false)
+    }
+}
+
+fn cast_param<B: AutodiffBackend, const D: usize>(
+    param: Param<Tensor<B, D>>,
+    dtype: FloatDType,
+    trainable_too: bool,
+) -> Param<Tensor<B, D>> {
+    let (id, t, _) = param.consume();
+    let trainable = t.is_require_grad();
+    if trainable && !trainable_too {
+        return Param::initialized(id, t);
+    }
+    let inner = crate::model::to_dtype(t.inner(), dtype);
+    Param::initialized(id, Tensor::from_inner(inner).set_require_grad(trainable))
 }
 
 /// Moves the gradients of `from` into `into`, adding where both have one,
@@ -1076,6 +1097,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         let master_whole = self.precision.master && self.zero.is_none();
         if !master_whole && self.precision.params != FloatDType::F32 {
             model = model.map(&mut CastParams(self.precision.params));
+        }
+        if master_whole {
+            model = model.map(&mut CastFrozen(self.precision.params));
         }
         self.model = model;
         if master_whole {

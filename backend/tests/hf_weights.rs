@@ -50,6 +50,7 @@ fn loaded(m: &ModelSpec, lm_head: bool) -> Result<Model<B>, rcoa_backend::RunErr
         adapter: None,
         lm_head,
         dtype: FloatDType::F32,
+        frozen: FloatDType::F32,
     };
     let mut model = Model::<B>::new(&init, &device);
     let dir = m.weights.as_ref().expect("the spec names the checkpoint");
@@ -415,6 +416,7 @@ fn adapted(m: &ModelSpec, a: &AdapterSpec, lm_head: bool) -> Model<B> {
         adapter: Some(a),
         lm_head,
         dtype: FloatDType::F32,
+        frozen: FloatDType::F32,
     };
     let mut model = Model::<B>::new(&init, &device);
     let dir = m.weights.as_ref().expect("a fixture");
@@ -432,6 +434,7 @@ fn plain_from(m: &ModelSpec, stored: &Stored, lm_head: bool) -> Model<B> {
         adapter: None,
         lm_head,
         dtype: FloatDType::F32,
+        frozen: FloatDType::F32,
     };
     let mut model = Model::<B>::new(&init, &Default::default());
     load_from(&mut model, Family::of(m), stored).unwrap_or_else(|e| panic!("{e}"));

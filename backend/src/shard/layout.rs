@@ -203,6 +203,7 @@ mod tests {
             adapter: plan.adapter.as_ref(),
             lm_head: plan.train.loss != Loss::Contrastive,
             dtype: burn::tensor::FloatDType::F32,
+            frozen: burn::tensor::FloatDType::F32,
         };
         let mut out = Vec::new();
         Model::<Cpu>::build_parts(&init, &Default::default(), &mut |part| {
