@@ -9,6 +9,7 @@ use rcoa_compiler::profile::BURN_RUNS_ZERO3;
 
 use rcoa_compiler::resolve::{resolve, ResolveContext};
 use rcoa_compiler::spec::Spec;
+use rcoa_compiler::Compilation;
 
 fn spec(gpus: u64, target: &str, parallel: &str) -> Spec {
     let src = format!(
@@ -90,11 +91,12 @@ fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
     assert!(r.zero > 0 || !r.offload.is_empty(), "{r:?}");
 }
 
-/// ZeRO-2 on the Burn executor: the flat gradient and this rank's reduced shard;
-/// gradients stay whole through the backward. The default precision is bf16 with an
-/// fp32 master: a rank keeps the master of its shard only, charged with the optimizer
-/// state it is sharded with (not the whole fp32 model); fp32 weights keep an fp32 copy
-/// of the shard beside them, a communication term.
+/// ZeRO-2 on the Burn executor: the flat gradient and this rank's reduced shard, made
+/// after the backward from the gradients as they leave (`backend/src/shard`): a point of
+/// the timeline between the backward and the step, not a buffer of the whole step. The
+/// default precision is bf16 with an fp32 master: a rank keeps the master of its shard
+/// only, charged with the optimizer state it is sharded with (not the whole fp32 model);
+/// fp32 weights keep an fp32 copy of the shard beside them for the whole step.
 #[test]
 fn burn_zero2_counts_the_flat_vector_and_the_shards() {
     let two = rcoa_compiler::compile(&spec(2, "burn", "zero = 2")).unwrap();
@@ -102,20 +104,21 @@ fn burn_zero2_counts_the_flat_vector_and_the_shards() {
     let trainable = two.report.params_trainable;
     let flat = trainable * 4;
     let shard = trainable.div_ceil(2) * 4;
-    let comm = two.lowered.prediction.breakdown["communication"];
-    assert_eq!(comm, flat + shard);
+    let breakdown = &two.lowered.prediction.breakdown;
+    assert_eq!(breakdown.get("communication").copied().unwrap_or(0), 0);
+    // At the exchange the gradients are the flat vector and the ring's received block.
+    assert_eq!(exchange_grads(&two), flat + shard);
+    // The peak is the forward's; the exchange has no activations beside it.
+    assert!(two.report.peak_bytes > exchange_bytes(&two));
     // AdamW's two fp32 moments and the fp32 master, each a shard: 3 x 1/2 of 4 bytes
     // per value (within the allocator's rounding per tensor).
-    let opt = two.lowered.prediction.breakdown["optimizer"] as f64;
+    let opt = breakdown["optimizer"] as f64;
     let want = (3 * shard) as f64;
     assert!((opt / want - 1.0).abs() < 1e-3, "{opt} vs {want}");
     // ZeRO-1 reduce-scatters like ZeRO-2 (it reads only its shard of the mean): the flat
     // vector and the ring's received block, not a second full vector.
     let zero1 = rcoa_compiler::compile(&spec(2, "burn", "zero = 1")).unwrap();
-    assert_eq!(
-        zero1.lowered.prediction.breakdown["communication"],
-        flat + shard
-    );
+    assert_eq!(exchange_grads(&zero1), flat + shard);
     // The setup keeps the 16-bit weights, the master shard and one unit in fp32, never
     // the whole fp32 model beside its 16-bit copy (1.5 x `flat`).
     let setup = two.report.phase_peaks["setup"];
@@ -133,41 +136,47 @@ fn burn_zero2_counts_the_flat_vector_and_the_shards() {
         let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
         rcoa_compiler::compile(&spec).unwrap()
     };
-    assert_eq!(
-        fp32.lowered.prediction.breakdown["communication"],
-        flat + 2 * shard
-    );
+    assert_eq!(fp32.lowered.prediction.breakdown["communication"], shard);
+    assert_eq!(exchange_grads(&fp32), flat + shard);
+    // The pool keeps the exchange's pages: the reserve holds them beside the peak.
+    assert!(two.report.reserve_bytes >= flat + shard);
 }
 
+/// The timeline sample of the Burn executor's gradient exchange.
+fn exchange(c: &Compilation) -> &rcoa_compiler::memory::Sample {
+    c.report
+        .timeline
+        .iter()
+        .find(|s| s.op == rcoa_compiler::memory::EXCHANGE_OP)
+        .expect("a gradient exchange in the timeline")
+}
+
+fn exchange_bytes(c: &Compilation) -> u64 {
+    exchange(c).bytes
+}
+
+fn exchange_grads(c: &Compilation) -> u64 {
+    exchange(c).by_category[rcoa_compiler::memory::Category::Grads as usize]
+}
+
+/// Data parallelism without ZeRO on the Burn executor: every gradient concatenated into
+/// one flat fp32 vector and all-reduced after the backward, the vector and its reduced
+/// copy beside the gradients; one rank exchanges nothing.
 #[test]
 fn burn_data_parallel_counts_the_flat_gradient_exchange() {
     let one = rcoa_compiler::compile(&spec(1, "burn", "")).unwrap();
     let two = rcoa_compiler::compile(&spec(2, "burn", "")).unwrap();
     assert_eq!(two.lowered.resolved.data, 2);
     let trainable = two.report.params_trainable;
-    let comm = two
-        .lowered
-        .prediction
-        .breakdown
-        .get("communication")
-        .copied()
-        .unwrap_or(0);
-    assert_eq!(
-        comm,
-        2 * trainable * 4,
-        "the flat fp32 vector and its reduced copy"
-    );
-    // Half the micro-batch per rank can lower activations, but never below the exchange.
-    assert!(two.lowered.prediction.peak_bytes >= comm);
-    assert!(
-        one.lowered
-            .prediction
-            .breakdown
-            .get("communication")
-            .copied()
-            .unwrap_or(0)
-            == 0
-    );
+    let grads = exchange_grads(&two);
+    // The gradients (fp32: the master's, `MergeGrads`) stay beside the two fp32 vectors.
+    assert_eq!(grads, 2 * trainable * 4 + 4 * trainable, "{grads}");
+    assert!(two.lowered.prediction.peak_bytes >= exchange_bytes(&two));
+    assert!(!one
+        .report
+        .timeline
+        .iter()
+        .any(|s| s.op == rcoa_compiler::memory::EXCHANGE_OP));
 }
 
 /// The start-up of an unsharded 16-bit plan on the Burn executor, from the shapes alone:

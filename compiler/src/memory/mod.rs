@@ -168,6 +168,8 @@ impl std::fmt::Display for PeakLocation {
 /// The setup sample's op: the Burn executor's start-up build, one unit at a time
 /// ([`burn_setup`]).
 pub const SETUP_OP: &str = "model built one unit at a time";
+/// The point of the Burn executor's gradient exchange (flat fp32 vectors) in the timeline.
+pub const EXCHANGE_OP: &str = "gradient exchange";
 
 /// The memory model's answer for one candidate on one GPU (the worst rank).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -383,8 +385,7 @@ fn evaluate_stage(
             // The fp32 gradient-shard accumulator: 1/data of every trainable value (ZeRO ≥ 1).
             let values: u64 = trainable.iter().map(|(_, n)| n).sum();
             let shards = if cand.zero >= 1 { dp } else { 1 };
-            persistent.fixed[Category::Grads as usize] =
-                profile.allocated(4 * values.div_ceil(shards));
+            persistent.unit_grad_acc = profile.allocated(4 * values.div_ceil(shards));
         }
     }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
@@ -474,6 +475,17 @@ fn evaluate_stage(
     at_opt[Category::ActivationGrads as usize] = 0;
     at_opt[Category::Activations as usize] = persistent.fixed[Category::Activations as usize];
     at_opt[Category::WeightCopies as usize] = 0;
+    // The Burn executor's gradient exchange runs between the backward and the step, in
+    // what the backward left (`parallel::burn_exchange`); its vectors are gradients.
+    let exchange = parallel::burn_exchange(spec, cand, trainable_values.iter().sum());
+    let at_exchange = exchange.map(|x| {
+        let mut at = at_opt;
+        if x.grads_leave {
+            at[Category::Grads as usize] = 0;
+        }
+        at[Category::Grads as usize] += x.at_step_end;
+        at
+    });
     if opt_on_gpu && !in_backward {
         at_opt[Category::Workspace as usize] +=
             engines::step_temporaries(spec, profile, cand, &opt, &trainable_values)
@@ -521,6 +533,9 @@ fn evaluate_stage(
             };
         }
     };
+    if let Some(at) = at_exchange {
+        point(Phase::Optimizer, EXCHANGE_OP, at, false);
+    }
     point(Phase::Optimizer, opt.name, at_opt, false);
     let (total, trainable_count) = param_counts(&tape);
     if profile.burn_ops {
@@ -551,7 +566,13 @@ fn evaluate_stage(
     } else {
         profile.pool_factor_recompute
     };
-    let pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
+    let mut pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
+    if let Some(x) = exchange.filter(|_| cand.data > 1) {
+        // The exchange's pages stay in the pool after it: CubeCL's default pool reserved
+        // 2.5 x the bytes in use in a ZeRO-2 run over two processes (docs/burn-h100.md),
+        // so the reserve keeps them.
+        pool += x.at_step_end;
+    }
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
     let unit_bytes = tape
         .units
@@ -678,8 +699,13 @@ fn burn_setup(
     }
     #[derive(Default)]
     struct Made {
-        /// The unit as it is made (fp32 when sharded or with a master; NF4 as NF4).
+        /// The unit as it is made (fp32 when sharded, trainable parameters fp32 beside a
+        /// master; NF4 as NF4).
         built: u64,
+        /// Its frozen parameters as made: beside a master they have none and are made in
+        /// the storage dtype, which the working copy shares (`setup.rs`).
+        built_frozen: u64,
+        largest_frozen: u64,
         /// What it leaves on the device (the steady state's weights at rest).
         kept: u64,
         trainable: u64,
@@ -694,22 +720,27 @@ fn burn_setup(
         }
         let m = made.entry(unit_of[i].unwrap_or((2, 0))).or_default();
         let n: u64 = t.shape.iter().product();
-        m.built += if t.dtype == Dtype::Nf4 {
+        let built = if t.dtype == Dtype::Nf4 {
             quant::nf4_parts(n, profile.nf4_double_quant)
                 .iter()
                 .filter(|b| **b > 0)
                 .map(|b| profile.allocated(*b))
                 .sum()
-        } else if units || master {
+        } else if units || (master && t.requires_grad) {
             alloc(4.0 * n as f64)
         } else {
             alloc(t.dtype.bytes() * n as f64)
         };
+        m.built += built;
         m.kept += t.bytes;
         if t.requires_grad {
             m.trainable += n;
         } else {
             m.frozen += n;
+            m.built_frozen += built;
+            if t.dtype != Dtype::Nf4 {
+                m.largest_frozen = m.largest_frozen.max(n);
+            }
         }
         if t.dtype != Dtype::Nf4 {
             m.largest = m.largest.max(n);
@@ -794,8 +825,25 @@ fn burn_setup(
             weights += m.kept;
         } else {
             if master {
-                note(weights, masters + m.built + load);
-                masters += m.built;
+                // Frozen parameters are drawn in fp32 and cast, or loaded and cast, like
+                // 16-bit weights without a master.
+                let frozen_draw = if sixteen {
+                    alloc(4.0 * m.largest_frozen as f64)
+                } else {
+                    0
+                };
+                let frozen_cast = if loads && sixteen {
+                    alloc(storage.bytes() * m.largest_frozen as f64)
+                } else {
+                    0
+                };
+                let trainable_built = m.built - m.built_frozen;
+                note(
+                    weights + m.built_frozen + frozen_draw.max(load + frozen_cast),
+                    masters + trainable_built,
+                );
+                weights += m.built_frozen;
+                masters += trainable_built;
             } else {
                 note(weights + m.built + draw.max(load + cast), masters);
                 weights += m.built;

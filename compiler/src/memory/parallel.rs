@@ -108,7 +108,6 @@ pub fn terms(
     let trainable = report.params_trainable;
     let mut t = ParallelTerms::default();
     let burn = spec.target == crate::spec::Target::Burn;
-    let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
     if let Some(bufs) = super::engines::buffers(spec, cand, profile, stage, report) {
         t.engine = bufs;
     } else if burn && !report.units.is_empty() {
@@ -126,45 +125,14 @@ pub fn terms(
             let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
             t.staging_buffer = fp32.div_ceil(wshards);
         }
-    } else if burn && trainable > 0 && (host_optimizer || cand.zero >= 1) {
-        // rcoa's Burn executor (backend/src/shard), which steps ZeRO 1/2 on one rank too: one
-        // flat fp32 gradient vector, written gradient by gradient into one buffer (the
-        // gradients leave as it fills, so the two never both exist whole). Stages 1 and 2
-        // reduce-scatter it: burn-collective's ring keeps the vector while it receives and
-        // sums (in place into the received buffer) the other ranks' blocks, up to d − 1 of
-        // them before it hands back this rank's shard. Stage 0 (optimizer offloaded)
-        // all-reduces it: the ring's received blocks and its final concatenation make a
-        // second full vector. The fp32 master of this rank's shard lives between steps (on
-        // the device, or on the host beside the offloaded optimizer); the all-gather's full
-        // vector comes after the flat buffers are freed. Counted over the whole step (the
-        // safe side). Device memory only: the transport's serialised copies are host bytes
-        // (docs/distributed.md bounds them for `--device cpu`).
-        let flat = trainable * 4;
-        let shards = if cand.zero >= 1 { d } else { 1 };
-        let shard = (trainable.div_ceil(shards)) * 4;
-        let exchange = match (d, cand.zero) {
-            (1, _) => flat,
-            (_, 1 | 2) => flat + (d - 1) * shard,
-            _ => 2 * flat,
-        };
-        // The master shard is on the host with the offloaded optimizer; the fp32 master of
-        // 16-bit weights is charged with the optimizer state it is sharded with.
-        let master = if host_optimizer || super::burn_master_in_state(spec) {
-            0
-        } else {
-            shard
-        };
-        t.reduce_bucket = exchange.max(flat) + master;
+    } else if let Some(x) = burn_exchange(spec, cand, trainable) {
+        // The exchange itself is a point at the step's end (`memory::evaluate_on`); only
+        // the fp32 copy of the shard that fp32 weights keep lives through the step.
+        t.reduce_bucket = x.whole_step;
     } else if d > 1 && trainable > 0 {
         // Full (unsharded) gradient bytes of this rank's stage.
         let full_grads = (trainable as f64 * grad_b) as u64;
         match cand.zero {
-            // rcoa's Burn executor (backend/src/distributed.rs) concatenates every gradient
-            // into one flat fp32 vector and all-reduces it: the vector and the reduced result
-            // coexist with the gradients. Counted over the whole step (the safe side).
-            0 if spec.target == crate::spec::Target::Burn => {
-                t.reduce_bucket = 2 * trainable * 4;
-            }
             // DDP's `Reducer` allocates every bucket's flat gradient buffer when the model is
             // wrapped (`reducer.cpp` `initialize_buckets`: one `at::empty` per bucket of up to
             // `bucket_cap_mb`, in the parameters' dtype) and keeps them for the run; with
@@ -196,6 +164,76 @@ pub fn terms(
         t.pipeline_buffers = 2 * (tokens as f64 * spec.model.hidden as f64 * act) as u64;
     }
     t
+}
+
+/// The Burn executor's gradient exchange on one rank (`backend/src/shard`,
+/// `backend/src/distributed.rs`): made after the last micro-batch's backward, when the
+/// activations are gone, and freed before the next forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BurnExchange {
+    /// Device bytes of the exchange at its highest (flat fp32 vectors, received blocks).
+    pub at_step_end: u64,
+    /// The gradients are written into the flat vector one by one and leave as it fills,
+    /// so the two never both exist whole (ZeRO 1/2, the optimizer offloaded); data
+    /// parallelism without ZeRO keeps them beside it.
+    pub grads_leave: bool,
+    /// Bytes for the whole step: the fp32 copy of this rank's shard that fp32 weights keep
+    /// beside them (16-bit weights charge their fp32 master with the optimizer state, an
+    /// offloaded optimizer keeps it on the host).
+    pub whole_step: u64,
+}
+
+/// [`BurnExchange`] of `cand`, `None` where the Burn executor exchanges no flat vector
+/// (one rank without ZeRO or offload, ZeRO-3 and parameter offload, which reduce each
+/// unit's gradient as the backward leaves it, other targets).
+///
+/// - ZeRO 1/2 (or the optimizer offloaded): one flat fp32 gradient vector. Stages 1 and 2
+///   reduce-scatter it: burn-collective's ring keeps the vector while it receives and sums
+///   (in place into the received buffer) the other ranks' blocks, up to d − 1 of them,
+///   before it hands back this rank's shard. Stage 0 with the optimizer offloaded
+///   all-reduces it: the ring's received blocks and its final concatenation make a second
+///   full vector. The all-gather's full vector of updated weights comes after the flat
+///   buffers are freed.
+/// - ZeRO 0 over several ranks: every gradient concatenated into one flat fp32 vector and
+///   all-reduced; the vector and the reduced result coexist with the gradients.
+///
+/// Device memory only: the transport's serialised copies are host bytes
+/// (docs/distributed.md bounds them for `--device cpu`).
+pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<BurnExchange> {
+    let d = cand.data.max(1);
+    let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
+    let units = cand.zero >= 3 || cand.offloads(crate::spec::OffloadWhat::Params);
+    if spec.target != crate::spec::Target::Burn || trainable == 0 || units {
+        return None;
+    }
+    let flat = trainable * 4;
+    if host_optimizer || cand.zero >= 1 {
+        let shards = if cand.zero >= 1 { d } else { 1 };
+        let shard = trainable.div_ceil(shards) * 4;
+        let exchange = match (d, cand.zero) {
+            (1, _) => flat,
+            (_, 1 | 2) => flat + (d - 1) * shard,
+            _ => 2 * flat,
+        };
+        let whole_step = if host_optimizer || super::burn_master_in_state(spec) {
+            0
+        } else {
+            shard
+        };
+        Some(BurnExchange {
+            at_step_end: exchange.max(flat),
+            grads_leave: true,
+            whole_step,
+        })
+    } else if d > 1 {
+        Some(BurnExchange {
+            at_step_end: 2 * flat,
+            grads_leave: false,
+            whole_step: 0,
+        })
+    } else {
+        None
+    }
 }
 
 /// [`super::evaluate_on`] plus the layout's per-rank terms, for each of [`super::stages`].
@@ -553,15 +591,22 @@ fn burn_unit_holdings(
     let units = r.units.len();
     let recomputed = r.units.iter().filter(|u| u.regathered).count();
     let layers = r.units.iter().filter(|u| u.layer.is_some()).count();
+    // Computed in a narrower dtype than stored, a layer's graph keeps the casts of its
+    // weights (`weight_copies`), not the gathered unit (`memory::build`, `end_unit`).
+    let kept_by_graph = if spec.precision.params.bytes() > spec.precision.compute.bytes() {
+        "; every layer's is freed after its forward (its graph keeps the compute-dtype casts until its backward)".to_string()
+    } else {
+        format!(", plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute")
+    };
     let gathered = format!(
-        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched, plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute",
+        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched{kept_by_graph}",
         crate::profile::ZERO3_PREFETCH_UNITS
     );
     let grads = if host_acc {
         "the fp32 gradient of the unit whose backward runs, reduce-scattered as the backward leaves it; the fp32 gradient-shard accumulator is in host memory beside the optimizer".to_string()
     } else {
         format!(
-            "{} as an fp32 accumulator, plus the fp32 gradient of the unit whose backward runs until it is reduce-scattered",
+            "{} as an fp32 accumulator (from the first reduce-scatter of the backward to the optimizer step), plus the fp32 gradient of the unit whose backward runs until it is reduce-scattered",
             oshard("the trainable values' gradients")
         )
     };

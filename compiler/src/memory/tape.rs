@@ -278,8 +278,14 @@ pub struct Persistent {
     pub sampled: bool,
     /// Gradients per unit (the Burn executor's ZeRO-3): a unit's full gradients exist from
     /// their op's backward until the backward leaves the unit (reduce-scattered into the
-    /// accumulator, which is in `fixed`); `grads_exist` and `grad_divisor` do not apply.
+    /// accumulator, [`Persistent::unit_grad_acc`]); `grads_exist` and `grad_divisor` do not
+    /// apply.
     pub unit_grads: bool,
+    /// The bytes of that accumulator on the device. The executor makes it from the first
+    /// reduce-scatter of a step's backward and frees it in the optimizer step: charged from
+    /// the first micro-batch's backward on (whole, as it is when the backward ends), and
+    /// through every later micro-batch (`grads_exist`).
+    pub unit_grad_acc: u64,
 }
 
 /// One allocation or release of the walk, in order ([`walk_traced`]): what an allocator
@@ -755,6 +761,9 @@ fn walk_inner(
             w.alloc(TensorId(i as u32), 1);
         }
     }
+    if persistent.grads_exist {
+        w.live[Category::Grads as usize] += persistent.unit_grad_acc;
+    }
     if persistent.grads_exist && !persistent.unit_grads {
         for (i, t) in tape.tensors.iter().enumerate() {
             if t.role == Role::Param && t.grad_bytes > 0 {
@@ -773,6 +782,9 @@ fn walk_inner(
     }
     w.observe(Phase::Forward, "forward end", None, [0; Category::COUNT]);
     let forward_end = w.live;
+    if !persistent.grads_exist {
+        w.live[Category::Grads as usize] += persistent.unit_grad_acc;
+    }
     // Backward: the loss gradient is a scalar; ops in reverse.
     let mut op = tape.ops.len();
     while op > 0 {

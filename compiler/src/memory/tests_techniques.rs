@@ -295,3 +295,35 @@ fn flash_on_burn_keeps_nothing_quadratic() {
         "flash {flash} -> {flash_long}, eager {eager} -> {eager_long}"
     );
 }
+
+/// Beside an fp32 master the executor keeps frozen weights (LoRA's dense base, the
+/// embedding, norms and head) once, in the storage dtype: the setup point holds the
+/// 16-bit weights, the fp32 master of the trainable ones and one frozen tensor's fp32
+/// draw, never an fp32 copy of the frozen model (`backend/src/setup.rs`).
+#[test]
+fn frozen_weights_have_no_fp32_master_at_setup_on_burn() {
+    use crate::spec::{AdapterKind, AdapterSpec, Dtype, Proj};
+    let spec = SpecBuilder::new()
+        .target(Target::Burn)
+        .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+        .adapter(Some(AdapterSpec {
+            kind: AdapterKind::Lora,
+            rank: 8,
+            alpha: 16.0,
+            targets: Proj::ALL.to_vec(),
+            dropout: 0.0,
+            base: Dtype::Bf16,
+        }))
+        .build();
+    let r = evaluate(&spec, &cand(&[]), &Profile::burn(), false);
+    let m = &spec.model;
+    let largest = (m.vocab * m.hidden).max(m.hidden * m.ffn);
+    let frozen = r.params_total - r.params_trainable;
+    let setup = r.phase_peaks["setup"];
+    let slack = 1 << 20;
+    let bound = r.resident_param_bytes + 4 * r.params_trainable + 4 * largest + slack;
+    assert!(setup <= bound, "setup {setup} > {bound}");
+    // An fp32 frozen master would add 4 bytes a frozen value on top of the weights.
+    assert!(setup < r.resident_param_bytes + 4 * frozen, "{setup}");
+    assert!(setup >= r.resident_param_bytes + 4 * r.params_trainable);
+}
