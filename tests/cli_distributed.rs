@@ -1146,11 +1146,18 @@ fn flat_exchange_plan(zero: u8) -> String {
 /// less 10%, and at most the prediction plus what the network transport
 /// holds in host memory. The ring (burn-collective, patched: host-staged,
 /// 8 MiB chunks) copies the ring block `B` it sends (the flat gradient vector
-/// over the two processes) and holds up to two received chunks and the
-/// WebSocket buffers: measured 1.0–1.44 B above the prediction (the release
-/// transport's serialised copies made it 3.6–5.3 B); bounded here by B plus
-/// three chunks (docs/distributed.md). On a GPU these are host bytes, not
-/// device memory, and the prediction charges only the device side.
+/// over the two processes) and holds up to two received chunks in flight,
+/// and the WebSocket connections keep buffers with the capacity of the
+/// largest frame (a chunk) from the first exchange on: bounded here by B
+/// plus six chunks. The prediction charges the exchange at its own point
+/// after the backward (`memory::parallel::burn_exchange`), not as flat
+/// vectors beside the forward's peak, which had left room for the transport:
+/// measured 2.4 B (ZeRO 0) and 4.2 B (ZeRO 1, 2) above it. With
+/// `RCOA_MEMORY_TRACE=1` the exchange's samples show the device side
+/// matching the prediction and about 30 MB of transport buffers kept from
+/// the first exchange on (docs/distributed.md). On a GPU these are host
+/// bytes, not device memory, and the prediction charges only the device
+/// side.
 #[test]
 fn zero_exchange_over_two_processes_stays_within_the_prediction() {
     let dir = temp("flat-exchange");
@@ -1164,7 +1171,11 @@ fn zero_exchange_over_two_processes_stays_within_the_prediction() {
             let measured = s["measured_peak_bytes"].as_u64().unwrap();
             let predicted = s["predicted_peak_bytes"].as_u64().unwrap();
             let block = (trainable * 4).div_ceil(2);
-            let transport = block + 3 * (8 << 20);
+            let transport = block + 6 * (8 << 20);
+            println!(
+                "zero {zero}, process {r}: measured {measured} B, predicted {predicted} B, {:.2} B above (B = {block})",
+                (measured as f64 - predicted as f64) / block as f64
+            );
             assert!(
                 measured <= predicted + transport,
                 "zero {zero}, process {r}: measured {measured} B above the prediction \

@@ -304,16 +304,27 @@ struct Started<T> {
 
 /// Start `f` on a helper thread now; `wait` gives its result, or gives up
 /// `limit` after the start (the same rules as `bounded`).
+///
+/// `f` runs as the caller's stream. CubeCL keys its streams, and each
+/// stream's memory pool, by thread: on a helper thread of its own, a call
+/// would read its input across streams and allocate its result (a gathered
+/// unit, a reduced shard) in a pool of another stream. That memory is
+/// invisible to the caller's probe (`client.memory_usage()` reports the
+/// calling stream's pool only), and since every call has a fresh thread, the
+/// calls walk through the device's stream slots (128) and their pages are
+/// reused by no later call. As the caller's stream the call is ordered with
+/// the caller's kernels and its bytes are the caller's.
 fn started<T: Send + 'static>(
     limit: Duration,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Started<T> {
     let deadline = std::time::Instant::now() + limit;
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let stream = burn::tensor::StreamId::current();
     let spawned = std::thread::Builder::new()
         .name("rcoa-collective".into())
         .spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stream.executes(f)));
             let _ = tx.send(r.map_err(|p| panic_text(p.as_ref())));
         });
     match spawned {
@@ -733,6 +744,59 @@ pub fn orchestrate(port: u16, timeout: Duration) -> Result<bool, RunError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A collective call's helper thread works as the caller's stream, so
+    /// its device reads and allocations are the caller's (`started`); a
+    /// thread of its own would be a stream of its own.
+    #[test]
+    fn collective_calls_run_as_the_callers_stream() {
+        use burn::tensor::StreamId;
+        let here = StreamId::current();
+        let other = std::thread::spawn(StreamId::current).join().unwrap();
+        assert_ne!(other, here, "a plain thread is a stream of its own");
+        let inside = started(Duration::from_secs(10), StreamId::current)
+            .wait()
+            .ok()
+            .expect("the call returns");
+        assert_eq!(inside, here);
+        // The helper thread keeps the caller's stream for its whole call.
+        let pending = started(Duration::from_secs(10), || {
+            let first = StreamId::current();
+            std::thread::sleep(Duration::from_millis(20));
+            (first, StreamId::current())
+        });
+        assert_eq!(pending.wait().ok(), Some((here, here)));
+    }
+
+    /// burn-collective's server runs an operation as the stream of its
+    /// caller (`burn_collective::OnStream`, rcoa patch): every poll, across
+    /// awaits and worker threads; outside it a worker is a stream of its own.
+    #[test]
+    fn collective_server_polls_as_the_callers_stream() {
+        use burn::tensor::StreamId;
+        let caller = StreamId::current();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_time()
+            .build()
+            .unwrap();
+        let (seen, after) = rt.block_on(async move {
+            tokio::spawn(async move {
+                let seen = burn_collective::OnStream::new(caller, async {
+                    let a = StreamId::current();
+                    tokio::task::yield_now().await;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    (a, StreamId::current())
+                })
+                .await;
+                (seen, StreamId::current())
+            })
+            .await
+            .unwrap()
+        });
+        assert_eq!(seen, (caller, caller));
+        assert_ne!(after, caller, "a worker thread is a stream of its own");
+    }
 
     #[test]
     fn addresses_get_the_ws_scheme() {

@@ -19,6 +19,12 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// `RCOA_MEMORY_TRACE=1`: print memory samples to stderr as they are taken.
+pub fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"))
+}
+
 /// A source of memory samples.
 pub trait MemoryProbe {
     /// Read the device's memory now, fold it into the peaks, and return it.

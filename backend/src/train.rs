@@ -547,7 +547,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             per_layer_samples: std::env::var("RCOA_MEMORY_SAMPLES")
                 .map(|v| v != "step")
                 .unwrap_or(true),
-            trace: std::env::var("RCOA_MEMORY_TRACE").is_ok_and(|v| v == "1"),
+            trace: crate::memory::trace_on(),
             collective: cfg.collective,
             zero,
             zero3,

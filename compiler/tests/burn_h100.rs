@@ -29,26 +29,16 @@ const MEASURED: &[(&str, &str)] = &[
     // Holdout: measured after the profile above was set (grouped-query attention, tied
     // embeddings, two accumulated micro-batches).
     ("llama_gqa.plan", "fused-llama_gqa-holdout.jsonl"),
-    // ZeRO-3 over two processes sharing the GPU (compact pool), rank 0 (rank 1 measured the
-    // same bytes): fp32 weights computed in bf16, so a unit's gathered weights die after
-    // its forward (the graph keeps their bf16 casts), and the gradient accumulator exists
-    // from the backward to the optimizer step. Measured before the model said either.
-    (
-        "llama125m_zero3_offload.plan",
-        "2026-11-25b/call2/llama125m_zero3_offload-rank0.jsonl",
-    ),
-    (
-        "h100-results/2026-11-25b/l125_zero3_nooff.plan",
-        "2026-11-25b/call2/l125_zero3_nooff-rank0.jsonl",
-    ),
 ];
 
-/// Rows checked for the bytes in use only. ZeRO-2 over two processes with CubeCL's default
-/// pool reserved 11.58 GB for 4.59 GB in use (2.5 x): beyond the `fits` reserve (9.79 GB
-/// in all), so `burn_does_not_fit_below_the_reserved_pool` would fail on it. The compact
-/// pool reserved 1.4-1.6 x on the ZeRO-3 rows above, which the reserve covers; until a
-/// GPU run measures ZeRO-1/2 with it, docs/distributed.md tells multi-process ZeRO-1/2
-/// runs to use `--memory-pool compact`.
+/// Rows checked for the bytes in use only: ZeRO-2 over two processes, bf16 weights (the
+/// rank's stream held everything alive at its forward peak; docs/burn-h100.md,
+/// "2026-11-25c"). Its pool reserved 11.58 GB for 4.59 GB in use (2.5 x) in the rank's
+/// stream alone, beyond the `fits` reserve (9.79 GB in all), so
+/// `burn_does_not_fit_below_the_reserved_pool` would fail on it; docs/distributed.md tells
+/// multi-process ZeRO-1/2 runs near their budget to use `--memory-pool compact` until a
+/// GPU run measures it. (The ZeRO-3 rows of 2026-11-25b are not here: that binary's probe
+/// did not see the units burn-collective's server threads gathered.)
 const MEASURED_IN_USE: &[(&str, &str)] = &[(
     "llama125m_zero2_bf16.plan",
     "2026-11-25/call3/llama125m_zero2_bf16-rank0.jsonl",

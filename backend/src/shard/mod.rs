@@ -346,10 +346,14 @@ impl<I: Backend> Zero<I> {
     }
 }
 
-/// One memory sample at `at`.
+/// One memory sample at `at`, printed with `RCOA_MEMORY_TRACE=1` (every
+/// step's: the trainer prints the second step's layer samples).
 fn sample(probe: &mut dyn crate::memory::MemoryProbe, at: &'static str) {
     probe.at(&|| at.to_string());
-    probe.sample();
+    let v = probe.sample();
+    if crate::memory::trace_on() {
+        eprintln!("memory {at} {v}");
+    }
 }
 
 /// The ZeRO stage a rank executes (0: Burn's optimizer on every rank).

@@ -261,12 +261,12 @@ impl<'a> Builder<'a> {
     }
 
     /// Close the open unit: every op of it references the gathered tensor until it has run,
-    /// and every op whose backward saves one of its parameters saves it (the executor's
-    /// parameters are views of the one gathered buffer, and Burn's autodiff graph keeps the
-    /// weights a matmul read until its backward; a checkpointed layer's graph exists only
-    /// in its recompute, so its gathered weights die after its forward and are gathered
-    /// again). An op that saves a compute-dtype cast of a weight holds the copy only, so a
-    /// unit computed in another dtype than it is stored in is freed after its forward.
+    /// and every op with a backward saves it (Burn's autodiff graph keeps the weights a
+    /// matmul read until its backward, and the executor keeps the unit's module, whose
+    /// parameters are views of the one gathered buffer, until the backward reduces its
+    /// gradients: `shard::zero3`'s hooks, `layers[i]`; a checkpointed layer's graph exists
+    /// only in its recompute, so its gathered weights die after its forward and are
+    /// gathered again).
     fn end_unit(&mut self) {
         let Some(u) = self.open_unit.take() else {
             return;
@@ -284,14 +284,10 @@ impl<'a> Builder<'a> {
         self.tape.tensors[g.0 as usize].bytes = bytes;
         self.tape.tensors[g.0 as usize].shape = vec![bytes];
         for o in first as usize + 1..end as usize {
-            let saves_param = self.tape.ops[o].has_backward(&self.tape)
-                && self.tape.ops[o]
-                    .saved
-                    .iter()
-                    .any(|t| self.tape.tensors[t.0 as usize].role == Role::Param);
+            let with_backward = self.tape.ops[o].has_backward(&self.tape);
             let op = &mut self.tape.ops[o];
             op.holds.push(g);
-            if saves_param {
+            if with_backward {
                 op.saved.push(g);
             }
         }

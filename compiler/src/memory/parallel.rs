@@ -591,15 +591,8 @@ fn burn_unit_holdings(
     let units = r.units.len();
     let recomputed = r.units.iter().filter(|u| u.regathered).count();
     let layers = r.units.iter().filter(|u| u.layer.is_some()).count();
-    // Computed in a narrower dtype than stored, a layer's graph keeps the casts of its
-    // weights (`weight_copies`), not the gathered unit (`memory::build`, `end_unit`).
-    let kept_by_graph = if spec.precision.params.bytes() > spec.precision.compute.bytes() {
-        "; every layer's is freed after its forward (its graph keeps the compute-dtype casts until its backward)".to_string()
-    } else {
-        format!(", plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute")
-    };
     let gathered = format!(
-        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched{kept_by_graph}",
+        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched, plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute",
         crate::profile::ZERO3_PREFETCH_UNITS
     );
     let grads = if host_acc {

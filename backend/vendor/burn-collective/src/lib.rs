@@ -9,3 +9,6 @@ pub use api::*;
 
 mod local;
 
+
+// rcoa patch: operations run as their caller's stream (tested by rcoa-backend).
+pub use local::server::OnStream;

@@ -161,6 +161,7 @@ impl<B: Backend> LocalCollectiveClient<B> {
         op: ReduceOperation,
     ) -> PendingCollectiveOperation<B::FloatTensorPrimitive> {
         self.start_operation(|callback| Message::AllReduce {
+            stream: burn_backend::StreamId::current(),
             device_id: id,
             tensor,
             op,
@@ -271,6 +272,7 @@ impl<B: Backend> LocalCollectiveClient<B> {
         let (callback, rec) = std::sync::mpsc::sync_channel(1);
         self.channel
             .send(Message::Shard {
+                stream: burn_backend::StreamId::current(),
                 device_id: id,
                 tensor,
                 kind,

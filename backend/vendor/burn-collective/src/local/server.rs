@@ -75,6 +75,8 @@ pub(crate) enum Message<B: Backend> {
     },
     /// Perform an all-reduce operation.
     AllReduce {
+        /// rcoa patch: the caller's stream (`OnStream`).
+        stream: burn_backend::StreamId,
         device_id: PeerId,
         tensor: B::FloatTensorPrimitive,
         op: ReduceOperation,
@@ -97,6 +99,8 @@ pub(crate) enum Message<B: Backend> {
     /// Reset the collective server.
     /// rcoa patch: all-gather or reduce-scatter.
     Shard {
+        /// The caller's stream (`OnStream`).
+        stream: burn_backend::StreamId,
         device_id: PeerId,
         tensor: B::FloatTensorPrimitive,
         kind: crate::local::ShardKind,
@@ -239,13 +243,17 @@ impl<B: Backend> LocalCollectiveServer<B> {
                     .await
             }
             Message::AllReduce {
+                stream,
                 device_id,
                 tensor,
                 op,
                 callback,
             } => {
-                self.process_all_reduce_message(device_id, tensor, op, callback)
-                    .await
+                OnStream::new(
+                    stream,
+                    self.process_all_reduce_message(device_id, tensor, op, callback),
+                )
+                .await
             }
             Message::Reduce {
                 device_id,
@@ -266,13 +274,17 @@ impl<B: Backend> LocalCollectiveServer<B> {
                     .await
             }
             Message::Shard {
+                stream,
                 device_id,
                 tensor,
                 kind,
                 callback,
             } => {
-                self.process_shard_message(device_id, tensor, kind, callback)
-                    .await
+                OnStream::new(
+                    stream,
+                    self.process_shard_message(device_id, tensor, kind, callback),
+                )
+                .await
             }
             Message::ShardIndex { id, callback } => {
                 let index = self.shard_index(id).await;
@@ -564,5 +576,44 @@ impl<B: Backend> LocalCollectiveServer<B> {
         }
 
         callback.send(Ok(())).unwrap();
+    }
+}
+
+/// rcoa patch: a future polled as a caller's stream.
+///
+/// CubeCL keys streams, and each stream's memory pool, by thread
+/// (`StreamId::current`). Run on this server's worker threads, an
+/// operation's device work (reading its input back, writing its result,
+/// the local sums and concatenations) would go to the workers' streams: its
+/// result allocated in their pools, invisible to the caller's
+/// `memory_usage()` and kept there as pages the caller's pool never reuses,
+/// and every tensor crossing between streams. Polled as the caller's
+/// stream, the work is ordered with the caller's own kernels and its bytes
+/// are the caller's. With several devices in a process the operation runs
+/// as the stream of the call that completed it.
+pub struct OnStream<F> {
+    stream: burn_backend::StreamId,
+    inner: std::pin::Pin<Box<F>>,
+}
+
+impl<F: std::future::Future> OnStream<F> {
+    pub fn new(stream: burn_backend::StreamId, inner: F) -> Self {
+        Self {
+            stream,
+            inner: Box::pin(inner),
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for OnStream<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.get_mut();
+        let inner = &mut this.inner;
+        this.stream.executes(|| inner.as_mut().poll(cx))
     }
 }
