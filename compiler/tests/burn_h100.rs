@@ -29,20 +29,14 @@ const MEASURED: &[(&str, &str)] = &[
     // Holdout: measured after the profile above was set (grouped-query attention, tied
     // embeddings, two accumulated micro-batches).
     ("llama_gqa.plan", "fused-llama_gqa-holdout.jsonl"),
+    // ZeRO-2 over two processes, bf16 weights, rank 0 (docs/burn-h100.md, "2026-11-25c"):
+    // everything alive at its forward peak was in the rank's own stream. Its default pool
+    // reserved 11.58 GB: the flat exchange vector's 4.95 GiB page on top of the rest.
+    (
+        "llama125m_zero2_bf16.plan",
+        "2026-11-25/call3/llama125m_zero2_bf16-rank0.jsonl",
+    ),
 ];
-
-/// Rows checked for the bytes in use only: ZeRO-2 over two processes, bf16 weights (the
-/// rank's stream held everything alive at its forward peak; docs/burn-h100.md,
-/// "2026-11-25c"). Its pool reserved 11.58 GB for 4.59 GB in use (2.5 x) in the rank's
-/// stream alone, beyond the `fits` reserve (9.79 GB in all), so
-/// `burn_does_not_fit_below_the_reserved_pool` would fail on it; docs/distributed.md tells
-/// multi-process ZeRO-1/2 runs near their budget to use `--memory-pool compact` until a
-/// GPU run measures it. (The ZeRO-3 rows of 2026-11-25b are not here: that binary's probe
-/// did not see the units burn-collective's server threads gathered.)
-const MEASURED_IN_USE: &[(&str, &str)] = &[(
-    "llama125m_zero2_bf16.plan",
-    "2026-11-25/call3/llama125m_zero2_bf16-rank0.jsonl",
-)];
 
 /// (measured peak in use, measured reserved peak) from a run's summary line.
 fn measured(file: &str) -> (u64, u64) {
@@ -91,7 +85,7 @@ fn compile_with_budget(name: &str, budget: Option<u64>) -> Compilation {
 fn burn_prediction_within_5_percent_of_h100() {
     let mut worst: f64 = 0.0;
     let mut lines = Vec::new();
-    for &(name, file) in MEASURED.iter().chain(MEASURED_IN_USE) {
+    for &(name, file) in MEASURED {
         let (measured, _) = measured(file);
         let c = compile_with_budget(name, None);
         let predicted = c.lowered.prediction.peak_bytes;

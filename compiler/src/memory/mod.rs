@@ -568,10 +568,16 @@ fn evaluate_stage(
     };
     let mut pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
     if let Some(x) = exchange.filter(|_| cand.data > 1) {
-        // The exchange's pages stay in the pool after it: CubeCL's default pool reserved
-        // 2.5 x the bytes in use in a ZeRO-2 run over two processes (docs/burn-h100.md),
-        // so the reserve keeps them.
-        pool += x.at_step_end;
+        // The exchange comes after the step's other tensors, and its flat vector is the
+        // largest tensor of the run: CubeCL's default pool takes a new page of that
+        // vector's size class for it (4.95 GiB for 0.54 GB on an H100), and keeps it. A
+        // ZeRO-2 run over two processes reserved 11.58 GB for 4.59 GB in use: about the
+        // pool factor's 1.35 x, and that page (docs/burn-h100.md, "2026-11-25c").
+        let flat = trainable_values.iter().sum::<u64>() * 4;
+        pool += x.at_step_end.max(parallel::default_pool_page(
+            spec.hardware.gpu.memory_bytes,
+            flat,
+        ));
     }
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
     let unit_bytes = tape

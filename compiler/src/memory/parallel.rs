@@ -236,6 +236,32 @@ pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<Bu
     }
 }
 
+/// The page CubeCL 0.10's default pool (`MemoryConfiguration::SubSlices`, `cubecl-runtime`
+/// `memory_manage.rs`) takes for a new tensor of `bytes` on a GPU of `memory` bytes (the
+/// CUDA runtime's `max_page_size` is a quarter of it). Its pools, smallest first: pages of
+/// `max_page / 4^k` (k = 1, 2, ... while the page divided was at least 32 MiB) holding
+/// slices up to `page / 2^k`, then pages of `max_page` holding anything up to a page. The
+/// first pool that accepts the size takes it: the size fits its slices, or it fills 80 % of
+/// its page or more. So on an H100 a 0.5 GB tensor takes a 4.95 GiB page, a 3 GB one a
+/// 19.8 GiB page.
+pub fn default_pool_page(memory: u64, bytes: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let max_page = memory / 4;
+    let mut pools = Vec::new();
+    let (mut page, mut k) = (max_page, 1u32);
+    while page >= 32 * MIB {
+        page /= 4;
+        pools.push((page, page >> k));
+        k += 1;
+    }
+    pools.reverse();
+    pools.push((max_page, max_page));
+    pools
+        .into_iter()
+        .find(|&(page, slice)| bytes <= slice || (bytes <= page && (page - bytes) * 5 < page))
+        .map_or(bytes, |(page, _)| page)
+}
+
 /// [`super::evaluate_on`] plus the layout's per-rank terms, for each of [`super::stages`].
 pub fn evaluate_stages(
     spec: &Spec,
@@ -787,6 +813,27 @@ pub fn shard_sequence(tape: &mut super::tape::Tape, tokens: u64, hidden: u64, te
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CubeCL 0.10's default pools on an H100 (85,017,493,504 bytes: a 19.8 GiB max page),
+    /// as its `memory_manage.rs` computes them: pages of 19.8 MiB (slices up to 0.62 MiB),
+    /// 79.2 MiB (4.95), 317 MiB (39.6), 1.24 GiB (317 MiB), 4.95 GiB (2.47 GiB) and 19.8 GiB.
+    #[test]
+    fn default_pool_pages_on_an_h100() {
+        let h100 = 85_017_493_504u64;
+        let max = h100 / 4;
+        let page = |b: u64| default_pool_page(h100, b);
+        assert_eq!(page(1 << 10), max / 1024);
+        assert_eq!(page(4 << 20), max / 256);
+        assert_eq!(page(200 << 20), max / 16);
+        // The ZeRO-2 flat vector of the 125M decoder: a 4.95 GiB page.
+        assert_eq!(page(536_423_424), max / 4);
+        assert_eq!(page(2 << 30), max / 4);
+        // Too large for the 4.95 GiB pages' slices, too small to fill 80 % of one.
+        assert_eq!(page(3 << 30), max);
+        // 80 % of a page or more takes that page whole.
+        assert_eq!(page(max / 4 - (max / 4) / 10), max / 4);
+        assert_eq!(page(max), max);
+    }
 
     fn spec() -> Spec {
         let src = "model \"tiny-decoder\"\nhardware { gpu = h100-80gb  gpus_per_node = 4 }\ntrain { seq_len = 128  global_batch = 64 }\n";
