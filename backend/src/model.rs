@@ -692,11 +692,8 @@ pub enum Part<B: Backend> {
 impl<B: ExecBackend> Embed<B> {
     /// The embedding unit; draws first from the generator.
     pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let (m, d, v) = (
-            init.model,
-            init.model.hidden as usize,
-            init.model.vocab as usize,
-        );
+        let m = init.model;
+        let (d, v) = (m.hidden as usize, m.vocab as usize);
         let trainable = init.adapter.is_none();
         let dt = init.dtype_of(trainable);
         Embed {
@@ -764,11 +761,8 @@ impl<B: ExecBackend> Layer<B> {
 impl<B: ExecBackend> Head<B> {
     /// The head unit, after the last layer.
     pub fn new(ids: &mut Ids, init: &ModelInit<'_>, device: &B::Device) -> Self {
-        let (m, d, v) = (
-            init.model,
-            init.model.hidden as usize,
-            init.model.vocab as usize,
-        );
+        let m = init.model;
+        let (d, v) = (m.hidden as usize, m.vocab as usize);
         let trainable = init.adapter.is_none();
         let dt = init.dtype_of(trainable);
         Head {

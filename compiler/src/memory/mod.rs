@@ -573,10 +573,9 @@ fn evaluate_stage(
         // vector's size class for it (4.95 GiB for 0.54 GB on an H100), and keeps it. A
         // ZeRO-2 run over two processes reserved 11.58 GB for 4.59 GB in use: about the
         // pool factor's 1.35 x, and that page (docs/burn-h100.md, "2026-11-25c").
-        let flat = trainable_values.iter().sum::<u64>() * 4;
         pool += x.at_step_end.max(parallel::default_pool_page(
             spec.hardware.gpu.memory_bytes,
-            flat,
+            x.flat,
         ));
     }
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;

@@ -173,6 +173,8 @@ pub fn terms(
 pub struct BurnExchange {
     /// Device bytes of the exchange at its highest (flat fp32 vectors, received blocks).
     pub at_step_end: u64,
+    /// The flat fp32 vector's bytes: the largest tensor of the exchange.
+    pub flat: u64,
     /// The gradients are written into the flat vector one by one and leave as it fills,
     /// so the two never both exist whole (ZeRO 1/2, the optimizer offloaded); data
     /// parallelism without ZeRO keeps them beside it.
@@ -221,13 +223,15 @@ pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<Bu
             shard
         };
         Some(BurnExchange {
-            at_step_end: exchange.max(flat),
+            at_step_end: exchange,
+            flat,
             grads_leave: true,
             whole_step,
         })
     } else if d > 1 {
         Some(BurnExchange {
             at_step_end: 2 * flat,
+            flat,
             grads_leave: false,
             whole_step: 0,
         })

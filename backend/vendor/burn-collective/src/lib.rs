@@ -9,6 +9,5 @@ pub use api::*;
 
 mod local;
 
-
 // rcoa patch: operations run as their caller's stream (tested by rcoa-backend).
 pub use local::server::OnStream;
