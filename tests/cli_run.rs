@@ -265,6 +265,120 @@ fn selective_checkpointing_runs_and_is_predicted_between_none_and_full() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `must_offload = [activations]` with every layer recomputed: the
+/// compiler moves the second layer's input to the host (the first's is the
+/// embedding's output) and predicts a lower peak; `rcoa run` does it, says
+/// so in its start line, and trains bit for bit as without the move. Without
+/// a layer to move the plan is refused with the reason.
+#[test]
+fn offloaded_checkpoint_inputs_are_predicted_and_run() {
+    let dir = temp("activations");
+    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
+    let write = |name: &str, fit: &str| {
+        let path = dir.join(format!("{name}.plan"));
+        std::fs::write(&path, source.replace("fit { checkpoint = none }", fit)).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let kept = write("kept", "fit { checkpoint = full }");
+    let moved = write(
+        "moved",
+        "fit { checkpoint = full  must_offload = [activations] }",
+    );
+    let compile = |plan: &str| {
+        let out = rcoa()
+            .args(["compile", plan, "--format", "json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (k, m) = (compile(&kept), compile(&moved));
+    assert_eq!(
+        m["resolved"]["offload"],
+        serde_json::json!(["activations:cpu"]),
+        "{m}"
+    );
+    assert_eq!(
+        m["residency"]["inputs_on_host"],
+        serde_json::json!([1]),
+        "{m}"
+    );
+    assert!(k["residency"].get("inputs_on_host").is_none(), "{k}");
+    // tiny-decoder: 4 sequences × 32 tokens × hidden 64, fp32.
+    assert_eq!(
+        m["memory"]["host_activation_bytes"].as_u64(),
+        Some(4 * 32 * 64 * 4)
+    );
+    // The forward ends with the second layer's input on the host; nothing
+    // later holds more than without the move.
+    let bytes =
+        |j: &serde_json::Value, at: &str| j["memory"].pointer(at).unwrap().as_u64().unwrap();
+    let forward = "/phase_peaks/forward";
+    assert_eq!(
+        bytes(&k, forward) - bytes(&m, forward),
+        4 * 32 * 64 * 4,
+        "{m}"
+    );
+    assert!(bytes(&m, "/peak_bytes") <= bytes(&k, "/peak_bytes"));
+
+    let run = |plan: &str| {
+        let out = rcoa()
+            .args(["run", plan, "--steps", "3", "--format", "json"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<serde_json::Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let start = lines
+            .iter()
+            .find(|v| v["event"] == "start")
+            .cloned()
+            .unwrap();
+        let steps: Vec<f64> = lines
+            .iter()
+            .filter(|v| v.get("step").is_some() && v.get("event").is_none())
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect();
+        (start, steps)
+    };
+    let (start_k, losses_k) = run(&kept);
+    let (start_m, losses_m) = run(&moved);
+    assert_eq!(
+        start_m["offload"],
+        serde_json::json!(["activations:cpu"]),
+        "{start_m}"
+    );
+    assert_eq!(start_k["offload"], serde_json::json!([]), "{start_k}");
+    assert_eq!(losses_m.len(), 3);
+    assert_eq!(losses_m, losses_k, "the inputs come back bit for bit");
+
+    let nothing = write(
+        "nothing",
+        "fit { checkpoint = none  must_offload = [activations] }",
+    );
+    let out = rcoa().args(["compile", &nothing]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("rcoa::inconsistent_plan"), "{err}");
+    assert!(
+        err.contains("`must_offload = [activations:cpu]` moves checkpointed"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `plans/tiny-cpu-qlora.plan`: NF4 bases, LoRA adapters and 8-bit AdamW
 /// train on the CPU: the loss falls over 30 steps, the base is counted but
 /// not trained, and a resumed run continues the same loss curve (the

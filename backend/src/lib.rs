@@ -151,7 +151,7 @@ pub fn check_host_memory(
         })
         .unwrap_or_default();
     Err(RunError::Unsupported(format!(
-        "the offloaded state (optimizer, parameters) needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
+        "the offloaded state (optimizer, parameters, checkpointed activations) needs {:.2} GiB of host memory on this machine, which has {:.2} GiB available \
          (MemAvailable){assumed}: free memory, or run fewer ranks per process",
         gib(need),
         gib(free)
@@ -195,17 +195,17 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
     for o in &r.offload {
         use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
         match (o.what, o.to) {
-            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Cpu) => {}
-            (OffloadWhat::Optimizer | OffloadWhat::Params, OffloadTo::Nvme) => {
+            (OffloadWhat::Optimizer | OffloadWhat::Params | OffloadWhat::Activations, OffloadTo::Cpu) => {}
+            (OffloadWhat::Optimizer | OffloadWhat::Params | OffloadWhat::Activations, OffloadTo::Nvme) => {
                 return u(format!(
-                    "the plan offloads {o} to NVMe; the Burn executor offloads the optimizer and the parameters to host memory only \
-                     (`offload = [optimizer, params]`)"
+                    "the plan offloads {o} to NVMe; the Burn executor offloads the optimizer, the parameters and checkpointed \
+                     activations to host memory only (`offload = [optimizer, params, activations]`)"
                 ))
             }
-            (OffloadWhat::Grads, _) | (OffloadWhat::Activations, _) => {
+            (OffloadWhat::Grads, _) => {
                 return u(format!(
-                    "the plan offloads {o}; the Burn executor offloads the optimizer (state and update) and the parameters \
-                     (weights at rest) to host memory only (`offload = [optimizer, params]`)"
+                    "the plan offloads {o}; the Burn executor offloads the optimizer (state and update), the parameters \
+                     (weights at rest) and checkpointed layers' inputs to host memory only (`offload = [optimizer, params, activations]`)"
                 ))
             }
         }
@@ -523,7 +523,7 @@ fn execute<B: ExecAutodiff>(
             probe.peak_reserved().is_none(),
         ),
         zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
-        offload: shard::executed_offload(trainer.zero(), trainer.zero3()),
+        offload: trainer.executed_offload(),
         shapes: shapes::of_run(&trainer.batcher, eval_set.as_ref().filter(|_| writer)),
     }));
     let mut reports = Vec::new();

@@ -82,6 +82,21 @@ fn check_gradients(plan: &LoweredPlan) {
             d < 1e-4,
             "checkpoint pattern {pattern:?}: gradients differ by {d}"
         );
+        // The checkpointed inputs through host memory (every one, the first
+        // layer's too): the same bits come back, so the same gradients.
+        t.set_inputs_on_host(vec![true; n]);
+        let mut host = GradientsParams::new();
+        let l = t
+            .micro_step(&batch, 0, 0, 1.0, &mut host, &mut RssProbe::new())
+            .into_scalar()
+            .elem::<f64>();
+        t.set_inputs_on_host(vec![false; n]);
+        assert_eq!(l.to_bits(), loss.to_bits(), "pattern {pattern:?}");
+        assert_eq!(
+            t.flatten(&host),
+            got,
+            "pattern {pattern:?}: inputs on the host"
+        );
     }
 }
 
@@ -396,19 +411,27 @@ fn unexecuted_zero_and_offload_are_refused() {
         (OffloadWhat::Params, OffloadTo::Nvme, "params:nvme to NVMe"),
         (OffloadWhat::Optimizer, OffloadTo::Nvme, "to NVMe"),
         (OffloadWhat::Grads, OffloadTo::Cpu, "grads:cpu"),
-        (OffloadWhat::Activations, OffloadTo::Cpu, "activations:cpu"),
+        (
+            OffloadWhat::Activations,
+            OffloadTo::Nvme,
+            "activations:nvme to NVMe",
+        ),
     ];
     for (what, to, want) in refused {
         plan.resolved.offload = vec![Offload { what, to }];
         let e = crate::check_plan_ranks(&plan, 2).unwrap_err().to_string();
         assert!(e.contains(want), "{e}");
     }
-    plan.resolved.offload = [OffloadWhat::Optimizer, OffloadWhat::Params]
-        .map(|what| Offload {
-            what,
-            to: OffloadTo::Cpu,
-        })
-        .to_vec();
+    plan.resolved.offload = [
+        OffloadWhat::Optimizer,
+        OffloadWhat::Params,
+        OffloadWhat::Activations,
+    ]
+    .map(|what| Offload {
+        what,
+        to: OffloadTo::Cpu,
+    })
+    .to_vec();
     assert!(crate::check_plan_ranks(&plan, 2).is_ok());
 }
 
@@ -419,6 +442,10 @@ enum Off {
     Optimizer,
     Params,
     Both,
+    /// Checkpointed layers' inputs only.
+    Activations,
+    /// The optimizer, the parameters and checkpointed layers' inputs.
+    All,
 }
 
 impl Off {
@@ -429,6 +456,12 @@ impl Off {
             Off::Optimizer => vec![OffloadWhat::Optimizer],
             Off::Params => vec![OffloadWhat::Params],
             Off::Both => vec![OffloadWhat::Optimizer, OffloadWhat::Params],
+            Off::Activations => vec![OffloadWhat::Activations],
+            Off::All => vec![
+                OffloadWhat::Optimizer,
+                OffloadWhat::Params,
+                OffloadWhat::Activations,
+            ],
         };
         what.into_iter()
             .map(|what| Offload {
@@ -487,6 +520,13 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
         plan.resolved.data = 2;
         plan.resolved.zero = zero;
         plan.resolved.offload = offload.list();
+        if matches!(offload, Off::Activations | Off::All) {
+            // What goes to the host follows the plan's checkpointed layers
+            // (`Residency::inputs_on_host`).
+            plan.resolved.checkpoint_layers = (0..checkpointed.len() as u64)
+                .filter(|&i| checkpointed[i as usize])
+                .collect();
+        }
         let built = std::sync::Arc::new(std::sync::Barrier::new(2));
         let ranks: Vec<_> = (0..2u32)
             .map(|local| {
@@ -501,14 +541,15 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                     }
                     let stage = shard::executed_stage(t.zero(), t.zero3());
                     assert_eq!(stage, zero);
-                    let off = shard::executed_offload(t.zero(), t.zero3());
+                    let off = t.executed_offload();
                     assert_eq!(off.len(), plan.resolved.offload.len(), "{off:?}");
                     if let Some(z) = t.zero3() {
                         // The optimizer on the host with per-unit gathers
                         // keeps the gradient accumulator there too (the
                         // compiler's `burn_host_grad_accumulator`).
-                        let host_opt = matches!(offload, Off::Optimizer | Off::Both);
-                        let units = zero == 3 || matches!(offload, Off::Params | Off::Both);
+                        let host_opt = matches!(offload, Off::Optimizer | Off::Both | Off::All);
+                        let units =
+                            zero == 3 || matches!(offload, Off::Params | Off::Both | Off::All);
                         assert_eq!(z.grads_on_host(), host_opt && units, "{zero} {offload:?}");
                         // At rest a rank holds half of every unit (ZeRO-3;
                         // padded to even halves), or all of it.
@@ -583,6 +624,10 @@ fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
     // of the whole model (ZeRO 0) and of a ZeRO-2 shard.
     configs.push((0, Off::Both, none()));
     configs.push((2, Off::Both, none()));
+    // Checkpointed layers' inputs on the host (the second layer's: the
+    // first's is the embedding's output), alone and with everything else.
+    configs.push((1, Off::Activations, vec![true, true]));
+    configs.push((3, Off::All, vec![true, true]));
     sharded_matches_one_rank(&one, &configs);
 }
 

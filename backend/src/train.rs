@@ -412,6 +412,9 @@ pub struct TrainerConfig<B: ExecAutodiff> {
 enum Saved<B: ExecAutodiff> {
     /// Checkpointed layer: only its input.
     Input(Tensor<B::InnerBackend, 3>),
+    /// Checkpointed layer whose input waits in host memory for the recompute
+    /// (`offload = [activations]`).
+    Host(TensorData),
     /// Graph kept: the leaf input and the output.
     Graph(Tensor<B, 3>, Tensor<B, 3>),
 }
@@ -429,6 +432,9 @@ pub struct Trainer<B: ExecAutodiff> {
     ictx: Ctx<B::InnerBackend>,
     /// Per layer: recomputed in the backward pass?
     pub checkpointed: Vec<bool>,
+    /// Per layer: its input goes to host memory between its forward and its
+    /// recompute (`Residency::inputs_on_host`)?
+    inputs_on_host: Vec<bool>,
     pub batcher: Batcher,
     loss: Loss,
     /// The LM head and cross-entropy a chunk of tokens at a time, so the
@@ -516,6 +522,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         let checkpointed = (0..plan.model.layers)
             .map(|i| plan.layer_checkpointed(i))
             .collect();
+        let on_host = plan.residency().inputs_on_host;
+        let inputs_on_host = (0..plan.model.layers)
+            .map(|i| on_host.contains(&i))
+            .collect();
         let layout = ContrastiveLayout {
             group: cfg.batcher.group,
             positives: cfg.batcher.positives,
@@ -535,6 +545,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             ctx,
             ictx,
             checkpointed,
+            inputs_on_host,
             loss: plan.train.loss,
             chunked_loss: plan.train.chunked_loss_for(plan.model.vocab),
             layout,
@@ -631,6 +642,24 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// Override which layers are recomputed (tests compare the variants).
     pub fn set_checkpointed(&mut self, layers: Vec<bool>) {
         self.checkpointed = layers;
+    }
+
+    /// What this run moves to host memory, as `offload` lists it: the
+    /// optimizer and the parameters as the sharded state holds them, and
+    /// checkpointed layers' inputs.
+    pub fn executed_offload(&self) -> Vec<String> {
+        let mut out = crate::shard::executed_offload(self.zero(), self.zero3());
+        let on_host = |i: usize| self.checkpointed[i] && self.inputs_on_host[i];
+        if (0..self.checkpointed.len().min(self.inputs_on_host.len())).any(on_host) {
+            out.push("activations:cpu".to_string());
+        }
+        out
+    }
+
+    /// Override which checkpointed layers keep their input in host memory
+    /// (tests compare the variants).
+    pub fn set_inputs_on_host(&mut self, layers: Vec<bool>) {
+        self.inputs_on_host = layers;
     }
 
     /// Whether the LM loss runs a chunk of tokens at a time.
@@ -793,7 +822,13 @@ impl<B: ExecAutodiff> Trainer<B> {
             self.reseed_for(step, micro, i as u64 + 1);
             if self.checkpointed.get(i).copied().unwrap_or(false) {
                 let y = hooks.layer(i, false)?.valid().forward(x.clone(), &ictx);
-                saved.push(Saved::Input(x));
+                // The read waits for the layer's forward; the device buffer
+                // is freed once its bytes are on the host.
+                saved.push(if self.inputs_on_host.get(i).copied().unwrap_or(false) {
+                    Saved::Host(x.into_data())
+                } else {
+                    Saved::Input(x)
+                });
                 x = y;
             } else {
                 let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
@@ -819,12 +854,11 @@ impl<B: ExecAutodiff> Trainer<B> {
         for i in (0..layers).rev() {
             let (leaf, y) = match saved.pop().expect("one saved segment per layer") {
                 Saved::Graph(leaf, y) => (leaf, y),
-                Saved::Input(x) => {
-                    self.reseed_for(step, micro, i as u64 + 1);
-                    let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
-                    let y = hooks.layer(i, true)?.forward(leaf.clone(), &ctx);
-                    self.mark(probe, true, &|| format!("recompute:layer{i}"));
-                    (leaf, y)
+                Saved::Input(x) => self.recompute(i, x, step, micro, &ctx, hooks, probe)?,
+                Saved::Host(data) => {
+                    let dtype = data.dtype;
+                    let x = Tensor::from_data(data, (&self.device, dtype));
+                    self.recompute(i, x, step, micro, &ctx, hooks, probe)?
                 }
             };
             let grads = (y * Tensor::from_inner(g)).sum().backward();
@@ -838,6 +872,26 @@ impl<B: ExecAutodiff> Trainer<B> {
         hooks.backward(Unit::Embed, grads)?;
         self.mark(probe, false, &|| "backward:embedding".into());
         Ok(value)
+    }
+
+    /// Layer `i` again from its kept input `x`, with the graph on (the masks
+    /// of its first forward): the leaf input and the output.
+    #[allow(clippy::too_many_arguments)]
+    fn recompute<H: UnitHooks<B>>(
+        &self,
+        i: usize,
+        x: Tensor<B::InnerBackend, 3>,
+        step: u64,
+        micro: u64,
+        ctx: &Ctx<B>,
+        hooks: &mut H,
+        probe: &mut dyn MemoryProbe,
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), H::Error> {
+        self.reseed_for(step, micro, i as u64 + 1);
+        let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+        let y = hooks.layer(i, true)?.forward(leaf.clone(), ctx);
+        self.mark(probe, true, &|| format!("recompute:layer{i}"));
+        Ok((leaf, y))
     }
 
     /// The same gradients from one graph over the whole model (the reference

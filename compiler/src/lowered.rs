@@ -110,6 +110,11 @@ pub struct Residency {
     pub prefetch_units: u64,
     /// Offloaded shards are uploaded through one device buffer of the largest unit's size.
     pub staging_buffer: bool,
+    /// Layers whose input goes to host memory after their forward and comes back right
+    /// before their recompute (`offload = [activations]`): the checkpointed layers but the
+    /// first, whose input is the embedding's output, kept on the device by its backward.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs_on_host: Vec<u64>,
 }
 
 /// One unit of [`Residency::units`].
@@ -195,6 +200,15 @@ impl LoweredPlan {
                 0
             },
             staging_buffer: units && has(OffloadWhat::Params),
+            inputs_on_host: if burn && has(OffloadWhat::Activations) {
+                r.checkpoint_layers
+                    .iter()
+                    .copied()
+                    .filter(|&l| l > 0)
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
     }
 

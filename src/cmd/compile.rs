@@ -90,8 +90,15 @@ pub fn run(args: Args) -> ExitCode {
             let p = &compilation.lowered.prediction;
             let r = &compilation.lowered.resolved;
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            // What moved off the GPU is part of the plan that fits.
+            let offload = if r.offload.is_empty() {
+                String::new()
+            } else {
+                let items: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
+                format!(", offload [{}]", items.join(", "))
+            };
             println!(
-                "{}: peak {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}",
+                "{}: peak {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}{offload}",
                 if fits { "fits" } else { "does not fit" },
                 gib(p.peak_bytes),
                 gib(p.budget_bytes),

@@ -12,6 +12,7 @@ use super::zero3;
 use crate::optim::Rule;
 use crate::train::Precision;
 use crate::RunError;
+use burn::tensor::FloatDType;
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{AdapterKind, Arch, Loss, Mlp, Norm, OffloadTo, OffloadWhat, Positions};
 
@@ -163,6 +164,21 @@ pub fn host_bytes(plan: &LoweredPlan, precision: Precision, ranks: usize) -> Res
     Ok((values * 4) as u64)
 }
 
+/// Host bytes one rank of `plan` holds for checkpointed layers' inputs at
+/// the end of a micro-batch's forward (`offload = [activations]`,
+/// `Trainer::micro_step_with`): one `[rows, seq, hidden]` activation in the
+/// compute dtype per layer in `Residency::inputs_on_host`.
+pub fn host_activation_bytes(plan: &LoweredPlan, precision: Precision) -> u64 {
+    let layers = plan.residency().inputs_on_host.len() as u64;
+    let rows = plan.resolved.micro_batch * plan.train.sequences_per_item();
+    let bytes = match precision.compute {
+        FloatDType::BF16 | FloatDType::F16 => 2,
+        FloatDType::F64 => 8,
+        _ => 4,
+    };
+    layers * rows * plan.train.seq_len * plan.model.hidden * bytes
+}
+
 /// Refuse, before anything is built, a run whose offloaded state does not
 /// fit in `available` host bytes (`crate::host_memory_available`): this
 /// process's `local` ranks of `ranks` together.
@@ -172,7 +188,8 @@ pub fn check_host(
     (ranks, local): (usize, usize),
     available: Option<u64>,
 ) -> Result<(), RunError> {
-    let need = host_bytes(plan, precision, ranks)? * local.max(1) as u64;
+    let need = (host_bytes(plan, precision, ranks)? + host_activation_bytes(plan, precision))
+        * local.max(1) as u64;
     if need == 0 {
         return Ok(());
     }

@@ -593,7 +593,15 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
             }
             OffloadWhat::Activations => {
                 let a = "checkpointed layer inputs (out and back)";
-                r.push(ht, a, h, 1, to, act * recomputed / t as f64, 2.0, mi);
+                // The Burn executor keeps the first layer's input, the embedding's output,
+                // on the device (the embedding's backward holds it anyway).
+                let moved = if spec.target == crate::spec::Target::Burn {
+                    let first = cand.checkpoint_layers.first() == Some(&0);
+                    recomputed - if first { 1.0 } else { 0.0 }
+                } else {
+                    recomputed
+                };
+                r.push(ht, a, h, 1, to, act * moved / t as f64, 2.0, mi);
             }
         }
     }

@@ -369,6 +369,14 @@ pub fn render_text(c: &Compilation) -> String {
             gib(rep.paged_evicted_bytes)
         );
     }
+    if rep.host_activation_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "  {:<18} {:>11}  checkpointed layer inputs in host memory between forward and recompute (`offload = [activations]`)",
+            "host activations",
+            gib(rep.host_activation_bytes)
+        );
+    }
     let _ = writeln!(
         s,
         "  {:<18} {:>11}  (kept out of the budget)",
@@ -626,6 +634,9 @@ pub fn to_json(c: &Compilation) -> Value {
         // driver keeps on the host at the peak.
         out["memory"]["paged_bytes"] = json!(rep.paged_bytes);
         out["memory"]["paged_evicted_bytes"] = json!(rep.paged_evicted_bytes);
+    }
+    if rep.host_activation_bytes > 0 {
+        out["memory"]["host_activation_bytes"] = json!(rep.host_activation_bytes);
     }
     out
 }

@@ -1125,6 +1125,15 @@ impl<'a> Builder<'a> {
         self.profile.burn_ops && self.spec.train.chunked_loss_for(self.spec.model.vocab)
     }
 
+    /// Do checkpointed layers' inputs go to host memory between their forward and their
+    /// recompute? Only the Burn executor runs `offload = [activations]`
+    /// (`backend/src/train.rs`, `Saved::Host`). The first layer's input stays: it is the
+    /// embedding's output, which the embedding's backward keeps on the device anyway, so
+    /// moving it would free nothing.
+    pub fn offloads_activations(&self) -> bool {
+        self.profile.burn_ops && self.cand.offloads(crate::spec::OffloadWhat::Activations)
+    }
+
     /// `backend/src/loss_chunked.rs` `chunked_lm_loss`: the head matmul and the
     /// cross-entropy as one node that saves its inputs (the final hidden states and the
     /// head weight, alive anyway) and recomputes each chunk's logits in the backward.
@@ -1279,6 +1288,7 @@ impl<'a> Builder<'a> {
             end_op,
             input: x,
             checkpointed,
+            offloaded: checkpointed && index > 0 && self.offloads_activations(),
         });
         self.layer = None;
         out

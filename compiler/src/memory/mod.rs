@@ -207,6 +207,10 @@ pub struct MemoryReport {
     /// Of `paged_bytes`, what the driver keeps on the host at the peak ([`paged::evict`]).
     #[serde(skip_serializing_if = "is_zero")]
     pub paged_evicted_bytes: u64,
+    /// Checkpointed layers' inputs held in host memory between their forward and their
+    /// recompute (`offload = [activations]`, the Burn executor), one micro-batch's.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_activation_bytes: u64,
     /// When the setup is the highest point: the step's highest point, where it is and its
     /// breakdown (the layout's communication buffers, which [`parallel::apply`] adds, exist
     /// from the first step on and may lift the step above the setup).
@@ -614,6 +618,12 @@ fn evaluate_stage(
             .sum(),
         paged_bytes,
         paged_evicted_bytes: 0,
+        host_activation_bytes: tape
+            .layers
+            .iter()
+            .filter(|l| l.offloaded)
+            .map(|l| tape.tensor(l.input).bytes)
+            .sum(),
         step_peak,
     }
 }

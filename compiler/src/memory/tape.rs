@@ -133,6 +133,9 @@ pub struct LayerSpan {
     pub end_op: u32,
     pub input: TensorId,
     pub checkpointed: bool,
+    /// A checkpointed layer whose input goes to host memory after its forward and comes
+    /// back right before its recompute (`offload = [activations]`, the Burn executor).
+    pub offloaded: bool,
 }
 
 /// A unit the Burn executor's ZeRO-3 gathers whole (the embedding, a layer, the head and
@@ -751,7 +754,7 @@ fn walk_inner(
     }
     let mut unit_now = usize::MAX;
     for l in &tape.layers {
-        if l.checkpointed {
+        if l.checkpointed && !l.offloaded {
             w.ckpt_input[l.input.0 as usize] = true;
         }
     }
@@ -811,6 +814,10 @@ fn walk_inner(
             .filter(|l| l.checkpointed && op + 1 == l.end_op as usize)
         {
             let span = span.clone();
+            if span.offloaded {
+                // Uploaded from the host right before the recompute that reads it.
+                w.alloc(span.input, 1);
+            }
             // Non-reentrant checkpoint: the layer's saved tensors are recomputed from its input
             // (and the saves of tensors made before the layer count again).
             for o in span.first_op as usize..span.end_op as usize {

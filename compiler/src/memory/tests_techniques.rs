@@ -1,4 +1,5 @@
-//! The memory model of selective recomputation and 8-bit Adam.
+//! The memory model of selective recomputation, 8-bit Adam, chunked loss, NF4 bases
+//! and offloaded checkpoint inputs.
 
 use super::{evaluate, Candidate};
 use crate::profile::Profile;
@@ -326,4 +327,51 @@ fn frozen_weights_have_no_fp32_master_at_setup_on_burn() {
     // An fp32 frozen master would add 4 bytes a frozen value on top of the weights.
     assert!(setup < r.resident_param_bytes + 4 * frozen, "{setup}");
     assert!(setup >= r.resident_param_bytes + 4 * r.params_trainable);
+}
+
+/// `offload = [activations]` on `target burn`: with every layer recomputed, the inputs
+/// of every layer but the first wait in host memory (the first's is the embedding's
+/// output, which stays), so at the loss the device holds exactly those inputs fewer, and
+/// no point of the step holds more; with no layer recomputed past the first, nothing
+/// moves and nothing changes.
+#[test]
+fn offloaded_checkpoint_inputs_leave_the_device_on_burn() {
+    use crate::spec::{Offload, OffloadTo, OffloadWhat};
+    let spec = SpecBuilder::new().target(Target::Burn).build();
+    let layers = spec.model.layers;
+    let p = Profile::for_target(Target::Burn);
+    let with = |ckpt: &[u64], offload: bool| {
+        let mut c = cand(ckpt);
+        if offload {
+            c.offload = vec![Offload {
+                what: OffloadWhat::Activations,
+                to: OffloadTo::Cpu,
+            }];
+        }
+        evaluate(&spec, &c, &p, true)
+    };
+    let all: Vec<u64> = (0..layers).collect();
+    let (kept, moved) = (with(&all, false), with(&all, true));
+    let tokens = 4 * spec.train.seq_len;
+    let input = tokens * spec.model.hidden * spec.precision.compute.bytes() as u64;
+    assert_eq!(moved.host_activation_bytes, (layers - 1) * input);
+    assert_eq!(kept.host_activation_bytes, 0);
+    let at_loss = |r: &super::MemoryReport| {
+        r.timeline
+            .iter()
+            .find(|s| s.op == "loss")
+            .expect("a sample at the loss")
+            .bytes
+    };
+    assert_eq!(at_loss(&kept) - at_loss(&moved), (layers - 1) * input);
+    for (a, b) in kept.timeline.iter().zip(&moved.timeline) {
+        assert!(b.bytes <= a.bytes, "{:?} {} {:?}", b.phase, b.op, b.layer);
+    }
+    assert!(moved.peak_bytes <= kept.peak_bytes);
+    for ckpt in [&[][..], &[0][..]] {
+        let (a, b) = (with(ckpt, false), with(ckpt, true));
+        assert_eq!(a.phase_peaks, b.phase_peaks, "checkpointed {ckpt:?}");
+        assert_eq!(a.peak_bytes, b.peak_bytes, "checkpointed {ckpt:?}");
+        assert_eq!(b.host_activation_bytes, 0);
+    }
 }

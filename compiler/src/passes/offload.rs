@@ -9,16 +9,20 @@
 //! parameters, gradients and the optimizer step to the host together
 //! (`CPUOffloadPolicy`): its only sets are none or all three
 //! (`profile::engines::offload_set_refusal`).
-//! Activations are not offered: the memory model
-//! does not model moving checkpointed inputs to the host, and a move it
-//! cannot price is not one the compiler may choose. Host and NVMe capacity
-//! are checked per candidate by the search. The Burn executor offloads the
-//! optimizer (state and update in host memory) and the parameters (fp32
-//! shards in host memory, which are the optimizer's master, each unit
-//! uploaded before its gather; under any ZeRO stage, sharded only by ZeRO-3;
-//! [`crate::profile::BURN_RUNS_ZERO3`]); nothing else: a plan that needs
-//! more runs on an engine that has it (DeepSpeed, via `rcoa emit`) and says
-//! `target pytorch`, so its memory is predicted for that runtime.
+//! Activations (checkpointed layers' inputs, held on the host between the
+//! forward and the recompute) are offered for `target burn` only, whose
+//! executor moves them and whose tape models the move (`memory::build`,
+//! `LayerSpan::offloaded`); for the PyTorch engines the memory model does not
+//! model DeepSpeed's `cpu_checkpointing`, and a move it cannot price is not
+//! one the compiler may choose. Host and NVMe capacity are checked per
+//! candidate by the search. The Burn executor offloads the optimizer (state
+//! and update in host memory), the parameters (fp32 shards in host memory,
+//! which are the optimizer's master, each unit uploaded before its gather;
+//! under any ZeRO stage, sharded only by ZeRO-3;
+//! [`crate::profile::BURN_RUNS_ZERO3`]) and checkpointed activations; nothing
+//! else: a plan that needs more runs on an engine that has it (DeepSpeed, via
+//! `rcoa emit`) and says `target pytorch`, so its memory is predicted for
+//! that runtime.
 
 use super::{decide, Pass, Plan};
 use crate::compile::CompileError;
@@ -53,14 +57,23 @@ impl<'a> Offload<'a> {
     /// price, is an error: dropping it would not be the plan.
     fn check_required(&self, plan: &Plan) -> Result<(), CompileError> {
         for o in self.required {
-            let burn_ok = (o.what == OffloadWhat::Optimizer
-                || (crate::profile::BURN_RUNS_ZERO3 && o.what == OffloadWhat::Params))
-                && o.to == OffloadTo::Cpu;
-            if self.target == Target::Burn && !burn_ok {
+            if self.target == Target::Burn && !burn_executes(o) {
                 return Err(CompileError::NotExecuted {
                     what: format!("`rcoa run` does not execute `must_offload = [{o}]` (the plan is `target burn`)"),
-                    help: "it offloads the optimizer state and update, and the parameters, to host memory only:                            require `optimizer:cpu` or `params:cpu`; or write `target pytorch` for DeepSpeed's gradient and NVMe offload (`rcoa emit`)".into(),
+                    help: "it offloads the optimizer state and update, the parameters and checkpointed activations, to host memory only: \
+                           require `optimizer:cpu`, `params:cpu` or `activations:cpu`; or write `target pytorch` for DeepSpeed's gradient and NVMe offload (`rcoa emit`)".into(),
                 });
+            }
+            if self.target == Target::Burn && o.what == OffloadWhat::Activations {
+                if let Some(why) = moves_no_activation(plan) {
+                    return Err(CompileError::Inconsistent {
+                        what: format!("`must_offload = [{o}]` moves checkpointed layers' inputs, but {why}"),
+                        help: "write `checkpoint = full`, `every N` or `auto` (the first layer's input, the embedding's \
+                               output, stays on the device)"
+                            .into(),
+                    });
+                }
+                continue;
             }
             if o.what == OffloadWhat::Activations {
                 return Err(CompileError::Unsupported {
@@ -87,6 +100,33 @@ impl<'a> Offload<'a> {
     }
 }
 
+/// Does the Burn executor carry out `o`? The optimizer, the parameters (when it runs
+/// ZeRO-3) and checkpointed activations, each to host memory.
+fn burn_executes(o: &Item) -> bool {
+    o.to == OffloadTo::Cpu
+        && match o.what {
+            OffloadWhat::Optimizer | OffloadWhat::Activations => true,
+            OffloadWhat::Params => crate::profile::BURN_RUNS_ZERO3,
+            OffloadWhat::Grads => false,
+        }
+}
+
+/// Why `offload = [activations]` would move nothing on the Burn executor, if it would
+/// not: it moves the inputs of checkpointed layers past the first (the first's input is
+/// the embedding's output, which the embedding's backward keeps on the device).
+fn moves_no_activation(plan: &Plan) -> Option<&'static str> {
+    use super::{CheckpointDomain, Recompute};
+    match plan.space.checkpoint {
+        CheckpointDomain::Fixed(Recompute::Block(k)) if k <= 1 => {
+            Some("the plan recomputes no layer past the first")
+        }
+        CheckpointDomain::Fixed(Recompute::Selective) => {
+            Some("`checkpoint = selective` recomputes no layer whole")
+        }
+        _ => None,
+    }
+}
+
 impl Pass for Offload<'_> {
     fn name(&self) -> &'static str {
         "offload"
@@ -100,18 +140,16 @@ impl Pass for Offload<'_> {
             if self.required.contains(o) {
                 continue;
             }
-            // The Burn executor moves the optimizer state and its update to
-            // host memory (`backend/src/shard`), and the parameters when it runs ZeRO-3.
-            let burn_params = crate::profile::BURN_RUNS_ZERO3 && o.what == OffloadWhat::Params;
-            if burn
-                && !((o.what == OffloadWhat::Optimizer || burn_params) && o.to == OffloadTo::Cpu)
-            {
+            // The Burn executor moves the optimizer state and its update to host
+            // memory (`backend/src/shard`), the parameters when it runs ZeRO-3, and
+            // checkpointed layers' inputs (`backend/src/train.rs`).
+            if burn && !burn_executes(o) {
                 let why = if crate::profile::BURN_RUNS_ZERO3 {
-                    "the Burn executor offloads the optimizer state and update, and the parameters, to host memory only; \
-                     gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
+                    "the Burn executor offloads the optimizer state and update, the parameters and checkpointed \
+                     activations, to host memory only; gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
                 } else {
-                    "the Burn executor offloads the optimizer state and update to host memory only; \
-                     parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
+                    "the Burn executor offloads the optimizer state and update, and checkpointed activations, to host \
+                     memory only; parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
                 };
                 decide(log, self, format!("{o} not used"), why);
                 continue;
@@ -120,7 +158,17 @@ impl Pass for Offload<'_> {
                 decide(log, self, format!("{o} not used"), why);
                 continue;
             }
-            if o.what == OffloadWhat::Activations {
+            if burn && o.what == OffloadWhat::Activations {
+                if let Some(why) = moves_no_activation(plan) {
+                    decide(
+                        log,
+                        self,
+                        format!("{o} not used"),
+                        format!("nothing to move: {why}"),
+                    );
+                    continue;
+                }
+            } else if o.what == OffloadWhat::Activations {
                 decide(log, self, format!("{o} not used"),
                     "moving activations to the host is not modelled by the memory model; checkpointing covers the same memory");
                 continue;

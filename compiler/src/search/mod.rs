@@ -210,7 +210,8 @@ fn host_need(spec: &Spec, cand: &Candidate, report: &memory::MemoryReport) -> (u
     }
     let shard = if cand.zero >= 1 { cand.data.max(1) } else { 1 } as f64;
     let trainable = report.params_trainable as f64;
-    let mut per_rank = 0.0;
+    // Checkpointed layers' inputs waiting for their recompute (the Burn executor).
+    let mut per_rank = report.host_activation_bytes as f64;
     let mut nvme = false;
     if !report.units.is_empty() {
         // The Burn executor's ZeRO-3 / parameter offload (`backend/src/shard/zero3.rs`): the
@@ -246,6 +247,7 @@ fn host_need(spec: &Spec, cand: &Candidate, report: &memory::MemoryReport) -> (u
                 report.params_total as f64 * spec.precision.params.bytes() / cand.data.max(1) as f64
             }
             OffloadWhat::Grads => trainable * spec.precision.grads.bytes() / shard,
+            // Counted above, from the tape.
             OffloadWhat::Activations => 0.0,
         };
     }
