@@ -826,9 +826,14 @@ fn zero_stages_on_two_threads_match_one_rank() {
     let one = one_process(&dir, steps);
     // Every stage with nothing, the optimizer or the parameters on the host;
     // and ZeRO-3 with both (its gradient accumulator goes to the host with
-    // the optimizer, with or without the weights).
+    // the optimizer, with or without the weights); and the gradients
+    // offloaded beside the optimizer.
     let mut configs = zero_offload_matrix();
     configs.push((3, &["optimizer", "params"]));
+    // The gradient accumulator on the host beside the optimizer, the weights
+    // whole on every rank (each unit read in place).
+    configs.push((0, &["optimizer", "grads"]));
+    configs.push((2, &["optimizer", "grads"]));
     for (zero, offload) in configs {
         let what = format!("zero {zero}, offload {offload:?}, 2 threads");
         let plan = zero_plan_file(&dir, zero, offload);

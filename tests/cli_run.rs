@@ -26,8 +26,8 @@ fn tiny_plan_file(dir: &Path) -> PathBuf {
     p
 }
 
-/// Run and parse the JSON lines; returns (per-step objects, summary).
-fn run_json(args: &[&str]) -> (Vec<serde_json::Value>, serde_json::Value) {
+/// Run and parse every JSON line (the start event, the steps, the summary).
+fn run_lines(args: &[&str]) -> Vec<serde_json::Value> {
     let out = rcoa()
         .arg("run")
         .args(args)
@@ -40,10 +40,15 @@ fn run_json(args: &[&str]) -> (Vec<serde_json::Value>, serde_json::Value) {
         "rcoa run failed: {}\n{stdout}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<serde_json::Value> = stdout
+    stdout
         .lines()
         .map(|l| serde_json::from_str(l).expect("every line is JSON"))
-        .collect();
+        .collect()
+}
+
+/// Run and parse the JSON lines; returns (per-step objects, summary).
+fn run_json(args: &[&str]) -> (Vec<serde_json::Value>, serde_json::Value) {
+    let lines = run_lines(args);
     let steps = lines
         .iter()
         .filter(|v| v.get("step").is_some() && v.get("event").is_none())
@@ -326,31 +331,13 @@ fn offloaded_checkpoint_inputs_are_predicted_and_run() {
     assert!(bytes(&m, "/peak_bytes") <= bytes(&k, "/peak_bytes"));
 
     let run = |plan: &str| {
-        let out = rcoa()
-            .args(["run", plan, "--steps", "3", "--format", "json"])
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(
-            out.status.success(),
-            "{}\n{stdout}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let lines: Vec<serde_json::Value> = stdout
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let start = lines
-            .iter()
-            .find(|v| v["event"] == "start")
-            .cloned()
-            .unwrap();
-        let steps: Vec<f64> = lines
-            .iter()
+        let lines = run_lines(&[plan, "--steps", "3"]);
+        let start = lines.iter().find(|v| v["event"] == "start").cloned();
+        let steps: Vec<serde_json::Value> = lines
+            .into_iter()
             .filter(|v| v.get("step").is_some() && v.get("event").is_none())
-            .map(|v| v["loss"].as_f64().unwrap())
             .collect();
-        (start, steps)
+        (start.expect("a start line"), losses(&steps))
     };
     let (start_k, losses_k) = run(&kept);
     let (start_m, losses_m) = run(&moved);

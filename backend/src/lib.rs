@@ -192,9 +192,14 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
             r.zero
         ));
     }
+    let optimizer_on_host = r.offload.iter().any(|o| {
+        o.what == rcoa_compiler::spec::OffloadWhat::Optimizer
+            && o.to == rcoa_compiler::spec::OffloadTo::Cpu
+    });
     for o in &r.offload {
         use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
         match (o.what, o.to) {
+            (OffloadWhat::Grads, OffloadTo::Cpu) if optimizer_on_host => {}
             (OffloadWhat::Optimizer | OffloadWhat::Params | OffloadWhat::Activations, OffloadTo::Cpu) => {}
             (OffloadWhat::Optimizer | OffloadWhat::Params | OffloadWhat::Activations, OffloadTo::Nvme) => {
                 return u(format!(
@@ -202,10 +207,17 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
                      activations to host memory only (`offload = [optimizer, params, activations]`)"
                 ))
             }
-            (OffloadWhat::Grads, _) => {
+            (OffloadWhat::Grads, OffloadTo::Cpu) => {
                 return u(format!(
-                    "the plan offloads {o}; the Burn executor offloads the optimizer (state and update), the parameters \
-                     (weights at rest) and checkpointed layers' inputs to host memory only (`offload = [optimizer, params, activations]`)"
+                    "the plan offloads {o} without the optimizer; the Burn executor keeps the gradient accumulator in host \
+                     memory for the host optimizer to step from, so it offloads gradients only beside the optimizer \
+                     (`offload = [optimizer, grads]`)"
+                ))
+            }
+            (OffloadWhat::Grads, OffloadTo::Nvme) => {
+                return u(format!(
+                    "the plan offloads {o} to NVMe; the Burn executor offloads the optimizer, the parameters, the gradients \
+                     and checkpointed activations to host memory only (`offload = [optimizer, grads]`)"
                 ))
             }
         }

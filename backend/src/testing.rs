@@ -176,13 +176,24 @@ pub fn run_ignored_in_child(test: &str, env: &str) {
     );
 }
 
-/// A loopback port nothing listens on now (the OS picks it; released before use).
+/// A loopback port nothing listens on now (the OS picks it; released before use),
+/// never one this process was given before: the OS may hand a just-released port out
+/// again, and two nodes of one run given the same data port fail to register
+/// (`DoubleRegister`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    // Hold every listener until a new port turns up, so the OS cannot repeat one.
+    let mut held = Vec::new();
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+        held.push(l);
+    }
 }
 
 /// Process `node_rank` of `nodes`, one device each, meeting through the

@@ -442,6 +442,8 @@ enum Off {
     Optimizer,
     Params,
     Both,
+    /// The optimizer and its gradient accumulator.
+    OptGrads,
     /// Checkpointed layers' inputs only.
     Activations,
     /// The optimizer, the parameters and checkpointed layers' inputs.
@@ -456,6 +458,7 @@ impl Off {
             Off::Optimizer => vec![OffloadWhat::Optimizer],
             Off::Params => vec![OffloadWhat::Params],
             Off::Both => vec![OffloadWhat::Optimizer, OffloadWhat::Params],
+            Off::OptGrads => vec![OffloadWhat::Optimizer, OffloadWhat::Grads],
             Off::Activations => vec![OffloadWhat::Activations],
             Off::All => vec![
                 OffloadWhat::Optimizer,
@@ -547,9 +550,15 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
                         // The optimizer on the host with per-unit gathers
                         // keeps the gradient accumulator there too (the
                         // compiler's `burn_host_grad_accumulator`).
-                        let host_opt = matches!(offload, Off::Optimizer | Off::Both | Off::All);
-                        let units =
-                            zero == 3 || matches!(offload, Off::Params | Off::Both | Off::All);
+                        let host_opt = matches!(
+                            offload,
+                            Off::Optimizer | Off::Both | Off::All | Off::OptGrads
+                        );
+                        let units = zero == 3
+                            || matches!(
+                                offload,
+                                Off::Params | Off::Both | Off::All | Off::OptGrads
+                            );
                         assert_eq!(z.grads_on_host(), host_opt && units, "{zero} {offload:?}");
                         // At rest a rank holds half of every unit (ZeRO-3;
                         // padded to even halves), or all of it.
@@ -628,6 +637,12 @@ fn zero_on_two_ranks_matches_one_rank_weight_for_weight() {
     // first's is the embedding's output), alone and with everything else.
     configs.push((1, Off::Activations, vec![true, true]));
     configs.push((3, Off::All, vec![true, true]));
+    // The gradient accumulator on the host beside the optimizer, the weights
+    // whole on the device (read in place per unit): every stage.
+    for zero in 0..=3u8 {
+        configs.push((zero, Off::OptGrads, none()));
+    }
+    configs.push((2, Off::OptGrads, vec![true, false]));
     sharded_matches_one_rank(&one, &configs);
 }
 

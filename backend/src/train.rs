@@ -435,6 +435,8 @@ pub struct Trainer<B: ExecAutodiff> {
     /// Per layer: its input goes to host memory between its forward and its
     /// recompute (`Residency::inputs_on_host`)?
     inputs_on_host: Vec<bool>,
+    /// The plan offloads the gradients (`offload = [grads]`).
+    grads_offloaded: bool,
     pub batcher: Batcher,
     loss: Loss,
     /// The LM head and cross-entropy a chunk of tokens at a time, so the
@@ -546,6 +548,11 @@ impl<B: ExecAutodiff> Trainer<B> {
             ictx,
             checkpointed,
             inputs_on_host,
+            grads_offloaded: plan
+                .resolved
+                .offload
+                .iter()
+                .any(|o| o.what == rcoa_compiler::spec::OffloadWhat::Grads),
             loss: plan.train.loss,
             chunked_loss: plan.train.chunked_loss_for(plan.model.vocab),
             layout,
@@ -649,6 +656,11 @@ impl<B: ExecAutodiff> Trainer<B> {
     /// checkpointed layers' inputs.
     pub fn executed_offload(&self) -> Vec<String> {
         let mut out = crate::shard::executed_offload(self.zero(), self.zero3());
+        // The accumulator is on the host beside the host optimizer with
+        // per-unit gathers too; the plan's `grads` is what this reports.
+        if self.grads_offloaded && self.zero3().is_some_and(|z| z.grads_on_host()) {
+            out.push("grads:cpu".to_string());
+        }
         let on_host = |i: usize| self.checkpointed[i] && self.inputs_on_host[i];
         if (0..self.checkpointed.len().min(self.inputs_on_host.len())).any(on_host) {
             out.push("activations:cpu".to_string());

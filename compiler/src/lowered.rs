@@ -147,14 +147,15 @@ impl LoweredPlan {
         // gathered until its backward: `memory::fsdp`).
         let fsdp = self.target == Target::Fsdp;
         let zero3 = (r.zero >= 3 || fsdp) && d > 1;
-        // `backend/src/shard/zero3.rs` streams units for ZeRO-3 on any number of ranks.
-        let units = burn && (r.zero >= 3 || has(OffloadWhat::Params));
+        // `backend/src/shard/zero3.rs` runs units for ZeRO-3 on any number of ranks, and
+        // for parameter or gradient offload.
+        let units = burn && (r.zero >= 3 || has(OffloadWhat::Params) || has(OffloadWhat::Grads));
         let place = |host: bool| if host { Place::Host } else { Place::Device };
         // `memory::burn_host_grad_accumulator`: ZeRO-3 on one rank without parameter
         // offload keeps the accumulator on the device (so does the executor).
         let host_acc = burn
-            && (zero3 || has(OffloadWhat::Params))
-            && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR
+            && ((zero3 || has(OffloadWhat::Params)) && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR
+                || has(OffloadWhat::Grads))
             && has(OffloadWhat::Optimizer);
         let master = self
             .precision
@@ -194,7 +195,8 @@ impl LoweredPlan {
             },
             grad_accumulator: place(host_acc || has(OffloadWhat::Grads)),
             units: list,
-            prefetch_units: if units {
+            // Units read in place (gradient offload alone) have nothing to prefetch.
+            prefetch_units: if units && (r.zero >= 3 || has(OffloadWhat::Params)) {
                 crate::profile::ZERO3_PREFETCH_UNITS as u64
             } else {
                 0

@@ -182,6 +182,50 @@ fn parameter_offload_alone_keeps_no_weights_at_rest_and_one_staging_buffer() {
     assert!(r.peak_bytes < replicated.peak_bytes);
 }
 
+/// Gradient offload (beside the optimizer) runs the per-unit step with the weights whole on
+/// the device: units read in place (nothing gathered, nothing prefetched), no gradient
+/// between units, no flat exchange at the step's end; at the step the updated fp32 values
+/// come up and are cast beside the old weights.
+#[test]
+fn gradient_offload_keeps_whole_weights_and_no_gradient_between_units() {
+    let s = spec(4, "");
+    let layers = s.model.layers;
+    let all: Vec<u64> = (0..layers).collect();
+    let both = [OffloadWhat::Optimizer, OffloadWhat::Grads];
+    let r = run(&s, &cand(4, 0, all.clone(), &both));
+    assert_eq!(r.units.len() as u64, layers + 2);
+    let w = |phase, op, layer| at(&r, phase, op, layer, Category::Weights);
+    // Weights at rest are the whole model at every point: the units add nothing.
+    assert_eq!(w(Phase::Forward, "loss", None), r.resident_param_bytes);
+    assert_eq!(w(Phase::Forward, "output", Some(3)), r.resident_param_bytes);
+    // Between units no gradient is on the device.
+    let g = |phase, op, layer| at(&r, phase, op, layer, Category::Grads);
+    assert_eq!(g(Phase::Forward, "loss", None), 0);
+    assert_eq!(g(Phase::Backward, "backward", Some(layers)), 0);
+    for smp in r.timeline.iter().filter(|x| x.phase == Phase::Backward) {
+        let grads = smp.by_category[Category::Grads as usize];
+        assert_eq!(grads, 0, "{} {:?}", smp.op, smp.layer);
+    }
+    // The optimizer alone keeps every gradient on the device through the backward and
+    // exchanges a flat fp32 vector at the step's end.
+    let opt = run(&s, &cand(4, 0, all, &[OffloadWhat::Optimizer]));
+    assert!(opt.units.is_empty());
+    assert!(r.phase_peaks["backward"] < opt.phase_peaks["backward"]);
+    assert!(
+        r.peak_bytes < opt.peak_bytes,
+        "{} < {}",
+        r.peak_bytes,
+        opt.peak_bytes
+    );
+    // The step: the updated fp32 values up (all of them: ZeRO 0) and their bf16 cast.
+    let values = r.params_trainable;
+    let step = r.phase_peaks["optimizer"];
+    assert!(
+        step >= r.resident_param_bytes + values * 4 + values * 2,
+        "{step}"
+    );
+}
+
 /// The lowered plan says what the model charged: which units are gathered again.
 #[test]
 fn the_lowered_residency_names_sharded_gathered_and_offloaded_state() {

@@ -39,10 +39,6 @@ fn burn_refuses_every_setup_rcoa_run_does_not_execute() {
         ("optimizer adamw { in_backward = true }", "in_backward"),
         ("optimizer adamw { impl = paged }", "impl = paged"),
         ("fit { checkpoint = selective_op }", "selective_op"),
-        (
-            "fit { must_offload = [grads] }",
-            "must_offload = [grads:cpu]",
-        ),
     ];
     for (extra, names) in cases {
         // A model override replaces the preset line.
@@ -69,6 +65,35 @@ fn burn_refuses_every_setup_rcoa_run_does_not_execute() {
             panic!("{extra} with target pytorch: {e}");
         }
     }
+}
+
+/// `target burn` offloads the gradients beside the optimizer only (its host
+/// accumulator is what the host optimizer steps from): alone they are an
+/// inconsistency that names the fix; with the optimizer they are planned.
+#[test]
+fn burn_offloads_gradients_beside_the_optimizer_only() {
+    match rcoa_compiler::compile(&spec("fit { must_offload = [grads] }")) {
+        Err(CompileError::Inconsistent { what, help }) => {
+            assert!(what.contains("offload the optimizer with them"), "{what}");
+            assert!(help.contains("[optimizer, grads]"), "{help}");
+        }
+        other => panic!("expected an inconsistency, got {:?}", other.map(|_| ())),
+    }
+    let c = rcoa_compiler::compile(&spec("fit { must_offload = [optimizer, grads] }")).unwrap();
+    let off: Vec<String> = c
+        .lowered
+        .resolved
+        .offload
+        .iter()
+        .map(|o| o.to_string())
+        .collect();
+    assert_eq!(off, ["optimizer:cpu", "grads:cpu"]);
+    let r = c.lowered.residency();
+    assert_eq!(r.grad_accumulator, rcoa_compiler::lowered::Place::Host);
+    assert_eq!(r.prefetch_units, 0, "read in place: nothing to prefetch");
+    // Allowed rather than required: the search never takes the gradients alone.
+    let c = rcoa_compiler::compile(&spec("fit { offload = [grads] }")).unwrap();
+    assert!(c.lowered.resolved.offload.is_empty());
 }
 
 #[test]

@@ -476,10 +476,21 @@ pub struct Storage {
 }
 
 /// Whether `plan` streams its weights per unit (ZeRO-3, or the parameters
-/// offloaded to host memory).
+/// offloaded to host memory), or steps per unit without streaming them
+/// (gradient offload: each unit's gradient leaves for the host accumulator
+/// as the backward leaves the unit; with one weight shard on the device the
+/// unit's parameters are views of the rank's flat weights, nothing is
+/// gathered).
 pub fn wanted(plan: &LoweredPlan) -> bool {
     let r = &plan.resolved;
-    r.zero >= 3 || params_offloaded(plan)
+    r.zero >= 3 || params_offloaded(plan) || grads_offloaded(plan)
+}
+
+fn grads_offloaded(plan: &LoweredPlan) -> bool {
+    plan.resolved
+        .offload
+        .iter()
+        .any(|o| o.what == OffloadWhat::Grads && o.to == OffloadTo::Cpu)
 }
 
 fn params_offloaded(plan: &LoweredPlan) -> bool {
@@ -550,6 +561,8 @@ pub struct Builder<I: Backend> {
     storage: Storage,
     host: bool,
     opt_host: bool,
+    /// `offload = [grads]`: the gradient-shard accumulator in host memory.
+    grads_host: bool,
     units: Vec<UnitLayout>,
     work: Vals<I>,
     frozen: Vals<I>,
@@ -593,6 +606,7 @@ impl<I: Backend> Builder<I> {
             storage,
             host,
             opt_host,
+            grads_host: grads_offloaded(plan),
             units: Vec::new(),
             work: Vals::new(host),
             frozen: Vals::new(host),
@@ -724,8 +738,9 @@ impl<I: Backend> Builder<I> {
         let t_total = self.units.last().map_or(0, |l| l.t_ooff + l.t_os);
         // The compiler's condition (`memory::burn_host_grad_accumulator`): ZeRO-3
         // on one rank without parameter offload is charged as whole weights on
-        // the device, its gradient there too.
-        let acc = if self.opt_host && (self.host || self.wshards > 1) {
+        // the device, its gradient there too, unless the plan offloads the
+        // gradients (which it does only beside the optimizer).
+        let acc = if self.opt_host && (self.host || self.wshards > 1 || self.grads_host) {
             Grads::Host(vec![0.0; t_total])
         } else {
             Grads::Device((0..self.units.len()).map(|_| None).collect())
@@ -1020,6 +1035,7 @@ impl<I: Backend> Zero3<I> {
             },
             host,
             opt_host: false,
+            grads_host: false,
             units: Vec::new(),
             work: Vals::new(host),
             frozen: Vals::new(host),

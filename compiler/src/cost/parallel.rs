@@ -389,7 +389,7 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
             r.push(Collective::AllReduce, w, g, n, dp, grads, 1.0, mi);
         }
         if oshards > wshards {
-            let u = "updated fp32 shards into every rank's host weights (Burn)";
+            let u = "updated fp32 shards gathered into every rank's whole weights (Burn)";
             r.push(Collective::AllGather, u, g, n, dp, grads, 1.0, op);
         }
     } else if d > 1 {
@@ -587,6 +587,9 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
                 let w = "offloaded weights (forward and backward)";
                 r.push(ht, w, h, 1, to, param_bytes / d as f64, 2.0, mi);
             }
+            // The Burn executor's per-unit step: the optimizer's gradient-shard row above
+            // is the gradients' trip to the host.
+            OffloadWhat::Grads if units => {}
             OffloadWhat::Grads => {
                 let g = "offloaded gradients";
                 r.push(ht, g, h, 1, to, grad_bytes / shard, 1.0, mi);

@@ -49,6 +49,9 @@ pub(crate) struct Builder<'a> {
     /// The Burn executor's ZeRO-3 / parameter offload: parameters are gathered a whole unit
     /// (embedding, layer, head) at a time into one tensor of the tape ([`Unit`]).
     units: bool,
+    /// The units are read in place, not gathered (gradient offload with whole weights on
+    /// the device): their gathered tensors hold nothing and nothing is prefetched.
+    views: bool,
     /// The unit being built (index into `tape.units`).
     open_unit: Option<usize>,
     /// Per unit of `tape.units`: bytes of its QLoRA NF4 bases gathered with it (ZeRO-3
@@ -144,6 +147,7 @@ impl<'a> Builder<'a> {
             param_shard,
             gather: zero3 || on_host,
             units: super::burn_units(profile, cand),
+            views: super::burn_units(profile, cand) && !super::burn_units_gathered(profile, cand),
             open_unit: None,
             unit_nf4: Vec::new(),
             trainable: Vec::new(),
@@ -281,7 +285,7 @@ impl<'a> Builder<'a> {
         // the packed bases: the words' bytes beside the rebuilt bases while they are
         // decoded.
         self.tape.ops[first as usize].fwd_workspace += self.unit_nf4[u];
-        self.tape.tensors[g.0 as usize].bytes = bytes;
+        self.tape.tensors[g.0 as usize].bytes = if self.views { 0 } else { bytes };
         self.tape.tensors[g.0 as usize].shape = vec![bytes];
         for o in first as usize + 1..end as usize {
             let with_backward = self.tape.ops[o].has_backward(&self.tape);
@@ -1475,7 +1479,7 @@ impl<'a> Builder<'a> {
         };
         self.tape.loss = Some(loss);
         self.end_unit();
-        if self.units {
+        if self.units && !self.views {
             self.charge_prefetch();
         }
         self.charge_fsdp();

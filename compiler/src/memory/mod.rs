@@ -105,10 +105,18 @@ impl Candidate {
     }
 }
 
-/// Does the Burn executor gather `cand`'s parameters a whole unit at a time (its ZeRO-3
-/// over more than one rank, or parameter offload)? Then the tape holds the gathered units
-/// ([`tape::Unit`]) and gradients live per unit until reduce-scattered.
+/// Does the Burn executor run `cand` a whole unit at a time (`backend/src/shard/zero3.rs`):
+/// its ZeRO-3 over more than one rank, parameter offload, or gradient offload? Then the
+/// tape holds the units ([`tape::Unit`]) and gradients live per unit until reduced as the
+/// backward leaves the unit. Whether the units are gathered: [`burn_units_gathered`].
 pub fn burn_units(profile: &Profile, cand: &Candidate) -> bool {
+    profile.burn_ops && (burn_units_gathered(profile, cand) || cand.offloads(OffloadWhat::Grads))
+}
+
+/// Are the Burn executor's units gathered into buffers of their own (ZeRO-3 over more than
+/// one rank, or parameter offload)? With gradient offload alone every rank keeps its
+/// weights whole on the device and a unit's parameters are views of them.
+pub fn burn_units_gathered(profile: &Profile, cand: &Candidate) -> bool {
     profile.burn_ops && ((cand.zero >= 3 && cand.data > 1) || cand.offloads(OffloadWhat::Params))
 }
 
@@ -118,7 +126,9 @@ pub fn burn_units(profile: &Profile, cand: &Candidate) -> bool {
 pub fn burn_flat_zero(profile: &Profile, cand: &Candidate) -> bool {
     profile.burn_ops
         && (cand.zero >= 1 || cand.offloads(OffloadWhat::Optimizer))
-        && !(cand.zero >= 3 || cand.offloads(OffloadWhat::Params))
+        && !(cand.zero >= 3
+            || cand.offloads(OffloadWhat::Params)
+            || cand.offloads(OffloadWhat::Grads))
 }
 
 /// Is the fp32 master copy of 16-bit weights charged with the optimizer state
@@ -132,7 +142,7 @@ pub fn burn_master_in_state(spec: &Spec) -> bool {
 /// Is the fp32 gradient-shard accumulator of the Burn executor's ZeRO-3 in host memory?
 pub fn burn_host_grad_accumulator(profile: &Profile, cand: &Candidate) -> bool {
     burn_units(profile, cand)
-        && crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR
+        && (crate::profile::ZERO3_HOST_GRAD_ACCUMULATOR || cand.offloads(OffloadWhat::Grads))
         && cand.offloads(OffloadWhat::Optimizer)
 }
 
@@ -502,6 +512,25 @@ fn evaluate_stage(
         let shards = if cand.zero >= 1 { dp } else { 1 };
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
+    if units {
+        // `Zero3::finish_step`: with more optimizer shards than weight shards every rank's
+        // updated fp32 shard is all-gathered whole on the device (then brought down for
+        // host weights); device weights coming from the host optimizer are cast to the
+        // storage dtype beside the old ones.
+        let values: u64 = trainable.iter().map(|(_, n)| n).sum();
+        let wshards = if cand.zero >= 3 { dp } else { 1 };
+        if (1..=2).contains(&cand.zero) && dp > 1 {
+            at_opt[Category::Workspace as usize] += profile.allocated(4 * values);
+        }
+        let stored = match spec.precision.params {
+            crate::spec::Dtype::Tf32 => crate::spec::Dtype::Fp32,
+            d => d,
+        };
+        if !opt_on_gpu && !cand.offloads(OffloadWhat::Params) && stored.bytes() < 4.0 {
+            let cast = stored.bytes() * values.div_ceil(wshards) as f64;
+            at_opt[Category::Workspace as usize] += profile.allocated(cast.ceil() as u64);
+        }
+    }
     let mut before_setup: Option<tape::Peak> = None;
     // A point outside the walked tape (the optimizer step, the setup build): on the
     // timeline (first, or last), in the phase peaks, and the peak when it is the highest.
@@ -681,10 +710,11 @@ fn burn_setup(
     master_bytes: u64,
 ) -> tape::Bytes {
     use crate::spec::Dtype;
-    // The executor cuts units whenever it runs ZeRO-3 or offloads the parameters, one
-    // rank of ZeRO-3 included (`shard::zero3::wanted`), which the step charges as whole
-    // weights ([`burn_units`]).
-    let units = cand.zero >= 3 || cand.offloads(OffloadWhat::Params);
+    // The executor cuts units whenever it runs ZeRO-3 or offloads the parameters or the
+    // gradients, one rank of ZeRO-3 included (`shard::zero3::wanted`), which the step
+    // charges as whole weights ([`burn_units`]).
+    let units =
+        cand.zero >= 3 || cand.offloads(OffloadWhat::Params) || cand.offloads(OffloadWhat::Grads);
     let flat = burn_flat_zero(profile, cand);
     let on_host = cand.offloads(OffloadWhat::Params);
     let opt_host = cand.offloads(OffloadWhat::Optimizer);

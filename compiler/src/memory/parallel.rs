@@ -186,8 +186,8 @@ pub struct BurnExchange {
 }
 
 /// [`BurnExchange`] of `cand`, `None` where the Burn executor exchanges no flat vector
-/// (one rank without ZeRO or offload, ZeRO-3 and parameter offload, which reduce each
-/// unit's gradient as the backward leaves it, other targets).
+/// (one rank without ZeRO or offload; ZeRO-3, parameter and gradient offload, which reduce
+/// each unit's gradient as the backward leaves it; other targets).
 ///
 /// - ZeRO 1/2 (or the optimizer offloaded): one flat fp32 gradient vector. Stages 1 and 2
 ///   reduce-scatter it: burn-collective's ring keeps the vector while it receives and sums
@@ -204,7 +204,9 @@ pub struct BurnExchange {
 pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<BurnExchange> {
     let d = cand.data.max(1);
     let host_optimizer = cand.offloads(crate::spec::OffloadWhat::Optimizer);
-    let units = cand.zero >= 3 || cand.offloads(crate::spec::OffloadWhat::Params);
+    let units = cand.zero >= 3
+        || cand.offloads(crate::spec::OffloadWhat::Params)
+        || cand.offloads(crate::spec::OffloadWhat::Grads);
     if spec.target != crate::spec::Target::Burn || trainable == 0 || units {
         return None;
     }
@@ -610,23 +612,32 @@ fn burn_unit_holdings(
     let shard = |what: &str| sharded(d, what);
     let oshard = |what: &str| sharded(od, what);
     let resident = r.resident_param_bytes.min(at("weights"));
+    let views = !super::burn_units_gathered(&profile, cand);
     let weights = if host_params {
         format!(
             "{} in host memory (parameter offload), uploaded a unit at a time through the staging buffer",
             shard("every unit's weights")
         )
+    } else if views {
+        "all of every unit's weights, whole on the device; each unit's parameters are read in place \
+         (gradient offload steps a unit at a time, nothing is gathered)"
+            .to_string()
     } else {
         shard("every unit's weights") + ", at rest between uses"
     };
     let units = r.units.len();
     let recomputed = r.units.iter().filter(|u| u.regathered).count();
     let layers = r.units.iter().filter(|u| u.layer.is_some()).count();
-    let gathered = format!(
-        "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched, plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute",
-        crate::profile::ZERO3_PREFETCH_UNITS
-    );
+    let gathered = if views {
+        format!("nothing: the {units} units (embedding, {layers} layers, head) are views of the weights at rest")
+    } else {
+        format!(
+            "whole units gathered at the peak ({units} units: embedding, {layers} layers, head): the running one and {} prefetched, plus every non-checkpointed layer's until its backward; the {recomputed} checkpointed layers' are freed after their forward and gathered again for their recompute",
+            crate::profile::ZERO3_PREFETCH_UNITS
+        )
+    };
     let grads = if host_acc {
-        "the fp32 gradient of the unit whose backward runs, reduce-scattered as the backward leaves it; the fp32 gradient-shard accumulator is in host memory beside the optimizer".to_string()
+        "the fp32 gradient of the unit whose backward runs, reduced as the backward leaves it (reduce-scattered under ZeRO 2 and 3); the fp32 gradient-shard accumulator is in host memory beside the optimizer".to_string()
     } else {
         format!(
             "{} as an fp32 accumulator (from the first reduce-scatter of the backward to the optimizer step), plus the fp32 gradient of the unit whose backward runs until it is reduce-scattered",

@@ -19,7 +19,9 @@
 //! and update in host memory), the parameters (fp32 shards in host memory,
 //! which are the optimizer's master, each unit uploaded before its gather;
 //! under any ZeRO stage, sharded only by ZeRO-3;
-//! [`crate::profile::BURN_RUNS_ZERO3`]) and checkpointed activations; nothing
+//! [`crate::profile::BURN_RUNS_ZERO3`]), the gradients (the accumulator
+//! beside the host optimizer, each unit's gradient sent down as the backward
+//! leaves it: only with the optimizer) and checkpointed activations; nothing
 //! else: a plan that needs more runs on an engine that has it (DeepSpeed, via
 //! `rcoa emit`) and says `target pytorch`, so its memory is predicted for
 //! that runtime.
@@ -60,8 +62,8 @@ impl<'a> Offload<'a> {
             if self.target == Target::Burn && !burn_executes(o) {
                 return Err(CompileError::NotExecuted {
                     what: format!("`rcoa run` does not execute `must_offload = [{o}]` (the plan is `target burn`)"),
-                    help: "it offloads the optimizer state and update, the parameters and checkpointed activations, to host memory only: \
-                           require `optimizer:cpu`, `params:cpu` or `activations:cpu`; or write `target pytorch` for DeepSpeed's gradient and NVMe offload (`rcoa emit`)".into(),
+                    help: "it offloads the optimizer state and update, the parameters, the gradients and checkpointed activations, to host \
+                           memory only: require them `:cpu`; or write `target pytorch` for DeepSpeed's NVMe offload (`rcoa emit`)".into(),
                 });
             }
             if self.target == Target::Burn && o.what == OffloadWhat::Activations {
@@ -101,13 +103,13 @@ impl<'a> Offload<'a> {
 }
 
 /// Does the Burn executor carry out `o`? The optimizer, the parameters (when it runs
-/// ZeRO-3) and checkpointed activations, each to host memory.
+/// ZeRO-3), the gradients (beside the optimizer: [`crate::profile::engines::offload_set_refusal`]) and
+/// checkpointed activations, each to host memory.
 fn burn_executes(o: &Item) -> bool {
     o.to == OffloadTo::Cpu
         && match o.what {
-            OffloadWhat::Optimizer | OffloadWhat::Activations => true,
+            OffloadWhat::Optimizer | OffloadWhat::Activations | OffloadWhat::Grads => true,
             OffloadWhat::Params => crate::profile::BURN_RUNS_ZERO3,
-            OffloadWhat::Grads => false,
         }
 }
 
@@ -145,8 +147,8 @@ impl Pass for Offload<'_> {
             // checkpointed layers' inputs (`backend/src/train.rs`).
             if burn && !burn_executes(o) {
                 let why = if crate::profile::BURN_RUNS_ZERO3 {
-                    "the Burn executor offloads the optimizer state and update, the parameters and checkpointed \
-                     activations, to host memory only; gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
+                    "the Burn executor offloads the optimizer state and update, the parameters, the gradients and \
+                     checkpointed activations, to host memory only; NVMe offload runs on DeepSpeed (`rcoa emit`, `target pytorch`)"
                 } else {
                     "the Burn executor offloads the optimizer state and update, and checkpointed activations, to host \
                      memory only; parameter, gradient and NVMe offload run on DeepSpeed (`rcoa emit`, `target pytorch`)"
@@ -204,8 +206,12 @@ impl Pass for Offload<'_> {
                             "`must_offload` cannot be carried out by `target {}`: {why}",
                             self.target.as_str()
                         ),
-                        help: "write `must_offload = [optimizer, params, grads]` (each to cpu)"
-                            .into(),
+                        help: if self.target == Target::Burn {
+                            "write `must_offload = [optimizer, grads]` (each to cpu)"
+                        } else {
+                            "write `must_offload = [optimizer, params, grads]` (each to cpu)"
+                        }
+                        .into(),
                     });
                 }
                 decide(log, self, "offload = []", why);

@@ -279,9 +279,18 @@ pub const FSDP_CPU_OFFLOAD: [crate::spec::OffloadWhat; 3] = [
 
 /// Why `target`'s engine cannot run the offload set `set` as a whole, or `None` when it
 /// can: FSDP2 runs nothing offloaded, or exactly [`FSDP_CPU_OFFLOAD`] to the CPU
-/// (`fully_shard(offload_policy=CPUOffloadPolicy())` moves the three together).
+/// (`fully_shard(offload_policy=CPUOffloadPolicy())` moves the three together); the Burn
+/// executor moves the gradients only beside the optimizer (its host accumulator is what
+/// the host optimizer steps from, `backend/src/shard/zero3.rs`).
 pub fn offload_set_refusal(target: Target, set: &[crate::spec::Offload]) -> Option<&'static str> {
-    use crate::spec::OffloadTo;
+    use crate::spec::{OffloadTo, OffloadWhat};
+    let has = |w: OffloadWhat| set.iter().any(|o| o.what == w);
+    if target == Target::Burn && has(OffloadWhat::Grads) && !has(OffloadWhat::Optimizer) {
+        return Some(
+            "the Burn executor keeps offloaded gradients in the host optimizer's accumulator: offload the \
+             optimizer with them (`offload = [optimizer, grads]`)",
+        );
+    }
     if target != Target::Fsdp || set.is_empty() {
         return None;
     }
