@@ -411,12 +411,11 @@ pub fn run(args: Args) -> ExitCode {
                     s.params, s.trainable
                 );
                 eprintln!("precision  {}", s.precision);
-                if s.zero > 0 || !s.offload.is_empty() {
-                    eprintln!(
-                        "optimizer  ZeRO stage {} over {ranks} rank(s); offloaded: [{}]",
-                        s.zero,
-                        s.offload.join(", ")
-                    );
+                if s.zero > 0 {
+                    eprintln!("sharding   ZeRO stage {} over {ranks} rank(s)", s.zero);
+                }
+                if !s.offload.is_empty() {
+                    eprintln!("offload    [{}] in host memory", s.offload.join(", "));
                 }
                 if let Some(n) = &s.precision_note {
                     eprintln!("note       {n}");
