@@ -73,21 +73,23 @@ fn variants() -> Vec<Spec> {
         }
     }
     // The Burn executor: eager attention, so `checkpoint = auto` also tries `selective` (a
-    // list of its own); ZeRO-3 and parameter offload by whole units.
+    // list of its own); ZeRO-3 and parameter offload by whole units; gradients beside the
+    // optimizer; checkpointed inputs on the host.
     for &budget in &[40.0, 2.0, 0.9] {
         for &gpus in &[1u64, 4] {
             let mut s = spec(4, gpus, budget);
             s.target = Target::Burn;
-            s.fit.offload = vec![
-                Offload {
-                    what: OffloadWhat::Optimizer,
-                    to: OffloadTo::Cpu,
-                },
-                Offload {
-                    what: OffloadWhat::Params,
-                    to: OffloadTo::Cpu,
-                },
-            ];
+            s.fit.offload = [
+                OffloadWhat::Optimizer,
+                OffloadWhat::Params,
+                OffloadWhat::Grads,
+                OffloadWhat::Activations,
+            ]
+            .map(|what| Offload {
+                what,
+                to: OffloadTo::Cpu,
+            })
+            .to_vec();
             out.push(s);
         }
     }
@@ -171,6 +173,41 @@ fn recomputing_more_layers_never_adds_memory_and_always_adds_time() {
                     grad_accum: s.train.global_batch / l.data / 2,
                     recompute: passes::Recompute::Block(k),
                     offload: vec![],
+                };
+                let (e, _) = rcoa_compiler::search::evaluate_point(&s, &profile, &plan.space, &p);
+                if let Some((m, t)) = last {
+                    assert!(e.peak_bytes <= m, "{l}: k={k} peak {} > {m}", e.peak_bytes);
+                    assert!(e.step_seconds > t, "{l}: k={k} is not slower");
+                }
+                last = Some((e.peak_bytes, e.step_seconds));
+            }
+        }
+    }
+}
+
+/// The same with the checkpointed inputs on the host (`target burn`): each layer recomputed
+/// past the first also moves its input, so memory still never rises and time still rises.
+#[test]
+fn recomputing_more_layers_with_offloaded_inputs_never_adds_memory_and_always_adds_time() {
+    for gpus in [1u64, 4] {
+        let mut s = spec(4, gpus, 40.0);
+        s.target = Target::Burn;
+        s.fit.offload = vec![Offload {
+            what: OffloadWhat::Activations,
+            to: OffloadTo::Cpu,
+        }];
+        let (plan, profile) = space(&s);
+        for l in &plan.space.layouts {
+            let mut last: Option<(u64, f64)> = None;
+            for k in 0..=s.model.layers {
+                let p = rcoa_compiler::search::Point {
+                    layout: *l,
+                    zero: 0,
+                    sequence: false,
+                    micro_batch: 2,
+                    grad_accum: s.train.global_batch / l.data / 2,
+                    recompute: passes::Recompute::Block(k),
+                    offload: s.fit.offload.clone(),
                 };
                 let (e, _) = rcoa_compiler::search::evaluate_point(&s, &profile, &plan.space, &p);
                 if let Some((m, t)) = last {
