@@ -419,7 +419,7 @@ mod props {
             1u64..4,
             1u64..3,
             any::<u8>(),
-            0usize..4,
+            0usize..6,
         )
             .prop_map(
                 |(mb, ga, zero, tensor, pipeline, context, ckpt_mask, off)| {
@@ -433,9 +433,19 @@ mod props {
                             what: OffloadWhat::Params,
                             to: OffloadTo::Cpu,
                         }],
-                        _ => vec![Offload {
+                        3 => vec![Offload {
                             what: OffloadWhat::Grads,
                             to: OffloadTo::Nvme,
+                        }],
+                        4 => [OffloadWhat::Optimizer, OffloadWhat::Grads]
+                            .map(|what| Offload {
+                                what,
+                                to: OffloadTo::Cpu,
+                            })
+                            .to_vec(),
+                        _ => vec![Offload {
+                            what: OffloadWhat::Activations,
+                            to: OffloadTo::Cpu,
                         }],
                     };
                     Candidate {
