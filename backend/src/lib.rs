@@ -192,10 +192,8 @@ pub fn check_plan_ranks(plan: &LoweredPlan, ranks: u64) -> Result<(), RunError> 
             r.zero
         ));
     }
-    let optimizer_on_host = r.offload.iter().any(|o| {
-        o.what == rcoa_compiler::spec::OffloadWhat::Optimizer
-            && o.to == rcoa_compiler::spec::OffloadTo::Cpu
-    });
+    let optimizer_on_host =
+        shard::layout::offloads(plan, rcoa_compiler::spec::OffloadWhat::Optimizer);
     for o in &r.offload {
         use rcoa_compiler::spec::{OffloadTo, OffloadWhat};
         match (o.what, o.to) {

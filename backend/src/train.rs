@@ -548,11 +548,10 @@ impl<B: ExecAutodiff> Trainer<B> {
             ictx,
             checkpointed,
             inputs_on_host,
-            grads_offloaded: plan
-                .resolved
-                .offload
-                .iter()
-                .any(|o| o.what == rcoa_compiler::spec::OffloadWhat::Grads),
+            grads_offloaded: crate::shard::layout::offloads(
+                plan,
+                rcoa_compiler::spec::OffloadWhat::Grads,
+            ),
             loss: plan.train.loss,
             chunked_loss: plan.train.chunked_loss_for(plan.model.vocab),
             layout,

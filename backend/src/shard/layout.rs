@@ -12,7 +12,6 @@ use super::zero3;
 use crate::optim::Rule;
 use crate::train::Precision;
 use crate::RunError;
-use burn::tensor::FloatDType;
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::{AdapterKind, Arch, Loss, Mlp, Norm, OffloadTo, OffloadWhat, Positions};
 
@@ -100,7 +99,8 @@ pub fn unit_values(plan: &LoweredPlan) -> Vec<UnitValues> {
     units
 }
 
-fn offloads(plan: &LoweredPlan, what: OffloadWhat) -> bool {
+/// Does `plan` move `what` to host memory?
+pub(crate) fn offloads(plan: &LoweredPlan, what: OffloadWhat) -> bool {
     plan.resolved
         .offload
         .iter()
@@ -171,11 +171,7 @@ pub fn host_bytes(plan: &LoweredPlan, precision: Precision, ranks: usize) -> Res
 pub fn host_activation_bytes(plan: &LoweredPlan, precision: Precision) -> u64 {
     let layers = plan.residency().inputs_on_host.len() as u64;
     let rows = plan.resolved.micro_batch * plan.train.sequences_per_item();
-    let bytes = match precision.compute {
-        FloatDType::BF16 | FloatDType::F16 => 2,
-        FloatDType::F64 => 8,
-        _ => 4,
-    };
+    let bytes = burn::tensor::DType::from(precision.compute).size() as u64;
     layers * rows * plan.train.seq_len * plan.model.hidden * bytes
 }
 

@@ -60,6 +60,7 @@
 //! host optimizer steps from the accumulator. The compiler's `burn` profile
 //! charges exactly this (`memory::burn_host_grad_accumulator`).
 
+use super::layout::offloads;
 use super::{flat_grads, host_threads, rank_place};
 use crate::distributed::{Collective, Pending};
 use crate::model::{Embed, Head, Layer, Model};
@@ -74,7 +75,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
-use rcoa_compiler::spec::{Loss, OffloadTo, OffloadWhat};
+use rcoa_compiler::spec::{Loss, OffloadWhat};
 
 /// One parameter of a unit, in visit order.
 struct ParamInfo {
@@ -483,28 +484,7 @@ pub struct Storage {
 /// gathered).
 pub fn wanted(plan: &LoweredPlan) -> bool {
     let r = &plan.resolved;
-    r.zero >= 3 || params_offloaded(plan) || grads_offloaded(plan)
-}
-
-fn grads_offloaded(plan: &LoweredPlan) -> bool {
-    plan.resolved
-        .offload
-        .iter()
-        .any(|o| o.what == OffloadWhat::Grads && o.to == OffloadTo::Cpu)
-}
-
-fn params_offloaded(plan: &LoweredPlan) -> bool {
-    plan.resolved
-        .offload
-        .iter()
-        .any(|o| o.what == OffloadWhat::Params && o.to == OffloadTo::Cpu)
-}
-
-fn optimizer_offloaded(plan: &LoweredPlan) -> bool {
-    plan.resolved
-        .offload
-        .iter()
-        .any(|o| o.what == OffloadWhat::Optimizer && o.to == OffloadTo::Cpu)
+    r.zero >= 3 || offloads(plan, OffloadWhat::Params) || offloads(plan, OffloadWhat::Grads)
 }
 
 /// QLoRA's frozen NF4 base is sharded with ZeRO-3 (see the module header)
@@ -517,7 +497,7 @@ pub fn refuse_quantized_base(plan: &LoweredPlan) -> Result<(), RunError> {
         .adapter
         .as_ref()
         .is_some_and(|a| a.kind == rcoa_compiler::spec::AdapterKind::Qlora);
-    if qlora && params_offloaded(plan) {
+    if qlora && offloads(plan, OffloadWhat::Params) {
         return Err(RunError::Unsupported(
             "QLoRA with the parameters offloaded: the Burn executor keeps the NF4 base on the device (sharded \
              with ZeRO-3, whole otherwise), never in host memory, which the plan's prediction does not charge; \
@@ -591,8 +571,8 @@ impl<I: Backend> Builder<I> {
                 "shard {index} of {ranks}: burn-collective numbered this rank outside the run"
             )));
         }
-        let host = params_offloaded(plan);
-        let opt_host = optimizer_offloaded(plan);
+        let host = offloads(plan, OffloadWhat::Params);
+        let opt_host = offloads(plan, OffloadWhat::Optimizer);
         let master_is_work = !master_separate(wshards, oshards, &storage, host, opt_host);
         Ok(Some(Builder {
             stage,
@@ -606,7 +586,7 @@ impl<I: Backend> Builder<I> {
             storage,
             host,
             opt_host,
-            grads_host: grads_offloaded(plan),
+            grads_host: offloads(plan, OffloadWhat::Grads),
             units: Vec::new(),
             work: Vals::new(host),
             frozen: Vals::new(host),
@@ -1667,7 +1647,7 @@ mod nf4_memory;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, Offload, Proj};
+    use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, Offload, OffloadTo, Proj};
 
     /// Bases quantized from values that include every bit pattern a scale
     /// could take come back from their words bit for bit, through a cut

@@ -596,15 +596,14 @@ pub fn traffic(spec: &Spec, cand: &Candidate, report: &MemoryReport) -> (Vec<Tra
             }
             OffloadWhat::Activations => {
                 let a = "checkpointed layer inputs (out and back)";
-                // The Burn executor keeps the first layer's input, the embedding's output,
-                // on the device (the embedding's backward holds it anyway).
-                let moved = if spec.target == crate::spec::Target::Burn {
-                    let first = cand.checkpoint_layers.first() == Some(&0);
-                    recomputed - if first { 1.0 } else { 0.0 }
+                // The Burn executor's are the tape's offloaded inputs (the first layer's
+                // stays on the device: `memory::build`).
+                let bytes = if spec.target == crate::spec::Target::Burn {
+                    report.host_activation_bytes as f64
                 } else {
-                    recomputed
+                    act * recomputed / t as f64
                 };
-                r.push(ht, a, h, 1, to, act * moved / t as f64, 2.0, mi);
+                r.push(ht, a, h, 1, to, bytes, 2.0, mi);
             }
         }
     }

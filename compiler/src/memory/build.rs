@@ -77,7 +77,8 @@ pub(crate) struct Builder<'a> {
     kept_params: Vec<TensorId>,
 }
 
-fn storage(d: Dtype) -> Dtype {
+/// The dtype a tensor of `d` is stored in (tf32 is an fp32 tensor computed in tf32).
+pub(crate) fn storage(d: Dtype) -> Dtype {
     match d {
         Dtype::Tf32 => Dtype::Fp32,
         d => d,

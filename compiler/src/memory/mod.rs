@@ -522,10 +522,7 @@ fn evaluate_stage(
         if (1..=2).contains(&cand.zero) && dp > 1 {
             at_opt[Category::Workspace as usize] += profile.allocated(4 * values);
         }
-        let stored = match spec.precision.params {
-            crate::spec::Dtype::Tf32 => crate::spec::Dtype::Fp32,
-            d => d,
-        };
+        let stored = build::storage(spec.precision.params);
         if !opt_on_gpu && !cand.offloads(OffloadWhat::Params) && stored.bytes() < 4.0 {
             let cast = stored.bytes() * values.div_ceil(wshards) as f64;
             at_opt[Category::Workspace as usize] += profile.allocated(cast.ceil() as u64);
@@ -721,10 +718,7 @@ fn burn_setup(
     let wshards = if cand.zero >= 3 { cand.data.max(1) } else { 1 };
     let oshards = if cand.zero >= 1 { cand.data.max(1) } else { 1 };
     let master = master_bytes > 0;
-    let storage = match spec.precision.params {
-        Dtype::Tf32 => Dtype::Fp32,
-        d => d,
-    };
+    let storage = build::storage(spec.precision.params);
     let sixteen = storage.bytes() < 4.0;
     let loads = spec.model.weights.is_some();
     let alloc = |b: f64| profile.allocated(b.ceil() as u64);

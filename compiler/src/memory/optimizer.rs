@@ -70,13 +70,6 @@ fn adafactor_step_peak(
     peak
 }
 
-fn storage_dtype(d: Dtype) -> Dtype {
-    match d {
-        Dtype::Tf32 => Dtype::Fp32,
-        d => d,
-    }
-}
-
 pub struct OptimizerModel {
     pub name: &'static str,
     /// Everything the optimizer keeps between steps, the master copy included.
@@ -137,7 +130,7 @@ pub fn model(
         if !own_dtype {
             return sb;
         }
-        let mut d = storage_dtype(tape.tensor(id).dtype);
+        let mut d = super::build::storage(tape.tensor(id).dtype);
         if profile.engine == crate::profile::Engine::Fsdp2 && param_dtype.bytes() > d.bytes() {
             // FSDP2's MixedPrecisionPolicy: the tape holds the modules' bf16 view, the
             // optimizer steps the sharded parameters in the plan's `params` dtype.
