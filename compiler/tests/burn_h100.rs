@@ -1,4 +1,4 @@
-//! The `target burn` memory model against rcoa's Burn executor measured on one H100.
+//! The `target burn` memory model against rcoa's Burn executor measured on one H100 (and one H200).
 //!
 //! Each plan of `backend/bench/` that `docs/burn-h100.md` reports is compiled here and its
 //! predicted peak in use compared with the measured one (CubeCL `bytes_in_use`, sampled by
@@ -38,13 +38,91 @@ const MEASURED: &[(&str, &str)] = &[
     ),
 ];
 
+/// (plan, raw output under `backend/bench/h100-results/`) measured on an H200
+/// (docs/burn-h100.md, "2026-11-27"), compact pool, several processes at once. The
+/// bytes in use are the executor's live tensors, the same on either card; what the
+/// pool reserves is not (CubeCL sizes its pages from the device's memory, and these
+/// cold runs autotuned in the measured process), so these rows are held to the 5%
+/// bar only. Two-process runs: each rank against the plan's per-rank prediction. Runs
+/// the call's time limit stopped after their steps have no summary line: their
+/// highest step `peak_bytes` is read (`measured_in_use`).
+const MEASURED_H200: &[(&str, &str)] = &[
+    // ZeRO-3, optimizer on the host: the streams fix of 2026-11-25c (was −11.6%).
+    (
+        "llama125m_zero3_offload.plan",
+        "2026-11-27/call1/llama125m_zero3_offload-rank0.jsonl",
+    ),
+    (
+        "llama125m_zero3_offload.plan",
+        "2026-11-27/call1/llama125m_zero3_offload-rank1.jsonl",
+    ),
+    // Issue 11's bar: a 1.24B decoder, ZeRO-3 + optimizer offload, two processes.
+    (
+        "llama1b_zero3_offload.plan",
+        "2026-11-27/call2/llama1b_zero3_offload-rank0.jsonl",
+    ),
+    (
+        "llama1b_zero3_offload.plan",
+        "2026-11-27/call2/llama1b_zero3_offload-rank1.jsonl",
+    ),
+    // Checkpointed layer inputs in host memory, and the same plan without.
+    (
+        "llama125m_activation_offload.plan",
+        "2026-11-27/call1/llama125m_activation_offload.jsonl",
+    ),
+    (
+        "llama125m_full_recompute.plan",
+        "2026-11-27/call1/llama125m_full_recompute.jsonl",
+    ),
+    // Issue 12's techniques: selective recomputation, the chunked loss (128k vocabulary),
+    // QLoRA + adam8bit at Mistral-7B's shape (8 layers, and all 32 on a 24 GB card).
+    (
+        "llama125m_selective.plan",
+        "2026-11-27/call1/llama125m_selective.jsonl",
+    ),
+    (
+        "llama125m_chunked_loss.plan",
+        "2026-11-27/call1/llama125m_chunked_loss.jsonl",
+    ),
+    (
+        "h100-results/2026-11-25b/mistral7b_qlora_8l.plan",
+        "2026-11-27/call2/mistral7b_qlora_8l.jsonl",
+    ),
+    (
+        "mistral7b_qlora_burn.plan",
+        "2026-11-27/call2/mistral7b_qlora_burn.jsonl",
+    ),
+];
+
+fn json_lines(file: &str) -> Vec<serde_json::Value> {
+    let path = bench_dir().join("h100-results").join(file);
+    let text = std::fs::read_to_string(&path).expect("raw GPU output");
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .collect()
+}
+
+/// The measured peak in use: the summary's, or the highest of the step lines' when the
+/// run was stopped before its summary, provided two steps ran (the optimizer state
+/// exists from the first update on).
+fn measured_in_use(file: &str) -> u64 {
+    let lines = json_lines(file);
+    if let Some(s) = lines.iter().find(|v| v["event"] == "summary") {
+        return s["measured_peak_bytes"].as_u64().expect("measured_peak_bytes");
+    }
+    let steps: Vec<u64> = lines
+        .iter()
+        .filter(|v| v["step"].is_u64())
+        .filter_map(|v| v["peak_bytes"].as_u64())
+        .collect();
+    assert!(steps.len() >= 2, "{file}: no summary and fewer than two steps");
+    steps.into_iter().max().unwrap()
+}
+
 /// (measured peak in use, measured reserved peak) from a run's summary line.
 fn measured(file: &str) -> (u64, u64) {
-    let path = bench_dir().join("h100-results").join(file);
-    let text = std::fs::read_to_string(&path).expect("raw H100 output");
-    let summary: serde_json::Value = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let summary = json_lines(file)
+        .into_iter()
         .find(|v| v["event"] == "summary")
         .unwrap_or_else(|| panic!("{file}: no summary line"));
     let field = |k: &str| {
@@ -85,18 +163,18 @@ fn compile_with_budget(name: &str, budget: Option<u64>) -> Compilation {
 fn burn_prediction_within_5_percent_of_h100() {
     let mut worst: f64 = 0.0;
     let mut lines = Vec::new();
-    for &(name, file) in MEASURED {
-        let (measured, _) = measured(file);
+    for &(name, file) in MEASURED.iter().chain(MEASURED_H200) {
+        let measured = measured_in_use(file);
         let c = compile_with_budget(name, None);
         let predicted = c.lowered.prediction.peak_bytes;
         let err = (measured as f64 - predicted as f64) / predicted as f64;
         lines.push(format!(
-            "{name}: predicted {predicted} measured {measured} error {:+.2}% at {}",
+            "{file}: predicted {predicted} measured {measured} error {:+.2}% at {}",
             100.0 * err,
             c.lowered.prediction.peak_at
         ));
         worst = worst.max(err.abs());
-        // Every measured run ran on the 80 GB H100: the plan must be predicted to fit.
+        // Every measured run ran: the plan must be predicted to fit its own card.
         assert!(
             c.lowered.prediction.fits,
             "{name}: ran on the H100 but predicted not to fit"

@@ -1,27 +1,40 @@
 #!/bin/bash
-# One device call that does what calls 1-3 and 6 of docs/gpu-session.md can do from an empty
-# kernel cache (the 2026-11-27 session had 15 minutes of device time and no carried cache):
-# every run at once as its own process, compact pool, each process with its own cache.
-#   - the CUDA transport benchmark, bf16 then fp32 (the ZeRO-2 bf16 fault: in the ring or not);
-#   - issue 11's bar: the 1B ZeRO-3 + optimizer offload over two processes (3 steps), and
-#     beside it the same with untied embeddings (its NaN first loss of 2026-11-25b, bisected);
-#   - the 125M ZeRO-3 + optimizer offload again (collectives now on the rank's stream);
-#   - activation offload (one process) and gradient offload (two), new since 2026-11-27;
-#   - issue 12's bars: QLoRA at Mistral-7B's shape, 8 layers and 32, with the memory trace;
-#     selective recomputation and the chunked loss at 125M.
-# About 9 minutes, most of it the cold first steps.
+# Memory rows on a CUDA GPU in one device call from an empty kernel cache: every job at once,
+# each its own process (two for a "ranks" job, over loopback: zero_ranks.sh) with its own
+# kernel cache under $CACHE_ROOT, compact pool, RCOA_MEMORY_TRACE=1 for one-process jobs;
+# then each job's measured peak against `rcoa compile --format json`'s. The CUDA transport
+# benchmark runs first when .rcoa-bin/transport-cuda.gz is there. Cold first steps take
+# 300-500 s with ten processes compiling at once (docs/burn-h100.md, "2026-11-27").
 #
-# Device tool: carry [".rcoa-bin"] (rcoa.gz, transport-cuda.gz). DRY=1 JOBS="..." runs
-# small jobs on the CPU with this machine's release build, to check the script.
+# JOBS="kind:plan:steps[:port] ...": kind "ranks" (port for the orchestrator, the ranks
+# take the next two) or "one". The default is what docs/gpu-session.md has next.
+# TMO: each process's limit in seconds. W: the working folder, packed into $OUT.
+#
+# Run on 2026-11-27 (an H200; docs/burn-h100.md "2026-11-27"; raw outputs in
+# h100-results/2026-11-27/), twice on one warm machine, the second reusing the first's
+# caches in /tmp/rcoa-caches:
+#   call1/: TMO=500 JOBS="ranks:$B/llama1b_zero3_offload.plan:3:29500
+#     ranks:$B/llama1b_zero3_offload_untied.plan:2:29510 ranks:$B/llama125m_zero3_offload.plan:4:29520
+#     ranks:$B/llama125m_zero2_grads_offload.plan:6:29530 one:$B/h100-results/2026-11-25b/mistral7b_qlora_8l.plan:3
+#     one:$B/mistral7b_qlora_burn.plan:3 one:$B/llama125m_activation_offload.plan:4
+#     one:$B/llama125m_full_recompute.plan:4 one:$B/llama125m_selective.plan:3
+#     one:$B/llama125m_chunked_loss.plan:3" bash backend/bench/gpu_jobs.sh
+#   call2/: W=/tmp/w5 TMO=230 JOBS="ranks:$B/llama1b_zero3_offload.plan:3:29600
+#     one:$B/h100-results/2026-11-25b/mistral7b_qlora_8l.plan:3 one:$B/mistral7b_qlora_burn.plan:3"
+#   ($B = backend/bench)
+#
+# Device tool: carry [".rcoa-bin"] (rcoa.gz, and transport-cuda.gz if wanted). DRY=1 JOBS="..."
+# runs small jobs on the CPU with this machine's release build, to check the script.
 set -u
-W=${W:-/tmp/w4}; mkdir -p "$W"; FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
+W=${W:-/tmp/jobs}; mkdir -p "$W"; FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
 TMO=${TMO:-500}
 if [ "${DRY:-0}" = 1 ]; then
   DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}"); POOL=""
 else
   DEVICE=cuda; RCOA=/tmp/rcoa; POOL="--memory-pool compact"
   gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
-  gunzip -c .rcoa-bin/transport-cuda.gz > /tmp/transport-cuda && chmod +x /tmp/transport-cuda
+  [ -f .rcoa-bin/transport-cuda.gz ] && gunzip -c .rcoa-bin/transport-cuda.gz > /tmp/transport-cuda \
+    && chmod +x /tmp/transport-cuda
   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 fi
 smi() { command -v nvidia-smi >/dev/null && nvidia-smi "$@"; }
@@ -34,13 +47,11 @@ chmod +x /tmp/rcoa-compact
 export CACHE_ROOT=/tmp/rcoa-caches
 B=backend/bench
 # kind:plan:steps[:port]; "ranks" = two processes over loopback (zero_ranks.sh), "one" = one process.
-JOBS=${JOBS:-"ranks:$B/llama1b_zero3_offload.plan:3:29500 ranks:$B/llama1b_zero3_offload_untied.plan:2:29510
-  ranks:$B/llama125m_zero3_offload.plan:4:29520 ranks:$B/llama125m_zero2_grads_offload.plan:6:29530
-  one:$B/h100-results/2026-11-25b/mistral7b_qlora_8l.plan:3 one:$B/mistral7b_qlora_burn.plan:3
-  one:$B/llama125m_activation_offload.plan:4 one:$B/llama125m_full_recompute.plan:4
-  one:$B/llama125m_selective.plan:3 one:$B/llama125m_chunked_loss.plan:3"}
+JOBS=${JOBS:-"ranks:$B/llama125m_zero2_grads_offload.plan:4:29500 ranks:$B/llama1b_zero3_offload.plan:3:29510
+  ranks:$B/llama125m_zero2_bf16.plan:6:29520 ranks:$B/h100-results/2026-11-25b/l125_zero3_nooff.plan:4:29530
+  one:$B/llama125m_adam8bit.plan:3"}
 P=()
-if [ "$DEVICE" = cuda ]; then
+if [ -x /tmp/transport-cuda ] && [ "$DEVICE" = cuda ]; then
   ( timeout 80 /tmp/transport-cuda 16 256 --cuda --bf16 > "$W/transport-cuda-bf16.txt" 2>&1
     echo "transport bf16 rc=$? $(date +%T)" >> "$W/times.txt"
     timeout 80 /tmp/transport-cuda 16 256 --cuda > "$W/transport-cuda.txt" 2>&1
@@ -62,7 +73,7 @@ for job in $JOBS; do
 done
 wait "${P[@]}"
 kill $SMI 2>/dev/null
-tar czf "$FINAL/call4.tgz" -C "$(dirname "$W")" "$(basename "$W")"
+tar czf "$FINAL/jobs.tgz" -C "$(dirname "$W")" "$(basename "$W")"
 cat "$W/gpu.txt" "$W/times.txt"; tail -n 3 "$W"/transport-cuda*.txt 2>/dev/null | cut -c1-300
 for job in $JOBS; do
   IFS=: read -r kind plan _ _ <<< "$job"
