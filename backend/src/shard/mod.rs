@@ -606,14 +606,19 @@ pub(crate) fn flat_grads_then<B: AutodiffBackend, M: Module<B>>(
     flat
 }
 
+/// `parts` end to end. One part is returned as it is: Burn's `cat` of a
+/// single tensor still allocates the output and copies into it, and on
+/// CUDA that copy of a unit's weights, kept from its forward to its
+/// backward, was 7 % of a ZeRO-2 gradient-offload rank's peak (H200,
+/// 2026-11-27: the model's whole bf16 weights a second time).
 pub(crate) fn cat_or_empty<I: Backend>(
-    parts: Vec<Tensor<I, 1>>,
+    mut parts: Vec<Tensor<I, 1>>,
     device: &burn::tensor::Device<I>,
 ) -> Tensor<I, 1> {
-    if parts.is_empty() {
-        Tensor::zeros([0], device)
-    } else {
-        Tensor::cat(parts, 0)
+    match parts.len() {
+        0 => Tensor::zeros([0], device),
+        1 => parts.pop().expect("one part"),
+        _ => Tensor::cat(parts, 0),
     }
 }
 

@@ -1157,6 +1157,24 @@ impl<I: Backend> Zero3<I> {
         super::cat_or_empty(parts, &self.device)
     }
 
+    /// Unit `u`'s values where they rest, whole (one weight shard): views
+    /// of the device values, nothing concatenated (the profile charges
+    /// such units nothing beside the weights), or uploaded from the host.
+    fn in_place(&self, u: usize) -> Gathered<I> {
+        let l = &self.units[u];
+        let part = |v: &Vals<I>, off: usize, len: usize| {
+            if len == 0 {
+                Tensor::<I, 1>::zeros([0], &self.device)
+            } else {
+                v.slice(off..off + len, self.storage, &self.device)
+            }
+        };
+        (
+            part(&self.work, l.t_woff, l.t_len),
+            part(&self.frozen, l.f_woff, l.f_len),
+        )
+    }
+
     /// Unit `u`'s whole values from every rank's piece (`all`:
     /// `wshards` pieces in shard order).
     fn split(&self, u: usize, all: Tensor<I, 1>) -> Gathered<I> {
@@ -1182,6 +1200,9 @@ impl<I: Backend> Zero3<I> {
     }
 
     fn gather_now(&self, u: usize, c: Option<&Collective<I>>) -> Result<Gathered<I>, RunError> {
+        if self.wshards == 1 {
+            return Ok(self.in_place(u));
+        }
         let piece = self.piece(u);
         let all = match c {
             Some(c) if self.wshards > 1 && dims(&piece) > 0 => c.all_gather(piece)?,
@@ -1262,9 +1283,11 @@ impl<I: Backend> Zero3<I> {
         self.settle(c)?;
         let bases = self.gather_nf4(want, c)?;
         if let (Some(c), Some(&next)) = (c, self.schedule.get(self.pos)) {
-            let piece = self.piece(next);
-            if self.wshards > 1 && dims(&piece) > 0 {
-                self.pending = Some((self.pos, c.start_all_gather(piece)?));
+            if self.wshards > 1 {
+                let piece = self.piece(next);
+                if dims(&piece) > 0 {
+                    self.pending = Some((self.pos, c.start_all_gather(piece)?));
+                }
             }
         }
         Ok((got, bases))
