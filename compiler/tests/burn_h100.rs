@@ -108,14 +108,19 @@ fn json_lines(file: &str) -> Vec<serde_json::Value> {
 fn measured_in_use(file: &str) -> u64 {
     let lines = json_lines(file);
     if let Some(s) = lines.iter().find(|v| v["event"] == "summary") {
-        return s["measured_peak_bytes"].as_u64().expect("measured_peak_bytes");
+        return s["measured_peak_bytes"]
+            .as_u64()
+            .expect("measured_peak_bytes");
     }
     let steps: Vec<u64> = lines
         .iter()
         .filter(|v| v["step"].is_u64())
         .filter_map(|v| v["peak_bytes"].as_u64())
         .collect();
-    assert!(steps.len() >= 2, "{file}: no summary and fewer than two steps");
+    assert!(
+        steps.len() >= 2,
+        "{file}: no summary and fewer than two steps"
+    );
     steps.into_iter().max().unwrap()
 }
 

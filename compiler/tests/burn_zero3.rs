@@ -185,7 +185,7 @@ fn parameter_offload_alone_keeps_no_weights_at_rest_and_one_staging_buffer() {
 /// Gradient offload (beside the optimizer) runs the per-unit step with the weights whole on
 /// the device: units read in place (nothing gathered, nothing prefetched), no gradient
 /// between units, no flat exchange at the step's end; at the step the updated fp32 values
-/// come up and are cast beside the old weights.
+/// come up and replace the old weights a unit at a time (`Zero3::finish_step`).
 #[test]
 fn gradient_offload_keeps_whole_weights_and_no_gradient_between_units() {
     let s = spec(4, "");
@@ -217,13 +217,22 @@ fn gradient_offload_keeps_whole_weights_and_no_gradient_between_units() {
         r.peak_bytes,
         opt.peak_bytes
     );
-    // The step: the updated fp32 values up (all of them: ZeRO 0) and their bf16 cast.
+    // The step: the updated fp32 values up (all of them: ZeRO 0), cast to bf16 a unit at a
+    // time in place of the old weights, never whole beside them.
     let values = r.params_trainable;
     let step = r.phase_peaks["optimizer"];
+    assert!(step >= r.resident_param_bytes + values * 4, "{step}");
     assert!(
-        step >= r.resident_param_bytes + values * 4 + values * 2,
+        step < r.resident_param_bytes + values * 4 + values,
         "{step}"
     );
+    // ZeRO 2: a quarter of the values comes up (three bytes a value less than ZeRO 0), and
+    // only the largest unit is all-gathered at once, in bf16; a whole fp32 gather would
+    // have added four bytes a value.
+    let z2 = run(&s, &cand(4, 2, (0..layers).collect(), &both));
+    let step2 = z2.phase_peaks["optimizer"];
+    assert!(step2 >= z2.resident_param_bytes + values, "{step2}");
+    assert!(step2 + values * 2 < step, "{step2} vs {step}");
 }
 
 /// The lowered plan says what the model charged: which units are gathered again.

@@ -24,12 +24,17 @@ const CHILD: &str = "RCOA_ZERO_MEASURE_CHILD";
 /// on two ranks with ZeRO `stage`, and tiny activations, so the step's
 /// highest point is the persistent state and the flat buffers.
 fn plan(stage: u8) -> String {
+    plan_fit(stage, "checkpoint = none")
+}
+
+/// [`plan`] with its `fit` section's body.
+fn plan_fit(stage: u8, fit: &str) -> String {
     format!(
         "model {{\n  arch = decoder\n  layers = 2\n  hidden = 256\n  heads = 4\n  ffn = 1024\n  \
          mlp = swiglu\n  norm = rmsnorm\n  tie_embeddings = false\n  vocab = 4096\n  max_positions = 64\n}}\n\
          precision fp32\noptimizer adamw {{ lr = 1e-3 }}\n\
          train {{ seq_len = 16  global_batch = 4  micro_batch = 2  grad_accum = 1 }}\n\
-         fit {{ checkpoint = none }}\n\
+         fit {{ {fit} }}\n\
          hardware {{ gpu = h100-80gb  gpus_per_node = 2 }}\nparallel {{ data = 2  zero = {stage} }}\n\
          target burn\n"
     )
@@ -217,4 +222,53 @@ fn zero_measured_in_child() {
         ok &= step_peak <= two + two / 50;
     }
     assert!(ok, "measured and predicted differ (above)");
+}
+
+const CHILD_GRADS: &str = "RCOA_GRAD_OFFLOAD_MEASURE_CHILD";
+
+#[test]
+fn gradient_offload_holds_what_the_burn_profile_charges() {
+    crate::testing::run_ignored_in_child(
+        "shard::tests_memory::gradient_offload_measured_in_child",
+        CHILD_GRADS,
+    );
+}
+
+/// Gradient offload (`[optimizer, grads]`, the per-unit step with whole weights) at ZeRO 0
+/// and 2 on two thread ranks. ZeRO 2 brings half the fp32 update up and replaces the
+/// weights a unit at a time, all-gathering one unit's values at once
+/// (`Zero3::finish_step`), so its steady step never holds more than ZeRO 0's, which brings
+/// the whole update up; the former whole fp32 all-gather beside the old weights held 33 %
+/// more than ZeRO 0 here. Against the profile (printed, not asserted): burn-ndarray copies
+/// what CubeCL views (a unit's parameters cut from the resting weights, flattened
+/// gradients), so the CPU holds more than the prediction.
+#[test]
+#[ignore = "run in its own process by gradient_offload_holds_what_the_burn_profile_charges"]
+fn gradient_offload_measured_in_child() {
+    assert!(
+        std::env::var_os(CHILD_GRADS).is_some(),
+        "run by its parent test"
+    );
+    measure(&compile(&plan(1)).0);
+    let mut steps = Vec::new();
+    for stage in [0u8, 2] {
+        let text = plan_fit(
+            stage,
+            "checkpoint = none  must_offload = [optimizer, grads]",
+        );
+        let (lowered, _, step) = compile(&text);
+        let (_, step_peak) = measure(&lowered);
+        println!(
+            "ZeRO-{stage} gradient offload step (2 ranks together): measured {step_peak} predicted at most {} ({:+.4})",
+            2 * step,
+            step_peak as f64 / (2 * step) as f64 - 1.0
+        );
+        steps.push(step_peak);
+    }
+    assert!(
+        steps[1] <= steps[0],
+        "ZeRO 2's step holds {} B, ZeRO 0's {} B",
+        steps[1],
+        steps[0]
+    );
 }

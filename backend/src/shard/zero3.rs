@@ -1457,32 +1457,44 @@ impl<I: Backend> Zero3<I> {
         let Some(updated) = updated else {
             return Ok(loss);
         };
-        let whole = if self.wshards == self.oshards {
-            updated
-        } else {
-            // ZeRO 1/2 with the weights on the host: every rank holds all of
-            // them, so the updated shards are gathered.
-            let c = c.ok_or_else(|| RunError::Backend("sharded without a collective".into()))?;
-            let all = c.all_gather(updated)?;
-            let total = dims(&all) / self.oshards;
-            let m = all.reshape([self.oshards, total]);
-            let parts = self
-                .units
-                .iter()
-                .filter(|l| l.t_os > 0)
-                .map(|l| {
-                    m.clone()
-                        .slice([0..self.oshards, l.t_ooff..l.t_ooff + l.t_os])
-                        .reshape([self.oshards * l.t_os])
-                        .slice(0..l.t_len)
-                })
-                .collect();
-            super::cat_or_empty(parts, &self.device)
+        let same_layout = self.wshards == self.oshards;
+        if matches!(self.master, Master::Work) || same_layout && self.storage == FloatDType::F32 {
+            // The update is the new resting shard as it is (no gather, no cast, or the
+            // weights are the device optimizer's master and stay whole for its step).
+            self.work = Vals::place(
+                crate::model::to_dtype(updated, self.storage),
+                self.params_on_host,
+            )?;
+            return Ok(loss);
+        }
+        // The old weights are not read again before the next forward: freed first, the
+        // new ones take their place a unit at a time, each cast to the storage dtype and,
+        // with more optimizer shards than weight shards (ZeRO 1/2, every rank holding all
+        // the weights), all-gathered in it. What exists beside the weights is one unit's
+        // values, never a whole fp32 model.
+        self.work = Vals::new(self.params_on_host);
+        let gather = !same_layout;
+        let c = match c {
+            Some(c) => Some(c),
+            None if gather => {
+                return Err(RunError::Backend("sharded without a collective".into()));
+            }
+            None => None,
         };
-        self.work = Vals::place(
-            crate::model::to_dtype(whole, self.storage),
-            self.params_on_host,
-        )?;
+        for l in self.units.iter().filter(|l| l.t_os > 0) {
+            let mine = crate::model::to_dtype(
+                updated.clone().slice(l.t_ooff..l.t_ooff + l.t_os),
+                self.storage,
+            );
+            let values = match c {
+                Some(c) if gather => c.all_gather(mine)?.slice(0..l.t_len),
+                _ => mine,
+            };
+            match &mut self.work {
+                Vals::Device(f) => f.push(values),
+                Vals::Host(v) => v.extend(to_host(values)?),
+            }
+        }
         Ok(loss)
     }
 

@@ -257,6 +257,7 @@ impl<'a> Builder<'a> {
             end_op: first_op + 1,
             gathered,
             bytes: 0,
+            trainable_values: 0,
             regathered: false,
             prefetch_forward: 0,
             prefetch_backward: 0,
@@ -447,6 +448,9 @@ impl<'a> Builder<'a> {
         };
         let stored = kept.div_ceil(self.param_shard);
         if let Some(u) = self.open_unit {
+            if trainable {
+                self.tape.units[u].trainable_values += elems;
+            }
             if dtype != Dtype::Nf4 {
                 self.tape.units[u].bytes += full;
             } else if self.param_shard > 1 {

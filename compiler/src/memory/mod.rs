@@ -513,19 +513,37 @@ fn evaluate_stage(
         at_opt[Category::Workspace as usize] += profile.allocated(4 * values.div_ceil(shards));
     }
     if units {
-        // `Zero3::finish_step`: with more optimizer shards than weight shards every rank's
-        // updated fp32 shard is all-gathered whole on the device (then brought down for
-        // host weights); device weights coming from the host optimizer are cast to the
-        // storage dtype beside the old ones.
-        let values: u64 = trainable.iter().map(|(_, n)| n).sum();
+        // `Zero3::finish_step`: unless the update is the new resting shard as it is (the
+        // weights are the optimizer's master, or fp32 in one shard layout), the old
+        // weights are freed and the update replaces them a unit at a time, each unit's
+        // slice of this rank's shard cast to the storage dtype and, with more optimizer
+        // shards than weight shards (ZeRO 1/2), all-gathered in it. Beside the weights:
+        // the largest unit's cast slice and gathered values (nothing for fp32 in one
+        // layout).
         let wshards = if cand.zero >= 3 { dp } else { 1 };
-        if (1..=2).contains(&cand.zero) && dp > 1 {
-            at_opt[Category::Workspace as usize] += profile.allocated(4 * values);
-        }
-        let stored = build::storage(spec.precision.params);
-        if !opt_on_gpu && !cand.offloads(OffloadWhat::Params) && stored.bytes() < 4.0 {
-            let cast = stored.bytes() * values.div_ceil(wshards) as f64;
-            at_opt[Category::Workspace as usize] += profile.allocated(cast.ceil() as u64);
+        let oshards = if cand.zero >= 1 { dp } else { 1 };
+        let stored = build::storage(spec.precision.params).bytes();
+        let master_is_work = wshards == oshards
+            && (stored >= 4.0 || !burn_master_in_state(spec))
+            && (cand.offloads(OffloadWhat::Params) || opt_on_gpu);
+        if !master_is_work {
+            let bytes = |values: u64| profile.allocated((stored * values as f64).ceil() as u64);
+            let per_unit = tape
+                .units
+                .iter()
+                .map(|u| {
+                    let shard = u.trainable_values.div_ceil(oshards);
+                    let cast = if stored < 4.0 { bytes(shard) } else { 0 };
+                    let gathered = if wshards < oshards {
+                        bytes(shard * oshards)
+                    } else {
+                        0
+                    };
+                    cast + gathered
+                })
+                .max()
+                .unwrap_or(0);
+            at_opt[Category::Workspace as usize] += per_unit;
         }
     }
     let mut before_setup: Option<tape::Peak> = None;

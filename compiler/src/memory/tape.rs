@@ -151,6 +151,8 @@ pub struct Unit {
     pub gathered: TensorId,
     /// Bytes of the unit's parameters gathered whole (storage dtype).
     pub bytes: u64,
+    /// Its trainable values (what the optimizer steps and `Zero3::finish_step` writes back).
+    pub trainable_values: u64,
     /// A checkpointed layer: gathered again before its recompute in the backward.
     pub regathered: bool,
     /// Gathers in flight while this unit runs: the next units' in the forward, the next
