@@ -149,6 +149,26 @@ fn json_contract_for_every_example_plan() {
     }
 }
 
+/// The README quotes `rcoa compile PLAN`'s summary line: it must be what the binary
+/// prints (it went stale once, when the line began naming the offload list).
+#[test]
+fn the_readme_quotes_the_compile_line_it_gets() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let mut lines = readme.lines();
+    let mut quoted = 0;
+    while let Some(line) = lines.next() {
+        let Some(plan) = line.strip_prefix("$ rcoa compile ") else {
+            continue;
+        };
+        let out = rcoa(&["compile", plan.trim()]);
+        assert_no_panic(&out);
+        let expected = lines.next().unwrap_or_default();
+        assert_eq!(text(&out.stdout).trim_end(), expected, "README: {line}");
+        quoted += 1;
+    }
+    assert!(quoted > 0, "the README quotes no `$ rcoa compile` line");
+}
+
 #[test]
 fn does_not_fit_exits_1_and_still_prints_json() {
     let out = rcoa(&[
