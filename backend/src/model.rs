@@ -32,7 +32,7 @@ use crate::quant::base::{Nf4Base, Nf4Slot};
 use crate::quant::nf4::DeviceScales;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
 use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
 
@@ -137,11 +137,14 @@ pub struct Ctx<B: Backend> {
 }
 
 impl<B: Backend> Ctx<B> {
+    /// `flash`: the fused attention, which masks the future itself, so no `[seq, seq]` bias
+    /// is built (at 80k tokens it would be 13 GB in bf16).
     pub fn new(
         model: &ModelSpec,
         adapter: Option<&AdapterSpec>,
         seq: usize,
         compute: FloatDType,
+        flash: bool,
         device: &B::Device,
     ) -> Self {
         let head_dim = model.head_dim as usize;
@@ -171,7 +174,7 @@ impl<B: Backend> Ctx<B> {
             (mk(cos), mk(sin))
         });
         let causal = model.arch == Arch::Decoder;
-        let bias = causal.then(|| {
+        let bias = (causal && !flash).then(|| {
             // Burn's masks are true where they mask: `tril_mask(_, 0)` is
             // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
             // used before, is true on and below it: the past was hidden.)
@@ -195,7 +198,37 @@ impl<B: Backend> Ctx<B> {
             bias,
             padding: None,
             selective: false,
-            flash: false,
+            flash,
+        }
+    }
+
+    /// The same context on the inner backend, its tensors shared, not copied (the
+    /// graph-free forwards of checkpointed layers and evaluation read it).
+    pub fn inner(&self) -> Ctx<B::InnerBackend>
+    where
+        B: AutodiffBackend,
+    {
+        Ctx {
+            compute: self.compute,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            causal: self.causal,
+            norm_eps: self.norm_eps,
+            gelu_tanh: self.gelu_tanh,
+            position_offset: self.position_offset,
+            lora_scale: self.lora_scale,
+            lora_dropout: self.lora_dropout,
+            dropout: self.dropout,
+            train: self.train,
+            rope: self
+                .rope
+                .as_ref()
+                .map(|(c, s)| (c.clone().inner(), s.clone().inner())),
+            bias: self.bias.clone().map(|b| b.inner()),
+            padding: self.padding.clone().map(|p| p.inner()),
+            selective: self.selective,
+            flash: self.flash,
         }
     }
 
@@ -1209,7 +1242,7 @@ mod qlora_tests {
         let wq = d.layers[0].attn.q.weight.as_ref().unwrap().val();
         assert!((w0 - wq).abs().max().into_scalar() > 1e-4);
 
-        let ctx = Ctx::<Ad>::new(&spec, Some(&qa), 16, FloatDType::F32, &device);
+        let ctx = Ctx::<Ad>::new(&spec, Some(&qa), 16, FloatDType::F32, false, &device);
         let ids: Vec<i64> = (0..32).map(|i| (i * 37 % 64) as i64).collect();
         let tokens = Tensor::<Ad, 2, Int>::from_data(TensorData::new(ids, [2, 16]), &device);
         let up = Tensor::<Ad, 3>::random([2, 16, 32], Distribution::Normal(0.0, 1.0), &device);
@@ -1442,7 +1475,7 @@ mod qlora_tests {
         );
         let spec = tiny_plan().model;
         let device = Default::default();
-        let ctx = Ctx::<Ad>::new(&spec, None, 8, FloatDType::F32, &device);
+        let ctx = Ctx::<Ad>::new(&spec, None, 8, FloatDType::F32, false, &device);
         let n = 1 << 18;
         let x = Tensor::<Ad, 2>::ones([64, n / 64], &device).require_grad();
         let held = |f: &dyn Fn() -> Tensor<Ad, 2>| {
@@ -1466,5 +1499,40 @@ mod qlora_tests {
         for (d, v) in dx.iter().zip(&yv) {
             assert_eq!(d, v, "the gradient of sum(y) is y's scale where kept");
         }
+    }
+}
+
+#[cfg(test)]
+mod ctx_tests {
+    use super::*;
+
+    type Ad = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+    /// With `attention = flash` the kernels mask the future themselves: no `[seq, seq]` bias
+    /// exists. The inner backend's context is the autodiff one's, tables and all.
+    #[test]
+    fn flash_builds_no_causal_bias_and_the_inner_context_is_the_same() {
+        let spec = crate::testing::tiny_plan().model;
+        assert_eq!(spec.arch, Arch::Decoder);
+        let device = Default::default();
+        let eager = Ctx::<Ad>::new(&spec, None, 8, FloatDType::F32, false, &device);
+        let flash = Ctx::<Ad>::new(&spec, None, 8, FloatDType::F32, true, &device);
+        assert!(flash.flash && flash.bias.is_none());
+        let bias = eager
+            .bias
+            .clone()
+            .expect("a decoder's eager attention has its bias");
+        assert_eq!(bias.dims(), [1, 1, 8, 8]);
+        let inner = eager.inner();
+        let values =
+            |t: Tensor<burn::backend::NdArray<f32>, 4>| t.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(values(inner.bias.unwrap()), values(bias.inner()));
+        let ((c, s), (ic, is)) = (eager.rope.unwrap(), inner.rope.unwrap());
+        assert_eq!(c.inner().into_data(), ic.into_data());
+        assert_eq!(s.inner().into_data(), is.into_data());
+        assert_eq!(
+            (inner.flash, inner.selective, inner.causal),
+            (false, false, true)
+        );
     }
 }

@@ -300,7 +300,14 @@ fn padding_hides_pad_tokens_from_real_tokens() {
         frozen: burn::tensor::FloatDType::F32,
     };
     let model = Model::<Inner>::new(&init, &device);
-    let mut ctx = Ctx::<Inner>::new(&plan.model, None, 5, burn::tensor::FloatDType::F32, &device);
+    let mut ctx = Ctx::<Inner>::new(
+        &plan.model,
+        None,
+        5,
+        burn::tensor::FloatDType::F32,
+        false,
+        &device,
+    );
     ctx.train = false;
     let real = [3i64, 7, 9];
     let tokens = |ids: &[i64]| {

@@ -66,7 +66,7 @@ fn ids(v: &serde_json::Value) -> Vec<Vec<i64>> {
 fn causal_loss(model: &Model<B>, m: &ModelSpec, window: &[i64]) -> f64 {
     let device = Default::default();
     let s = window.len();
-    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, &device);
+    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, false, &device);
     ctx.train = false;
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(window.to_vec(), [1, s]), &device);
     let h = model.hidden(tokens, &ctx);
@@ -126,7 +126,7 @@ fn pooled(model: &Model<B>, m: &ModelSpec, r: &serde_json::Value) -> Vec<Vec<f64
     let (rows, s) = (input.len(), input[0].len());
     let device = Default::default();
     let keep: Vec<bool> = mask.iter().flatten().map(|&k| k == 1).collect();
-    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, &device);
+    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, false, &device);
     ctx.train = false;
     let ctx = ctx.with_padding(&keep, rows, s, &device);
     let flat: Vec<i64> = input.iter().flatten().copied().collect();
@@ -223,7 +223,7 @@ fn a_later_token_never_changes_an_earlier_position() {
     let m = spec("llama", "causal_lm");
     let model = loaded(&m, true).unwrap();
     let device = Default::default();
-    let mut ctx = Ctx::<B>::new(&m, None, 8, FloatDType::F32, &device);
+    let mut ctx = Ctx::<B>::new(&m, None, 8, FloatDType::F32, false, &device);
     ctx.train = false;
     let logits = |w: Vec<i64>| -> Vec<f32> {
         let t = Tensor::<B, 2, Int>::from_data(TensorData::new(w, [1, 8]), &device);
@@ -447,7 +447,7 @@ fn outputs(model: &Model<B>, m: &ModelSpec, adapter: Option<&AdapterSpec>, lm: b
     let s = 8;
     let ids: Vec<i64> = (0..2 * s as i64).map(|i| (i * 37 + 5) % 200 + 3).collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, s]), &device);
-    let mut ctx = Ctx::<B>::new(m, adapter, s, FloatDType::F32, &device);
+    let mut ctx = Ctx::<B>::new(m, adapter, s, FloatDType::F32, false, &device);
     ctx.train = false;
     let h = model.hidden(tokens, &ctx);
     let out = if lm {

@@ -205,6 +205,40 @@ pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u6
     })
 }
 
+/// The Burn executor's per-run constants on the device (`backend/src/model.rs` `Ctx`), in the
+/// compute dtype, from the model's build to the end of the run: the RoPE cosines and sines
+/// (`[seq, head_dim / 2]` each) and, for a decoder's attention unless it is fused (`flash`
+/// masks the future itself), the additive causal bias `[seq, seq]`. Measured on CUDA: the 17
+/// MiB (two sets, before the executor shared one) by which QLoRA at 2,048 tokens was over
+/// its prediction through the whole step (docs/burn-h100.md, "2026-11-27").
+pub fn burn_context_bytes(spec: &Spec, profile: &Profile) -> u64 {
+    burn_context_tensors(spec, profile).iter().sum()
+}
+
+/// The tensors of [`burn_context_bytes`], each its own allocation (cosines, sines, bias).
+pub fn burn_context_tensors(spec: &Spec, profile: &Profile) -> Vec<u64> {
+    use crate::spec::{Arch, Attention, Positions};
+    if !profile.burn_ops {
+        return Vec::new();
+    }
+    let m = &spec.model;
+    let seq = spec.train.seq_len;
+    let bytes = |elems: u64| {
+        let b = super::build::storage(spec.precision.compute)
+            .bytes()
+            .min(4.0);
+        profile.allocated((elems as f64 * b).ceil() as u64)
+    };
+    let mut out = Vec::new();
+    if m.positions == Positions::Rope {
+        out.extend([bytes(seq * (m.head_dim / 2)); 2]);
+    }
+    if m.arch == Arch::Decoder && spec.train.attention != Attention::Flash {
+        out.push(bytes(seq * seq));
+    }
+    out
+}
+
 /// Does the engine keep the reduced gradient partition in host memory because the optimizer
 /// is there? DeepSpeed does from ZeRO-2 on: `stage_1_and_2.py` `copy_grads_in_partition`
 /// copies each reduced gradient into the host fp32 partition under `cpu_offload` instead of
@@ -1053,5 +1087,24 @@ mod tests {
             }
             other => panic!("{:?}", other.map(|c| c.lowered.resolved)),
         }
+    }
+
+    /// The Burn executor's run constants: one `[seq, seq]` causal bias and the two RoPE
+    /// tables in the compute dtype; no bias with fused attention; nothing for PyTorch.
+    #[test]
+    fn burn_charges_one_causal_bias_and_the_rope_tables_unless_flash() {
+        use crate::spec::{Attention, Target};
+        let burn = Profile::for_target(Target::Burn);
+        let mut s = spec("burn", "bf16", 0);
+        s.train.attention = Attention::Eager;
+        let rope = 2 * burn.allocated(128 * 32 * 2);
+        assert_eq!(
+            burn_context_bytes(&s, &burn),
+            burn.allocated(128 * 128 * 2) + rope
+        );
+        s.train.attention = Attention::Flash;
+        assert_eq!(burn_context_bytes(&s, &burn), rope);
+        let pytorch = Profile::for_target(Target::Pytorch);
+        assert_eq!(burn_context_bytes(&s, &pytorch), 0);
     }
 }

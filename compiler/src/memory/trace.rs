@@ -14,7 +14,7 @@
 //! offload, no step in the backward); anything else is refused, never approximated.
 
 use crate::memory::tape::{self, Buffer, Role};
-use crate::memory::{build, optimizer, Candidate};
+use crate::memory::{build, engines, optimizer, Candidate};
 use crate::profile::Profile;
 use crate::spec::{OptimizerKind, Spec};
 use std::collections::HashMap;
@@ -101,6 +101,9 @@ pub fn run_trace(
     }
     if profile.workspace_bytes > 0 {
         t.alloc(profile.workspace_bytes, false);
+    }
+    for bytes in engines::burn_context_tensors(spec, profile) {
+        t.alloc(bytes, false);
     }
     // Moments per parameter: Adam's two, one otherwise.
     let moments = match spec.optimizer.kind {
