@@ -445,3 +445,62 @@ fn flash_attention_plan_trains_on_the_cpu() {
     assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// With every layer recomputed, the last layer's output exists only as the head's input:
+/// once the head's backward has made its gradient, that input is gone, so the live bytes
+/// after the head's backward (the gradient in its place) are those after the last layer's
+/// forward, not one `[batch, seq, hidden]` tensor more (read from the second step's
+/// `RCOA_MEMORY_TRACE=1` samples; the counting allocator's live bytes on the CPU).
+#[test]
+fn the_head_input_is_freed_after_its_backward() {
+    let dir = temp("head-input");
+    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
+    let plan = dir.join("full.plan");
+    std::fs::write(
+        &plan,
+        source.replace("fit { checkpoint = none }", "fit { checkpoint = full }"),
+    )
+    .unwrap();
+    let out = rcoa()
+        .args([
+            "run",
+            plan.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+        ])
+        .env("RCOA_MEMORY_TRACE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let samples: Vec<(&str, u64)> = err
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("memory ")?.split_whitespace();
+            Some((w.next()?, w.next()?.parse().ok()?))
+        })
+        .collect();
+    // The second step's: the first has no optimizer state yet.
+    let at = |what: &str| {
+        samples
+            .iter()
+            .filter(|(w, _)| *w == what)
+            .nth(1)
+            .unwrap_or_else(|| panic!("no second `{what}` sample in:\n{err}"))
+            .1
+    };
+    let (last, head) = (at("forward:layer1"), at("backward:head"));
+    // tiny-decoder: 4 sequences × 32 tokens × hidden 64, fp32.
+    let hidden_state = 4 * 32 * 64 * 4;
+    assert!(
+        head < last + hidden_state / 2,
+        "after the head's backward {head} B, after the last layer {last} B"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

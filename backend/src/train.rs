@@ -851,6 +851,11 @@ impl<B: ExecAutodiff> Trainer<B> {
         let mut g = leaf
             .grad(&grads)
             .expect("the loss depends on the last hidden state");
+        // The last layer's output: its graph keeps it where that layer is not recomputed,
+        // its recompute makes it again where it is. Held here, it stayed through the whole
+        // backward beside its gradient (QLoRA on CUDA: 64 MiB, docs/burn-h100.md
+        // "2026-11-27").
+        drop(leaf);
         hooks.backward(Unit::Head, grads)?;
         self.mark(probe, false, &|| "backward:head".into());
 
