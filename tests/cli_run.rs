@@ -26,6 +26,15 @@ fn tiny_plan_file(dir: &Path) -> PathBuf {
     p
 }
 
+/// `plans/tiny-cpu.plan` with `from` replaced by `to`, written to `dir/name.plan`.
+fn tiny_variant(dir: &Path, name: &str, from: &str, to: &str) -> PathBuf {
+    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
+    assert!(source.contains(from), "tiny-cpu.plan has no `{from}`");
+    let path = dir.join(format!("{name}.plan"));
+    std::fs::write(&path, source.replace(from, to)).unwrap();
+    path
+}
+
 /// Run and parse every JSON line (the start event, the steps, the summary).
 fn run_lines(args: &[&str]) -> Vec<serde_json::Value> {
     let out = rcoa()
@@ -241,14 +250,13 @@ fn cpu_measure_is_live_heap_bytes_near_the_prediction() {
 #[test]
 fn selective_checkpointing_runs_and_is_predicted_between_none_and_full() {
     let dir = temp("selective");
-    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
     let peak = |checkpoint: &str| {
-        let path = dir.join(format!("{}.plan", checkpoint.replace(' ', "-")));
-        std::fs::write(
-            &path,
-            source.replace("checkpoint = none", &format!("checkpoint = {checkpoint}")),
-        )
-        .unwrap();
+        let path = tiny_variant(
+            &dir,
+            &checkpoint.replace(' ', "-"),
+            "checkpoint = none",
+            &format!("checkpoint = {checkpoint}"),
+        );
         let out = rcoa()
             .args(["compile", path.to_str().unwrap(), "--format", "json"])
             .output()
@@ -278,10 +286,8 @@ fn selective_checkpointing_runs_and_is_predicted_between_none_and_full() {
 #[test]
 fn offloaded_checkpoint_inputs_are_predicted_and_run() {
     let dir = temp("activations");
-    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
     let write = |name: &str, fit: &str| {
-        let path = dir.join(format!("{name}.plan"));
-        std::fs::write(&path, source.replace("fit { checkpoint = none }", fit)).unwrap();
+        let path = tiny_variant(&dir, name, "fit { checkpoint = none }", fit);
         path.to_str().unwrap().to_string()
     };
     let kept = write("kept", "fit { checkpoint = full }");
@@ -431,13 +437,12 @@ fn tiny_cpu_qlora_plan_trains_with_adam8bit_and_resumes() {
 #[test]
 fn flash_attention_plan_trains_on_the_cpu() {
     let dir = temp("flash");
-    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
-    let path = dir.join("flash.plan");
-    std::fs::write(
-        &path,
-        source.replace("steps = 20", "steps = 20\n  attention = flash"),
-    )
-    .unwrap();
+    let path = tiny_variant(
+        &dir,
+        "flash",
+        "steps = 20",
+        "steps = 20\n  attention = flash",
+    );
     let (steps, summary) = run_json(&[path.to_str().unwrap(), "--steps", "12"]);
     assert_eq!(steps.len(), 12);
     let l = losses(&steps);
@@ -454,13 +459,12 @@ fn flash_attention_plan_trains_on_the_cpu() {
 #[test]
 fn the_head_input_is_freed_after_its_backward() {
     let dir = temp("head-input");
-    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
-    let plan = dir.join("full.plan");
-    std::fs::write(
-        &plan,
-        source.replace("fit { checkpoint = none }", "fit { checkpoint = full }"),
-    )
-    .unwrap();
+    let plan = tiny_variant(
+        &dir,
+        "full",
+        "fit { checkpoint = none }",
+        "fit { checkpoint = full }",
+    );
     let out = rcoa()
         .args([
             "run",
