@@ -130,6 +130,13 @@ pub struct UnitResidency {
     pub regathered_for_backward: bool,
 }
 
+impl Resolved {
+    /// The `offload` entries as the plan writes them (`optimizer:cpu`), in order.
+    pub fn offload_names(&self) -> Vec<String> {
+        self.offload.iter().map(|o| o.to_string()).collect()
+    }
+}
+
 impl LoweredPlan {
     /// Is layer `i` recomputed in the backward pass?
     pub fn layer_checkpointed(&self, i: u64) -> bool {

@@ -80,14 +80,10 @@ fn burn_offloads_gradients_beside_the_optimizer_only() {
         other => panic!("expected an inconsistency, got {:?}", other.map(|_| ())),
     }
     let c = rcoa_compiler::compile(&spec("fit { must_offload = [optimizer, grads] }")).unwrap();
-    let off: Vec<String> = c
-        .lowered
-        .resolved
-        .offload
-        .iter()
-        .map(|o| o.to_string())
-        .collect();
-    assert_eq!(off, ["optimizer:cpu", "grads:cpu"]);
+    assert_eq!(
+        c.lowered.resolved.offload_names(),
+        ["optimizer:cpu", "grads:cpu"]
+    );
     let r = c.lowered.residency();
     assert_eq!(r.grad_accumulator, rcoa_compiler::lowered::Place::Host);
     assert_eq!(r.prefetch_units, 0, "read in place: nothing to prefetch");

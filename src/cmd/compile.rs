@@ -94,8 +94,7 @@ pub fn run(args: Args) -> ExitCode {
             let offload = if r.offload.is_empty() {
                 String::new()
             } else {
-                let items: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
-                format!(", offload [{}]", items.join(", "))
+                format!(", offload [{}]", r.offload_names().join(", "))
             };
             println!(
                 "{}: peak {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}{offload}",

@@ -1205,7 +1205,7 @@ impl<I: Backend> Zero3<I> {
         }
         let piece = self.piece(u);
         let all = match c {
-            Some(c) if self.wshards > 1 && dims(&piece) > 0 => c.all_gather(piece)?,
+            Some(c) if dims(&piece) > 0 => c.all_gather(piece)?,
             _ => piece,
         };
         Ok(self.split(u, all))
@@ -1473,22 +1473,19 @@ impl<I: Backend> Zero3<I> {
         // the weights), all-gathered in it. What exists beside the weights is one unit's
         // values, never a whole fp32 model.
         self.work = Vals::new(self.params_on_host);
-        let gather = !same_layout;
-        let c = match c {
+        let gather = match c {
+            _ if same_layout => None,
             Some(c) => Some(c),
-            None if gather => {
-                return Err(RunError::Backend("sharded without a collective".into()));
-            }
-            None => None,
+            None => return Err(RunError::Backend("sharded without a collective".into())),
         };
         for l in self.units.iter().filter(|l| l.t_os > 0) {
             let mine = crate::model::to_dtype(
                 updated.clone().slice(l.t_ooff..l.t_ooff + l.t_os),
                 self.storage,
             );
-            let values = match c {
-                Some(c) if gather => c.all_gather(mine)?.slice(0..l.t_len),
-                _ => mine,
+            let values = match gather {
+                Some(c) => c.all_gather(mine)?.slice(0..l.t_len),
+                None => mine,
             };
             match &mut self.work {
                 Vals::Device(f) => f.push(values),

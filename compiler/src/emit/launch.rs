@@ -283,8 +283,7 @@ fn decisions_comment(
         if r.offload.is_empty() {
             "  offload: none".to_string()
         } else {
-            let o: Vec<String> = r.offload.iter().map(|o| o.to_string()).collect();
-            format!("  offload: {}", o.join(", "))
+            format!("  offload: {}", r.offload_names().join(", "))
         },
         format!(
             "  predicted: {:.1} GiB peak per GPU of a {:.1} GiB budget, {:.2} s per step",

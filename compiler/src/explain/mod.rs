@@ -336,7 +336,7 @@ pub fn render_text(c: &Compilation) -> String {
         r.pipeline,
         r.context,
         r.checkpoint,
-        r.offload.iter().map(|o| o.to_string()).collect::<Vec<_>>().join(", ")
+        r.offload_names().join(", ")
     );
     let _ = writeln!(
         s,
@@ -615,7 +615,7 @@ pub fn to_json(c: &Compilation) -> Value {
             "sequence": r.sequence,
             "checkpoint": r.checkpoint,
             "checkpoint_layers": r.checkpoint_layers,
-            "offload": r.offload.iter().map(|o| o.to_string()).collect::<Vec<_>>(),
+            "offload": r.offload_names(),
         },
         "parallel": {
             "ranks": c.ranks,

@@ -1060,14 +1060,10 @@ mod tests {
             crate::compile(&crate::resolve::resolve(&file, &ctx).unwrap())
         };
         let all = plan("must_offload = [optimizer, params, grads]").unwrap();
-        let off: Vec<String> = all
-            .lowered
-            .resolved
-            .offload
-            .iter()
-            .map(|o| o.to_string())
-            .collect();
-        assert_eq!(off, ["optimizer:cpu", "params:cpu", "grads:cpu"]);
+        assert_eq!(
+            all.lowered.resolved.offload_names(),
+            ["optimizer:cpu", "params:cpu", "grads:cpu"]
+        );
         assert_eq!(all.lowered.residency().weights, crate::lowered::Place::Host);
         // Allowed in part: never used, and the decision says why.
         let part = plan("offload = [optimizer, params]").unwrap();

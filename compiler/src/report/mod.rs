@@ -388,11 +388,7 @@ fn resolved_section(c: &Compilation) -> String {
     let offload = if r.offload.is_empty() {
         "none".to_string()
     } else {
-        r.offload
-            .iter()
-            .map(|o| o.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        r.offload_names().join(", ")
     };
     let layers = if r.checkpoint_layers.is_empty() {
         "none".to_string()
