@@ -169,6 +169,56 @@ fn unavailable_cuda_is_a_clean_error() {
 }
 
 #[test]
+fn compile_jobs_is_at_least_one_and_changes_nothing_on_the_cpu() {
+    let out = rcoa()
+        .args([
+            "run",
+            "plans/tiny-cpu.plan",
+            "--steps",
+            "1",
+            "--compile-jobs",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--compile-jobs"), "{stderr}");
+    let out = rcoa()
+        .args([
+            "run",
+            "plans/tiny-cpu.plan",
+            "--steps",
+            "1",
+            "--compile-jobs",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("compiling kernels ahead"), "{stderr}");
+    // A CUDA run this build cannot do records nothing first.
+    if !rcoa_backend::CUDA_BUILT {
+        let out = rcoa()
+            .args([
+                "run",
+                "plans/tiny-cpu.plan",
+                "--steps",
+                "1",
+                "--device",
+                "cuda",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("without CUDA support"), "{stderr}");
+        assert!(!stderr.contains("recording"), "{stderr}");
+    }
+}
+
+#[test]
 fn a_bad_lowered_file_exits_2() {
     let dir = temp("bad");
     let p = dir.join("bad.json");

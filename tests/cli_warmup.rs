@@ -103,6 +103,7 @@ fn warmup_on_the_cpu_runs_the_shapes_saves_nothing_and_changes_no_run() {
 
     let before_run = run_losses(&home, &plan, &eval);
     let before = tree(&dir);
+    // `--compile-jobs` only matters on CUDA.
     let out = rcoa(
         &home,
         &[
@@ -110,6 +111,8 @@ fn warmup_on_the_cpu_runs_the_shapes_saves_nothing_and_changes_no_run() {
             plan.to_str().unwrap(),
             "--eval",
             eval.to_str().unwrap(),
+            "--compile-jobs",
+            "3",
         ],
     );
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
@@ -122,6 +125,7 @@ fn warmup_on_the_cpu_runs_the_shapes_saves_nothing_and_changes_no_run() {
     );
     assert!(stdout.contains("nothing to compile on the CPU"), "{stdout}");
     assert!(stderr.contains("2 steps of 2 micro-batch(es)"), "{stderr}");
+    assert!(!stderr.contains("compiling ahead"), "{stderr}");
     // Nothing written: not beside the plan, not in a cache.
     assert_eq!(tree(&dir), before, "rcoa warmup wrote or changed files");
     assert!(!home.join("xdg").exists());
@@ -206,7 +210,40 @@ fn bad_input_is_a_clear_error() {
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains("without CUDA support"), "{err}");
+        assert!(
+            !err.contains("recording"),
+            "no recording pass without CUDA: {err}"
+        );
     }
+    // Compiling ahead: at least one thread; the recording pass is CUDA's.
+    let out = rcoa(
+        &dir,
+        &["warmup", tiny.to_str().unwrap(), "--compile-jobs", "0"],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--compile-jobs"), "{err}");
+    let record = dir.join("kernels.jsonl");
+    let out = rcoa(
+        &dir,
+        &[
+            "warmup",
+            tiny.to_str().unwrap(),
+            "--record-kernels",
+            record.to_str().unwrap(),
+        ],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("give --device cuda"), "{err}");
+    assert!(!record.exists(), "nothing recorded on the CPU");
+    let out = rcoa(&dir, &["warmup", "--help"]);
+    let help = text(&out.stdout);
+    assert!(help.contains("--compile-jobs <N>"), "{help}");
+    assert!(
+        !help.contains("--record-kernels"),
+        "an internal flag: {help}"
+    );
     // The command is listed in the help.
     let out = rcoa(&dir, &["--help"]);
     assert!(text(&out.stdout).contains("warmup"));

@@ -198,6 +198,20 @@ pub fn configure_driver_jit_cache() {
     }
 }
 
+/// Set by `start_recording`: where the autotune cache goes instead.
+static RECORDING_AUTOTUNE_DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// From now on this process's launches are recorded, not executed
+/// (`cubecl::cuda::prebuild`, `crate::prebuild`). Tuning then times
+/// launches that do nothing, so its results go to `autotune_dir`, to be
+/// thrown away, not to the kernel cache. Before the first CubeCL call.
+pub(crate) fn start_recording(autotune_dir: PathBuf) {
+    *RECORDING_AUTOTUNE_DIR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = Some(autotune_dir);
+    cubecl::cuda::prebuild::start_recording();
+}
+
 /// Point CubeCL's compilation and autotune caches at `dir`, and apply the
 /// autotune level `kernel_cache::set_autotune` chose. Returns whether the
 /// cache was cold (empty). Must run before the first CubeCL call.
@@ -234,7 +248,11 @@ pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
         ))
     })?;
     cfg.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
-    cfg.autotune.cache = CacheConfig::File(dir.to_path_buf());
+    let autotune_dir = RECORDING_AUTOTUNE_DIR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    cfg.autotune.cache = CacheConfig::File(autotune_dir.unwrap_or_else(|| dir.to_path_buf()));
     if let Some(level) = crate::kernel_cache::autotune() {
         cfg.autotune.level = match level {
             Level::Minimal => AutotuneLevel::Minimal,

@@ -37,6 +37,7 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod pool;
+pub mod prebuild;
 pub mod quant;
 pub mod setup;
 pub mod shapes;
@@ -100,6 +101,12 @@ pub enum RunError {
         help("the plan's `data` must equal --nodes × --devices; one process with --devices N needs no orchestrator; over processes, start `rcoa orchestrate --port P` first, give every process the same --nodes, --devices and --orchestrator, distinct --node-rank and --node-address")
     )]
     Distributed(String),
+    #[error("{0}")]
+    #[diagnostic(
+        code(rcoa::prebuild),
+        help("`rcoa warmup --jobs 1` warms the caches without compiling ahead")
+    )]
+    Prebuild(String),
     #[error("the loss is {loss} at step {step}: training diverged")]
     #[diagnostic(
         code(rcoa::diverged),

@@ -1034,7 +1034,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             / self.grad_accum as f64;
         B::sync(&self.device).map_err(|e| RunError::Backend(e.to_string()))?;
         self.mark(probe, false, &|| "end".into());
-        if !loss.is_finite() {
+        // A recording pass (`prebuild`) reads back values no kernel wrote.
+        if !loss.is_finite() && !crate::prebuild::recording() {
             return Err(RunError::Diverged {
                 step: step + 1,
                 loss,

@@ -155,10 +155,11 @@ fn list(shapes: &[Shape], pass: Pass) -> String {
 }
 
 /// Follows the run's events to name the pass under way.
-struct Follow {
-    shapes: Vec<Shape>,
-    device: String,
-    cache: Option<(PathBuf, u64)>,
+pub(crate) struct Follow {
+    pub(crate) shapes: Vec<Shape>,
+    pub(crate) device: String,
+    /// CUDA: the kernel cache and its entries when the run began.
+    pub(crate) cache: Option<(PathBuf, u64)>,
 }
 
 impl Follow {
@@ -202,31 +203,8 @@ pub fn run(
     cuda: bool,
     progress: Progress,
 ) -> Result<WarmupReport, RunError> {
-    let _one = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
-    *LINE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Line {
-        report: progress,
-        context: "building the model".into(),
-    });
-    set_context("building the model".into());
     let start = Instant::now();
-    let warm = warm_plan(plan);
-    let wopts = warm_options(opts);
-    let mut follow = Follow {
-        shapes: Vec::new(),
-        device: String::new(),
-        cache: None,
-    };
-    let result = if cuda {
-        run_cuda(&warm, &wopts, &mut |e| follow.on(e))
-    } else {
-        crate::run_cpu_probed(
-            &warm,
-            &wopts,
-            |_| Box::new(Reporting(crate::memory::cpu_probe())),
-            &mut |e| follow.on(e),
-        )
-    };
-    *LINE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let (follow, result) = run_steps(plan, opts, cuda, progress);
     result?;
     let cache = follow.cache.map(|(dir, before)| {
         // Keyed by the plan the run will compute, not the warm-up's.
@@ -248,6 +226,42 @@ pub fn run(
         seconds: start.elapsed().as_secs_f64(),
         cache,
     })
+}
+
+/// The warm-up's steps (the module header), reporting progress; what the
+/// run's events said, and how it ended. `run` and the recording pass of
+/// `crate::prebuild` share them.
+pub(crate) fn run_steps(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    cuda: bool,
+    progress: Progress,
+) -> (Follow, Result<crate::Summary, RunError>) {
+    let _one = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
+    *LINE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Line {
+        report: progress,
+        context: "building the model".into(),
+    });
+    set_context("building the model".into());
+    let warm = warm_plan(plan);
+    let wopts = warm_options(opts);
+    let mut follow = Follow {
+        shapes: Vec::new(),
+        device: String::new(),
+        cache: None,
+    };
+    let result = if cuda {
+        run_cuda(&warm, &wopts, &mut |e| follow.on(e))
+    } else {
+        crate::run_cpu_probed(
+            &warm,
+            &wopts,
+            |_| Box::new(Reporting(crate::memory::cpu_probe())),
+            &mut |e| follow.on(e),
+        )
+    };
+    *LINE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    (follow, result)
 }
 
 fn run_cuda(

@@ -5,6 +5,7 @@ pub mod catalog;
 pub mod check;
 pub mod common;
 pub mod compile;
+pub mod compile_ahead;
 pub mod compile_notice;
 pub mod emit;
 pub mod eval;

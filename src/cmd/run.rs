@@ -140,6 +140,11 @@ pub struct Args {
     /// (docs/cold-start.md). [default: CUBECL_AUTOTUNE_LEVEL, else balanced]
     #[arg(long, value_enum)]
     autotune: Option<Autotune>,
+    /// CUDA: when the kernel cache holds nothing for this plan, first record the kernels the
+    /// steps launch (running none) and compile them all on N threads, instead of one at a
+    /// time in the first step (docs/cold-start.md). 1: don't. [default: this machine's cores]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    compile_jobs: Option<u32>,
 }
 
 /// `--max-shard-size`: bytes, or a decimal size as `transformers` writes
@@ -503,6 +508,33 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
     };
+    // A process of a multi-process run would record a plan it cannot run
+    // alone; a lowered plan has no file for the recording pass to read.
+    let recording = args
+        .plan
+        .clone()
+        .filter(|_| args.device == Device::Cuda && args.nodes.is_none());
+    if let Some(plan_file) = recording {
+        let jobs = super::compile_ahead::jobs(args.compile_jobs);
+        if jobs > 1 && rcoa_backend::prebuild::cold_for(&plan, ranks) {
+            let prebuilt = super::compile_ahead::Recording {
+                plan: plan_file,
+                devices: args.devices,
+                data: args.data.clone(),
+                eval: args.eval.clone(),
+                autotune: args.autotune,
+            }
+            .compile(jobs);
+            if let Some(p) = prebuilt {
+                if json {
+                    println!("{}", tag(p.json()));
+                } else if text {
+                    eprintln!("compiled   {}", p.summary());
+                }
+                p.notes();
+            }
+        }
+    }
     let result = match args.device {
         Device::Cpu => rcoa_backend::run_cpu(&plan, &opts, &mut on_event),
         Device::Cuda => rcoa_backend::run_cuda(&plan, &opts, &mut on_event),

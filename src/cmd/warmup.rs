@@ -4,10 +4,12 @@
 //! caches, which `rcoa run` then reads (the same directory). A progress line
 //! on stderr names the shape, the pass and the point in the step, with the
 //! elapsed time; the end says where the cache is, how many entries it gained
-//! and how long it took. On the CPU the same steps run and there is nothing
-//! to compile. Exit status: 0 done, 1 the backend failed, 2 bad plan, bad
+//! and how long it took. On CUDA the kernels are first compiled on every
+//! core (`compile_ahead`); the steps then tune and find them cached. On the
+//! CPU the same steps run and there is nothing to compile. Exit status: 0 done, 1 the backend failed, 2 bad plan, bad
 //! usage or no CUDA.
 
+use super::compile_ahead::{self, Recording};
 use super::run::{lower_plan, print_diagnostic, Autotune, Device};
 use rcoa_backend::distributed::{Distributed, Timeouts};
 use rcoa_backend::{RunError, RunOptions};
@@ -37,6 +39,16 @@ pub struct Args {
     /// [default: CUBECL_AUTOTUNE_LEVEL, else balanced]
     #[arg(long, value_enum)]
     autotune: Option<Autotune>,
+    /// CUDA: compile the run's kernels N at a time before the steps: a first pass (a process
+    /// of its own) records them without running them, NVRTC compiles them all on N threads,
+    /// then the steps run on a full cache. 1: compile one at a time as CubeCL does.
+    /// [default: this machine's cores]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    compile_jobs: Option<u32>,
+    /// The recording pass of `--compile-jobs` (run by rcoa itself): record the kernels the
+    /// steps launch to FILE, one JSON object per line, executing none of them.
+    #[arg(long, value_name = "FILE", hide = true)]
+    record_kernels: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -81,6 +93,21 @@ pub fn run(args: Args) -> ExitCode {
         ..Default::default()
     };
     let cuda = args.device == Device::Cuda;
+    if let Some(out) = &args.record_kernels {
+        return record_pass(&plan, &opts, out, cuda);
+    }
+    let prebuilt = cuda
+        .then(|| {
+            Recording {
+                plan: args.plan.clone(),
+                devices: args.devices,
+                data: args.data.clone(),
+                eval: args.eval.clone(),
+                autotune: args.autotune,
+            }
+            .compile(compile_ahead::jobs(args.compile_jobs))
+        })
+        .flatten();
     eprintln!(
         "warming up {}: {} steps of {} micro-batch(es) on a throwaway model, nothing saved but the kernel caches",
         args.plan.display(),
@@ -89,31 +116,12 @@ pub fn run(args: Args) -> ExitCode {
             .grad_accum
             .clamp(1, rcoa_backend::warmup::MAX_GRAD_ACCUM)
     );
-    let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
-    let sink = bar.clone();
-    let result = rcoa_backend::warmup::run(
-        &plan,
-        &opts,
-        cuda,
-        Arc::new(move |line: &str| sink.set_message(line.to_string())),
-    );
+    let (bar, progress) = spinner("");
+    let result = rcoa_backend::warmup::run(&plan, &opts, cuda, progress);
     bar.finish_and_clear();
     let report = match result {
         Ok(r) => r,
-        Err(e) => {
-            print_diagnostic(&e);
-            return match e {
-                RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
-                    ExitCode::from(1)
-                }
-                _ => ExitCode::from(2),
-            };
-        }
+        Err(e) => return failed(&e),
     };
     let shapes: Vec<String> = report.shapes.iter().map(|s| s.to_string()).collect();
     println!("device     {}", report.device);
@@ -137,6 +145,10 @@ pub fn run(args: Args) -> ExitCode {
                     PathBuf::from(jit).display()
                 );
             }
+            if let Some(p) = &prebuilt {
+                println!("prebuilt   {}", p.summary());
+                p.notes();
+            }
             if let Some(e) = &c.record_error {
                 eprintln!(
                     "note: the warmed shapes could not be recorded ({e}); `rcoa run` will say it compiles them, \
@@ -146,4 +158,66 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+fn failed(e: &RunError) -> ExitCode {
+    print_diagnostic(e);
+    match e {
+        RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
+            ExitCode::from(1)
+        }
+        _ => ExitCode::from(2),
+    }
+}
+
+/// A spinner on stderr with the elapsed time, and a progress sink that
+/// sets its message (after `prefix`).
+pub(crate) fn spinner(
+    prefix: &'static str,
+) -> (indicatif::ProgressBar, rcoa_backend::warmup::Progress) {
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let sink = bar.clone();
+    (
+        bar,
+        Arc::new(move |line: &str| sink.set_message(format!("{prefix}{line}"))),
+    )
+}
+
+/// `--record-kernels FILE`: the first phase of compiling ahead
+/// (`rcoa_backend::prebuild::record`), in the process
+/// `compile_ahead::Recording::compile` started.
+fn record_pass(
+    plan: &rcoa_compiler::lowered::LoweredPlan,
+    opts: &RunOptions,
+    out: &std::path::Path,
+    cuda: bool,
+) -> ExitCode {
+    if !cuda {
+        return failed(&RunError::Prebuild(
+            "--record-kernels records the CUDA kernels a run launches: give --device cuda".into(),
+        ));
+    }
+    let (bar, progress) = spinner("recording kernels · ");
+    let result = rcoa_backend::prebuild::record(plan, opts, out, progress);
+    bar.finish_and_clear();
+    match result {
+        Ok(r) => {
+            eprintln!(
+                "recorded {} kernel(s) the cache lacks in {:.1} s",
+                r.kernels, r.seconds
+            );
+            if let Some(why) = r.stopped {
+                eprintln!(
+                    "note: the recording pass stopped early ({why}); the warm-up's steps compile what it did not reach"
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => failed(&e),
+    }
 }

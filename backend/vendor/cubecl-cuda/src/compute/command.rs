@@ -463,6 +463,13 @@ impl<'a> Command<'a> {
         const_info: Option<*mut c_void>,
         logger: Arc<ServerLogger>,
     ) -> Result<(), LaunchError> {
+        // rcoa patch (`prebuild`): while recording, a launch is lowered and
+        // recorded, never executed. Here, after everything a launch checks
+        // before it compiles (the tensor maps' encoding among them), so a
+        // launch that fails to launch fails in a recording too.
+        if crate::prebuild::recording() {
+            return self.ctx.record_kernel(&kernel_id, kernel, mode);
+        }
         if !self.ctx.module_names.contains_key(&kernel_id) {
             self.ctx.compile_kernel(&kernel_id, kernel, mode, logger)?;
         }

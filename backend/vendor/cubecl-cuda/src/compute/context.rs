@@ -57,6 +57,18 @@ pub struct PtxCacheEntry {
     ptx: Vec<std::ffi::c_char>,
 }
 
+impl PtxCacheEntry {
+    /// rcoa patch: `prebuild` stores entries; `ptx` may be a cubin, which
+    /// `cuModuleLoadData` takes as well.
+    pub(crate) fn new(entrypoint_name: String, shared_mem_bytes: usize, ptx: Vec<c_char>) -> Self {
+        Self {
+            entrypoint_name,
+            shared_mem_bytes,
+            ptx,
+        }
+    }
+}
+
 impl CudaContext {
     pub fn new(
         compilation_options: CompilationOptions,
@@ -144,20 +156,7 @@ impl CudaContext {
         }
 
         let cube_dim = kernel_compiled.cube_dim;
-        let arch = if self.arch.version >= 90 {
-            format!("--gpu-architecture=sm_{}a", self.arch)
-        } else {
-            format!("--gpu-architecture=sm_{}", self.arch)
-        };
-
-        let include_path = include_path();
-        let include_option = format!("--include-path={}", include_path.to_str().unwrap());
-        let cccl_include_path = cccl_include_path();
-        let cccl_include_option = format!("--include-path={}", cccl_include_path.to_str().unwrap());
-        let mut options = vec![arch.as_str(), include_option.as_str(), "-lineinfo"];
-        if cccl_include_path.exists() {
-            options.push(&cccl_include_option);
-        }
+        let options = self.nvrtc_options();
 
         logger.log_compilation(&kernel_compiled);
 
@@ -233,6 +232,77 @@ impl CudaContext {
             cube_dim,
             repr.shared_memory_size(),
         )?;
+        Ok(())
+    }
+
+    /// NVRTC's options for this device (rcoa patch: one place, for `compile_kernel`
+    /// and for the kernels `record_kernel` hands to `prebuild`).
+    fn nvrtc_options(&self) -> Vec<String> {
+        let arch = if self.arch.version >= 90 {
+            format!("--gpu-architecture=sm_{}a", self.arch)
+        } else {
+            format!("--gpu-architecture=sm_{}", self.arch)
+        };
+        let include_path = include_path();
+        let cccl_include_path = cccl_include_path();
+        let mut options = vec![
+            arch,
+            format!("--include-path={}", include_path.to_str().unwrap()),
+            "-lineinfo".to_string(),
+        ];
+        if cccl_include_path.exists() {
+            options.push(format!(
+                "--include-path={}",
+                cccl_include_path.to_str().unwrap()
+            ));
+        }
+        options
+    }
+
+    /// rcoa patch (`prebuild`, recording): lower a kernel the caches do not
+    /// hold to CUDA C++, validated as `compile_kernel` validates it (so an
+    /// autotune candidate that would fail to compile fails here too), and
+    /// record it instead of compiling it.
+    pub(crate) fn record_kernel(
+        &mut self,
+        kernel_id: &KernelId,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        mode: ExecutionMode,
+    ) -> Result<(), LaunchError> {
+        let hash = kernel_id.stable_hash();
+        if self.module_names.contains_key(kernel_id)
+            || crate::prebuild::recorded(hash)
+            || self
+                .ptx_cache
+                .as_ref()
+                .is_some_and(|cache| cache.get(&hash).is_some())
+        {
+            return Ok(());
+        }
+        validate_cube_dim(&self.properties, kernel_id)?;
+        validate_units(&self.properties, kernel_id)?;
+        let compiled = kernel.compile(
+            &mut Default::default(),
+            &self.compilation_options,
+            mode,
+            kernel.address_type(),
+        )?;
+        self.validate_shared(&compiled.repr)?;
+        let shared_mem_bytes = compiled
+            .repr
+            .as_ref()
+            .map(|repr| repr.shared_memory_size())
+            .unwrap_or(0);
+        crate::prebuild::record(
+            hash,
+            crate::prebuild::RecordedKernel {
+                hash: format!("{hash:032x}"),
+                entrypoint_name: compiled.entrypoint_name,
+                shared_mem_bytes,
+                source: compiled.source,
+                options: self.nvrtc_options(),
+            },
+        );
         Ok(())
     }
 

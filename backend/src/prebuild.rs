@@ -1,0 +1,361 @@
+//! Compiling a run's CUDA kernels on every core, ahead of it
+//! (`rcoa warmup`; docs/cold-start.md, "Compiling on every core").
+//!
+//! CubeCL 0.10 compiles each kernel with NVRTC at its first launch, on the
+//! device's thread: a cold first step is hundreds of compilations in a row.
+//! The kernels a run launches can only be found by running it, but not by
+//! running it *correctly*: shapes, not values, choose them. So the warm-up
+//! is split in three:
+//!
+//! 1. **Record** (`record`, in a process of its own): the warm-up's steps
+//!    with every launch lowered to CUDA C++ and recorded instead of executed
+//!    (`cubecl::cuda::prebuild`, a patch of the vendored cubecl-cuda). The
+//!    process's values are garbage and its tunings timed launches that did
+//!    nothing, so it keeps nothing but the list of kernels.
+//! 2. **Compile** (`compile_recorded`): NVRTC on all of them, `jobs` at a
+//!    time, each to a cubin for this GPU; stored in CubeCL's PTX cache
+//!    under the key a launch looks for.
+//! 3. **Warm** (`crate::warmup`, unchanged): the steps again, for real. Every
+//!    kernel is now a cache hit; what remains is autotune's measurements and
+//!    whatever the recording missed, compiled as before.
+//!
+//! Phase 3 makes the caches exactly what a plain warm-up makes, so a wrong
+//! or incomplete recording costs time, never correctness.
+
+use crate::warmup::Progress;
+use crate::{RunError, RunOptions};
+use rcoa_compiler::lowered::LoweredPlan;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Set by `record`: this process's values are garbage, so nothing may
+/// stop on them (a non-finite loss ends a run, not a recording).
+static RECORDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn recording() -> bool {
+    RECORDING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Write `items` to `path`, one JSON object per line.
+pub fn write_records<T: Serialize>(path: &Path, items: &[T]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for item in items {
+        serde_json::to_writer(&mut out, item)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()
+}
+
+/// Read what `write_records` wrote. A line that does not parse is an error
+/// naming it: a record file is only ever written whole by rcoa.
+pub fn read_records<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the recorded kernels {}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Run `compile` on every item, `jobs` threads at a time, and hand each
+/// result to `done` on the calling thread as it arrives (with the item's
+/// index), so that whatever `done` writes needs no lock. Items are taken in
+/// order; the results arrive in the order they finish.
+pub fn compile_all<T: Sync, R: Send>(
+    items: &[T],
+    jobs: usize,
+    compile: impl Fn(&T) -> R + Sync,
+    mut done: impl FnMut(usize, R),
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let threads = jobs.clamp(1, items.len().max(1));
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..threads {
+            let tx = tx.clone();
+            let (next, compile) = (&next, &compile);
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                if tx.send((i, compile(item))).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        for (i, r) in rx {
+            done(i, r);
+        }
+    });
+}
+
+/// Whether this GPU's kernel cache holds nothing warmed for `plan` run on
+/// `ranks` ranks (`kernel_cache::warmed`): a run that compiles all its
+/// kernels in its first pass. False without CUDA (the run says why itself).
+pub fn cold_for(plan: &LoweredPlan, ranks: u64) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::preflight().is_ok_and(|info| {
+            let dir = crate::cuda::cache_dir(&info);
+            let fingerprint = crate::kernel_cache::plan_fingerprint(plan, ranks);
+            crate::kernel_cache::warmed(&dir, &fingerprint).is_empty()
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plan, ranks);
+        false
+    }
+}
+
+/// What the recording pass did.
+#[derive(Clone, Debug)]
+pub struct RecordReport {
+    /// Kernels recorded (those the PTX cache did not hold).
+    pub kernels: usize,
+    pub seconds: f64,
+    /// The steps ended early with this error (garbage values can break
+    /// what a real run never meets); the kernels recorded before stand, and
+    /// the real steps compile the rest.
+    pub stopped: Option<String>,
+}
+
+/// Phase 1: the warm-up's steps with launches recorded, not executed; the
+/// kernels go to `out` (`write_records`). Run it in a process of its own:
+/// the process's device state is meaningless after.
+pub fn record(
+    plan: &LoweredPlan,
+    opts: &RunOptions,
+    out: &Path,
+    progress: Progress,
+) -> Result<RecordReport, RunError> {
+    #[cfg(feature = "cuda")]
+    {
+        let start = std::time::Instant::now();
+        let autotune =
+            std::env::temp_dir().join(format!("rcoa-record-autotune-{}", std::process::id()));
+        RECORDING.store(true, std::sync::atomic::Ordering::SeqCst);
+        crate::cuda::start_recording(autotune.clone());
+        let (_, result) = crate::warmup::run_steps(plan, opts, true, progress);
+        let kernels = cubecl::cuda::prebuild::take_recorded();
+        let _ = std::fs::remove_dir_all(&autotune);
+        let stopped = match result {
+            // Nothing ran (no CUDA, a bad data file): the run's own error.
+            Err(e) if kernels.is_empty() => return Err(e),
+            Err(e) => Some(e.to_string()),
+            Ok(_) => None,
+        };
+        write_records(out, &kernels).map_err(|e| {
+            RunError::Prebuild(format!(
+                "cannot write the recorded kernels to {}: {e}",
+                out.display()
+            ))
+        })?;
+        Ok(RecordReport {
+            kernels: kernels.len(),
+            seconds: start.elapsed().as_secs_f64(),
+            stopped,
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plan, opts, out, progress);
+        Err(RunError::CudaNotBuilt)
+    }
+}
+
+/// What the compile phase did.
+#[derive(Clone, Debug)]
+pub struct CompileReport {
+    /// The kernel cache written (`cuda::cache_dir`).
+    pub dir: PathBuf,
+    pub recorded: usize,
+    /// Recorded, but in the cache by the time of compiling.
+    pub cached: usize,
+    pub compiled: usize,
+    /// Of `compiled`, those NVRTC gave as cubins (no driver JIT at load).
+    pub cubins: usize,
+    /// `entry point: first line of NVRTC's log`, for kernels NVRTC refused;
+    /// the steps meet them as a run does (recording cannot tell an autotune
+    /// candidate that does not build, which the tuner then skips).
+    pub failed: Vec<String>,
+    pub threads: usize,
+    pub seconds: f64,
+}
+
+/// Phase 2: NVRTC on the kernels `record` wrote to `file`, `jobs` at a time,
+/// into this GPU's kernel cache. `progress(done, total)` after each.
+pub fn compile_recorded(
+    file: &Path,
+    jobs: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<CompileReport, RunError> {
+    #[cfg(feature = "cuda")]
+    {
+        use cubecl::cuda::prebuild::{self, KernelCache, RecordedKernel};
+        let start = std::time::Instant::now();
+        let info = crate::cuda::preflight()?;
+        let dir = crate::cuda::cache_dir(&info);
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            RunError::CudaUnavailable(format!(
+                "cannot create the kernel cache {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let kernels: Vec<RecordedKernel> = read_records(file).map_err(RunError::Prebuild)?;
+        let mut cache = KernelCache::open(&dir);
+        let todo: Vec<&RecordedKernel> = kernels.iter().filter(|k| !cache.contains(k)).collect();
+        let threads = jobs.clamp(1, todo.len().max(1));
+        let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
+        progress(0, todo.len());
+        compile_all(
+            &todo,
+            threads,
+            |k| prebuild::compile(k),
+            |i, image| {
+                let k = todo[i];
+                match image.and_then(|image| {
+                    let cubin = image.cubin;
+                    cache.insert(k, image).map(|()| cubin)
+                }) {
+                    Ok(cubin) => {
+                        compiled += 1;
+                        cubins += cubin as usize;
+                    }
+                    Err(e) => failed.push(format!(
+                        "{}: {}",
+                        k.entrypoint_name,
+                        e.lines()
+                            .find(|l| !l.trim().is_empty() && !l.starts_with('['))
+                            .unwrap_or(&e)
+                            .trim()
+                    )),
+                }
+                n += 1;
+                progress(n, todo.len());
+            },
+        );
+        Ok(CompileReport {
+            dir,
+            recorded: kernels.len(),
+            cached: kernels.len() - todo.len(),
+            compiled,
+            cubins,
+            failed,
+            threads,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (file, jobs, progress);
+        Err(RunError::CudaNotBuilt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[test]
+    fn every_item_is_compiled_once_and_its_result_reaches_the_caller() {
+        let items: Vec<u64> = (0..37).collect();
+        for jobs in [1, 4, 100] {
+            let calls = Mutex::new(Vec::new());
+            let mut got = vec![None; items.len()];
+            compile_all(
+                &items,
+                jobs,
+                |&x| {
+                    calls.lock().unwrap().push(x);
+                    x * x
+                },
+                |i, r| {
+                    assert!(got[i].is_none(), "item {i} delivered twice");
+                    got[i] = Some(r);
+                },
+            );
+            let mut calls = calls.into_inner().unwrap();
+            calls.sort();
+            assert_eq!(calls, items, "jobs {jobs}");
+            assert_eq!(
+                got,
+                items.iter().map(|x| Some(x * x)).collect::<Vec<_>>(),
+                "jobs {jobs}"
+            );
+        }
+        compile_all(&[] as &[u8], 8, |_| (), |_, _| panic!("nothing to deliver"));
+    }
+
+    #[test]
+    fn the_threads_compile_at_the_same_time() {
+        // Four items that each wait until all four are being compiled: with
+        // one thread per item this ends; compiled one at a time it would not.
+        let started = std::sync::Barrier::new(4);
+        let mut n = 0;
+        compile_all(&[0; 4], 4, |_| started.wait(), |_, _| n += 1);
+        assert_eq!(n, 4);
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct K {
+        hash: String,
+        source: String,
+    }
+
+    #[test]
+    fn records_round_trip_and_a_damaged_line_is_named() {
+        let dir = std::env::temp_dir().join(format!("rcoa-prebuild-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kernels.jsonl");
+        let ks = vec![
+            K {
+                hash: "00ff".into(),
+                source: "extern \"C\" __global__ void k() {\n}\n".into(),
+            },
+            K {
+                hash: "0a".into(),
+                source: String::new(),
+            },
+        ];
+        write_records(&path, &ks).unwrap();
+        assert_eq!(read_records::<K>(&path).unwrap(), ks);
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap().lines().count(),
+            2,
+            "one kernel per line"
+        );
+        std::fs::write(&path, "{\"hash\":\"1\",\"source\":\"\"}\n{\"hash\":2}\n").unwrap();
+        let e = read_records::<K>(&path).unwrap_err();
+        assert!(e.contains("line 2"), "{e}");
+        let e = read_records::<K>(&dir.join("missing.jsonl")).unwrap_err();
+        assert!(e.contains("cannot read the recorded kernels"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn without_the_cuda_build_there_is_nothing_to_record_or_compile() {
+        let plan = crate::testing::tiny_plan();
+        let out = std::env::temp_dir().join("rcoa-prebuild-never-written.jsonl");
+        let e = record(
+            &plan,
+            &RunOptions::default(),
+            &out,
+            std::sync::Arc::new(|_: &str| {}),
+        )
+        .unwrap_err();
+        assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
+        assert!(!out.exists());
+        let e = compile_recorded(&out, 4, &mut |_, _| {}).unwrap_err();
+        assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
+        assert!(!cold_for(&plan, 1), "no CUDA: nothing to compile ahead");
+    }
+}

@@ -1,0 +1,173 @@
+//! rcoa patch: compile a run's kernels ahead of it, on every core.
+//!
+//! CubeCL 0.10 compiles a kernel with NVRTC when it is first launched, on
+//! the device's thread, so a model's few hundred kernels compile one after
+//! another (414.7 s for a 350M decoder on an H100). The kernels a run
+//! launches cannot be listed without running it, but the run does not need
+//! correct values to find them: the shapes, and so the kernels, do not
+//! depend on the data. So:
+//!
+//! 1. `start_recording`: from then on every launch in this process is
+//!    lowered to CUDA C++ (cheap, and validated as a real compile would be),
+//!    recorded when the PTX cache does not hold it, and *not executed*. The
+//!    run goes on over buffers nobody wrote; its results are meaningless,
+//!    and the process must not keep anything it tuned (the caller points
+//!    the autotune cache elsewhere).
+//! 2. `take_recorded` gives the kernels; `compile` runs NVRTC on one of them,
+//!    from any thread (NVRTC programs are independent), for the GPU's own
+//!    architecture, so the result is a cubin the driver loads without its
+//!    PTX→SASS step (PTX when NVRTC cannot give one).
+//! 3. `KernelCache::insert` stores each result where `CudaContext::compile_kernel`
+//!    looks first, under the same key; a later process finds them there.
+
+use crate::compute::context::PtxCacheEntry;
+use cubecl_common::cache::CacheOption;
+use cubecl_core::compilation_cache::CompilationCache;
+use cubecl_core::hash::StableHash;
+use std::collections::HashSet;
+use std::ffi::{CStr, CString, c_char};
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A kernel a recording launch lowered: what NVRTC needs, and what the PTX
+/// cache stores beside the compiled image.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RecordedKernel {
+    /// `KernelId::stable_hash()` in hex: the PTX cache's key.
+    pub hash: String,
+    pub entrypoint_name: String,
+    pub shared_mem_bytes: usize,
+    /// The CUDA C++ source.
+    pub source: String,
+    /// NVRTC's options, as `compile_kernel` passes them.
+    pub options: Vec<String>,
+}
+
+impl RecordedKernel {
+    pub fn key(&self) -> Option<StableHash> {
+        StableHash::from_str_radix(&self.hash, 16).ok()
+    }
+}
+
+static RECORDING: AtomicBool = AtomicBool::new(false);
+static RECORDED: Mutex<(Vec<RecordedKernel>, Option<HashSet<StableHash>>)> =
+    Mutex::new((Vec::new(), None));
+
+/// From now on, launches in this process are recorded and not executed.
+/// There is no way back: the process's device state is meaningless after.
+pub fn start_recording() {
+    RECORDING.store(true, Ordering::SeqCst);
+}
+
+pub(crate) fn recording() -> bool {
+    RECORDING.load(Ordering::Relaxed)
+}
+
+/// Whether `hash` was recorded already (kernels repeat; each is kept once).
+pub(crate) fn recorded(hash: StableHash) -> bool {
+    let guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+    guard.1.as_ref().is_some_and(|seen| seen.contains(&hash))
+}
+
+pub(crate) fn record(hash: StableHash, kernel: RecordedKernel) {
+    let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+    let (list, seen) = &mut *guard;
+    if seen.get_or_insert_with(HashSet::new).insert(hash) {
+        list.push(kernel);
+    }
+}
+
+/// The kernels recorded so far, in launch order; the list starts again.
+pub fn take_recorded() -> Vec<RecordedKernel> {
+    let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+    std::mem::take(&mut guard.0)
+}
+
+/// A compiled kernel image: a cubin for the GPU NVRTC targeted, else PTX.
+pub struct Image {
+    pub bytes: Vec<c_char>,
+    pub cubin: bool,
+}
+
+/// NVRTC on one recorded kernel. Safe to call from several threads at once.
+pub fn compile(kernel: &RecordedKernel) -> Result<Image, String> {
+    let source = CString::new(kernel.source.as_str()).map_err(|e| e.to_string())?;
+    let program = cudarc::nvrtc::result::create_program(source.as_c_str(), None)
+        .map_err(|e| format!("{e:?}"))?;
+    // SAFETY: `program` was created above and is destroyed once, at the end;
+    // the buffers passed to NVRTC are sized by its own size queries.
+    unsafe {
+        let result = image(program, &kernel.options);
+        let _ = cudarc::nvrtc::result::destroy_program(program);
+        result
+    }
+}
+
+unsafe fn image(
+    program: cudarc::nvrtc::sys::nvrtcProgram,
+    options: &[String],
+) -> Result<Image, String> {
+    use cudarc::nvrtc::sys;
+    unsafe {
+        if cudarc::nvrtc::result::compile_program(program, options).is_err() {
+            let log = cudarc::nvrtc::result::get_program_log(program)
+                .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                .unwrap_or_default();
+            return Err(format!("[Compilation Error]\n{log}"));
+        }
+        // A real architecture (`sm_90a`) makes NVRTC run ptxas too; the
+        // cubin then spares the driver its JIT at every load.
+        let mut size = 0usize;
+        if sys::nvrtcGetCUBINSize(program, &mut size).result().is_ok() && size > 0 {
+            let mut bytes: Vec<c_char> = vec![0; size];
+            if sys::nvrtcGetCUBIN(program, bytes.as_mut_ptr())
+                .result()
+                .is_ok()
+            {
+                return Ok(Image { bytes, cubin: true });
+            }
+        }
+        cudarc::nvrtc::result::get_ptx(program)
+            .map(|bytes| Image {
+                bytes,
+                cubin: false,
+            })
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// The PTX cache of the compilation-cache directory `root` (what
+/// `CubeClRuntimeConfig`'s `compilation.cache` names), the file
+/// `CudaContext::compile_kernel` reads.
+pub struct KernelCache {
+    cache: CompilationCache<StableHash, PtxCacheEntry>,
+}
+
+impl KernelCache {
+    pub fn open(root: &Path) -> Self {
+        KernelCache {
+            cache: CompilationCache::new("ptx", CacheOption::default().name("cuda").root(root)),
+        }
+    }
+
+    pub fn contains(&self, kernel: &RecordedKernel) -> bool {
+        kernel.key().is_some_and(|k| self.cache.get(&k).is_some())
+    }
+
+    pub fn insert(&mut self, kernel: &RecordedKernel, image: Image) -> Result<(), String> {
+        let key = kernel
+            .key()
+            .ok_or_else(|| format!("bad kernel hash `{}`", kernel.hash))?;
+        self.cache
+            .insert(
+                key,
+                PtxCacheEntry::new(
+                    kernel.entrypoint_name.clone(),
+                    kernel.shared_mem_bytes,
+                    image.bytes,
+                ),
+            )
+            .map_err(|e| format!("{e:?}"))
+    }
+}
