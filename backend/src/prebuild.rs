@@ -10,7 +10,7 @@
 //! 1. **Record** (`record`, in a process of its own): the warm-up's steps
 //!    with every launch lowered to CUDA C++ and recorded instead of executed
 //!    (`cubecl::cuda::prebuild`, a patch of the vendored cubecl-cuda). The
-//!    process's values are garbage and its tunings timed launches that did
+//!    process's values mean nothing and its tunings timed launches that did
 //!    nothing, so it keeps nothing but the list of kernels.
 //! 2. **Compile** (`compile_recorded`): NVRTC on all of them, `jobs` at a
 //!    time, each to a cubin for this GPU; stored in CubeCL's PTX cache
@@ -29,8 +29,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// Set by `record`: this process's values are garbage, so nothing may
-/// stop on them (a non-finite loss ends a run, not a recording).
+/// Set by `record`: this process's values mean nothing (reads give zeros,
+/// `cubecl::cuda::prebuild`), so work done only for them is skipped.
 static RECORDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 pub(crate) fn recording() -> bool {
@@ -120,9 +120,9 @@ pub struct RecordReport {
     /// Kernels recorded (those the PTX cache did not hold).
     pub kernels: usize,
     pub seconds: f64,
-    /// The steps ended early with this error (garbage values can break
-    /// what a real run never meets); the kernels recorded before stand, and
-    /// the real steps compile the rest.
+    /// The steps ended early with this error (values that mean nothing can
+    /// break what a real run never meets); the kernels recorded before
+    /// stand, and the real steps compile the rest.
     pub stopped: Option<String>,
 }
 

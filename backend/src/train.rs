@@ -1034,8 +1034,7 @@ impl<B: ExecAutodiff> Trainer<B> {
             / self.grad_accum as f64;
         B::sync(&self.device).map_err(|e| RunError::Backend(e.to_string()))?;
         self.mark(probe, false, &|| "end".into());
-        // A recording pass (`prebuild`) reads back values no kernel wrote.
-        if !loss.is_finite() && !crate::prebuild::recording() {
+        if !loss.is_finite() {
             return Err(RunError::Diverged {
                 step: step + 1,
                 loss,

@@ -10,9 +10,10 @@
 //! 1. `start_recording`: from then on every launch in this process is
 //!    lowered to CUDA C++ (cheap, and validated as a real compile would be),
 //!    recorded when the PTX cache does not hold it, and *not executed*. The
-//!    run goes on over buffers nobody wrote; its results are meaningless,
-//!    and the process must not keep anything it tuned (the caller points
-//!    the autotune cache elsewhere).
+//!    run goes on over buffers nobody wrote, and reads back zeros
+//!    (`CudaServer::read`) so that the host's checks do not stop it. Its
+//!    results are meaningless, and the process must not keep anything it
+//!    tuned (the caller points the autotune cache elsewhere).
 //! 2. `take_recorded` gives the kernels; `compile` runs NVRTC on one of them,
 //!    from any thread (NVRTC programs are independent), for the GPU's own
 //!    architecture, so the result is a cubin the driver loads without its

@@ -104,7 +104,22 @@ impl ComputeServer for CudaServer {
                 flush: true,
             },
         ) {
-            Ok(mut command) => Box::pin(command.read_async(descriptors)),
+            Ok(mut command) => {
+                let read = command.read_async(descriptors);
+                if crate::prebuild::recording() {
+                    // rcoa patch (`prebuild`): no kernel ran, so the memory holds
+                    // whatever was there. The host gets zeros (finite floats, valid
+                    // codes and indices), so nothing it checks stops the recording.
+                    return Box::pin(async move {
+                        let mut bytes = read.await?;
+                        for b in bytes.iter_mut() {
+                            b.fill(0);
+                        }
+                        Ok(bytes)
+                    });
+                }
+                Box::pin(read)
+            }
             Err(err) => Box::pin(async move { Err(err) }),
         }
     }
