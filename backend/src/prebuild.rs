@@ -114,6 +114,20 @@ pub fn cold_for(plan: &LoweredPlan, ranks: u64) -> bool {
     }
 }
 
+/// CUDA: kernels this process compiled with NVRTC when they were launched
+/// (cache misses). After compiling ahead: what the recording missed.
+/// `None` without the CUDA build.
+pub fn compiled_at_launch() -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    {
+        Some(cubecl::cuda::prebuild::compiled_at_launch() as u64)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 /// What the recording pass did.
 #[derive(Clone, Debug)]
 pub struct RecordReport {
@@ -357,5 +371,6 @@ mod tests {
         let e = compile_recorded(&out, 4, &mut |_, _| {}).unwrap_err();
         assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
         assert!(!cold_for(&plan, 1), "no CUDA: nothing to compile ahead");
+        assert_eq!(compiled_at_launch(), None);
     }
 }

@@ -149,6 +149,9 @@ pub fn run(args: Args) -> ExitCode {
                 println!("prebuilt   {}", p.summary());
                 p.notes();
             }
+            if let Some(n) = rcoa_backend::prebuild::compiled_at_launch() {
+                println!("at launch  {n} kernels compiled by the steps themselves");
+            }
             if let Some(e) = &c.record_error {
                 eprintln!(
                     "note: the warmed shapes could not be recorded ({e}); `rcoa run` will say it compiles them, \

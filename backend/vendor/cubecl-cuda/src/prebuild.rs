@@ -29,7 +29,7 @@ use std::collections::HashSet;
 use std::ffi::{CStr, CString, c_char};
 use std::path::Path;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// A kernel a recording launch lowered: what NVRTC needs, and what the PTX
 /// cache stores beside the compiled image.
@@ -52,6 +52,17 @@ impl RecordedKernel {
 }
 
 static RECORDING: AtomicBool = AtomicBool::new(false);
+static COMPILED_AT_LAUNCH: AtomicUsize = AtomicUsize::new(0);
+
+/// Kernels this process compiled with NVRTC at their launch (cache
+/// misses): after compiling ahead, what the recording did not reach.
+pub fn compiled_at_launch() -> usize {
+    COMPILED_AT_LAUNCH.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_compiled_at_launch() {
+    COMPILED_AT_LAUNCH.fetch_add(1, Ordering::Relaxed);
+}
 static RECORDED: Mutex<(Vec<RecordedKernel>, Option<HashSet<StableHash>>)> =
     Mutex::new((Vec::new(), None));
 

@@ -210,6 +210,7 @@ impl CudaContext {
         };
 
         let repr = kernel_compiled.repr.unwrap();
+        crate::prebuild::count_compiled_at_launch(); // rcoa patch
 
         if let Some(cache) = &mut self.ptx_cache {
             let result = cache.insert(
