@@ -63,6 +63,21 @@ pub fn preflight() -> Result<CudaInfo, RunError> {
     })?;
     // Loading the library did not initialise CUDA; `query_driver` will.
     configure_driver_jit_cache();
+    let include_dir = compiler()?;
+    let (gpu, driver_version) = unsafe { query_driver(&driver) }.map_err(unavailable)?;
+    // Keep the driver loaded: cudarc opens it again by name.
+    std::mem::forget(driver);
+    Ok(CudaInfo {
+        gpu,
+        driver_version,
+        include_dir,
+    })
+}
+
+/// NVRTC, loaded for cudarc, and the CUDA headers it includes: what compiles
+/// kernels, which needs no GPU. Returns the headers' directory; never panics.
+pub fn compiler() -> Result<PathBuf, RunError> {
+    let unavailable = |s: String| RunError::CudaUnavailable(s);
     let cuda_path = cubecl::cuda::install::cuda_path();
     if open_any(NVRTC_NAMES).is_none() {
         // Load it from the toolkit directory and keep it loaded for cudarc.
@@ -101,14 +116,7 @@ pub fn preflight() -> Result<CudaInfo, RunError> {
             cuda_path.map(|p| p.join("include").display().to_string()).unwrap_or_else(|| "$CUDA_PATH/include or /usr/local/cuda/include".into())
         ))
     })?;
-    let (gpu, driver_version) = unsafe { query_driver(&driver) }.map_err(unavailable)?;
-    // Keep the driver loaded: cudarc opens it again by name.
-    std::mem::forget(driver);
-    Ok(CudaInfo {
-        gpu,
-        driver_version,
-        include_dir,
-    })
+    Ok(include_dir)
 }
 
 /// `cuInit`, `cuDriverGetVersion`, `cuDeviceGet(0)`, `cuDeviceGetName`.

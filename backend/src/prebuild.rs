@@ -133,6 +133,10 @@ pub fn compiled_at_launch() -> Option<u64> {
 pub struct RecordReport {
     /// Kernels recorded (those the PTX cache did not hold).
     pub kernels: usize,
+    /// `kernel: why` for recorded launches that could not be lowered (or
+    /// ask for more shared memory than the device has): a run's launch of
+    /// them fails the same way, and an autotune candidate is then skipped.
+    pub refused: Vec<String>,
     pub seconds: f64,
     /// The steps ended early with this error (values that mean nothing can
     /// break what a real run never meets); the kernels recorded before
@@ -141,12 +145,14 @@ pub struct RecordReport {
 }
 
 /// Phase 1: the warm-up's steps with launches recorded, not executed; the
-/// kernels go to `out` (`write_records`). Run it in a process of its own:
-/// the process's device state is meaningless after.
+/// kernels, lowered to CUDA C++ on `jobs` threads, go to `out`
+/// (`write_records`). Run it in a process of its own: the process's device
+/// state is meaningless after.
 pub fn record(
     plan: &LoweredPlan,
     opts: &RunOptions,
     out: &Path,
+    jobs: usize,
     progress: Progress,
 ) -> Result<RecordReport, RunError> {
     #[cfg(feature = "cuda")]
@@ -157,11 +163,11 @@ pub fn record(
         RECORDING.store(true, std::sync::atomic::Ordering::SeqCst);
         crate::cuda::start_recording(autotune.clone());
         let (_, result) = crate::warmup::run_steps(plan, opts, true, progress);
-        let kernels = cubecl::cuda::prebuild::take_recorded();
+        let (kernels, refused) = cubecl::cuda::prebuild::take_recorded(jobs);
         let _ = std::fs::remove_dir_all(&autotune);
         let stopped = match result {
             // Nothing ran (no CUDA, a bad data file): the run's own error.
-            Err(e) if kernels.is_empty() => return Err(e),
+            Err(e) if kernels.is_empty() && refused.is_empty() => return Err(e),
             Err(e) => Some(e.to_string()),
             Ok(_) => None,
         };
@@ -173,13 +179,14 @@ pub fn record(
         })?;
         Ok(RecordReport {
             kernels: kernels.len(),
+            refused,
             seconds: start.elapsed().as_secs_f64(),
             stopped,
         })
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (plan, opts, out, progress);
+        let _ = (plan, opts, out, jobs, progress);
         Err(RunError::CudaNotBuilt)
     }
 }
@@ -212,58 +219,11 @@ pub fn compile_recorded(
 ) -> Result<CompileReport, RunError> {
     #[cfg(feature = "cuda")]
     {
-        use cubecl::cuda::prebuild::{self, KernelCache, RecordedKernel};
         let start = std::time::Instant::now();
         let info = crate::cuda::preflight()?;
-        let dir = crate::cuda::cache_dir(&info);
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            RunError::CudaUnavailable(format!(
-                "cannot create the kernel cache {}: {e}",
-                dir.display()
-            ))
-        })?;
-        let kernels: Vec<RecordedKernel> = read_records(file).map_err(RunError::Prebuild)?;
-        let mut cache = KernelCache::open(&dir);
-        let todo: Vec<&RecordedKernel> = kernels.iter().filter(|k| !cache.contains(k)).collect();
-        let threads = jobs.clamp(1, todo.len().max(1));
-        let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
-        progress(0, todo.len());
-        compile_all(
-            &todo,
-            threads,
-            |k| prebuild::compile(k),
-            |i, image| {
-                let k = todo[i];
-                match image.and_then(|image| {
-                    let cubin = image.cubin;
-                    cache.insert(k, image).map(|()| cubin)
-                }) {
-                    Ok(cubin) => {
-                        compiled += 1;
-                        cubins += cubin as usize;
-                    }
-                    Err(e) => failed.push(format!(
-                        "{}: {}",
-                        k.entrypoint_name,
-                        e.lines()
-                            .find(|l| !l.trim().is_empty() && !l.starts_with('['))
-                            .unwrap_or(&e)
-                            .trim()
-                    )),
-                }
-                n += 1;
-                progress(n, todo.len());
-            },
-        );
-        Ok(CompileReport {
-            dir,
-            recorded: kernels.len(),
-            cached: kernels.len() - todo.len(),
-            compiled,
-            cubins,
-            failed,
-            threads,
-            seconds: start.elapsed().as_secs_f64(),
+        compile_into(file, &crate::cuda::cache_dir(&info), jobs, progress).map(|mut r| {
+            r.seconds = start.elapsed().as_secs_f64();
+            r
         })
     }
     #[cfg(not(feature = "cuda"))]
@@ -271,6 +231,70 @@ pub fn compile_recorded(
         let _ = (file, jobs, progress);
         Err(RunError::CudaNotBuilt)
     }
+}
+
+/// `compile_recorded` into the kernel cache `dir`. NVRTC needs no GPU, so
+/// this runs wherever NVRTC and the CUDA headers are (`cuda::compiler`).
+#[cfg(feature = "cuda")]
+pub fn compile_into(
+    file: &Path,
+    dir: &Path,
+    jobs: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<CompileReport, RunError> {
+    use cubecl::cuda::prebuild::{self, KernelCache, RecordedKernel};
+    let start = std::time::Instant::now();
+    crate::cuda::compiler()?;
+    let dir = dir.to_path_buf();
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        RunError::CudaUnavailable(format!(
+            "cannot create the kernel cache {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let kernels: Vec<RecordedKernel> = read_records(file).map_err(RunError::Prebuild)?;
+    let mut cache = KernelCache::open(&dir);
+    let todo: Vec<&RecordedKernel> = kernels.iter().filter(|k| !cache.contains(k)).collect();
+    let threads = jobs.clamp(1, todo.len().max(1));
+    let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
+    progress(0, todo.len());
+    compile_all(
+        &todo,
+        threads,
+        |k| prebuild::compile(k),
+        |i, image| {
+            let k = todo[i];
+            match image.and_then(|image| {
+                let cubin = image.cubin;
+                cache.insert(k, image).map(|()| cubin)
+            }) {
+                Ok(cubin) => {
+                    compiled += 1;
+                    cubins += cubin as usize;
+                }
+                Err(e) => failed.push(format!(
+                    "{}: {}",
+                    k.entrypoint_name,
+                    e.lines()
+                        .find(|l| !l.trim().is_empty() && !l.starts_with('['))
+                        .unwrap_or(&e)
+                        .trim()
+                )),
+            }
+            n += 1;
+            progress(n, todo.len());
+        },
+    );
+    Ok(CompileReport {
+        dir,
+        recorded: kernels.len(),
+        cached: kernels.len() - todo.len(),
+        compiled,
+        cubins,
+        failed,
+        threads,
+        seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
 #[cfg(test)]
@@ -363,6 +387,7 @@ mod tests {
             &plan,
             &RunOptions::default(),
             &out,
+            2,
             std::sync::Arc::new(|_: &str| {}),
         )
         .unwrap_err();
@@ -372,5 +397,96 @@ mod tests {
         assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
         assert!(!cold_for(&plan, 1), "no CUDA: nothing to compile ahead");
         assert_eq!(compiled_at_launch(), None);
+    }
+}
+
+/// NVRTC needs no GPU: with the CUDA toolkit, or NVRTC and the headers from
+/// PyPI (`tools/nvrtc-from-pypi.sh`), the compile phase runs on any machine.
+/// Without them these print `SKIPPED` and pass (CI has neither).
+#[cfg(all(test, feature = "cuda"))]
+mod nvrtc_tests {
+    use super::*;
+    use cubecl::cuda::prebuild::{self, KernelCache, RecordedKernel};
+
+    /// A kernel as CubeCL's CUDA dialect writes one: C linkage, bf16 from the
+    /// toolkit's headers.
+    fn kernel(name: &str, body: &str) -> RecordedKernel {
+        RecordedKernel {
+            hash: format!(
+                "{:032x}",
+                name.bytes().fold(0u128, |h, b| h * 131 + b as u128)
+            ),
+            entrypoint_name: name.to_string(),
+            shared_mem_bytes: 0,
+            source: format!(
+                "#include <cuda_bf16.h>\n\
+                 extern \"C\" __global__ void {name}(__nv_bfloat16* x, float s, unsigned n) {{\n\
+                 unsigned i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+                 if (i < n) {{ {body} }}\n}}\n"
+            ),
+            options: prebuild::nvrtc_options(90),
+        }
+    }
+
+    fn nvrtc() -> bool {
+        match crate::cuda::compiler() {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn recorded_kernels_compile_on_threads_to_cubins_the_kernel_cache_keeps() {
+        if !nvrtc() {
+            return;
+        }
+        let good = "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);";
+        let image = prebuild::compile(&kernel("rcoa_scale", good)).unwrap();
+        // sm_90a is a real architecture: NVRTC ran ptxas and gave an ELF cubin.
+        assert!(image.cubin);
+        let magic: Vec<u8> = image.bytes[..4].iter().map(|&b| b as u8).collect();
+        assert_eq!(magic, b"\x7fELF");
+
+        let dir = std::env::temp_dir().join(format!("rcoa-nvrtc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut ks: Vec<RecordedKernel> = (0..6)
+            .map(|i| kernel(&format!("rcoa_k{i}"), good))
+            .collect();
+        // NVRTC's refusal names the error; it is counted, not fatal.
+        ks.push(kernel("rcoa_broken", "x[i] = no_such_function(s);"));
+        let file = dir.join("kernels.jsonl");
+        write_records(&file, &ks).unwrap();
+        let cache_dir = dir.join("cache");
+        let mut seen = Vec::new();
+        let r = compile_into(&file, &cache_dir, 3, &mut |done, total| {
+            seen.push((done, total))
+        })
+        .unwrap();
+        assert_eq!((r.recorded, r.cached, r.compiled, r.cubins), (7, 0, 6, 6));
+        assert_eq!(r.threads, 3);
+        assert_eq!(r.failed.len(), 1, "{:?}", r.failed);
+        assert!(
+            r.failed[0].starts_with("rcoa_broken: ") && r.failed[0].contains("no_such_function"),
+            "{:?}",
+            r.failed
+        );
+        assert_eq!(seen.first(), Some(&(0, 7)));
+        assert_eq!(seen.last(), Some(&(7, 7)));
+        // A later process finds them where a launch looks, under their keys;
+        // compiling again finds everything cached but the broken one.
+        let cache = KernelCache::open(&cache_dir);
+        assert!(ks[..6].iter().all(|k| cache.contains(k)));
+        assert!(!cache.contains(&ks[6]));
+        drop(cache);
+        let again = compile_into(&file, &cache_dir, 3, &mut |_, _| {}).unwrap();
+        assert_eq!(
+            (again.cached, again.compiled, again.failed.len()),
+            (6, 0, 1)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

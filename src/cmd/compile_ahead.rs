@@ -104,6 +104,7 @@ impl Recording {
             .args(["--device", "cuda", "--devices", &self.devices.to_string()])
             .arg("--record-kernels")
             .arg(&file)
+            .args(["--compile-jobs", &jobs.to_string()])
             .stdout(std::process::Stdio::null());
         if let Some(d) = &self.data {
             child.arg("--data").arg(d);

@@ -94,7 +94,13 @@ pub fn run(args: Args) -> ExitCode {
     };
     let cuda = args.device == Device::Cuda;
     if let Some(out) = &args.record_kernels {
-        return record_pass(&plan, &opts, out, cuda);
+        return record_pass(
+            &plan,
+            &opts,
+            out,
+            compile_ahead::jobs(args.compile_jobs),
+            cuda,
+        );
     }
     let prebuilt = cuda
         .then(|| {
@@ -198,6 +204,7 @@ fn record_pass(
     plan: &rcoa_compiler::lowered::LoweredPlan,
     opts: &RunOptions,
     out: &std::path::Path,
+    jobs: usize,
     cuda: bool,
 ) -> ExitCode {
     if !cuda {
@@ -206,7 +213,7 @@ fn record_pass(
         ));
     }
     let (bar, progress) = spinner("recording kernels · ");
-    let result = rcoa_backend::prebuild::record(plan, opts, out, progress);
+    let result = rcoa_backend::prebuild::record(plan, opts, out, jobs, progress);
     bar.finish_and_clear();
     match result {
         Ok(r) => {
@@ -214,6 +221,13 @@ fn record_pass(
                 "recorded {} kernel(s) the cache lacks in {:.1} s",
                 r.kernels, r.seconds
             );
+            if !r.refused.is_empty() {
+                eprintln!(
+                    "note: {} recorded launch(es) cannot be compiled, as a run's launch of them cannot: {}",
+                    r.refused.len(),
+                    r.refused.join("; ")
+                );
+            }
             if let Some(why) = r.stopped {
                 eprintln!(
                     "note: the recording pass stopped early ({why}); the warm-up's steps compile what it did not reach"

@@ -8,31 +8,35 @@
 //! depend on the data. So:
 //!
 //! 1. `start_recording`: from then on every launch in this process is
-//!    lowered to CUDA C++ (cheap, and validated as a real compile would be),
 //!    recorded when the PTX cache does not hold it, and *not executed*. The
 //!    run goes on over buffers nobody wrote, and reads back zeros
 //!    (`CudaServer::read`) so that the host's checks do not stop it. Its
 //!    results are meaningless, and the process must not keep anything it
 //!    tuned (the caller points the autotune cache elsewhere).
-//! 2. `take_recorded` gives the kernels; `compile` runs NVRTC on one of them,
+//! 2. `take_recorded` lowers the kernels to CUDA C++ on every core (and
+//!    checks what a launch would: the shared memory); `compile` runs NVRTC on one of them,
 //!    from any thread (NVRTC programs are independent), for the GPU's own
 //!    architecture, so the result is a cubin the driver loads without its
 //!    PTX→SASS step (PTX when NVRTC cannot give one).
 //! 3. `KernelCache::insert` stores each result where `CudaContext::compile_kernel`
 //!    looks first, under the same key; a later process finds them there.
 
+use crate::CudaCompiler;
 use crate::compute::context::PtxCacheEntry;
 use cubecl_common::cache::CacheOption;
+use cubecl_core::ExecutionMode;
 use cubecl_core::compilation_cache::CompilationCache;
 use cubecl_core::hash::StableHash;
+use cubecl_cpp::shared::CompilationOptions;
+use cubecl_runtime::compiler::CubeTask;
 use std::collections::HashSet;
 use std::ffi::{CStr, CString, c_char};
 use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// A kernel a recording launch lowered: what NVRTC needs, and what the PTX
-/// cache stores beside the compiled image.
+/// A recorded kernel, lowered: what NVRTC needs, and what the PTX cache
+/// stores beside the compiled image.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RecordedKernel {
     /// `KernelId::stable_hash()` in hex: the PTX cache's key.
@@ -63,7 +67,20 @@ pub fn compiled_at_launch() -> usize {
 pub(crate) fn count_compiled_at_launch() {
     COMPILED_AT_LAUNCH.fetch_add(1, Ordering::Relaxed);
 }
-static RECORDED: Mutex<(Vec<RecordedKernel>, Option<HashSet<StableHash>>)> =
+
+/// A launch recorded but not yet lowered: lowering (CubeCL's expansion,
+/// optimizer and C++ generation) waits for `take_recorded`, which does it
+/// on every core instead of on the device's thread.
+pub(crate) struct Pending {
+    pub hash: StableHash,
+    pub task: Box<dyn CubeTask<CudaCompiler>>,
+    pub mode: ExecutionMode,
+    pub options: CompilationOptions,
+    pub max_shared_mem_bytes: usize,
+    pub nvrtc_options: Vec<String>,
+}
+
+static RECORDED: Mutex<(Vec<Pending>, Option<HashSet<StableHash>>)> =
     Mutex::new((Vec::new(), None));
 
 /// From now on, launches in this process are recorded and not executed.
@@ -82,18 +99,107 @@ pub(crate) fn recorded(hash: StableHash) -> bool {
     guard.1.as_ref().is_some_and(|seen| seen.contains(&hash))
 }
 
-pub(crate) fn record(hash: StableHash, kernel: RecordedKernel) {
+pub(crate) fn record(kernel: Pending) {
     let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
     let (list, seen) = &mut *guard;
-    if seen.get_or_insert_with(HashSet::new).insert(hash) {
+    if seen.get_or_insert_with(HashSet::new).insert(kernel.hash) {
         list.push(kernel);
     }
 }
 
-/// The kernels recorded so far, in launch order; the list starts again.
-pub fn take_recorded() -> Vec<RecordedKernel> {
-    let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
-    std::mem::take(&mut guard.0)
+/// The kernels recorded so far, in launch order, lowered to CUDA C++ on
+/// `jobs` threads; the list starts again. A kernel whose lowering fails or
+/// whose shared memory exceeds the device's is left out, with why (its
+/// launch would fail the same way in a run) in the second list.
+pub fn take_recorded(jobs: usize) -> (Vec<RecordedKernel>, Vec<String>) {
+    let pending = {
+        let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut guard.0)
+    };
+    let next = AtomicUsize::new(0);
+    let lowered: Vec<Mutex<Option<Result<RecordedKernel, String>>>> =
+        pending.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.clamp(1, pending.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(p) = pending.get(i) else { break };
+                    // CubeCL's expansion panics on some configurations; that
+                    // kernel is refused, the others still come out.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lower(p)))
+                        .unwrap_or_else(|e| {
+                            Err(e
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                                .unwrap_or_else(|| "lowering panicked".into()))
+                        });
+                    *lowered[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                }
+            });
+        }
+    });
+    let (mut kernels, mut refused) = (Vec::new(), Vec::new());
+    for (p, r) in pending.iter().zip(lowered) {
+        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(k)) => kernels.push(k),
+            Some(Err(why)) => refused.push(format!("{}: {why}", p.task.name())),
+            None => {}
+        }
+    }
+    (kernels, refused)
+}
+
+fn lower(p: &Pending) -> Result<RecordedKernel, String> {
+    let compiled = p
+        .task
+        .compile(
+            &mut Default::default(),
+            &p.options,
+            p.mode,
+            p.task.address_type(),
+        )
+        .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
+    let shared_mem_bytes = compiled
+        .repr
+        .as_ref()
+        .map(|repr| repr.shared_memory_size())
+        .unwrap_or(0);
+    if shared_mem_bytes > p.max_shared_mem_bytes {
+        return Err(format!(
+            "{shared_mem_bytes} bytes of shared memory, above the device's {}",
+            p.max_shared_mem_bytes
+        ));
+    }
+    Ok(RecordedKernel {
+        hash: format!("{:032x}", p.hash),
+        entrypoint_name: compiled.entrypoint_name,
+        shared_mem_bytes,
+        source: compiled.source,
+        options: p.nvrtc_options.clone(),
+    })
+}
+
+/// NVRTC's options for a GPU of compute capability `sm` (90 for an H100):
+/// what `CudaContext::compile_kernel` has always passed.
+pub fn nvrtc_options(sm: u32) -> Vec<String> {
+    use crate::install::{cccl_include_path, include_path};
+    let arch = if sm >= 90 {
+        format!("--gpu-architecture=sm_{sm}a")
+    } else {
+        format!("--gpu-architecture=sm_{sm}")
+    };
+    let cccl = cccl_include_path();
+    let mut options = vec![
+        arch,
+        format!("--include-path={}", include_path().to_str().unwrap()),
+        "-lineinfo".to_string(),
+    ];
+    if cccl.exists() {
+        options.push(format!("--include-path={}", cccl.to_str().unwrap()));
+    }
+    options
 }
 
 /// A compiled kernel image: a cubin for the GPU NVRTC targeted, else PTX.

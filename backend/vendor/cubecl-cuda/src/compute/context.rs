@@ -7,11 +7,8 @@ use cubecl_runtime::{
 };
 
 use super::storage::gpu::GpuResource;
+use crate::CudaComputeKernel;
 use crate::{CudaCompiler, compute::stream::Stream};
-use crate::{
-    CudaComputeKernel,
-    install::{cccl_include_path, include_path},
-};
 use cubecl_core::{
     compilation_cache::CompilationCache,
     hash::StableHash,
@@ -236,34 +233,16 @@ impl CudaContext {
         Ok(())
     }
 
-    /// NVRTC's options for this device (rcoa patch: one place, for `compile_kernel`
-    /// and for the kernels `record_kernel` hands to `prebuild`).
+    /// NVRTC's options for this device (rcoa patch: `prebuild::nvrtc_options`,
+    /// one place for `compile_kernel` and for the kernels `record_kernel` keeps).
     fn nvrtc_options(&self) -> Vec<String> {
-        let arch = if self.arch.version >= 90 {
-            format!("--gpu-architecture=sm_{}a", self.arch)
-        } else {
-            format!("--gpu-architecture=sm_{}", self.arch)
-        };
-        let include_path = include_path();
-        let cccl_include_path = cccl_include_path();
-        let mut options = vec![
-            arch,
-            format!("--include-path={}", include_path.to_str().unwrap()),
-            "-lineinfo".to_string(),
-        ];
-        if cccl_include_path.exists() {
-            options.push(format!(
-                "--include-path={}",
-                cccl_include_path.to_str().unwrap()
-            ));
-        }
-        options
+        crate::prebuild::nvrtc_options(self.arch.version)
     }
 
-    /// rcoa patch (`prebuild`, recording): lower a kernel the caches do not
-    /// hold to CUDA C++, validated as `compile_kernel` validates it (so an
-    /// autotune candidate that would fail to compile fails here too), and
-    /// record it instead of compiling it.
+    /// rcoa patch (`prebuild`, recording): record a kernel the caches do not
+    /// hold instead of compiling it, after the checks `compile_kernel` makes
+    /// before lowering (so an autotune candidate of the wrong size fails
+    /// here too). `prebuild::take_recorded` lowers it later, on any thread.
     pub(crate) fn record_kernel(
         &mut self,
         kernel_id: &KernelId,
@@ -282,28 +261,14 @@ impl CudaContext {
         }
         validate_cube_dim(&self.properties, kernel_id)?;
         validate_units(&self.properties, kernel_id)?;
-        let compiled = kernel.compile(
-            &mut Default::default(),
-            &self.compilation_options,
-            mode,
-            kernel.address_type(),
-        )?;
-        self.validate_shared(&compiled.repr)?;
-        let shared_mem_bytes = compiled
-            .repr
-            .as_ref()
-            .map(|repr| repr.shared_memory_size())
-            .unwrap_or(0);
-        crate::prebuild::record(
+        crate::prebuild::record(crate::prebuild::Pending {
             hash,
-            crate::prebuild::RecordedKernel {
-                hash: format!("{hash:032x}"),
-                entrypoint_name: compiled.entrypoint_name,
-                shared_mem_bytes,
-                source: compiled.source,
-                options: self.nvrtc_options(),
-            },
-        );
+            task: kernel,
+            mode,
+            options: self.compilation_options.clone(),
+            max_shared_mem_bytes: self.properties.hardware.max_shared_memory_size,
+            nvrtc_options: self.nvrtc_options(),
+        });
         Ok(())
     }
 
