@@ -105,7 +105,10 @@ impl Recording {
             .arg("--record-kernels")
             .arg(&file)
             .args(["--compile-jobs", &jobs.to_string()])
-            .stdout(std::process::Stdio::null());
+            .stdout(std::process::Stdio::null())
+            // Its memory samples are of a run that computed nothing; they
+            // would sit among the real run's in the same stderr.
+            .env_remove("RCOA_MEMORY_TRACE");
         if let Some(d) = &self.data {
             child.arg("--data").arg(d);
         }
