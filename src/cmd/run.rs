@@ -583,13 +583,19 @@ pub fn run(args: Args) -> ExitCode {
         }
         Err(e) => {
             print_diagnostic(&e);
-            match e {
-                RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
-                    ExitCode::from(1)
-                }
-                _ => ExitCode::from(2),
-            }
+            exit_code(&e)
         }
+    }
+}
+
+/// 1 when the backend failed or training diverged, 2 for what the user can
+/// fix before starting (the plan, the files, the flags, no CUDA).
+pub(crate) fn exit_code(e: &RunError) -> ExitCode {
+    match e {
+        RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
+            ExitCode::from(1)
+        }
+        _ => ExitCode::from(2),
     }
 }
 

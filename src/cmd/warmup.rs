@@ -6,11 +6,11 @@
 //! elapsed time; the end says where the cache is, how many entries it gained
 //! and how long it took. On CUDA the kernels are first compiled on every
 //! core (`compile_ahead`); the steps then tune and find them cached. On the
-//! CPU the same steps run and there is nothing to compile. Exit status: 0 done, 1 the backend failed, 2 bad plan, bad
-//! usage or no CUDA.
+//! CPU the same steps run and there is nothing to compile. Exit status: 0
+//! done, 1 the backend failed, 2 bad plan, bad usage or no CUDA.
 
 use super::compile_ahead::{self, Recording};
-use super::run::{lower_plan, print_diagnostic, Autotune, Device};
+use super::run::{exit_code, lower_plan, print_diagnostic, Autotune, Device};
 use rcoa_backend::distributed::{Distributed, Timeouts};
 use rcoa_backend::{RunError, RunOptions};
 use std::path::PathBuf;
@@ -171,19 +171,12 @@ pub fn run(args: Args) -> ExitCode {
 
 fn failed(e: &RunError) -> ExitCode {
     print_diagnostic(e);
-    match e {
-        RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
-            ExitCode::from(1)
-        }
-        _ => ExitCode::from(2),
-    }
+    exit_code(e)
 }
 
 /// A spinner on stderr with the elapsed time, and a progress sink that
 /// sets its message (after `prefix`).
-pub(crate) fn spinner(
-    prefix: &'static str,
-) -> (indicatif::ProgressBar, rcoa_backend::warmup::Progress) {
+fn spinner(prefix: &'static str) -> (indicatif::ProgressBar, rcoa_backend::warmup::Progress) {
     let bar = indicatif::ProgressBar::new_spinner();
     bar.set_style(
         indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} {msg}")
