@@ -170,49 +170,26 @@ fn unavailable_cuda_is_a_clean_error() {
 
 #[test]
 fn compile_jobs_is_at_least_one_and_changes_nothing_on_the_cpu() {
-    let out = rcoa()
-        .args([
-            "run",
-            "plans/tiny-cpu.plan",
-            "--steps",
-            "1",
-            "--compile-jobs",
-            "0",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // One step of the tiny plan with `extra` flags: exit code and stderr.
+    let tiny = |extra: &[&str]| {
+        let out = rcoa()
+            .args(["run", "plans/tiny-cpu.plan", "--steps", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr)
+    };
+    let (code, stderr) = tiny(&["--compile-jobs", "0"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--compile-jobs"), "{stderr}");
-    let out = rcoa()
-        .args([
-            "run",
-            "plans/tiny-cpu.plan",
-            "--steps",
-            "1",
-            "--compile-jobs",
-            "4",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let (code, stderr) = tiny(&["--compile-jobs", "4"]);
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(!stderr.contains("compiling kernels ahead"), "{stderr}");
     // A CUDA run this build cannot do records nothing first.
     if !rcoa_backend::CUDA_BUILT {
-        let out = rcoa()
-            .args([
-                "run",
-                "plans/tiny-cpu.plan",
-                "--steps",
-                "1",
-                "--device",
-                "cuda",
-            ])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        let (code, stderr) = tiny(&["--device", "cuda"]);
+        assert_eq!(code, Some(2), "{stderr}");
         assert!(stderr.contains("without CUDA support"), "{stderr}");
         assert!(!stderr.contains("recording"), "{stderr}");
     }

@@ -178,64 +178,54 @@ fn warmup_runs_a_data_parallel_plans_ranks_as_devices_and_refuses_another_count(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `rcoa ARGS` exits 2 with `needle` in its message and no panic.
+fn refused(dir: &Path, args: &[&str], needle: &str) -> String {
+    let out = rcoa(dir, args);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    err
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let dir = temp("bad");
     // A missing plan.
-    let out = rcoa(&dir, &["warmup", "no/such.plan"]);
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("no/such.plan"), "{err}");
-    // No device at all.
+    refused(&dir, &["warmup", "no/such.plan"], "no/such.plan");
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("plans/tiny-cpu.plan");
-    let out = rcoa(&dir, &["warmup", tiny.to_str().unwrap(), "--devices", "0"]);
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("--devices"), "{err}");
+    let tiny = tiny.to_str().unwrap();
+    // No device at all.
+    refused(&dir, &["warmup", tiny, "--devices", "0"], "--devices");
     // A missing data file: the run's own error, before anything trains.
-    let out = rcoa(
+    refused(
         &dir,
-        &["warmup", tiny.to_str().unwrap(), "--data", "no/such.jsonl"],
+        &["warmup", tiny, "--data", "no/such.jsonl"],
+        "no/such.jsonl",
     );
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("no/such.jsonl"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    // CUDA where this build has none (the CI build) is refused, not a panic.
+    // CUDA where this build has none (the CI build) is refused, not a panic,
+    // and no recording pass runs first.
     if !rcoa_backend::CUDA_BUILT {
-        let out = rcoa(
+        let err = refused(
             &dir,
-            &["warmup", tiny.to_str().unwrap(), "--device", "cuda"],
+            &["warmup", tiny, "--device", "cuda"],
+            "without CUDA support",
         );
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{err}");
-        assert!(err.contains("without CUDA support"), "{err}");
-        assert!(
-            !err.contains("recording"),
-            "no recording pass without CUDA: {err}"
-        );
+        assert!(!err.contains("recording"), "{err}");
     }
     // Compiling ahead: at least one thread; the recording pass is CUDA's.
-    let out = rcoa(
+    refused(
         &dir,
-        &["warmup", tiny.to_str().unwrap(), "--compile-jobs", "0"],
+        &["warmup", tiny, "--compile-jobs", "0"],
+        "--compile-jobs",
     );
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("--compile-jobs"), "{err}");
     let record = dir.join("kernels.jsonl");
-    let out = rcoa(
+    let record_arg = record.to_str().unwrap();
+    refused(
         &dir,
-        &[
-            "warmup",
-            tiny.to_str().unwrap(),
-            "--record-kernels",
-            record.to_str().unwrap(),
-        ],
+        &["warmup", tiny, "--record-kernels", record_arg],
+        "give --device cuda",
     );
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("give --device cuda"), "{err}");
     assert!(!record.exists(), "nothing recorded on the CPU");
     let out = rcoa(&dir, &["warmup", "--help"]);
     let help = text(&out.stdout);
