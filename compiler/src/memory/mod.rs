@@ -368,6 +368,7 @@ fn evaluate_stage(
     let mut persistent = tape::Persistent {
         grad_divisor: 1,
         sampled: profile.peak_sampled_at_segments,
+        recompute_holds_output: profile.recompute_holds_output,
         ..Default::default()
     };
     let opt_on_gpu = !cand.offloads(OffloadWhat::Optimizer);

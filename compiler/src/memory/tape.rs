@@ -291,6 +291,9 @@ pub struct Persistent {
     /// the first micro-batch's backward on (whole, as it is when the backward ends), and
     /// through every later micro-batch (`grads_exist`).
     pub unit_grad_acc: u64,
+    /// `Profile::recompute_holds_output`: a recomputed layer's output lives from its recompute
+    /// to the start of the layer's backward.
+    pub recompute_holds_output: bool,
 }
 
 /// One allocation or release of the walk, in order ([`walk_traced`]): what an allocator
@@ -482,8 +485,9 @@ impl<'a> Walk<'a> {
     }
 
     /// Run ops `range` forward. `recompute`: a checkpointed layer replayed in the backward,
-    /// so uses outside the layer do not count and its saves do.
-    fn forward_ops(&mut self, range: std::ops::Range<usize>, recompute: bool) {
+    /// so uses outside the layer do not count and its saves do; with `hold_output` its last
+    /// op's outputs stay alive for the caller to release.
+    fn forward_ops(&mut self, range: std::ops::Range<usize>, recompute: bool, hold_output: bool) {
         let tape = self.tape;
         let counts_saves = |op: usize| -> bool {
             recompute || !tape.layer_of_op(op).is_some_and(|l| l.checkpointed)
@@ -530,6 +534,10 @@ impl<'a> Walk<'a> {
             }
             for &out in &info.outputs {
                 let mut refs = refs_of[out.0 as usize];
+                if recompute && hold_output && op + 1 == range.end {
+                    // Released by the caller when the layer's backward starts.
+                    refs += 1;
+                }
                 if !recompute {
                     let t = tape.tensor(out);
                     if t.held_until_forward_end {
@@ -777,7 +785,7 @@ fn walk_inner(
             }
         }
     }
-    w.forward_ops(0..tape.ops.len(), false);
+    w.forward_ops(0..tape.ops.len(), false, false);
     w.boundary(Phase::Forward, "loss", None);
     // The forward returns: autocast's cache is cleared, the model outputs are dropped.
     for (i, t) in tape.tensors.iter().enumerate() {
@@ -834,7 +842,13 @@ fn walk_inner(
                     }
                 }
             }
-            w.forward_ops(span.first_op as usize..span.end_op as usize, true);
+            let hold = persistent.recompute_holds_output;
+            w.forward_ops(span.first_op as usize..span.end_op as usize, true, hold);
+            if hold {
+                for &out in &tape.ops[span.end_op as usize - 1].outputs {
+                    w.release(out);
+                }
+            }
             for o in (span.first_op as usize..span.end_op as usize).rev() {
                 w.backward_op(o);
             }

@@ -73,6 +73,7 @@ pub fn run_trace(
     let first = tape::Persistent {
         grad_divisor: 1,
         sampled: profile.peak_sampled_at_segments,
+        recompute_holds_output: profile.recompute_holds_output,
         ..Default::default()
     };
     let later = tape::Persistent {

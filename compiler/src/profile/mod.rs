@@ -147,6 +147,10 @@ pub struct Profile {
     /// forward and backward, the loss, the optimizer): `peak_bytes` is the highest of
     /// those, and the transients inside a segment are covered by the pool factor below.
     pub peak_sampled_at_segments: bool,
+    /// A checkpointed layer's recompute keeps the layer's output until the layer's backward
+    /// starts (the Burn executor backpropagates `sum(y · dy)` from it); autograd engines
+    /// recompute only what the backward saved.
+    pub recompute_holds_output: bool,
     /// Device memory the allocator's pool reserves per byte in use at the highest point of
     /// the step, transients inside segments included (1.0: the reserve covers it): `fits`
     /// checks `highest in use x factor + reserve` against the budget.
@@ -261,6 +265,7 @@ impl Profile {
             process_transport_bytes_per_s: None,
             inplace_elementwise: false,
             peak_sampled_at_segments: false,
+            recompute_holds_output: false,
             // The 1 GiB reserve above covers the caching allocator's fragmentation.
             pool_factor: 1.0,
             pool_factor_recompute: 1.0,
@@ -351,6 +356,11 @@ impl Profile {
             // backend/src/train.rs samples `bytes_in_use` after every layer's forward and
             // backward, the loss and the optimizer: what `rcoa run` reports as measured.
             peak_sampled_at_segments: true,
+            // `Trainer::recompute` returns the recomputed output `y`, alive at the recompute's
+            // sample: QLoRA at Mistral-7B's shape measured one [4, 2048, 4096] bf16 tensor
+            // (64 MiB) over the prediction there, at 8 and at 32 layers alike
+            // (docs/burn-h100.md, "2026-11-27").
+            recompute_holds_output: true,
             // CubeCL's pool keeps pages once grown. Measured reserved over the model's highest
             // bytes in use (transients inside segments included: the loss's fp32 log-softmax
             // adds 3.1 GB over the sampled 350M peak), fused CUDA executor: 1.275
