@@ -10,6 +10,30 @@ use rcoa_backend::prebuild::CompileReport;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// How long the recording pass may take. It runs two steps' host work with no
+/// kernel executed, then lowers the kernels on every core: seconds to a few
+/// minutes. Past this something is stuck; the run goes on without it.
+const RECORD_LIMIT: Duration = Duration::from_secs(20 * 60);
+
+/// `child`'s exit status, or `None` (and the child killed) after `limit`.
+fn wait_at_most(
+    mut child: std::process::Child,
+    limit: Duration,
+) -> Option<std::process::ExitStatus> {
+    let start = std::time::Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if start.elapsed() < limit => std::thread::sleep(Duration::from_millis(50)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
 /// `--compile-jobs`: the threads NVRTC runs on; default this machine's cores.
 pub fn jobs(arg: Option<u32>) -> usize {
     arg.map_or_else(
@@ -122,15 +146,23 @@ impl Recording {
             "compiling kernels ahead on {jobs} threads: first, recording what the steps launch (running none)"
         );
         let start = std::time::Instant::now();
-        let status = child.status();
+        let status = match child.spawn() {
+            Ok(c) => wait_at_most(c, RECORD_LIMIT),
+            Err(e) => return give_up(format!("the recording pass could not start: {e}")),
+        };
         let record_seconds = start.elapsed().as_secs_f64();
         match status {
-            Ok(s) if s.success() => {}
-            Ok(s) if file.exists() => {
+            Some(s) if s.success() => {}
+            Some(s) if file.exists() => {
                 eprintln!("note: the recording pass ended with {s}; compiling what it recorded")
             }
-            Ok(s) => return give_up(format!("the recording pass failed ({s})")),
-            Err(e) => return give_up(format!("the recording pass could not start: {e}")),
+            Some(s) => return give_up(format!("the recording pass failed ({s})")),
+            None => {
+                return give_up(format!(
+                    "the recording pass was stopped after {} s",
+                    RECORD_LIMIT.as_secs()
+                ))
+            }
         }
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
@@ -154,5 +186,28 @@ impl Recording {
             }),
             Err(e) => give_up(format!("compiling ahead failed: {e}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_past_its_limit_is_stopped_and_one_within_it_is_waited_for() {
+        let sleep = |secs: &str| {
+            std::process::Command::new("sleep")
+                .arg(secs)
+                .spawn()
+                .unwrap()
+        };
+        let start = std::time::Instant::now();
+        assert_eq!(wait_at_most(sleep("30"), Duration::from_millis(200)), None);
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "killed, not waited for"
+        );
+        let status = wait_at_most(sleep("0"), Duration::from_secs(30)).unwrap();
+        assert!(status.success());
     }
 }
