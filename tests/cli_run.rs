@@ -28,8 +28,13 @@ fn tiny_plan_file(dir: &Path) -> PathBuf {
 
 /// `plans/tiny-cpu.plan` with `from` replaced by `to`, written to `dir/name.plan`.
 fn tiny_variant(dir: &Path, name: &str, from: &str, to: &str) -> PathBuf {
-    let source = std::fs::read_to_string("plans/tiny-cpu.plan").unwrap();
-    assert!(source.contains(from), "tiny-cpu.plan has no `{from}`");
+    variant_of("plans/tiny-cpu.plan", dir, name, from, to)
+}
+
+/// `plan` with `from` replaced by `to`, written to `dir/name.plan`.
+fn variant_of(plan: &str, dir: &Path, name: &str, from: &str, to: &str) -> PathBuf {
+    let source = std::fs::read_to_string(plan).unwrap();
+    assert!(source.contains(from), "{plan} has no `{from}`");
     let path = dir.join(format!("{name}.plan"));
     std::fs::write(&path, source.replace(from, to)).unwrap();
     path
@@ -483,15 +488,10 @@ fn flash_attention_plan_trains_on_the_cpu() {
 /// after the head's backward (the gradient in its place) are those after the last layer's
 /// forward, not one `[batch, seq, hidden]` tensor more (read from the second step's
 /// `RCOA_MEMORY_TRACE=1` samples; the counting allocator's live bytes on the CPU).
-#[test]
-fn the_head_input_is_freed_after_its_backward() {
-    let dir = temp("head-input");
-    let plan = tiny_variant(
-        &dir,
-        "full",
-        "fit { checkpoint = none }",
-        "fit { checkpoint = full }",
-    );
+/// The memory samples of a 2-step CPU run of `plan` (`RCOA_MEMORY_TRACE=1`
+/// prints the second step's: the first has no optimizer state yet), each at
+/// its point's last micro-batch.
+fn second_step_samples(plan: &Path) -> impl Fn(&str) -> u64 {
     let out = rcoa()
         .args([
             "run",
@@ -504,34 +504,64 @@ fn the_head_input_is_freed_after_its_backward() {
         .env("RCOA_MEMORY_TRACE", "1")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    let samples: Vec<(&str, u64)> = err
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{err}");
+    let samples: Vec<(String, u64)> = err
         .lines()
         .filter_map(|l| {
             let mut w = l.strip_prefix("memory ")?.split_whitespace();
-            Some((w.next()?, w.next()?.parse().ok()?))
+            Some((w.next()?.to_string(), w.next()?.parse().ok()?))
         })
         .collect();
-    // The second step's: the first has no optimizer state yet.
-    let at = |what: &str| {
+    move |what: &str| {
         samples
             .iter()
-            .filter(|(w, _)| *w == what)
-            .nth(1)
-            .unwrap_or_else(|| panic!("no second `{what}` sample in:\n{err}"))
+            .rfind(|(w, _)| w == what)
+            .unwrap_or_else(|| panic!("no `{what}` sample in:\n{err}"))
             .1
-    };
+    }
+}
+
+#[test]
+fn the_head_input_is_freed_after_its_backward() {
+    let dir = temp("head-input");
+    let plan = tiny_variant(
+        &dir,
+        "full",
+        "fit { checkpoint = none }",
+        "fit { checkpoint = full }",
+    );
+    let at = second_step_samples(&plan);
     let (last, head) = (at("forward:layer1"), at("backward:head"));
     // tiny-decoder: 4 sequences × 32 tokens × hidden 64, fp32.
     let hidden_state = 4 * 32 * 64 * 4;
     assert!(
         head < last + hidden_state / 2,
         "after the head's backward {head} B, after the last layer {last} B"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An adapter freezes the embedding: the first layer's input takes no
+/// gradient, so its backward makes none (the memory model never had one).
+#[test]
+fn a_frozen_embedding_takes_no_gradient_from_the_first_layer() {
+    let dir = temp("frozen-embedding");
+    let plan = variant_of(
+        "plans/tiny-cpu-qlora.plan",
+        &dir,
+        "qlora-full",
+        "fit { checkpoint = none }",
+        "fit { checkpoint = full }",
+    );
+    let at = second_step_samples(&plan);
+    // tiny-cpu-qlora: 8 sequences × 32 tokens × hidden 64, fp32. After layer 1's backward
+    // its input's gradient is alive (layer 0's output gradient); after layer 0's, none is.
+    let hidden_grad = 8 * 32 * 64 * 4;
+    let (first, second) = (at("backward:layer0"), at("backward:layer1"));
+    assert!(
+        first + hidden_grad / 2 < second,
+        "after layer 0's backward {first} B, after layer 1's {second} B"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -333,6 +333,30 @@ pub enum Unit {
 /// to do with its gradients after its backward. `Whole` hands out the
 /// trainer's model and merges gradients into a `GradientsParams`;
 /// `shard::zero3::Zero3Hooks` gathers and reduce-scatters.
+/// Whether any of `m`'s parameters is trained.
+fn trains<B: Backend, M: Module<B>>(m: &M) -> bool {
+    struct Any(bool);
+    impl<B: Backend> ModuleVisitor<B> for Any {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 |= param.is_require_grad();
+        }
+    }
+    let mut any = Any(false);
+    m.visit(&mut any);
+    any.0
+}
+
+/// A layer's input as the leaf of its segment's graph: tracked when its
+/// gradient goes on down (every layer's but a frozen embedding's first).
+fn leaf_of<B: ExecAutodiff>(x: Tensor<B::InnerBackend, 3>, input_grad: bool) -> Tensor<B, 3> {
+    let leaf = Tensor::<B, 3>::from_inner(x);
+    if input_grad {
+        leaf.require_grad()
+    } else {
+        leaf
+    }
+}
+
 pub trait UnitHooks<B: ExecAutodiff> {
     type Error;
     fn embed(&mut self) -> Result<Embed<B>, Self::Error>;
@@ -818,8 +842,17 @@ impl<B: ExecAutodiff> Trainer<B> {
         let layers = self.model.layers.len();
         let (ctx, ictx) = self.contexts(batch);
         self.reseed_for(step, micro, 0);
-        let emb = hooks.embed()?.forward(self.tokens(batch), &ctx);
+        let embed = hooks.embed()?;
+        // A frozen embedding (an adapter's) takes no gradient: the first layer's input is then
+        // a constant, and that layer saves and computes only what its own parameters need,
+        // as autograd does (and the memory model walks).
+        let first_input_grad = trains(&embed);
+        let emb = embed.forward(self.tokens(batch), &ctx);
+        let input_grad = |i: usize| i > 0 || first_input_grad;
         let mut x = emb.clone().inner();
+        // Kept for the embedding's backward only; frozen, its buffer lives on as the first
+        // layer's input alone, and goes with it.
+        let emb = first_input_grad.then_some(emb);
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(layers);
         for i in 0..layers {
             self.reseed_for(step, micro, i as u64 + 1);
@@ -834,7 +867,7 @@ impl<B: ExecAutodiff> Trainer<B> {
                 });
                 x = y;
             } else {
-                let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+                let leaf = leaf_of(x, input_grad(i));
                 let y = hooks.layer(i, true)?.forward(leaf.clone(), &ctx);
                 x = y.clone().inner();
                 saved.push(Saved::Graph(leaf, y));
@@ -848,9 +881,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         let value = loss.clone().inner();
         self.mark(probe, false, &|| "forward:loss".into());
         let grads = loss.mul_scalar(scale).backward();
-        let mut g = leaf
-            .grad(&grads)
-            .expect("the loss depends on the last hidden state");
+        let mut g = Some(
+            leaf.grad(&grads)
+                .expect("the loss depends on the last hidden state"),
+        );
         // The last layer's output: its graph keeps it where that layer is not recomputed,
         // its recompute makes it again where it is. Held here, it stayed through the whole
         // backward beside its gradient (QLoRA on CUDA: 64 MiB, docs/burn-h100.md
@@ -862,33 +896,45 @@ impl<B: ExecAutodiff> Trainer<B> {
         for i in (0..layers).rev() {
             let (leaf, y) = match saved.pop().expect("one saved segment per layer") {
                 Saved::Graph(leaf, y) => (leaf, y),
-                Saved::Input(x) => self.recompute(i, x, step, micro, &ctx, hooks, probe)?,
+                Saved::Input(x) => {
+                    self.recompute(i, x, input_grad(i), step, micro, &ctx, hooks, probe)?
+                }
                 Saved::Host(data) => {
                     let dtype = data.dtype;
                     let x = Tensor::from_data(data, (&self.device, dtype));
-                    self.recompute(i, x, step, micro, &ctx, hooks, probe)?
+                    self.recompute(i, x, input_grad(i), step, micro, &ctx, hooks, probe)?
                 }
             };
-            let grads = (y * Tensor::from_inner(g)).sum().backward();
-            g = leaf
-                .grad(&grads)
-                .expect("a layer's output depends on its input");
+            let dy = g
+                .take()
+                .expect("the layer above passed its input's gradient");
+            let grads = (y * Tensor::from_inner(dy)).sum().backward();
+            g = input_grad(i).then(|| {
+                leaf.grad(&grads)
+                    .expect("a layer's output depends on its input")
+            });
             hooks.backward(Unit::Layer(i), grads)?;
             self.mark(probe, true, &|| format!("backward:layer{i}"));
         }
-        let grads = (emb * Tensor::from_inner(g)).sum().backward();
+        let grads = match (emb, g) {
+            (Some(emb), Some(g)) => (emb * Tensor::from_inner(g)).sum().backward(),
+            // A frozen embedding: no gradient came down, and none goes to it.
+            _ => Tensor::<B, 1>::zeros([1], &self.device).sum().backward(),
+        };
         hooks.backward(Unit::Embed, grads)?;
         self.mark(probe, false, &|| "backward:embedding".into());
         Ok(value)
     }
 
     /// Layer `i` again from its kept input `x`, with the graph on (the masks
-    /// of its first forward): the leaf input and the output.
+    /// of its first forward): the leaf input (tracked when `input_grad`) and
+    /// the output.
     #[allow(clippy::too_many_arguments)]
     fn recompute<H: UnitHooks<B>>(
         &self,
         i: usize,
         x: Tensor<B::InnerBackend, 3>,
+        input_grad: bool,
         step: u64,
         micro: u64,
         ctx: &Ctx<B>,
@@ -896,7 +942,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         probe: &mut dyn MemoryProbe,
     ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), H::Error> {
         self.reseed_for(step, micro, i as u64 + 1);
-        let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
+        let leaf = leaf_of(x, input_grad);
         let y = hooks.layer(i, true)?.forward(leaf.clone(), ctx);
         self.mark(probe, true, &|| format!("recompute:layer{i}"));
         Ok((leaf, y))
