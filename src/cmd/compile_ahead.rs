@@ -194,6 +194,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_report_names_what_speed_py_and_the_docs_read() {
+        let p = Prebuilt {
+            record_seconds: 8.25,
+            compile: CompileReport {
+                dir: PathBuf::from("/cache/h100"),
+                recorded: 412,
+                cached: 2,
+                compiled: 409,
+                cubins: 409,
+                failed: vec!["k: error".into()],
+                threads: 16,
+                seconds: 21.5,
+            },
+        };
+        assert_eq!(
+            p.summary(),
+            "409 kernels compiled on 16 threads in 21.5 s (409 as cubins), of 412 recorded in 8.2 s (2 already cached)"
+        );
+        // backend/bench/speed.py adds these two; docs/cold-start.md lists them all.
+        let j = p.json();
+        assert_eq!(j["event"], "compiled_ahead");
+        assert_eq!(j["record_seconds"], 8.25);
+        assert_eq!(j["compile_seconds"], 21.5);
+        for key in [
+            "recorded", "cached", "compiled", "cubins", "failed", "threads",
+        ] {
+            assert!(j[key].is_u64(), "{key} in {j}");
+        }
+        assert_eq!(j["failed"], 1);
+    }
+
+    #[test]
     fn a_child_past_its_limit_is_stopped_and_one_within_it_is_waited_for() {
         let sleep = |secs: &str| {
             std::process::Command::new("sleep")
