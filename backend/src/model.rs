@@ -311,9 +311,16 @@ impl<B: Backend> Linear<B> {
             // The dense weight's id stays unused: the other parameters keep
             // the ids they have under LoRA.
             ids.next();
-            let values = host_f32(w);
-            let q = Nf4Base::quantize(&values, [c.d_in, c.d_out], QLORA_DOUBLE_QUANT, device)
-                .expect("a random normal weight is finite and of its own shape");
+            let shape = [c.d_in, c.d_out];
+            let q = if crate::prebuild::recording() {
+                // A recording pass reads zeros back: skip the read and the quantization
+                // (seconds at 7B), upload what they would give.
+                let zeros = crate::quant::nf4::Nf4Weight::zeros(shape, QLORA_DOUBLE_QUANT);
+                zeros.to_device(device).map(Nf4Base::new)
+            } else {
+                Nf4Base::quantize(&host_f32(w), shape, QLORA_DOUBLE_QUANT, device)
+            }
+            .expect("a random normal weight is finite and of its own shape");
             (None, Some(q))
         } else {
             (

@@ -95,6 +95,24 @@ impl Nf4Weight {
         })
     }
 
+    /// What [`Nf4Weight::quantize`] gives for an all-zero weight, without its pass over
+    /// every value: the stand-in a recording pass builds (`crate::prebuild`), whose
+    /// values mean nothing.
+    pub fn zeros(shape: [usize; 2], double: bool) -> Self {
+        let n = shape[0] * shape[1];
+        let zero = nearest(&midpoints(&NF4), 0.0);
+        let absmaxes = vec![0.0; n.div_ceil(BLOCK)];
+        Nf4Weight {
+            packed: vec![(zero << 4) | zero; n.div_ceil(2)],
+            scales: if double {
+                double_quantize(&absmaxes)
+            } else {
+                Scales::Fp32(absmaxes)
+            },
+            shape,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.shape[0] * self.shape[1]
     }
@@ -440,6 +458,20 @@ impl<B: Backend> Nf4Tensor<B> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn zeros_is_what_quantize_gives_for_a_zero_weight() {
+        for shape in [[64, 64], [3, 5], [256, 300], [7, 1]] {
+            for double in [false, true] {
+                let n = shape[0] * shape[1];
+                assert_eq!(
+                    super::Nf4Weight::zeros(shape, double),
+                    super::Nf4Weight::quantize(&vec![0.0; n], shape, double).unwrap(),
+                    "{shape:?}, double {double}"
+                );
+            }
+        }
+    }
+
     use super::*;
     use crate::quant::bnb_ref as r;
     use crate::quant::tests::det_weights;
