@@ -104,7 +104,7 @@ pub enum RunError {
     #[error("{0}")]
     #[diagnostic(
         code(rcoa::prebuild),
-        help("`rcoa warmup --jobs 1` warms the caches without compiling ahead")
+        help("`--compile-jobs 1` compiles the kernels in the steps themselves, without compiling ahead")
     )]
     Prebuild(String),
     #[error("the loss is {loss} at step {step}: training diverged")]

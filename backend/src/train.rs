@@ -328,11 +328,6 @@ pub enum Unit {
     Head,
 }
 
-/// What `Trainer::micro_step_with` asks for around each unit: its weights
-/// before its forward (and a checkpointed layer's recomputation), and what
-/// to do with its gradients after its backward. `Whole` hands out the
-/// trainer's model and merges gradients into a `GradientsParams`;
-/// `shard::zero3::Zero3Hooks` gathers and reduce-scatters.
 /// Whether any of `m`'s parameters is trained.
 fn trains<B: Backend, M: Module<B>>(m: &M) -> bool {
     struct Any(bool);
@@ -357,6 +352,11 @@ fn leaf_of<B: ExecAutodiff>(x: Tensor<B::InnerBackend, 3>, input_grad: bool) -> 
     }
 }
 
+/// What `Trainer::micro_step_with` asks for around each unit: its weights
+/// before its forward (and a checkpointed layer's recomputation), and what
+/// to do with its gradients after its backward. `Whole` hands out the
+/// trainer's model and merges gradients into a `GradientsParams`;
+/// `shard::zero3::Zero3Hooks` gathers and reduce-scatters.
 pub trait UnitHooks<B: ExecAutodiff> {
     type Error;
     fn embed(&mut self) -> Result<Embed<B>, Self::Error>;
