@@ -29,12 +29,18 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// Set by `record`: this process's values mean nothing (reads give zeros,
-/// `cubecl::cuda::prebuild`), so work done only for them is skipped.
-static RECORDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
+/// This process is a recording pass (`record`): its values mean nothing
+/// (reads give zeros, `cubecl::cuda::prebuild`), so work done only for them
+/// is skipped.
 pub(crate) fn recording() -> bool {
-    RECORDING.load(std::sync::atomic::Ordering::Relaxed)
+    #[cfg(feature = "cuda")]
+    {
+        cubecl::cuda::prebuild::recording()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// Write `items` to `path`, one JSON object per line.
@@ -160,10 +166,9 @@ pub fn record(
         let start = std::time::Instant::now();
         let autotune =
             std::env::temp_dir().join(format!("rcoa-record-autotune-{}", std::process::id()));
-        RECORDING.store(true, std::sync::atomic::Ordering::SeqCst);
         crate::cuda::start_recording(autotune.clone());
         let (_, result) = crate::warmup::run_steps(plan, opts, true, progress);
-        let (kernels, refused) = cubecl::cuda::prebuild::take_recorded(jobs);
+        let (kernels, refused) = lower_recorded(jobs);
         let _ = std::fs::remove_dir_all(&autotune);
         let stopped = match result {
             // Nothing ran (no CUDA, a bad data file): the run's own error.
@@ -189,6 +194,33 @@ pub fn record(
         let _ = (plan, opts, out, jobs, progress);
         Err(RunError::CudaNotBuilt)
     }
+}
+
+/// The recorded launches lowered to CUDA C++ on `jobs` threads, in launch
+/// order, and `kernel: why` for those refused. CubeCL's expansion panics on
+/// some configurations: that kernel is refused, the others still come out.
+#[cfg(feature = "cuda")]
+fn lower_recorded(jobs: usize) -> (Vec<cubecl::cuda::prebuild::RecordedKernel>, Vec<String>) {
+    let pending = cubecl::cuda::prebuild::take_pending();
+    let mut lowered: Vec<Option<Result<_, String>>> = pending.iter().map(|_| None).collect();
+    compile_all(
+        &pending,
+        jobs,
+        |p| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.lower()))
+                .unwrap_or_else(|e| Err(crate::cuda::panic_text(e.as_ref())))
+        },
+        |i, r| lowered[i] = Some(r),
+    );
+    let (mut kernels, mut refused) = (Vec::new(), Vec::new());
+    for (p, r) in pending.iter().zip(lowered) {
+        match r {
+            Some(Ok(k)) => kernels.push(k),
+            Some(Err(why)) => refused.push(format!("{}: {why}", p.name())),
+            None => {}
+        }
+    }
+    (kernels, refused)
 }
 
 /// What the compile phase did.
@@ -401,8 +433,8 @@ mod tests {
 }
 
 /// NVRTC needs no GPU: with the CUDA toolkit, or NVRTC and the headers from
-/// PyPI (`tools/nvrtc-from-pypi.sh`), the compile phase runs on any machine.
-/// Without them these print `SKIPPED` and pass (CI has neither).
+/// PyPI (`tools/nvrtc_from_pypi.sh`, which `.ci/run` calls), the compile
+/// phase runs on any machine. Without them these print `SKIPPED` and pass.
 #[cfg(all(test, feature = "cuda"))]
 mod nvrtc_tests {
     use super::*;

@@ -13,8 +13,9 @@
 //!    (`CudaServer::read`) so that the host's checks do not stop it. Its
 //!    results are meaningless, and the process must not keep anything it
 //!    tuned (the caller points the autotune cache elsewhere).
-//! 2. `take_recorded` lowers the kernels to CUDA C++ on every core (and
-//!    checks what a launch would: the shared memory); `compile` runs NVRTC on one of them,
+//! 2. `take_pending` gives the recorded launches; `Pending::lower` lowers one
+//!    to CUDA C++ from any thread (and checks what a launch would: the shared
+//!    memory); `compile` runs NVRTC on one of them,
 //!    from any thread (NVRTC programs are independent), for the GPU's own
 //!    architecture, so the result is a cubin the driver loads without its
 //!    PTX→SASS step (PTX when NVRTC cannot give one).
@@ -69,15 +70,15 @@ pub(crate) fn count_compiled_at_launch() {
 }
 
 /// A launch recorded but not yet lowered: lowering (CubeCL's expansion,
-/// optimizer and C++ generation) waits for `take_recorded`, which does it
-/// on every core instead of on the device's thread.
-pub(crate) struct Pending {
-    pub hash: StableHash,
-    pub task: Box<dyn CubeTask<CudaCompiler>>,
-    pub mode: ExecutionMode,
-    pub options: CompilationOptions,
-    pub max_shared_mem_bytes: usize,
-    pub nvrtc_options: Vec<String>,
+/// optimizer and C++ generation) waits for [`Pending::lower`], which the
+/// caller runs on every core instead of on the device's thread.
+pub struct Pending {
+    pub(crate) hash: StableHash,
+    pub(crate) task: Box<dyn CubeTask<CudaCompiler>>,
+    pub(crate) mode: ExecutionMode,
+    pub(crate) options: CompilationOptions,
+    pub(crate) max_shared_mem_bytes: usize,
+    pub(crate) nvrtc_options: Vec<String>,
 }
 
 static RECORDED: Mutex<(Vec<Pending>, Option<HashSet<StableHash>>)> =
@@ -89,7 +90,8 @@ pub fn start_recording() {
     RECORDING.store(true, Ordering::SeqCst);
 }
 
-pub(crate) fn recording() -> bool {
+/// Whether `start_recording` was called in this process.
+pub fn recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
 
@@ -107,78 +109,50 @@ pub(crate) fn record(kernel: Pending) {
     }
 }
 
-/// The kernels recorded so far, in launch order, lowered to CUDA C++ on
-/// `jobs` threads; the list starts again. A kernel whose lowering fails or
-/// whose shared memory exceeds the device's is left out, with why (its
-/// launch would fail the same way in a run) in the second list.
-pub fn take_recorded(jobs: usize) -> (Vec<RecordedKernel>, Vec<String>) {
-    let pending = {
-        let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
-        std::mem::take(&mut guard.0)
-    };
-    let next = AtomicUsize::new(0);
-    let lowered: Vec<Mutex<Option<Result<RecordedKernel, String>>>> =
-        pending.iter().map(|_| Mutex::new(None)).collect();
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.clamp(1, pending.len().max(1)) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(p) = pending.get(i) else { break };
-                    // CubeCL's expansion panics on some configurations; that
-                    // kernel is refused, the others still come out.
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lower(p)))
-                        .unwrap_or_else(|e| {
-                            Err(e
-                                .downcast_ref::<String>()
-                                .cloned()
-                                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                                .unwrap_or_else(|| "lowering panicked".into()))
-                        });
-                    *lowered[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                }
-            });
-        }
-    });
-    let (mut kernels, mut refused) = (Vec::new(), Vec::new());
-    for (p, r) in pending.iter().zip(lowered) {
-        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(Ok(k)) => kernels.push(k),
-            Some(Err(why)) => refused.push(format!("{}: {why}", p.task.name())),
-            None => {}
-        }
-    }
-    (kernels, refused)
+/// The kernels recorded so far, in launch order; the list starts again.
+pub fn take_pending() -> Vec<Pending> {
+    let mut guard = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+    std::mem::take(&mut guard.0)
 }
 
-fn lower(p: &Pending) -> Result<RecordedKernel, String> {
-    let compiled = p
-        .task
-        .compile(
-            &mut Default::default(),
-            &p.options,
-            p.mode,
-            p.task.address_type(),
-        )
-        .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
-    let shared_mem_bytes = compiled
-        .repr
-        .as_ref()
-        .map(|repr| repr.shared_memory_size())
-        .unwrap_or(0);
-    if shared_mem_bytes > p.max_shared_mem_bytes {
-        return Err(format!(
-            "{shared_mem_bytes} bytes of shared memory, above the device's {}",
-            p.max_shared_mem_bytes
-        ));
+impl Pending {
+    /// The kernel's name, for messages.
+    pub fn name(&self) -> String {
+        self.task.name().to_string()
     }
-    Ok(RecordedKernel {
-        hash: format!("{:032x}", p.hash),
-        entrypoint_name: compiled.entrypoint_name,
-        shared_mem_bytes,
-        source: compiled.source,
-        options: p.nvrtc_options.clone(),
-    })
+
+    /// Lower to CUDA C++, from any thread. A kernel whose lowering fails, or
+    /// whose shared memory exceeds the device's, is refused with why: its
+    /// launch would fail the same way in a run.
+    pub fn lower(&self) -> Result<RecordedKernel, String> {
+        let compiled = self
+            .task
+            .compile(
+                &mut Default::default(),
+                &self.options,
+                self.mode,
+                self.task.address_type(),
+            )
+            .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
+        let shared_mem_bytes = compiled
+            .repr
+            .as_ref()
+            .map(|repr| repr.shared_memory_size())
+            .unwrap_or(0);
+        if shared_mem_bytes > self.max_shared_mem_bytes {
+            return Err(format!(
+                "{shared_mem_bytes} bytes of shared memory, above the device's {}",
+                self.max_shared_mem_bytes
+            ));
+        }
+        Ok(RecordedKernel {
+            hash: format!("{:032x}", self.hash),
+            entrypoint_name: compiled.entrypoint_name,
+            shared_mem_bytes,
+            source: compiled.source,
+            options: self.nvrtc_options.clone(),
+        })
+    }
 }
 
 /// NVRTC's options for a GPU of compute capability `sm` (90 for an H100):

@@ -242,7 +242,7 @@ impl CudaContext {
     /// rcoa patch (`prebuild`, recording): record a kernel the caches do not
     /// hold instead of compiling it, after the checks `compile_kernel` makes
     /// before lowering (so an autotune candidate of the wrong size fails
-    /// here too). `prebuild::take_recorded` lowers it later, on any thread.
+    /// here too). `prebuild::Pending::lower` lowers it later, on any thread.
     pub(crate) fn record_kernel(
         &mut self,
         kernel_id: &KernelId,
