@@ -13,10 +13,13 @@
 set -eu
 dir=${1:-.nvrtc}
 tmp=$(mktemp -d)
-python3 -m pip download --quiet --no-deps -d "$tmp" nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12
+# nvcc's wheel only for its `include/crt` (the tensor-core `mma.h` includes it).
+python3 -m pip download --quiet --no-deps -d "$tmp" \
+  nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12
 for w in "$tmp"/*.whl; do python3 -m zipfile -e "$w" "$tmp/x"; done
 rm -rf "$dir" && mkdir -p "$dir"
 cp -r "$tmp/x/nvidia/cuda_runtime/include" "$dir/include"
+cp -r "$tmp/x/nvidia/cuda_nvcc/include/crt" "$dir/include/crt"
 cp -r "$tmp/x/nvidia/cuda_nvrtc/lib" "$dir/lib64"
 # cudarc and rcoa's preflight open libnvrtc.so by its unversioned name first.
 ln -sf "$(cd "$dir/lib64" && ls libnvrtc.so.* | head -1)" "$dir/lib64/libnvrtc.so"

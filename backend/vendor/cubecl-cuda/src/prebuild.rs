@@ -176,6 +176,60 @@ pub fn nvrtc_options(sm: u32) -> Vec<String> {
     options
 }
 
+/// The C++ compiler's options on a GPU of compute capability `sm` (90 for an
+/// H100): what `CudaRuntime::client` sets from the device, which only its
+/// warp size can change (32 on every NVIDIA GPU).
+pub fn compilation_options(sm: u32) -> CompilationOptions {
+    use cubecl_cpp::shared::CppSupportedFeatures;
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            fast_math: true,
+            grid_constants: sm >= 70,
+            fast_tanh: sm >= 75 && cudarc::driver::sys::CUDA_VERSION >= 12080,
+            clusters: sm >= 90,
+            elect_sync: sm >= 90,
+        },
+    }
+}
+
+/// Lower a kernel to CUDA C++ for a GPU of compute capability `sm`, without
+/// one: what its first launch there would hand NVRTC. `kernel` may come from
+/// any runtime's launch code (the expansion is runtime-independent), so a
+/// machine without a GPU can build a kernel with another runtime's client
+/// and check that its CUDA source compiles.
+pub fn lower_for<K: cubecl_runtime::kernel::CubeKernel>(
+    kernel: K,
+    sm: u32,
+) -> Result<RecordedKernel, String> {
+    let hash = kernel.id().stable_hash();
+    let task: Box<dyn CubeTask<CudaCompiler>> = Box::new(cubecl_runtime::kernel::KernelTask::<
+        CudaCompiler,
+        K,
+    >::new(kernel));
+    Pending {
+        hash,
+        task,
+        mode: ExecutionMode::Checked,
+        options: compilation_options(sm),
+        max_shared_mem_bytes: max_shared_memory(sm),
+        nvrtc_options: nvrtc_options(sm),
+    }
+    .lower()
+}
+
+/// The opt-in shared memory per block of compute capability `sm` (CUDA's
+/// programming guide, "Technical Specifications per Compute Capability").
+fn max_shared_memory(sm: u32) -> usize {
+    let kib = match sm {
+        90.. => 227,
+        80 | 87 => 163,
+        86 | 89 => 99,
+        _ => 48,
+    };
+    kib * 1024
+}
+
 /// A compiled kernel image: a cubin for the GPU NVRTC targeted, else PTX.
 pub struct Image {
     pub bytes: Vec<c_char>,

@@ -24,8 +24,7 @@ use cubecl_cpp::{
     cuda::{CudaDialect, arch::CudaArchitecture, mma::contiguous_elements_cuda},
     register_supported_types,
     shared::{
-        CompilationOptions, CppCompiler, CppSupportedFeatures, register_mma_features,
-        register_scaled_mma_features, register_wmma_features,
+        CppCompiler, register_mma_features, register_scaled_mma_features, register_wmma_features,
     },
 };
 use cubecl_runtime::{
@@ -131,13 +130,9 @@ impl DeviceService for CudaServer {
             alignment: mem_alignment as u64,
         };
 
-        let mut comp_opts = CompilationOptions {
-            supports_features: CppSupportedFeatures {
-                fast_math: true,
-                ..Default::default()
-            },
-            ..Default::default()
-        };
+        // rcoa patch: one place for the options (`prebuild::compilation_options`),
+        // which `prebuild::lower_for` uses without a device.
+        let mut comp_opts = crate::prebuild::compilation_options(arch_version);
 
         // SAFETY: `device_ptr` is a valid CUDA device. All `get_attribute` calls query
         // read-only device properties via the CUDA driver API.
@@ -222,7 +217,6 @@ impl DeviceService for CudaServer {
             device_props
                 .register_type_usage(OpaqueType::Barrier(BarrierLevel::Cube), TypeUsage::Buffer);
             device_props.features.plane.insert(Plane::Sync);
-            comp_opts.supports_features.grid_constants = true;
         }
 
         if arch_version >= 75 {
@@ -236,7 +230,6 @@ impl DeviceService for CudaServer {
                 .matmul
                 .ldmatrix
                 .insert(ElemType::Float(FloatKind::BF16).into());
-            comp_opts.supports_features.fast_tanh = CUDA_VERSION >= 12080;
         }
 
         if arch_version >= 80 {
@@ -262,8 +255,6 @@ impl DeviceService for CudaServer {
             device_props.features.tma.insert(Tma::Base);
             device_props.register_semantic_type(SemanticType::TensorMap);
             device_props.features.cube_cluster = true;
-            comp_opts.supports_features.clusters = true;
-            comp_opts.supports_features.elect_sync = true;
             device_props
                 .features
                 .matmul
