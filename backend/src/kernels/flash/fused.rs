@@ -16,10 +16,10 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use burn_fusion::stream::OperationStreams;
 use burn_fusion::{get_client, Fusion, NoOp};
-use cubecl::prelude::TensorArg;
+use cubecl::prelude::{ComputeClient, StorageType, TensorArg};
 
 use super::blocked::FlashMask;
-use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch};
+use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch, ForwardKernel};
 
 type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
 type Fused<R, BT> = Fusion<Inner<R, BT>>;
@@ -68,13 +68,28 @@ fn settings<R: CubeRuntime>(
         head_dim,
     };
     dims.check(causal)?;
+    let dtype: StorageType = q.dtype.into();
     Ok(FlashLaunch {
         dims,
         causal,
         padding,
         scale: scale as f32,
-        dtype: q.dtype.into(),
+        dtype,
+        forward: forward_kernel(&q.client, dtype),
     })
+}
+
+/// The tensor-core forward where the device multiplies `dtype` tiles on
+/// them and `RCOA_FLASH_TENSOR_CORES=1` asks for it: it is opt-in until its
+/// test has passed on an H100 (`tests_kernels::cuda::tensor_cores`;
+/// `docs/flash-attention.md`).
+fn forward_kernel<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> ForwardKernel {
+    let asked = std::env::var("RCOA_FLASH_TENSOR_CORES").is_ok_and(|v| v == "1");
+    if asked && launch::has_tensor_cores(client, dtype) {
+        ForwardKernel::Blocks { tensor_cores: true }
+    } else {
+        ForwardKernel::Rows
+    }
 }
 
 fn fallback_note(why: &str) {

@@ -2,10 +2,13 @@
 //! same launches run on CUDA (`rcoa run`) and on wgpu (the tests, through
 //! lavapipe where there is no GPU).
 
+use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 
 use super::backward::{flash_backward_kv, flash_backward_q};
 use super::forward::flash_forward;
+use super::forward_blocks::flash_forward_blocks;
+use super::mma::TILE;
 
 /// The largest head dimension the kernels take: a block of 8 rows of 256
 /// fp32 values per staged tensor keeps shared memory at 16 KiB (the least
@@ -24,6 +27,18 @@ pub struct FlashDims {
     pub head_dim: usize,
 }
 
+/// Which kernel computes the forward (O and LSE); the backward kernels
+/// read what either writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardKernel {
+    /// `flash_forward`: each unit scores its query row against fp32 rows
+    /// staged in shared memory, scalar FMAs.
+    Rows,
+    /// `flash_forward_blocks`: both block products over shared-memory tiles
+    /// (`mma.rs`), on tensor cores with `tensor_cores`.
+    Blocks { tensor_cores: bool },
+}
+
 /// One launch's settings besides the tensors.
 #[derive(Clone, Copy, Debug)]
 pub struct FlashLaunch {
@@ -36,6 +51,50 @@ pub struct FlashLaunch {
     /// The element type of q, k, v, O, dO and the gradients; LSE and the key
     /// bias are fp32.
     pub dtype: StorageType,
+    /// The forward kernel asked for; [`FlashLaunch::forward_kernel`] says
+    /// which runs.
+    pub forward: ForwardKernel,
+}
+
+/// The largest head dimension the tensor-core forward takes: its output
+/// row lives in each unit's registers (128 fp32) and its tiles in 88 KiB of
+/// shared memory at 64 rows and bf16.
+pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
+
+impl FlashLaunch {
+    /// The forward kernel that runs: tensor cores take 16-bit inputs and a
+    /// head dim that is a multiple of their 16-wide tiles, up to
+    /// [`MAX_TENSOR_CORE_HEAD_DIM`]; other shapes run `Rows`.
+    pub fn forward_kernel(&self) -> ForwardKernel {
+        match self.forward {
+            ForwardKernel::Blocks { tensor_cores: true } => {
+                let d = self.dims.head_dim;
+                let half = matches!(
+                    self.dtype,
+                    StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
+                );
+                if half && d.is_multiple_of(TILE) && d <= MAX_TENSOR_CORE_HEAD_DIM {
+                    self.forward
+                } else {
+                    ForwardKernel::Rows
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// Query (and key) rows per block of `flash_forward_blocks`: 64 on
+    /// tensor cores (two warps, each taking 16 × 16 tiles of the block
+    /// products in turn); without, `1024 / head_dim` up to 16, which keeps
+    /// its fp32 tiles within 17 KiB (lavapipe gives 32 KiB; 16 rows at head
+    /// dim 128 took 33 KiB and did not launch).
+    fn blocks_block(tensor_cores: bool, head_dim: usize) -> usize {
+        if tensor_cores {
+            64
+        } else {
+            (1024 / head_dim.max(1)).clamp(1, TILE)
+        }
+    }
 }
 
 impl FlashDims {
@@ -77,6 +136,26 @@ impl FlashDims {
     }
 }
 
+/// Whether `client`'s device multiplies 16 × 16 × 16 tiles of `dtype` into
+/// fp32 on tensor cores (`cmma`).
+pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
+    let f32_ty = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let tile = TILE as u32;
+    client
+        .properties()
+        .features
+        .matmul
+        .cmma
+        .contains(&cubecl::ir::features::MmaConfig {
+            a_type: dtype,
+            b_type: dtype,
+            cd_type: f32_ty,
+            m: tile,
+            n: tile,
+            k: tile,
+        })
+}
+
 fn grid(rows: usize, block: usize, slices: usize) -> (CubeCount, CubeDim) {
     (
         CubeCount::Static(rows.div_ceil(block) as u32, slices as u32, 1),
@@ -97,26 +176,53 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let block = d.block();
-    let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-    flash_forward::launch::<R>(
-        client,
-        count,
-        dim,
-        q,
-        k,
-        v,
-        key_bias,
-        out,
-        lse,
-        cfg.scale,
-        d.group(),
-        d.head_dim,
-        block,
-        cfg.causal,
-        cfg.padding,
-        cfg.dtype,
-    );
+    match cfg.forward_kernel() {
+        ForwardKernel::Rows => {
+            let block = d.block();
+            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+            flash_forward::launch::<R>(
+                client,
+                count,
+                dim,
+                q,
+                k,
+                v,
+                key_bias,
+                out,
+                lse,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                cfg.dtype,
+            );
+        }
+        ForwardKernel::Blocks { tensor_cores } => {
+            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
+            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+            flash_forward_blocks::launch::<R>(
+                client,
+                count,
+                dim,
+                q,
+                k,
+                v,
+                key_bias,
+                out,
+                lse,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                tensor_cores,
+                cfg.dtype,
+            );
+        }
+    }
 }
 
 /// The tensors the backward reads (`o` and `lse` from [`forward`]).

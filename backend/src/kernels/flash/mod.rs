@@ -28,7 +28,11 @@ mod backward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod forward_blocks;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod launch;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod mma;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 
@@ -38,5 +42,7 @@ pub mod fused;
 mod reference;
 #[cfg(test)]
 mod tests_blocked;
+#[cfg(all(test, feature = "cuda", feature = "wgpu-kernels"))]
+mod tests_cuda_source;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
 mod tests_kernels;

@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch};
+use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch, ForwardKernel};
 use super::reference::{worst, Problem};
 
 /// A runtime's client, or `None` (with a note) where it has no device:
@@ -125,8 +125,9 @@ struct Got {
     d_v: Vec<f32>,
 }
 
-/// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`.
-fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Got {
+/// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`
+/// (`forward` computing O and LSE).
+fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, forward: ForwardKernel) -> Got {
     let dims = FlashDims {
         batch: p.b,
         heads: p.h,
@@ -142,7 +143,9 @@ fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Got {
         padding: p.keep.is_some(),
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
+        forward,
     };
+    assert_eq!(cfg.forward_kernel(), forward, "the kernel under test runs");
     let qs = [p.b, p.h, p.s, p.d];
     let ks = [p.b, p.kvh, p.t, p.d];
     let q = Buf::new_as::<E>(client, &p.q, &qs);
@@ -192,10 +195,15 @@ fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Got {
 
 /// Output within 1e-4, LSE within 1e-4, gradients within 1e-3 (relative to
 /// `1 + |x|`), for one problem.
-fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
+fn check<R: Runtime>(
+    client: Option<ComputeClient<R>>,
+    p: Problem,
+    what: &str,
+    forward: ForwardKernel,
+) {
     let Some(client) = client else { return };
     let want = p.expected();
-    let got = run::<R, f32>(&client, &p);
+    let got = run::<R, f32>(&client, &p, forward);
     let errs = [
         ("O", worst(&got.o, &want.o), 1e-4),
         ("LSE", worst(&got.lse, &want.lse), 1e-4),
@@ -212,7 +220,26 @@ fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str) {
 /// the reference on the same rounded inputs: the output within `tol`, the
 /// gradients within `4 · tol`, LSE (fp32) within 1e-3. Skipped, with a note,
 /// where the runtime lacks the type.
-fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64) {
+fn check_16bit<R: Runtime, E: Elem>(
+    client: Option<ComputeClient<R>>,
+    tol: f64,
+    forward: ForwardKernel,
+) {
+    check_16bit_on::<R, E>(
+        client,
+        Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
+        tol,
+        forward,
+    );
+}
+
+/// [`check_16bit`] on problem `p`.
+fn check_16bit_on<R: Runtime, E: Elem>(
+    client: Option<ComputeClient<R>>,
+    mut p: Problem,
+    tol: f64,
+    forward: ForwardKernel,
+) {
     let Some(client) = client else { return };
     let ty = E::as_type_native_unchecked();
     if !client.properties().supports_type(ty) {
@@ -222,13 +249,12 @@ fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64) 
         );
         return;
     }
-    let mut p = Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9);
     p.q = round::<E>(&p.q);
     p.k = round::<E>(&p.k);
     p.v = round::<E>(&p.v);
     p.d_o = round::<E>(&p.d_o);
     let want = p.expected();
-    let got = run::<R, E>(&client, &p);
+    let got = run::<R, E>(&client, &p, forward);
     let errs = [
         ("O", worst(&got.o, &want.o), tol),
         ("LSE", worst(&got.lse, &want.lse), 1e-3),
@@ -241,9 +267,12 @@ fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64) 
     }
 }
 
-/// The same problems on each runtime.
+/// The same problems on each runtime, with the forward kernel `$forward`.
 macro_rules! kernel_tests {
-    () => {
+    ($forward:expr) => {
+        use super::*;
+        const FORWARD: ForwardKernel = $forward;
+
         #[test]
         fn bidirectional() {
             // 37 queries: not a multiple of the 32-row block.
@@ -251,6 +280,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
                 "bidirectional d32",
+                FORWARD,
             );
         }
 
@@ -260,6 +290,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 4, 4, 45, 45, 32, true, &[], 2),
                 "causal d32",
+                FORWARD,
             );
         }
 
@@ -270,6 +301,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
                 "gqa causal d64",
+                FORWARD,
             );
         }
 
@@ -281,11 +313,13 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 4),
                 "padding",
+                FORWARD,
             );
             check(
                 client(),
                 Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
                 "padding causal gqa",
+                FORWARD,
             );
         }
 
@@ -296,11 +330,13 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
                 "d128 cross",
+                FORWARD,
             );
             check(
                 client(),
                 Problem::new(1, 2, 2, 50, 50, 128, true, &[], 7),
                 "d128 causal",
+                FORWARD,
             );
         }
 
@@ -310,17 +346,18 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 3, 1, 17, 17, 24, true, &[2], 8),
                 "d24",
+                FORWARD,
             );
         }
 
         #[test]
         fn f16() {
-            check_16bit::<_, burn::tensor::f16>(client(), 2e-3);
+            check_16bit::<_, burn::tensor::f16>(client(), 2e-3, FORWARD);
         }
 
         #[test]
         fn bf16() {
-            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2);
+            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2, FORWARD);
         }
     };
 }
@@ -337,7 +374,18 @@ mod wgpu {
             .clone()
     }
 
-    kernel_tests!();
+    /// `flash_forward`.
+    mod rows {
+        kernel_tests!(ForwardKernel::Rows);
+    }
+
+    /// `flash_forward_blocks` with its products on scalar FMAs: the
+    /// tensor-core kernel's data flow, on a device without tensor cores.
+    mod blocks {
+        kernel_tests!(ForwardKernel::Blocks {
+            tensor_cores: false
+        });
+    }
 
     /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`
     /// and its autodiff node through the fusion glue (`fused.rs`), the
@@ -372,5 +420,46 @@ mod cuda {
             .clone()
     }
 
-    kernel_tests!();
+    mod rows {
+        kernel_tests!(ForwardKernel::Rows);
+    }
+
+    mod blocks {
+        kernel_tests!(ForwardKernel::Blocks {
+            tensor_cores: false
+        });
+    }
+
+    /// `flash_forward_blocks` on tensor cores: 16-bit inputs only, head
+    /// dims that are multiples of 16 (the problems of `kernel_tests!` with
+    /// such dims, rounded to 16 bits).
+    mod tensor_cores {
+        use super::*;
+        const FORWARD: ForwardKernel = ForwardKernel::Blocks { tensor_cores: true };
+
+        fn problems() -> Vec<Problem> {
+            vec![
+                Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
+                Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
+                Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
+                Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
+                Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
+                Problem::new(1, 2, 2, 150, 150, 128, true, &[], 7),
+            ]
+        }
+
+        #[test]
+        fn f16() {
+            for p in problems() {
+                check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, FORWARD);
+            }
+        }
+
+        #[test]
+        fn bf16() {
+            for p in problems() {
+                check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, FORWARD);
+            }
+        }
+    }
 }

@@ -1,0 +1,157 @@
+//! The forward kernel with both block products over shared-memory tiles
+//! (`mma.rs`), so that on a GPU with tensor cores they run on them:
+//! FlashAttention-2's forward as `flash_forward` computes it, with
+//! `S = Q Kᵀ` and `P V` as cube-wide products instead of per-row FMA loops.
+
+use cubecl::prelude::*;
+
+use super::mma::block_product;
+use super::tile::{excluded, pad_bias, MASKED};
+
+/// Copies rows `r0 .. r0 + block` of one `(batch, head)` slice of `src`
+/// (from element `base`) into `dst` as they are, row-major `[block, dim]`:
+/// unit `u` copies row `r0 + u`. Rows past `n` repeat row `n − 1` (finite;
+/// the callers mask them).
+#[cube]
+fn stage_rows<F: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<F>,
+    base: usize,
+    r0: usize,
+    n: usize,
+    dim: usize,
+) {
+    let u = UNIT_POS_X as usize;
+    let r = min(r0 + u, n - 1);
+    let b = base + r * src.stride(2);
+    for c in 0..dim {
+        dst[u * dim + c] = src[b + c * src.stride(3)];
+    }
+}
+
+/// One cube computes `block` query rows of one `(batch, head)`; unit `u`
+/// owns row `CUBE_POS_X · block + u`: its running maximum, sum and fp32
+/// output live in its registers, as in `flash_forward`. Per key block:
+///
+/// 1. the cube stages K and V (Q was staged once);
+/// 2. `S = Q Kᵀ` into an fp32 tile (`block_product`);
+/// 3. each unit scales and masks its row of S, takes the online softmax
+///    step and writes its row of `P` in the input type (FlashAttention-2
+///    rounds P the same way before its second product);
+/// 4. `P V` into the same fp32 tile, which each unit adds to its output.
+///
+/// Same arguments and outputs as `flash_forward`. `head_dim` must equal
+/// the tensors' last extent; with `tensor_cores`, F must be f16 or bf16
+/// and `head_dim` and `block` multiples of 16 (the host checks).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward_blocks<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    key_bias: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] block: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = q.shape(1);
+    let s = q.shape(2);
+    let t = k.shape(2);
+    let dim = q.shape(3);
+    let bh = CUBE_POS_Y as usize;
+    let bi = bh / heads;
+    let hi = bh % heads;
+    let kvh = hi / group as usize;
+    let unit = UNIT_POS_X as usize;
+    let first = CUBE_POS_X as usize * block;
+    let row = first + unit;
+    let live = row < s;
+    let r = min(row, s - 1);
+
+    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut ps = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    // S, then P V: never alive at once.
+    let mut s32 =
+        SharedMemory::<f32>::new_aligned(block * comptime![block.max(head_dim)], 128usize);
+
+    let qbase = bi * q.stride(0) + hi * q.stride(1);
+    let kbase = bi * k.stride(0) + kvh * k.stride(1);
+    let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    stage_rows::<F>(q, &mut qs, qbase, first, s, dim);
+
+    let mut acc = Array::<f32>::new(head_dim);
+    for c in 0..dim {
+        acc[c] = f32::new(0.0);
+    }
+    let mut m = f32::new(MASKED);
+    let mut l = f32::new(0.0);
+
+    let blocks = t.div_ceil(block);
+    let mut end = blocks;
+    if causal {
+        let last = min(first + block, s) - 1;
+        end = min(last / block + 1, blocks);
+    }
+    for kb in 0..end {
+        let j0 = kb * block;
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        sync_cube();
+
+        block_product::<F>(&qs, &ks, &mut s32, block, block, dim, true, tensor_cores);
+        sync_cube();
+
+        // This unit's row of S: scaled, masked, its maximum.
+        let n = min(block, t - j0);
+        let mut mb = m;
+        for jl in 0..block {
+            let j = j0 + jl;
+            let mut x = f32::new(MASKED);
+            if jl < n && !excluded(j, r, t, causal) {
+                x = s32[unit * block + jl] * scale;
+                if padding {
+                    x += pad_bias(key_bias, bi, j);
+                }
+            }
+            s32[unit * block + jl] = x;
+            mb = max(mb, x);
+        }
+        let alpha = (m - mb).exp();
+        l *= alpha;
+        for c in 0..dim {
+            acc[c] *= alpha;
+        }
+        for jl in 0..block {
+            let x = s32[unit * block + jl];
+            let p = select(x > f32::new(MASKED), (x - mb).exp(), f32::new(0.0));
+            l += p;
+            ps[unit * block + jl] = F::cast_from(p);
+        }
+        m = mb;
+        sync_cube();
+
+        block_product::<F>(&ps, &vs, &mut s32, block, dim, block, false, tensor_cores);
+        sync_cube();
+        for c in 0..dim {
+            acc[c] += s32[unit * dim + c];
+        }
+    }
+
+    if live {
+        let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
+        let inv = f32::new(1.0) / l;
+        for c in 0..dim {
+            out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
+        }
+        lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();
+    }
+}

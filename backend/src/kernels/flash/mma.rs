@@ -1,0 +1,125 @@
+//! The block product of the tensor-core kernels: `C = A · B` (or `A · Bᵀ`)
+//! over shared-memory tiles, computed by the whole cube.
+//!
+//! Two ways to compute it, chosen at compile time:
+//! - `tensor_cores`: each plane (warp) takes 16 × 16 tiles of C in turn and
+//!   accumulates them with `cmma` (16 × 16 × 16 fragments, fp32 accumulator),
+//!   storing each finished tile to shared memory. A and B must be f16 or
+//!   bf16, and `m`, `n`, `k` multiples of 16.
+//! - otherwise each unit computes elements of C with scalar fp32 FMAs. This
+//!   is the same product with the same inputs and outputs, so a kernel built
+//!   on [`block_product`] runs its whole data flow (staging, masks, online
+//!   softmax) on a device without tensor cores: lavapipe in the tests.
+//!
+//! Every unit of the cube must call it (it synchronizes nothing itself; the
+//! callers put a `sync_cube` between writing an operand and the product, and
+//! between the product and reading C).
+
+use cubecl::prelude::*;
+
+/// The side of a `cmma` fragment.
+pub const TILE: usize = 16;
+
+/// `C[m × n] = A[m × k] · B[k × n]`, with A row-major (row stride `k`), C
+/// row-major (row stride `n`, fp32), and B row-major `[k × n]` or, with
+/// `b_transposed`, given as its transpose: row-major `[n × k]` (so
+/// `C = A · Bᵀ` of the stored rows). Sizes are run-time values so that
+/// shader compilers do not unroll the scalar loops.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn block_product<F: Float>(
+    a: &SharedMemory<F>,
+    b: &SharedMemory<F>,
+    c: &mut SharedMemory<f32>,
+    m: usize,
+    n: usize,
+    k: usize,
+    #[comptime] b_transposed: bool,
+    #[comptime] tensor_cores: bool,
+) {
+    if tensor_cores {
+        let planes = CUBE_DIM as usize / PLANE_DIM as usize;
+        let cols = n / TILE;
+        let tiles = (m / TILE) * cols;
+        let mut t = UNIT_POS as usize / PLANE_DIM as usize;
+        // Every unit of a plane takes the same tiles: the fragments are
+        // loaded, multiplied and stored by the whole plane together.
+        while t < tiles {
+            let ti = t / cols;
+            let tj = t % cols;
+            let acc = cmma::Matrix::<f32>::from_value(
+                cmma::MatrixIdent::Accumulator,
+                TILE,
+                TILE,
+                TILE,
+                cmma::MatrixLayout::Undefined,
+                f32::new(0.0),
+            );
+            let mut kk = 0;
+            while kk < k {
+                let a_start = ti * TILE * k + kk;
+                let fa = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::A,
+                    TILE,
+                    TILE,
+                    TILE,
+                    cmma::MatrixLayout::RowMajor,
+                    &a.slice(a_start, a_start + (TILE - 1) * k + TILE),
+                    k as u32,
+                );
+                let fb = if b_transposed {
+                    // Bᵀ stored row-major is B stored column-major.
+                    let b_start = tj * TILE * k + kk;
+                    cmma::Matrix::<F>::from_slice(
+                        cmma::MatrixIdent::B,
+                        TILE,
+                        TILE,
+                        TILE,
+                        cmma::MatrixLayout::ColMajor,
+                        &b.slice(b_start, b_start + (TILE - 1) * k + TILE),
+                        k as u32,
+                    )
+                } else {
+                    let b_start = kk * n + tj * TILE;
+                    cmma::Matrix::<F>::from_slice(
+                        cmma::MatrixIdent::B,
+                        TILE,
+                        TILE,
+                        TILE,
+                        cmma::MatrixLayout::RowMajor,
+                        &b.slice(b_start, b_start + (TILE - 1) * n + TILE),
+                        n as u32,
+                    )
+                };
+                cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
+                kk += TILE;
+            }
+            let c_start = ti * TILE * n + tj * TILE;
+            cmma::store(
+                &mut c.slice_mut(c_start, c_start + (TILE - 1) * n + TILE),
+                &acc,
+                n as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+            t += planes;
+        }
+    } else {
+        let units = CUBE_DIM as usize;
+        let mut e = UNIT_POS as usize;
+        while e < m * n {
+            let i = e / n;
+            let j = e % n;
+            let mut sum = f32::new(0.0);
+            for l in 0..k {
+                let bv = if b_transposed {
+                    b[j * k + l]
+                } else {
+                    b[l * n + j]
+                };
+                sum += f32::cast_from(a[i * k + l]) * f32::cast_from(bv);
+            }
+            c[e] = sum;
+            e += units;
+        }
+    }
+}

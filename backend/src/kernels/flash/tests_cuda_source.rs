@@ -1,0 +1,170 @@
+//! The flash kernels' CUDA source, checked without a GPU: each kernel is
+//! expanded (with lavapipe's client, which the expansion only asks for
+//! device properties), lowered by CubeCL's CUDA compiler for an H100
+//! (`sm_90a`), and compiled by NVRTC to a cubin, as its first launch on the
+//! GPU would. This is what the tensor-core forward cannot otherwise get here:
+//! lavapipe has no `cmma`, so only its scalar twin runs on the CPU.
+//!
+//! Needs both `cuda` (CubeCL's CUDA compiler, NVRTC) and `wgpu-kernels` (a
+//! client to expand with); skips with a note without a Vulkan device or
+//! NVRTC (`tools/nvrtc_from_pypi.sh` fetches one).
+
+use cubecl::cuda::prebuild;
+use cubecl::ir::{ElemType, FloatKind};
+use cubecl::prelude::*;
+use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+use super::backward::{flash_backward_kv::FlashBackwardKv, flash_backward_q::FlashBackwardQ};
+use super::forward::flash_forward::FlashForward;
+use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
+
+const SM: u32 = 90;
+
+fn client() -> Option<ComputeClient<WgpuRuntime>> {
+    if let Err(e) = crate::cuda::compiler() {
+        eprintln!("SKIPPED: {e}; the flash kernels' CUDA source was not compiled");
+        return None;
+    }
+    let found = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
+    if found.is_err() {
+        eprintln!("SKIPPED: no Vulkan device to expand the kernels with");
+    }
+    found.ok()
+}
+
+fn settings(units: u32) -> KernelSettings {
+    KernelSettings::default()
+        .cube_dim(CubeDim::new_1d(units))
+        .address_type(AddressType::U32)
+}
+
+fn tensor() -> TensorCompilationArg {
+    TensorCompilationArg { inplace: None }
+}
+
+fn float(kind: FloatKind) -> StorageType {
+    StorageType::Scalar(ElemType::Float(kind))
+}
+
+/// Lowers `kernel` for the H100 and compiles it with NVRTC: a cubin, or
+/// NVRTC's log in the panic.
+fn compiles<K: CubeKernel>(kernel: K, what: &str) -> prebuild::RecordedKernel {
+    let lowered = prebuild::lower_for(kernel, SM).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let image =
+        prebuild::compile(&lowered).unwrap_or_else(|e| panic!("{what}: {e}\n{}", lowered.source));
+    assert!(image.cubin, "{what}: NVRTC gave PTX, not an sm_{SM}a cubin");
+    lowered
+}
+
+#[test]
+fn the_tensor_core_forward_compiles_for_an_h100() {
+    let Some(client) = client() else { return };
+    for kind in [FloatKind::BF16, FloatKind::F16] {
+        for (head_dim, causal, padding) in
+            [(64, true, true), (128, false, false), (32, true, false)]
+        {
+            let what = format!("flash_forward_blocks {kind:?} d{head_dim}");
+            let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
+                settings(64),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                head_dim,
+                64,
+                causal,
+                padding,
+                true,
+                float(kind),
+            );
+            let lowered = compiles(kernel, &what);
+            // The products are on tensor cores, and the tiles fit an H100
+            // block (88 KiB at d 128 and bf16, of the 227 KiB it opts into).
+            assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
+            let tiles = 64 * head_dim * 2 * 4 + 64 * 64 * 4 + 64 * head_dim.max(64) * 4;
+            assert!(
+                lowered.shared_mem_bytes <= tiles + 1024,
+                "{what}: {} B",
+                lowered.shared_mem_bytes
+            );
+        }
+    }
+}
+
+/// The kernels that have run on an H100 (`docs/burn-h100.md`): a control
+/// for the harness, and a check that they keep compiling.
+#[test]
+fn the_scalar_kernels_compile_for_an_h100() {
+    let Some(client) = client() else { return };
+    let bf16 = float(FloatKind::BF16);
+    compiles(
+        FlashForward::<WgpuRuntime>::new(
+            settings(32),
+            client.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            64,
+            32,
+            true,
+            true,
+            bf16,
+        ),
+        "flash_forward",
+    );
+    compiles(
+        FlashBackwardKv::<WgpuRuntime>::new(
+            settings(32),
+            client.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            64,
+            32,
+            true,
+            true,
+            bf16,
+        ),
+        "flash_backward_kv",
+    );
+    compiles(
+        FlashBackwardQ::<WgpuRuntime>::new(
+            settings(32),
+            client,
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            64,
+            32,
+            true,
+            true,
+            bf16,
+        ),
+        "flash_backward_q",
+    );
+}
