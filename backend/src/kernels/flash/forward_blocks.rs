@@ -13,7 +13,7 @@ use super::tile::{excluded, pad_bias, MASKED};
 /// unit `u` copies row `r0 + u`. Rows past `n` repeat row `n − 1` (finite;
 /// the callers mask them).
 #[cube]
-fn stage_rows<F: Float>(
+pub fn stage_rows<F: Float>(
     src: &Tensor<F>,
     dst: &mut SharedMemory<F>,
     base: usize,
@@ -107,7 +107,7 @@ pub fn flash_forward_blocks<F: Float>(
         stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);
         sync_cube();
 
-        block_product::<F>(&qs, &ks, &mut s32, block, block, dim, true, tensor_cores);
+        block_product::<F>(&qs, &ks, &mut s32, 0, block, block, dim, true, tensor_cores);
         sync_cube();
 
         // This unit's row of S: scaled, masked, its maximum.
@@ -139,7 +139,17 @@ pub fn flash_forward_blocks<F: Float>(
         m = mb;
         sync_cube();
 
-        block_product::<F>(&ps, &vs, &mut s32, block, dim, block, false, tensor_cores);
+        block_product::<F>(
+            &ps,
+            &vs,
+            &mut s32,
+            0,
+            block,
+            dim,
+            block,
+            false,
+            tensor_cores,
+        );
         sync_cube();
         for c in 0..dim {
             acc[c] += s32[unit * dim + c];

@@ -19,7 +19,7 @@ use burn_fusion::{get_client, Fusion, NoOp};
 use cubecl::prelude::{ComputeClient, StorageType, TensorArg};
 
 use super::blocked::FlashMask;
-use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch, ForwardKernel};
+use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
 
 type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
 type Fused<R, BT> = Fusion<Inner<R, BT>>;
@@ -75,20 +75,20 @@ fn settings<R: CubeRuntime>(
         padding,
         scale: scale as f32,
         dtype,
-        forward: forward_kernel(&q.client, dtype),
+        kernels: flash_kernels(&q.client, dtype),
     })
 }
 
-/// The tensor-core forward where the device multiplies `dtype` tiles on
-/// them and `RCOA_FLASH_TENSOR_CORES=1` asks for it: it is opt-in until its
-/// test has passed on an H100 (`tests_kernels::cuda::tensor_cores`;
+/// The tensor-core kernels where the device multiplies `dtype` tiles on
+/// them and `RCOA_FLASH_TENSOR_CORES=1` asks for them: they are opt-in until
+/// their test has passed on an H100 (`tests_kernels::cuda::tensor_cores`;
 /// `docs/flash-attention.md`).
-fn forward_kernel<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> ForwardKernel {
+fn flash_kernels<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> FlashKernels {
     let asked = std::env::var("RCOA_FLASH_TENSOR_CORES").is_ok_and(|v| v == "1");
     if asked && launch::has_tensor_cores(client, dtype) {
-        ForwardKernel::Blocks { tensor_cores: true }
+        FlashKernels::Blocks { tensor_cores: true }
     } else {
-        ForwardKernel::Rows
+        FlashKernels::Rows
     }
 }
 

@@ -6,6 +6,7 @@ use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 
 use super::backward::{flash_backward_kv, flash_backward_q};
+use super::backward_blocks::{flash_backward_kv_blocks, flash_backward_q_blocks};
 use super::forward::flash_forward;
 use super::forward_blocks::flash_forward_blocks;
 use super::mma::TILE;
@@ -27,15 +28,14 @@ pub struct FlashDims {
     pub head_dim: usize,
 }
 
-/// Which kernel computes the forward (O and LSE); the backward kernels
-/// read what either writes.
+/// Which kernels compute the forward and the backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ForwardKernel {
-    /// `flash_forward`: each unit scores its query row against fp32 rows
-    /// staged in shared memory, scalar FMAs.
+pub enum FlashKernels {
+    /// `forward.rs`, `backward.rs`: each unit scores its row against fp32
+    /// rows staged in shared memory, scalar FMAs.
     Rows,
-    /// `flash_forward_blocks`: both block products over shared-memory tiles
-    /// (`mma.rs`), on tensor cores with `tensor_cores`.
+    /// `forward_blocks.rs`, `backward_blocks.rs`: the block products over
+    /// shared-memory tiles (`mma.rs`), on tensor cores with `tensor_cores`.
     Blocks { tensor_cores: bool },
 }
 
@@ -51,39 +51,39 @@ pub struct FlashLaunch {
     /// The element type of q, k, v, O, dO and the gradients; LSE and the key
     /// bias are fp32.
     pub dtype: StorageType,
-    /// The forward kernel asked for; [`FlashLaunch::forward_kernel`] says
-    /// which runs.
-    pub forward: ForwardKernel,
+    /// The kernels asked for; [`FlashLaunch::kernels`] says which run.
+    pub kernels: FlashKernels,
 }
 
-/// The largest head dimension the tensor-core forward takes: its output
-/// row lives in each unit's registers (128 fp32) and its tiles in 88 KiB of
-/// shared memory at 64 rows and bf16.
+/// The largest head dimension the tensor-core kernels take: each unit keeps
+/// its gradient or output rows in registers (2 × 128 fp32 for dK, dV) and
+/// the key-block backward's tiles take 112 KiB of shared memory at 64 rows
+/// and bf16.
 pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
 
 impl FlashLaunch {
-    /// The forward kernel that runs: tensor cores take 16-bit inputs and a
-    /// head dim that is a multiple of their 16-wide tiles, up to
+    /// The kernels that run: tensor cores take 16-bit inputs and a head dim
+    /// that is a multiple of their 16-wide tiles, up to
     /// [`MAX_TENSOR_CORE_HEAD_DIM`]; other shapes run `Rows`.
-    pub fn forward_kernel(&self) -> ForwardKernel {
-        match self.forward {
-            ForwardKernel::Blocks { tensor_cores: true } => {
+    pub fn kernels(&self) -> FlashKernels {
+        match self.kernels {
+            FlashKernels::Blocks { tensor_cores: true } => {
                 let d = self.dims.head_dim;
                 let half = matches!(
                     self.dtype,
                     StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
                 );
                 if half && d.is_multiple_of(TILE) && d <= MAX_TENSOR_CORE_HEAD_DIM {
-                    self.forward
+                    self.kernels
                 } else {
-                    ForwardKernel::Rows
+                    FlashKernels::Rows
                 }
             }
             other => other,
         }
     }
 
-    /// Query (and key) rows per block of `flash_forward_blocks`: 64 on
+    /// Query (and key) rows per block of the `Blocks` kernels: 64 on
     /// tensor cores (two warps, each taking 16 × 16 tiles of the block
     /// products in turn); without, `1024 / head_dim` up to 16, which keeps
     /// its fp32 tiles within 17 KiB (lavapipe gives 32 KiB; 16 rows at head
@@ -176,8 +176,8 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    match cfg.forward_kernel() {
-        ForwardKernel::Rows => {
+    match cfg.kernels() {
+        FlashKernels::Rows => {
             let block = d.block();
             let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
             flash_forward::launch::<R>(
@@ -199,7 +199,7 @@ pub fn forward<R: Runtime>(
                 cfg.dtype,
             );
         }
-        ForwardKernel::Blocks { tensor_cores } => {
+        FlashKernels::Blocks { tensor_cores } => {
             let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
             let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
             flash_forward_blocks::launch::<R>(
@@ -245,29 +245,59 @@ pub fn backward_kv<R: Runtime>(
     d_v: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let block = d.block();
-    let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
-    flash_backward_kv::launch::<R>(
-        client,
-        count,
-        dim,
-        x.q,
-        x.k,
-        x.v,
-        x.o,
-        x.d_o,
-        x.lse,
-        x.key_bias,
-        d_k,
-        d_v,
-        cfg.scale,
-        d.group(),
-        d.head_dim,
-        block,
-        cfg.causal,
-        cfg.padding,
-        cfg.dtype,
-    );
+    match cfg.kernels() {
+        FlashKernels::Rows => {
+            let block = d.block();
+            let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
+            flash_backward_kv::launch::<R>(
+                client,
+                count,
+                dim,
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                d_k,
+                d_v,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                cfg.dtype,
+            );
+        }
+        FlashKernels::Blocks { tensor_cores } => {
+            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
+            let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
+            flash_backward_kv_blocks::launch::<R>(
+                client,
+                count,
+                dim,
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                d_k,
+                d_v,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                tensor_cores,
+                cfg.dtype,
+            );
+        }
+    }
 }
 
 /// Writes `d_q [b, h, s, d]`: one launch over query blocks.
@@ -278,26 +308,102 @@ pub fn backward_q<R: Runtime>(
     d_q: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let block = d.block();
-    let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-    flash_backward_q::launch::<R>(
-        client,
-        count,
-        dim,
-        x.q,
-        x.k,
-        x.v,
-        x.o,
-        x.d_o,
-        x.lse,
-        x.key_bias,
-        d_q,
-        cfg.scale,
-        d.group(),
-        d.head_dim,
-        block,
-        cfg.causal,
-        cfg.padding,
-        cfg.dtype,
-    );
+    match cfg.kernels() {
+        FlashKernels::Rows => {
+            let block = d.block();
+            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+            flash_backward_q::launch::<R>(
+                client,
+                count,
+                dim,
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                d_q,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                cfg.dtype,
+            );
+        }
+        FlashKernels::Blocks { tensor_cores } => {
+            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
+            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
+            flash_backward_q_blocks::launch::<R>(
+                client,
+                count,
+                dim,
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                d_q,
+                cfg.scale,
+                d.group(),
+                d.head_dim,
+                block,
+                cfg.causal,
+                cfg.padding,
+                tensor_cores,
+                cfg.dtype,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(head_dim: usize, kind: FloatKind) -> FlashLaunch {
+        FlashLaunch {
+            dims: FlashDims {
+                batch: 1,
+                heads: 4,
+                kv_heads: 2,
+                q_len: 100,
+                kv_len: 100,
+                head_dim,
+            },
+            causal: true,
+            padding: false,
+            scale: 0.125,
+            dtype: StorageType::Scalar(ElemType::Float(kind)),
+            kernels: FlashKernels::Blocks { tensor_cores: true },
+        }
+    }
+
+    #[test]
+    fn tensor_cores_take_16_bit_types_and_head_dims_in_16s_up_to_128() {
+        let tc = FlashKernels::Blocks { tensor_cores: true };
+        for kind in [FloatKind::BF16, FloatKind::F16] {
+            for d in [16, 64, 80, 128] {
+                assert_eq!(launch(d, kind).kernels(), tc, "{kind:?} d{d}");
+            }
+            for d in [24, 100, 144, 256] {
+                assert_eq!(
+                    launch(d, kind).kernels(),
+                    FlashKernels::Rows,
+                    "{kind:?} d{d}"
+                );
+            }
+        }
+        assert_eq!(launch(64, FloatKind::F32).kernels(), FlashKernels::Rows);
+        // The scalar block products take any shape.
+        let mut scalar = launch(24, FloatKind::F32);
+        scalar.kernels = FlashKernels::Blocks {
+            tensor_cores: false,
+        };
+        assert_eq!(scalar.kernels(), scalar.kernels);
+    }
 }

@@ -21,7 +21,7 @@ use cubecl::prelude::*;
 pub const TILE: usize = 16;
 
 /// `C[m × n] = A[m × k] · B[k × n]`, with A row-major (row stride `k`), C
-/// row-major (row stride `n`, fp32), and B row-major `[k × n]` or, with
+/// row-major from element `c_offset` of `c` (row stride `n`, fp32), and B row-major `[k × n]` or, with
 /// `b_transposed`, given as its transpose: row-major `[n × k]` (so
 /// `C = A · Bᵀ` of the stored rows). Sizes are run-time values so that
 /// shader compilers do not unroll the scalar loops.
@@ -31,6 +31,7 @@ pub fn block_product<F: Float>(
     a: &SharedMemory<F>,
     b: &SharedMemory<F>,
     c: &mut SharedMemory<f32>,
+    c_offset: usize,
     m: usize,
     n: usize,
     k: usize,
@@ -94,7 +95,7 @@ pub fn block_product<F: Float>(
                 cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
                 kk += TILE;
             }
-            let c_start = ti * TILE * n + tj * TILE;
+            let c_start = c_offset + ti * TILE * n + tj * TILE;
             cmma::store(
                 &mut c.slice_mut(c_start, c_start + (TILE - 1) * n + TILE),
                 &acc,
@@ -118,7 +119,7 @@ pub fn block_product<F: Float>(
                 };
                 sum += f32::cast_from(a[i * k + l]) * f32::cast_from(bv);
             }
-            c[e] = sum;
+            c[c_offset + e] = sum;
             e += units;
         }
     }

@@ -26,6 +26,8 @@ pub mod blocked;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod backward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod backward_blocks;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward_blocks;

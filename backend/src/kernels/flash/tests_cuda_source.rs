@@ -15,6 +15,9 @@ use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
 use super::backward::{flash_backward_kv::FlashBackwardKv, flash_backward_q::FlashBackwardQ};
+use super::backward_blocks::{
+    flash_backward_kv_blocks::FlashBackwardKvBlocks, flash_backward_q_blocks::FlashBackwardQBlocks,
+};
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
 
@@ -56,43 +59,121 @@ fn compiles<K: CubeKernel>(kernel: K, what: &str) -> prebuild::RecordedKernel {
     lowered
 }
 
-#[test]
-fn the_tensor_core_forward_compiles_for_an_h100() {
-    let Some(client) = client() else { return };
+/// The shapes the tensor-core kernels are compiled for here: both 16-bit
+/// types, the head dims of the plans (64, 128) and a small one, with and
+/// without the causal and padding masks.
+fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool)> {
+    let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
         for (head_dim, causal, padding) in
             [(64, true, true), (128, false, false), (32, true, false)]
         {
-            let what = format!("flash_forward_blocks {kind:?} d{head_dim}");
-            let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
-                settings(64),
-                client.clone(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                (),
-                (),
-                head_dim,
-                64,
-                causal,
-                padding,
-                true,
-                float(kind),
-            );
-            let lowered = compiles(kernel, &what);
-            // The products are on tensor cores, and the tiles fit an H100
-            // block (88 KiB at d 128 and bf16, of the 227 KiB it opts into).
-            assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
-            let tiles = 64 * head_dim * 2 * 4 + 64 * 64 * 4 + 64 * head_dim.max(64) * 4;
-            assert!(
-                lowered.shared_mem_bytes <= tiles + 1024,
-                "{what}: {} B",
-                lowered.shared_mem_bytes
-            );
+            out.push((kind, head_dim, causal, padding));
         }
+    }
+    out
+}
+
+/// The block-product kernels run their products on tensor cores, and their
+/// tiles fit an H100 block (227 KiB opt-in): 16-bit tiles of `tiles16`
+/// elements and fp32 ones of `tiles32`, give or take small row vectors.
+fn on_tensor_cores(lowered: &prebuild::RecordedKernel, tiles16: usize, tiles32: usize, what: &str) {
+    assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
+    let want = tiles16 * 2 + tiles32 * 4;
+    assert!(
+        lowered.shared_mem_bytes >= want && lowered.shared_mem_bytes <= want + 1024,
+        "{what}: {} B of shared memory, {want} B of tiles",
+        lowered.shared_mem_bytes
+    );
+    assert!(lowered.shared_mem_bytes <= 227 * 1024, "{what}");
+}
+
+const BLOCK: usize = 64;
+
+#[test]
+fn the_tensor_core_forward_compiles_for_an_h100() {
+    let Some(client) = client() else { return };
+    for (kind, head_dim, causal, padding) in tensor_core_variants() {
+        let what = format!("flash_forward_blocks {kind:?} d{head_dim}");
+        let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
+            settings(BLOCK as u32),
+            client.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            head_dim,
+            BLOCK,
+            causal,
+            padding,
+            true,
+            float(kind),
+        );
+        // Q, K, V and P; S (then P V).
+        let lowered = compiles(kernel, &what);
+        let tiles16 = 3 * BLOCK * head_dim + BLOCK * BLOCK;
+        on_tensor_cores(&lowered, tiles16, BLOCK * BLOCK.max(head_dim), &what);
+    }
+}
+
+#[test]
+fn the_tensor_core_backward_compiles_for_an_h100() {
+    let Some(client) = client() else { return };
+    for (kind, head_dim, causal, padding) in tensor_core_variants() {
+        // K, V, Q, dO and two score tiles; S and dP (then the products).
+        let tiles16 = 4 * BLOCK * head_dim + 2 * BLOCK * BLOCK;
+        let tiles32 = BLOCK * (2 * BLOCK).max(head_dim);
+        let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim}");
+        let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
+            settings(BLOCK as u32),
+            client.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            head_dim,
+            BLOCK,
+            causal,
+            padding,
+            true,
+            float(kind),
+        );
+        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
+
+        let what = format!("flash_backward_q_blocks {kind:?} d{head_dim}");
+        let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
+            settings(BLOCK as u32),
+            client.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            (),
+            head_dim,
+            BLOCK,
+            causal,
+            padding,
+            true,
+            float(kind),
+        );
+        let tiles16 = 4 * BLOCK * head_dim + BLOCK * BLOCK;
+        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
     }
 }
 

@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::launch::{self, BackwardInputs, FlashDims, FlashLaunch, ForwardKernel};
+use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
 use super::reference::{worst, Problem};
 
 /// A runtime's client, or `None` (with a note) where it has no device:
@@ -126,8 +126,8 @@ struct Got {
 }
 
 /// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`
-/// (`forward` computing O and LSE).
-fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, forward: ForwardKernel) -> Got {
+/// (`kernels` computing them).
+fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, kernels: FlashKernels) -> Got {
     let dims = FlashDims {
         batch: p.b,
         heads: p.h,
@@ -143,9 +143,9 @@ fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, forward: For
         padding: p.keep.is_some(),
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
-        forward,
+        kernels,
     };
-    assert_eq!(cfg.forward_kernel(), forward, "the kernel under test runs");
+    assert_eq!(cfg.kernels(), kernels, "the kernels under test run");
     let qs = [p.b, p.h, p.s, p.d];
     let ks = [p.b, p.kvh, p.t, p.d];
     let q = Buf::new_as::<E>(client, &p.q, &qs);
@@ -199,11 +199,11 @@ fn check<R: Runtime>(
     client: Option<ComputeClient<R>>,
     p: Problem,
     what: &str,
-    forward: ForwardKernel,
+    kernels: FlashKernels,
 ) {
     let Some(client) = client else { return };
     let want = p.expected();
-    let got = run::<R, f32>(&client, &p, forward);
+    let got = run::<R, f32>(&client, &p, kernels);
     let errs = [
         ("O", worst(&got.o, &want.o), 1e-4),
         ("LSE", worst(&got.lse, &want.lse), 1e-4),
@@ -223,13 +223,13 @@ fn check<R: Runtime>(
 fn check_16bit<R: Runtime, E: Elem>(
     client: Option<ComputeClient<R>>,
     tol: f64,
-    forward: ForwardKernel,
+    kernels: FlashKernels,
 ) {
     check_16bit_on::<R, E>(
         client,
         Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
         tol,
-        forward,
+        kernels,
     );
 }
 
@@ -238,7 +238,7 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     client: Option<ComputeClient<R>>,
     mut p: Problem,
     tol: f64,
-    forward: ForwardKernel,
+    kernels: FlashKernels,
 ) {
     let Some(client) = client else { return };
     let ty = E::as_type_native_unchecked();
@@ -254,7 +254,7 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     p.v = round::<E>(&p.v);
     p.d_o = round::<E>(&p.d_o);
     let want = p.expected();
-    let got = run::<R, E>(&client, &p, forward);
+    let got = run::<R, E>(&client, &p, kernels);
     let errs = [
         ("O", worst(&got.o, &want.o), tol),
         ("LSE", worst(&got.lse, &want.lse), 1e-3),
@@ -267,11 +267,11 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     }
 }
 
-/// The same problems on each runtime, with the forward kernel `$forward`.
+/// The same problems on each runtime, with the kernels `$kernels`.
 macro_rules! kernel_tests {
-    ($forward:expr) => {
+    ($kernels:expr) => {
         use super::*;
-        const FORWARD: ForwardKernel = $forward;
+        const KERNELS: FlashKernels = $kernels;
 
         #[test]
         fn bidirectional() {
@@ -280,7 +280,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
                 "bidirectional d32",
-                FORWARD,
+                KERNELS,
             );
         }
 
@@ -290,7 +290,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 4, 4, 45, 45, 32, true, &[], 2),
                 "causal d32",
-                FORWARD,
+                KERNELS,
             );
         }
 
@@ -301,7 +301,7 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
                 "gqa causal d64",
-                FORWARD,
+                KERNELS,
             );
         }
 
@@ -313,13 +313,13 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 4),
                 "padding",
-                FORWARD,
+                KERNELS,
             );
             check(
                 client(),
                 Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
                 "padding causal gqa",
-                FORWARD,
+                KERNELS,
             );
         }
 
@@ -330,13 +330,13 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
                 "d128 cross",
-                FORWARD,
+                KERNELS,
             );
             check(
                 client(),
                 Problem::new(1, 2, 2, 50, 50, 128, true, &[], 7),
                 "d128 causal",
-                FORWARD,
+                KERNELS,
             );
         }
 
@@ -346,18 +346,18 @@ macro_rules! kernel_tests {
                 client(),
                 Problem::new(1, 3, 1, 17, 17, 24, true, &[2], 8),
                 "d24",
-                FORWARD,
+                KERNELS,
             );
         }
 
         #[test]
         fn f16() {
-            check_16bit::<_, burn::tensor::f16>(client(), 2e-3, FORWARD);
+            check_16bit::<_, burn::tensor::f16>(client(), 2e-3, KERNELS);
         }
 
         #[test]
         fn bf16() {
-            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2, FORWARD);
+            check_16bit::<_, burn::tensor::bf16>(client(), 1.6e-2, KERNELS);
         }
     };
 }
@@ -374,15 +374,16 @@ mod wgpu {
             .clone()
     }
 
-    /// `flash_forward`.
+    /// `forward.rs` and `backward.rs`.
     mod rows {
-        kernel_tests!(ForwardKernel::Rows);
+        kernel_tests!(FlashKernels::Rows);
     }
 
-    /// `flash_forward_blocks` with its products on scalar FMAs: the
-    /// tensor-core kernel's data flow, on a device without tensor cores.
+    /// `forward_blocks.rs` and `backward_blocks.rs` with their products on
+    /// scalar FMAs: the tensor-core kernels' data flow, on a device without
+    /// tensor cores.
     mod blocks {
-        kernel_tests!(ForwardKernel::Blocks {
+        kernel_tests!(FlashKernels::Blocks {
             tensor_cores: false
         });
     }
@@ -421,21 +422,21 @@ mod cuda {
     }
 
     mod rows {
-        kernel_tests!(ForwardKernel::Rows);
+        kernel_tests!(FlashKernels::Rows);
     }
 
     mod blocks {
-        kernel_tests!(ForwardKernel::Blocks {
+        kernel_tests!(FlashKernels::Blocks {
             tensor_cores: false
         });
     }
 
-    /// `flash_forward_blocks` on tensor cores: 16-bit inputs only, head
+    /// The `Blocks` kernels on tensor cores: 16-bit inputs only, head
     /// dims that are multiples of 16 (the problems of `kernel_tests!` with
     /// such dims, rounded to 16 bits).
     mod tensor_cores {
         use super::*;
-        const FORWARD: ForwardKernel = ForwardKernel::Blocks { tensor_cores: true };
+        const KERNELS: FlashKernels = FlashKernels::Blocks { tensor_cores: true };
 
         fn problems() -> Vec<Problem> {
             vec![
@@ -451,14 +452,14 @@ mod cuda {
         #[test]
         fn f16() {
             for p in problems() {
-                check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, FORWARD);
+                check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, KERNELS);
             }
         }
 
         #[test]
         fn bf16() {
             for p in problems() {
-                check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, FORWARD);
+                check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, KERNELS);
             }
         }
     }

@@ -1,0 +1,342 @@
+//! The backward kernels with their block products over shared-memory tiles
+//! (`mma.rs`), so that on a GPU with tensor cores they run on them. Same
+//! split, arguments and results as `backward.rs` (no atomics; dK and dV per
+//! key block, dQ per query block); what changes is who computes what:
+//!
+//! - the products (`S`, `dP`, `Pᵀ dO`, `dSᵀ Q`, `dS K`) are cube-wide
+//!   `block_product`s;
+//! - each unit owns one row of the score tile and turns it into its row of
+//!   `P` and `dS = P ∘ (dP − D)` (rounded to the input type before the
+//!   next product, as FlashAttention-2 does), and keeps its gradient row in
+//!   fp32 registers.
+
+use cubecl::prelude::*;
+
+use super::forward_blocks::stage_rows;
+use super::mma::block_product;
+use super::tile::{excluded, pad_bias, MASKED};
+
+/// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
+/// key row `CUBE_POS_X · block + u`. Per query block of each query head on
+/// this kv head: stage q and dO; `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by
+/// query columns, so each unit's row is its key's); each unit forms its row
+/// of `Pᵀ` and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`.
+///
+/// Arguments as `flash_backward_kv`'s; with `tensor_cores`, F must be f16
+/// or bf16 and `head_dim` and `block` multiples of 16.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_kv_blocks<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    o: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<f32>,
+    key_bias: &Tensor<f32>,
+    d_k: &mut Tensor<F>,
+    d_v: &mut Tensor<F>,
+    scale: f32,
+    group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] block: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let kv_heads = k.shape(1);
+    let s = q.shape(2);
+    let t = k.shape(2);
+    let dim = q.shape(3);
+    let bkv = CUBE_POS_Y as usize;
+    let bi = bkv / kv_heads;
+    let kvh = bkv % kv_heads;
+    let unit = UNIT_POS_X as usize;
+    let first = CUBE_POS_X as usize * block;
+    let j = first + unit;
+    let live = j < t;
+    let jr = min(j, t - 1);
+    let bb = block * block;
+
+    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut pt = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    let mut dst = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    // Sᵀ then dPᵀ side by side; later each product's [block, head_dim] out.
+    let mut work =
+        SharedMemory::<f32>::new_aligned(block * comptime![(2 * block).max(head_dim)], 128usize);
+    let mut ls = SharedMemory::<f32>::new(block);
+    let mut drow = SharedMemory::<f32>::new(block);
+
+    let kbase = bi * k.stride(0) + kvh * k.stride(1);
+    let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    stage_rows::<F>(k, &mut ks, kbase, first, t, dim);
+    stage_rows::<F>(v, &mut vs, vbase, first, t, dim);
+    let mut dk = Array::<f32>::new(head_dim);
+    let mut dv = Array::<f32>::new(head_dim);
+    for c in 0..dim {
+        dk[c] = f32::new(0.0);
+        dv[c] = f32::new(0.0);
+    }
+    let mut bias = f32::new(0.0);
+    if padding {
+        bias = pad_bias(key_bias, bi, jr);
+    }
+
+    let blocks = s.div_ceil(block);
+    // Causal: queries before this key block's first key never see it.
+    let mut start = 0;
+    if causal {
+        start = min(first / block, blocks);
+    }
+    let group = group as usize;
+    for g in 0..group {
+        let hi = kvh * group + g;
+        let qbase = bi * q.stride(0) + hi * q.stride(1);
+        let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
+        for qb in start..blocks {
+            let i0 = qb * block;
+            stage_rows::<F>(q, &mut qs, qbase, i0, s, dim);
+            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, dim);
+            // The LSE and D = rowsum(dO ∘ O) of the query row this unit staged.
+            let ir = min(i0 + unit, s - 1);
+            ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+            let ob = bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2);
+            let mut dsum = f32::new(0.0);
+            for c in 0..dim {
+                dsum +=
+                    f32::cast_from(dos[unit * dim + c]) * f32::cast_from(o[ob + c * o.stride(3)]);
+            }
+            drow[unit] = dsum;
+            sync_cube();
+
+            block_product::<F>(
+                &ks,
+                &qs,
+                &mut work,
+                0,
+                block,
+                block,
+                dim,
+                true,
+                tensor_cores,
+            );
+            block_product::<F>(
+                &vs,
+                &dos,
+                &mut work,
+                bb,
+                block,
+                block,
+                dim,
+                true,
+                tensor_cores,
+            );
+            sync_cube();
+
+            for il in 0..block {
+                let i = i0 + il;
+                // A query past the end, or (causal) before this key: no term.
+                let skip = i >= s || excluded(jr, i, t, causal);
+                let mut p = f32::new(0.0);
+                let mut ds = f32::new(0.0);
+                if !skip {
+                    let x = work[unit * block + il] * scale + bias;
+                    p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
+                    ds = p * (work[bb + unit * block + il] - drow[il]) * scale;
+                }
+                pt[unit * block + il] = F::cast_from(p);
+                dst[unit * block + il] = F::cast_from(ds);
+            }
+            sync_cube();
+
+            block_product::<F>(
+                &pt,
+                &dos,
+                &mut work,
+                0,
+                block,
+                dim,
+                block,
+                false,
+                tensor_cores,
+            );
+            sync_cube();
+            for c in 0..dim {
+                dv[c] += work[unit * dim + c];
+            }
+            sync_cube();
+            block_product::<F>(
+                &dst,
+                &qs,
+                &mut work,
+                0,
+                block,
+                dim,
+                block,
+                false,
+                tensor_cores,
+            );
+            sync_cube();
+            for c in 0..dim {
+                dk[c] += work[unit * dim + c];
+            }
+            sync_cube();
+        }
+    }
+
+    if live {
+        let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
+        let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
+        for c in 0..dim {
+            d_k[kb + c * d_k.stride(3)] = F::cast_from(dk[c]);
+            d_v[vb + c * d_v.stride(3)] = F::cast_from(dv[c]);
+        }
+    }
+}
+
+/// dQ for `block` query rows of one `(batch, head)`; unit `u` owns query
+/// row `CUBE_POS_X · block + u`. Per key block: stage K and V; `S = Q Kᵀ`
+/// and `dP = dO Vᵀ`; each unit forms its row of `dS`; then `dQ += dS K`.
+///
+/// Arguments as `flash_backward_q`'s; with `tensor_cores`, as above.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_q_blocks<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    o: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<f32>,
+    key_bias: &Tensor<f32>,
+    d_q: &mut Tensor<F>,
+    scale: f32,
+    group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] block: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = q.shape(1);
+    let s = q.shape(2);
+    let t = k.shape(2);
+    let dim = q.shape(3);
+    let bh = CUBE_POS_Y as usize;
+    let bi = bh / heads;
+    let hi = bh % heads;
+    let kvh = hi / group as usize;
+    let unit = UNIT_POS_X as usize;
+    let first = CUBE_POS_X as usize * block;
+    let row = first + unit;
+    let live = row < s;
+    let r = min(row, s - 1);
+    let bb = block * block;
+
+    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut dss = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    // S then dP side by side; later the [block, head_dim] product dS K.
+    let mut work =
+        SharedMemory::<f32>::new_aligned(block * comptime![(2 * block).max(head_dim)], 128usize);
+
+    let qbase = bi * q.stride(0) + hi * q.stride(1);
+    let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
+    stage_rows::<F>(q, &mut qs, qbase, first, s, dim);
+    stage_rows::<F>(d_o, &mut dos, dobase, first, s, dim);
+    // This row's D = rowsum(dO ∘ O) and LSE.
+    let ob = bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2);
+    let mut dsum = f32::new(0.0);
+    let mut dq = Array::<f32>::new(head_dim);
+    for c in 0..dim {
+        dsum += f32::cast_from(dos[unit * dim + c]) * f32::cast_from(o[ob + c * o.stride(3)]);
+        dq[c] = f32::new(0.0);
+    }
+    let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
+
+    let kbase = bi * k.stride(0) + kvh * k.stride(1);
+    let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    let blocks = t.div_ceil(block);
+    let mut end = blocks;
+    if causal {
+        let last = min(first + block, s) - 1;
+        end = min(last / block + 1, blocks);
+    }
+    for kb in 0..end {
+        let j0 = kb * block;
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        sync_cube();
+
+        block_product::<F>(
+            &qs,
+            &ks,
+            &mut work,
+            0,
+            block,
+            block,
+            dim,
+            true,
+            tensor_cores,
+        );
+        block_product::<F>(
+            &dos,
+            &vs,
+            &mut work,
+            bb,
+            block,
+            block,
+            dim,
+            true,
+            tensor_cores,
+        );
+        sync_cube();
+
+        let n = min(block, t - j0);
+        for jl in 0..block {
+            let j = j0 + jl;
+            let mut ds = f32::new(0.0);
+            if jl < n && !excluded(j, r, t, causal) {
+                let mut x = work[unit * block + jl] * scale;
+                if padding {
+                    x += pad_bias(key_bias, bi, j);
+                }
+                let p = (x - lse_r).exp();
+                ds = p * (work[bb + unit * block + jl] - dsum) * scale;
+            }
+            dss[unit * block + jl] = F::cast_from(ds);
+        }
+        sync_cube();
+
+        block_product::<F>(
+            &dss,
+            &ks,
+            &mut work,
+            0,
+            block,
+            dim,
+            block,
+            false,
+            tensor_cores,
+        );
+        sync_cube();
+        for c in 0..dim {
+            dq[c] += work[unit * dim + c];
+        }
+        sync_cube();
+    }
+
+    if live {
+        let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
+        for c in 0..dim {
+            d_q[qb + c * d_q.stride(3)] = F::cast_from(dq[c]);
+        }
+    }
+}
