@@ -1,0 +1,85 @@
+#!/bin/bash
+# The one device call that serves the most open items, for a session with 15 minutes of device
+# time (one call of about 10 minutes after the machine's start). Each step is capped so that
+# the whole ends within LIMIT seconds (default 560), and writes under $OUT as it finishes, so a
+# call cut short still brings back what it reached. In order of value:
+#
+#  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
+#     attention on CUDA"): the tensor-core kernels' first run anywhere. At most 90 s.
+#  2. Cold start (issue 13): backend/bench/llama350m_eager.plan from an empty kernel cache,
+#     compiled ahead on every core; the bar is 60 s to the end of the first step. Then the same
+#     warm (bar: 2 s). At most 300 s.
+#  3. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
+#     gpu_jobs.sh, measured peak against the prediction. At most 150 s.
+#  4. Speed (issue 13) with what is left: speed.py's 350M shape, PyTorch eager with SDPA and
+#     rcoa with the tensor-core flash kernels (if step 1 passed), then the scalar flash kernels.
+#
+# Device tool: carry [".rcoa-bin"] (rcoa.gz and flash-tests.gz, built as docs/gpu-session.md
+# says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-560}
+END=$(( $(date +%s) + LIMIT ))
+B=backend/bench
+# Seconds a step may take: its cap, or what is left of the call minus 10 s to pack up.
+cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
+log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
+if [ "${DRY:-0}" = 1 ]; then
+  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}"); PLAN=plans/tiny-cpu.plan
+  SHAPE=tiny; ADAM="one:plans/tiny-cpu.plan:3"
+else
+  DEVICE=cuda; RCOA=/tmp/rcoa; PLAN=$B/llama350m_eager.plan; SHAPE=350m
+  ADAM="one:$B/llama125m_adam8bit.plan:3"
+  gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
+  export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
+fi
+
+# 1. Flash kernels.
+TC=0
+if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
+  gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
+  timeout "$(cap 90)" /tmp/flash-tests tests_kernels::cuda --test-threads 1 > "$OUT/flash-tests.txt" 2>&1
+  log "1 flash tests rc=$?"
+  grep -q "tensor_cores::bf16 ... ok" "$OUT/flash-tests.txt" && TC=1
+else
+  log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
+fi
+
+# 2. Cold start, then warm.
+export RCOA_CACHE_DIR=/tmp/cache-cold
+rm -rf "$RCOA_CACHE_DIR"
+s=$(date +%s.%N)
+timeout "$(cap 300)" "$RCOA" run "$PLAN" --device $DEVICE --steps 3 --format json \
+  > "$OUT/cold.jsonl" 2> "$OUT/cold.err"
+rc=$?; e=$(date +%s.%N)
+log "2 cold rc=$rc wall $(python3 -c "print(round($e - $s, 1))") s"
+if [ $rc = 0 ]; then
+  timeout "$(cap 60)" "$RCOA" run "$PLAN" --device $DEVICE --steps 3 --format json \
+    > "$OUT/warm.jsonl" 2> "$OUT/warm.err"
+  log "2 warm rc=$?"
+fi
+grep -h '"compiled_ahead"\|"summary"' "$OUT/cold.jsonl" "$OUT/warm.jsonl" 2>/dev/null | cut -c1-600
+
+# 3. 8-bit Adam's memory.
+t=$(cap 150)
+if [ "$t" -gt 30 ]; then
+  W=/tmp/jobs-adam8bit OUT="$OUT/adam8bit" TMO=$t JOBS="$ADAM" DRY="${DRY:-0}" BIN="$RCOA" \
+    bash $B/gpu_jobs.sh > "$OUT/adam8bit.txt" 2>&1
+  log "3 adam8bit rc=$?"; grep -h "measured\|no summary" "$OUT/adam8bit.txt"
+fi
+
+# 4. Speed, with what is left: PyTorch first (known to run), then rcoa's flash kernels.
+export RCOA_CACHE_DIR=/tmp/cache-speed
+speed() {
+  local name=$1; shift
+  local t; t=$(cap 240)
+  if [ "$t" -lt 45 ]; then log "4 $name skipped: ${t}s left"; return; fi
+  python3 $B/speed.py --rcoa "$RCOA" --device $DEVICE --shapes $SHAPE --steps 12 --timeout "$t" \
+    --out "$OUT/speed-$name" "$@" > "$OUT/speed-$name.txt" 2>&1
+  log "4 $name rc=$?"; tail -n 8 "$OUT/speed-$name.txt"
+}
+speed pytorch --engines eager
+if [ $TC = 1 ]; then (export RCOA_FLASH_TENSOR_CORES=1; speed flash-tc --engines rcoa --rcoa-attention flash); fi
+speed flash --engines rcoa --rcoa-attention flash
+log "done"
