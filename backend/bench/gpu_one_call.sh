@@ -5,7 +5,8 @@
 # call cut short still brings back what it reached. In order of value:
 #
 #  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
-#     attention on CUDA"): the tensor-core kernels' first run anywhere. At most 90 s.
+#     attention on CUDA"): the tensor-core kernels' first run anywhere; if they fail, their
+#     scalar twins, to tell a fault of mma.rs from one of the data flow. At most 120 s.
 #  2. Cold start (issue 13): backend/bench/llama350m_eager.plan from an empty kernel cache,
 #     compiled ahead on every core; the bar is 60 s to the end of the first step. Then the same
 #     warm (bar: 2 s). At most 300 s.
@@ -39,9 +40,16 @@ fi
 TC=0
 if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
-  timeout "$(cap 90)" /tmp/flash-tests tests_kernels::cuda --test-threads 1 > "$OUT/flash-tests.txt" 2>&1
-  log "1 flash tests rc=$?"
-  grep -q "tensor_cores::bf16 ... ok" "$OUT/flash-tests.txt" && TC=1
+  timeout "$(cap 60)" /tmp/flash-tests tests_kernels::cuda::tensor_cores --test-threads 1 \
+    > "$OUT/flash-tests.txt" 2>&1
+  log "1 tensor-core flash tests rc=$?"
+  if grep -q "tensor_cores::bf16 ... ok" "$OUT/flash-tests.txt"; then TC=1
+  else
+    # Their scalar twins (which pass on lavapipe): passing here puts the fault in mma.rs.
+    timeout "$(cap 60)" /tmp/flash-tests tests_kernels::cuda::blocks --test-threads 1 \
+      > "$OUT/flash-tests-blocks.txt" 2>&1
+    log "1 scalar block-product flash tests rc=$?"
+  fi
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
