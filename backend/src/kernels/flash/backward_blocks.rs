@@ -16,6 +16,17 @@ use super::forward_blocks::stage_rows;
 use super::mma::block_product;
 use super::tile::{excluded, pad_bias, MASKED};
 
+/// `Σ_c a[a0 + c] · b[b0 + c]` over the last dimension of two `[b, h, n, d]`
+/// tensors (row starts `a0`, `b0`), in fp32: D's row term.
+#[cube]
+fn row_dot_rows<F: Float>(a: &Tensor<F>, a0: usize, b: &Tensor<F>, b0: usize, dim: usize) -> f32 {
+    let mut sum = f32::new(0.0);
+    for c in 0..dim {
+        sum += f32::cast_from(a[a0 + c * a.stride(3)]) * f32::cast_from(b[b0 + c * b.stride(3)]);
+    }
+    sum
+}
+
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
 /// key row `CUBE_POS_X · block + u`. Per query block of each query head on
 /// this kv head: stage q and dO; `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by
@@ -101,16 +112,18 @@ pub fn flash_backward_kv_blocks<F: Float>(
             let i0 = qb * block;
             stage_rows::<F>(q, &mut qs, qbase, i0, s, dim);
             stage_rows::<F>(d_o, &mut dos, dobase, i0, s, dim);
-            // The LSE and D = rowsum(dO ∘ O) of the query row this unit staged.
+            // The LSE and D = rowsum(dO ∘ O) of query row i0 + unit, from
+            // global memory (what the cube staged is not readable before the
+            // barrier).
             let ir = min(i0 + unit, s - 1);
             ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
-            let ob = bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2);
-            let mut dsum = f32::new(0.0);
-            for c in 0..dim {
-                dsum +=
-                    f32::cast_from(dos[unit * dim + c]) * f32::cast_from(o[ob + c * o.stride(3)]);
-            }
-            drow[unit] = dsum;
+            drow[unit] = row_dot_rows::<F>(
+                d_o,
+                dobase + ir * d_o.stride(2),
+                o,
+                bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2),
+                dim,
+            );
             sync_cube();
 
             block_product::<F>(
@@ -252,11 +265,15 @@ pub fn flash_backward_q_blocks<F: Float>(
     stage_rows::<F>(q, &mut qs, qbase, first, s, dim);
     stage_rows::<F>(d_o, &mut dos, dobase, first, s, dim);
     // This row's D = rowsum(dO ∘ O) and LSE.
-    let ob = bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2);
-    let mut dsum = f32::new(0.0);
+    let dsum = row_dot_rows::<F>(
+        d_o,
+        dobase + r * d_o.stride(2),
+        o,
+        bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2),
+        dim,
+    );
     let mut dq = Array::<f32>::new(head_dim);
     for c in 0..dim {
-        dsum += f32::cast_from(dos[unit * dim + c]) * f32::cast_from(o[ob + c * o.stride(3)]);
         dq[c] = f32::new(0.0);
     }
     let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];

@@ -8,10 +8,12 @@ use cubecl::prelude::*;
 use super::mma::block_product;
 use super::tile::{excluded, pad_bias, MASKED};
 
-/// Copies rows `r0 .. r0 + block` of one `(batch, head)` slice of `src`
-/// (from element `base`) into `dst` as they are, row-major `[block, dim]`:
-/// unit `u` copies row `r0 + u`. Rows past `n` repeat row `n − 1` (finite;
-/// the callers mask them).
+/// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
+/// (from element `base`) into `dst` as they are, row-major `[rows, dim]`.
+/// The whole cube copies, consecutive units taking consecutive elements, so
+/// a plane's reads of a contiguous row are coalesced; a unit may not read
+/// what it staged before the next `sync_cube`. Rows past `n` repeat row
+/// `n − 1` (finite; the callers mask them).
 #[cube]
 pub fn stage_rows<F: Float>(
     src: &Tensor<F>,
@@ -21,11 +23,12 @@ pub fn stage_rows<F: Float>(
     n: usize,
     dim: usize,
 ) {
-    let u = UNIT_POS_X as usize;
-    let r = min(r0 + u, n - 1);
-    let b = base + r * src.stride(2);
-    for c in 0..dim {
-        dst[u * dim + c] = src[b + c * src.stride(3)];
+    let units = CUBE_DIM as usize;
+    let mut e = UNIT_POS as usize;
+    while e < units * dim {
+        let r = min(r0 + e / dim, n - 1);
+        dst[e] = src[base + r * src.stride(2) + (e % dim) * src.stride(3)];
+        e += units;
     }
 }
 
