@@ -163,6 +163,33 @@ fn grid(rows: usize, block: usize, slices: usize) -> (CubeCount, CubeDim) {
     )
 }
 
+/// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
+/// rows in `$slices` slices, with the tensors `$t` and the settings every
+/// flash kernel takes after them, in their order.
+macro_rules! launch_flash {
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*]) => {{
+        let (cfg, d) = ($cfg, &$cfg.dims);
+        match cfg.kernels() {
+            FlashKernels::Rows => {
+                let block = d.block();
+                let (count, dim) = grid($rows_of, block, $slices);
+                $rows::launch::<R>(
+                    $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
+                    cfg.causal, cfg.padding, cfg.dtype,
+                );
+            }
+            FlashKernels::Blocks { tensor_cores } => {
+                let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
+                let (count, dim) = grid($rows_of, block, $slices);
+                $blocks::launch::<R>(
+                    $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
+                    cfg.causal, cfg.padding, tensor_cores, cfg.dtype,
+                );
+            }
+        }
+    }};
+}
+
 /// Writes `out [b, h, s, d]` (`dtype`) and `lse [b, h, s]` (fp32).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<R: Runtime>(
@@ -176,53 +203,15 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    match cfg.kernels() {
-        FlashKernels::Rows => {
-            let block = d.block();
-            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-            flash_forward::launch::<R>(
-                client,
-                count,
-                dim,
-                q,
-                k,
-                v,
-                key_bias,
-                out,
-                lse,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                cfg.dtype,
-            );
-        }
-        FlashKernels::Blocks { tensor_cores } => {
-            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
-            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-            flash_forward_blocks::launch::<R>(
-                client,
-                count,
-                dim,
-                q,
-                k,
-                v,
-                key_bias,
-                out,
-                lse,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                tensor_cores,
-                cfg.dtype,
-            );
-        }
-    }
+    launch_flash!(
+        client,
+        cfg,
+        flash_forward,
+        flash_forward_blocks,
+        d.q_len,
+        d.batch * d.heads,
+        [q, k, v, key_bias, out, lse]
+    );
 }
 
 /// The tensors the backward reads (`o` and `lse` from [`forward`]).
@@ -245,59 +234,15 @@ pub fn backward_kv<R: Runtime>(
     d_v: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    match cfg.kernels() {
-        FlashKernels::Rows => {
-            let block = d.block();
-            let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
-            flash_backward_kv::launch::<R>(
-                client,
-                count,
-                dim,
-                x.q,
-                x.k,
-                x.v,
-                x.o,
-                x.d_o,
-                x.lse,
-                x.key_bias,
-                d_k,
-                d_v,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                cfg.dtype,
-            );
-        }
-        FlashKernels::Blocks { tensor_cores } => {
-            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
-            let (count, dim) = grid(d.kv_len, block, d.batch * d.kv_heads);
-            flash_backward_kv_blocks::launch::<R>(
-                client,
-                count,
-                dim,
-                x.q,
-                x.k,
-                x.v,
-                x.o,
-                x.d_o,
-                x.lse,
-                x.key_bias,
-                d_k,
-                d_v,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                tensor_cores,
-                cfg.dtype,
-            );
-        }
-    }
+    launch_flash!(
+        client,
+        cfg,
+        flash_backward_kv,
+        flash_backward_kv_blocks,
+        d.kv_len,
+        d.batch * d.kv_heads,
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
+    );
 }
 
 /// Writes `d_q [b, h, s, d]`: one launch over query blocks.
@@ -308,57 +253,15 @@ pub fn backward_q<R: Runtime>(
     d_q: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    match cfg.kernels() {
-        FlashKernels::Rows => {
-            let block = d.block();
-            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-            flash_backward_q::launch::<R>(
-                client,
-                count,
-                dim,
-                x.q,
-                x.k,
-                x.v,
-                x.o,
-                x.d_o,
-                x.lse,
-                x.key_bias,
-                d_q,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                cfg.dtype,
-            );
-        }
-        FlashKernels::Blocks { tensor_cores } => {
-            let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
-            let (count, dim) = grid(d.q_len, block, d.batch * d.heads);
-            flash_backward_q_blocks::launch::<R>(
-                client,
-                count,
-                dim,
-                x.q,
-                x.k,
-                x.v,
-                x.o,
-                x.d_o,
-                x.lse,
-                x.key_bias,
-                d_q,
-                cfg.scale,
-                d.group(),
-                d.head_dim,
-                block,
-                cfg.causal,
-                cfg.padding,
-                tensor_cores,
-                cfg.dtype,
-            );
-        }
-    }
+    launch_flash!(
+        client,
+        cfg,
+        flash_backward_q,
+        flash_backward_q_blocks,
+        d.q_len,
+        d.batch * d.heads,
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
+    );
 }
 
 #[cfg(test)]
