@@ -13,7 +13,7 @@
 use cubecl::prelude::*;
 
 use super::forward_blocks::stage_rows;
-use super::mma::block_product;
+use super::mma::{block_product, PAD_F32, PAD_HALF};
 use super::tile::{excluded, pad_bias, MASKED};
 
 /// `Σ_c a[a0 + c] · b[b0 + c]` over the last dimension of two `[b, h, n, d]`
@@ -68,17 +68,20 @@ pub fn flash_backward_kv_blocks<F: Float>(
     let j = first + unit;
     let live = j < t;
     let jr = min(j, t - 1);
-    let bb = block * block;
 
     let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut pt = SharedMemory::<F>::new_aligned(block * block, 128usize);
-    let mut dst = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    // Row strides of the tiles units take one row each (`PAD_F32`).
+    let s_ld = block + PAD_F32;
+    let out_ld = head_dim + PAD_F32;
+    let p_ld = block + PAD_HALF;
+    let mut pt = SharedMemory::<F>::new_aligned(block * p_ld, 128usize);
+    let mut dst = SharedMemory::<F>::new_aligned(block * p_ld, 128usize);
     // Sᵀ then dPᵀ side by side; later each product's [block, head_dim] out.
     let mut work =
-        SharedMemory::<f32>::new_aligned(block * comptime![(2 * block).max(head_dim)], 128usize);
+        SharedMemory::<f32>::new_aligned(block * comptime![(2 * s_ld).max(out_ld)], 128usize);
     let mut ls = SharedMemory::<f32>::new(block);
     let mut drow = SharedMemory::<f32>::new(block);
 
@@ -128,24 +131,30 @@ pub fn flash_backward_kv_blocks<F: Float>(
 
             block_product::<F>(
                 &ks,
+                dim,
                 &qs,
+                dim,
+                true,
                 &mut work,
                 0,
+                s_ld,
                 block,
                 block,
                 dim,
-                true,
                 tensor_cores,
             );
             block_product::<F>(
                 &vs,
+                dim,
                 &dos,
+                dim,
+                true,
                 &mut work,
-                bb,
+                block * s_ld,
+                s_ld,
                 block,
                 block,
                 dim,
-                true,
                 tensor_cores,
             );
             sync_cube();
@@ -157,45 +166,51 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 let mut p = f32::new(0.0);
                 let mut ds = f32::new(0.0);
                 if !skip {
-                    let x = work[unit * block + il] * scale + bias;
+                    let x = work[unit * s_ld + il] * scale + bias;
                     p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    ds = p * (work[bb + unit * block + il] - drow[il]) * scale;
+                    ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
                 }
-                pt[unit * block + il] = F::cast_from(p);
-                dst[unit * block + il] = F::cast_from(ds);
+                pt[unit * p_ld + il] = F::cast_from(p);
+                dst[unit * p_ld + il] = F::cast_from(ds);
             }
             sync_cube();
 
             block_product::<F>(
                 &pt,
+                p_ld,
                 &dos,
+                dim,
+                false,
                 &mut work,
                 0,
+                out_ld,
                 block,
                 dim,
                 block,
-                false,
                 tensor_cores,
             );
             sync_cube();
             for c in 0..dim {
-                dv[c] += work[unit * dim + c];
+                dv[c] += work[unit * out_ld + c];
             }
             sync_cube();
             block_product::<F>(
                 &dst,
+                p_ld,
                 &qs,
+                dim,
+                false,
                 &mut work,
                 0,
+                out_ld,
                 block,
                 dim,
                 block,
-                false,
                 tensor_cores,
             );
             sync_cube();
             for c in 0..dim {
-                dk[c] += work[unit * dim + c];
+                dk[c] += work[unit * out_ld + c];
             }
             sync_cube();
         }
@@ -249,16 +264,18 @@ pub fn flash_backward_q_blocks<F: Float>(
     let row = first + unit;
     let live = row < s;
     let r = min(row, s - 1);
-    let bb = block * block;
 
     let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut dss = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    let s_ld = block + PAD_F32;
+    let out_ld = head_dim + PAD_F32;
+    let p_ld = block + PAD_HALF;
+    let mut dss = SharedMemory::<F>::new_aligned(block * p_ld, 128usize);
     // S then dP side by side; later the [block, head_dim] product dS K.
     let mut work =
-        SharedMemory::<f32>::new_aligned(block * comptime![(2 * block).max(head_dim)], 128usize);
+        SharedMemory::<f32>::new_aligned(block * comptime![(2 * s_ld).max(out_ld)], 128usize);
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
@@ -294,24 +311,30 @@ pub fn flash_backward_q_blocks<F: Float>(
 
         block_product::<F>(
             &qs,
+            dim,
             &ks,
+            dim,
+            true,
             &mut work,
             0,
+            s_ld,
             block,
             block,
             dim,
-            true,
             tensor_cores,
         );
         block_product::<F>(
             &dos,
+            dim,
             &vs,
+            dim,
+            true,
             &mut work,
-            bb,
+            block * s_ld,
+            s_ld,
             block,
             block,
             dim,
-            true,
             tensor_cores,
         );
         sync_cube();
@@ -321,31 +344,34 @@ pub fn flash_backward_q_blocks<F: Float>(
             let j = j0 + jl;
             let mut ds = f32::new(0.0);
             if jl < n && !excluded(j, r, t, causal) {
-                let mut x = work[unit * block + jl] * scale;
+                let mut x = work[unit * s_ld + jl] * scale;
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
                 let p = (x - lse_r).exp();
-                ds = p * (work[bb + unit * block + jl] - dsum) * scale;
+                ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
             }
-            dss[unit * block + jl] = F::cast_from(ds);
+            dss[unit * p_ld + jl] = F::cast_from(ds);
         }
         sync_cube();
 
         block_product::<F>(
             &dss,
+            p_ld,
             &ks,
+            dim,
+            false,
             &mut work,
             0,
+            out_ld,
             block,
             dim,
             block,
-            false,
             tensor_cores,
         );
         sync_cube();
         for c in 0..dim {
-            dq[c] += work[unit * dim + c];
+            dq[c] += work[unit * out_ld + c];
         }
         sync_cube();
     }

@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::block_product;
+use super::mma::{block_product, PAD_F32, PAD_HALF};
 use super::tile::{excluded, pad_bias, MASKED};
 
 /// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
@@ -81,10 +81,13 @@ pub fn flash_forward_blocks<F: Float>(
     let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut ps = SharedMemory::<F>::new_aligned(block * block, 128usize);
+    // Row strides of the tiles units take one row each (`PAD_F32`).
+    let s_ld = block + PAD_F32;
+    let out_ld = head_dim + PAD_F32;
+    let p_ld = block + PAD_HALF;
+    let mut ps = SharedMemory::<F>::new_aligned(block * p_ld, 128usize);
     // S, then P V: never alive at once.
-    let mut s32 =
-        SharedMemory::<f32>::new_aligned(block * comptime![block.max(head_dim)], 128usize);
+    let mut s32 = SharedMemory::<f32>::new_aligned(block * comptime![s_ld.max(out_ld)], 128usize);
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
@@ -110,7 +113,20 @@ pub fn flash_forward_blocks<F: Float>(
         stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);
         sync_cube();
 
-        block_product::<F>(&qs, &ks, &mut s32, 0, block, block, dim, true, tensor_cores);
+        block_product::<F>(
+            &qs,
+            dim,
+            &ks,
+            dim,
+            true,
+            &mut s32,
+            0,
+            s_ld,
+            block,
+            block,
+            dim,
+            tensor_cores,
+        );
         sync_cube();
 
         // This unit's row of S: scaled, masked, its maximum.
@@ -120,12 +136,12 @@ pub fn flash_forward_blocks<F: Float>(
             let j = j0 + jl;
             let mut x = f32::new(MASKED);
             if jl < n && !excluded(j, r, t, causal) {
-                x = s32[unit * block + jl] * scale;
+                x = s32[unit * s_ld + jl] * scale;
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
             }
-            s32[unit * block + jl] = x;
+            s32[unit * s_ld + jl] = x;
             mb = max(mb, x);
         }
         let alpha = (m - mb).exp();
@@ -134,28 +150,31 @@ pub fn flash_forward_blocks<F: Float>(
             acc[c] *= alpha;
         }
         for jl in 0..block {
-            let x = s32[unit * block + jl];
+            let x = s32[unit * s_ld + jl];
             let p = select(x > f32::new(MASKED), (x - mb).exp(), f32::new(0.0));
             l += p;
-            ps[unit * block + jl] = F::cast_from(p);
+            ps[unit * p_ld + jl] = F::cast_from(p);
         }
         m = mb;
         sync_cube();
 
         block_product::<F>(
             &ps,
+            p_ld,
             &vs,
+            dim,
+            false,
             &mut s32,
             0,
+            out_ld,
             block,
             dim,
             block,
-            false,
             tensor_cores,
         );
         sync_cube();
         for c in 0..dim {
-            acc[c] += s32[unit * dim + c];
+            acc[c] += s32[unit * out_ld + c];
         }
     }
 

@@ -20,22 +20,39 @@ use cubecl::prelude::*;
 /// The side of a `cmma` fragment.
 pub const TILE: usize = 16;
 
-/// `C[m × n] = A[m × k] · B[k × n]`, with A row-major (row stride `k`), C
-/// row-major from element `c_offset` of `c` (row stride `n`, fp32), and B row-major `[k × n]` or, with
-/// `b_transposed`, given as its transpose: row-major `[n × k]` (so
-/// `C = A · Bᵀ` of the stored rows). Sizes are run-time values so that
-/// shader compilers do not unroll the scalar loops.
+/// Row padding, in elements, of the tiles that units read or write one row
+/// each (S, dP, P, dS and the products' outputs): 16 bytes, 4 fp32 or 8
+/// 16-bit values. A plane's 32 units then reach one column of 32 rows
+/// through 8 of shared memory's 32 banks (4-way conflicts) instead of one
+/// (32-way, with rows of 64 or 128 elements), and every 16-row tile still
+/// starts 32-byte aligned with a stride wmma takes.
+pub const PAD_F32: usize = 4;
+/// [`PAD_F32`] for tiles of the input type (P, dS).
+pub const PAD_HALF: usize = 8;
+
+/// `C[m × n] = A[m × k] · B[k × n]`: A row-major with row stride `lda`; B
+/// row-major `[k × n]` with row stride `ldb` or, with `b_transposed`, given
+/// as its transpose (row-major `[n × k]`, so `C = A · Bᵀ` of the stored
+/// rows); C fp32, row-major from element `c_offset` of `c` with row stride
+/// `ldc`. Sizes are run-time values so that shader compilers do not unroll
+/// the scalar loops. With `tensor_cores`, every 16-row tile must start
+/// 32-byte aligned and the strides be multiples of 16 bytes (wmma's rules),
+/// as rows of multiples of 16 elements padded by [`PAD_F32`] or
+/// [`PAD_HALF`] are.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn block_product<F: Float>(
     a: &SharedMemory<F>,
+    lda: usize,
     b: &SharedMemory<F>,
+    ldb: usize,
+    #[comptime] b_transposed: bool,
     c: &mut SharedMemory<f32>,
     c_offset: usize,
+    ldc: usize,
     m: usize,
     n: usize,
     k: usize,
-    #[comptime] b_transposed: bool,
     #[comptime] tensor_cores: bool,
 ) {
     if tensor_cores {
@@ -58,48 +75,48 @@ pub fn block_product<F: Float>(
             );
             let mut kk = 0;
             while kk < k {
-                let a_start = ti * TILE * k + kk;
+                let a_start = ti * TILE * lda + kk;
                 let fa = cmma::Matrix::<F>::from_slice(
                     cmma::MatrixIdent::A,
                     TILE,
                     TILE,
                     TILE,
                     cmma::MatrixLayout::RowMajor,
-                    &a.slice(a_start, a_start + (TILE - 1) * k + TILE),
-                    k as u32,
+                    &a.slice(a_start, a_start + (TILE - 1) * lda + TILE),
+                    lda as u32,
                 );
                 let fb = if b_transposed {
                     // Bᵀ stored row-major is B stored column-major.
-                    let b_start = tj * TILE * k + kk;
+                    let b_start = tj * TILE * ldb + kk;
                     cmma::Matrix::<F>::from_slice(
                         cmma::MatrixIdent::B,
                         TILE,
                         TILE,
                         TILE,
                         cmma::MatrixLayout::ColMajor,
-                        &b.slice(b_start, b_start + (TILE - 1) * k + TILE),
-                        k as u32,
+                        &b.slice(b_start, b_start + (TILE - 1) * ldb + TILE),
+                        ldb as u32,
                     )
                 } else {
-                    let b_start = kk * n + tj * TILE;
+                    let b_start = kk * ldb + tj * TILE;
                     cmma::Matrix::<F>::from_slice(
                         cmma::MatrixIdent::B,
                         TILE,
                         TILE,
                         TILE,
                         cmma::MatrixLayout::RowMajor,
-                        &b.slice(b_start, b_start + (TILE - 1) * n + TILE),
-                        n as u32,
+                        &b.slice(b_start, b_start + (TILE - 1) * ldb + TILE),
+                        ldb as u32,
                     )
                 };
                 cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
                 kk += TILE;
             }
-            let c_start = c_offset + ti * TILE * n + tj * TILE;
+            let c_start = c_offset + ti * TILE * ldc + tj * TILE;
             cmma::store(
-                &mut c.slice_mut(c_start, c_start + (TILE - 1) * n + TILE),
+                &mut c.slice_mut(c_start, c_start + (TILE - 1) * ldc + TILE),
                 &acc,
-                n as u32,
+                ldc as u32,
                 cmma::MatrixLayout::RowMajor,
             );
             t += planes;
@@ -113,13 +130,13 @@ pub fn block_product<F: Float>(
             let mut sum = f32::new(0.0);
             for l in 0..k {
                 let bv = if b_transposed {
-                    b[j * k + l]
+                    b[j * ldb + l]
                 } else {
-                    b[l * n + j]
+                    b[l * ldb + j]
                 };
-                sum += f32::cast_from(a[i * k + l]) * f32::cast_from(bv);
+                sum += f32::cast_from(a[i * lda + l]) * f32::cast_from(bv);
             }
-            c[c_offset + e] = sum;
+            c[c_offset + i * ldc + j] = sum;
             e += units;
         }
     }

@@ -20,6 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
+use super::mma::{PAD_F32, PAD_HALF};
 
 const SM: u32 = 90;
 
@@ -113,10 +114,11 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             true,
             float(kind),
         );
-        // Q, K, V and P; S (then P V).
+        // Q, K, V and P; S (then P V), the last three with padded rows.
         let lowered = compiles(kernel, &what);
-        let tiles16 = 3 * BLOCK * head_dim + BLOCK * BLOCK;
-        on_tensor_cores(&lowered, tiles16, BLOCK * BLOCK.max(head_dim), &what);
+        let tiles16 = 3 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
+        let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
+        on_tensor_cores(&lowered, tiles16, tiles32, &what);
     }
 }
 
@@ -124,9 +126,10 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
     for (kind, head_dim, causal, padding) in tensor_core_variants() {
-        // K, V, Q, dO and two score tiles; S and dP (then the products).
-        let tiles16 = 4 * BLOCK * head_dim + 2 * BLOCK * BLOCK;
-        let tiles32 = BLOCK * (2 * BLOCK).max(head_dim);
+        // K, V, Q, dO and two score tiles; S and dP (then the products),
+        // the rows of the last three padded.
+        let tiles16 = 4 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
+        let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim}");
         let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
             settings(BLOCK as u32),
@@ -172,7 +175,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             true,
             float(kind),
         );
-        let tiles16 = 4 * BLOCK * head_dim + BLOCK * BLOCK;
+        let tiles16 = 4 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
     }
 }
