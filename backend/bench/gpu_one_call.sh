@@ -7,13 +7,13 @@
 #  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
 #     attention on CUDA"): the tensor-core kernels' first run anywhere; if they fail, their
 #     scalar twins, to tell a fault of mma.rs from one of the data flow. At most 120 s.
-#  2. Cold start (issue 13): backend/bench/llama350m_eager.plan from an empty kernel cache,
-#     compiled ahead on every core; the bar is 60 s to the end of the first step. Then the same
-#     warm (bar: 2 s). At most 300 s.
-#  3. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
+#  2. Issue 13 on its own shape (speed.py's 350M decoder, bf16, seq 2048), rcoa with fused
+#     attention (the tensor-core kernels if step 1 passed) from an empty kernel cache: the
+#     cold first step, compiled ahead on every core (bar: 60 s), and tokens/s. At most 300 s.
+#  3. The same again on the now warm cache: the warm first step (bar: 2 s). At most 90 s.
+#  4. PyTorch eager with SDPA on the same shape, for the ratio. At most 150 s.
+#  5. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
 #     gpu_jobs.sh, measured peak against the prediction. At most 150 s.
-#  4. Speed (issue 13) with what is left: speed.py's 350M shape, PyTorch eager with SDPA and
-#     rcoa with the tensor-core flash kernels (if step 1 passed), then the scalar flash kernels.
 #
 # Device tool: carry [".rcoa-bin"] (rcoa.gz and flash-tests.gz, built as docs/gpu-session.md
 # says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
@@ -26,10 +26,10 @@ B=backend/bench
 cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
 log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
 if [ "${DRY:-0}" = 1 ]; then
-  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}"); PLAN=plans/tiny-cpu.plan
+  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
   SHAPE=tiny; ADAM="one:plans/tiny-cpu.plan:3"
 else
-  DEVICE=cuda; RCOA=/tmp/rcoa; PLAN=$B/llama350m_eager.plan; SHAPE=350m
+  DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
   ADAM="one:$B/llama125m_adam8bit.plan:3"
   gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -54,40 +54,28 @@ else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
 
-# 2. Cold start, then warm.
-export RCOA_CACHE_DIR=/tmp/cache-cold
+# 2-4. Speed and start-up on issue 13's shape; rcoa's kernel cache starts empty.
+export RCOA_CACHE_DIR=/tmp/cache-speed
 rm -rf "$RCOA_CACHE_DIR"
-s=$(date +%s.%N)
-timeout "$(cap 300)" "$RCOA" run "$PLAN" --device $DEVICE --steps 3 --format json \
-  > "$OUT/cold.jsonl" 2> "$OUT/cold.err"
-rc=$?; e=$(date +%s.%N)
-log "2 cold rc=$rc wall $(python3 -c "print(round($e - $s, 1))") s"
-if [ $rc = 0 ]; then
-  timeout "$(cap 60)" "$RCOA" run "$PLAN" --device $DEVICE --steps 3 --format json \
-    > "$OUT/warm.jsonl" 2> "$OUT/warm.err"
-  log "2 warm rc=$?"
-fi
-grep -h '"compiled_ahead"\|"summary"' "$OUT/cold.jsonl" "$OUT/warm.jsonl" 2>/dev/null | cut -c1-600
+speed() {
+  local name=$1 limit=$2; shift 2
+  local t; t=$(cap "$limit")
+  if [ "$t" -lt 45 ]; then log "$name skipped: ${t}s left"; return; fi
+  python3 $B/speed.py --rcoa "$RCOA" --device $DEVICE --shapes $SHAPE --steps 12 --timeout "$t" \
+    --out "$OUT/speed-$name" "$@" > "$OUT/speed-$name.txt" 2>&1
+  log "$name rc=$?"; tail -n 6 "$OUT/speed-$name.txt"
+}
+if [ $TC = 1 ]; then export RCOA_FLASH_TENSOR_CORES=1; fi
+speed 2-rcoa-cold 300 --engines rcoa --rcoa-attention flash
+speed 3-rcoa-warm 90 --engines rcoa --rcoa-attention flash
+unset RCOA_FLASH_TENSOR_CORES
+speed 4-pytorch 150 --engines eager
 
-# 3. 8-bit Adam's memory.
+# 5. 8-bit Adam's memory.
 t=$(cap 150)
 if [ "$t" -gt 30 ]; then
   W=/tmp/jobs-adam8bit OUT="$OUT/adam8bit" TMO=$t JOBS="$ADAM" DRY="${DRY:-0}" BIN="$RCOA" \
     bash $B/gpu_jobs.sh > "$OUT/adam8bit.txt" 2>&1
-  log "3 adam8bit rc=$?"; grep -h "measured\|no summary" "$OUT/adam8bit.txt"
+  log "5 adam8bit rc=$?"; grep -h "measured\|no summary" "$OUT/adam8bit.txt"
 fi
-
-# 4. Speed, with what is left: PyTorch first (known to run), then rcoa's flash kernels.
-export RCOA_CACHE_DIR=/tmp/cache-speed
-speed() {
-  local name=$1; shift
-  local t; t=$(cap 240)
-  if [ "$t" -lt 45 ]; then log "4 $name skipped: ${t}s left"; return; fi
-  python3 $B/speed.py --rcoa "$RCOA" --device $DEVICE --shapes $SHAPE --steps 12 --timeout "$t" \
-    --out "$OUT/speed-$name" "$@" > "$OUT/speed-$name.txt" 2>&1
-  log "4 $name rc=$?"; tail -n 8 "$OUT/speed-$name.txt"
-}
-speed pytorch --engines eager
-if [ $TC = 1 ]; then (export RCOA_FLASH_TENSOR_CORES=1; speed flash-tc --engines rcoa --rcoa-attention flash); fi
-speed flash --engines rcoa --rcoa-attention flash
 log "done"

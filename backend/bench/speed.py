@@ -161,6 +161,9 @@ def run_rcoa(a, shape, out):
     wall = time.perf_counter() - t0
     with open(os.path.join(out, f"speed-{shape}-rcoa.jsonl"), "w") as f:
         f.write(stdout)
+    # Compiling ahead and the first step report on stderr (what was recorded, refused, missed).
+    with open(os.path.join(out, f"speed-{shape}-rcoa.err"), "w") as f:
+        f.write(stderr)
     event = lambda name: next((json.loads(l) for l in stdout.splitlines() if f'"{name}"' in l), None)
     summary = event("summary")
     if rc != 0 or summary is None:
