@@ -13,7 +13,7 @@
 use cubecl::prelude::*;
 
 use super::forward_blocks::stage_rows;
-use super::mma::{block_product, PAD_F32, PAD_HALF};
+use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{excluded, pad_bias, MASKED};
 
 /// `Σ_c a[a0 + c] · b[b0 + c]` over the last dimension of two `[b, h, n, d]`
@@ -33,7 +33,7 @@ fn row_dot_rows<F: Float>(a: &Tensor<F>, a0: usize, b: &Tensor<F>, b0: usize, di
 /// query columns, so each unit's row is its key's); each unit forms its row
 /// of `Pᵀ` and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`.
 ///
-/// Arguments as `flash_backward_kv`'s; with `tensor_cores`, F must be f16
+/// Arguments as `flash_backward_kv`'s; with `Products::TensorCores`, F must be f16
 /// or bf16 and `head_dim` and `block` multiples of 16.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -53,7 +53,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
-    #[comptime] tensor_cores: bool,
+    #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
@@ -130,18 +130,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
             sync_cube();
 
             block_product::<F>(
-                &ks,
-                dim,
-                &qs,
-                dim,
-                true,
-                &mut work,
-                0,
-                s_ld,
-                block,
-                block,
-                dim,
-                tensor_cores,
+                &ks, dim, &qs, dim, true, &mut work, 0, s_ld, block, block, dim, products,
             );
             block_product::<F>(
                 &vs,
@@ -155,7 +144,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 block,
                 block,
                 dim,
-                tensor_cores,
+                products,
             );
             sync_cube();
 
@@ -176,18 +165,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
             sync_cube();
 
             block_product::<F>(
-                &pt,
-                p_ld,
-                &dos,
-                dim,
-                false,
-                &mut work,
-                0,
-                out_ld,
-                block,
-                dim,
-                block,
-                tensor_cores,
+                &pt, p_ld, &dos, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
             for c in 0..dim {
@@ -195,18 +173,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
             }
             sync_cube();
             block_product::<F>(
-                &dst,
-                p_ld,
-                &qs,
-                dim,
-                false,
-                &mut work,
-                0,
-                out_ld,
-                block,
-                dim,
-                block,
-                tensor_cores,
+                &dst, p_ld, &qs, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
             for c in 0..dim {
@@ -230,7 +197,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
 /// row `CUBE_POS_X · block + u`. Per key block: stage K and V; `S = Q Kᵀ`
 /// and `dP = dO Vᵀ`; each unit forms its row of `dS`; then `dQ += dS K`.
 ///
-/// Arguments as `flash_backward_q`'s; with `tensor_cores`, as above.
+/// Arguments as `flash_backward_q`'s; with `Products::TensorCores`, as above.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_q_blocks<F: Float>(
@@ -248,7 +215,7 @@ pub fn flash_backward_q_blocks<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
-    #[comptime] tensor_cores: bool,
+    #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
@@ -310,18 +277,7 @@ pub fn flash_backward_q_blocks<F: Float>(
         sync_cube();
 
         block_product::<F>(
-            &qs,
-            dim,
-            &ks,
-            dim,
-            true,
-            &mut work,
-            0,
-            s_ld,
-            block,
-            block,
-            dim,
-            tensor_cores,
+            &qs, dim, &ks, dim, true, &mut work, 0, s_ld, block, block, dim, products,
         );
         block_product::<F>(
             &dos,
@@ -335,7 +291,7 @@ pub fn flash_backward_q_blocks<F: Float>(
             block,
             block,
             dim,
-            tensor_cores,
+            products,
         );
         sync_cube();
 
@@ -356,18 +312,7 @@ pub fn flash_backward_q_blocks<F: Float>(
         sync_cube();
 
         block_product::<F>(
-            &dss,
-            p_ld,
-            &ks,
-            dim,
-            false,
-            &mut work,
-            0,
-            out_ld,
-            block,
-            dim,
-            block,
-            tensor_cores,
+            &dss, p_ld, &ks, dim, false, &mut work, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         for c in 0..dim {

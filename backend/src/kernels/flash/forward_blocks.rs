@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{block_product, PAD_F32, PAD_HALF};
+use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{excluded, pad_bias, MASKED};
 
 /// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
@@ -44,7 +44,7 @@ pub fn stage_rows<F: Float>(
 /// 4. `P V` into the same fp32 tile, which each unit adds to its output.
 ///
 /// Same arguments and outputs as `flash_forward`. `head_dim` must equal
-/// the tensors' last extent; with `tensor_cores`, F must be f16 or bf16
+/// the tensors' last extent; with `Products::TensorCores`, F must be f16 or bf16
 /// and `head_dim` and `block` multiples of 16 (the host checks).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -61,7 +61,7 @@ pub fn flash_forward_blocks<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
-    #[comptime] tensor_cores: bool,
+    #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
@@ -114,18 +114,7 @@ pub fn flash_forward_blocks<F: Float>(
         sync_cube();
 
         block_product::<F>(
-            &qs,
-            dim,
-            &ks,
-            dim,
-            true,
-            &mut s32,
-            0,
-            s_ld,
-            block,
-            block,
-            dim,
-            tensor_cores,
+            &qs, dim, &ks, dim, true, &mut s32, 0, s_ld, block, block, dim, products,
         );
         sync_cube();
 
@@ -159,18 +148,7 @@ pub fn flash_forward_blocks<F: Float>(
         sync_cube();
 
         block_product::<F>(
-            &ps,
-            p_ld,
-            &vs,
-            dim,
-            false,
-            &mut s32,
-            0,
-            out_ld,
-            block,
-            dim,
-            block,
-            tensor_cores,
+            &ps, p_ld, &vs, dim, false, &mut s32, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         for c in 0..dim {

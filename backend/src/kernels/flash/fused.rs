@@ -20,6 +20,7 @@ use cubecl::prelude::{ComputeClient, StorageType, TensorArg};
 
 use super::blocked::FlashMask;
 use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
+use super::mma::Products;
 
 type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
 type Fused<R, BT> = Fusion<Inner<R, BT>>;
@@ -86,7 +87,9 @@ fn settings<R: CubeRuntime>(
 fn flash_kernels<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> FlashKernels {
     let asked = std::env::var("RCOA_FLASH_TENSOR_CORES").is_ok_and(|v| v == "1");
     if asked && launch::has_tensor_cores(client, dtype) {
-        FlashKernels::Blocks { tensor_cores: true }
+        FlashKernels::Blocks {
+            products: Products::TensorCores,
+        }
     } else {
         FlashKernels::Rows
     }

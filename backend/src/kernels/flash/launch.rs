@@ -9,7 +9,7 @@ use super::backward::{flash_backward_kv, flash_backward_q};
 use super::backward_blocks::{flash_backward_kv_blocks, flash_backward_q_blocks};
 use super::forward::flash_forward;
 use super::forward_blocks::flash_forward_blocks;
-use super::mma::TILE;
+use super::mma::{Products, TILE};
 
 /// The largest head dimension the kernels take: a block of 8 rows of 256
 /// fp32 values per staged tensor keeps shared memory at 16 KiB (the least
@@ -35,8 +35,8 @@ pub enum FlashKernels {
     /// rows staged in shared memory, scalar FMAs.
     Rows,
     /// `forward_blocks.rs`, `backward_blocks.rs`: the block products over
-    /// shared-memory tiles (`mma.rs`), on tensor cores with `tensor_cores`.
-    Blocks { tensor_cores: bool },
+    /// shared-memory tiles (`mma.rs`), computed as `products` says.
+    Blocks { products: Products },
 }
 
 /// One launch's settings besides the tensors.
@@ -64,35 +64,44 @@ pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
 impl FlashLaunch {
     /// The kernels that run: tensor cores take 16-bit inputs and a head dim
     /// that is a multiple of their 16-wide tiles, up to
-    /// [`MAX_TENSOR_CORE_HEAD_DIM`]; other shapes run `Rows`.
+    /// [`MAX_TENSOR_CORE_HEAD_DIM`]; their tiling on scalar FMAs (a test of
+    /// it) head dims in 16s up to 64; other shapes run `Rows`.
     pub fn kernels(&self) -> FlashKernels {
-        match self.kernels {
-            FlashKernels::Blocks { tensor_cores: true } => {
-                let d = self.dims.head_dim;
+        let d = self.dims.head_dim;
+        let tiled = d.is_multiple_of(TILE);
+        let takes = match self.kernels {
+            FlashKernels::Blocks {
+                products: Products::TensorCores,
+            } => {
                 let half = matches!(
                     self.dtype,
                     StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
                 );
-                if half && d.is_multiple_of(TILE) && d <= MAX_TENSOR_CORE_HEAD_DIM {
-                    self.kernels
-                } else {
-                    FlashKernels::Rows
-                }
+                half && tiled && d <= MAX_TENSOR_CORE_HEAD_DIM
             }
-            other => other,
+            FlashKernels::Blocks {
+                products: Products::TiledScalar,
+            } => tiled && d <= 64,
+            _ => true,
+        };
+        if takes {
+            self.kernels
+        } else {
+            FlashKernels::Rows
         }
     }
 
     /// Query (and key) rows per block of the `Blocks` kernels: 64 on
     /// tensor cores (two warps, each taking 16 × 16 tiles of the block
-    /// products in turn); without, `1024 / head_dim` up to 16, which keeps
-    /// its fp32 tiles within 17 KiB (lavapipe gives 32 KiB; 16 rows at head
-    /// dim 128 took 33 KiB and did not launch).
-    fn blocks_block(tensor_cores: bool, head_dim: usize) -> usize {
-        if tensor_cores {
-            64
-        } else {
-            (1024 / head_dim.max(1)).clamp(1, TILE)
+    /// products in turn); 16 for their tiling on scalar FMAs; otherwise
+    /// `1024 / head_dim` up to 16, which keeps the fp32 tiles within 20 KiB
+    /// (lavapipe gives 32 KiB; 16 rows at head dim 128 took 33 KiB and did
+    /// not launch).
+    fn blocks_block(products: Products, head_dim: usize) -> usize {
+        match products {
+            Products::TensorCores => 64,
+            Products::TiledScalar => TILE,
+            Products::Scalar => (1024 / head_dim.max(1)).clamp(1, TILE),
         }
     }
 }
@@ -178,12 +187,12 @@ macro_rules! launch_flash {
                     cfg.causal, cfg.padding, cfg.dtype,
                 );
             }
-            FlashKernels::Blocks { tensor_cores } => {
-                let block = FlashLaunch::blocks_block(tensor_cores, d.head_dim);
+            FlashKernels::Blocks { products } => {
+                let block = FlashLaunch::blocks_block(products, d.head_dim);
                 let (count, dim) = grid($rows_of, block, $slices);
                 $blocks::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    cfg.causal, cfg.padding, tensor_cores, cfg.dtype,
+                    cfg.causal, cfg.padding, products, cfg.dtype,
                 );
             }
         }
@@ -282,13 +291,17 @@ mod tests {
             padding: false,
             scale: 0.125,
             dtype: StorageType::Scalar(ElemType::Float(kind)),
-            kernels: FlashKernels::Blocks { tensor_cores: true },
+            kernels: FlashKernels::Blocks {
+                products: Products::TensorCores,
+            },
         }
     }
 
     #[test]
     fn tensor_cores_take_16_bit_types_and_head_dims_in_16s_up_to_128() {
-        let tc = FlashKernels::Blocks { tensor_cores: true };
+        let tc = FlashKernels::Blocks {
+            products: Products::TensorCores,
+        };
         for kind in [FloatKind::BF16, FloatKind::F16] {
             for d in [16, 64, 80, 128] {
                 assert_eq!(launch(d, kind).kernels(), tc, "{kind:?} d{d}");
@@ -302,11 +315,18 @@ mod tests {
             }
         }
         assert_eq!(launch(64, FloatKind::F32).kernels(), FlashKernels::Rows);
-        // The scalar block products take any shape.
+        // The scalar block products take any shape; their tiled form, the
+        // tensor cores' tiles.
         let mut scalar = launch(24, FloatKind::F32);
         scalar.kernels = FlashKernels::Blocks {
-            tensor_cores: false,
+            products: Products::Scalar,
         };
+        assert_eq!(scalar.kernels(), scalar.kernels);
+        scalar.kernels = FlashKernels::Blocks {
+            products: Products::TiledScalar,
+        };
+        assert_eq!(scalar.kernels(), FlashKernels::Rows);
+        scalar.dims.head_dim = 64;
         assert_eq!(scalar.kernels(), scalar.kernels);
     }
 }

@@ -34,7 +34,7 @@ mod forward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
-mod mma;
+pub mod mma;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 

@@ -2,8 +2,8 @@
 //! expanded (with lavapipe's client, which the expansion only asks for
 //! device properties), lowered by CubeCL's CUDA compiler for an H100
 //! (`sm_90a`), and compiled by NVRTC to a cubin, as its first launch on the
-//! GPU would. This is what the tensor-core forward cannot otherwise get here:
-//! lavapipe has no `cmma`, so only its scalar twin runs on the CPU.
+//! GPU would. Lavapipe has no `cmma`: the tensor-core kernels' indices run
+//! there (`Products::TiledScalar`), their `cmma` calls only compile here.
 //!
 //! Needs both `cuda` (CubeCL's CUDA compiler, NVRTC) and `wgpu-kernels` (a
 //! client to expand with); skips with a note without a Vulkan device or
@@ -20,7 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
-use super::mma::{PAD_F32, PAD_HALF};
+use super::mma::{Products, PAD_F32, PAD_HALF};
 
 const SM: u32 = 90;
 
@@ -111,7 +111,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             BLOCK,
             causal,
             padding,
-            true,
+            Products::TensorCores,
             float(kind),
         );
         // Q, K, V and P; S (then P V), the last three with padded rows.
@@ -149,7 +149,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             BLOCK,
             causal,
             padding,
-            true,
+            Products::TensorCores,
             float(kind),
         );
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
@@ -172,7 +172,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             BLOCK,
             causal,
             padding,
-            true,
+            Products::TensorCores,
             float(kind),
         );
         let tiles16 = 4 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);

@@ -6,6 +6,7 @@
 use cubecl::prelude::*;
 
 use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
+use super::mma::Products;
 use super::reference::{worst, Problem};
 
 /// A runtime's client, or `None` (with a note) where it has no device:
@@ -362,6 +363,58 @@ macro_rules! kernel_tests {
     };
 }
 
+/// The `Blocks` kernels with `Products::TiledScalar`: the tensor-core path's
+/// planes, tiles, operand slices and strides, multiplied on scalar FMAs, so
+/// that every index of that path is checked where `cmma` does not run. Head
+/// dims in 16s up to 64; f32 at the f32 tolerances, and f16.
+macro_rules! tiled_tests {
+    () => {
+        use super::*;
+        const KERNELS: FlashKernels = FlashKernels::Blocks {
+            products: Products::TiledScalar,
+        };
+
+        fn problems() -> Vec<(Problem, &'static str)> {
+            vec![
+                (
+                    Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
+                    "gqa causal padding d64",
+                ),
+                (
+                    Problem::new(2, 4, 4, 37, 37, 32, false, &[], 1),
+                    "bidirectional d32",
+                ),
+                (
+                    Problem::new(1, 8, 2, 70, 70, 64, true, &[], 3),
+                    "gqa causal d64",
+                ),
+                (
+                    Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
+                    "padding causal gqa",
+                ),
+                (
+                    Problem::new(1, 2, 1, 19, 40, 32, false, &[], 6),
+                    "cross lengths",
+                ),
+            ]
+        }
+
+        #[test]
+        fn f32() {
+            for (p, what) in problems() {
+                check(client(), p, what, KERNELS);
+            }
+        }
+
+        #[test]
+        fn f16() {
+            for (p, _) in problems() {
+                check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, KERNELS);
+            }
+        }
+    };
+}
+
 #[cfg(feature = "wgpu-kernels")]
 mod wgpu {
     use super::*;
@@ -384,8 +437,12 @@ mod wgpu {
     /// tensor cores.
     mod blocks {
         kernel_tests!(FlashKernels::Blocks {
-            tensor_cores: false
+            products: Products::Scalar
         });
+    }
+
+    mod tiled {
+        tiled_tests!();
     }
 
     /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`
@@ -427,8 +484,12 @@ mod cuda {
 
     mod blocks {
         kernel_tests!(FlashKernels::Blocks {
-            tensor_cores: false
+            products: Products::Scalar
         });
+    }
+
+    mod tiled {
+        tiled_tests!();
     }
 
     /// The `Blocks` kernels on tensor cores: 16-bit inputs only, head
@@ -436,7 +497,9 @@ mod cuda {
     /// such dims, rounded to 16 bits).
     mod tensor_cores {
         use super::*;
-        const KERNELS: FlashKernels = FlashKernels::Blocks { tensor_cores: true };
+        const KERNELS: FlashKernels = FlashKernels::Blocks {
+            products: Products::TensorCores,
+        };
 
         fn problems() -> Vec<Problem> {
             vec![
