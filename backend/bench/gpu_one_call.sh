@@ -6,7 +6,7 @@
 #
 #  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
 #     attention on CUDA"): the tensor-core kernels' first run anywhere; if they fail, their
-#     scalar twins, to tell a fault of mma.rs from one of the data flow. At most 120 s.
+#     scalar twins, to tell a fault of the cmma calls from one of the data flow. At most 150 s.
 #  2. Issue 13 on its own shape (speed.py's 350M decoder, bf16, seq 2048), rcoa with fused
 #     attention (the tensor-core kernels if step 1 passed) from an empty kernel cache: the
 #     cold first step, compiled ahead on every core (bar: 60 s), and tokens/s. At most 300 s.
@@ -40,7 +40,7 @@ fi
 TC=0
 if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
-  timeout "$(cap 60)" /tmp/flash-tests tests_kernels::cuda::tensor_cores --test-threads 1 \
+  timeout "$(cap 90)" /tmp/flash-tests tests_kernels::cuda::tensor_cores --test-threads 1 \
     > "$OUT/flash-tests.txt" 2>&1
   log "1 tensor-core flash tests rc=$?"
   if grep -q "tensor_cores::bf16 ... ok" "$OUT/flash-tests.txt"; then TC=1
