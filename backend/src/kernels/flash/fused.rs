@@ -85,7 +85,9 @@ fn settings<R: CubeRuntime>(
 /// their test has passed on an H100 (`tests_kernels::cuda::tensor_cores`;
 /// `docs/flash-attention.md`).
 fn flash_kernels<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> FlashKernels {
-    let asked = std::env::var("RCOA_FLASH_TENSOR_CORES").is_ok_and(|v| v == "1");
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let asked = *ASKED
+        .get_or_init(|| std::env::var_os("RCOA_FLASH_TENSOR_CORES").is_some_and(|v| v == "1"));
     if asked && launch::has_tensor_cores(client, dtype) {
         FlashKernels::Blocks {
             products: Products::TensorCores,
