@@ -34,6 +34,36 @@ fn wait_at_most(
     }
 }
 
+/// Makes `cmd`'s process die with the thread that spawns it (Linux's
+/// parent-death signal). A `rcoa run` killed by a timeout must not leave its
+/// recording pass holding the GPU for up to [`RECORD_LIMIT`]; the thread
+/// that spawns it waits for it, so it outlives the child otherwise.
+fn dies_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: runs in the forked child before exec, calling only the
+        // async-signal-safe prctl and getppid.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent died before the signal was set: nothing will send it.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other(
+                        "rcoa exited before its recording pass started",
+                    ));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 /// `--compile-jobs`: the threads NVRTC runs on; default this machine's cores.
 pub fn jobs(arg: Option<u32>) -> usize {
     arg.map_or_else(
@@ -133,6 +163,7 @@ impl Recording {
             // Its memory samples are of a run that computed nothing; they
             // would sit among the real run's in the same stderr.
             .env_remove("RCOA_MEMORY_TRACE");
+        dies_with_parent(&mut child);
         if let Some(d) = &self.data {
             child.arg("--data").arg(d);
         }
@@ -241,5 +272,25 @@ mod tests {
         );
         let status = wait_at_most(sleep("0"), Duration::from_secs(30)).unwrap();
         assert!(status.success());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_recording_child_dies_with_what_spawned_it() {
+        // The spawning thread ends at once: the parent-death signal fires
+        // then (for `rcoa run`, when the process is killed).
+        let child = std::thread::spawn(|| {
+            let mut cmd = std::process::Command::new("sleep");
+            cmd.arg("30");
+            dies_with_parent(&mut cmd);
+            cmd.spawn().unwrap()
+        })
+        .join()
+        .unwrap();
+        let start = std::time::Instant::now();
+        let status = wait_at_most(child, Duration::from_secs(20)).expect("killed, not timed out");
+        assert!(start.elapsed() < Duration::from_secs(10));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
     }
 }
