@@ -7,6 +7,8 @@
 #  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
 #     attention on CUDA"): the tensor-core kernels' first run anywhere; if they fail, their
 #     scalar twins, to tell a fault of the cmma calls from one of the data flow. At most 150 s.
+#     If they pass, the kernels alone against the scalar ones and PyTorch's SDPA
+#     (.rcoa-bin/flash-bench.gz, backend/bench/sdpa_time.py). At most 105 s.
 #  2. Issue 13 on its own shape (speed.py's 350M decoder, bf16, seq 2048), rcoa with fused
 #     attention (the tensor-core kernels if step 1 passed) from an empty kernel cache: the
 #     cold first step, compiled ahead on every core (bar: 60 s), and tokens/s. At most 300 s.
@@ -15,7 +17,7 @@
 #  5. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
 #     gpu_jobs.sh, measured peak against the prediction. At most 150 s.
 #
-# Device tool: carry [".rcoa-bin"] (rcoa.gz and flash-tests.gz, built as docs/gpu-session.md
+# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as docs/gpu-session.md
 # says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,6 +55,16 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   fi
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
+fi
+
+# 1b. The kernels alone: rcoa's scalar and tensor-core kernels in one run (benches/flash.rs),
+# then PyTorch's SDPA on the same shape.
+if [ $TC = 1 ] && [ -f .rcoa-bin/flash-bench.gz ]; then
+  gunzip -c .rcoa-bin/flash-bench.gz > /tmp/flash-bench && chmod +x /tmp/flash-bench
+  timeout "$(cap 60)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
+  log "1b flash bench rc=$?"; cat "$OUT/flash-bench.txt"
+  timeout "$(cap 45)" python3 $B/sdpa_time.py > "$OUT/sdpa-time.txt" 2>&1
+  log "1b sdpa rc=$?"; cat "$OUT/sdpa-time.txt"
 fi
 
 # 2-4. Speed and start-up on issue 13's shape; rcoa's kernel cache starts empty.

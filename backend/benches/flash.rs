@@ -1,0 +1,327 @@
+//! The fused-attention kernels timed alone, in one run: the `Rows` kernels
+//! (scalar FMAs, what `attention = flash` runs by default) against the
+//! block-product kernels on tensor cores (`RCOA_FLASH_TENSOR_CORES=1`), on
+//! one attention shape, forward and backward (dK/dV and dQ). Prints each
+//! one's milliseconds and TFLOP/s and the ratio to `Rows` (above 1: faster),
+//! and the largest difference between the two outputs and gradients, so a
+//! fast wrong kernel does not pass unseen.
+//!
+//!     cargo bench -p rcoa-backend --features cuda --bench flash -- [batch heads kv_heads seq head_dim]
+//!
+//! The default shape is the 350M decoder's at seq 2048 (4 × 16 heads × 2048
+//! × 64, causal, bf16). Without a CUDA build it runs on wgpu (`--features
+//! wgpu-kernels`; lavapipe without a GPU) in f32 with the tensor cores' tiling
+//! on scalar FMAs: a check of the benchmark, not a timing.
+//!
+//! FLOPs count what FlashAttention counts: forward `4 · b · h · s² · d`,
+//! backward 2.5 × that, halved for causal.
+
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod bench {
+    use cubecl::prelude::*;
+    use rcoa_backend::kernels::flash::launch::{
+        self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch,
+    };
+    use std::time::Instant;
+
+    const WARMUP: usize = 2;
+    const REPEATS: usize = 10;
+
+    /// A contiguous `[.., d]` tensor of `E` on the device.
+    struct Buf {
+        handle: cubecl::server::Handle,
+        shape: Vec<usize>,
+    }
+
+    impl Buf {
+        fn arg<R: Runtime>(&self) -> TensorArg<R> {
+            let mut strides = vec![1; self.shape.len()];
+            for i in (0..self.shape.len() - 1).rev() {
+                strides[i] = strides[i + 1] * self.shape[i + 1];
+            }
+            // SAFETY: the handle holds a contiguous tensor of this shape.
+            unsafe {
+                TensorArg::from_raw_parts(
+                    self.handle.clone(),
+                    strides.as_slice().into(),
+                    self.shape.as_slice().into(),
+                )
+            }
+        }
+    }
+
+    fn upload<R: Runtime, E: CubeElement>(
+        client: &ComputeClient<R>,
+        shape: &[usize],
+        seed: u64,
+        from_f32: impl Fn(f32) -> E,
+    ) -> Buf {
+        let n: usize = shape.iter().product();
+        let mut x = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let data: Vec<E> = (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                from_f32(((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+            })
+            .collect();
+        Buf {
+            handle: client.create_from_slice(E::as_bytes(&data)),
+            shape: shape.to_vec(),
+        }
+    }
+
+    fn read<R: Runtime, E: CubeElement>(
+        client: &ComputeClient<R>,
+        b: &Buf,
+        to_f32: impl Fn(E) -> f32,
+    ) -> Vec<f32> {
+        let bytes = client.read_one_unchecked(b.handle.clone());
+        E::from_bytes(&bytes).iter().map(|&x| to_f32(x)).collect()
+    }
+
+    /// Median seconds of `f` then a device sync, after warming up.
+    fn time<R: Runtime>(client: &ComputeClient<R>, mut f: impl FnMut()) -> f64 {
+        let sync = || cubecl::future::block_on(client.sync()).expect("device sync");
+        for _ in 0..WARMUP {
+            f();
+        }
+        sync();
+        let mut t: Vec<f64> = (0..REPEATS)
+            .map(|_| {
+                let start = Instant::now();
+                f();
+                sync();
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        t[REPEATS / 2]
+    }
+
+    struct Result {
+        name: String,
+        forward: f64,
+        backward: f64,
+        outputs: Vec<Vec<f32>>,
+    }
+
+    pub fn run<R: Runtime, E: CubeElement + CubePrimitive>(
+        client: ComputeClient<R>,
+        dims: FlashDims,
+        variants: &[(&str, FlashKernels)],
+        from_f32: impl Fn(f32) -> E + Copy,
+        to_f32: impl Fn(E) -> f32 + Copy,
+    ) {
+        let causal = true;
+        let qs = [dims.batch, dims.heads, dims.q_len, dims.head_dim];
+        let ks = [dims.batch, dims.kv_heads, dims.kv_len, dims.head_dim];
+        let q = upload(&client, &qs, 1, from_f32);
+        let k = upload(&client, &ks, 2, from_f32);
+        let v = upload(&client, &ks, 3, from_f32);
+        let d_o = upload(&client, &qs, 4, from_f32);
+        let bias = upload(&client, &[1, 1], 5, |x| x);
+        let o = upload(&client, &qs, 6, from_f32);
+        let lse = upload(&client, &[dims.batch, dims.heads, dims.q_len], 7, |x| x);
+        let (d_q, d_k, d_v) = (
+            upload(&client, &qs, 8, from_f32),
+            upload(&client, &ks, 9, from_f32),
+            upload(&client, &ks, 10, from_f32),
+        );
+        let dtype = E::as_type_native_unchecked().storage_type();
+        let flops_fwd = 4.0
+            * (dims.batch * dims.heads) as f64
+            * dims.q_len as f64
+            * dims.kv_len as f64
+            * dims.head_dim as f64
+            / if causal { 2.0 } else { 1.0 };
+        println!(
+            "flash attention, batch {} × {} heads ({} kv) × seq {} × head dim {}, causal, {dtype:?}",
+            dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.head_dim
+        );
+        let mut results: Vec<Result> = Vec::new();
+        for &(name, kernels) in variants {
+            let cfg = FlashLaunch {
+                dims,
+                causal,
+                padding: false,
+                scale: 1.0 / (dims.head_dim as f32).sqrt(),
+                dtype,
+                kernels,
+            };
+            if cfg.kernels() != kernels {
+                println!("  {name:<28} skipped: these kernels do not take this shape or type");
+                continue;
+            }
+            let forward = time(&client, || {
+                launch::forward(
+                    &client,
+                    &cfg,
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    bias.arg(),
+                    o.arg(),
+                    lse.arg(),
+                )
+            });
+            let inputs = || BackwardInputs {
+                q: q.arg(),
+                k: k.arg(),
+                v: v.arg(),
+                o: o.arg(),
+                d_o: d_o.arg(),
+                lse: lse.arg(),
+                key_bias: bias.arg(),
+            };
+            let backward = time(&client, || {
+                launch::backward_kv(&client, &cfg, inputs(), d_k.arg(), d_v.arg());
+                launch::backward_q(&client, &cfg, inputs(), d_q.arg());
+            });
+            let outputs = [&o, &d_q, &d_k, &d_v]
+                .iter()
+                .map(|b| read(&client, b, to_f32))
+                .collect();
+            results.push(Result {
+                name: name.to_string(),
+                forward,
+                backward,
+                outputs,
+            });
+        }
+        let Some(base) = results.first() else { return };
+        println!(
+            "  {:<28} {:>10} {:>9} {:>10} {:>9} {:>8}",
+            "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× Rows"
+        );
+        for r in &results {
+            let total = |x: &Result| x.forward + x.backward;
+            println!(
+                "  {:<28} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>8.2}",
+                r.name,
+                r.forward * 1e3,
+                flops_fwd / r.forward / 1e12,
+                r.backward * 1e3,
+                2.5 * flops_fwd / r.backward / 1e12,
+                total(base) / total(r),
+            );
+        }
+        for r in &results[1..] {
+            let worst = ["O", "dQ", "dK", "dV"]
+                .iter()
+                .zip(r.outputs.iter().zip(&base.outputs))
+                .map(|(name, (a, b))| {
+                    let d = a
+                        .iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+                        .fold(0.0f32, f32::max);
+                    format!("{name} {d:.1e}")
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            println!(
+                "  {} against {}: largest relative difference {worst}",
+                r.name, base.name
+            );
+        }
+    }
+
+    pub fn dims_from_args(default: FlashDims) -> FlashDims {
+        let n: Vec<usize> = std::env::args()
+            .skip(1)
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        match n[..] {
+            [batch, heads, kv_heads, seq, head_dim] => FlashDims {
+                batch,
+                heads,
+                kv_heads,
+                q_len: seq,
+                kv_len: seq,
+                head_dim,
+            },
+            _ => default,
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    use burn::tensor::bf16;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::Runtime;
+    use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels};
+    use rcoa_backend::kernels::flash::mma::Products;
+    let dims = bench::dims_from_args(FlashDims {
+        batch: 4,
+        heads: 16,
+        kv_heads: 16,
+        q_len: 2048,
+        kv_len: 2048,
+        head_dim: 64,
+    });
+    let Ok(client) = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0))) else {
+        println!("no CUDA device: nothing timed");
+        return;
+    };
+    bench::run::<CudaRuntime, bf16>(
+        client,
+        dims,
+        &[
+            ("rows (scalar FMAs)", FlashKernels::Rows),
+            (
+                "blocks on tensor cores",
+                FlashKernels::Blocks {
+                    products: Products::TensorCores,
+                },
+            ),
+        ],
+        bf16::from_f32,
+        bf16::to_f32,
+    );
+}
+
+#[cfg(all(feature = "wgpu-kernels", not(feature = "cuda")))]
+fn main() {
+    use cubecl::prelude::Runtime;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+    use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels};
+    use rcoa_backend::kernels::flash::mma::Products;
+    let dims = bench::dims_from_args(FlashDims {
+        batch: 1,
+        heads: 2,
+        kv_heads: 2,
+        q_len: 64,
+        kv_len: 64,
+        head_dim: 32,
+    });
+    let Ok(client) = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice))
+    else {
+        println!("no Vulkan device: nothing timed");
+        return;
+    };
+    bench::run::<WgpuRuntime, f32>(
+        client,
+        dims,
+        &[
+            ("rows (scalar FMAs)", FlashKernels::Rows),
+            (
+                "blocks, tiles on scalar FMAs",
+                FlashKernels::Blocks {
+                    products: Products::TiledScalar,
+                },
+            ),
+        ],
+        |x| x,
+        |x| x,
+    );
+}
+
+#[cfg(not(any(feature = "cuda", feature = "wgpu-kernels")))]
+fn main() {
+    println!("the flash kernels need --features cuda (or wgpu-kernels): nothing timed");
+}
