@@ -230,6 +230,16 @@ mod bench {
         }
     }
 
+    /// `f()`, or `None` if it panics (CubeCL's clients panic without a
+    /// device), without the panic's message and backtrace.
+    pub fn quietly<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let out = std::panic::catch_unwind(f).ok();
+        std::panic::set_hook(hook);
+        out
+    }
+
     pub fn dims_from_args(default: FlashDims) -> FlashDims {
         let n: Vec<usize> = std::env::args()
             .skip(1)
@@ -264,7 +274,7 @@ fn main() {
         kv_len: 2048,
         head_dim: 64,
     });
-    let Ok(client) = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0))) else {
+    let Some(client) = bench::quietly(|| CudaRuntime::client(&CudaDevice::new(0))) else {
         println!("no CUDA device: nothing timed");
         return;
     };
@@ -299,8 +309,7 @@ fn main() {
         kv_len: 64,
         head_dim: 32,
     });
-    let Ok(client) = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice))
-    else {
+    let Some(client) = bench::quietly(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice)) else {
         println!("no Vulkan device: nothing timed");
         return;
     };
