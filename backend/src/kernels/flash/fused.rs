@@ -16,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use burn_fusion::stream::OperationStreams;
 use burn_fusion::{get_client, Fusion, NoOp};
-use cubecl::prelude::{ComputeClient, StorageType, TensorArg};
+use cubecl::prelude::{StorageType, TensorArg};
 
 use super::blocked::FlashMask;
 use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
@@ -70,30 +70,55 @@ fn settings<R: CubeRuntime>(
     };
     dims.check(causal)?;
     let dtype: StorageType = q.dtype.into();
-    Ok(FlashLaunch {
+    let mut cfg = FlashLaunch {
         dims,
         causal,
         padding,
         scale: scale as f32,
         dtype,
-        kernels: flash_kernels(&q.client, dtype),
-    })
+        kernels: FlashKernels::Rows,
+    };
+    if tensor_cores_asked() {
+        let cmma = launch::has_tensor_cores(&q.client, dtype);
+        if cmma {
+            cfg.kernels = FlashKernels::Blocks {
+                products: Products::TensorCores,
+            };
+        }
+        static TOLD: std::sync::Once = std::sync::Once::new();
+        TOLD.call_once(|| eprintln!("note: {}", tensor_core_note(cmma, &cfg)));
+    }
+    Ok(cfg)
 }
 
-/// The tensor-core kernels where the device multiplies `dtype` tiles on
-/// them and `RCOA_FLASH_TENSOR_CORES=1` asks for them: they are opt-in until
-/// their test has passed on an H100 (`tests_kernels::cuda::tensor_cores`;
-/// `docs/flash-attention.md`).
-fn flash_kernels<R: CubeRuntime>(client: &ComputeClient<R>, dtype: StorageType) -> FlashKernels {
+/// `RCOA_FLASH_TENSOR_CORES=1`: the tensor-core kernels, where the device
+/// and the shape take them. They are opt-in until their test has passed on
+/// an H100 (`tests_kernels::cuda::tensor_cores`; `docs/flash-attention.md`).
+fn tensor_cores_asked() -> bool {
     static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let asked = *ASKED
-        .get_or_init(|| std::env::var_os("RCOA_FLASH_TENSOR_CORES").is_some_and(|v| v == "1"));
-    if asked && launch::has_tensor_cores(client, dtype) {
-        FlashKernels::Blocks {
-            products: Products::TensorCores,
-        }
+    *ASKED.get_or_init(|| std::env::var_os("RCOA_FLASH_TENSOR_CORES").is_some_and(|v| v == "1"))
+}
+
+/// What a run that asked for tensor cores is told (once): that they run, or
+/// why the scalar kernels run instead. `cmma`: the device multiplies the
+/// type's tiles on them.
+fn tensor_core_note(cmma: bool, cfg: &FlashLaunch) -> String {
+    let scalar = "the scalar flash kernels run";
+    if !cmma {
+        format!(
+            "RCOA_FLASH_TENSOR_CORES=1, but this device has no tensor cores for {:?}; {scalar}",
+            cfg.dtype
+        )
+    } else if cfg.kernels() == cfg.kernels {
+        "flash attention runs on tensor cores (RCOA_FLASH_TENSOR_CORES=1)".to_string()
     } else {
-        FlashKernels::Rows
+        format!(
+            "RCOA_FLASH_TENSOR_CORES=1, but the tensor-core kernels take 16-bit inputs and head \
+             dims in 16s up to {}, not {:?} at head dim {}; {scalar}",
+            launch::MAX_TENSOR_CORE_HEAD_DIM,
+            cfg.dtype,
+            cfg.dims.head_dim
+        )
     }
 }
 
@@ -243,4 +268,49 @@ fn float4<R: CubeRuntime, BT: BoolElement>(
     t: FloatTensor<Fused<R, BT>>,
 ) -> burn::tensor::Tensor<Fused<R, BT>, 4> {
     burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cubecl::ir::{ElemType, FloatKind};
+
+    fn cfg(head_dim: usize, kind: FloatKind) -> FlashLaunch {
+        FlashLaunch {
+            dims: FlashDims {
+                batch: 1,
+                heads: 2,
+                kv_heads: 2,
+                q_len: 8,
+                kv_len: 8,
+                head_dim,
+            },
+            causal: true,
+            padding: false,
+            scale: 1.0,
+            dtype: StorageType::Scalar(ElemType::Float(kind)),
+            kernels: FlashKernels::Blocks {
+                products: Products::TensorCores,
+            },
+        }
+    }
+
+    #[test]
+    fn a_run_that_asks_for_tensor_cores_is_told_whether_it_got_them() {
+        let note = tensor_core_note(true, &cfg(64, FloatKind::BF16));
+        assert!(
+            note.starts_with("flash attention runs on tensor cores"),
+            "{note}"
+        );
+        let note = tensor_core_note(true, &cfg(84, FloatKind::BF16));
+        assert!(
+            note.contains("head dim 84") && note.ends_with("the scalar flash kernels run"),
+            "{note}"
+        );
+        let note = tensor_core_note(false, &cfg(64, FloatKind::F32));
+        assert!(
+            note.contains("no tensor cores for") && note.contains("F32"),
+            "{note}"
+        );
+    }
 }
