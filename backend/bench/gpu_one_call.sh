@@ -82,6 +82,8 @@ speed() {
 }
 if [ $TC = 1 ]; then export RCOA_FLASH_TENSOR_CORES=1; fi
 speed 2-rcoa-cold 300 --engines rcoa --rcoa-attention flash
+# Which flash kernels ran (rcoa says so once when RCOA_FLASH_TENSOR_CORES=1).
+grep -h "tensor cores\|RCOA_FLASH\|compiling kernels ahead\|note:" "$OUT"/speed-2-rcoa-cold/*.err 2>/dev/null | head -n 8
 speed 3-rcoa-warm 90 --engines rcoa --rcoa-attention flash
 unset RCOA_FLASH_TENSOR_CORES
 speed 4-pytorch 150 --engines eager
