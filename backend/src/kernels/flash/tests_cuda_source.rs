@@ -25,10 +25,21 @@ use super::mma::{Products, PAD_F32, PAD_HALF};
 const SM: u32 = 90;
 
 fn client() -> Option<ComputeClient<WgpuRuntime>> {
-    if let Err(e) = crate::cuda::compiler() {
-        eprintln!("SKIPPED: {e}; the flash kernels' CUDA source was not compiled");
-        return None;
-    }
+    let headers = match crate::cuda::compiler() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("SKIPPED: {e}; the flash kernels' CUDA source was not compiled");
+            return None;
+        }
+    };
+    // wmma's `mma.h` includes `crt/mma.h`, which a toolkit has and NVRTC's
+    // PyPI wheels lack (`tools/nvrtc_from_pypi.sh` takes it from nvcc's since
+    // 2026-11-28).
+    assert!(
+        headers.join("crt/mma.h").exists(),
+        "{} has no crt/mma.h: run `sh tools/nvrtc_from_pypi.sh` again",
+        headers.display()
+    );
     let found = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
     if found.is_err() {
         eprintln!("SKIPPED: no Vulkan device to expand the kernels with");
