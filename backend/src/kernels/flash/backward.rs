@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, load_rows, pad_bias, row_dot, MASKED};
+use super::tile::{excluded, first_query_block, key_blocks, load_rows, pad_bias, row_dot, MASKED};
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
 /// key row `CUBE_POS_X · block + u`. Per query block (of each of the `group`
@@ -82,11 +82,7 @@ pub fn flash_backward_kv<F: Float>(
     let mut ds_row = SharedMemory::<f32>::new(block);
 
     let blocks = s.div_ceil(block);
-    // Causal: queries before this key block's first key never see it.
-    let mut start = 0;
-    if causal {
-        start = min(first / block, blocks);
-    }
+    let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     for g in 0..group {
         let hi = kvh * group + g;
@@ -191,13 +187,7 @@ pub fn flash_backward_q<F: Float>(
     let mut vs = SharedMemory::<f32>::new(block * head_dim);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    let blocks = t.div_ceil(block);
-    let mut end = blocks;
-    if causal {
-        let last = min(first + block, s) - 1;
-        end = min(last / block + 1, blocks);
-    }
-    for kb in 0..end {
+    for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
         load_rows::<F>(v, &mut vs, vbase, j0, t, dim);

@@ -12,9 +12,8 @@
 
 use cubecl::prelude::*;
 
-use super::forward_blocks::stage_rows;
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, pad_bias, MASKED};
+use super::tile::{excluded, first_query_block, key_blocks, pad_bias, stage_rows, MASKED};
 
 /// `Σ_c a[a0 + c] · b[b0 + c]` over the last dimension of two `[b, h, n, d]`
 /// tensors (row starts `a0`, `b0`), in fp32: D's row term.
@@ -101,11 +100,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
     }
 
     let blocks = s.div_ceil(block);
-    // Causal: queries before this key block's first key never see it.
-    let mut start = 0;
-    if causal {
-        start = min(first / block, blocks);
-    }
+    let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     for g in 0..group {
         let hi = kvh * group + g;
@@ -264,13 +259,7 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    let blocks = t.div_ceil(block);
-    let mut end = blocks;
-    if causal {
-        let last = min(first + block, s) - 1;
-        end = min(last / block + 1, blocks);
-    }
-    for kb in 0..end {
+    for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);

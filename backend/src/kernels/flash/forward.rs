@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, load_rows, pad_bias, row_dot, MASKED};
+use super::tile::{excluded, key_blocks, load_rows, pad_bias, row_dot, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
 /// row `CUBE_POS_X · block + u` (rows past the end compute on the last row
@@ -68,14 +68,7 @@ pub fn flash_forward<F: Float>(
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
 
-    let blocks = t.div_ceil(block);
-    let mut end = blocks;
-    if causal {
-        // Key blocks past this query block's last row are all in the future.
-        let last = min(first + block, s) - 1;
-        end = min(last / block + 1, blocks);
-    }
-    for kb in 0..end {
+    for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
         load_rows::<F>(v, &mut vs, vbase, j0, t, dim);

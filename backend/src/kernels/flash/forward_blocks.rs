@@ -6,31 +6,7 @@
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, pad_bias, MASKED};
-
-/// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
-/// (from element `base`) into `dst` as they are, row-major `[rows, dim]`.
-/// The whole cube copies, consecutive units taking consecutive elements, so
-/// a plane's reads of a contiguous row are coalesced; a unit may not read
-/// what it staged before the next `sync_cube`. Rows past `n` repeat row
-/// `n − 1` (finite; the callers mask them).
-#[cube]
-pub fn stage_rows<F: Float>(
-    src: &Tensor<F>,
-    dst: &mut SharedMemory<F>,
-    base: usize,
-    r0: usize,
-    n: usize,
-    dim: usize,
-) {
-    let units = CUBE_DIM as usize;
-    let mut e = UNIT_POS as usize;
-    while e < units * dim {
-        let r = min(r0 + e / dim, n - 1);
-        dst[e] = src[base + r * src.stride(2) + (e % dim) * src.stride(3)];
-        e += units;
-    }
-}
+use super::tile::{excluded, key_blocks, pad_bias, stage_rows, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)`; unit `u`
 /// owns row `CUBE_POS_X · block + u`: its running maximum, sum and fp32
@@ -101,13 +77,7 @@ pub fn flash_forward_blocks<F: Float>(
     let mut m = f32::new(MASKED);
     let mut l = f32::new(0.0);
 
-    let blocks = t.div_ceil(block);
-    let mut end = blocks;
-    if causal {
-        let last = min(first + block, s) - 1;
-        end = min(last / block + 1, blocks);
-    }
-    for kb in 0..end {
+    for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);

@@ -1,5 +1,6 @@
 //! Pieces the forward and backward kernels share: staging rows of a
-//! `[b, h, n, d]` tensor in shared memory, the masks, a row dot product.
+//! `[b, h, n, d]` tensor in shared memory, the masks and the blocks causal
+//! attention skips, a row dot product.
 //!
 //! Every kernel runs `block` units per cube, one per row of its block, so a
 //! block of rows is staged with one row per unit.
@@ -35,6 +36,67 @@ pub fn load_rows<F: Float>(
     for c in 0..dim {
         dst[u * dim + c] = f32::cast_from(src[b + c * src.stride(3)]);
     }
+}
+
+/// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
+/// (from element `base`) into `dst` as they are, row-major `[rows, dim]`.
+/// The whole cube copies, consecutive units taking consecutive elements, so
+/// a plane's reads of a contiguous row are coalesced; a unit may not read
+/// what it staged before the next `sync_cube`. Rows past `n` repeat row
+/// `n − 1` (finite; the callers mask them).
+#[cube]
+pub fn stage_rows<F: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<F>,
+    base: usize,
+    r0: usize,
+    n: usize,
+    dim: usize,
+) {
+    let units = CUBE_DIM as usize;
+    let mut e = UNIT_POS as usize;
+    while e < units * dim {
+        let r = min(r0 + e / dim, n - 1);
+        dst[e] = src[base + r * src.stride(2) + (e % dim) * src.stride(3)];
+        e += units;
+    }
+}
+
+/// Key blocks (of `block` keys, `t` in all) that the query block starting
+/// at row `first` (of `s`) reads: all of them, or with `causal` those up to
+/// its last row's block, since later ones are all in its future.
+#[cube]
+pub fn key_blocks(
+    first: usize,
+    #[comptime] block: usize,
+    s: usize,
+    t: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let blocks = t.div_ceil(block);
+    let mut end = blocks;
+    if causal {
+        let last = min(first + block, s) - 1;
+        end = min(last / block + 1, blocks);
+    }
+    end
+}
+
+/// The first query block (of `block` queries, `s` in all) that sees the key
+/// block starting at key `first`: 0, or with `causal` the block holding
+/// query `first`, since queries before a key never see it.
+#[cube]
+pub fn first_query_block(
+    first: usize,
+    #[comptime] block: usize,
+    s: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut start = 0;
+    if causal {
+        start = min(first / block, s.div_ceil(block));
+    }
+    start
 }
 
 /// Key `j` takes no part in query `i`'s softmax: past the keys, or in the
