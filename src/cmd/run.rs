@@ -581,16 +581,15 @@ pub fn run(args: Args) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            print_diagnostic(&e);
-            exit_code(&e)
-        }
+        Err(e) => failed(&e),
     }
 }
 
-/// 1 when the backend failed or training diverged, 2 for what the user can
-/// fix before starting (the plan, the files, the flags, no CUDA).
-pub(crate) fn exit_code(e: &RunError) -> ExitCode {
+/// Prints `e` and gives its exit status: 1 when the backend failed or
+/// training diverged, 2 for what the user can fix before starting (the
+/// plan, the files, the flags, no CUDA).
+pub(crate) fn failed(e: &RunError) -> ExitCode {
+    print_diagnostic(e);
     match e {
         RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
             ExitCode::from(1)

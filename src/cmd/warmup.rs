@@ -10,7 +10,7 @@
 //! done, 1 the backend failed, 2 bad plan, bad usage or no CUDA.
 
 use super::compile_ahead::{self, Recording};
-use super::run::{exit_code, lower_plan, print_diagnostic, Autotune, Device};
+use super::run::{failed, lower_plan, print_diagnostic, Autotune, Device};
 use rcoa_backend::distributed::{Distributed, Timeouts};
 use rcoa_backend::{RunError, RunOptions};
 use std::path::PathBuf;
@@ -167,11 +167,6 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-fn failed(e: &RunError) -> ExitCode {
-    print_diagnostic(e);
-    exit_code(e)
 }
 
 /// A spinner on stderr with the elapsed time, and a progress sink that
