@@ -19,6 +19,7 @@
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod bench {
     use cubecl::prelude::*;
+    use rcoa_backend::kernels::flash::device_tensor::{DeviceTensor, Elem};
     use rcoa_backend::kernels::flash::launch::{
         self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch,
     };
@@ -27,60 +28,28 @@ mod bench {
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
 
-    /// A contiguous `[.., d]` tensor of `E` on the device.
-    struct Buf {
-        handle: cubecl::server::Handle,
-        shape: Vec<usize>,
-    }
-
-    impl Buf {
-        fn arg<R: Runtime>(&self) -> TensorArg<R> {
-            let mut strides = vec![1; self.shape.len()];
-            for i in (0..self.shape.len() - 1).rev() {
-                strides[i] = strides[i + 1] * self.shape[i + 1];
-            }
-            // SAFETY: the handle holds a contiguous tensor of this shape.
-            unsafe {
-                TensorArg::from_raw_parts(
-                    self.handle.clone(),
-                    strides.as_slice().into(),
-                    self.shape.as_slice().into(),
-                )
-            }
-        }
-    }
-
-    fn upload<R: Runtime, E: CubeElement>(
+    /// A `shape` tensor of `E` with values in [-1, 1) from seed `seed`.
+    fn input<R: Runtime, E: Elem>(
         client: &ComputeClient<R>,
         shape: &[usize],
         seed: u64,
-        from_f32: impl Fn(f32) -> E,
-    ) -> Buf {
-        let n: usize = shape.iter().product();
+    ) -> DeviceTensor<R> {
+        DeviceTensor::new_as::<E>(client, &random(shape.iter().product(), seed), shape)
+    }
+
+    /// `n` values in [-1, 1) from a seeded generator (no `rand` needed).
+    fn random(n: usize, seed: u64) -> Vec<f32> {
         let mut x = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
-        let data: Vec<E> = (0..n)
+        (0..n)
             .map(|_| {
                 x = x
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
-                from_f32(((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
-            .collect();
-        Buf {
-            handle: client.create_from_slice(E::as_bytes(&data)),
-            shape: shape.to_vec(),
-        }
-    }
-
-    fn read<R: Runtime, E: CubeElement>(
-        client: &ComputeClient<R>,
-        b: &Buf,
-        to_f32: impl Fn(E) -> f32,
-    ) -> Vec<f32> {
-        let bytes = client.read_one_unchecked(b.handle.clone());
-        E::from_bytes(&bytes).iter().map(|&x| to_f32(x)).collect()
+            .collect()
     }
 
     /// Median seconds of `f` then a device sync, after warming up.
@@ -109,27 +78,25 @@ mod bench {
         outputs: Vec<Vec<f32>>,
     }
 
-    pub fn run<R: Runtime, E: CubeElement + CubePrimitive>(
+    pub fn run<R: Runtime, E: Elem>(
         client: ComputeClient<R>,
         dims: FlashDims,
         variants: &[(&str, FlashKernels)],
-        from_f32: impl Fn(f32) -> E + Copy,
-        to_f32: impl Fn(E) -> f32 + Copy,
     ) {
         let causal = true;
         let qs = [dims.batch, dims.heads, dims.q_len, dims.head_dim];
         let ks = [dims.batch, dims.kv_heads, dims.kv_len, dims.head_dim];
-        let q = upload(&client, &qs, 1, from_f32);
-        let k = upload(&client, &ks, 2, from_f32);
-        let v = upload(&client, &ks, 3, from_f32);
-        let d_o = upload(&client, &qs, 4, from_f32);
-        let bias = upload(&client, &[1, 1], 5, |x| x);
-        let o = upload(&client, &qs, 6, from_f32);
-        let lse = upload(&client, &[dims.batch, dims.heads, dims.q_len], 7, |x| x);
+        let q = input::<R, E>(&client, &qs, 1);
+        let k = input::<R, E>(&client, &ks, 2);
+        let v = input::<R, E>(&client, &ks, 3);
+        let d_o = input::<R, E>(&client, &qs, 4);
+        let bias = DeviceTensor::zeros(&client, &[1, 1]);
+        let o = DeviceTensor::zeros_as::<E>(&client, &qs);
+        let lse = DeviceTensor::zeros(&client, &[dims.batch, dims.heads, dims.q_len]);
         let (d_q, d_k, d_v) = (
-            upload(&client, &qs, 8, from_f32),
-            upload(&client, &ks, 9, from_f32),
-            upload(&client, &ks, 10, from_f32),
+            DeviceTensor::zeros_as::<E>(&client, &qs),
+            DeviceTensor::zeros_as::<E>(&client, &ks),
+            DeviceTensor::zeros_as::<E>(&client, &ks),
         );
         let dtype = E::as_type_native_unchecked().storage_type();
         let flops_fwd = 4.0
@@ -183,7 +150,7 @@ mod bench {
             });
             let outputs = [&o, &d_q, &d_k, &d_v]
                 .iter()
-                .map(|b| read(&client, b, to_f32))
+                .map(|b| b.read_as::<E>(&client))
                 .collect();
             results.push(Result {
                 name: name.to_string(),
@@ -290,8 +257,6 @@ fn main() {
                 },
             ),
         ],
-        bf16::from_f32,
-        bf16::to_f32,
     );
 }
 
@@ -325,8 +290,6 @@ fn main() {
                 },
             ),
         ],
-        |x| x,
-        |x| x,
     );
 }
 

@@ -28,6 +28,8 @@ mod backward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod backward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod device_tensor;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward_blocks;

@@ -5,6 +5,7 @@
 
 use cubecl::prelude::*;
 
+use super::device_tensor::{DeviceTensor as Buf, Elem};
 use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 use super::reference::{worst, Problem};
@@ -24,97 +25,9 @@ fn client_or_skip<R: Runtime>(
     found.ok()
 }
 
-/// An element type the tests upload: f32, f16 or bf16.
-trait Elem: CubeElement + Float {
-    fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
-}
-
-impl Elem for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl Elem for burn::tensor::f16 {
-    fn from_f32(x: f32) -> Self {
-        Self::from_f32(x)
-    }
-    fn to_f32(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-impl Elem for burn::tensor::bf16 {
-    fn from_f32(x: f32) -> Self {
-        Self::from_f32(x)
-    }
-    fn to_f32(self) -> f32 {
-        self.to_f32()
-    }
-}
-
 /// `x` rounded to `E` and back.
 fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
-}
-
-/// A contiguous tensor on the device.
-struct Buf<R: Runtime> {
-    handle: cubecl::server::Handle,
-    runtime: std::marker::PhantomData<R>,
-    shape: Vec<usize>,
-}
-
-impl<R: Runtime> Buf<R> {
-    fn new(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
-        Self::new_as::<f32>(client, data, shape)
-    }
-
-    /// `data` stored as `E`.
-    fn new_as<E: Elem>(client: &ComputeClient<R>, data: &[f32], shape: &[usize]) -> Self {
-        assert_eq!(data.len(), shape.iter().product::<usize>());
-        let data: Vec<E> = data.iter().map(|&x| E::from_f32(x)).collect();
-        Buf {
-            handle: client.create_from_slice(E::as_bytes(&data)),
-            shape: shape.to_vec(),
-            runtime: std::marker::PhantomData,
-        }
-    }
-
-    fn zeros(client: &ComputeClient<R>, shape: &[usize]) -> Self {
-        Self::zeros_as::<f32>(client, shape)
-    }
-
-    fn zeros_as<E: Elem>(client: &ComputeClient<R>, shape: &[usize]) -> Self {
-        Self::new_as::<E>(client, &vec![0.0; shape.iter().product()], shape)
-    }
-
-    fn arg(&self) -> TensorArg<R> {
-        let mut strides = vec![1; self.shape.len()];
-        for i in (0..self.shape.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * self.shape[i + 1];
-        }
-        unsafe {
-            TensorArg::from_raw_parts(
-                self.handle.clone(),
-                strides.as_slice().into(),
-                self.shape.as_slice().into(),
-            )
-        }
-    }
-
-    fn read(&self, client: &ComputeClient<R>) -> Vec<f32> {
-        self.read_as::<f32>(client)
-    }
-
-    fn read_as<E: Elem>(&self, client: &ComputeClient<R>) -> Vec<f32> {
-        let bytes = client.read_one_unchecked(self.handle.clone());
-        E::from_bytes(&bytes).iter().map(|&x| x.to_f32()).collect()
-    }
 }
 
 /// Everything one problem's kernels return.
