@@ -93,7 +93,8 @@ pub fn block_product<F: Float>(
         let planes = (CUBE_DIM as usize).div_ceil(plane_dim);
         let cols = n / TILE;
         let tiles = (m / TILE) * cols;
-        let mut t = UNIT_POS as usize / plane_dim;
+        let plane = UNIT_POS as usize / plane_dim;
+        let mut t = plane;
         while t < tiles {
             let ti = t / cols;
             let tj = t % cols;
@@ -146,7 +147,7 @@ pub fn block_product<F: Float>(
                 // TiledScalar: the plane's lanes share the tile's elements,
                 // reading the slices as `cmma` reads them with those layouts.
                 let lane = UNIT_POS as usize % plane_dim;
-                let lanes = min(plane_dim, CUBE_DIM as usize - (t % planes) * plane_dim);
+                let lanes = min(plane_dim, CUBE_DIM as usize - plane * plane_dim);
                 let mut idx = lane;
                 while idx < TILE * TILE {
                     let r = idx / TILE;
