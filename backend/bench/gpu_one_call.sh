@@ -13,6 +13,7 @@
 #     attention (the tensor-core kernels if step 1 passed) from an empty kernel cache: the
 #     cold first step, compiled ahead on every core (bar: 60 s), and tokens/s. At most 300 s.
 #  3. The same again on the now warm cache: the warm first step (bar: 2 s). At most 90 s.
+#     Then where that step's time goes (rcoa run --profile-kernels, 4 steps). At most 60 s.
 #  4. PyTorch eager with SDPA on the same shape, for the ratio. At most 150 s.
 #  5. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
 #     gpu_jobs.sh, measured peak against the prediction. At most 150 s.
@@ -85,6 +86,26 @@ speed 2-rcoa-cold 300 --engines rcoa --rcoa-attention flash
 # Which flash kernels ran (rcoa says so once when RCOA_FLASH_TENSOR_CORES=1).
 grep -h "tensor cores\|RCOA_FLASH\|compiling kernels ahead\|note:" "$OUT"/speed-2-rcoa-cold/*.err 2>/dev/null | head -n 8
 speed 3-rcoa-warm 90 --engines rcoa --rcoa-attention flash
+# 3b. Where the warm step's time goes: every kernel timed on the GPU (--profile-kernels),
+# by family and the longest kernels, beside the plan's FLOPs.
+PLAN350="$OUT/speed-3-rcoa-warm/speed-$SHAPE.plan"
+t=$(cap 60)
+if [ "$DEVICE" = cuda ] && [ -f "$PLAN350" ] && [ "$t" -gt 20 ]; then
+  timeout "$t" "$RCOA" run "$PLAN350" --device cuda --steps 4 --profile-kernels --format json \
+    > "$OUT/profile-$SHAPE.jsonl" 2> "$OUT/profile-$SHAPE.err"
+  log "3b kernel profile rc=$?"
+  python3 - "$OUT/profile-$SHAPE.jsonl" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    v = json.loads(line)
+    if v.get("event") != "kernel_profile":
+        continue
+    print(f"kernels {v['kernel_seconds']:.4f} s per {v['step_seconds']:.4f} s step, busy {v['busy']:.0%}, "
+          f"{v['launches_per_step']:.0f} launches, compute {v.get('compute_tflops')} TFLOP/s")
+    for r in v["families"] + v["kernels"][:8]:
+        print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
+PY
+fi
 unset RCOA_FLASH_TENSOR_CORES
 speed 4-pytorch 150 --engines eager
 

@@ -367,6 +367,15 @@ pub(crate) fn run_probed(
     probe: crate::ProbeFactory<CudaDevice>,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, RunError> {
+    let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
+    let timing = crate::kernel_profile::selected();
+    if timing && n > 1 {
+        return Err(RunError::Unsupported(
+            "--profile-kernels times every kernel of the process, so it profiles one rank: \
+             run it with --devices 1"
+                .into(),
+        ));
+    }
     let info = preflight()?;
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
@@ -379,7 +388,6 @@ pub(crate) fn run_probed(
         entries: crate::kernel_cache::count_entries(&dir),
         dir: dir.clone(),
     });
-    let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
     let name = |i: u32| {
         format!(
             "cuda:{i}{} {} (driver {}.{}, fusion on, kernel cache {})",
@@ -400,6 +408,33 @@ pub(crate) fn run_probed(
             name: name(i),
         })
         .collect();
+    // `--profile-kernels`: what each step launched, taken when the step
+    // reports (after its device sync); setup, evaluation and saving are
+    // taken at their own events and left out.
+    let mut steps = Vec::new();
+    let mut timing_error = None;
+    if timing {
+        cubecl::cuda::kernel_timing::start();
+    }
+    let mut observe = |e: Event| {
+        if timing {
+            match cubecl::cuda::kernel_timing::take() {
+                Ok(k) => {
+                    if let Event::Step(r) = &e {
+                        steps.push(crate::kernel_profile::StepKernels::new(
+                            r.step,
+                            r.step_seconds,
+                            k.iter().map(|t| (t.name, t.seconds)),
+                        ));
+                    }
+                }
+                Err(err) => {
+                    timing_error.get_or_insert(err);
+                }
+            }
+        }
+        on_event(e)
+    };
     // Backend panics (cudarc, CubeCL, out of memory) become errors; the
     // ranks' threads catch theirs (`execute_ranks`), silently too.
     let previous = std::panic::take_hook();
@@ -414,8 +449,15 @@ pub(crate) fn run_probed(
                 )));
             }
         }
-        crate::execute_ranks::<B>(plan, opts, devices, true, probe, on_event)
+        crate::execute_ranks::<B>(plan, opts, devices, true, probe, &mut observe)
     }));
     std::panic::set_hook(previous);
-    result.unwrap_or_else(|p| Err(RunError::Backend(panic_text(p.as_ref()))))
+    let mut summary = result.unwrap_or_else(|p| Err(RunError::Backend(panic_text(p.as_ref()))))?;
+    if timing {
+        summary.kernel_steps = Some(match timing_error {
+            None => Ok(steps),
+            Some(e) => Err(e),
+        });
+    }
+    Ok(summary)
 }

@@ -29,6 +29,7 @@ pub mod data;
 pub mod distributed;
 pub mod eval;
 pub mod kernel_cache;
+pub mod kernel_profile;
 pub mod kernels;
 pub mod loss;
 pub mod loss_chunked;
@@ -377,6 +378,10 @@ pub struct Summary {
     /// The held-out loss after the last step (`RunOptions::eval`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// With `kernel_profile::select(true)` on CUDA: each step's kernels and
+    /// their GPU times, or why they could not be timed.
+    #[serde(skip)]
+    pub kernel_steps: Option<Result<Vec<kernel_profile::StepKernels>, String>>,
 }
 
 /// The tokenizer of a plan: `tokenizer.json` in `opts.tokenizer`, else
@@ -783,6 +788,7 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
         param_checksum: f64::NAN,
         local_param_checksums: Vec::new(),
         eval_loss: None,
+        kernel_steps: None,
     }
 }
 

@@ -145,6 +145,11 @@ pub struct Args {
     /// time in the first step (docs/cold-start.md). 1: don't. [default: this machine's cores]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     compile_jobs: Option<u32>,
+    /// CUDA: time every kernel on the GPU (CUDA events around each launch) and report where
+    /// the steps' time goes: per family (matmul, attention, fused element-wise, ...) and the
+    /// longest kernels, beside the plan's FLOPs. One rank only.
+    #[arg(long)]
+    profile_kernels: bool,
 }
 
 /// `--max-shard-size`: bytes, or a decimal size as `transformers` writes
@@ -215,7 +220,9 @@ fn distributed(args: &Args) -> Result<Option<Distributed>, RunError> {
     Ok(Some(d))
 }
 
-fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
+/// The plan to run and, when it was compiled here, the compiler's count of
+/// its matmul and attention FLOPs per optimizer step (every micro-batch).
+fn load(args: &Args) -> Result<(LoweredPlan, Option<f64>), ExitCode> {
     if let Some(path) = &args.lowered {
         let text = std::fs::read_to_string(path).map_err(|e| {
             eprintln!("error: cannot read `{}`: {e}", path.display());
@@ -230,14 +237,21 @@ fn load(args: &Args) -> Result<LoweredPlan, ExitCode> {
             eprintln!("error: {e}");
             ExitCode::from(2)
         })?;
-        return Ok(plan);
+        return Ok((plan, None));
     }
     let path = args.plan.as_ref().ok_or(ExitCode::from(2))?;
-    lower_plan(path)
+    let c = compile_plan(path)?;
+    let flops = c.report.step_flops * c.lowered.resolved.grad_accum.max(1) as f64;
+    Ok((c.lowered, Some(flops)))
 }
 
 /// Parse, resolve and compile a `.plan` file; diagnostics go to stderr (exit 2).
 pub(crate) fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode> {
+    compile_plan(path).map(|c| c.lowered)
+}
+
+/// [`lower_plan`], keeping what the compiler found on the way.
+fn compile_plan(path: &std::path::Path) -> Result<rcoa_compiler::compile::Compilation, ExitCode> {
     let mut loaded = super::common::load_spec(path)?;
     // `rcoa run` is the Burn executor: its decisions and prediction are `target burn`'s.
     let written = std::mem::replace(&mut loaded.spec.target, rcoa_compiler::spec::Target::Burn);
@@ -249,7 +263,7 @@ pub(crate) fn lower_plan(path: &std::path::Path) -> Result<LoweredPlan, ExitCode
         );
     }
     match rcoa_compiler::compile(&loaded.spec) {
-        Ok(c) => Ok(c.lowered),
+        Ok(c) => Ok(c),
         Err(e) => {
             eprint!("{}", super::common::render(&e));
             Err(ExitCode::from(2))
@@ -306,7 +320,7 @@ fn mib(b: u64) -> String {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let plan = match load(&args) {
+    let (plan, plan_flops) = match load(&args) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -327,6 +341,20 @@ pub fn run(args: Args) -> ExitCode {
         return ExitCode::from(2);
     }
     rcoa_backend::pool::select(args.memory_pool);
+    if args.profile_kernels {
+        let refused = if args.device != Device::Cuda {
+            Some("it times CUDA kernels; use it with --device cuda")
+        } else if args.devices > 1 {
+            Some("it times every kernel of the process, so it profiles one rank: use --devices 1")
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            eprintln!("rcoa run: --profile-kernels: {why}");
+            return ExitCode::from(2);
+        }
+        rcoa_backend::kernel_profile::select(true);
+    }
     let ranks = dist.as_ref().map_or(1, |d| d.ranks());
     if let Err(e) = rcoa_backend::check_plan_ranks(&plan, ranks) {
         print_diagnostic(&e);
@@ -559,6 +587,9 @@ pub fn run(args: Args) -> ExitCode {
                     println!("kernels          {n} compiled at their first launch (not cached or compiled ahead)");
                 }
             }
+            if let Some(timed) = s.kernel_steps.as_ref().filter(|_| json || lead) {
+                kernel_report(timed, plan_flops, &plan, json, rank);
+            }
             if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
                     plan_name: plan_name(&args),
@@ -582,6 +613,37 @@ pub fn run(args: Args) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => failed(&e),
+    }
+}
+
+/// `--profile-kernels`' report: a `kernel_profile` JSON line, or the text
+/// table after the summary.
+fn kernel_report(
+    timed: &Result<Vec<rcoa_backend::kernel_profile::StepKernels>, String>,
+    plan_flops: Option<f64>,
+    plan: &LoweredPlan,
+    json: bool,
+    rank: Option<u64>,
+) {
+    use rcoa_backend::kernel_profile::KernelProfile;
+    let profile = match timed {
+        Ok(steps) => KernelProfile::new(steps, plan_flops),
+        Err(e) => {
+            eprintln!("rcoa run: --profile-kernels: the kernels could not be timed: {e}");
+            return;
+        }
+    };
+    match (profile, json) {
+        (Some(p), true) => {
+            let mut v = serde_json::to_value(&p).unwrap_or_default();
+            v["event"] = "kernel_profile".into();
+            if let Some(r) = rank {
+                v["rank"] = r.into();
+            }
+            println!("{v}");
+        }
+        (Some(p), false) => print!("{}", p.render(Some(plan.hardware.gpu.bf16_tflops))),
+        (None, _) => eprintln!("rcoa run: --profile-kernels: no step ran, so no kernel was timed"),
     }
 }
 

@@ -4,6 +4,7 @@ extern crate alloc;
 
 mod compute;
 mod device;
+pub mod kernel_timing;
 pub mod prebuild;
 mod runtime;
 

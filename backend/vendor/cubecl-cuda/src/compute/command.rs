@@ -470,12 +470,19 @@ impl<'a> Command<'a> {
         if crate::prebuild::recording() {
             return self.ctx.record_kernel(&kernel_id, kernel, mode);
         }
+        // rcoa patch (`kernel_timing`): the name outlives the task compiled below.
+        let name = kernel.name();
         if !self.ctx.module_names.contains_key(&kernel_id) {
             self.ctx.compile_kernel(&kernel_id, kernel, mode, logger)?;
         }
 
         let stream = self.streams.current();
 
+        // rcoa patch (`kernel_timing`): events around the launch, after its
+        // compilation, so they time the kernel alone.
+        let timing = crate::kernel_timing::on()
+            .then(|| crate::kernel_timing::before_launch(self.ctx.context, stream.sys))
+            .flatten();
         let result = self.ctx.execute_task(
             stream,
             kernel_id,
@@ -484,6 +491,9 @@ impl<'a> Command<'a> {
             resources,
             const_info,
         );
+        if let Some(start) = timing {
+            crate::kernel_timing::after_launch(name, self.ctx.context, stream.sys, start);
+        }
 
         if stream.drop_queue.should_flush() {
             stream.drop_queue.flush(|| Fence::new(stream.sys));
