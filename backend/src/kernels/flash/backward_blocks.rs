@@ -86,8 +86,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F>(k, &mut ks, kbase, first, t, dim);
-    stage_rows::<F>(v, &mut vs, vbase, first, t, dim);
+    stage_rows::<F>(k, &mut ks, kbase, first, t, head_dim);
+    stage_rows::<F>(v, &mut vs, vbase, first, t, head_dim);
     let mut dk = Array::<f32>::new(head_dim);
     let mut dv = Array::<f32>::new(head_dim);
     for c in 0..dim {
@@ -108,8 +108,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_rows::<F>(q, &mut qs, qbase, i0, s, dim);
-            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, dim);
+            stage_rows::<F>(q, &mut qs, qbase, i0, s, head_dim);
+            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, head_dim);
             // The LSE and D = rowsum(dO ∘ O) of query row i0 + unit, from
             // global memory (what the cube staged is not readable before the
             // barrier).
@@ -241,8 +241,8 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_rows::<F>(q, &mut qs, qbase, first, s, dim);
-    stage_rows::<F>(d_o, &mut dos, dobase, first, s, dim);
+    stage_rows::<F>(q, &mut qs, qbase, first, s, head_dim);
+    stage_rows::<F>(d_o, &mut dos, dobase, first, s, head_dim);
     // This row's D = rowsum(dO ∘ O) and LSE.
     let dsum = row_dot_rows::<F>(
         d_o,
@@ -261,8 +261,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F>(k, &mut ks, kbase, j0, t, dim);
-        stage_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, head_dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, head_dim);
         sync_cube();
 
         block_product::<F>(

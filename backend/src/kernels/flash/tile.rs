@@ -43,7 +43,9 @@ pub fn load_rows<F: Float>(
 /// The whole cube copies, consecutive units taking consecutive elements, so
 /// a plane's reads of a contiguous row are coalesced; a unit may not read
 /// what it staged before the next `sync_cube`. Rows past `n` repeat row
-/// `n − 1` (finite; the callers mask them).
+/// `n − 1` (finite; the callers mask them). `dim` (the tensors' last
+/// extent) is a compile-time value, so an element's row and column are a
+/// shift and a mask, not a division, for the head dims in powers of two.
 #[cube]
 pub fn stage_rows<F: Float>(
     src: &Tensor<F>,
@@ -51,7 +53,7 @@ pub fn stage_rows<F: Float>(
     base: usize,
     r0: usize,
     n: usize,
-    dim: usize,
+    #[comptime] dim: usize,
 ) {
     let units = CUBE_DIM as usize;
     let mut e = UNIT_POS as usize;
