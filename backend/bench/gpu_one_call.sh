@@ -117,6 +117,14 @@ for line in open(sys.argv[1]):
     for r in v["families"] + v["kernels"][:8]:
         print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
 PY
+  # No kernel_profile line (the event timing failed): CubeCL's own profiler instead, which
+  # syncs around every kernel (its per-kernel lines and a summary table per step).
+  t=$(cap 40)
+  if ! grep -q kernel_profile "$OUT/profile-$SHAPE.jsonl" && [ "$t" -gt 20 ]; then
+    CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$OUT/cubecl-profile-$SHAPE.log" timeout "$t" \
+      "$RCOA" run "$PLAN350" --device cuda --steps 3 --format json > "$OUT/cubecl-profile-$SHAPE.jsonl" 2>&1
+    log "3b CubeCL's profiler rc=$?"; grep -A 25 "Duration" "$OUT/cubecl-profile-$SHAPE.log" | tail -n 26
+  fi
 fi
 unset RCOA_FLASH_TENSOR_CORES
 speed 4-pytorch 150 --engines eager

@@ -629,7 +629,11 @@ fn kernel_report(
     let profile = match timed {
         Ok(steps) => KernelProfile::new(steps, plan_flops),
         Err(e) => {
-            eprintln!("rcoa run: --profile-kernels: the kernels could not be timed: {e}");
+            eprintln!(
+                "rcoa run: --profile-kernels: the kernels could not be timed: {e}. CubeCL's own \
+                 profiler times them with a device sync around each: set \
+                 CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG=FILE instead"
+            );
             return;
         }
     };
