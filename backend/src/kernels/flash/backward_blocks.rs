@@ -34,7 +34,7 @@ fn row_dot_rows<F: Float>(a: &Tensor<F>, a0: usize, b: &Tensor<F>, b0: usize, di
 ///
 /// Arguments as `flash_backward_kv`'s; with `Products::TensorCores`, F must be f16
 /// or bf16 and `head_dim` and `block` multiples of 16.
-#[cube(launch)]
+#[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_kv_blocks<F: Float>(
     q: &Tensor<F>,
@@ -193,7 +193,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
 /// and `dP = dO Vᵀ`; each unit forms its row of `dS`; then `dQ += dS K`.
 ///
 /// Arguments as `flash_backward_q`'s; with `Products::TensorCores`, as above.
-#[cube(launch)]
+#[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_q_blocks<F: Float>(
     q: &Tensor<F>,

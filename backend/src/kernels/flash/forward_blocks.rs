@@ -19,10 +19,16 @@ use super::tile::{excluded, key_blocks, pad_bias, stage_rows, MASKED};
 ///    rounds P the same way before its second product);
 /// 4. `P V` into the same fp32 tile, which each unit adds to its output.
 ///
+/// `exp` and `ln` may use the GPU's approximate intrinsics (`fast_math`;
+/// CUDA's `__expf`, `__logf`: a few ulp, two instructions instead of a
+/// range-reduced series), as FlashAttention's `exp2f` does. Their inputs are
+/// finite (masked scores are `MASKED`), as `NotNaN` and `NotInf` promise.
+/// wgpu has no fast math and ignores it. The backward kernels do the same.
+///
 /// Same arguments and outputs as `flash_forward`. `head_dim` must equal
 /// the tensors' last extent; with `Products::TensorCores`, F must be f16 or bf16
 /// and `head_dim` and `block` multiples of 16 (the host checks).
-#[cube(launch)]
+#[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_blocks<F: Float>(
     q: &Tensor<F>,

@@ -91,6 +91,13 @@ fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool)> {
 /// elements and fp32 ones of `tiles32`, give or take small row vectors.
 fn on_tensor_cores(lowered: &prebuild::RecordedKernel, tiles16: usize, tiles32: usize, what: &str) {
     assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
+    // Fast math (the kernels' `fast_math`): the exponentials are CUDA's
+    // intrinsic, not the range-reduced `exp`.
+    assert!(lowered.source.contains("__expf("), "{what}: no __expf");
+    assert!(
+        !lowered.source.contains("= exp("),
+        "{what}: a full-precision exp"
+    );
     let want = tiles16 * 2 + tiles32 * 4;
     assert!(
         lowered.shared_mem_bytes >= want && lowered.shared_mem_bytes <= want + 1024,
