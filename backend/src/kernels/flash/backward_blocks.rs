@@ -15,13 +15,23 @@ use cubecl::prelude::*;
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{excluded, first_query_block, key_blocks, pad_bias, stage_rows, MASKED};
 
-/// `Σ_c a[a0 + c] · b[b0 + c]` over the last dimension of two `[b, h, n, d]`
-/// tensors (row starts `a0`, `b0`), in fp32: D's row term.
+/// `Σ_c a[row · dim + c] · b[row · dim + c]` over two staged `[rows, dim]`
+/// tiles, in fp32: the D term `rowsum(dO ∘ O)` of one row. Unit `u` starts
+/// at column `u` and wraps around, so a plane's units, one row each, read
+/// different banks (rows of 64 or 128 16-bit values all start in bank 0: in
+/// step, every unit would read the same bank).
 #[cube]
-fn row_dot_rows<F: Float>(a: &Tensor<F>, a0: usize, b: &Tensor<F>, b0: usize, dim: usize) -> f32 {
+fn staged_row_dot<F: Float>(
+    a: &SharedMemory<F>,
+    b: &SharedMemory<F>,
+    row: usize,
+    #[comptime] dim: usize,
+) -> f32 {
     let mut sum = f32::new(0.0);
+    let start = row * dim;
     for c in 0..dim {
-        sum += f32::cast_from(a[a0 + c * a.stride(3)]) * f32::cast_from(b[b0 + c * b.stride(3)]);
+        let cc = start + (c + row) % dim;
+        sum += f32::cast_from(a[cc]) * f32::cast_from(b[cc]);
     }
     sum
 }
@@ -72,6 +82,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
     let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    // O's rows, for D = rowsum(dO ∘ O).
+    let mut os = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
     // Row strides of the tiles units take one row each (`PAD_F32`).
     let s_ld = block + PAD_F32;
     let out_ld = head_dim + PAD_F32;
@@ -106,23 +118,19 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let hi = kvh * group + g;
         let qbase = bi * q.stride(0) + hi * q.stride(1);
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
+        let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
             stage_rows::<F>(q, &mut qs, qbase, i0, s, head_dim);
             stage_rows::<F>(d_o, &mut dos, dobase, i0, s, head_dim);
-            // The LSE and D = rowsum(dO ∘ O) of query row i0 + unit, from
-            // global memory (what the cube staged is not readable before the
-            // barrier).
+            stage_rows::<F>(o, &mut os, obase, i0, s, head_dim);
             let ir = min(i0 + unit, s - 1);
             ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
-            drow[unit] = row_dot_rows::<F>(
-                d_o,
-                dobase + ir * d_o.stride(2),
-                o,
-                bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2),
-                dim,
-            );
             sync_cube();
+            // D of query row i0 + unit, from the staged rows (coalesced
+            // loads, where each unit reading its own rows from global memory
+            // touched a cache line per unit). Read after the next barrier.
+            drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim);
 
             block_product::<F>(
                 &ks, dim, &qs, dim, true, &mut work, 0, s_ld, block, block, dim, products,
@@ -243,14 +251,13 @@ pub fn flash_backward_q_blocks<F: Float>(
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
     stage_rows::<F>(q, &mut qs, qbase, first, s, head_dim);
     stage_rows::<F>(d_o, &mut dos, dobase, first, s, head_dim);
-    // This row's D = rowsum(dO ∘ O) and LSE.
-    let dsum = row_dot_rows::<F>(
-        d_o,
-        dobase + r * d_o.stride(2),
-        o,
-        bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2),
-        dim,
-    );
+    // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
+    // before the key blocks need it; and its LSE.
+    let obase = bi * o.stride(0) + hi * o.stride(1);
+    stage_rows::<F>(o, &mut ks, obase, first, s, head_dim);
+    sync_cube();
+    let dsum = staged_row_dot::<F>(&dos, &ks, unit, head_dim);
+    sync_cube();
     let mut dq = Array::<f32>::new(head_dim);
     for c in 0..dim {
         dq[c] = f32::new(0.0);

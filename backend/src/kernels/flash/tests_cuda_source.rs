@@ -144,9 +144,9 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
     for (kind, head_dim, causal, padding) in tensor_core_variants() {
-        // K, V, Q, dO and two score tiles; S and dP (then the products),
+        // K, V, Q, dO, O and two score tiles; S and dP (then the products),
         // the rows of the last three padded.
-        let tiles16 = 4 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
+        let tiles16 = 5 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim}");
         let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
