@@ -13,7 +13,9 @@
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, first_query_block, key_blocks, pad_bias, stage_rows, MASKED};
+use super::tile::{
+    excluded, first_query_block, key_blocks, pad_bias, stage_rows, unmasked, MASKED,
+};
 
 /// `Σ_c a[row · dim + c] · b[row · dim + c]` over two staged `[rows, dim]`
 /// tiles, in fp32: the D term `rowsum(dO ∘ O)` of one row. Unit `u` starts
@@ -151,19 +153,28 @@ pub fn flash_backward_kv_blocks<F: Float>(
             );
             sync_cube();
 
-            for il in 0..block {
-                let i = i0 + il;
-                // A query past the end, or (causal) before this key: no term.
-                let skip = i >= s || excluded(jr, i, t, causal);
-                let mut p = f32::new(0.0);
-                let mut ds = f32::new(0.0);
-                if !skip {
-                    let x = work[unit * s_ld + il] * scale + bias;
-                    p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
+            if unmasked(i0, first, block, s, t, causal, padding) {
+                for il in 0..block {
+                    let p = (work[unit * s_ld + il] * scale - ls[il]).exp();
+                    let ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
+                    pt[unit * p_ld + il] = F::cast_from(p);
+                    dst[unit * p_ld + il] = F::cast_from(ds);
                 }
-                pt[unit * p_ld + il] = F::cast_from(p);
-                dst[unit * p_ld + il] = F::cast_from(ds);
+            } else {
+                for il in 0..block {
+                    let i = i0 + il;
+                    // A query past the end, or (causal) before this key: no term.
+                    let skip = i >= s || excluded(jr, i, t, causal);
+                    let mut p = f32::new(0.0);
+                    let mut ds = f32::new(0.0);
+                    if !skip {
+                        let x = work[unit * s_ld + il] * scale + bias;
+                        p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
+                        ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
+                    }
+                    pt[unit * p_ld + il] = F::cast_from(p);
+                    dst[unit * p_ld + il] = F::cast_from(ds);
+                }
             }
             sync_cube();
 
@@ -292,18 +303,26 @@ pub fn flash_backward_q_blocks<F: Float>(
         sync_cube();
 
         let n = min(block, t - j0);
-        for jl in 0..block {
-            let j = j0 + jl;
-            let mut ds = f32::new(0.0);
-            if jl < n && !excluded(j, r, t, causal) {
-                let mut x = work[unit * s_ld + jl] * scale;
-                if padding {
-                    x += pad_bias(key_bias, bi, j);
-                }
-                let p = (x - lse_r).exp();
-                ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
+        if unmasked(first, j0, block, s, t, causal, padding) {
+            for jl in 0..block {
+                let p = (work[unit * s_ld + jl] * scale - lse_r).exp();
+                let ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
+                dss[unit * p_ld + jl] = F::cast_from(ds);
             }
-            dss[unit * p_ld + jl] = F::cast_from(ds);
+        } else {
+            for jl in 0..block {
+                let j = j0 + jl;
+                let mut ds = f32::new(0.0);
+                if jl < n && !excluded(j, r, t, causal) {
+                    let mut x = work[unit * s_ld + jl] * scale;
+                    if padding {
+                        x += pad_bias(key_bias, bi, j);
+                    }
+                    let p = (x - lse_r).exp();
+                    ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
+                }
+                dss[unit * p_ld + jl] = F::cast_from(ds);
+            }
         }
         sync_cube();
 

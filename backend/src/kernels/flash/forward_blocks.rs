@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, key_blocks, pad_bias, stage_rows, MASKED};
+use super::tile::{excluded, key_blocks, pad_bias, stage_rows, unmasked, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)`; unit `u`
 /// owns row `CUBE_POS_X · block + u`: its running maximum, sum and fp32
@@ -97,17 +97,25 @@ pub fn flash_forward_blocks<F: Float>(
         // This unit's row of S: scaled, masked, its maximum.
         let n = min(block, t - j0);
         let mut mb = m;
-        for jl in 0..block {
-            let j = j0 + jl;
-            let mut x = f32::new(MASKED);
-            if jl < n && !excluded(j, r, t, causal) {
-                x = s32[unit * s_ld + jl] * scale;
-                if padding {
-                    x += pad_bias(key_bias, bi, j);
-                }
+        if unmasked(first, j0, block, s, t, causal, padding) {
+            for jl in 0..block {
+                let x = s32[unit * s_ld + jl] * scale;
+                s32[unit * s_ld + jl] = x;
+                mb = max(mb, x);
             }
-            s32[unit * s_ld + jl] = x;
-            mb = max(mb, x);
+        } else {
+            for jl in 0..block {
+                let j = j0 + jl;
+                let mut x = f32::new(MASKED);
+                if jl < n && !excluded(j, r, t, causal) {
+                    x = s32[unit * s_ld + jl] * scale;
+                    if padding {
+                        x += pad_bias(key_bias, bi, j);
+                    }
+                }
+                s32[unit * s_ld + jl] = x;
+                mb = max(mb, x);
+            }
         }
         let alpha = (m - mb).exp();
         l *= alpha;

@@ -101,6 +101,32 @@ pub fn first_query_block(
     start
 }
 
+/// Every query of the block of `block` from `q0` sees every key of the
+/// block from `k0`, with no mask and no bias: both blocks are whole (`q0 +
+/// block ≤ s`, `k0 + block ≤ t`), no padding, and (causal) the last key
+/// comes no later than the first query. The same for the whole cube, so a
+/// kernel can branch on it and skip the per-score masks: in causal
+/// attention every block but those on the diagonal.
+#[cube]
+pub fn unmasked(
+    q0: usize,
+    k0: usize,
+    #[comptime] block: usize,
+    s: usize,
+    t: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+) -> bool {
+    let mut open = q0 + block <= s && k0 + block <= t;
+    if causal {
+        open = open && k0 + block <= q0 + 1;
+    }
+    if padding {
+        open = false;
+    }
+    open
+}
+
 /// Key `j` takes no part in query `i`'s softmax: past the keys, or in the
 /// future of a causal query.
 #[cube]
