@@ -104,7 +104,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
     stage_rows::<F>(v, &mut vs, vbase, first, t, head_dim);
     let mut dk = Array::<f32>::new(head_dim);
     let mut dv = Array::<f32>::new(head_dim);
-    for c in 0..dim {
+    #[unroll(products == Products::TensorCores)]
+    for c in 0..head_dim {
         dk[c] = f32::new(0.0);
         dv[c] = f32::new(0.0);
     }
@@ -182,7 +183,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 &pt, p_ld, &dos, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
-            for c in 0..dim {
+            #[unroll(products == Products::TensorCores)]
+            for c in 0..head_dim {
                 dv[c] += work[unit * out_ld + c];
             }
             sync_cube();
@@ -190,7 +192,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 &dst, p_ld, &qs, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
-            for c in 0..dim {
+            #[unroll(products == Products::TensorCores)]
+            for c in 0..head_dim {
                 dk[c] += work[unit * out_ld + c];
             }
             sync_cube();
@@ -200,7 +203,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
     if live {
         let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
         let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             d_k[kb + c * d_k.stride(3)] = F::cast_from(dk[c]);
             d_v[vb + c * d_v.stride(3)] = F::cast_from(dv[c]);
         }
@@ -270,7 +274,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     let dsum = staged_row_dot::<F>(&dos, &ks, unit, head_dim);
     sync_cube();
     let mut dq = Array::<f32>::new(head_dim);
-    for c in 0..dim {
+    #[unroll(products == Products::TensorCores)]
+    for c in 0..head_dim {
         dq[c] = f32::new(0.0);
     }
     let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
@@ -330,7 +335,8 @@ pub fn flash_backward_q_blocks<F: Float>(
             &dss, p_ld, &ks, dim, false, &mut work, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             dq[c] += work[unit * out_ld + c];
         }
         sync_cube();
@@ -338,7 +344,8 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     if live {
         let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             d_q[qb + c * d_q.stride(3)] = F::cast_from(dq[c]);
         }
     }

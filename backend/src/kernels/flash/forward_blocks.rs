@@ -77,7 +77,8 @@ pub fn flash_forward_blocks<F: Float>(
     stage_rows::<F>(q, &mut qs, qbase, first, s, head_dim);
 
     let mut acc = Array::<f32>::new(head_dim);
-    for c in 0..dim {
+    #[unroll(products == Products::TensorCores)]
+    for c in 0..head_dim {
         acc[c] = f32::new(0.0);
     }
     let mut m = f32::new(MASKED);
@@ -119,7 +120,8 @@ pub fn flash_forward_blocks<F: Float>(
         }
         let alpha = (m - mb).exp();
         l *= alpha;
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             acc[c] *= alpha;
         }
         for jl in 0..block {
@@ -135,7 +137,8 @@ pub fn flash_forward_blocks<F: Float>(
             &ps, p_ld, &vs, dim, false, &mut s32, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             acc[c] += s32[unit * out_ld + c];
         }
     }
@@ -143,7 +146,8 @@ pub fn flash_forward_blocks<F: Float>(
     if live {
         let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
         let inv = f32::new(1.0) / l;
-        for c in 0..dim {
+        #[unroll(products == Products::TensorCores)]
+        for c in 0..head_dim {
             out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
         }
         lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();

@@ -61,14 +61,25 @@ fn float(kind: FloatKind) -> StorageType {
     StorageType::Scalar(ElemType::Float(kind))
 }
 
+/// A kernel lowered for the H100, and ptxas's report of its resources.
+struct Compiled {
+    lowered: prebuild::RecordedKernel,
+    ptxas: String,
+}
+
 /// Lowers `kernel` for the H100 and compiles it with NVRTC: a cubin, or
-/// NVRTC's log in the panic.
-fn compiles<K: CubeKernel>(kernel: K, what: &str) -> prebuild::RecordedKernel {
+/// NVRTC's log in the panic. Prints ptxas's report (`--nocapture`).
+fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
     let lowered = prebuild::lower_for(kernel, SM).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let image =
-        prebuild::compile(&lowered).unwrap_or_else(|e| panic!("{what}: {e}\n{}", lowered.source));
+    let (image, ptxas) = prebuild::compile_verbose(&lowered)
+        .unwrap_or_else(|e| panic!("{what}: {e}\n{}", lowered.source));
     assert!(image.cubin, "{what}: NVRTC gave PTX, not an sm_{SM}a cubin");
-    lowered
+    let used: Vec<&str> = ptxas
+        .lines()
+        .filter(|l| l.contains("Used") || l.contains("stack"))
+        .collect();
+    eprintln!("{what}: {}", used.join("; "));
+    Compiled { lowered, ptxas }
 }
 
 /// The shapes the tensor-core kernels are compiled for here: both 16-bit
@@ -89,7 +100,26 @@ fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool)> {
 /// The block-product kernels run their products on tensor cores, and their
 /// tiles fit an H100 block (227 KiB opt-in): 16-bit tiles of `tiles16`
 /// elements and fp32 ones of `tiles32`, give or take small row vectors.
-fn on_tensor_cores(lowered: &prebuild::RecordedKernel, tiles16: usize, tiles32: usize, what: &str) {
+fn on_tensor_cores(
+    compiled: &Compiled,
+    tiles16: usize,
+    tiles32: usize,
+    head_dim: usize,
+    what: &str,
+) {
+    let lowered = &compiled.lowered;
+    // Each unit's output or gradient rows (fp32, `head_dim` each) are
+    // registers: their loops are unrolled, so no index is a run-time value
+    // (that puts an array in local memory, as ptxas's stack frame shows).
+    // Up to head dim 64; the key-block backward's two rows of 128 exceed
+    // the 255 registers a thread has, and spill a little.
+    if head_dim <= 64 {
+        assert!(
+            compiled.ptxas.contains(" 0 bytes stack frame"),
+            "{what}: local memory\n{}",
+            compiled.ptxas
+        );
+    }
     assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
     // Fast math (the kernels' `fast_math`): the exponentials are CUDA's
     // intrinsic, not the range-reduced `exp`.
@@ -133,10 +163,9 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             float(kind),
         );
         // Q, K, V and P; S (then P V), the last three with padded rows.
-        let lowered = compiles(kernel, &what);
         let tiles16 = 3 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
-        on_tensor_cores(&lowered, tiles16, tiles32, &what);
+        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
     }
 }
 
@@ -170,7 +199,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             Products::TensorCores,
             float(kind),
         );
-        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
+        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
 
         let what = format!("flash_backward_q_blocks {kind:?} d{head_dim}");
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
@@ -194,7 +223,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             float(kind),
         );
         let tiles16 = 4 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
-        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, &what);
+        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
     }
 }
 

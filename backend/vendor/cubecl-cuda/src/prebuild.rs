@@ -238,30 +238,50 @@ pub struct Image {
 
 /// NVRTC on one recorded kernel. Safe to call from several threads at once.
 pub fn compile(kernel: &RecordedKernel) -> Result<Image, String> {
+    compile_with(kernel, &[]).map(|(image, _)| image)
+}
+
+/// [`compile`], with ptxas's report of the kernel's resources (`-v`:
+/// registers, stack frame, spills, shared memory) from NVRTC's log: what a
+/// kernel costs an SM, known without a GPU.
+pub fn compile_verbose(kernel: &RecordedKernel) -> Result<(Image, String), String> {
+    compile_with(kernel, &["--ptxas-options=-v".to_string()])
+}
+
+fn compile_with(kernel: &RecordedKernel, extra: &[String]) -> Result<(Image, String), String> {
     let source = CString::new(kernel.source.as_str()).map_err(|e| e.to_string())?;
     let program = cudarc::nvrtc::result::create_program(source.as_c_str(), None)
         .map_err(|e| format!("{e:?}"))?;
+    let options: Vec<String> = kernel.options.iter().chain(extra).cloned().collect();
     // SAFETY: `program` was created above and is destroyed once, at the end;
     // the buffers passed to NVRTC are sized by its own size queries.
     unsafe {
-        let result = image(program, &kernel.options);
+        let result = image(program, &options);
         let _ = cudarc::nvrtc::result::destroy_program(program);
         result
+    }
+}
+
+unsafe fn program_log(program: cudarc::nvrtc::sys::nvrtcProgram) -> String {
+    // SAFETY: the caller's program is alive; NVRTC sizes the buffer.
+    unsafe {
+        cudarc::nvrtc::result::get_program_log(program)
+            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default()
     }
 }
 
 unsafe fn image(
     program: cudarc::nvrtc::sys::nvrtcProgram,
     options: &[String],
-) -> Result<Image, String> {
+) -> Result<(Image, String), String> {
     use cudarc::nvrtc::sys;
     unsafe {
         if cudarc::nvrtc::result::compile_program(program, options).is_err() {
-            let log = cudarc::nvrtc::result::get_program_log(program)
-                .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let log = program_log(program);
             return Err(format!("[Compilation Error]\n{log}"));
         }
+        let log = program_log(program);
         // A real architecture (`sm_90a`) makes NVRTC run ptxas too; the
         // cubin then spares the driver its JIT at every load.
         let mut size = 0usize;
@@ -271,13 +291,18 @@ unsafe fn image(
                 .result()
                 .is_ok()
             {
-                return Ok(Image { bytes, cubin: true });
+                return Ok((Image { bytes, cubin: true }, log));
             }
         }
         cudarc::nvrtc::result::get_ptx(program)
-            .map(|bytes| Image {
-                bytes,
-                cubin: false,
+            .map(|bytes| {
+                (
+                    Image {
+                        bytes,
+                        cubin: false,
+                    },
+                    log,
+                )
             })
             .map_err(|e| format!("{e:?}"))
     }
