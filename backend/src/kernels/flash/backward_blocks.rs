@@ -5,9 +5,10 @@
 //!
 //! - the products (`S`, `dP`, `Pᵀ dO`, `dSᵀ Q`, `dS K`) are cube-wide
 //!   `block_product`s;
-//! - each unit owns one row of the score tile and turns it into its row of
-//!   `P` and `dS = P ∘ (dP − D)` (rounded to the input type before the
-//!   next product, as FlashAttention-2 does), and keeps its gradient row in
+//! - the units of a row (`units_per_row` of them) share its columns: each
+//!   turns its share of the score row into `P` and `dS = P ∘ (dP − D)`
+//!   (rounded to the input type before the next product, as
+//!   FlashAttention-2 does), and keeps its share of the gradient row in
 //!   fp32 registers.
 
 use cubecl::prelude::*;
@@ -38,13 +39,18 @@ fn staged_row_dot<F: Float>(
     sum
 }
 
-/// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
-/// key row `CUBE_POS_X · block + u`. Per query block of each query head on
-/// this kv head: stage q and dO; `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by
-/// query columns, so each unit's row is its key's); each unit forms its row
-/// of `Pᵀ` and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`.
+/// dK and dV for `block` key rows of one `(batch, kv head)`, with
+/// `units_per_row` units per key row: unit `u` takes key row
+/// `CUBE_POS_X · block + u % block` and the `u / block`-th share of its
+/// columns. Per query block of each query head on this kv head: stage q, dO
+/// and O; `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by query columns, so each
+/// unit's row is its key's); each unit forms its share of its row of `Pᵀ`
+/// and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`, each unit keeping its
+/// share of the row's columns in registers.
 ///
-/// Arguments as `flash_backward_kv`'s; with `Products::TensorCores`, F must be f16
+/// Arguments as `flash_backward_kv`'s, and `units_per_row`, which divides
+/// `block` and `head_dim` (`FlashLaunch::units_per_row`); the cube has
+/// `block · units_per_row` units. With `Products::TensorCores`, F must be f16
 /// or bf16 and `head_dim` and `block` multiples of 16.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
@@ -62,6 +68,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
     group: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
+    #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] products: Products,
@@ -75,8 +82,16 @@ pub fn flash_backward_kv_blocks<F: Float>(
     let bi = bkv / kv_heads;
     let kvh = bkv % kv_heads;
     let unit = UNIT_POS_X as usize;
+    // This unit's key row, and its share of that row's columns: query
+    // columns `c0s ..` of the score rows, head-dim columns `c0d ..` of dK, dV.
+    let row = unit % block;
+    let share = unit / block;
+    let cols = comptime![block / units_per_row];
+    let part = comptime![head_dim / units_per_row];
+    let c0s = share * cols;
+    let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
-    let j = first + unit;
+    let j = first + row;
     let live = j < t;
     let jr = min(j, t - 1);
 
@@ -100,12 +115,12 @@ pub fn flash_backward_kv_blocks<F: Float>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F>(k, &mut ks, kbase, first, t, head_dim);
-    stage_rows::<F>(v, &mut vs, vbase, first, t, head_dim);
-    let mut dk = Array::<f32>::new(head_dim);
-    let mut dv = Array::<f32>::new(head_dim);
+    stage_rows::<F>(k, &mut ks, kbase, first, t, block, head_dim);
+    stage_rows::<F>(v, &mut vs, vbase, first, t, block, head_dim);
+    let mut dk = Array::<f32>::new(part);
+    let mut dv = Array::<f32>::new(part);
     #[unroll(products == Products::TensorCores)]
-    for c in 0..head_dim {
+    for c in 0..part {
         dk[c] = f32::new(0.0);
         dv[c] = f32::new(0.0);
     }
@@ -124,16 +139,22 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_rows::<F>(q, &mut qs, qbase, i0, s, head_dim);
-            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, head_dim);
-            stage_rows::<F>(o, &mut os, obase, i0, s, head_dim);
+            stage_rows::<F>(q, &mut qs, qbase, i0, s, block, head_dim);
+            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, block, head_dim);
+            stage_rows::<F>(o, &mut os, obase, i0, s, block, head_dim);
+            // The first `block` units write query row i0 + unit's LSE and
+            // D (whole planes: the others skip it together).
             let ir = min(i0 + unit, s - 1);
-            ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+            if unit < block {
+                ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+            }
             sync_cube();
-            // D of query row i0 + unit, from the staged rows (coalesced
-            // loads, where each unit reading its own rows from global memory
-            // touched a cache line per unit). Read after the next barrier.
-            drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim);
+            // D from the staged rows (coalesced loads, where each unit
+            // reading its own rows from global memory touched a cache line
+            // per unit). Read after the next barrier.
+            if unit < block {
+                drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim);
+            }
 
             block_product::<F>(
                 &ks, dim, &qs, dim, true, &mut work, 0, s_ld, block, block, dim, products,
@@ -155,26 +176,28 @@ pub fn flash_backward_kv_blocks<F: Float>(
             sync_cube();
 
             if unmasked(i0, first, block, s, t, causal, padding) {
-                for il in 0..block {
-                    let p = (work[unit * s_ld + il] * scale - ls[il]).exp();
-                    let ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
-                    pt[unit * p_ld + il] = F::cast_from(p);
-                    dst[unit * p_ld + il] = F::cast_from(ds);
+                for ic in 0..cols {
+                    let il = c0s + ic;
+                    let p = (work[row * s_ld + il] * scale - ls[il]).exp();
+                    let ds = p * (work[(block + row) * s_ld + il] - drow[il]) * scale;
+                    pt[row * p_ld + il] = F::cast_from(p);
+                    dst[row * p_ld + il] = F::cast_from(ds);
                 }
             } else {
-                for il in 0..block {
+                for ic in 0..cols {
+                    let il = c0s + ic;
                     let i = i0 + il;
                     // A query past the end, or (causal) before this key: no term.
                     let skip = i >= s || excluded(jr, i, t, causal);
                     let mut p = f32::new(0.0);
                     let mut ds = f32::new(0.0);
                     if !skip {
-                        let x = work[unit * s_ld + il] * scale + bias;
+                        let x = work[row * s_ld + il] * scale + bias;
                         p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                        ds = p * (work[(block + unit) * s_ld + il] - drow[il]) * scale;
+                        ds = p * (work[(block + row) * s_ld + il] - drow[il]) * scale;
                     }
-                    pt[unit * p_ld + il] = F::cast_from(p);
-                    dst[unit * p_ld + il] = F::cast_from(ds);
+                    pt[row * p_ld + il] = F::cast_from(p);
+                    dst[row * p_ld + il] = F::cast_from(ds);
                 }
             }
             sync_cube();
@@ -184,8 +207,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
             );
             sync_cube();
             #[unroll(products == Products::TensorCores)]
-            for c in 0..head_dim {
-                dv[c] += work[unit * out_ld + c];
+            for c in 0..part {
+                dv[c] += work[row * out_ld + c0d + c];
             }
             sync_cube();
             block_product::<F>(
@@ -193,8 +216,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
             );
             sync_cube();
             #[unroll(products == Products::TensorCores)]
-            for c in 0..head_dim {
-                dk[c] += work[unit * out_ld + c];
+            for c in 0..part {
+                dk[c] += work[row * out_ld + c0d + c];
             }
             sync_cube();
         }
@@ -204,18 +227,21 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
         let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
-            d_k[kb + c * d_k.stride(3)] = F::cast_from(dk[c]);
-            d_v[vb + c * d_v.stride(3)] = F::cast_from(dv[c]);
+        for c in 0..part {
+            d_k[kb + (c0d + c) * d_k.stride(3)] = F::cast_from(dk[c]);
+            d_v[vb + (c0d + c) * d_v.stride(3)] = F::cast_from(dv[c]);
         }
     }
 }
 
-/// dQ for `block` query rows of one `(batch, head)`; unit `u` owns query
-/// row `CUBE_POS_X · block + u`. Per key block: stage K and V; `S = Q Kᵀ`
-/// and `dP = dO Vᵀ`; each unit forms its row of `dS`; then `dQ += dS K`.
+/// dQ for `block` query rows of one `(batch, head)`, with `units_per_row`
+/// units per query row: unit `u` takes query row `CUBE_POS_X · block + u %
+/// block` and the `u / block`-th share of its columns. Per key block: stage
+/// K and V; `S = Q Kᵀ` and `dP = dO Vᵀ`; each unit forms its share of its
+/// row of `dS`; then `dQ += dS K`, each unit keeping its share of the row's
+/// columns in registers.
 ///
-/// Arguments as `flash_backward_q`'s; with `Products::TensorCores`, as above.
+/// Arguments as `flash_backward_q`'s and `units_per_row`, as above.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_q_blocks<F: Float>(
@@ -231,6 +257,7 @@ pub fn flash_backward_q_blocks<F: Float>(
     group: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
+    #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] products: Products,
@@ -245,8 +272,17 @@ pub fn flash_backward_q_blocks<F: Float>(
     let hi = bh % heads;
     let kvh = hi / group as usize;
     let unit = UNIT_POS_X as usize;
+    // This unit's query row in the block, and its share of that row's
+    // columns: key columns `c0s ..` of the score rows, head-dim columns
+    // `c0d ..` of dQ.
+    let lr = unit % block;
+    let share = unit / block;
+    let cols = comptime![block / units_per_row];
+    let part = comptime![head_dim / units_per_row];
+    let c0s = share * cols;
+    let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
-    let row = first + unit;
+    let row = first + lr;
     let live = row < s;
     let r = min(row, s - 1);
 
@@ -264,18 +300,18 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_rows::<F>(q, &mut qs, qbase, first, s, head_dim);
-    stage_rows::<F>(d_o, &mut dos, dobase, first, s, head_dim);
+    stage_rows::<F>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_rows::<F>(d_o, &mut dos, dobase, first, s, block, head_dim);
     // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
     // before the key blocks need it; and its LSE.
     let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_rows::<F>(o, &mut ks, obase, first, s, head_dim);
+    stage_rows::<F>(o, &mut ks, obase, first, s, block, head_dim);
     sync_cube();
-    let dsum = staged_row_dot::<F>(&dos, &ks, unit, head_dim);
+    let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim);
     sync_cube();
-    let mut dq = Array::<f32>::new(head_dim);
+    let mut dq = Array::<f32>::new(part);
     #[unroll(products == Products::TensorCores)]
-    for c in 0..head_dim {
+    for c in 0..part {
         dq[c] = f32::new(0.0);
     }
     let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
@@ -284,8 +320,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F>(k, &mut ks, kbase, j0, t, head_dim);
-        stage_rows::<F>(v, &mut vs, vbase, j0, t, head_dim);
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(
@@ -309,24 +345,26 @@ pub fn flash_backward_q_blocks<F: Float>(
 
         let n = min(block, t - j0);
         if unmasked(first, j0, block, s, t, causal, padding) {
-            for jl in 0..block {
-                let p = (work[unit * s_ld + jl] * scale - lse_r).exp();
-                let ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
-                dss[unit * p_ld + jl] = F::cast_from(ds);
+            for jc in 0..cols {
+                let jl = c0s + jc;
+                let p = (work[lr * s_ld + jl] * scale - lse_r).exp();
+                let ds = p * (work[(block + lr) * s_ld + jl] - dsum) * scale;
+                dss[lr * p_ld + jl] = F::cast_from(ds);
             }
         } else {
-            for jl in 0..block {
+            for jc in 0..cols {
+                let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut ds = f32::new(0.0);
                 if jl < n && !excluded(j, r, t, causal) {
-                    let mut x = work[unit * s_ld + jl] * scale;
+                    let mut x = work[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);
                     }
                     let p = (x - lse_r).exp();
-                    ds = p * (work[(block + unit) * s_ld + jl] - dsum) * scale;
+                    ds = p * (work[(block + lr) * s_ld + jl] - dsum) * scale;
                 }
-                dss[unit * p_ld + jl] = F::cast_from(ds);
+                dss[lr * p_ld + jl] = F::cast_from(ds);
             }
         }
         sync_cube();
@@ -336,8 +374,8 @@ pub fn flash_backward_q_blocks<F: Float>(
         );
         sync_cube();
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
-            dq[c] += work[unit * out_ld + c];
+        for c in 0..part {
+            dq[c] += work[lr * out_ld + c0d + c];
         }
         sync_cube();
     }
@@ -345,8 +383,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     if live {
         let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
-            d_q[qb + c * d_q.stride(3)] = F::cast_from(dq[c]);
+        for c in 0..part {
+            d_q[qb + (c0d + c) * d_q.stride(3)] = F::cast_from(dq[c]);
         }
     }
 }

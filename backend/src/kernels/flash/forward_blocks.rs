@@ -74,7 +74,7 @@ pub fn flash_forward_blocks<F: Float>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F>(q, &mut qs, qbase, first, s, head_dim);
+    stage_rows::<F>(q, &mut qs, qbase, first, s, block, head_dim);
 
     let mut acc = Array::<f32>::new(head_dim);
     #[unroll(products == Products::TensorCores)]
@@ -86,8 +86,8 @@ pub fn flash_forward_blocks<F: Float>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F>(k, &mut ks, kbase, j0, t, head_dim);
-        stage_rows::<F>(v, &mut vs, vbase, j0, t, head_dim);
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(

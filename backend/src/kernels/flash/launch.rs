@@ -104,6 +104,21 @@ impl FlashLaunch {
             Products::Scalar => (1024 / head_dim.max(1)).clamp(1, TILE),
         }
     }
+
+    /// Units per row of the backward block-product kernels: two where they
+    /// divide the block and the head dim (always on tensor cores). Each
+    /// takes half its row's score columns and half its gradient row, so the
+    /// cube has twice the forward's units on the same tiles: four warps
+    /// share the products and the staging, and a unit keeps half the fp32
+    /// gradient row in registers (the key-block kernel's two rows of 128
+    /// spilled from a thread's 255 registers with one unit per row).
+    pub fn units_per_row(block: usize, head_dim: usize) -> usize {
+        if block.is_multiple_of(2) && head_dim.is_multiple_of(2) {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 impl FlashDims {
@@ -165,23 +180,27 @@ pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageTyp
         })
 }
 
-fn grid(rows: usize, block: usize, slices: usize) -> (CubeCount, CubeDim) {
+/// Cubes of `units` units over `rows` rows in blocks of `block`, for each
+/// of `slices` slices.
+fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, CubeDim) {
     (
         CubeCount::Static(rows.div_ceil(block) as u32, slices as u32, 1),
-        CubeDim::new_1d(block as u32),
+        CubeDim::new_1d(units as u32),
     )
 }
 
 /// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
 /// rows in `$slices` slices, with the tensors `$t` and the settings every
-/// flash kernel takes after them, in their order.
+/// flash kernel takes after them, in their order. With `$split`, the
+/// block-product kernel also takes `FlashLaunch::units_per_row` (named
+/// `$split`) after its block size, and has that many units per row.
 macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*]) => {{
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*] $(, $split:ident)?) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
         match cfg.kernels() {
             FlashKernels::Rows => {
                 let block = d.block();
-                let (count, dim) = grid($rows_of, block, $slices);
+                let (count, dim) = grid($rows_of, block, block, $slices);
                 $rows::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
                     cfg.causal, cfg.padding, cfg.dtype,
@@ -189,10 +208,16 @@ macro_rules! launch_flash {
             }
             FlashKernels::Blocks { products } => {
                 let block = FlashLaunch::blocks_block(products, d.head_dim);
-                let (count, dim) = grid($rows_of, block, $slices);
+                #[allow(unused_mut)]
+                let mut units = block;
+                $(
+                    let $split = FlashLaunch::units_per_row(block, d.head_dim);
+                    units *= $split;
+                )?
+                let (count, dim) = grid($rows_of, block, units, $slices);
                 $blocks::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    cfg.causal, cfg.padding, products, cfg.dtype,
+                    $($split,)? cfg.causal, cfg.padding, products, cfg.dtype,
                 );
             }
         }
@@ -250,7 +275,8 @@ pub fn backward_kv<R: Runtime>(
         flash_backward_kv_blocks,
         d.kv_len,
         d.batch * d.kv_heads,
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v],
+        split
     );
 }
 
@@ -269,7 +295,8 @@ pub fn backward_q<R: Runtime>(
         flash_backward_q_blocks,
         d.q_len,
         d.batch * d.heads,
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q],
+        split
     );
 }
 
@@ -294,6 +321,23 @@ mod tests {
             kernels: FlashKernels::Blocks {
                 products: Products::TensorCores,
             },
+        }
+    }
+
+    #[test]
+    fn the_backward_splits_rows_in_two_where_two_divides_them() {
+        assert_eq!(FlashLaunch::units_per_row(64, 64), 2);
+        assert_eq!(FlashLaunch::units_per_row(64, 128), 2);
+        assert_eq!(FlashLaunch::units_per_row(16, 24), 2);
+        // The scalar products' blocks of 1024 / head_dim rows may be odd.
+        let block = FlashLaunch::blocks_block(Products::Scalar, 200);
+        assert_eq!(block, 5);
+        assert_eq!(FlashLaunch::units_per_row(block, 200), 1);
+        assert_eq!(FlashLaunch::units_per_row(16, 25), 1);
+        // Tensor cores always split.
+        for d in (16..=MAX_TENSOR_CORE_HEAD_DIM).step_by(16) {
+            let block = FlashLaunch::blocks_block(Products::TensorCores, d);
+            assert_eq!(FlashLaunch::units_per_row(block, d), 2, "d{d}");
         }
     }
 

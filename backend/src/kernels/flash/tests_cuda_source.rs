@@ -20,6 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
+use super::launch::FlashLaunch;
 use super::mma::{Products, PAD_F32, PAD_HALF};
 
 const SM: u32 = 90;
@@ -108,18 +109,16 @@ fn on_tensor_cores(
     what: &str,
 ) {
     let lowered = &compiled.lowered;
-    // Each unit's output or gradient rows (fp32, `head_dim` each) are
-    // registers: their loops are unrolled, so no index is a run-time value
-    // (that puts an array in local memory, as ptxas's stack frame shows).
-    // Up to head dim 64; the key-block backward's two rows of 128 exceed
-    // the 255 registers a thread has, and spill a little.
-    if head_dim <= 64 {
-        assert!(
-            compiled.ptxas.contains(" 0 bytes stack frame"),
-            "{what}: local memory\n{}",
-            compiled.ptxas
-        );
-    }
+    // Each unit's output or gradient rows (fp32) are registers: their loops
+    // are unrolled, so no index is a run-time value (that puts an array in
+    // local memory, as ptxas's stack frame shows), and they fit a thread's
+    // 255 registers (with one unit per row, the key-block backward's two
+    // rows of 128 did not, and spilled).
+    assert!(
+        compiled.ptxas.contains(" 0 bytes stack frame"),
+        "{what} (head dim {head_dim}): local memory\n{}",
+        compiled.ptxas
+    );
     assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
     // Fast math (the kernels' `fast_math`): the exponentials are CUDA's
     // intrinsic, not the range-reduced `exp`.
@@ -177,9 +176,10 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
         // the rows of the last three padded.
         let tiles16 = 5 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
+        let split = FlashLaunch::units_per_row(BLOCK, head_dim);
         let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim}");
         let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
-            settings(BLOCK as u32),
+            settings((BLOCK * split) as u32),
             client.clone(),
             tensor(),
             tensor(),
@@ -194,6 +194,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             (),
             head_dim,
             BLOCK,
+            split,
             causal,
             padding,
             Products::TensorCores,
@@ -203,7 +204,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
 
         let what = format!("flash_backward_q_blocks {kind:?} d{head_dim}");
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
-            settings(BLOCK as u32),
+            settings((BLOCK * split) as u32),
             client.clone(),
             tensor(),
             tensor(),
@@ -217,6 +218,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             (),
             head_dim,
             BLOCK,
+            split,
             causal,
             padding,
             Products::TensorCores,

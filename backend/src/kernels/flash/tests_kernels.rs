@@ -265,6 +265,18 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn head_dim_200() {
+            // Blocks of 5 rows for the scalar block products (1024 / 200):
+            // odd, so their backward runs one unit per row.
+            check(
+                client(),
+                Problem::new(1, 2, 1, 13, 13, 200, true, &[], 10),
+                "d200",
+                KERNELS,
+            );
+        }
+
+        #[test]
         fn f16() {
             check_16bit::<_, burn::tensor::f16>(client(), 2e-3, KERNELS);
         }

@@ -2,8 +2,8 @@
 //! `[b, h, n, d]` tensor in shared memory, the masks and the blocks causal
 //! attention skips, a row dot product.
 //!
-//! Every kernel runs `block` units per cube, one per row of its block, so a
-//! block of rows is staged with one row per unit.
+//! The `Rows` kernels run `block` units per cube, one per row of their
+//! block; the block-product kernels stage whole tiles with the whole cube.
 //!
 //! Loops over the head dimension run to a run-time bound (`dim`, the
 //! tensors' last extent) although register arrays are sized at compile
@@ -38,14 +38,14 @@ pub fn load_rows<F: Float>(
     }
 }
 
-/// Copies rows `r0 .. r0 + CUBE_DIM` of one `(batch, head)` slice of `src`
+/// Copies rows `r0 .. r0 + rows` of one `(batch, head)` slice of `src`
 /// (from element `base`) into `dst` as they are, row-major `[rows, dim]`.
 /// The whole cube copies, consecutive units taking consecutive elements, so
 /// a plane's reads of a contiguous row are coalesced; a unit may not read
 /// what it staged before the next `sync_cube`. Rows past `n` repeat row
-/// `n − 1` (finite; the callers mask them). `dim` (the tensors' last
-/// extent) is a compile-time value, so an element's row and column are a
-/// shift and a mask, not a division, for the head dims in powers of two.
+/// `n − 1` (finite; the callers mask them). `rows` and `dim` (the tensors'
+/// last extent) are compile-time values, so an element's row and column are
+/// a shift and a mask, not a division, for sizes in powers of two.
 #[cube]
 pub fn stage_rows<F: Float>(
     src: &Tensor<F>,
@@ -53,11 +53,12 @@ pub fn stage_rows<F: Float>(
     base: usize,
     r0: usize,
     n: usize,
+    #[comptime] rows: usize,
     #[comptime] dim: usize,
 ) {
     let units = CUBE_DIM as usize;
     let mut e = UNIT_POS as usize;
-    while e < units * dim {
+    while e < rows * dim {
         let r = min(r0 + e / dim, n - 1);
         dst[e] = src[base + r * src.stride(2) + (e % dim) * src.stride(3)];
         e += units;
