@@ -8,16 +8,21 @@ use cubecl::prelude::*;
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{excluded, key_blocks, pad_bias, stage_rows, unmasked, MASKED};
 
-/// One cube computes `block` query rows of one `(batch, head)`; unit `u`
-/// owns row `CUBE_POS_X · block + u`: its running maximum, sum and fp32
-/// output live in its registers, as in `flash_forward`. Per key block:
+/// One cube computes `block` query rows of one `(batch, head)` with
+/// `units_per_row` units per row (`FlashLaunch::units_per_row`): unit `u`
+/// takes row `CUBE_POS_X · block + u % block`, the `u / block`-th share of
+/// its score columns and of its output row. The row's running maximum is
+/// shared through shared memory; each unit keeps its own partial sum and its
+/// share of the fp32 output in registers. Per key block:
 ///
 /// 1. the cube stages K and V (Q was staged once);
 /// 2. `S = Q Kᵀ` into an fp32 tile (`block_product`);
-/// 3. each unit scales and masks its row of S, takes the online softmax
-///    step and writes its row of `P` in the input type (FlashAttention-2
-///    rounds P the same way before its second product);
-/// 4. `P V` into the same fp32 tile, which each unit adds to its output.
+/// 3. each unit scales and masks its share of its row of S; the row's
+///    units agree on its new maximum, take the online softmax step and
+///    write their shares of its row of `P` in the input type
+///    (FlashAttention-2 rounds P the same way before its second product);
+/// 4. `P V` into the same fp32 tile, which each unit adds to its share of
+///    the output.
 ///
 /// `exp` and `ln` may use the GPU's approximate intrinsics (`fast_math`;
 /// CUDA's `__expf`, `__logf`: a few ulp, two instructions instead of a
@@ -25,9 +30,11 @@ use super::tile::{excluded, key_blocks, pad_bias, stage_rows, unmasked, MASKED};
 /// finite (masked scores are `MASKED`), as `NotNaN` and `NotInf` promise.
 /// wgpu has no fast math and ignores it. The backward kernels do the same.
 ///
-/// Same arguments and outputs as `flash_forward`. `head_dim` must equal
-/// the tensors' last extent; with `Products::TensorCores`, F must be f16 or bf16
-/// and `head_dim` and `block` multiples of 16 (the host checks).
+/// Same arguments and outputs as `flash_forward`, and `units_per_row`,
+/// which divides `block` and `head_dim`; the cube has `block ·
+/// units_per_row` units. `head_dim` must equal the tensors' last extent;
+/// with `Products::TensorCores`, F must be f16 or bf16 and `head_dim` and
+/// `block` multiples of 16 (the host checks).
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_blocks<F: Float>(
@@ -41,6 +48,7 @@ pub fn flash_forward_blocks<F: Float>(
     group: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
+    #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] products: Products,
@@ -55,8 +63,16 @@ pub fn flash_forward_blocks<F: Float>(
     let hi = bh % heads;
     let kvh = hi / group as usize;
     let unit = UNIT_POS_X as usize;
+    // This unit's row in the block, and its share of that row: key columns
+    // `c0s ..` of S and P, head-dim columns `c0d ..` of the output.
+    let lr = unit % block;
+    let share = unit / block;
+    let cols = comptime![block / units_per_row];
+    let part = comptime![head_dim / units_per_row];
+    let c0s = share * cols;
+    let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
-    let row = first + unit;
+    let row = first + lr;
     let live = row < s;
     let r = min(row, s - 1);
 
@@ -70,17 +86,22 @@ pub fn flash_forward_blocks<F: Float>(
     let mut ps = SharedMemory::<F>::new_aligned(block * p_ld, 128usize);
     // S, then P V: never alive at once.
     let mut s32 = SharedMemory::<f32>::new_aligned(block * comptime![s_ld.max(out_ld)], 128usize);
+    // Each unit's partial maximum of its row (then, at the end, its sum):
+    // `[units_per_row, block]`.
+    let mut shared = SharedMemory::<f32>::new(block * units_per_row);
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     stage_rows::<F>(q, &mut qs, qbase, first, s, block, head_dim);
 
-    let mut acc = Array::<f32>::new(head_dim);
+    let mut acc = Array::<f32>::new(part);
     #[unroll(products == Products::TensorCores)]
-    for c in 0..head_dim {
+    for c in 0..part {
         acc[c] = f32::new(0.0);
     }
+    // The row's running maximum (the same in all its units) and this
+    // unit's sum over its columns.
     let mut m = f32::new(MASKED);
     let mut l = f32::new(0.0);
 
@@ -95,40 +116,50 @@ pub fn flash_forward_blocks<F: Float>(
         );
         sync_cube();
 
-        // This unit's row of S: scaled, masked, its maximum.
+        // This unit's share of its row of S: scaled, masked, its maximum.
         let n = min(block, t - j0);
-        let mut mb = m;
+        let mut mine = f32::new(MASKED);
         if unmasked(first, j0, block, s, t, causal, padding) {
-            for jl in 0..block {
-                let x = s32[unit * s_ld + jl] * scale;
-                s32[unit * s_ld + jl] = x;
-                mb = max(mb, x);
+            for jc in 0..cols {
+                let jl = c0s + jc;
+                let x = s32[lr * s_ld + jl] * scale;
+                s32[lr * s_ld + jl] = x;
+                mine = max(mine, x);
             }
         } else {
-            for jl in 0..block {
+            for jc in 0..cols {
+                let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut x = f32::new(MASKED);
                 if jl < n && !excluded(j, r, t, causal) {
-                    x = s32[unit * s_ld + jl] * scale;
+                    x = s32[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);
                     }
                 }
-                s32[unit * s_ld + jl] = x;
-                mb = max(mb, x);
+                s32[lr * s_ld + jl] = x;
+                mine = max(mine, x);
             }
+        }
+        // The row's maximum over its units' shares.
+        shared[share * block + lr] = mine;
+        sync_cube();
+        let mut mb = m;
+        for u in 0..units_per_row {
+            mb = max(mb, shared[u * block + lr]);
         }
         let alpha = (m - mb).exp();
         l *= alpha;
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
+        for c in 0..part {
             acc[c] *= alpha;
         }
-        for jl in 0..block {
-            let x = s32[unit * s_ld + jl];
+        for jc in 0..cols {
+            let jl = c0s + jc;
+            let x = s32[lr * s_ld + jl];
             let p = select(x > f32::new(MASKED), (x - mb).exp(), f32::new(0.0));
             l += p;
-            ps[unit * p_ld + jl] = F::cast_from(p);
+            ps[lr * p_ld + jl] = F::cast_from(p);
         }
         m = mb;
         sync_cube();
@@ -138,18 +169,28 @@ pub fn flash_forward_blocks<F: Float>(
         );
         sync_cube();
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
-            acc[c] += s32[unit * out_ld + c];
+        for c in 0..part {
+            acc[c] += s32[lr * out_ld + c0d + c];
         }
     }
 
+    // The row's sum over its units' shares (every unit has read the last
+    // maxima: a barrier came after).
+    shared[share * block + lr] = l;
+    sync_cube();
+    let mut total = f32::new(0.0);
+    for u in 0..units_per_row {
+        total += shared[u * block + lr];
+    }
     if live {
         let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
-        let inv = f32::new(1.0) / l;
+        let inv = f32::new(1.0) / total;
         #[unroll(products == Products::TensorCores)]
-        for c in 0..head_dim {
-            out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
+        for c in 0..part {
+            out[ob + (c0d + c) * out.stride(3)] = F::cast_from(acc[c] * inv);
         }
-        lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();
+        if share == 0 {
+            lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + total.ln();
+        }
     }
 }

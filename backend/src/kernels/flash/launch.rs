@@ -92,8 +92,9 @@ impl FlashLaunch {
     }
 
     /// Query (and key) rows per block of the `Blocks` kernels: 64 on
-    /// tensor cores (two warps, each taking 16 × 16 tiles of the block
-    /// products in turn); 16 for their tiling on scalar FMAs; otherwise
+    /// tensor cores (four warps with two units per row, each warp taking
+    /// 16 × 16 tiles of the block products in turn); 16 for their tiling on
+    /// scalar FMAs; otherwise
     /// `1024 / head_dim` up to 16, which keeps the fp32 tiles within 20 KiB
     /// (lavapipe gives 32 KiB; 16 rows at head dim 128 took 33 KiB and did
     /// not launch).
@@ -105,13 +106,13 @@ impl FlashLaunch {
         }
     }
 
-    /// Units per row of the backward block-product kernels: two where they
-    /// divide the block and the head dim (always on tensor cores). Each
-    /// takes half its row's score columns and half its gradient row, so the
-    /// cube has twice the forward's units on the same tiles: four warps
-    /// share the products and the staging, and a unit keeps half the fp32
-    /// gradient row in registers (the key-block kernel's two rows of 128
-    /// spilled from a thread's 255 registers with one unit per row).
+    /// Units per row of the block-product kernels: two where they divide
+    /// the block and the head dim (always on tensor cores). Each takes half
+    /// its row's score columns and half its output or gradient row, so a
+    /// cube of 64 rows has four warps: they share the products and the
+    /// staging, and a unit keeps half the fp32 row in registers (the
+    /// key-block backward's two rows of 128 spilled from a thread's 255
+    /// registers with one unit per row).
     pub fn units_per_row(block: usize, head_dim: usize) -> usize {
         if block.is_multiple_of(2) && head_dim.is_multiple_of(2) {
             2
@@ -191,11 +192,10 @@ fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, C
 
 /// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
 /// rows in `$slices` slices, with the tensors `$t` and the settings every
-/// flash kernel takes after them, in their order. With `$split`, the
-/// block-product kernel also takes `FlashLaunch::units_per_row` (named
-/// `$split`) after its block size, and has that many units per row.
+/// flash kernel takes after them, in their order (a block-product kernel
+/// also takes its units per row after its block size).
 macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*] $(, $split:ident)?) => {{
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*]) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
         match cfg.kernels() {
             FlashKernels::Rows => {
@@ -208,16 +208,11 @@ macro_rules! launch_flash {
             }
             FlashKernels::Blocks { products } => {
                 let block = FlashLaunch::blocks_block(products, d.head_dim);
-                #[allow(unused_mut)]
-                let mut units = block;
-                $(
-                    let $split = FlashLaunch::units_per_row(block, d.head_dim);
-                    units *= $split;
-                )?
-                let (count, dim) = grid($rows_of, block, units, $slices);
+                let split = FlashLaunch::units_per_row(block, d.head_dim);
+                let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    $($split,)? cfg.causal, cfg.padding, products, cfg.dtype,
+                    split, cfg.causal, cfg.padding, products, cfg.dtype,
                 );
             }
         }
@@ -275,8 +270,7 @@ pub fn backward_kv<R: Runtime>(
         flash_backward_kv_blocks,
         d.kv_len,
         d.batch * d.kv_heads,
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v],
-        split
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
     );
 }
 
@@ -295,8 +289,7 @@ pub fn backward_q<R: Runtime>(
         flash_backward_q_blocks,
         d.q_len,
         d.batch * d.heads,
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q],
-        split
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
     );
 }
 
@@ -325,7 +318,7 @@ mod tests {
     }
 
     #[test]
-    fn the_backward_splits_rows_in_two_where_two_divides_them() {
+    fn rows_split_in_two_where_two_divides_them() {
         assert_eq!(FlashLaunch::units_per_row(64, 64), 2);
         assert_eq!(FlashLaunch::units_per_row(64, 128), 2);
         assert_eq!(FlashLaunch::units_per_row(16, 24), 2);
