@@ -19,23 +19,12 @@
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod bench {
     use cubecl::prelude::*;
-    use rcoa_backend::kernels::flash::device_tensor::{DeviceTensor, Elem};
-    use rcoa_backend::kernels::flash::launch::{
-        self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch,
-    };
+    use rcoa_backend::kernels::flash::device_tensor::{AttentionTensors, Elem, HostInputs};
+    use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels, FlashLaunch};
     use std::time::Instant;
 
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
-
-    /// A `shape` tensor of `E` with values in [-1, 1) from seed `seed`.
-    fn input<R: Runtime, E: Elem>(
-        client: &ComputeClient<R>,
-        shape: &[usize],
-        seed: u64,
-    ) -> DeviceTensor<R> {
-        DeviceTensor::new_as::<E>(client, &random(shape.iter().product(), seed), shape)
-    }
 
     /// `n` values in [-1, 1) from a seeded generator (no `rand` needed).
     fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -84,19 +73,18 @@ mod bench {
         variants: &[(&str, FlashKernels)],
     ) {
         let causal = true;
-        let qs = [dims.batch, dims.heads, dims.q_len, dims.head_dim];
-        let ks = [dims.batch, dims.kv_heads, dims.kv_len, dims.head_dim];
-        let q = input::<R, E>(&client, &qs, 1);
-        let k = input::<R, E>(&client, &ks, 2);
-        let v = input::<R, E>(&client, &ks, 3);
-        let d_o = input::<R, E>(&client, &qs, 4);
-        let bias = DeviceTensor::zeros(&client, &[1, 1]);
-        let o = DeviceTensor::zeros_as::<E>(&client, &qs);
-        let lse = DeviceTensor::zeros(&client, &[dims.batch, dims.heads, dims.q_len]);
-        let (d_q, d_k, d_v) = (
-            DeviceTensor::zeros_as::<E>(&client, &qs),
-            DeviceTensor::zeros_as::<E>(&client, &ks),
-            DeviceTensor::zeros_as::<E>(&client, &ks),
+        let q_len = dims.batch * dims.heads * dims.q_len * dims.head_dim;
+        let kv_len = dims.batch * dims.kv_heads * dims.kv_len * dims.head_dim;
+        let t = AttentionTensors::<R>::new::<E>(
+            &client,
+            &dims,
+            HostInputs {
+                q: &random(q_len, 1),
+                k: &random(kv_len, 2),
+                v: &random(kv_len, 3),
+                d_o: &random(q_len, 4),
+                key_bias: None,
+            },
         );
         let dtype = E::as_type_native_unchecked().storage_type();
         let flops_fwd = 4.0
@@ -123,32 +111,9 @@ mod bench {
                 println!("  {name:<28} skipped: these kernels do not take this shape or type");
                 continue;
             }
-            let forward = time(&client, || {
-                launch::forward(
-                    &client,
-                    &cfg,
-                    q.arg(),
-                    k.arg(),
-                    v.arg(),
-                    bias.arg(),
-                    o.arg(),
-                    lse.arg(),
-                )
-            });
-            let inputs = || BackwardInputs {
-                q: q.arg(),
-                k: k.arg(),
-                v: v.arg(),
-                o: o.arg(),
-                d_o: d_o.arg(),
-                lse: lse.arg(),
-                key_bias: bias.arg(),
-            };
-            let backward = time(&client, || {
-                launch::backward_kv(&client, &cfg, inputs(), d_k.arg(), d_v.arg());
-                launch::backward_q(&client, &cfg, inputs(), d_q.arg());
-            });
-            let outputs = [&o, &d_q, &d_k, &d_v]
+            let forward = time(&client, || t.forward(&client, &cfg));
+            let backward = time(&client, || t.backward(&client, &cfg));
+            let outputs = [&t.o, &t.d_q, &t.d_k, &t.d_v]
                 .iter()
                 .map(|b| b.read_as::<E>(&client))
                 .collect();

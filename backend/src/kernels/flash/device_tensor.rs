@@ -1,9 +1,11 @@
 //! A contiguous tensor on a CubeCL device, uploaded from and read back as
-//! f32 on the host, whatever type it holds: what the kernel tests
-//! (`tests_kernels.rs`) and the kernel benchmark (`benches/flash.rs`) hand
-//! the launches in `launch.rs`.
+//! f32 on the host, whatever type it holds, and one attention call's set of
+//! them: what the kernel tests (`tests_kernels.rs`) and the kernel benchmark
+//! (`benches/flash.rs`) hand the launches in `launch.rs`.
 
 use cubecl::prelude::*;
+
+use super::launch::{self, BackwardInputs, FlashLaunch};
 
 /// An element type a [`DeviceTensor`] holds: f32, f16 or bf16, converted
 /// from and to f32 on the host.
@@ -92,5 +94,90 @@ impl<R: Runtime> DeviceTensor<R> {
     pub fn read_as<E: Elem>(&self, client: &ComputeClient<R>) -> Vec<f32> {
         let bytes = client.read_one_unchecked(self.handle.clone());
         E::from_bytes(&bytes).iter().map(|&x| x.to_f32()).collect()
+    }
+}
+
+/// What one attention call reads from the host, in f32: q `[b, h, s, d]`,
+/// k and v `[b, kv_heads, t, d]`, dO like q, and the padding bias `[b, t]`
+/// (None: no padding).
+pub struct HostInputs<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub d_o: &'a [f32],
+    pub key_bias: Option<&'a [f32]>,
+}
+
+/// One attention call's tensors on the device, as the kernels take them:
+/// the inputs (q, k, v, dO in `E`; the key bias in f32, a 1 × 1
+/// placeholder without padding) and zeroed outputs (O and the gradients in
+/// `E`, LSE in f32) for [`AttentionTensors::forward`] and
+/// [`AttentionTensors::backward`] to write.
+pub struct AttentionTensors<R: Runtime> {
+    pub q: DeviceTensor<R>,
+    pub k: DeviceTensor<R>,
+    pub v: DeviceTensor<R>,
+    pub d_o: DeviceTensor<R>,
+    pub key_bias: DeviceTensor<R>,
+    pub o: DeviceTensor<R>,
+    pub lse: DeviceTensor<R>,
+    pub d_q: DeviceTensor<R>,
+    pub d_k: DeviceTensor<R>,
+    pub d_v: DeviceTensor<R>,
+}
+
+impl<R: Runtime> AttentionTensors<R> {
+    pub fn new<E: Elem>(
+        client: &ComputeClient<R>,
+        dims: &launch::FlashDims,
+        host: HostInputs<'_>,
+    ) -> Self {
+        let qs = [dims.batch, dims.heads, dims.q_len, dims.head_dim];
+        let ks = [dims.batch, dims.kv_heads, dims.kv_len, dims.head_dim];
+        AttentionTensors {
+            q: DeviceTensor::new_as::<E>(client, host.q, &qs),
+            k: DeviceTensor::new_as::<E>(client, host.k, &ks),
+            v: DeviceTensor::new_as::<E>(client, host.v, &ks),
+            d_o: DeviceTensor::new_as::<E>(client, host.d_o, &qs),
+            key_bias: match host.key_bias {
+                Some(bias) => DeviceTensor::new(client, bias, &[dims.batch, dims.kv_len]),
+                None => DeviceTensor::zeros(client, &[1, 1]),
+            },
+            o: DeviceTensor::zeros_as::<E>(client, &qs),
+            lse: DeviceTensor::zeros(client, &[dims.batch, dims.heads, dims.q_len]),
+            d_q: DeviceTensor::zeros_as::<E>(client, &qs),
+            d_k: DeviceTensor::zeros_as::<E>(client, &ks),
+            d_v: DeviceTensor::zeros_as::<E>(client, &ks),
+        }
+    }
+
+    /// Writes O and LSE.
+    pub fn forward(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) {
+        launch::forward(
+            client,
+            cfg,
+            self.q.arg(),
+            self.k.arg(),
+            self.v.arg(),
+            self.key_bias.arg(),
+            self.o.arg(),
+            self.lse.arg(),
+        );
+    }
+
+    /// Writes dQ, dK and dV from the O and LSE [`AttentionTensors::forward`]
+    /// wrote.
+    pub fn backward(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) {
+        let inputs = || BackwardInputs {
+            q: self.q.arg(),
+            k: self.k.arg(),
+            v: self.v.arg(),
+            o: self.o.arg(),
+            d_o: self.d_o.arg(),
+            lse: self.lse.arg(),
+            key_bias: self.key_bias.arg(),
+        };
+        launch::backward_kv(client, cfg, inputs(), self.d_k.arg(), self.d_v.arg());
+        launch::backward_q(client, cfg, inputs(), self.d_q.arg());
     }
 }

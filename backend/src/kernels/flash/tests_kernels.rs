@@ -5,8 +5,8 @@
 
 use cubecl::prelude::*;
 
-use super::device_tensor::{DeviceTensor as Buf, Elem};
-use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
+use super::device_tensor::{AttentionTensors, Elem, HostInputs};
+use super::launch::{FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -60,50 +60,26 @@ fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, kernels: Fla
         kernels,
     };
     assert_eq!(cfg.kernels(), kernels, "the kernels under test run");
-    let qs = [p.b, p.h, p.s, p.d];
-    let ks = [p.b, p.kvh, p.t, p.d];
-    let q = Buf::new_as::<E>(client, &p.q, &qs);
-    let k = Buf::new_as::<E>(client, &p.k, &ks);
-    let v = Buf::new_as::<E>(client, &p.v, &ks);
-    let d_o = Buf::new_as::<E>(client, &p.d_o, &qs);
-    let key_bias = match p.key_bias() {
-        Some(bias) => Buf::new(client, &bias, &[p.b, p.t]),
-        None => Buf::zeros(client, &[1, 1]),
-    };
-    let o = Buf::zeros_as::<E>(client, &qs);
-    let lse = Buf::zeros(client, &[p.b, p.h, p.s]);
-    launch::forward(
+    let bias = p.key_bias();
+    let t = AttentionTensors::<R>::new::<E>(
         client,
-        &cfg,
-        q.arg(),
-        k.arg(),
-        v.arg(),
-        key_bias.arg(),
-        o.arg(),
-        lse.arg(),
+        &dims,
+        HostInputs {
+            q: &p.q,
+            k: &p.k,
+            v: &p.v,
+            d_o: &p.d_o,
+            key_bias: bias.as_deref(),
+        },
     );
-    let inputs = || BackwardInputs {
-        q: q.arg(),
-        k: k.arg(),
-        v: v.arg(),
-        o: o.arg(),
-        d_o: d_o.arg(),
-        lse: lse.arg(),
-        key_bias: key_bias.arg(),
-    };
-    let (d_q, d_k, d_v) = (
-        Buf::zeros_as::<E>(client, &qs),
-        Buf::zeros_as::<E>(client, &ks),
-        Buf::zeros_as::<E>(client, &ks),
-    );
-    launch::backward_kv(client, &cfg, inputs(), d_k.arg(), d_v.arg());
-    launch::backward_q(client, &cfg, inputs(), d_q.arg());
+    t.forward(client, &cfg);
+    t.backward(client, &cfg);
     Got {
-        o: o.read_as::<E>(client),
-        lse: lse.read(client),
-        d_q: d_q.read_as::<E>(client),
-        d_k: d_k.read_as::<E>(client),
-        d_v: d_v.read_as::<E>(client),
+        o: t.o.read_as::<E>(client),
+        lse: t.lse.read(client),
+        d_q: t.d_q.read_as::<E>(client),
+        d_k: t.d_k.read_as::<E>(client),
+        d_v: t.d_v.read_as::<E>(client),
     }
 }
 
