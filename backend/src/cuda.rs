@@ -369,12 +369,8 @@ pub(crate) fn run_probed(
 ) -> Result<Summary, RunError> {
     let n = opts.distributed.as_ref().map_or(1, |d| d.devices);
     let timing = crate::kernel_profile::selected();
-    if timing && n > 1 {
-        return Err(RunError::Unsupported(
-            "--profile-kernels times every kernel of the process, so it profiles one rank: \
-             run it with --devices 1"
-                .into(),
-        ));
+    if timing {
+        crate::kernel_profile::one_rank(n).map_err(RunError::Unsupported)?;
     }
     let info = preflight()?;
     let dir = cache_dir(&info);

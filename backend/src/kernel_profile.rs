@@ -23,6 +23,20 @@ pub fn selected() -> bool {
     SELECTED.load(Ordering::Relaxed)
 }
 
+/// Whether a run of `devices` ranks in this process can be profiled: the
+/// timing is process-wide, so only one rank's kernels may be timed.
+pub fn one_rank(devices: u32) -> Result<(), String> {
+    if devices > 1 {
+        Err(
+            "--profile-kernels times every kernel of the process, so it profiles one rank: \
+             run it with --devices 1"
+                .into(),
+        )
+    } else {
+        Ok(())
+    }
+}
+
 /// What a kernel does, from its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]

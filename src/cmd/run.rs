@@ -343,14 +343,12 @@ pub fn run(args: Args) -> ExitCode {
     rcoa_backend::pool::select(args.memory_pool);
     if args.profile_kernels {
         let refused = if args.device != Device::Cuda {
-            Some("it times CUDA kernels; use it with --device cuda")
-        } else if args.devices > 1 {
-            Some("it times every kernel of the process, so it profiles one rank: use --devices 1")
+            Err("--profile-kernels times CUDA kernels; use it with --device cuda".to_string())
         } else {
-            None
+            rcoa_backend::kernel_profile::one_rank(args.devices)
         };
-        if let Some(why) = refused {
-            eprintln!("rcoa run: --profile-kernels: {why}");
+        if let Err(why) = refused {
+            eprintln!("rcoa run: {why}");
             return ExitCode::from(2);
         }
         rcoa_backend::kernel_profile::select(true);
@@ -588,7 +586,9 @@ pub fn run(args: Args) -> ExitCode {
                 }
             }
             if let Some(timed) = s.kernel_steps.as_ref().filter(|_| json || lead) {
-                kernel_report(timed, plan_flops, &plan, json, rank);
+                if let Some(v) = kernel_report(timed, plan_flops, &plan, json) {
+                    println!("{}", tag(v));
+                }
             }
             if let Some(path) = args.report.as_ref().filter(|_| lead) {
                 let record = rcoa_compiler::report::RunRecord {
@@ -616,15 +616,14 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-/// `--profile-kernels`' report: a `kernel_profile` JSON line, or the text
-/// table after the summary.
+/// `--profile-kernels`' report: with `json`, the `kernel_profile` line to
+/// print; otherwise the text table, printed after the summary.
 fn kernel_report(
     timed: &Result<Vec<rcoa_backend::kernel_profile::StepKernels>, String>,
     plan_flops: Option<f64>,
     plan: &LoweredPlan,
     json: bool,
-    rank: Option<u64>,
-) {
+) -> Option<serde_json::Value> {
     use rcoa_backend::kernel_profile::KernelProfile;
     let profile = match timed {
         Ok(steps) => KernelProfile::new(steps, plan_flops),
@@ -634,21 +633,20 @@ fn kernel_report(
                  profiler times them with a device sync around each: set \
                  CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG=FILE instead"
             );
-            return;
+            return None;
         }
     };
-    match (profile, json) {
-        (Some(p), true) => {
-            let mut v = serde_json::to_value(&p).unwrap_or_default();
-            v["event"] = "kernel_profile".into();
-            if let Some(r) = rank {
-                v["rank"] = r.into();
-            }
-            println!("{v}");
-        }
-        (Some(p), false) => print!("{}", p.render(Some(plan.hardware.gpu.bf16_tflops))),
-        (None, _) => eprintln!("rcoa run: --profile-kernels: no step ran, so no kernel was timed"),
+    let Some(p) = profile else {
+        eprintln!("rcoa run: --profile-kernels: no step ran, so no kernel was timed");
+        return None;
+    };
+    if json {
+        let mut v = serde_json::to_value(&p).unwrap_or_default();
+        v["event"] = "kernel_profile".into();
+        return Some(v);
     }
+    print!("{}", p.render(Some(plan.hardware.gpu.bf16_tflops)));
+    None
 }
 
 /// Prints `e` and gives its exit status: 1 when the backend failed or
