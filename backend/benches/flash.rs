@@ -20,7 +20,7 @@
 mod bench {
     use cubecl::prelude::*;
     use rcoa_backend::kernels::flash::device_tensor::{AttentionTensors, Elem, HostInputs};
-    use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels, FlashLaunch};
+    use rcoa_backend::kernels::flash::launch::{unrolls, FlashDims, FlashKernels, FlashLaunch};
     use std::time::Instant;
 
     const WARMUP: usize = 2;
@@ -106,6 +106,7 @@ mod bench {
                 scale: 1.0 / (dims.head_dim as f32).sqrt(),
                 dtype,
                 kernels,
+                unroll: unrolls(&client),
             };
             if cfg.kernels() != kernels {
                 println!("  {name:<28} skipped: these kernels do not take this shape or type");

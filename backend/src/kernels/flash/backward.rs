@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, first_query_block, key_blocks, load_rows, pad_bias, row_dot, MASKED};
+use super::tile::{excluded, first_query_block, key_blocks, pad_bias, row_dot, stage_rows, MASKED};
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
 /// key row `CUBE_POS_X · block + u`. Per query block (of each of the `group`
@@ -44,12 +44,12 @@ pub fn flash_backward_kv<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bkv = CUBE_POS_Y as usize;
     let bi = bkv / kv_heads;
     let kvh = bkv % kv_heads;
@@ -65,7 +65,8 @@ pub fn flash_backward_kv<F: Float>(
     let mut dv = Array::<f32>::new(head_dim);
     let kb = bi * k.stride(0) + kvh * k.stride(1) + jr * k.stride(2);
     let vb = bi * v.stride(0) + kvh * v.stride(1) + jr * v.stride(2);
-    for c in 0..dim {
+    #[unroll(unroll)]
+    for c in 0..head_dim {
         kr[c] = f32::cast_from(k[kb + c * k.stride(3)]);
         vr[c] = f32::cast_from(v[vb + c * v.stride(3)]);
         dk[c] = f32::new(0.0);
@@ -90,15 +91,20 @@ pub fn flash_backward_kv<F: Float>(
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            load_rows::<F>(q, &mut qs, qbase, i0, s, dim);
-            load_rows::<F>(d_o, &mut dos, dobase, i0, s, dim);
+            stage_rows::<F, f32>(q, &mut qs, qbase, i0, s, block, head_dim);
+            stage_rows::<F, f32>(d_o, &mut dos, dobase, i0, s, block, head_dim);
+            // Staged by other units: D below reads this unit's row of dO.
+            sync_cube();
             // This unit's query row's LSE and D = rowsum(dO ∘ O).
             let ir = min(i0 + unit, s - 1);
             ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
             let ob = bi * o.stride(0) + hi * o.stride(1) + ir * o.stride(2);
+            // Each unit starts at its own column, so that a plane's reads of
+            // its rows of dO (`head_dim` apart) fall in different banks.
             let mut dsum = f32::new(0.0);
-            for c in 0..dim {
-                dsum += dos[unit * dim + c] * f32::cast_from(o[ob + c * o.stride(3)]);
+            for c in 0..head_dim {
+                let cc = (c + unit) % head_dim;
+                dsum += dos[unit * head_dim + cc] * f32::cast_from(o[ob + cc * o.stride(3)]);
             }
             ds_row[unit] = dsum;
             sync_cube();
@@ -108,13 +114,14 @@ pub fn flash_backward_kv<F: Float>(
                 // A query past the end, or (causal) before this key: no term.
                 let skip = i >= s || excluded(jr, i, t, causal);
                 if !skip {
-                    let x = row_dot(&kr, &qs, il * dim, dim) * scale + bias;
+                    let x = row_dot(&kr, &qs, il * head_dim, head_dim, unroll) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    let dp = row_dot(&vr, &dos, il * dim, dim);
+                    let dp = row_dot(&vr, &dos, il * head_dim, head_dim, unroll);
                     let dsc = p * (dp - ds_row[il]) * scale;
-                    for c in 0..dim {
-                        dv[c] += p * dos[il * dim + c];
-                        dk[c] += dsc * qs[il * dim + c];
+                    #[unroll(unroll)]
+                    for c in 0..head_dim {
+                        dv[c] += p * dos[il * head_dim + c];
+                        dk[c] += dsc * qs[il * head_dim + c];
                     }
                 }
             }
@@ -125,7 +132,8 @@ pub fn flash_backward_kv<F: Float>(
     if live {
         let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
         let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
-        for c in 0..dim {
+        #[unroll(unroll)]
+        for c in 0..head_dim {
             d_k[kb + c * d_k.stride(3)] = F::cast_from(dk[c]);
             d_v[vb + c * d_v.stride(3)] = F::cast_from(dv[c]);
         }
@@ -152,12 +160,12 @@ pub fn flash_backward_q<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -175,7 +183,8 @@ pub fn flash_backward_q<F: Float>(
     let dob = bi * d_o.stride(0) + hi * d_o.stride(1) + r * d_o.stride(2);
     let ob = bi * o.stride(0) + hi * o.stride(1) + r * o.stride(2);
     let mut dsum = f32::new(0.0);
-    for c in 0..dim {
+    #[unroll(unroll)]
+    for c in 0..head_dim {
         qr[c] = f32::cast_from(q[qb + c * q.stride(3)]) * scale;
         dor[c] = f32::cast_from(d_o[dob + c * d_o.stride(3)]);
         dsum += dor[c] * f32::cast_from(o[ob + c * o.stride(3)]);
@@ -189,21 +198,22 @@ pub fn flash_backward_q<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
-        load_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        stage_rows::<F, f32>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F, f32>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
         for jl in 0..min(block, t - j0) {
             let j = j0 + jl;
             if !excluded(j, r, t, causal) {
-                let mut x = row_dot(&qr, &ks, jl * dim, dim);
+                let mut x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
                 let p = (x - lse_r).exp();
-                let dp = row_dot(&dor, &vs, jl * dim, dim);
+                let dp = row_dot(&dor, &vs, jl * head_dim, head_dim, unroll);
                 let dsc = p * (dp - dsum) * scale;
-                for c in 0..dim {
-                    dq[c] += dsc * ks[jl * dim + c];
+                #[unroll(unroll)]
+                for c in 0..head_dim {
+                    dq[c] += dsc * ks[jl * head_dim + c];
                 }
             }
         }
@@ -212,7 +222,8 @@ pub fn flash_backward_q<F: Float>(
 
     if live {
         let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
-        for c in 0..dim {
+        #[unroll(unroll)]
+        for c in 0..head_dim {
             d_q[qb + c * d_q.stride(3)] = F::cast_from(dq[c]);
         }
     }

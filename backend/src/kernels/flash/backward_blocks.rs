@@ -71,6 +71,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -115,11 +116,11 @@ pub fn flash_backward_kv_blocks<F: Float>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F>(k, &mut ks, kbase, first, t, block, head_dim);
-    stage_rows::<F>(v, &mut vs, vbase, first, t, block, head_dim);
+    stage_rows::<F, F>(k, &mut ks, kbase, first, t, block, head_dim);
+    stage_rows::<F, F>(v, &mut vs, vbase, first, t, block, head_dim);
     let mut dk = Array::<f32>::new(part);
     let mut dv = Array::<f32>::new(part);
-    #[unroll(products == Products::TensorCores)]
+    #[unroll(unroll)]
     for c in 0..part {
         dk[c] = f32::new(0.0);
         dv[c] = f32::new(0.0);
@@ -139,9 +140,9 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_rows::<F>(q, &mut qs, qbase, i0, s, block, head_dim);
-            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, block, head_dim);
-            stage_rows::<F>(o, &mut os, obase, i0, s, block, head_dim);
+            stage_rows::<F, F>(q, &mut qs, qbase, i0, s, block, head_dim);
+            stage_rows::<F, F>(d_o, &mut dos, dobase, i0, s, block, head_dim);
+            stage_rows::<F, F>(o, &mut os, obase, i0, s, block, head_dim);
             // The first `block` units write query row i0 + unit's LSE and
             // D (whole planes: the others skip it together).
             let ir = min(i0 + unit, s - 1);
@@ -206,7 +207,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 &pt, p_ld, &dos, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
-            #[unroll(products == Products::TensorCores)]
+            #[unroll(unroll)]
             for c in 0..part {
                 dv[c] += work[row * out_ld + c0d + c];
             }
@@ -215,7 +216,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
                 &dst, p_ld, &qs, dim, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
-            #[unroll(products == Products::TensorCores)]
+            #[unroll(unroll)]
             for c in 0..part {
                 dk[c] += work[row * out_ld + c0d + c];
             }
@@ -226,7 +227,7 @@ pub fn flash_backward_kv_blocks<F: Float>(
     if live {
         let kb = bi * d_k.stride(0) + kvh * d_k.stride(1) + j * d_k.stride(2);
         let vb = bi * d_v.stride(0) + kvh * d_v.stride(1) + j * d_v.stride(2);
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             d_k[kb + (c0d + c) * d_k.stride(3)] = F::cast_from(dk[c]);
             d_v[vb + (c0d + c) * d_v.stride(3)] = F::cast_from(dv[c]);
@@ -260,6 +261,7 @@ pub fn flash_backward_q_blocks<F: Float>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -300,17 +302,17 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_rows::<F>(q, &mut qs, qbase, first, s, block, head_dim);
-    stage_rows::<F>(d_o, &mut dos, dobase, first, s, block, head_dim);
+    stage_rows::<F, F>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_rows::<F, F>(d_o, &mut dos, dobase, first, s, block, head_dim);
     // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
     // before the key blocks need it; and its LSE.
     let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_rows::<F>(o, &mut ks, obase, first, s, block, head_dim);
+    stage_rows::<F, F>(o, &mut ks, obase, first, s, block, head_dim);
     sync_cube();
     let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim);
     sync_cube();
     let mut dq = Array::<f32>::new(part);
-    #[unroll(products == Products::TensorCores)]
+    #[unroll(unroll)]
     for c in 0..part {
         dq[c] = f32::new(0.0);
     }
@@ -320,8 +322,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_rows::<F, F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F, F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(
@@ -373,7 +375,7 @@ pub fn flash_backward_q_blocks<F: Float>(
             &dss, p_ld, &ks, dim, false, &mut work, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             dq[c] += work[lr * out_ld + c0d + c];
         }
@@ -382,7 +384,7 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     if live {
         let qb = bi * d_q.stride(0) + hi * d_q.stride(1) + row * d_q.stride(2);
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             d_q[qb + (c0d + c) * d_q.stride(3)] = F::cast_from(dq[c]);
         }

@@ -4,16 +4,18 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, key_blocks, load_rows, pad_bias, row_dot, MASKED};
+use super::tile::{excluded, key_blocks, pad_bias, row_dot, stage_rows, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
 /// row `CUBE_POS_X · block + u` (rows past the end compute on the last row
 /// and write nothing, so every unit reaches every barrier). Per key block the
-/// cube stages K and V in shared memory as fp32; each unit scores its row
+/// cube stages K and V in shared memory as fp32 (coalesced: consecutive
+/// units take consecutive elements); each unit scores its row
 /// against the block (the `S = Q Kᵀ` block product), rescales its running
 /// output by `exp(m_old − m_new)` and adds `P V` (the second block product).
 /// Nothing `[s, t]`-sized exists: the scores of one row against one block
-/// live in registers.
+/// live in the unit's own (local) memory; its query and output rows in
+/// registers (`head_dim` must be the tensors' last extent).
 ///
 /// Shapes: `q [b, h, s, d]`, `k, v [b, h / group, t, d]` (any strides),
 /// `key_bias [b, t]` (fp32, added to every query's score of key `j`: 0 or
@@ -35,12 +37,12 @@ pub fn flash_forward<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -55,7 +57,8 @@ pub fn flash_forward<F: Float>(
     let mut qr = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);
     let qb = bi * q.stride(0) + hi * q.stride(1) + r * q.stride(2);
-    for c in 0..dim {
+    #[unroll(unroll)]
+    for c in 0..head_dim {
         qr[c] = f32::cast_from(q[qb + c * q.stride(3)]) * scale;
         acc[c] = f32::new(0.0);
     }
@@ -70,8 +73,8 @@ pub fn flash_forward<F: Float>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        load_rows::<F>(k, &mut ks, kbase, j0, t, dim);
-        load_rows::<F>(v, &mut vs, vbase, j0, t, dim);
+        stage_rows::<F, f32>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F, f32>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         // S = (scale · q) Kᵀ for this row and block, and its maximum. The
@@ -83,7 +86,7 @@ pub fn flash_forward<F: Float>(
             let j = j0 + jl;
             let mut x = f32::new(MASKED);
             if !excluded(j, r, t, causal) {
-                x = row_dot(&qr, &ks, jl * dim, dim);
+                x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);
                 }
@@ -94,7 +97,8 @@ pub fn flash_forward<F: Float>(
         // Online softmax: rescale what was summed under the old maximum.
         let alpha = (m - mb).exp();
         l *= alpha;
-        for c in 0..dim {
+        #[unroll(unroll)]
+        for c in 0..head_dim {
             acc[c] *= alpha;
         }
         // O += P V.
@@ -105,8 +109,9 @@ pub fn flash_forward<F: Float>(
                 f32::new(0.0),
             );
             l += p;
-            for c in 0..dim {
-                acc[c] += p * vs[jl * dim + c];
+            #[unroll(unroll)]
+            for c in 0..head_dim {
+                acc[c] += p * vs[jl * head_dim + c];
             }
         }
         m = mb;
@@ -116,7 +121,8 @@ pub fn flash_forward<F: Float>(
     if live {
         let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
         let inv = f32::new(1.0) / l;
-        for c in 0..dim {
+        #[unroll(unroll)]
+        for c in 0..head_dim {
             out[ob + c * out.stride(3)] = F::cast_from(acc[c] * inv);
         }
         lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] = m + l.ln();

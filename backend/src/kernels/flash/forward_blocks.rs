@@ -51,6 +51,7 @@ pub fn flash_forward_blocks<F: Float>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -93,10 +94,10 @@ pub fn flash_forward_blocks<F: Float>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_rows::<F, F>(q, &mut qs, qbase, first, s, block, head_dim);
 
     let mut acc = Array::<f32>::new(part);
-    #[unroll(products == Products::TensorCores)]
+    #[unroll(unroll)]
     for c in 0..part {
         acc[c] = f32::new(0.0);
     }
@@ -107,8 +108,8 @@ pub fn flash_forward_blocks<F: Float>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_rows::<F, F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F, F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(
@@ -150,7 +151,7 @@ pub fn flash_forward_blocks<F: Float>(
         }
         let alpha = (m - mb).exp();
         l *= alpha;
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             acc[c] *= alpha;
         }
@@ -168,7 +169,7 @@ pub fn flash_forward_blocks<F: Float>(
             &ps, p_ld, &vs, dim, false, &mut s32, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             acc[c] += s32[lr * out_ld + c0d + c];
         }
@@ -185,7 +186,7 @@ pub fn flash_forward_blocks<F: Float>(
     if live {
         let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
         let inv = f32::new(1.0) / total;
-        #[unroll(products == Products::TensorCores)]
+        #[unroll(unroll)]
         for c in 0..part {
             out[ob + (c0d + c) * out.stride(3)] = F::cast_from(acc[c] * inv);
         }

@@ -77,6 +77,7 @@ fn settings<R: CubeRuntime>(
         scale: scale as f32,
         dtype,
         kernels: FlashKernels::Rows,
+        unroll: launch::unrolls(&q.client),
     };
     if tensor_cores_asked() {
         let cmma = launch::has_tensor_cores(&q.client, dtype);
@@ -292,6 +293,7 @@ mod tests {
             kernels: FlashKernels::Blocks {
                 products: Products::TensorCores,
             },
+            unroll: true,
         }
     }
 

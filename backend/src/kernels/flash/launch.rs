@@ -53,6 +53,22 @@ pub struct FlashLaunch {
     pub dtype: StorageType,
     /// The kernels asked for; [`FlashLaunch::kernels`] says which run.
     pub kernels: FlashKernels,
+    /// Unroll the loops over each unit's own rows (its query, output or
+    /// gradient rows, fp32), so that they stay in registers instead of
+    /// local memory; [`unrolls`] says where that pays.
+    pub unroll: bool,
+}
+
+/// Whether the kernels unroll their loops over a unit's rows on `client`'s
+/// runtime: everywhere but wgpu. On CUDA that takes the rows out of local
+/// memory (ptxas, bf16, head dim 64: the `Rows` forward's stack frame from
+/// 640 bytes to 128, the block-product kernels' from 256–1024 to none) and
+/// NVRTC compiles each kernel in seconds. Lavapipe's shader compiler took
+/// 431 s instead of about 100 for the kernel tests with every loop unrolled,
+/// so the tests there run the loops as loops (the same code; the unrolled
+/// form runs there in one test, at a small head dim).
+pub fn unrolls<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    !R::name(client).starts_with("wgpu")
 }
 
 /// The largest head dimension the tensor-core kernels take: each unit keeps
@@ -203,7 +219,7 @@ macro_rules! launch_flash {
                 let (count, dim) = grid($rows_of, block, block, $slices);
                 $rows::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    cfg.causal, cfg.padding, cfg.dtype,
+                    cfg.causal, cfg.padding, cfg.unroll, cfg.dtype,
                 );
             }
             FlashKernels::Blocks { products } => {
@@ -212,7 +228,7 @@ macro_rules! launch_flash {
                 let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
                     $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    split, cfg.causal, cfg.padding, products, cfg.dtype,
+                    split, cfg.causal, cfg.padding, cfg.unroll, products, cfg.dtype,
                 );
             }
         }
@@ -314,6 +330,7 @@ mod tests {
             kernels: FlashKernels::Blocks {
                 products: Products::TensorCores,
             },
+            unroll: true,
         }
     }
 

@@ -117,19 +117,7 @@ fn on_tensor_cores(
     // backward's two rows of 128 did not, and spilled 580 bytes). ptxas may
     // still spill a register or two where it aims at fewer registers (f16
     // at head dim 32: 16 bytes).
-    let stack: usize = compiled
-        .ptxas
-        .lines()
-        .find_map(|l| {
-            let (n, _) = l.split_once(" bytes stack frame")?;
-            n.rsplit(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "{what}: no stack frame in ptxas's report\n{}",
-                compiled.ptxas
-            )
-        });
+    let stack = stack_bytes(compiled, what);
     assert!(
         stack <= 32,
         "{what} (head dim {head_dim}): {stack} bytes of local memory\n{}",
@@ -176,6 +164,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            true,
             Products::TensorCores,
             float(kind),
         );
@@ -215,6 +204,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            true,
             Products::TensorCores,
             float(kind),
         );
@@ -239,6 +229,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            true,
             Products::TensorCores,
             float(kind),
         );
@@ -247,15 +238,40 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
     }
 }
 
-/// The kernels that have run on an H100 (`docs/burn-h100.md`): a control
-/// for the harness, and a check that they keep compiling.
+/// ptxas's stack frame, in bytes: the unit's arrays that live in local
+/// memory, and its spilled registers.
+fn stack_bytes(compiled: &Compiled, what: &str) -> usize {
+    compiled
+        .ptxas
+        .lines()
+        .find_map(|l| {
+            let (n, _) = l.split_once(" bytes stack frame")?;
+            n.rsplit(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "{what}: no stack frame in ptxas's report\n{}",
+                compiled.ptxas
+            )
+        })
+}
+
+/// The `Rows` kernels, which have run on an H100 (`docs/burn-h100.md`),
+/// unrolled as CUDA runs them (`launch::unrolls`): each unit's rows are
+/// registers, not local memory. Before the loops were unrolled, ptxas gave
+/// them stack frames of all their rows (bf16, head dim 64: 640, 1024 and
+/// 768 bytes). Now the forward keeps only its row of scores there (32
+/// fp32, indexed by the key), the query-block backward spills a few
+/// registers, and the key-block backward, whose four rows of 64 (K, V, dK,
+/// dV) do not fit 255 registers, spills part of them.
 #[test]
-fn the_scalar_kernels_compile_for_an_h100() {
+fn the_rows_kernels_keep_their_rows_in_registers() {
     let Some(client) = client() else { return };
     let bf16 = float(FloatKind::BF16);
-    compiles(
+    let (head_dim, block) = (64, 32);
+    let forward = compiles(
         FlashForward::<WgpuRuntime>::new(
-            settings(32),
+            settings(block as u32),
             client.clone(),
             tensor(),
             tensor(),
@@ -265,17 +281,18 @@ fn the_scalar_kernels_compile_for_an_h100() {
             tensor(),
             (),
             (),
-            64,
-            32,
+            head_dim,
+            block,
+            true,
             true,
             true,
             bf16,
         ),
         "flash_forward",
     );
-    compiles(
+    let kv = compiles(
         FlashBackwardKv::<WgpuRuntime>::new(
-            settings(32),
+            settings(block as u32),
             client.clone(),
             tensor(),
             tensor(),
@@ -288,17 +305,18 @@ fn the_scalar_kernels_compile_for_an_h100() {
             tensor(),
             (),
             (),
-            64,
-            32,
+            head_dim,
+            block,
+            true,
             true,
             true,
             bf16,
         ),
         "flash_backward_kv",
     );
-    compiles(
+    let q = compiles(
         FlashBackwardQ::<WgpuRuntime>::new(
-            settings(32),
+            settings(block as u32),
             client,
             tensor(),
             tensor(),
@@ -310,12 +328,26 @@ fn the_scalar_kernels_compile_for_an_h100() {
             tensor(),
             (),
             (),
-            64,
-            32,
+            head_dim,
+            block,
+            true,
             true,
             true,
             bf16,
         ),
         "flash_backward_q",
     );
+    let row = head_dim * 4;
+    for (compiled, what, most) in [
+        (&forward, "flash_forward", block * 4),
+        (&q, "flash_backward_q", 64),
+        (&kv, "flash_backward_kv", 2 * row),
+    ] {
+        let stack = stack_bytes(compiled, what);
+        assert!(
+            stack <= most,
+            "{what}: {stack} bytes of local memory (at most {most})\n{}",
+            compiled.ptxas
+        );
+    }
 }

@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::device_tensor::{AttentionTensors, Elem, HostInputs};
-use super::launch::{FlashDims, FlashKernels, FlashLaunch};
+use super::launch::{unrolls, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -40,8 +40,14 @@ struct Got {
 }
 
 /// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`
-/// (`kernels` computing them).
-fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, kernels: FlashKernels) -> Got {
+/// (`kernels` computing them, their loops unrolled as the runtime has them
+/// or as `unroll` says).
+fn run<R: Runtime, E: Elem>(
+    client: &ComputeClient<R>,
+    p: &Problem,
+    kernels: FlashKernels,
+    unroll: Option<bool>,
+) -> Got {
     let dims = FlashDims {
         batch: p.b,
         heads: p.h,
@@ -58,6 +64,7 @@ fn run<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem, kernels: Fla
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
         kernels,
+        unroll: unroll.unwrap_or_else(|| unrolls(client)),
     };
     assert_eq!(cfg.kernels(), kernels, "the kernels under test run");
     let bias = p.key_bias();
@@ -91,9 +98,21 @@ fn check<R: Runtime>(
     what: &str,
     kernels: FlashKernels,
 ) {
+    check_unrolled(client, p, what, kernels, None);
+}
+
+/// [`check`], with the kernels' loops unrolled or not as `unroll` says
+/// (`None`: as the runtime has them).
+fn check_unrolled<R: Runtime>(
+    client: Option<ComputeClient<R>>,
+    p: Problem,
+    what: &str,
+    kernels: FlashKernels,
+    unroll: Option<bool>,
+) {
     let Some(client) = client else { return };
     let want = p.expected();
-    let got = run::<R, f32>(&client, &p, kernels);
+    let got = run::<R, f32>(&client, &p, kernels, unroll);
     let errs = [
         ("O", worst(&got.o, &want.o), 1e-4),
         ("LSE", worst(&got.lse, &want.lse), 1e-4),
@@ -144,7 +163,7 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     p.v = round::<E>(&p.v);
     p.d_o = round::<E>(&p.d_o);
     let want = p.expected();
-    let got = run::<R, E>(&client, &p, kernels);
+    let got = run::<R, E>(&client, &p, kernels, None);
     let errs = [
         ("O", worst(&got.o, &want.o), tol),
         ("LSE", worst(&got.lse, &want.lse), 1e-3),
@@ -344,6 +363,26 @@ mod wgpu {
 
     mod tiled {
         tiled_tests!();
+    }
+
+    /// The loops over each unit's rows unrolled, as CUDA runs them (the
+    /// tests above run them as loops on wgpu: `launch::unrolls`), at head
+    /// dim 16, where lavapipe compiles the unrolled kernels in seconds.
+    #[test]
+    fn unrolled() {
+        let p = || Problem::new(2, 4, 2, 37, 37, 16, true, &[0, 5], 11);
+        for kernels in [
+            FlashKernels::Rows,
+            FlashKernels::Blocks {
+                products: Products::Scalar,
+            },
+            FlashKernels::Blocks {
+                products: Products::TiledScalar,
+            },
+        ] {
+            let what = format!("{kernels:?} unrolled, d16");
+            check_unrolled(client(), p(), &what, kernels, Some(true));
+        }
     }
 
     /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`

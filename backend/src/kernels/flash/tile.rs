@@ -3,13 +3,15 @@
 //! attention skips, a row dot product.
 //!
 //! The `Rows` kernels run `block` units per cube, one per row of their
-//! block; the block-product kernels stage whole tiles with the whole cube.
+//! block; the block-product kernels `units_per_row` per row. Both stage
+//! tiles with the whole cube ([`stage_rows`]).
 //!
-//! Loops over the head dimension run to a run-time bound (`dim`, the
-//! tensors' last extent) although register arrays are sized at compile
-//! time: constant nested loops are unrolled by the shader compilers, which
-//! took lavapipe minutes per kernel. Whether CUDA wants them unrolled is a
-//! tuning question for the H100 session (`docs/flash-attention.md`).
+//! A unit's own rows (its query, output or gradient row, in fp32) are
+//! arrays of the compile-time head dim, and every loop over them runs to
+//! it, unrolled where the kernel's `unroll` says (CUDA: `launch::unrolls`),
+//! so that no element is addressed by a run-time index, which puts the
+//! whole array in local memory. Loops over the rows of a block stay
+//! run-time loops.
 
 use cubecl::prelude::*;
 
@@ -18,28 +20,10 @@ use cubecl::prelude::*;
 /// WGSL has no infinity literal.
 pub const MASKED: f32 = -1.0e30;
 
-/// Copies rows `r0 .. r0 + block` of one `(batch, head)` slice of `src`
-/// (starting at element `base`) into `dst` as fp32, row-major `[block, d]`.
-/// Rows past `n` repeat row `n − 1`; the callers mask them.
-#[cube]
-pub fn load_rows<F: Float>(
-    src: &Tensor<F>,
-    dst: &mut SharedMemory<f32>,
-    base: usize,
-    r0: usize,
-    n: usize,
-    dim: usize,
-) {
-    let u = UNIT_POS_X as usize;
-    let r = min(r0 + u, n - 1);
-    let b = base + r * src.stride(2);
-    for c in 0..dim {
-        dst[u * dim + c] = f32::cast_from(src[b + c * src.stride(3)]);
-    }
-}
-
 /// Copies rows `r0 .. r0 + rows` of one `(batch, head)` slice of `src`
-/// (from element `base`) into `dst` as they are, row-major `[rows, dim]`.
+/// (from element `base`) into `dst`, row-major `[rows, dim]`, cast to `G`
+/// (the `Rows` kernels stage fp32, the block-product kernels the input
+/// type as it is).
 /// The whole cube copies, consecutive units taking consecutive elements, so
 /// a plane's reads of a contiguous row are coalesced; a unit may not read
 /// what it staged before the next `sync_cube`. Rows past `n` repeat row
@@ -47,9 +31,9 @@ pub fn load_rows<F: Float>(
 /// last extent) are compile-time values, so an element's row and column are
 /// a shift and a mask, not a division, for sizes in powers of two.
 #[cube]
-pub fn stage_rows<F: Float>(
+pub fn stage_rows<F: Float, G: Float>(
     src: &Tensor<F>,
-    dst: &mut SharedMemory<F>,
+    dst: &mut SharedMemory<G>,
     base: usize,
     r0: usize,
     n: usize,
@@ -60,7 +44,7 @@ pub fn stage_rows<F: Float>(
     let mut e = UNIT_POS as usize;
     while e < rows * dim {
         let r = min(r0 + e / dim, n - 1);
-        dst[e] = src[base + r * src.stride(2) + (e % dim) * src.stride(3)];
+        dst[e] = G::cast_from(src[base + r * src.stride(2) + (e % dim) * src.stride(3)]);
         e += units;
     }
 }
@@ -147,10 +131,17 @@ pub fn pad_bias(bias: &Tensor<f32>, bi: usize, j: usize) -> f32 {
 }
 
 /// `Σ_c a[c] · rows[offset + c]`: one row of a register tile against one
-/// row of a shared-memory tile.
+/// row of a shared-memory tile (`unroll`: `a` stays in registers).
 #[cube]
-pub fn row_dot(a: &Array<f32>, rows: &SharedMemory<f32>, offset: usize, dim: usize) -> f32 {
+pub fn row_dot(
+    a: &Array<f32>,
+    rows: &SharedMemory<f32>,
+    offset: usize,
+    #[comptime] dim: usize,
+    #[comptime] unroll: bool,
+) -> f32 {
     let mut sum = f32::new(0.0);
+    #[unroll(unroll)]
     for c in 0..dim {
         sum += a[c] * rows[offset + c];
     }
