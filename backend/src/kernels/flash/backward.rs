@@ -16,7 +16,9 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, first_query_block, key_blocks, pad_bias, row_dot, stage_rows, MASKED};
+use super::tile::{
+    excluded, first_query_block, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows, MASKED,
+};
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
 /// key row `CUBE_POS_X · block + u`. Per query block (of each of the `group`
@@ -59,6 +61,8 @@ pub fn flash_backward_kv<F: Float>(
     let live = j < t;
     let jr = min(j, t - 1);
 
+    // K, V, dK and dV rows: unrolled up to head dim 64.
+    let unroll = comptime![unroll_rows(unroll, 4, head_dim)];
     let mut kr = Array::<f32>::new(head_dim);
     let mut vr = Array::<f32>::new(head_dim);
     let mut dk = Array::<f32>::new(head_dim);
@@ -176,6 +180,8 @@ pub fn flash_backward_q<F: Float>(
     let live = row < s;
     let r = min(row, s - 1);
 
+    // Q, dO and dQ rows: unrolled up to head dim 85.
+    let unroll = comptime![unroll_rows(unroll, 3, head_dim)];
     let mut qr = Array::<f32>::new(head_dim);
     let mut dor = Array::<f32>::new(head_dim);
     let mut dq = Array::<f32>::new(head_dim);

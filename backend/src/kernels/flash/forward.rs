@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, key_blocks, pad_bias, row_dot, stage_rows, MASKED};
+use super::tile::{excluded, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
 /// row `CUBE_POS_X · block + u` (rows past the end compute on the last row
@@ -54,6 +54,7 @@ pub fn flash_forward<F: Float>(
     let r = min(row, s - 1);
 
     // The query row, scaled once, and the running output, in fp32.
+    let unroll = comptime![unroll_rows(unroll, 2, head_dim)];
     let mut qr = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);
     let qb = bi * q.stride(0) + hi * q.stride(1) + r * q.stride(2);

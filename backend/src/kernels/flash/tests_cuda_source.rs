@@ -256,98 +256,121 @@ fn stack_bytes(compiled: &Compiled, what: &str) -> usize {
         })
 }
 
-/// The `Rows` kernels, which have run on an H100 (`docs/burn-h100.md`),
-/// unrolled as CUDA runs them (`launch::unrolls`): each unit's rows are
-/// registers, not local memory. Before the loops were unrolled, ptxas gave
-/// them stack frames of all their rows (bf16, head dim 64: 640, 1024 and
-/// 768 bytes). Now the forward keeps only its row of scores there (32
-/// fp32, indexed by the key), the query-block backward spills a few
-/// registers, and the key-block backward, whose four rows of 64 (K, V, dK,
-/// dV) do not fit 255 registers, spills part of them.
-#[test]
-fn the_rows_kernels_keep_their_rows_in_registers() {
-    let Some(client) = client() else { return };
+/// The three `Rows` kernels (bf16, `head_dim`, blocks as the launch has
+/// them), with their loops over each unit's rows unrolled or not.
+fn rows_kernels(
+    client: &ComputeClient<WgpuRuntime>,
+    head_dim: usize,
+    unroll: bool,
+) -> Vec<(&'static str, usize, Compiled)> {
     let bf16 = float(FloatKind::BF16);
-    let (head_dim, block) = (64, 32);
-    let forward = compiles(
-        FlashForward::<WgpuRuntime>::new(
-            settings(block as u32),
-            client.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            (),
-            (),
-            head_dim,
-            block,
-            true,
-            true,
-            true,
-            bf16,
-        ),
-        "flash_forward",
+    let block = (2048 / head_dim).clamp(1, 32);
+    let what = |name: &str| format!("{name} d{head_dim} unroll {unroll}");
+    let forward = FlashForward::<WgpuRuntime>::new(
+        settings(block as u32),
+        client.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        head_dim,
+        block,
+        true,
+        true,
+        unroll,
+        bf16,
     );
-    let kv = compiles(
-        FlashBackwardKv::<WgpuRuntime>::new(
-            settings(block as u32),
-            client.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            (),
-            (),
-            head_dim,
-            block,
-            true,
-            true,
-            true,
-            bf16,
-        ),
-        "flash_backward_kv",
+    let kv = FlashBackwardKv::<WgpuRuntime>::new(
+        settings(block as u32),
+        client.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        head_dim,
+        block,
+        true,
+        true,
+        unroll,
+        bf16,
     );
-    let q = compiles(
-        FlashBackwardQ::<WgpuRuntime>::new(
-            settings(block as u32),
-            client,
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            (),
-            (),
-            head_dim,
-            block,
-            true,
-            true,
-            true,
-            bf16,
-        ),
-        "flash_backward_q",
+    let q = FlashBackwardQ::<WgpuRuntime>::new(
+        settings(block as u32),
+        client.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        head_dim,
+        block,
+        true,
+        true,
+        unroll,
+        bf16,
     );
-    let row = head_dim * 4;
-    for (compiled, what, most) in [
-        (&forward, "flash_forward", block * 4),
-        (&q, "flash_backward_q", 64),
-        (&kv, "flash_backward_kv", 2 * row),
-    ] {
-        let stack = stack_bytes(compiled, what);
-        assert!(
-            stack <= most,
-            "{what}: {stack} bytes of local memory (at most {most})\n{}",
-            compiled.ptxas
-        );
+    vec![
+        (
+            "flash_forward",
+            2,
+            compiles(forward, &what("flash_forward")),
+        ),
+        (
+            "flash_backward_kv",
+            4,
+            compiles(kv, &what("flash_backward_kv")),
+        ),
+        (
+            "flash_backward_q",
+            3,
+            compiles(q, &what("flash_backward_q")),
+        ),
+    ]
+}
+
+/// The `Rows` kernels, which have run on an H100 (`docs/burn-h100.md`), as
+/// CUDA runs them (`launch::unrolls`): where a unit's rows fit its
+/// registers (`tile::unroll_rows`), at most half their bytes are left in
+/// local memory (the forward's row of scores, indexed by the key, and
+/// spilled registers: the key-block backward's four rows of 64 do not
+/// quite fit 255). With loops to a run-time bound, ptxas had put every row
+/// there (bf16, head dim 64: 640, 1024 and 768 bytes). Where the rows do
+/// not fit (head dim 128, both backward kernels), the loops stay loops:
+/// unrolled, they spilled more than the arrays take.
+#[test]
+fn the_rows_kernels_keep_their_rows_in_registers_where_they_fit() {
+    let Some(client) = client() else { return };
+    for head_dim in [64, 128] {
+        let loops = rows_kernels(&client, head_dim, false);
+        let unrolled = rows_kernels(&client, head_dim, true);
+        for ((name, rows, loops), (_, _, unrolled)) in loops.iter().zip(&unrolled) {
+            let (as_loops, after) = (stack_bytes(loops, name), stack_bytes(unrolled, name));
+            let arrays = rows * head_dim * 4;
+            if super::tile::unroll_rows(true, *rows, head_dim) {
+                assert!(
+                    2 * after <= arrays,
+                    "{name} d{head_dim}: {after} bytes of local memory unrolled, its rows take {arrays}\n{}",
+                    unrolled.ptxas
+                );
+            } else {
+                assert_eq!(after, as_loops, "{name} d{head_dim}: not unrolled");
+            }
+        }
     }
 }

@@ -130,6 +130,21 @@ pub fn pad_bias(bias: &Tensor<f32>, bi: usize, j: usize) -> f32 {
     bias[bi * bias.stride(0) + j * bias.stride(1)]
 }
 
+/// The most fp32 values a unit of a `Rows` kernel keeps in registers: its
+/// rows are unrolled into registers only up to this many values (`rows ·
+/// head_dim`). Past it they spill from a thread's 255 registers worse than
+/// the loops keep them in local memory (ptxas, bf16, head dim 128: the
+/// key-block backward's four rows gave a 2384-byte stack frame and 4.8 KB
+/// of spill stores unrolled, against 2048 bytes of arrays as loops).
+pub const MAX_REGISTER_VALUES: usize = 256;
+
+/// Whether a `Rows` kernel whose units keep `rows` fp32 rows of `head_dim`
+/// unrolls its loops over them: where asked (`unroll`) and where they fit
+/// ([`MAX_REGISTER_VALUES`]).
+pub fn unroll_rows(unroll: bool, rows: usize, head_dim: usize) -> bool {
+    unroll && rows * head_dim <= MAX_REGISTER_VALUES
+}
+
 /// `Σ_c a[c] · rows[offset + c]`: one row of a register tile against one
 /// row of a shared-memory tile (`unroll`: `a` stays in registers).
 #[cube]
