@@ -50,3 +50,5 @@ mod tests_blocked;
 mod tests_cuda_source;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
 mod tests_kernels;
+#[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
+mod tests_mma;
