@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, stage_rows, unmasked, MASKED,
+    excluded, first_query_block, key_blocks, pad_bias, stage_tile, unmasked, MASKED,
 };
 
 /// `Σ_c a[row · dim + c] · b[row · dim + c]` over two staged `[rows, dim]`
@@ -54,12 +54,12 @@ fn staged_row_dot<F: Float>(
 /// or bf16 and `head_dim` and `block` multiples of 16.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_kv_blocks<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    o: &Tensor<F>,
-    d_o: &Tensor<F>,
+pub fn flash_backward_kv_blocks<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    o: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     d_k: &mut Tensor<F>,
@@ -116,8 +116,8 @@ pub fn flash_backward_kv_blocks<F: Float>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F, F>(k, &mut ks, kbase, first, t, block, head_dim);
-    stage_rows::<F, F>(v, &mut vs, vbase, first, t, block, head_dim);
+    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim);
+    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim);
     let mut dk = Array::<f32>::new(part);
     let mut dv = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -140,9 +140,9 @@ pub fn flash_backward_kv_blocks<F: Float>(
         let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_rows::<F, F>(q, &mut qs, qbase, i0, s, block, head_dim);
-            stage_rows::<F, F>(d_o, &mut dos, dobase, i0, s, block, head_dim);
-            stage_rows::<F, F>(o, &mut os, obase, i0, s, block, head_dim);
+            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim);
+            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim);
+            stage_tile::<F, N>(o, &mut os, obase, i0, s, block, head_dim);
             // The first `block` units write query row i0 + unit's LSE and
             // D (whole planes: the others skip it together).
             let ir = min(i0 + unit, s - 1);
@@ -245,12 +245,12 @@ pub fn flash_backward_kv_blocks<F: Float>(
 /// Arguments as `flash_backward_q`'s and `units_per_row`, as above.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_q_blocks<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    o: &Tensor<F>,
-    d_o: &Tensor<F>,
+pub fn flash_backward_q_blocks<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    o: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     d_q: &mut Tensor<F>,
@@ -302,12 +302,12 @@ pub fn flash_backward_q_blocks<F: Float>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_rows::<F, F>(q, &mut qs, qbase, first, s, block, head_dim);
-    stage_rows::<F, F>(d_o, &mut dos, dobase, first, s, block, head_dim);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_tile::<F, N>(d_o, &mut dos, dobase, first, s, block, head_dim);
     // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
     // before the key blocks need it; and its LSE.
     let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_rows::<F, F>(o, &mut ks, obase, first, s, block, head_dim);
+    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim);
     sync_cube();
     let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim);
     sync_cube();
@@ -322,8 +322,8 @@ pub fn flash_backward_q_blocks<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F, F>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F, F>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(

@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, key_blocks, pad_bias, stage_rows, unmasked, MASKED};
+use super::tile::{excluded, key_blocks, pad_bias, stage_tile, unmasked, MASKED};
 
 /// One cube computes `block` query rows of one `(batch, head)` with
 /// `units_per_row` units per row (`FlashLaunch::units_per_row`): unit `u`
@@ -37,10 +37,10 @@ use super::tile::{excluded, key_blocks, pad_bias, stage_rows, unmasked, MASKED};
 /// `block` multiples of 16 (the host checks).
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_forward_blocks<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn flash_forward_blocks<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     key_bias: &Tensor<f32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
@@ -94,7 +94,7 @@ pub fn flash_forward_blocks<F: Float>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_rows::<F, F>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim);
 
     let mut acc = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -108,8 +108,8 @@ pub fn flash_forward_blocks<F: Float>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F, F>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F, F>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         block_product::<F>(

@@ -197,6 +197,43 @@ pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageTyp
         })
 }
 
+/// Elements a unit of the block-product kernels reads at once when it
+/// stages q, k, v, O and dO (`tile::stage_tile`): the widest of the
+/// runtime's preferred load widths for `dtype` (16 bytes on CUDA: 8 16-bit
+/// values; wgpu: 4) that divides the head dim and every stride but the
+/// last of every tensor in `staged`, whose last stride is 1 and whose
+/// offset is a multiple of it in bytes; 1 (one element at a time, any
+/// strides) otherwise.
+pub fn vector_width<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    head_dim: usize,
+    staged: &[&TensorArg<R>],
+) -> usize {
+    let bytes = dtype.size();
+    let fits = |width: usize| {
+        head_dim.is_multiple_of(width)
+            && staged.iter().all(|t| match t {
+                TensorArg::Handle { handle } => {
+                    let strides = &handle.strides;
+                    let last = strides.len().saturating_sub(1);
+                    strides.get(last) == Some(&1)
+                        && strides[..last].iter().all(|s| s.is_multiple_of(width))
+                        && handle
+                            .handle
+                            .offset_start
+                            .unwrap_or(0)
+                            .is_multiple_of((width * bytes) as u64)
+                }
+                TensorArg::Alias { .. } => false,
+            })
+    };
+    client
+        .io_optimized_vector_sizes(bytes)
+        .find(|&w| w > 1 && fits(w))
+        .unwrap_or(1)
+}
+
 /// Cubes of `units` units over `rows` rows in blocks of `block`, for each
 /// of `slices` slices.
 fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, CubeDim) {
@@ -209,9 +246,10 @@ fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, C
 /// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
 /// rows in `$slices` slices, with the tensors `$t` and the settings every
 /// flash kernel takes after them, in their order (a block-product kernel
-/// also takes its units per row after its block size).
+/// also takes the width `$width` it stages its inputs in, before them, and
+/// its units per row after its block size).
 macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, [$($t:expr),*]) => {{
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*]) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
         match cfg.kernels() {
             FlashKernels::Rows => {
@@ -227,7 +265,7 @@ macro_rules! launch_flash {
                 let split = FlashLaunch::units_per_row(block, d.head_dim);
                 let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
-                    $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
+                    $client, count, dim, $width, $($t,)* cfg.scale, d.group(), d.head_dim, block,
                     split, cfg.causal, cfg.padding, cfg.unroll, products, cfg.dtype,
                 );
             }
@@ -248,6 +286,7 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
+    let width = vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]);
     launch_flash!(
         client,
         cfg,
@@ -255,6 +294,7 @@ pub fn forward<R: Runtime>(
         flash_forward_blocks,
         d.q_len,
         d.batch * d.heads,
+        width,
         [q, k, v, key_bias, out, lse]
     );
 }
@@ -270,6 +310,14 @@ pub struct BackwardInputs<R: Runtime> {
     pub key_bias: TensorArg<R>,
 }
 
+impl<R: Runtime> BackwardInputs<R> {
+    /// [`vector_width`] over the tensors the backward stages.
+    fn vector_width(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) -> usize {
+        let staged = [&self.q, &self.k, &self.v, &self.o, &self.d_o];
+        vector_width(client, cfg.dtype, cfg.dims.head_dim, &staged)
+    }
+}
+
 /// Writes `d_k, d_v [b, kv_heads, t, d]`: one launch over key blocks.
 pub fn backward_kv<R: Runtime>(
     client: &ComputeClient<R>,
@@ -279,6 +327,7 @@ pub fn backward_kv<R: Runtime>(
     d_v: TensorArg<R>,
 ) {
     let d = &cfg.dims;
+    let width = x.vector_width(client, cfg);
     launch_flash!(
         client,
         cfg,
@@ -286,6 +335,7 @@ pub fn backward_kv<R: Runtime>(
         flash_backward_kv_blocks,
         d.kv_len,
         d.batch * d.kv_heads,
+        width,
         [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
     );
 }
@@ -298,6 +348,7 @@ pub fn backward_q<R: Runtime>(
     d_q: TensorArg<R>,
 ) {
     let d = &cfg.dims;
+    let width = x.vector_width(client, cfg);
     launch_flash!(
         client,
         cfg,
@@ -305,6 +356,7 @@ pub fn backward_q<R: Runtime>(
         flash_backward_q_blocks,
         d.q_len,
         d.batch * d.heads,
+        width,
         [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
     );
 }

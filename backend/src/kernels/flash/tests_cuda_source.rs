@@ -124,6 +124,11 @@ fn on_tensor_cores(
         compiled.ptxas
     );
     assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
+    // The inputs are staged 16 bytes at a time (`tile::stage_tile`).
+    assert!(
+        lowered.source.contains("_8* __restrict__ buffer_0"),
+        "{what}: q is not read as vectors of 8"
+    );
     // Fast math (the kernels' `fast_math`): the exponentials are CUDA's
     // intrinsic, not the range-reduced `exp`.
     assert!(lowered.source.contains("__expf("), "{what}: no __expf");
@@ -159,6 +164,8 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
+            // Staged 8 16-bit values (16 bytes) at a time, as launched.
+            8,
             head_dim,
             BLOCK,
             split,
@@ -199,6 +206,8 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
+            // Staged 8 16-bit values (16 bytes) at a time, as launched.
+            8,
             head_dim,
             BLOCK,
             split,
@@ -224,6 +233,8 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
+            // Staged 8 16-bit values (16 bytes) at a time, as launched.
+            8,
             head_dim,
             BLOCK,
             split,

@@ -257,6 +257,14 @@ macro_rules! kernel_tests {
                 "d24",
                 KERNELS,
             );
+            // No vector width divides 17: the block-product kernels stage
+            // one element at a time (`launch::vector_width`).
+            check(
+                client(),
+                Problem::new(1, 2, 1, 19, 19, 17, true, &[], 12),
+                "d17",
+                KERNELS,
+            );
         }
 
         #[test]
@@ -383,6 +391,26 @@ mod wgpu {
             let what = format!("{kernels:?} unrolled, d16");
             check_unrolled(client(), p(), &what, kernels, Some(true));
         }
+    }
+
+    /// The kernels above staged their inputs several elements at a time
+    /// where the head dim allows (wgpu loads up to 4), and one at a time
+    /// where it does not: both of `stage_tile`'s paths ran.
+    #[test]
+    fn inputs_are_staged_as_vectors_where_the_head_dim_allows() {
+        let Some(client) = client() else { return };
+        let f32_ty = f32::as_type_native_unchecked().storage_type();
+        let width = |d: usize| {
+            let t = super::super::device_tensor::DeviceTensor::<WgpuRuntime>::zeros(
+                &client,
+                &[1, 2, 3, d],
+            );
+            super::super::launch::vector_width(&client, f32_ty, d, &[&t.arg(), &t.arg()])
+        };
+        assert_eq!(width(64), 4);
+        assert_eq!(width(24), 4);
+        assert_eq!(width(18), 2);
+        assert_eq!(width(17), 1);
     }
 
     /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`

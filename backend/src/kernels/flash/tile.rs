@@ -49,6 +49,43 @@ pub fn stage_rows<F: Float, G: Float>(
     }
 }
 
+/// [`stage_rows`] for the block-product kernels, which stage the input type
+/// as it is: `src` is read `N` consecutive elements at a time (16 bytes on
+/// CUDA; the launch picks `N`: `launch::vector_width`), so a unit issues
+/// one load where it issued `N`. With `N > 1` the last dim must be
+/// contiguous and `base`, the row stride and `dim` multiples of `N` (the
+/// launch checks); shapes, strides and `base` are in elements, indices in
+/// vectors.
+#[cube]
+pub fn stage_tile<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut SharedMemory<F>,
+    base: usize,
+    r0: usize,
+    n: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+) {
+    let width = src.vector_size();
+    let per_row = comptime![dim / width];
+    let units = CUBE_DIM as usize;
+    let mut e = UNIT_POS as usize;
+    while e < rows * per_row {
+        let r = min(r0 + e / per_row, n - 1);
+        let col = e % per_row;
+        let mut at = (base + r * src.stride(2)) / width + col;
+        if comptime![width == 1] {
+            at = base + r * src.stride(2) + col * src.stride(3);
+        }
+        let v = src[at];
+        #[unroll]
+        for i in 0..width {
+            dst[e * width + i] = v[i];
+        }
+        e += units;
+    }
+}
+
 /// Key blocks (of `block` keys, `t` in all) that the query block starting
 /// at row `first` (of `s`) reads: all of them, or with `causal` those up to
 /// its last row's block, since later ones are all in its future.
