@@ -64,7 +64,7 @@ pub struct FlashLaunch {
 /// memory (ptxas, bf16, head dim 64: the `Rows` forward's stack frame from
 /// 640 bytes to 128, the block-product kernels' from 256–1024 to none) and
 /// NVRTC compiles each kernel in seconds. Lavapipe's shader compiler took
-/// 431 s instead of about 100 for the kernel tests with every loop unrolled,
+/// 431 s instead of 63 for the kernel tests with every loop unrolled,
 /// so the tests there run the loops as loops (the same code; the unrolled
 /// form runs there in one test, at a small head dim).
 pub fn unrolls<R: Runtime>(client: &ComputeClient<R>) -> bool {
