@@ -13,6 +13,7 @@ use cubecl::prelude::*;
 
 use super::device_tensor::{DeviceTensor, Elem};
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
+use super::reference::fill;
 
 /// Stages `a` (`[m, lda]`) and `b` (`[k, ldb]`, or `[n, ldb]` with
 /// `b_transposed`) in shared memory as the flash kernels do (aligned to 128
@@ -156,17 +157,11 @@ impl Case {
     }
 }
 
-/// Values in [-1, 1) from a seed, rounded to `E`.
+/// The reference's fill (values in [-1, 1)), rounded to `E`.
 fn values<E: Elem>(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-            E::from_f32(v).to_f32()
-        })
+    fill(n, seed)
+        .into_iter()
+        .map(|v| E::from_f32(v).to_f32())
         .collect()
 }
 
