@@ -197,13 +197,28 @@ pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageTyp
         })
 }
 
+/// The bytes of one shared-memory bank: what a unit may stage at once
+/// ([`vector_width`]).
+const BANK_BYTES: usize = 4;
+
 /// Elements a unit of the block-product kernels reads at once when it
-/// stages q, k, v, O and dO (`tile::stage_tile`): the widest of the
-/// runtime's preferred load widths for `dtype` (16 bytes on CUDA: 8 16-bit
-/// values; wgpu: 4) that divides the head dim and every stride but the
-/// last of every tensor in `staged`, whose last stride is 1 and whose
-/// offset is a multiple of it in bytes; 1 (one element at a time, any
-/// strides) otherwise.
+/// stages q, k, v, O and dO (`tile::stage_tile`): as many as fill one
+/// shared-memory bank (2 16-bit values, 1 fp32), where that divides the
+/// head dim and every stride but the last of every tensor in `staged`,
+/// whose last stride is 1 and whose byte offset is a multiple of it, and
+/// the runtime loads that width; 1 (one element at a time, any strides)
+/// otherwise.
+///
+/// Why no wider: `stage_tile` still stores to shared memory one element at
+/// a time (a vector store into the tiles the `cmma` loads read needs
+/// `Slice::with_vector_size`, which CubeCL 0.10 has only for unchecked
+/// launches and not on wgpu). With `w` elements of 2 bytes per unit, a
+/// warp's store of element `i` hits bank `(w · unit / 2 + i / 2) mod 32`:
+/// no conflict for `w = 2`, 2-way for 4, 4-way for 8. Loads of 16 bytes
+/// would cut the load instructions by 8 and quadruple the staging's
+/// shared-memory cycles, a quarter or more of a key block's shared-memory
+/// traffic in the forward; 4-byte loads halve the load instructions, a
+/// warp reading 128 bytes, and keep the stores as they were.
 pub fn vector_width<R: Runtime>(
     client: &ComputeClient<R>,
     dtype: StorageType,
@@ -230,7 +245,7 @@ pub fn vector_width<R: Runtime>(
     };
     client
         .io_optimized_vector_sizes(bytes)
-        .find(|&w| w > 1 && fits(w))
+        .find(|&w| w > 1 && w * bytes <= BANK_BYTES && fits(w))
         .unwrap_or(1)
 }
 

@@ -124,10 +124,11 @@ fn on_tensor_cores(
         compiled.ptxas
     );
     assert!(lowered.source.contains("wmma::mma_sync"), "{what}: no wmma");
-    // The inputs are staged 16 bytes at a time (`tile::stage_tile`).
+    // The inputs are staged two 16-bit values at a time (`tile::stage_tile`).
     assert!(
-        lowered.source.contains("_8* __restrict__ buffer_0"),
-        "{what}: q is not read as vectors of 8"
+        lowered.source.contains("_2* __restrict__ buffer_0"),
+        "{what}: q is not read as pairs\n{}",
+        &lowered.source[..lowered.source.len().min(3000)]
     );
     // Fast math (the kernels' `fast_math`): the exponentials are CUDA's
     // intrinsic, not the range-reduced `exp`.
@@ -164,8 +165,8 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
-            // Staged 8 16-bit values (16 bytes) at a time, as launched.
-            8,
+            // Staged 2 16-bit values (a bank) at a time, as launched.
+            2,
             head_dim,
             BLOCK,
             split,
@@ -206,8 +207,8 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
-            // Staged 8 16-bit values (16 bytes) at a time, as launched.
-            8,
+            // Staged 2 16-bit values (a bank) at a time, as launched.
+            2,
             head_dim,
             BLOCK,
             split,
@@ -233,8 +234,8 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             (),
             (),
-            // Staged 8 16-bit values (16 bytes) at a time, as launched.
-            8,
+            // Staged 2 16-bit values (a bank) at a time, as launched.
+            2,
             head_dim,
             BLOCK,
             split,

@@ -393,24 +393,29 @@ mod wgpu {
         }
     }
 
-    /// The kernels above staged their inputs several elements at a time
-    /// where the head dim allows (wgpu loads up to 4), and one at a time
-    /// where it does not: both of `stage_tile`'s paths ran.
+    /// The kernels above staged their inputs two elements at a time where
+    /// they are 16-bit and the head dim allows (one shared-memory bank a
+    /// unit: `launch::vector_width`), and one at a time otherwise: both of
+    /// `stage_tile`'s paths ran.
     #[test]
-    fn inputs_are_staged_as_vectors_where_the_head_dim_allows() {
+    fn inputs_are_staged_a_bank_at_a_time_where_the_head_dim_allows() {
         let Some(client) = client() else { return };
-        let f32_ty = f32::as_type_native_unchecked().storage_type();
-        let width = |d: usize| {
+        let width = |d: usize, half: bool| {
             let t = super::super::device_tensor::DeviceTensor::<WgpuRuntime>::zeros(
                 &client,
                 &[1, 2, 3, d],
             );
-            super::super::launch::vector_width(&client, f32_ty, d, &[&t.arg(), &t.arg()])
+            let ty = if half {
+                burn::tensor::f16::as_type_native_unchecked()
+            } else {
+                f32::as_type_native_unchecked()
+            };
+            super::super::launch::vector_width(&client, ty.storage_type(), d, &[&t.arg(), &t.arg()])
         };
-        assert_eq!(width(64), 4);
-        assert_eq!(width(24), 4);
-        assert_eq!(width(18), 2);
-        assert_eq!(width(17), 1);
+        assert_eq!(width(64, true), 2);
+        assert_eq!(width(24, true), 2);
+        assert_eq!(width(17, true), 1);
+        assert_eq!(width(64, false), 1);
     }
 
     /// Burn's `Wgpu` backend (fusion on, as CUDA's): `ops::flash_attention`

@@ -50,9 +50,10 @@ pub fn stage_rows<F: Float, G: Float>(
 }
 
 /// [`stage_rows`] for the block-product kernels, which stage the input type
-/// as it is: `src` is read `N` consecutive elements at a time (16 bytes on
-/// CUDA; the launch picks `N`: `launch::vector_width`), so a unit issues
-/// one load where it issued `N`. With `N > 1` the last dim must be
+/// as it is: `src` is read `N` consecutive elements at a time (two 16-bit
+/// values; the launch picks `N` and says why no more:
+/// `launch::vector_width`), so a unit issues one load where it issued `N`,
+/// and stores them one by one. With `N > 1` the last dim must be
 /// contiguous and `base`, the row stride and `dim` multiples of `N` (the
 /// launch checks); shapes, strides and `base` are in elements, indices in
 /// vectors.
