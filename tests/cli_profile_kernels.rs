@@ -2,22 +2,20 @@
 //! its refusals can be checked here; on a GPU machine with a CUDA build the last
 //! test checks the report itself.
 
-use std::process::Command;
+mod common;
+use common::{assert_no_panic, rcoa, text};
 
+/// `rcoa run ARGS…`.
 fn run(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_rcoa"))
-        .arg("run")
-        .args(args)
-        .output()
-        .unwrap()
+    rcoa(&[&["run"], args].concat())
 }
 
-const PLAN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/plans/tiny-cpu.plan");
+const PLAN: &str = "plans/tiny-cpu.plan";
 
 #[test]
 fn on_the_cpu_it_is_refused() {
     let out = run(&[PLAN, "--steps", "1", "--profile-kernels"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--profile-kernels"), "{stderr}");
     assert!(stderr.contains("--device cuda"), "{stderr}");
@@ -35,7 +33,7 @@ fn more_than_one_rank_in_the_process_is_refused() {
         "2",
         "--profile-kernels",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--devices 1"), "{stderr}");
 }
@@ -52,7 +50,7 @@ fn on_cuda_it_reports_the_steps_kernels_or_a_clean_error() {
         "--format",
         "json",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     if !out.status.success() {
         // No CUDA build, or no GPU.
         assert_eq!(out.status.code(), Some(2), "{stderr}");
@@ -60,10 +58,10 @@ fn on_cuda_it_reports_the_steps_kernels_or_a_clean_error() {
             stderr.contains("CUDA") || stderr.contains("cuda"),
             "{stderr}"
         );
-        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_no_panic(&out);
         return;
     }
-    let profile = String::from_utf8_lossy(&out.stdout)
+    let profile = text(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find(|v| v["event"] == "kernel_profile")
