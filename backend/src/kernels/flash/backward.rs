@@ -95,8 +95,8 @@ pub fn flash_backward_kv<F: Float>(
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_rows::<F, f32>(q, &mut qs, qbase, i0, s, block, head_dim);
-            stage_rows::<F, f32>(d_o, &mut dos, dobase, i0, s, block, head_dim);
+            stage_rows::<F>(q, &mut qs, qbase, i0, s, block, head_dim);
+            stage_rows::<F>(d_o, &mut dos, dobase, i0, s, block, head_dim);
             // Staged by other units: D below reads this unit's row of dO.
             sync_cube();
             // This unit's query row's LSE and D = rowsum(dO ∘ O).
@@ -204,8 +204,8 @@ pub fn flash_backward_q<F: Float>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F, f32>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F, f32>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
         for jl in 0..min(block, t - j0) {
             let j = j0 + jl;

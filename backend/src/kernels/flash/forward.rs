@@ -74,8 +74,8 @@ pub fn flash_forward<F: Float>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_rows::<F, f32>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_rows::<F, f32>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
+        stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
 
         // S = (scale · q) Kᵀ for this row and block, and its maximum. The

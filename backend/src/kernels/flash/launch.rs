@@ -166,10 +166,16 @@ impl FlashDims {
         Ok(())
     }
 
-    /// Rows per block (= units per cube): 2048 / head_dim fp32 values, so a
-    /// staged `[block, head_dim]` tile is 8 KiB, capped at 32 rows.
+    /// Rows per block of the `Rows` kernels (= units per cube):
+    /// [`FlashDims::rows_block`] at this head dim.
     pub fn block(&self) -> usize {
-        (2048 / self.head_dim.max(1)).clamp(1, 32)
+        Self::rows_block(self.head_dim)
+    }
+
+    /// 2048 / head_dim fp32 values, so a staged `[block, head_dim]` tile is
+    /// 8 KiB, capped at 32 rows.
+    pub fn rows_block(head_dim: usize) -> usize {
+        (2048 / head_dim.max(1)).clamp(1, 32)
     }
 
     fn group(&self) -> u32 {
@@ -262,7 +268,8 @@ fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, C
 /// rows in `$slices` slices, with the tensors `$t` and the settings every
 /// flash kernel takes after them, in their order (a block-product kernel
 /// also takes the width `$width` it stages its inputs in, before them, and
-/// its units per row after its block size).
+/// its units per row after its block size). `$width` is evaluated only when
+/// a block-product kernel runs.
 macro_rules! launch_flash {
     ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*]) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
@@ -301,7 +308,6 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let width = vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]);
     launch_flash!(
         client,
         cfg,
@@ -309,7 +315,7 @@ pub fn forward<R: Runtime>(
         flash_forward_blocks,
         d.q_len,
         d.batch * d.heads,
-        width,
+        vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]),
         [q, k, v, key_bias, out, lse]
     );
 }
@@ -342,7 +348,6 @@ pub fn backward_kv<R: Runtime>(
     d_v: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let width = x.vector_width(client, cfg);
     launch_flash!(
         client,
         cfg,
@@ -350,7 +355,7 @@ pub fn backward_kv<R: Runtime>(
         flash_backward_kv_blocks,
         d.kv_len,
         d.batch * d.kv_heads,
-        width,
+        x.vector_width(client, cfg),
         [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
     );
 }
@@ -363,7 +368,6 @@ pub fn backward_q<R: Runtime>(
     d_q: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    let width = x.vector_width(client, cfg);
     launch_flash!(
         client,
         cfg,
@@ -371,7 +375,7 @@ pub fn backward_q<R: Runtime>(
         flash_backward_q_blocks,
         d.q_len,
         d.batch * d.heads,
-        width,
+        x.vector_width(client, cfg),
         [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
     );
 }

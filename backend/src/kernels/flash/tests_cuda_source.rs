@@ -20,7 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
-use super::launch::FlashLaunch;
+use super::launch::{FlashDims, FlashLaunch};
 use super::mma::{Products, PAD_F32, PAD_HALF};
 
 const SM: u32 = 90;
@@ -276,7 +276,7 @@ fn rows_kernels(
     unroll: bool,
 ) -> Vec<(&'static str, usize, Compiled)> {
     let bf16 = float(FloatKind::BF16);
-    let block = (2048 / head_dim).clamp(1, 32);
+    let block = FlashDims::rows_block(head_dim);
     let what = |name: &str| format!("{name} d{head_dim} unroll {unroll}");
     let forward = FlashForward::<WgpuRuntime>::new(
         settings(block as u32),

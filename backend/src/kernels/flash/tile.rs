@@ -4,7 +4,8 @@
 //!
 //! The `Rows` kernels run `block` units per cube, one per row of their
 //! block; the block-product kernels `units_per_row` per row. Both stage
-//! tiles with the whole cube ([`stage_rows`]).
+//! tiles with the whole cube: the `Rows` kernels in fp32 ([`stage_rows`]),
+//! the block-product kernels in the input type ([`stage_tile`]).
 //!
 //! A unit's own rows (its query, output or gradient row, in fp32) are
 //! arrays of the compile-time head dim, and every loop over them runs to
@@ -21,9 +22,7 @@ use cubecl::prelude::*;
 pub const MASKED: f32 = -1.0e30;
 
 /// Copies rows `r0 .. r0 + rows` of one `(batch, head)` slice of `src`
-/// (from element `base`) into `dst`, row-major `[rows, dim]`, cast to `G`
-/// (the `Rows` kernels stage fp32, the block-product kernels the input
-/// type as it is).
+/// (from element `base`) into `dst`, row-major `[rows, dim]`, as fp32.
 /// The whole cube copies, consecutive units taking consecutive elements, so
 /// a plane's reads of a contiguous row are coalesced; a unit may not read
 /// what it staged before the next `sync_cube`. Rows past `n` repeat row
@@ -31,9 +30,9 @@ pub const MASKED: f32 = -1.0e30;
 /// last extent) are compile-time values, so an element's row and column are
 /// a shift and a mask, not a division, for sizes in powers of two.
 #[cube]
-pub fn stage_rows<F: Float, G: Float>(
+pub fn stage_rows<F: Float>(
     src: &Tensor<F>,
-    dst: &mut SharedMemory<G>,
+    dst: &mut SharedMemory<f32>,
     base: usize,
     r0: usize,
     n: usize,
@@ -44,7 +43,7 @@ pub fn stage_rows<F: Float, G: Float>(
     let mut e = UNIT_POS as usize;
     while e < rows * dim {
         let r = min(r0 + e / dim, n - 1);
-        dst[e] = G::cast_from(src[base + r * src.stride(2) + (e % dim) * src.stride(3)]);
+        dst[e] = f32::cast_from(src[base + r * src.stride(2) + (e % dim) * src.stride(3)]);
         e += units;
     }
 }
@@ -74,10 +73,11 @@ pub fn stage_tile<F: Float, N: Size>(
     while e < rows * per_row {
         let r = min(r0 + e / per_row, n - 1);
         let col = e % per_row;
-        let mut at = (base + r * src.stride(2)) / width + col;
-        if comptime![width == 1] {
-            at = base + r * src.stride(2) + col * src.stride(3);
-        }
+        let at = if comptime![width == 1] {
+            base + r * src.stride(2) + col * src.stride(3)
+        } else {
+            (base + r * src.stride(2)) / width + col
+        };
         let v = src[at];
         #[unroll]
         for i in 0..width {
