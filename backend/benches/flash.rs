@@ -84,6 +84,7 @@ mod bench {
                 v: &random(kv_len, 3),
                 d_o: &random(q_len, 4),
                 key_bias: None,
+                dropout_seed: None,
             },
         );
         let dtype = E::as_type_native_unchecked().storage_type();
@@ -107,6 +108,7 @@ mod bench {
                 dtype,
                 kernels,
                 unroll: unrolls(&client),
+                dropout: None,
             };
             if cfg.kernels() != kernels {
                 println!("  {name:<28} skipped: these kernels do not take this shape or type");

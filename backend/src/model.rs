@@ -27,13 +27,14 @@
 //! (see `train.rs`). Parameter ids are assigned in construction order
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
+use crate::kernels::flash::dropout::FlashDropout;
 use crate::ops::{softmax_last, ExecBackend};
 use crate::quant::base::{Nf4Base, Nf4Slot};
 use crate::quant::nf4::DeviceScales;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
+use burn::tensor::{Bool, Distribution, FloatDType, Int, Shape, Tensor};
 use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Arch, Mlp, ModelSpec, Norm, Positions, Proj};
 
 /// Standard deviation of the random initialisation (GPT-2 / LLaMA use 0.02).
@@ -251,18 +252,28 @@ impl<B: Backend> Ctx<B> {
 }
 
 fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64, ctx: &Ctx<B>) -> Tensor<B, D> {
-    if !ctx.train || p <= 0.0 {
-        return x;
+    match dropped(x.shape(), p, ctx, &x.device()) {
+        // `mask_fill` saves its 1-byte mask for the backward; `x * keep` would
+        // save the keep factors in x's dtype (2 or 4 bytes an element), where the
+        // memory model charges the mask's byte as PyTorch keeps it.
+        Some(mask) => x.mask_fill(mask, 0.0).mul_scalar(1.0 / (1.0 - p)),
+        None => x,
     }
-    // The mask comes from the backend's RNG, which the trainer re-seeds before
-    // every layer (and before its recomputation), so a recomputed layer draws
-    // the same mask as its first forward.
-    // `mask_fill` saves its 1-byte mask for the backward; `x * keep` would
-    // save the keep factors in x's dtype (2 or 4 bytes an element), where the
-    // memory model charges the mask's byte as PyTorch keeps it.
-    let keep = Tensor::<B, D>::random(x.shape(), Distribution::Bernoulli(1.0 - p), &x.device());
-    x.mask_fill(keep.lower_elem(0.5), 0.0)
-        .mul_scalar(1.0 / (1.0 - p))
+}
+
+/// Where dropout with probability `p` drops (true), while training; `None`
+/// otherwise. The mask comes from the backend's RNG, which the trainer
+/// re-seeds before every layer (and before its recomputation), so a
+/// recomputed layer draws the same mask as its first forward.
+fn dropped<B: Backend, const D: usize>(
+    shape: burn::tensor::Shape,
+    p: f64,
+    ctx: &Ctx<B>,
+    device: &B::Device,
+) -> Option<Tensor<B, D, Bool>> {
+    (ctx.train && p > 0.0).then(|| {
+        Tensor::<B, D>::random(shape, Distribution::Bernoulli(1.0 - p), device).lower_elem(0.5)
+    })
 }
 
 // ---------------------------------------------------------------- linear
@@ -513,6 +524,9 @@ impl<B: ExecBackend> Attention<B> {
             let mask = crate::kernels::flash::blocked::FlashMask {
                 causal: ctx.causal,
                 key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
+                // A seed, not a mask: the kernels hash it with each score's place.
+                dropout: (ctx.train && ctx.dropout > 0.0)
+                    .then(|| FlashDropout::draw(ctx.dropout, &q.device())),
             };
             let out = crate::ops::flash_attention(q, k, v, &mask, 1.0 / (hd as f64).sqrt());
             return self
@@ -532,7 +546,11 @@ impl<B: ExecBackend> Attention<B> {
         }
         if ctx.selective {
             let biases: Vec<Tensor<B, 4>> = ctx.bias.iter().chain(&ctx.padding).cloned().collect();
-            let out = crate::ops::attention_core(q, k, v, &biases, 1.0 / (hd as f64).sqrt());
+            let t = k.dims()[2];
+            let drop = dropped(Shape::new([b, h, s, t]), ctx.dropout, ctx, &q.device())
+                .map(|mask| (mask, ctx.dropout));
+            let scale = 1.0 / (hd as f64).sqrt();
+            let out = crate::ops::attention_core(q, k, v, &biases, drop, scale);
             return self
                 .o
                 .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
@@ -551,7 +569,7 @@ impl<B: ExecBackend> Attention<B> {
         if let Some(pad) = &ctx.padding {
             scores = scores + pad.clone();
         }
-        let probs = softmax_last(scores);
+        let probs = dropout(softmax_last(scores), ctx.dropout, ctx);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);
         self.o.forward(out, ctx)
     }
@@ -1487,16 +1505,28 @@ mod qlora_tests {
         let x = Tensor::<Ad, 2>::ones([64, n / 64], &device).require_grad();
         let held = |f: &dyn Fn() -> Tensor<Ad, 2>| {
             let mut probe = AllocProbe::new().expect("the test binary counts allocations");
+            probe.begin_step();
             let y = f();
-            (y, probe.sample())
+            let live = probe.sample();
+            (y, live, probe.step_peak())
         };
         let _ = held(&|| dropout(x.clone(), 0.25, &ctx)); // first-use buffers
-        let (y, live) = held(&|| dropout(x.clone(), 0.25, &ctx));
+        let (y, live, peak) = held(&|| dropout(x.clone(), 0.25, &ctx));
         // The output (4 bytes an element) and the mask (1), plus small change.
         let out = 4 * n as u64;
         assert!(
             live >= out + n as u64 && live <= out + n as u64 + (64 << 10),
             "{live} bytes held for {n} elements"
+        );
+        // The fp32 draw (4 bytes an element) is freed once compared into the
+        // mask, before the output is made, so on the CPU it adds nothing to
+        // the peak. Under Burn's fusion on CUDA the comparison, `mask_fill`
+        // and the scaling are one kernel that reads the draw while it writes
+        // the output: the memory model charges the draw on top of the output
+        // there (`compiler/src/memory/build.rs`, `dropout_draw`).
+        assert!(
+            peak <= out + n as u64 + (64 << 10),
+            "peak {peak} for {n} elements"
         );
         let g = y.clone().sum().backward();
         let dx: Vec<f32> = x.grad(&g).unwrap().into_data().to_vec().unwrap();

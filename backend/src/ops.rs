@@ -19,8 +19,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{ActivationOps, FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::ops::{ActivationOps, BoolTensor, FloatTensor, IntTensor};
+use burn::tensor::{Bool, Tensor, TensorPrimitive};
 
 use crate::kernels::flash::{self, blocked::FlashMask};
 use crate::quant::nf4::Nf4Tensor;
@@ -39,18 +39,19 @@ pub trait ExecBackend: Backend {
         crate::quant::qlora::nf4_matmul_plain::<Self>(x, w)
     }
 
-    /// `softmax(q kᵀ · scale + Σ bias) · v` for `q [b, h, s, d]`,
+    /// `dropout(softmax(q kᵀ · scale + Σ bias)) · v` for `q [b, h, s, d]`,
     /// `k, v [b, h, t, d]` and biases broadcastable to `[b, h, s, t]`
-    /// ([`attention_core`]); under autodiff it saves q, k, v and the biases
-    /// and recomputes the scores in its backward.
+    /// ([`attention_core`]); under autodiff it saves q, k, v, the biases and
+    /// the dropout mask, and recomputes the scores in its backward.
     fn attention_core(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         bias: Vec<FloatTensor<Self>>,
+        dropout: Option<AttentionDropout<Self>>,
         scale: f64,
     ) -> FloatTensor<Self> {
-        attention_plain::<Self>(q, k, v, &bias, scale)
+        attention_plain::<Self>(q, k, v, &bias, dropout.as_ref(), scale)
     }
 
     /// Fused attention's forward ([`flash_attention`]): the output
@@ -215,9 +216,10 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         bias: Vec<FloatTensor<Self>>,
+        dropout: Option<AttentionDropout<Self>>,
         scale: f64,
     ) -> FloatTensor<Self> {
-        attention_autodiff::<B, C>(q, k, v, bias, scale)
+        attention_autodiff::<B, C>(q, k, v, bias, dropout, scale)
     }
 
     fn flash_attention_forward(
@@ -266,25 +268,49 @@ pub fn flash_attention<B: ExecBackend>(
 
 // ------------------------------------------------- selective recomputation
 
-/// The attention core, `softmax(q kᵀ · scale + Σ bias) · v`, as one autodiff
-/// node: Megatron's selective recomputation. It saves q, k, v and the biases
-/// (which the surrounding projections' backward holds anyway) and recomputes
+/// The attention core, `dropout(softmax(q kᵀ · scale + Σ bias)) · v`, as one
+/// autodiff node: Megatron's selective recomputation. It saves q, k, v, the
+/// biases (which the surrounding projections' backward holds anyway) and
+/// the dropout mask (1 byte a score; Megatron keeps the generator's state
+/// instead, which Burn's global generator cannot give back), and recomputes
 /// the `[b, h, s, t]` scores and probabilities in its backward, so a layer
-/// keeps no quadratic tensor between its forward and backward. The biases
-/// (causal and key-padding masks) get no gradient. Grouped-query callers
-/// repeat k and v to `h` heads first, as the model does today. No attention
-/// dropout: the executor has none (`Ctx` draws dropout elsewhere).
+/// keeps no quadratic tensor in the compute dtype between its forward and
+/// backward. The biases (causal and key-padding masks) get no gradient.
+/// Grouped-query callers repeat k and v to `h` heads first, as the model
+/// does today.
 pub fn attention_core<B: ExecBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     bias: &[Tensor<B, 4>],
+    dropout: Option<(Tensor<B, 4, Bool>, f64)>,
     scale: f64,
 ) -> Tensor<B, 4> {
     let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
     let bias = bias.iter().map(|b| prim(b.clone())).collect();
-    let y = B::attention_core(prim(q), prim(k), prim(v), bias, scale);
+    let dropout = dropout.map(|(dropped, p)| AttentionDropout {
+        dropped: dropped.into_primitive(),
+        p,
+    });
+    let y = B::attention_core(prim(q), prim(k), prim(v), bias, dropout, scale);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// Dropout of the attention core's probabilities: `dropped [b, h, s, t]`
+/// is true where a probability is dropped; the others are scaled by
+/// `1 / (1 − p)`.
+#[derive(Clone, Debug)]
+pub struct AttentionDropout<B: Backend> {
+    pub dropped: BoolTensor<B>,
+    pub p: f64,
+}
+
+impl<B: Backend> AttentionDropout<B> {
+    /// `x` with the dropped entries zeroed and the rest scaled.
+    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let dropped = Tensor::<B, 4, Bool>::from_primitive(self.dropped.clone());
+        x.mask_fill(dropped, 0.0).mul_scalar(1.0 / (1.0 - self.p))
+    }
 }
 
 fn float4<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 4> {
@@ -312,24 +338,28 @@ fn attention_plain<B: ExecBackend>(
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     bias: &[FloatTensor<B>],
+    dropout: Option<&AttentionDropout<B>>,
     scale: f64,
 ) -> FloatTensor<B> {
-    attention_probs::<B>(&q, &k, bias, scale)
-        .matmul(float4::<B>(v))
-        .into_primitive()
-        .tensor()
+    let p = attention_probs::<B>(&q, &k, bias, scale);
+    let p = match dropout {
+        Some(d) => d.apply(p),
+        None => p,
+    };
+    p.matmul(float4::<B>(v)).into_primitive().tensor()
 }
 
 #[derive(Debug)]
 struct AttentionCore;
 
 impl<B: ExecBackend> Backward<B, 3> for AttentionCore {
-    /// q, k, v, the biases and the scale.
+    /// q, k, v, the biases, the dropout and the scale.
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         Vec<FloatTensor<B>>,
+        Option<AttentionDropout<B>>,
         f64,
     );
 
@@ -341,17 +371,22 @@ impl<B: ExecBackend> Backward<B, 3> for AttentionCore {
     ) {
         let [node_q, node_k, node_v] = ops.parents;
         let dy = float4::<B>(grads.consume::<B>(&ops.node));
-        let (q, k, v, bias, scale) = ops.state;
+        let (q, k, v, bias, dropout, scale) = ops.state;
         let p = attention_probs::<B>(&q, &k, &bias, scale);
+        let drop = |x: Tensor<B, 4>| match &dropout {
+            Some(d) => d.apply(x),
+            None => x,
+        };
         if let Some(node) = node_v {
-            let dv = p.clone().swap_dims(2, 3).matmul(dy.clone());
+            let dv = drop(p.clone()).swap_dims(2, 3).matmul(dy.clone());
             grads.register::<B>(node.id, dv.into_primitive().tensor());
         }
         if node_q.is_none() && node_k.is_none() {
             return;
         }
-        // Softmax backward on the recomputed probabilities, then the scores'.
-        let dp = dy.matmul(float4::<B>(v).swap_dims(2, 3));
+        // Dropout's backward, then the softmax's on the recomputed
+        // probabilities, then the scores'.
+        let dp = drop(dy.matmul(float4::<B>(v).swap_dims(2, 3)));
         let ds = p.clone() * (dp.clone() - (p.clone() * dp).sum_dim(3));
         let ds = ds.mul_scalar(scale);
         if let Some(node) = node_q {
@@ -370,9 +405,15 @@ fn attention_autodiff<B: ExecBackend, C: CheckpointStrategy>(
     k: FloatTensor<Autodiff<B, C>>,
     v: FloatTensor<Autodiff<B, C>>,
     bias: Vec<FloatTensor<Autodiff<B, C>>>,
+    dropout: Option<AttentionDropout<Autodiff<B, C>>>,
     scale: f64,
 ) -> FloatTensor<Autodiff<B, C>> {
     let bias: Vec<FloatTensor<B>> = bias.into_iter().map(|b| b.primitive).collect();
+    // Autodiff's bool tensors are its inner backend's.
+    let dropout = dropout.map(|d| AttentionDropout::<B> {
+        dropped: d.dropped,
+        p: d.p,
+    });
     match AttentionCore
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
@@ -384,15 +425,18 @@ fn attention_autodiff<B: ExecBackend, C: CheckpointStrategy>(
                 k.primitive.clone(),
                 v.primitive.clone(),
                 bias.clone(),
+                dropout.clone(),
                 scale,
             );
-            prep.finish((q.primitive, k.primitive, v.primitive, bias, scale), y)
+            let state = (q.primitive, k.primitive, v.primitive, bias, dropout, scale);
+            prep.finish(state, y)
         }
         OpsKind::UnTracked(prep) => prep.finish(B::attention_core(
             q.primitive,
             k.primitive,
             v.primitive,
             bias,
+            dropout,
             scale,
         )),
     }
@@ -494,7 +538,7 @@ mod tests {
                 );
                 let (kr, vr) = (rep(k.clone()), rep(v.clone()));
                 let y = if selective {
-                    attention_core(q.clone(), kr, vr, &bias, scale)
+                    attention_core(q.clone(), kr, vr, &bias, None, scale)
                 } else {
                     let mut sc = q.clone().mul_scalar(scale).matmul(kr.swap_dims(2, 3));
                     for bb in &bias {
@@ -516,6 +560,71 @@ mod tests {
         }
     }
 
+    /// With dropout, the core equals `softmax`, `mask_fill`, scale, `· v`
+    /// composed, in value and in all three gradients: the backward applies
+    /// the saved mask to the recomputed probabilities and to their gradient.
+    #[test]
+    fn attention_core_with_dropout_matches_composition() {
+        let _serial = crate::tests::serial();
+        let device = Default::default();
+        let (b, h, s, t, d) = (2, 3, 5, 7, 4);
+        let normal = |shape: [usize; 4]| {
+            Tensor::<Cpu, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+        };
+        let (q0, k0, v0, up) = (
+            normal([b, h, s, d]),
+            normal([b, h, t, d]),
+            normal([b, h, t, d]),
+            normal([b, h, s, d]),
+        );
+        let dropped =
+            Tensor::<Cpu, 4>::random([b, h, s, t], Distribution::Default, &device).lower_elem(0.3);
+        let p = 0.3;
+        let run = |core: bool| {
+            let (q, k, v) = (
+                q0.clone().require_grad(),
+                k0.clone().require_grad(),
+                v0.clone().require_grad(),
+            );
+            let y = if core {
+                attention_core(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &[],
+                    Some((dropped.clone(), p)),
+                    0.5,
+                )
+            } else {
+                softmax_last(q.clone().mul_scalar(0.5).matmul(k.clone().swap_dims(2, 3)))
+                    .mask_fill(dropped.clone(), 0.0)
+                    .mul_scalar(1.0 / (1.0 - p))
+                    .matmul(v.clone())
+            };
+            let g = (y.clone() * up.clone()).sum().backward();
+            let grad = |t: &Tensor<Cpu, 4>| t.grad(&g).expect("a gradient").into_data();
+            (y.inner().into_data(), grad(&q), grad(&k), grad(&v))
+        };
+        let (core, reference) = (run(true), run(false));
+        let tol = Tolerance::<f32>::absolute(1e-5);
+        core.0.assert_approx_eq(&reference.0, tol);
+        core.1.assert_approx_eq(&reference.1, tol);
+        core.2.assert_approx_eq(&reference.2, tol);
+        core.3.assert_approx_eq(&reference.3, tol);
+        // The mask did something: without it the output differs.
+        let plain: Vec<f32> = attention_core(q0, k0, v0, &[], None, 0.5)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let dropped_out: Vec<f32> = core.0.to_vec().unwrap();
+        let diff = plain
+            .iter()
+            .zip(&dropped_out)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff > 1e-2, "dropout left the output as it was ({diff})");
+    }
+
     /// Only v tracked: q and k get nothing, v's gradient is still right.
     #[test]
     fn attention_core_with_frozen_q_k() {
@@ -526,7 +635,7 @@ mod tests {
         let k = Tensor::<Cpu, 4>::random([1, 2, 5, 4], Distribution::Default, &device);
         let v0 = Tensor::<Cpu, 4>::random([1, 2, 5, 4], Distribution::Default, &device);
         let v = v0.clone().require_grad();
-        let g = attention_core(q.clone(), k.clone(), v.clone(), &[], 0.5)
+        let g = attention_core(q.clone(), k.clone(), v.clone(), &[], None, 0.5)
             .sum()
             .backward();
         let v2 = v0.require_grad();

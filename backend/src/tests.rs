@@ -751,6 +751,47 @@ fn selective_recomputation_gives_the_same_gradients() {
     }
 }
 
+/// Attention dropout while training: the selective core draws its mask
+/// where eager attention draws its own (the same draw of the generator), so
+/// the two give the same loss and gradients only if both drop the
+/// probabilities, and drop them alike; and with every layer recomputed, the
+/// recomputation drops what the first forward dropped, in each of the
+/// three attention paths (flash by its seed).
+#[test]
+fn attention_dropout_is_drawn_alike_and_recomputed_alike() {
+    let _serial = serial();
+    let mut plan = tiny_plan();
+    plan.model.dropout = 0.3;
+    let step = |selective: bool| {
+        let mut p = plan.clone();
+        p.resolved.checkpoint = if selective { "selective" } else { "none" }.into();
+        p.resolved.checkpoint_layers.clear();
+        let t = trainer(&p);
+        let batch = t.batcher.batch(0, 0);
+        let mut acc = GradientsParams::new();
+        let loss = t
+            .micro_step(&batch, 0, 0, 1.0, &mut acc, &mut RssProbe::new())
+            .into_scalar()
+            .elem::<f64>();
+        (loss, t.flatten(&acc))
+    };
+    let (l0, g0) = step(false);
+    let (l1, g1) = step(true);
+    assert!((l0 - l1).abs() < 1e-6, "loss {l0} vs {l1}");
+    let worst = max_rel_diff(&g1, &g0);
+    assert!(
+        worst < 1e-4,
+        "selective gradients with dropout differ by {worst}"
+    );
+
+    let mut selective = plan.clone();
+    selective.resolved.checkpoint = "selective".into();
+    check_gradients(&selective);
+    let mut flash = plan.clone();
+    flash.train.attention = rcoa_compiler::spec::Attention::Flash;
+    check_gradients(&flash);
+}
+
 /// `attention = flash` (the fused op: no repeated k/v, LSE saved) gives the
 /// loss and gradients of eager attention: a grouped-query decoder and an
 /// encoder.

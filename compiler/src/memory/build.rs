@@ -654,8 +654,22 @@ impl<'a> Builder<'a> {
         let rg = self.rg(x);
         let mask = self.tensor("dropout_mask", &shape, Dtype::Int8, false);
         let out = self.tensor("dropout", &shape, self.dtype(x), rg);
-        self.op("dropout", &[x], &[out, mask], &[mask]);
+        let o = self.op("dropout", &[x], &[out, mask], &[mask]);
+        self.tape.ops[o].fwd_workspace = self.dropout_draw(&shape);
         out
+    }
+
+    /// The transient of drawing a dropout mask of `shape`: on Burn
+    /// (`backend/src/model.rs` `dropped`) a Bernoulli draw of fp32 values,
+    /// which the fused kernel writing the 1-byte mask and the output reads (on
+    /// the CPU, unfused, it is freed before the output is made); PyTorch's
+    /// `native_dropout` draws inside its kernel.
+    fn dropout_draw(&self, shape: &[u64]) -> u64 {
+        if self.profile.burn_ops {
+            self.bytes(shape.iter().product(), Dtype::Fp32)
+        } else {
+            0
+        }
     }
 
     /// A projection, with a LoRA adapter when the plan targets it (PEFT's `lora.Linear`).
@@ -907,7 +921,9 @@ impl<'a> Builder<'a> {
 
     /// The attention core recomputed in the backward (`checkpoint = selective`;
     /// `backend/src/ops.rs` `attention_core` on Burn): one node that saves q and the
-    /// (repeated) k and v, nothing quadratic. Its `[b, h, s, s]` scores and probabilities
+    /// (repeated) k and v, nothing quadratic in the compute dtype. With dropout, Burn's
+    /// node also saves the 1-byte mask it was given (Burn's global generator cannot
+    /// replay a draw, as Megatron's RNG tracker does). Its `[b, h, s, s]` scores and probabilities
     /// exist only inside the op: two of them in the forward (scores, then the softmax
     /// output), three in the backward (the recomputed probabilities, their gradient, the
     /// scores' gradient). The recompute costs the scores and `probs v` again
@@ -940,8 +956,16 @@ impl<'a> Builder<'a> {
         let scores = self.bytes(seqs * heads * s * s, act);
         let probs = self.bytes(seqs * heads * s * s, sm);
         let rg = self.rg(q) || self.rg(k) || self.rg(v);
+        let mut inputs = vec![q, k, v];
+        if self.profile.burn_ops && m.dropout > 0.0 {
+            let shape = [seqs, heads, s, s];
+            let mask = self.tensor("attn_dropout_mask", &shape, Dtype::Int8, false);
+            let o = self.op("attn_dropout_draw", &[], &[mask], &[]);
+            self.tape.ops[o].fwd_workspace = self.dropout_draw(&shape);
+            inputs.push(mask);
+        }
         let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
-        let o = self.op("attention_core", &[q, k, v], &[out], &[q, k, v]);
+        let o = self.op("attention_core", &inputs, &[out], &inputs);
         let info = &mut self.tape.ops[o];
         info.flops = score_flops;
         info.bwd_flops = 2.0 * score_flops + score_flops;

@@ -297,6 +297,36 @@ fn flash_on_burn_keeps_nothing_quadratic() {
     );
 }
 
+/// Attention dropout on Burn: the selective core saves its 1-byte mask per score in
+/// every layer (Burn cannot replay a draw), flash saves only a seed. Both also drop
+/// the residual branches, which costs them alike; the difference between the two
+/// costs is the masks.
+#[test]
+fn attention_dropout_on_burn_keeps_a_byte_a_score_under_selective_only() {
+    use crate::spec::Attention;
+    let peak = |attention: Attention, selective: bool, dropout: f64| {
+        let mut spec = SpecBuilder::new().target(Target::Burn).build();
+        spec.train.attention = attention;
+        spec.model.dropout = dropout;
+        let mut c = cand(&[]);
+        c.selective = selective;
+        evaluate(&spec, &c, &Profile::for_target(Target::Burn), false).peak_bytes as f64
+    };
+    let spec = SpecBuilder::new().target(Target::Burn).build();
+    let c = cand(&[]);
+    let scores =
+        (c.micro_batch * spec.model.heads * spec.train.seq_len * spec.train.seq_len) as f64;
+    let selective = peak(Attention::Eager, true, 0.1) - peak(Attention::Eager, true, 0.0);
+    let flash = peak(Attention::Flash, false, 0.1) - peak(Attention::Flash, false, 0.0);
+    let masks = spec.model.layers as f64 * scores;
+    let extra = selective - flash;
+    assert!(
+        (extra / masks - 1.0).abs() < 0.1,
+        "selective's dropout costs {selective} B, flash's {flash} B: {extra} B more, \
+         {masks} B of masks"
+    );
+}
+
 /// Beside an fp32 master the executor keeps frozen weights (LoRA's dense base, the
 /// embedding, norms and head) once, in the storage dtype: the setup point holds the
 /// 16-bit weights, the fp32 master of the trainable ones and one frozen tensor's fp32

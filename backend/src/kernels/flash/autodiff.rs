@@ -12,6 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use super::blocked::FlashMask;
+use super::dropout::FlashDropout;
 use crate::ops::ExecBackend;
 
 #[derive(Debug)]
@@ -62,6 +63,10 @@ pub fn forward<B: ExecBackend, C: CheckpointStrategy>(
     let mask = FlashMask {
         causal: mask.causal,
         key_bias: mask.key_bias.as_ref().map(|t| t.clone().inner()),
+        dropout: mask.dropout.as_ref().map(|d| FlashDropout {
+            p: d.p,
+            seed: d.seed.clone().inner(),
+        }),
     };
     let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
     match FlashAttention

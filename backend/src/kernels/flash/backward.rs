@@ -17,7 +17,8 @@
 use cubecl::prelude::*;
 
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows, MASKED,
+    dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, row_dot,
+    stage_rows, unroll_rows, MASKED,
 };
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
@@ -27,7 +28,9 @@ use super::tile::{
 /// `dK_j += scale · p_ij (dO_i · v_j − D_i) q_i` for the block's queries.
 ///
 /// `q, o, d_o [b, h, s, d]`, `k, v [b, h / group, t, d]`, `lse [b, h, s]`,
-/// `d_k, d_v [b, h / group, t, d]` (written), `key_bias` as in the forward.
+/// `d_k, d_v [b, h / group, t, d]` (written), `key_bias` and the dropout as
+/// in the forward: with dropout `Z`, `dV_j += p_ij z_ij dO_i` and `dP` is
+/// `(dO_i · v_j) z_ij`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_kv<F: Float>(
@@ -38,18 +41,23 @@ pub fn flash_backward_kv<F: Float>(
     d_o: &Tensor<F>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
+    let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
     let bkv = CUBE_POS_Y as usize;
@@ -120,11 +128,14 @@ pub fn flash_backward_kv<F: Float>(
                 if !skip {
                     let x = row_dot(&kr, &qs, il * head_dim, head_dim, unroll) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    let dp = row_dot(&vr, &dos, il * head_dim, head_dim, unroll);
+                    let dkey = dropout_row(dropout_seed, bi * heads + hi, i, dropout);
+                    let z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                    let dp = row_dot(&vr, &dos, il * head_dim, head_dim, unroll) * z;
                     let dsc = p * (dp - ds_row[il]) * scale;
+                    let pz = p * z;
                     #[unroll(unroll)]
                     for c in 0..head_dim {
-                        dv[c] += p * dos[il * head_dim + c];
+                        dv[c] += pz * dos[il * head_dim + c];
                         dk[c] += dsc * qs[il * head_dim + c];
                     }
                 }
@@ -157,13 +168,17 @@ pub fn flash_backward_q<F: Float>(
     d_o: &Tensor<F>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -197,6 +212,7 @@ pub fn flash_backward_q<F: Float>(
         dq[c] = f32::new(0.0);
     }
     let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
+    let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
     let mut ks = SharedMemory::<f32>::new(block * head_dim);
     let mut vs = SharedMemory::<f32>::new(block * head_dim);
@@ -215,7 +231,8 @@ pub fn flash_backward_q<F: Float>(
                     x += pad_bias(key_bias, bi, j);
                 }
                 let p = (x - lse_r).exp();
-                let dp = row_dot(&dor, &vs, jl * head_dim, head_dim, unroll);
+                let z = keep_factor(dkey, j, drop_threshold, drop_scale, dropout);
+                let dp = row_dot(&dor, &vs, jl * head_dim, head_dim, unroll) * z;
                 let dsc = p * (dp - dsum) * scale;
                 #[unroll(unroll)]
                 for c in 0..head_dim {

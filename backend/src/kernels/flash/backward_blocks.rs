@@ -9,13 +9,16 @@
 //!   turns its share of the score row into `P` and `dS = P ∘ (dP − D)`
 //!   (rounded to the input type before the next product, as
 //!   FlashAttention-2 does), and keeps its share of the gradient row in
-//!   fp32 registers.
+//!   fp32 registers;
+//! - with dropout `Z` (`tile::keep_factor`), `dV` takes `P ∘ Z` and `dS`
+//!   takes `dP ∘ Z`, as in `backward.rs`.
 
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, stage_tile, unmasked, MASKED,
+    dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, stage_tile,
+    unmasked, MASKED,
 };
 
 /// `Σ_c a[row · dim + c] · b[row · dim + c]` over two staged `[rows, dim]`
@@ -62,20 +65,25 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
+    let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
     let dim = q.shape(3);
@@ -180,8 +188,10 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 for ic in 0..cols {
                     let il = c0s + ic;
                     let p = (work[row * s_ld + il] * scale - ls[il]).exp();
-                    let ds = p * (work[(block + row) * s_ld + il] - drow[il]) * scale;
-                    pt[row * p_ld + il] = F::cast_from(p);
+                    let dkey = dropout_row(dropout_seed, bi * heads + hi, i0 + il, dropout);
+                    let z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                    let ds = p * (work[(block + row) * s_ld + il] * z - drow[il]) * scale;
+                    pt[row * p_ld + il] = F::cast_from(p * z);
                     dst[row * p_ld + il] = F::cast_from(ds);
                 }
             } else {
@@ -192,12 +202,15 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                     let skip = i >= s || excluded(jr, i, t, causal);
                     let mut p = f32::new(0.0);
                     let mut ds = f32::new(0.0);
+                    let mut z = f32::new(1.0);
                     if !skip {
                         let x = work[row * s_ld + il] * scale + bias;
                         p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                        ds = p * (work[(block + row) * s_ld + il] - drow[il]) * scale;
+                        let dkey = dropout_row(dropout_seed, bi * heads + hi, i, dropout);
+                        z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                        ds = p * (work[(block + row) * s_ld + il] * z - drow[il]) * scale;
                     }
-                    pt[row * p_ld + il] = F::cast_from(p);
+                    pt[row * p_ld + il] = F::cast_from(p * z);
                     dst[row * p_ld + il] = F::cast_from(ds);
                 }
             }
@@ -253,14 +266,18 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
@@ -317,6 +334,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         dq[c] = f32::new(0.0);
     }
     let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
+    let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
@@ -350,7 +368,8 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
             for jc in 0..cols {
                 let jl = c0s + jc;
                 let p = (work[lr * s_ld + jl] * scale - lse_r).exp();
-                let ds = p * (work[(block + lr) * s_ld + jl] - dsum) * scale;
+                let z = keep_factor(dkey, j0 + jl, drop_threshold, drop_scale, dropout);
+                let ds = p * (work[(block + lr) * s_ld + jl] * z - dsum) * scale;
                 dss[lr * p_ld + jl] = F::cast_from(ds);
             }
         } else {
@@ -364,7 +383,8 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
                         x += pad_bias(key_bias, bi, j);
                     }
                     let p = (x - lse_r).exp();
-                    ds = p * (work[(block + lr) * s_ld + jl] - dsum) * scale;
+                    let z = keep_factor(dkey, j, drop_threshold, drop_scale, dropout);
+                    ds = p * (work[(block + lr) * s_ld + jl] * z - dsum) * scale;
                 }
                 dss[lr * p_ld + jl] = F::cast_from(ds);
             }

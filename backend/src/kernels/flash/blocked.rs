@@ -10,7 +10,9 @@
 //! follows the kernels' semantics (`super`).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, FloatDType, Tensor};
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData};
+
+use super::dropout::{self, FlashDropout};
 
 /// Query rows per block. The transient is `4 · b · h · QUERY_BLOCK · t`
 /// values at most (scores, probabilities, their gradient and one product).
@@ -26,6 +28,63 @@ pub struct FlashMask<B: Backend> {
     /// `[b, t]` additive bias of each key (0, or -1e9 for a pad), fp32 or
     /// the compute dtype.
     pub key_bias: Option<Tensor<B, 2>>,
+    /// Dropout of the probabilities (training only), its mask a hash of the
+    /// seed and the score's place (`super::dropout`).
+    pub dropout: Option<FlashDropout<B>>,
+}
+
+/// The dropout of one call as the host hashes it: seed, threshold, scale.
+#[derive(Clone, Copy)]
+struct HostDropout {
+    seed: u32,
+    threshold: u32,
+    scale: f64,
+}
+
+impl HostDropout {
+    fn of<B: Backend>(mask: &FlashMask<B>) -> Option<Self> {
+        mask.dropout.as_ref().map(|d| HostDropout {
+            seed: d.seed_on_host(),
+            threshold: dropout::threshold(d.p),
+            scale: dropout::keep_scale(d.p),
+        })
+    }
+
+    /// The keep factors (0, or `1 / (1 − p)`) of query rows `i0 .. i0 + n`
+    /// over keys `0 .. tv`, in the blocked layout `[b, kvh, g · n, tv]` and
+    /// `of`'s dtype, built on the host from the hash the kernels use.
+    fn factors<B: Backend>(
+        &self,
+        sh: &Shape,
+        i0: usize,
+        n: usize,
+        tv: usize,
+        of: &Tensor<B, 4>,
+    ) -> Tensor<B, 4> {
+        let h = sh.kvh * sh.g;
+        let mut f = Vec::with_capacity(sh.b * h * n * tv);
+        for bi in 0..sh.b {
+            for head in 0..h {
+                for il in 0..n {
+                    let row = dropout::row_key(self.seed, bi * h + head, i0 + il);
+                    f.extend((0..tv).map(|j| {
+                        if dropout::keeps(row, j, self.threshold) {
+                            self.scale as f32
+                        } else {
+                            0.0
+                        }
+                    }));
+                }
+            }
+        }
+        // [b, h, n, tv] is [b, kvh, g, n, tv]: the query heads of a kv head
+        // are consecutive.
+        let t = Tensor::<B, 4>::from_data(
+            TensorData::new(f, [sh.b, sh.kvh, sh.g * n, tv]),
+            &of.device(),
+        );
+        like(t, of)
+    }
 }
 
 /// The additive score bias of the executor's masks (`model::MASK_VALUE`).
@@ -125,6 +184,7 @@ pub fn forward<B: Backend>(
     scale: f64,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let sh = shape(&q, &k);
+    let drop = HostDropout::of(mask);
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for i0 in (0..sh.s).step_by(QUERY_BLOCK) {
@@ -134,7 +194,12 @@ pub fn forward<B: Backend>(
         let m = sc.clone().max_dim(3);
         let e = (sc - m.clone()).exp();
         let l = e.clone().sum_dim(3);
-        let o = e.matmul(v.clone().narrow(2, 0, tv)) / l.clone();
+        // Dropout after the softmax: the sum (and the LSE) are undropped.
+        let kept = match &drop {
+            Some(d) => e * d.factors(&sh, i0, n, tv, &m),
+            None => e,
+        };
+        let o = kept.matmul(v.clone().narrow(2, 0, tv)) / l.clone();
         let lse = m + l.log();
         outs.push(o.reshape([sh.b, sh.kvh, sh.g, n, sh.d]));
         lses.push(lse.reshape([sh.b, sh.kvh, sh.g, n]));
@@ -161,7 +226,9 @@ pub fn backward<B: Backend>(
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
     let sh = shape(&q, &k);
     let h = sh.kvh * sh.g;
-    // The softmax backward's row term D = rowsum(dO ∘ O), [b, h, s, 1].
+    let drop = HostDropout::of(mask);
+    // The softmax backward's row term D = rowsum(dO ∘ O), [b, h, s, 1]: with
+    // dropout Z, O = (P ∘ Z) V and D = rowsum(P ∘ Z ∘ dO Vᵀ), the same sum.
     let big_d = (d_o.clone() * o).sum_dim(3);
     let lse = lse.reshape([sh.b, h, sh.s, 1]);
     let mut d_k = like(Tensor::<B, 4>::zeros(k.dims(), &k.device()), &k);
@@ -176,8 +243,17 @@ pub fn backward<B: Backend>(
         let sc = scores(qb.clone(), &k, &sh, mask, i0, n, tv, scale);
         let p = (sc - group_rows(&lse)).exp();
         let (kb, vb) = (k.clone().narrow(2, 0, tv), v.clone().narrow(2, 0, tv));
-        let dv = p.clone().swap_dims(2, 3).matmul(dob.clone());
-        let dp = dob.matmul(vb.swap_dims(2, 3));
+        let dp = dob.clone().matmul(vb.swap_dims(2, 3));
+        // With dropout, V's gradient takes the dropped probabilities, and
+        // the probabilities' gradient is dP ∘ Z.
+        let (dv, dp) = match &drop {
+            Some(d) => {
+                let z = d.factors(&sh, i0, n, tv, &p);
+                let dv = (p.clone() * z.clone()).swap_dims(2, 3).matmul(dob);
+                (dv, dp * z)
+            }
+            None => (p.clone().swap_dims(2, 3).matmul(dob), dp),
+        };
         let ds = (p * (dp - group_rows(&big_d))).mul_scalar(scale);
         d_qs.push(ds.clone().matmul(kb).reshape([sh.b, sh.kvh, sh.g, n, sh.d]));
         let dk = ds.swap_dims(2, 3).matmul(qb);

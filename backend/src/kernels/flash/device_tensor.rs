@@ -64,6 +64,15 @@ impl<R: Runtime> DeviceTensor<R> {
         }
     }
 
+    /// 32-bit words, as they are (`[n]`).
+    pub fn words(client: &ComputeClient<R>, words: &[u32]) -> Self {
+        DeviceTensor {
+            handle: client.create_from_slice(u32::as_bytes(words)),
+            shape: vec![words.len()],
+            runtime: std::marker::PhantomData,
+        }
+    }
+
     pub fn zeros(client: &ComputeClient<R>, shape: &[usize]) -> Self {
         Self::zeros_as::<f32>(client, shape)
     }
@@ -106,6 +115,8 @@ pub struct HostInputs<'a> {
     pub v: &'a [f32],
     pub d_o: &'a [f32],
     pub key_bias: Option<&'a [f32]>,
+    /// The dropout's two seed words (None: no dropout).
+    pub dropout_seed: Option<[u32; 2]>,
 }
 
 /// One attention call's tensors on the device, as the kernels take them:
@@ -119,6 +130,8 @@ pub struct AttentionTensors<R: Runtime> {
     pub v: DeviceTensor<R>,
     pub d_o: DeviceTensor<R>,
     pub key_bias: DeviceTensor<R>,
+    /// `[2]` u32 seed words, or a 1-element placeholder.
+    pub dropout_seed: DeviceTensor<R>,
     pub o: DeviceTensor<R>,
     pub lse: DeviceTensor<R>,
     pub d_q: DeviceTensor<R>,
@@ -143,6 +156,7 @@ impl<R: Runtime> AttentionTensors<R> {
                 Some(bias) => DeviceTensor::new(client, bias, &[dims.batch, dims.kv_len]),
                 None => DeviceTensor::zeros(client, &[1, 1]),
             },
+            dropout_seed: DeviceTensor::words(client, &host.dropout_seed.unwrap_or([0, 0])),
             o: DeviceTensor::zeros_as::<E>(client, &qs),
             lse: DeviceTensor::zeros(client, &[dims.batch, dims.heads, dims.q_len]),
             d_q: DeviceTensor::zeros_as::<E>(client, &qs),
@@ -160,6 +174,7 @@ impl<R: Runtime> AttentionTensors<R> {
             self.k.arg(),
             self.v.arg(),
             self.key_bias.arg(),
+            self.dropout_seed.arg(),
             self.o.arg(),
             self.lse.arg(),
         );
@@ -176,6 +191,7 @@ impl<R: Runtime> AttentionTensors<R> {
             d_o: self.d_o.arg(),
             lse: self.lse.arg(),
             key_bias: self.key_bias.arg(),
+            dropout_seed: self.dropout_seed.arg(),
         };
         launch::backward_kv(client, cfg, inputs(), self.d_k.arg(), self.d_v.arg());
         launch::backward_q(client, cfg, inputs(), self.d_q.arg());

@@ -4,7 +4,10 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{excluded, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows, MASKED};
+use super::tile::{
+    dropout_row, excluded, keep_factor, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows,
+    MASKED,
+};
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
 /// row `CUBE_POS_X · block + u` (rows past the end compute on the last row
@@ -21,7 +24,10 @@ use super::tile::{excluded, key_blocks, pad_bias, row_dot, stage_rows, unroll_ro
 /// `key_bias [b, t]` (fp32, added to every query's score of key `j`: 0 or
 /// the executor's `-1e9` for a pad; read only when `padding`),
 /// `out [b, h, s, d]` and `lse [b, h, s]` (fp32). `causal` keeps key `j`
-/// for query `i` when `j ≤ i` (the host checks `s == t`).
+/// for query `i` when `j ≤ i` (the host checks `s == t`). `dropout`
+/// multiplies each probability by `keep_factor` before `P V`: 0 or
+/// `drop_scale`, as the hash of `dropout_seed [2]` and its place falls
+/// against `drop_threshold` (`super::dropout`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward<F: Float>(
@@ -29,14 +35,18 @@ pub fn flash_forward<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -65,6 +75,7 @@ pub fn flash_forward<F: Float>(
     }
     let mut m = f32::new(MASKED);
     let mut l = f32::new(0.0);
+    let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
     let mut ks = SharedMemory::<f32>::new(block * head_dim);
     let mut vs = SharedMemory::<f32>::new(block * head_dim);
@@ -110,9 +121,11 @@ pub fn flash_forward<F: Float>(
                 f32::new(0.0),
             );
             l += p;
+            // Dropout after the softmax: l sums every probability.
+            let pv = p * keep_factor(dkey, j0 + jl, drop_threshold, drop_scale, dropout);
             #[unroll(unroll)]
             for c in 0..head_dim {
-                acc[c] += p * vs[jl * head_dim + c];
+                acc[c] += pv * vs[jl * head_dim + c];
             }
         }
         m = mb;

@@ -6,7 +6,9 @@
 use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
-use super::tile::{excluded, key_blocks, pad_bias, stage_tile, unmasked, MASKED};
+use super::tile::{
+    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, unmasked, MASKED,
+};
 
 /// One cube computes `block` query rows of one `(batch, head)` with
 /// `units_per_row` units per row (`FlashLaunch::units_per_row`): unit `u`
@@ -19,8 +21,9 @@ use super::tile::{excluded, key_blocks, pad_bias, stage_tile, unmasked, MASKED};
 /// 2. `S = Q Kᵀ` into an fp32 tile (`block_product`);
 /// 3. each unit scales and masks its share of its row of S; the row's
 ///    units agree on its new maximum, take the online softmax step and
-///    write their shares of its row of `P` in the input type
-///    (FlashAttention-2 rounds P the same way before its second product);
+///    write their shares of its row of `P` (dropped where `dropout` says,
+///    as `flash_forward` does) in the input type (FlashAttention-2 rounds P
+///    the same way before its second product);
 /// 4. `P V` into the same fp32 tile, which each unit adds to its share of
 ///    the output.
 ///
@@ -42,15 +45,19 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
     key_bias: &Tensor<f32>,
+    dropout_seed: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
     group: u32,
+    drop_threshold: u32,
+    drop_scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
@@ -105,6 +112,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     // unit's sum over its columns.
     let mut m = f32::new(MASKED);
     let mut l = f32::new(0.0);
+    let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
@@ -160,7 +168,9 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
             let x = s32[lr * s_ld + jl];
             let p = select(x > f32::new(MASKED), (x - mb).exp(), f32::new(0.0));
             l += p;
-            ps[lr * p_ld + jl] = F::cast_from(p);
+            // Dropout after the softmax: l sums every probability.
+            let z = keep_factor(dkey, j0 + jl, drop_threshold, drop_scale, dropout);
+            ps[lr * p_ld + jl] = F::cast_from(p * z);
         }
         m = mb;
         sync_cube();

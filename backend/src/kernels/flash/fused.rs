@@ -51,11 +51,10 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
 }
 
 /// The launch settings, or why the kernels cannot take these shapes.
-fn settings<R: CubeRuntime>(
+fn settings<R: CubeRuntime, BT: BoolElement>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,
-    causal: bool,
-    padding: bool,
+    mask: &FlashMask<Fused<R, BT>>,
     scale: f64,
 ) -> Result<FlashLaunch, String> {
     let [batch, heads, q_len, head_dim] = q.shape().dims::<4>();
@@ -68,16 +67,17 @@ fn settings<R: CubeRuntime>(
         kv_len,
         head_dim,
     };
-    dims.check(causal)?;
+    dims.check(mask.causal)?;
     let dtype: StorageType = q.dtype.into();
     let mut cfg = FlashLaunch {
         dims,
-        causal,
-        padding,
+        causal: mask.causal,
+        padding: mask.key_bias.is_some(),
         scale: scale as f32,
         dtype,
         kernels: FlashKernels::Rows,
         unroll: launch::unrolls(&q.client),
+        dropout: mask.dropout.as_ref().map(|d| d.p),
     };
     if tensor_cores_asked() {
         let cmma = launch::has_tensor_cores(&q.client, dtype);
@@ -143,6 +143,22 @@ fn key_bias<R: CubeRuntime, BT: BoolElement>(
     }
 }
 
+/// The dropout's two seed words as the kernels read them (32-bit integers:
+/// the backend's int type), or a 1-element placeholder.
+fn dropout_seed<R: CubeRuntime, BT: BoolElement>(
+    mask: &FlashMask<Fused<R, BT>>,
+    like: &CubeTensor<R>,
+) -> CubeTensor<R> {
+    match &mask.dropout {
+        Some(d) => {
+            let seed = d.seed.clone().into_primitive();
+            let client = seed.client.clone();
+            into_contiguous(client.resolve_tensor_int::<Inner<R, BT>>(seed))
+        }
+        None => empty(like, Shape::new([1]), DType::I32),
+    }
+}
+
 fn arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
     t.clone().into_tensor_arg()
 }
@@ -163,7 +179,7 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
         resolve::<R, BT>(k),
         resolve::<R, BT>(v),
     );
-    let cfg = match settings(&qc, &kc, mask.causal, mask.key_bias.is_some(), scale) {
+    let cfg = match settings(&qc, &kc, mask, scale) {
         Ok(cfg) => cfg,
         Err(why) => {
             fallback_note(&why);
@@ -179,6 +195,7 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
     };
     let d = cfg.dims;
     let bias = key_bias::<R, BT>(mask, &qc);
+    let seed = dropout_seed::<R, BT>(mask, &qc);
     let o = empty(
         &qc,
         Shape::new([d.batch, d.heads, d.q_len, d.head_dim]),
@@ -193,6 +210,7 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
         arg(&kc),
         arg(&vc),
         arg(&bias),
+        arg(&seed),
         arg(&o),
         arg(&lse),
     );
@@ -216,7 +234,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         resolve::<R, BT>(k),
         resolve::<R, BT>(v),
     );
-    let cfg = match settings(&qc, &kc, mask.causal, mask.key_bias.is_some(), scale) {
+    let cfg = match settings(&qc, &kc, mask, scale) {
         // The forward fell back for the same shapes: its LSE is the blocked
         // path's, so the backward follows it.
         Err(_) => {
@@ -243,6 +261,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         resolve::<R, BT>(d_o),
     );
     let bias = key_bias::<R, BT>(mask, &qc);
+    let seed = dropout_seed::<R, BT>(mask, &qc);
     let d_q = empty(&qc, qc.shape(), qc.dtype);
     let d_k = empty(&kc, kc.shape(), kc.dtype);
     let d_v = empty(&vc, vc.shape(), vc.dtype);
@@ -255,6 +274,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         d_o: arg(&doc),
         lse: arg(&lsec),
         key_bias: arg(&bias),
+        dropout_seed: arg(&seed),
     };
     launch::backward_kv(&client, &cfg, inputs(), arg(&d_k), arg(&d_v));
     launch::backward_q(&client, &cfg, inputs(), arg(&d_q));
@@ -294,6 +314,7 @@ mod tests {
                 products: Products::TensorCores,
             },
             unroll: true,
+            dropout: None,
         }
     }
 

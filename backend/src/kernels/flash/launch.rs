@@ -57,6 +57,9 @@ pub struct FlashLaunch {
     /// gradient rows, fp32), so that they stay in registers instead of
     /// local memory; [`unrolls`] says where that pays.
     pub unroll: bool,
+    /// Attention dropout's probability (its seed is a tensor the kernels
+    /// read: `super::dropout`), or `None`.
+    pub dropout: Option<f64>,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -78,6 +81,16 @@ pub fn unrolls<R: Runtime>(client: &ComputeClient<R>) -> bool {
 pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
 
 impl FlashLaunch {
+    /// The hash below which dropout drops (`super::dropout::threshold`).
+    fn drop_threshold(&self) -> u32 {
+        self.dropout.map_or(0, super::dropout::threshold)
+    }
+
+    /// What a kept probability is multiplied by.
+    fn drop_scale(&self) -> f32 {
+        self.dropout.map_or(1.0, super::dropout::keep_scale) as f32
+    }
+
     /// The kernels that run: tensor cores take 16-bit inputs and a head dim
     /// that is a multiple of their 16-wide tiles, up to
     /// [`MAX_TENSOR_CORE_HEAD_DIM`]; their tiling on scalar FMAs (a test of
@@ -278,8 +291,9 @@ macro_rules! launch_flash {
                 let block = d.block();
                 let (count, dim) = grid($rows_of, block, block, $slices);
                 $rows::launch::<R>(
-                    $client, count, dim, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    cfg.causal, cfg.padding, cfg.unroll, cfg.dtype,
+                    $client, count, dim, $($t,)* cfg.scale, d.group(), cfg.drop_threshold(),
+                    cfg.drop_scale(), d.head_dim, block, cfg.causal, cfg.padding,
+                    cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
                 );
             }
             FlashKernels::Blocks { products } => {
@@ -287,8 +301,9 @@ macro_rules! launch_flash {
                 let split = FlashLaunch::units_per_row(block, d.head_dim);
                 let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
-                    $client, count, dim, $width, $($t,)* cfg.scale, d.group(), d.head_dim, block,
-                    split, cfg.causal, cfg.padding, cfg.unroll, products, cfg.dtype,
+                    $client, count, dim, $width, $($t,)* cfg.scale, d.group(),
+                    cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
+                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.dtype,
                 );
             }
         }
@@ -296,6 +311,8 @@ macro_rules! launch_flash {
 }
 
 /// Writes `out [b, h, s, d]` (`dtype`) and `lse [b, h, s]` (fp32).
+/// `dropout_seed`: the two seed words (`[2]`, 32-bit integers) where
+/// `cfg.dropout` is set, a placeholder that is never read otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -304,6 +321,7 @@ pub fn forward<R: Runtime>(
     k: TensorArg<R>,
     v: TensorArg<R>,
     key_bias: TensorArg<R>,
+    dropout_seed: TensorArg<R>,
     out: TensorArg<R>,
     lse: TensorArg<R>,
 ) {
@@ -316,7 +334,7 @@ pub fn forward<R: Runtime>(
         d.q_len,
         d.batch * d.heads,
         vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]),
-        [q, k, v, key_bias, out, lse]
+        [q, k, v, key_bias, dropout_seed, out, lse]
     );
 }
 
@@ -329,6 +347,8 @@ pub struct BackwardInputs<R: Runtime> {
     pub d_o: TensorArg<R>,
     pub lse: TensorArg<R>,
     pub key_bias: TensorArg<R>,
+    /// As [`forward`]'s.
+    pub dropout_seed: TensorArg<R>,
 }
 
 impl<R: Runtime> BackwardInputs<R> {
@@ -356,7 +376,18 @@ pub fn backward_kv<R: Runtime>(
         d.kv_len,
         d.batch * d.kv_heads,
         x.vector_width(client, cfg),
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_k, d_v]
+        [
+            x.q,
+            x.k,
+            x.v,
+            x.o,
+            x.d_o,
+            x.lse,
+            x.key_bias,
+            x.dropout_seed,
+            d_k,
+            d_v
+        ]
     );
 }
 
@@ -376,7 +407,17 @@ pub fn backward_q<R: Runtime>(
         d.q_len,
         d.batch * d.heads,
         x.vector_width(client, cfg),
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, d_q]
+        [
+            x.q,
+            x.k,
+            x.v,
+            x.o,
+            x.d_o,
+            x.lse,
+            x.key_bias,
+            x.dropout_seed,
+            d_q
+        ]
     );
 }
 
@@ -402,6 +443,7 @@ mod tests {
                 products: Products::TensorCores,
             },
             unroll: true,
+            dropout: None,
         }
     }
 

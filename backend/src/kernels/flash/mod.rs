@@ -22,6 +22,7 @@
 
 pub mod autodiff;
 pub mod blocked;
+pub mod dropout;
 
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod backward;

@@ -2,6 +2,8 @@
 //! contiguous `[b, h, n, d]` buffers: the independent reference the kernels
 //! and the blocked path are tested against.
 
+use super::dropout;
+
 /// One test problem: shapes, masks and the inputs.
 pub struct Problem {
     pub b: usize,
@@ -19,6 +21,9 @@ pub struct Problem {
     pub v: Vec<f32>,
     /// The upstream gradient of the output.
     pub d_o: Vec<f32>,
+    /// Attention dropout: its probability and the two seed words the
+    /// kernels read (`super::dropout`).
+    pub dropout: Option<(f64, [u32; 2])>,
 }
 
 /// What the reference computes.
@@ -76,6 +81,29 @@ impl Problem {
             k: fill(b * kvh * t * d, seed + 1),
             v: fill(b * kvh * t * d, seed + 2),
             d_o: fill(b * h * s * d, seed + 3),
+            dropout: None,
+        }
+    }
+
+    /// The same problem with dropout `p` under the seed words `seed`.
+    pub fn with_dropout(mut self, p: f64, seed: [u32; 2]) -> Self {
+        self.dropout = Some((p, seed));
+        self
+    }
+
+    /// The keep factor of score `(i, j)` of head slice `bh`: 1 without
+    /// dropout; 0 or `1 / (1 − p)` with it.
+    fn keep(&self, bh: usize, i: usize, j: usize) -> f64 {
+        match self.dropout {
+            None => 1.0,
+            Some((p, [w0, w1])) => {
+                let row = dropout::row_key(dropout::seed32(w0, w1), bh, i);
+                if dropout::keeps(row, j, dropout::threshold(p)) {
+                    dropout::keep_scale(p)
+                } else {
+                    0.0
+                }
+            }
         }
     }
 
@@ -130,28 +158,32 @@ impl Problem {
                         .iter()
                         .map(|x| x.map_or(0.0, |x| (x - lse).exp()))
                         .collect();
+                    // Dropout after the softmax: the LSE is of P, O of P ∘ Z.
+                    let z: Vec<f64> = (0..t).map(|j| self.keep(bi * h + hi, i, j)).collect();
                     let mut o = vec![0.0f64; d];
                     for (j, pj) in p.iter().enumerate() {
                         for (c, oc) in o.iter_mut().enumerate() {
-                            *oc += pj * self.v[kv_at(j) + c] as f64;
+                            *oc += pj * z[j] * self.v[kv_at(j) + c] as f64;
                         }
                     }
                     let row = ((bi * h + hi) * s + i) * d;
                     for (c, oc) in o.iter().enumerate() {
                         e.o[row + c] = *oc as f32;
                     }
-                    // Softmax backward: dS = P ∘ (dO vᵀ − rowsum(dO ∘ O)).
+                    // Dropout backward, dP = (dO vᵀ) ∘ Z; softmax backward,
+                    // dS = P ∘ (dP − rowsum(dO ∘ O)).
                     let big_d: f64 = (0..d).map(|c| doa(i, c) * o[c]).sum();
                     let mut dq = vec![0.0f64; d];
                     for (j, pj) in p.iter().enumerate() {
                         let dp: f64 = (0..d)
                             .map(|c| doa(i, c) * self.v[kv_at(j) + c] as f64)
-                            .sum();
+                            .sum::<f64>()
+                            * z[j];
                         let ds = pj * (dp - big_d) * self.scale;
                         for c in 0..d {
                             dq[c] += ds * self.k[kv_at(j) + c] as f64;
                             dk[kv_at(j) + c] += ds * qa(i, c);
-                            dv[kv_at(j) + c] += pj * doa(i, c);
+                            dv[kv_at(j) + c] += pj * z[j] * doa(i, c);
                         }
                     }
                     for (c, g) in dq.iter().enumerate() {

@@ -7,6 +7,7 @@ use burn::backend::autodiff::Autodiff;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::blocked::{FlashMask, QUERY_BLOCK};
+use super::dropout::FlashDropout;
 use super::reference::{worst, Problem};
 use crate::ops::{flash_attention, ExecBackend};
 
@@ -28,6 +29,13 @@ fn mask<B: burn::tensor::backend::Backend>(p: &Problem) -> FlashMask<B> {
     FlashMask {
         causal: p.causal,
         key_bias: p.key_bias().map(|b| tensor::<B, 2>(&b, [p.b, p.t])),
+        dropout: p.dropout.map(|(prob, [w0, w1])| FlashDropout {
+            p: prob,
+            seed: Tensor::from_data(
+                TensorData::new(vec![w0 as i64, w1 as i64], [2]),
+                &Default::default(),
+            ),
+        }),
     }
 }
 
@@ -96,6 +104,46 @@ fn flash_blocked_matches_reference() {
         Problem::new(2, 2, 2, 13, 30, 8, false, &[0, 7], 15),
         "cross lengths",
     );
+}
+
+/// Dropout: the blocked path drops what the reference drops (the same
+/// hash), and differentiates through it, over blocks, grouped queries,
+/// padding and cross lengths.
+#[test]
+fn flash_blocked_with_dropout_matches_reference() {
+    let s = QUERY_BLOCK + 9;
+    check(
+        Problem::new(1, 4, 2, s, s, 8, true, &[3], 17).with_dropout(0.3, [5, 77]),
+        "dropout causal gqa padding, 2 blocks",
+    );
+    check(
+        Problem::new(2, 2, 2, 13, 30, 8, false, &[0, 7], 18).with_dropout(0.1, [1 << 23, 0]),
+        "dropout cross lengths",
+    );
+}
+
+/// Dropout changes the output (it is applied), and another seed changes it
+/// again: a mask the seed does not reach would pass the reference test.
+#[test]
+fn flash_blocked_dropout_depends_on_the_seed() {
+    let base = || Problem::new(1, 2, 2, 20, 20, 8, true, &[], 19);
+    let out = |p: Problem| {
+        values(flash_attention(
+            tensor::<Inner, 4>(&p.q, [p.b, p.h, p.s, p.d]),
+            tensor::<Inner, 4>(&p.k, [p.b, p.kvh, p.t, p.d]),
+            tensor::<Inner, 4>(&p.v, [p.b, p.kvh, p.t, p.d]),
+            &mask::<Inner>(&p),
+            p.scale,
+        ))
+    };
+    let plain = out(base());
+    let a = out(base().with_dropout(0.5, [1, 2]));
+    let b = out(base().with_dropout(0.5, [1, 3]));
+    assert!(
+        worst(&a, &plain) > 1e-2,
+        "dropout left the output as it was"
+    );
+    assert!(worst(&a, &b) > 1e-2, "two seeds dropped the same scores");
 }
 
 /// Frozen q and k: only v gets a gradient, and it is still right.

@@ -85,14 +85,17 @@ fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
 
 /// The shapes the tensor-core kernels are compiled for here: both 16-bit
 /// types, the head dims of the plans (64, 128) and a small one, with and
-/// without the causal and padding masks.
-fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool)> {
+/// without the causal and padding masks and dropout.
+fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool)> {
     let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
-        for (head_dim, causal, padding) in
-            [(64, true, true), (128, false, false), (32, true, false)]
-        {
-            out.push((kind, head_dim, causal, padding));
+        for (head_dim, causal, padding, dropout) in [
+            (64, true, true, false),
+            (128, false, false, true),
+            (32, true, false, false),
+            (64, true, false, true),
+        ] {
+            out.push((kind, head_dim, causal, padding, dropout));
         }
     }
     out
@@ -151,9 +154,9 @@ const BLOCK: usize = 64;
 #[test]
 fn the_tensor_core_forward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding) in tensor_core_variants() {
+    for (kind, head_dim, causal, padding, dropout) in tensor_core_variants() {
         let split = FlashLaunch::units_per_row(BLOCK, head_dim);
-        let what = format!("flash_forward_blocks {kind:?} d{head_dim}");
+        let what = format!("flash_forward_blocks {kind:?} d{head_dim} dropout {dropout}");
         let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
             client.clone(),
@@ -163,6 +166,9 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             tensor(),
             tensor(),
             tensor(),
+            tensor(),
+            (),
+            (),
             (),
             (),
             // Staged 2 16-bit values (a bank) at a time, as launched.
@@ -172,6 +178,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            dropout,
             true,
             Products::TensorCores,
             float(kind),
@@ -186,13 +193,13 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 #[test]
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding) in tensor_core_variants() {
+    for (kind, head_dim, causal, padding, dropout) in tensor_core_variants() {
         // K, V, Q, dO, O and two score tiles; S and dP (then the products),
         // the rows of the last three padded.
         let tiles16 = 5 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         let split = FlashLaunch::units_per_row(BLOCK, head_dim);
-        let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim}");
+        let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout}");
         let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
             client.clone(),
@@ -205,6 +212,9 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             tensor(),
             tensor(),
+            tensor(),
+            (),
+            (),
             (),
             (),
             // Staged 2 16-bit values (a bank) at a time, as launched.
@@ -214,13 +224,14 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            dropout,
             true,
             Products::TensorCores,
             float(kind),
         );
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
 
-        let what = format!("flash_backward_q_blocks {kind:?} d{head_dim}");
+        let what = format!("flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout}");
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
             client.clone(),
@@ -232,6 +243,9 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             tensor(),
             tensor(),
+            tensor(),
+            (),
+            (),
             (),
             (),
             // Staged 2 16-bit values (a bank) at a time, as launched.
@@ -241,6 +255,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             split,
             causal,
             padding,
+            dropout,
             true,
             Products::TensorCores,
             float(kind),
@@ -287,12 +302,16 @@ fn rows_kernels(
         tensor(),
         tensor(),
         tensor(),
+        tensor(),
+        (),
+        (),
         (),
         (),
         head_dim,
         block,
         true,
         true,
+        false,
         unroll,
         bf16,
     );
@@ -308,12 +327,16 @@ fn rows_kernels(
         tensor(),
         tensor(),
         tensor(),
+        tensor(),
+        (),
+        (),
         (),
         (),
         head_dim,
         block,
         true,
         true,
+        false,
         unroll,
         bf16,
     );
@@ -328,12 +351,16 @@ fn rows_kernels(
         tensor(),
         tensor(),
         tensor(),
+        tensor(),
+        (),
+        (),
         (),
         (),
         head_dim,
         block,
         true,
         true,
+        false,
         unroll,
         bf16,
     );

@@ -65,6 +65,7 @@ fn run<R: Runtime, E: Elem>(
         dtype: E::as_type_native_unchecked().storage_type(),
         kernels,
         unroll: unroll.unwrap_or_else(|| unrolls(client)),
+        dropout: p.dropout.map(|(prob, _)| prob),
     };
     assert_eq!(cfg.kernels(), kernels, "the kernels under test run");
     let bias = p.key_bias();
@@ -77,6 +78,7 @@ fn run<R: Runtime, E: Elem>(
             v: &p.v,
             d_o: &p.d_o,
             key_bias: bias.as_deref(),
+            dropout_seed: p.dropout.map(|(_, seed)| seed),
         },
     );
     t.forward(client, &cfg);
@@ -280,6 +282,26 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn dropout() {
+            // The kernels drop what the reference drops (the same hash), in
+            // the forward and in both backward kernels: grouped-query causal
+            // attention with padding, and cross lengths.
+            check(
+                client(),
+                Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 13)
+                    .with_dropout(0.2, [3, 1 << 20]),
+                "dropout causal gqa padding",
+                KERNELS,
+            );
+            check(
+                client(),
+                Problem::new(1, 2, 1, 19, 40, 64, false, &[], 14).with_dropout(0.5, [9, 9]),
+                "dropout cross",
+                KERNELS,
+            );
+        }
+
+        #[test]
         fn f16() {
             check_16bit::<_, burn::tensor::f16>(client(), 2e-3, KERNELS);
         }
@@ -323,6 +345,10 @@ macro_rules! tiled_tests {
                 (
                     Problem::new(1, 2, 1, 19, 40, 32, false, &[], 6),
                     "cross lengths",
+                ),
+                (
+                    Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 15).with_dropout(0.3, [4, 44]),
+                    "dropout padding causal gqa",
                 ),
             ]
         }
@@ -482,6 +508,7 @@ mod cuda {
                 Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 5),
                 Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
                 Problem::new(1, 2, 2, 150, 150, 128, true, &[], 7),
+                Problem::new(2, 4, 2, 70, 70, 64, true, &[0, 5], 16).with_dropout(0.1, [8, 88]),
             ]
         }
 

@@ -200,3 +200,46 @@ pub fn row_dot(
     }
     sum
 }
+
+/// murmur3's 32-bit finalizer: `super::dropout::mix32` in a kernel.
+#[cube]
+fn mix32(x: u32) -> u32 {
+    let x = x ^ (x >> 16u32);
+    let x = x * 0x85EB_CA6Bu32;
+    let x = x ^ (x >> 13u32);
+    let x = x * 0xC2B2_AE35u32;
+    x ^ (x >> 16u32)
+}
+
+/// The dropout key of query row `i` of head slice `bh` (`batch · heads +
+/// head`), from the call's two seed words (`super::dropout::seed32` and
+/// `row_key`); 0, and no read, without `dropout`.
+#[cube]
+pub fn dropout_row(seed: &Tensor<u32>, bh: usize, i: usize, #[comptime] dropout: bool) -> u32 {
+    let mut key = 0u32;
+    if dropout {
+        let s = mix32(seed[0]) ^ seed[1];
+        key = mix32(mix32(s + u32::cast_from(bh) * 0x9E37_79B9u32) ^ u32::cast_from(i));
+    }
+    key
+}
+
+/// What dropout multiplies probability `(i, j)` by, `row` being row `i`'s
+/// key ([`dropout_row`]): 0 where its hash falls below `threshold`
+/// (`p · 2^32`), `scale` (`1 / (1 − p)`) elsewhere, as
+/// `super::dropout::keeps` decides; 1 without `dropout`.
+#[cube]
+pub fn keep_factor(
+    row: u32,
+    j: usize,
+    threshold: u32,
+    scale: f32,
+    #[comptime] dropout: bool,
+) -> f32 {
+    let mut z = f32::new(1.0);
+    if dropout {
+        let h = mix32(row ^ (u32::cast_from(j) * 0x27D4_EB2Fu32));
+        z = select(h >= threshold, scale, f32::new(0.0));
+    }
+    z
+}
