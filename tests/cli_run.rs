@@ -480,6 +480,17 @@ fn flash_attention_plan_trains_on_the_cpu() {
     let l = losses(&steps);
     assert!(l[11] < l[0], "loss should fall: {l:?}");
     assert!(summary["measured_peak_bytes"].as_u64().unwrap() > 0);
+    // With dropout, the attention probabilities' included: it trains too.
+    let dropped = variant_of(
+        path.to_str().unwrap(),
+        &dir,
+        "flash-dropout",
+        "model \"tiny-decoder\"",
+        "model \"tiny-decoder\" { dropout = 0.1 }",
+    );
+    let (steps, _) = run_json(&[dropped.to_str().unwrap(), "--steps", "12"]);
+    let l = losses(&steps);
+    assert!(l[11] < l[0], "loss should fall with dropout: {l:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
