@@ -93,6 +93,8 @@ pub fn flash_backward_kv<F: Float>(
     let mut dos = SharedMemory::<f32>::new(block * head_dim);
     let mut ls = SharedMemory::<f32>::new(block);
     let mut ds_row = SharedMemory::<f32>::new(block);
+    // The block's query rows' dropout keys, hashed once per row, not per score.
+    let mut keys = SharedMemory::<u32>::new(block);
 
     let blocks = s.div_ceil(block);
     let start = first_query_block(first, block, s, causal);
@@ -119,6 +121,9 @@ pub fn flash_backward_kv<F: Float>(
                 dsum += dos[unit * head_dim + cc] * f32::cast_from(o[ob + cc * o.stride(3)]);
             }
             ds_row[unit] = dsum;
+            if dropout {
+                keys[unit] = dropout_row(dropout_seed, bi * heads + hi, ir, dropout);
+            }
             sync_cube();
 
             for il in 0..min(block, s - i0) {
@@ -128,8 +133,7 @@ pub fn flash_backward_kv<F: Float>(
                 if !skip {
                     let x = row_dot(&kr, &qs, il * head_dim, head_dim, unroll) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                    let dkey = dropout_row(dropout_seed, bi * heads + hi, i, dropout);
-                    let z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                    let z = keep_factor(keys[il], jr, drop_threshold, drop_scale, dropout);
                     let dp = row_dot(&vr, &dos, il * head_dim, head_dim, unroll) * z;
                     let dsc = p * (dp - ds_row[il]) * scale;
                     let pz = p * z;

@@ -121,6 +121,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
         SharedMemory::<f32>::new_aligned(block * comptime![(2 * s_ld).max(out_ld)], 128usize);
     let mut ls = SharedMemory::<f32>::new(block);
     let mut drow = SharedMemory::<f32>::new(block);
+    // The block's query rows' dropout keys, hashed once per row, not per score.
+    let mut keys = SharedMemory::<u32>::new(block);
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
@@ -156,6 +158,9 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             let ir = min(i0 + unit, s - 1);
             if unit < block {
                 ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+                if dropout {
+                    keys[unit] = dropout_row(dropout_seed, bi * heads + hi, ir, dropout);
+                }
             }
             sync_cube();
             // D from the staged rows (coalesced loads, where each unit
@@ -188,8 +193,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 for ic in 0..cols {
                     let il = c0s + ic;
                     let p = (work[row * s_ld + il] * scale - ls[il]).exp();
-                    let dkey = dropout_row(dropout_seed, bi * heads + hi, i0 + il, dropout);
-                    let z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                    let z = keep_factor(keys[il], jr, drop_threshold, drop_scale, dropout);
                     let ds = p * (work[(block + row) * s_ld + il] * z - drow[il]) * scale;
                     pt[row * p_ld + il] = F::cast_from(p * z);
                     dst[row * p_ld + il] = F::cast_from(ds);
@@ -206,8 +210,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                     if !skip {
                         let x = work[row * s_ld + il] * scale + bias;
                         p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
-                        let dkey = dropout_row(dropout_seed, bi * heads + hi, i, dropout);
-                        z = keep_factor(dkey, jr, drop_threshold, drop_scale, dropout);
+                        z = keep_factor(keys[il], jr, drop_threshold, drop_scale, dropout);
                         ds = p * (work[(block + row) * s_ld + il] * z - drow[il]) * scale;
                     }
                     pt[row * p_ld + il] = F::cast_from(p * z);
