@@ -112,6 +112,8 @@ pub struct Ctx<B: Backend> {
     pub position_offset: usize,
     pub lora_scale: f64,
     pub lora_dropout: f64,
+    /// The model's dropout: the embedding output, each residual branch and
+    /// the attention probabilities (eager, the selective core and flash).
     pub dropout: f64,
     /// Dropout masks are drawn only while training (never in a gradient check).
     pub train: bool,
