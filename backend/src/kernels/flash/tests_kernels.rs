@@ -462,6 +462,12 @@ mod wgpu {
             Problem::new(1, 2, 2, 21, 21, 64, false, &[], 32),
             "bidirectional",
         );
+        // The seed as Burn holds it (the backend's 32-bit ints), resolved
+        // through the fusion layer.
+        check(
+            Problem::new(1, 4, 2, 29, 29, 32, true, &[], 33).with_dropout(0.25, [6, 600]),
+            "dropout",
+        );
     }
 }
 
