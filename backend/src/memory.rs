@@ -248,12 +248,22 @@ impl MemoryProbe for RssProbe {
 mod tests {
     use super::*;
 
+    /// Set in the child process of [`alloc_probe_counts_live_bytes_exactly`].
+    const CHILD: &str = "RCOA_ALLOC_PROBE_CHILD";
+
     /// The backend's test binary counts its allocations (src/tests.rs
     /// installs the allocator), so the probe sees a buffer exactly, and its
-    /// release.
+    /// release. Measured in a process of its own: the count is process-wide,
+    /// and tests that hold no lock allocate meanwhile (a run saw 25 MB more).
     #[test]
     fn alloc_probe_counts_live_bytes_exactly() {
-        let _serial = crate::tests::serial();
+        crate::testing::run_ignored_in_child("memory::tests::alloc_probe_in_child", CHILD);
+    }
+
+    #[test]
+    #[ignore = "run in its own process by alloc_probe_counts_live_bytes_exactly"]
+    fn alloc_probe_in_child() {
+        assert!(std::env::var_os(CHILD).is_some(), "run by its parent test");
         let mut p = AllocProbe::new().expect("the test binary installs TrackingAlloc");
         p.begin_step();
         let v = vec![7u8; 48 << 20];
@@ -262,9 +272,9 @@ mod tests {
         drop(std::hint::black_box(v));
         let after = p.sample();
         assert!(after + (40 << 20) < live, "freed: {after} vs {live}");
-        // The peak keeps the buffer, within what other test threads allocate.
+        // The peak keeps the buffer, and little else: nothing else runs.
         assert!(p.step_peak() >= 48 << 20 && p.peak() >= 48 << 20);
-        assert!(p.peak() < 64 << 20, "peak {}", p.peak());
+        assert!(p.peak() < 49 << 20, "peak {}", p.peak());
     }
 
     #[test]
