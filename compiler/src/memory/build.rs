@@ -377,6 +377,7 @@ impl<'a> Builder<'a> {
             saved,
             fwd_workspace: 0,
             bwd_workspace: 0,
+            workspace_buffers: Vec::new(),
             flops: 0.0,
             bwd_flops: 0.0,
             bytes_moved: moved as f64,
@@ -971,6 +972,7 @@ impl<'a> Builder<'a> {
         info.bwd_flops = 2.0 * score_flops + score_flops;
         info.fwd_workspace = scores + probs;
         info.bwd_workspace = probs + 2 * scores;
+        info.workspace_buffers = vec![probs, scores, scores];
         let rg = self.rg(out);
         let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
         self.op("transpose", &[out], &[flat], &[]);
@@ -1191,6 +1193,8 @@ impl<'a> Builder<'a> {
         info.bwd_flops = f * grads + if grads > 0.0 { f } else { 0.0 };
         info.fwd_workspace = ws + 3 * block;
         info.bwd_workspace = ws + 3 * block;
+        // Three tensors the size of a chunk's logits, then the head's cast.
+        info.workspace_buffers = vec![block; 3];
         loss
     }
 

@@ -82,6 +82,11 @@ pub struct OpInfo {
     pub fwd_workspace: u64,
     /// Scratch bytes alive only while the backward kernel runs (beyond the gradients).
     pub bwd_workspace: u64,
+    /// The buffers an allocator sees a workspace as: these sizes first, the rest of it one
+    /// more buffer (empty: one buffer). Only the traced walk reads it: a pool that takes
+    /// three 390 MiB blocks from shared pages would give one 1.2 GiB buffer a page of its
+    /// own (`memory::trace`).
+    pub workspace_buffers: Vec<u64>,
     /// Forward FLOPs (multiply-adds count 2).
     pub flops: f64,
     /// Backward FLOPs.
@@ -371,6 +376,20 @@ impl<'a> Walk<'a> {
             e.push(Event::Free { buffer });
         }
     }
+    /// An op's workspace of `bytes` as scratch, in the buffers `buffers` says
+    /// ([`OpInfo::workspace_buffers`]).
+    fn add_workspace(&mut self, bytes: u64, buffers: &[u64]) {
+        let mut rest = bytes;
+        for &b in buffers {
+            if b > rest {
+                break;
+            }
+            self.add_scratch(b);
+            rest -= b;
+        }
+        self.add_scratch(rest);
+    }
+
     /// Scratch of the running op, freed by [`Walk::end_scratch`] (traced walks only).
     fn add_scratch(&mut self, bytes: u64) {
         if self.events.is_none() || bytes == 0 {
@@ -564,7 +583,7 @@ impl<'a> Walk<'a> {
             let ws = info.fwd_workspace;
             let mut extra = [0u64; Category::COUNT];
             extra[Category::Workspace as usize] = ws;
-            self.add_scratch(ws);
+            self.add_workspace(ws, &info.workspace_buffers);
             let engine = if recompute {
                 info.engine.recompute
             } else {
@@ -667,7 +686,7 @@ impl<'a> Walk<'a> {
             self.event_alloc(Buffer::Grad(b), tape.tensor(b).bytes);
         }
         extra[Category::Workspace as usize] += info.bwd_workspace;
-        self.add_scratch(info.bwd_workspace);
+        self.add_workspace(info.bwd_workspace, &info.workspace_buffers);
         EngineScratch::add_to(info.engine.backward, &mut extra);
         self.add_scratch(info.engine.backward[0] + info.engine.backward[1]);
         self.observe(Phase::Backward, info.name, info.layer, extra);

@@ -286,6 +286,38 @@ mod tests {
         }
     }
 
+    /// The chunked loss's scratch reaches the allocator as the executor makes it: three
+    /// `[chunk, vocab]` fp32 blocks, made one after another, each its own buffer (one
+    /// buffer of their sum took a page of its own where the executor slices three).
+    #[test]
+    fn the_chunked_loss_scratch_is_three_logits_blocks() {
+        let mut spec = small(CheckpointChoice::None);
+        spec.model.vocab = 40_000;
+        spec.train.chunked_loss = Some(true);
+        let c = crate::compile(&spec).expect("compiles");
+        let trace = run_trace(&spec, &c.candidate, &c.profile, 1).expect("in scope");
+        let tokens = spec.train.seq_len * 4;
+        let block = tokens.min(crate::memory::build::CHUNKED_LOSS_TOKENS) * 40_000 * 4;
+        let sizes: Vec<u64> = trace
+            .events
+            .iter()
+            .filter_map(|e| match *e {
+                Event::Alloc { bytes, .. } => Some(bytes),
+                _ => None,
+            })
+            .collect();
+        let runs = sizes
+            .windows(3)
+            .filter(|w| w.iter().all(|&b| b == block))
+            .count();
+        // The forward and the backward, each three in a row.
+        assert_eq!(runs, 2, "{block} B blocks in {sizes:?}");
+        assert!(
+            sizes.iter().all(|&b| b < 3 * block),
+            "one buffer of their sum"
+        );
+    }
+
     #[test]
     fn sharded_plans_are_refused() {
         let spec = small(CheckpointChoice::None);
