@@ -4,7 +4,9 @@
 //! one attention shape, forward and backward (dK/dV and dQ). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to `Rows` (above 1: faster),
 //! and the largest difference between the two outputs and gradients, so a
-//! fast wrong kernel does not pass unseen.
+//! fast wrong kernel does not pass unseen. Each kind runs again with
+//! attention dropout (p 0.1: the kernels hash every score's place twice in
+//! the backward), whose outputs differ by design and are not compared.
 //!
 //!     cargo bench -p rcoa-backend --features cuda --bench flash -- [batch heads kv_heads seq head_dim]
 //!
@@ -62,6 +64,7 @@ mod bench {
 
     struct Result {
         name: String,
+        dropout: bool,
         forward: f64,
         backward: f64,
         outputs: Vec<Vec<f32>>,
@@ -72,6 +75,16 @@ mod bench {
         dims: FlashDims,
         variants: &[(&str, FlashKernels)],
     ) {
+        // Each kind without dropout, then with it (its cost, not its outputs).
+        let variants: Vec<(String, FlashKernels, Option<f64>)> = variants
+            .iter()
+            .map(|&(n, k)| (n.to_string(), k, None))
+            .chain(
+                variants
+                    .iter()
+                    .map(|&(n, k)| (format!("{n} + dropout 0.1"), k, Some(0.1))),
+            )
+            .collect();
         let causal = true;
         let q_len = dims.batch * dims.heads * dims.q_len * dims.head_dim;
         let kv_len = dims.batch * dims.kv_heads * dims.kv_len * dims.head_dim;
@@ -99,7 +112,7 @@ mod bench {
             dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.head_dim
         );
         let mut results: Vec<Result> = Vec::new();
-        for &(name, kernels) in variants {
+        for (name, kernels, dropout) in variants {
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -108,10 +121,10 @@ mod bench {
                 dtype,
                 kernels,
                 unroll: unrolls(&client),
-                dropout: None,
+                dropout,
             };
             if cfg.kernels() != kernels {
-                println!("  {name:<28} skipped: these kernels do not take this shape or type");
+                println!("  {name:<44} skipped: these kernels do not take this shape or type");
                 continue;
             }
             let forward = time(&client, || t.forward(&client, &cfg));
@@ -121,7 +134,8 @@ mod bench {
                 .map(|b| b.read_as::<E>(&client))
                 .collect();
             results.push(Result {
-                name: name.to_string(),
+                dropout: dropout.is_some(),
+                name,
                 forward,
                 backward,
                 outputs,
@@ -129,13 +143,13 @@ mod bench {
         }
         let Some(base) = results.first() else { return };
         println!(
-            "  {:<28} {:>10} {:>9} {:>10} {:>9} {:>8}",
+            "  {:<44} {:>10} {:>9} {:>10} {:>9} {:>8}",
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× Rows"
         );
         for r in &results {
             let total = |x: &Result| x.forward + x.backward;
             println!(
-                "  {:<28} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>8.2}",
+                "  {:<44} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>8.2}",
                 r.name,
                 r.forward * 1e3,
                 flops_fwd / r.forward / 1e12,
@@ -144,7 +158,7 @@ mod bench {
                 total(base) / total(r),
             );
         }
-        for r in &results[1..] {
+        for r in results[1..].iter().filter(|r| !r.dropout) {
             let worst = ["O", "dQ", "dK", "dV"]
                 .iter()
                 .zip(r.outputs.iter().zip(&base.outputs))
