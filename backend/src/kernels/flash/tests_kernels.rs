@@ -10,15 +10,16 @@ use super::launch::{unrolls, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
-/// A runtime's client, or `None` (with a note) where it has no device:
-/// cubecl panics when it finds none.
-fn client_or_skip<R: Runtime>(
+/// A runtime's client, or `None` (with a note that `what` did not run)
+/// where it has no device: cubecl panics when it finds none.
+pub(super) fn client_or_skip<R: Runtime>(
     device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
+    what: &str,
 ) -> Option<ComputeClient<R>> {
     let found = std::panic::catch_unwind(|| R::client(&device()));
     if found.is_err() {
         eprintln!(
-            "SKIPPED: no {} device; the flash kernels were not run",
+            "SKIPPED: no {} device; {what} did not run",
             std::any::type_name::<R>()
         );
     }
@@ -377,8 +378,10 @@ mod wgpu {
     fn client() -> Option<ComputeClient<WgpuRuntime>> {
         static C: std::sync::OnceLock<Option<ComputeClient<WgpuRuntime>>> =
             std::sync::OnceLock::new();
-        C.get_or_init(|| client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice))
-            .clone()
+        C.get_or_init(|| {
+            client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice, "the flash kernels")
+        })
+        .clone()
     }
 
     /// `forward.rs` and `backward.rs`.
@@ -479,7 +482,7 @@ mod cuda {
     fn client() -> Option<ComputeClient<CudaRuntime>> {
         static C: std::sync::OnceLock<Option<ComputeClient<CudaRuntime>>> =
             std::sync::OnceLock::new();
-        C.get_or_init(|| client_or_skip::<CudaRuntime>(|| CudaDevice::new(0)))
+        C.get_or_init(|| client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "the flash kernels"))
             .clone()
     }
 

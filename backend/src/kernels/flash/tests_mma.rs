@@ -14,6 +14,7 @@ use cubecl::prelude::*;
 use super::device_tensor::{DeviceTensor, Elem};
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::reference::fill;
+use super::tests_kernels::client_or_skip;
 
 /// Stages `a` (`[m, lda]`) and `b` (`[k, ldb]`, or `[n, ldb]` with
 /// `b_transposed`) in shared memory as the flash kernels do (aligned to 128
@@ -223,11 +224,7 @@ mod wgpu {
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
     fn client() -> Option<ComputeClient<WgpuRuntime>> {
-        let found = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
-        if found.is_err() {
-            eprintln!("SKIPPED: no Vulkan device; block_product was not run");
-        }
-        found.ok()
+        client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice, "block_product")
     }
 
     /// Blocks of 32 at head dim 32: the same layouts within lavapipe's
@@ -250,11 +247,7 @@ mod cuda {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
 
     fn client() -> Option<ComputeClient<CudaRuntime>> {
-        let found = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0)));
-        if found.is_err() {
-            eprintln!("SKIPPED: no CUDA device; block_product was not run");
-        }
-        found.ok()
+        client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "block_product")
     }
 
     /// The tensor-core products at the flash kernels' sizes, both 16-bit
