@@ -255,10 +255,7 @@ impl<B: Backend> Ctx<B> {
 
 fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64, ctx: &Ctx<B>) -> Tensor<B, D> {
     match dropped(x.shape(), p, ctx, &x.device()) {
-        // `mask_fill` saves its 1-byte mask for the backward; `x * keep` would
-        // save the keep factors in x's dtype (2 or 4 bytes an element), where the
-        // memory model charges the mask's byte as PyTorch keeps it.
-        Some(mask) => x.mask_fill(mask, 0.0).mul_scalar(1.0 / (1.0 - p)),
+        Some(mask) => crate::ops::apply_dropout(x, mask, p),
         None => x,
     }
 }
@@ -268,7 +265,7 @@ fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64, ctx: &Ctx<B>) ->
 /// re-seeds before every layer (and before its recomputation), so a
 /// recomputed layer draws the same mask as its first forward.
 fn dropped<B: Backend, const D: usize>(
-    shape: burn::tensor::Shape,
+    shape: Shape,
     p: f64,
     ctx: &Ctx<B>,
     device: &B::Device,

@@ -306,11 +306,23 @@ pub struct AttentionDropout<B: Backend> {
 }
 
 impl<B: Backend> AttentionDropout<B> {
-    /// `x` with the dropped entries zeroed and the rest scaled.
     fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let dropped = Tensor::<B, 4, Bool>::from_primitive(self.dropped.clone());
-        x.mask_fill(dropped, 0.0).mul_scalar(1.0 / (1.0 - self.p))
+        apply_dropout(x, dropped, self.p)
     }
+}
+
+/// `x` with the entries `dropped` marks zeroed and the rest scaled by
+/// `1 / (1 − p)`: every dropout of the executor. Under autodiff `mask_fill`
+/// saves only its 1-byte mask; `x * keep` would save the keep factors in x's
+/// dtype (2 or 4 bytes an element), where the memory model charges the
+/// mask's byte as PyTorch keeps it.
+pub fn apply_dropout<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    dropped: Tensor<B, D, Bool>,
+    p: f64,
+) -> Tensor<B, D> {
+    x.mask_fill(dropped, 0.0).mul_scalar(1.0 / (1.0 - p))
 }
 
 fn float4<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 4> {
