@@ -42,19 +42,45 @@ fn an_unknown_pool_is_a_usage_error() {
 }
 
 #[test]
-fn compact_on_the_cpu_is_refused() {
+fn compact_or_expandable_on_the_cpu_is_refused() {
     let (d, plan) = tiny_plan_file("cpu");
+    for pool in ["compact", "expandable"] {
+        let out = run(&[
+            "--lowered",
+            plan.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--memory-pool",
+            pool,
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{pool}: {stderr}");
+        assert!(stderr.contains("--device cuda"), "{pool}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn expandable_with_two_devices_in_a_process_is_refused() {
+    let (d, plan) = tiny_plan_file("devices");
     let out = run(&[
         "--lowered",
         plan.to_str().unwrap(),
         "--steps",
         "1",
+        "--device",
+        "cuda",
+        "--devices",
+        "2",
         "--memory-pool",
-        "compact",
+        "expandable",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("--device cuda"), "{stderr}");
+    assert!(
+        stderr.contains("expandable") && stderr.contains("one device per process"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -21,6 +21,9 @@
 #  3. The same again on the now warm cache: the warm first step (bar: 2 s). At most 90 s.
 #     Then where that step's time goes (rcoa run --profile-kernels, 4 steps). At most 60 s.
 #  4. PyTorch eager with SDPA on the same shape, for the ratio. At most 150 s.
+#  5. The memory pools on the same plan and the warm cache, 6 steps each: `expandable`
+#     (mapped as used; its first run on a GPU), then `compact`: reserved ÷ in use and the
+#     step time, beside step 3's default pool (docs/memory-pool.md). At most 50 s each.
 #
 # Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as docs/gpu-session.md
 # says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
@@ -141,7 +144,27 @@ PY
     log "3b CubeCL's profiler rc=$?"; grep -A 25 "Duration" "$OUT/cubecl-profile-$SHAPE.log" | tail -n 26
   fi
 fi
-unset RCOA_FLASH_TENSOR_CORES
 speed 4-pytorch 150 --engines eager
+
+# 5. The pools on the warm cache: bytes reserved against in use, and the step time.
+for pool in expandable compact; do
+  t=$(cap 50)
+  if [ "$DEVICE" != cuda ] || [ ! -f "$PLAN350" ] || [ "$t" -lt 25 ]; then
+    log "5 $pool skipped"; continue
+  fi
+  timeout "$t" "$RCOA" run "$PLAN350" --device cuda --steps 6 --memory-pool $pool --format json \
+    > "$OUT/pool-$pool.jsonl" 2> "$OUT/pool-$pool.err"
+  log "5 $pool rc=$?"; tail -n 3 "$OUT/pool-$pool.err"
+  python3 - "$OUT/pool-$pool.jsonl" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    v = json.loads(line)
+    if v.get("event") in ("start", "step"):
+        continue
+    keys = [k for k in v if any(w in k for w in ("reserved", "peak", "step_seconds", "tokens", "pool"))]
+    print(v.get("event"), {k: v[k] for k in keys})
+PY
+done
+unset RCOA_FLASH_TENSOR_CORES
 
 log "done"

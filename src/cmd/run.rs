@@ -73,8 +73,9 @@ pub struct Args {
     steps: u64,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
-    /// CubeCL's memory pools on CUDA: `default` (CubeCL's own) or `compact` (reserves
-    /// less beyond the bytes in use; docs/memory-pool.md).
+    /// CubeCL's memory pools on CUDA: `default` (CubeCL's own), `compact` (reserves less
+    /// beyond the bytes in use) or `expandable` (one heap of address space, backed by
+    /// device memory as it is used: the least; docs/memory-pool.md).
     #[arg(long, value_name = "POOL", default_value = "default")]
     memory_pool: rcoa_backend::pool::PoolChoice,
     #[arg(long, value_enum, default_value = "text")]
@@ -337,6 +338,16 @@ pub fn run(args: Args) -> ExitCode {
     if args.memory_pool != rcoa_backend::pool::PoolChoice::Default && args.device != Device::Cuda {
         eprintln!(
             "rcoa run: --memory-pool configures CubeCL's pools on CUDA; use it with --device cuda"
+        );
+        return ExitCode::from(2);
+    }
+    if args.memory_pool == rcoa_backend::pool::PoolChoice::Expandable && args.devices > 1 {
+        // Its memory is mapped for its own device only: a copy between two devices of
+        // one process (how their ranks meet) could not read it.
+        eprintln!(
+            "rcoa run: --memory-pool expandable maps memory for one device per process; with \
+             --devices {} use `compact`, or one process per device (--nodes)",
+            args.devices
         );
         return ExitCode::from(2);
     }

@@ -11,6 +11,10 @@
 //! in use (docs/burn-h100.md). `compact` slices tensors up to 1 MiB out of
 //! 8 MiB pages and everything else up to 1 GiB out of 1 GiB pages, and gives
 //! larger tensors a page of their own, of their size (within 4 %).
+//! `expandable` slices every tensor above 1 MiB out of one page of address
+//! space that the vendored cubecl-cuda backs with device memory only as far
+//! up as slices are handed out (its `compute/storage/expandable.rs`): one
+//! heap, with no page boundaries to leave holes at.
 
 #[cfg(test)]
 mod replay;
@@ -23,6 +27,16 @@ pub enum PoolChoice {
     Default,
     /// [`compact_pools`].
     Compact,
+    /// [`expandable_pools`], with [`EXPANSION`].
+    Expandable,
+}
+
+impl PoolChoice {
+    const ALL: [PoolChoice; 3] = [
+        PoolChoice::Default,
+        PoolChoice::Compact,
+        PoolChoice::Expandable,
+    ];
 }
 
 impl PoolChoice {
@@ -30,6 +44,7 @@ impl PoolChoice {
         match self {
             PoolChoice::Default => "default",
             PoolChoice::Compact => "compact",
+            PoolChoice::Expandable => "expandable",
         }
     }
 }
@@ -37,13 +52,15 @@ impl PoolChoice {
 impl std::str::FromStr for PoolChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "default" => Ok(PoolChoice::Default),
-            "compact" => Ok(PoolChoice::Compact),
-            _ => Err(format!(
-                "unknown memory pool `{s}`: use `default` (CubeCL's own) or `compact`"
-            )),
-        }
+        PoolChoice::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown memory pool `{s}`: use `default` (CubeCL's own), `compact` or \
+                     `expandable`"
+                )
+            })
     }
 }
 
@@ -73,6 +90,44 @@ pub const EXCLUSIVE_STEP: f64 = 1.04;
 pub const LARGEST: u64 = 256 << 30;
 /// CUDA's allocation alignment as CubeCL uses it (`cuMemAllocPitch`'s).
 pub const ALIGNMENT: u64 = 512;
+
+/// How the `expandable` configuration's large page grows: pages of at least `min_page`
+/// bytes are address space, backed by device memory in multiples of `step` bytes as far up
+/// as slices are handed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expansion {
+    pub min_page: u64,
+    pub step: u64,
+}
+
+/// The `expandable` configuration's one large page: address space, so its size costs no
+/// memory; it bounds the largest tensor, as [`LARGEST`] does `compact`'s.
+pub const EXPANDABLE_PAGE: u64 = LARGEST;
+
+/// Device memory is mapped under the large page 20 MiB at a time at least (a multiple of
+/// the 2 MiB granularity of CUDA's physical allocations; PyTorch's expandable segments
+/// grow large pools by 20 MiB too): fewer driver calls, at most 20 MiB reserved unused.
+pub const EXPANSION: Expansion = Expansion {
+    min_page: EXPANDABLE_PAGE,
+    step: 20 * MIB,
+};
+
+/// The `expandable` configuration: small tensors apart as in [`compact_pools`] (they
+/// would only lengthen the large page's list of slices), everything else sliced first
+/// fit out of one page of [`EXPANDABLE_PAGE`] bytes of address space (see [`EXPANSION`]).
+pub fn expandable_pools() -> Vec<Pool> {
+    vec![
+        Pool::Exclusive { max_alloc: 0 },
+        Pool::Sliced {
+            page: 8 * MIB,
+            max_slice: SMALL_FROM,
+        },
+        Pool::Sliced {
+            page: EXPANDABLE_PAGE,
+            max_slice: EXPANDABLE_PAGE,
+        },
+    ]
+}
 
 /// The `compact` configuration, first pool first (CubeCL gives an allocation to the first
 /// pool that takes its size).
@@ -108,6 +163,7 @@ pub fn memory_configuration(
     match choice {
         PoolChoice::Default => None,
         PoolChoice::Compact => Some(to_cubecl(&compact_pools())),
+        PoolChoice::Expandable => Some(to_cubecl(&expandable_pools())),
     }
 }
 
@@ -137,23 +193,20 @@ pub(crate) fn to_cubecl(pools: &[Pool]) -> cubecl_runtime::memory_management::Me
 
 /// The choice of this process (`rcoa run --memory-pool`): CubeCL's configuration is
 /// process-wide too, and fixed once a device is in use.
-static SELECTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static SELECTED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Select the pools the CUDA devices of this process get (`configure` applies it).
 pub fn select(choice: PoolChoice) {
-    SELECTED.store(
-        choice == PoolChoice::Compact,
-        std::sync::atomic::Ordering::SeqCst,
-    );
+    let index = PoolChoice::ALL
+        .iter()
+        .position(|&c| c == choice)
+        .unwrap_or(0);
+    SELECTED.store(index as u8, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// What [`select`] chose ([`PoolChoice::Default`] when nothing did).
 pub fn selected() -> PoolChoice {
-    if SELECTED.load(std::sync::atomic::Ordering::SeqCst) {
-        PoolChoice::Compact
-    } else {
-        PoolChoice::Default
-    }
+    PoolChoice::ALL[SELECTED.load(std::sync::atomic::Ordering::SeqCst) as usize]
 }
 
 /// The pools of this process's CUDA devices, once the first run chose them.
@@ -189,7 +242,16 @@ pub fn configure(choice: PoolChoice) -> Result<(), crate::RunError> {
     let Some(config) = memory_configuration(choice).filter(|_| first) else {
         return Ok(());
     };
-    if cubecl::cuda::set_memory_configuration(config) {
+    let mut unused = cubecl::cuda::set_memory_configuration(config);
+    if choice == PoolChoice::Expandable {
+        // Pinned host memory must not get a page of 256 GiB: it keeps `compact`'s pools.
+        unused &= cubecl::cuda::set_pinned_memory_configuration(to_cubecl(&compact_pools()));
+        unused &= cubecl::cuda::set_expandable_pages(Some(cubecl::cuda::ExpandablePages {
+            min_page: EXPANSION.min_page,
+            step: EXPANSION.step,
+        }));
+    }
+    if unused {
         Ok(())
     } else {
         *applied = Some(PoolChoice::Default);
@@ -247,16 +309,52 @@ mod tests {
         assert_eq!(selected(), PoolChoice::Default);
         select(PoolChoice::Compact);
         assert_eq!(selected(), PoolChoice::Compact);
+        select(PoolChoice::Expandable);
+        assert_eq!(selected(), PoolChoice::Expandable);
         select(PoolChoice::Default);
         assert_eq!(selected(), PoolChoice::Default);
     }
 
     #[test]
     fn choice_parses_and_names_itself() {
-        for c in [PoolChoice::Default, PoolChoice::Compact] {
+        for c in PoolChoice::ALL {
             assert_eq!(c.as_str().parse::<PoolChoice>(), Ok(c));
         }
         let e = "big".parse::<PoolChoice>().unwrap_err();
-        assert!(e.contains("`default`") && e.contains("`compact`"), "{e}");
+        assert!(
+            e.contains("`default`") && e.contains("`compact`") && e.contains("`expandable`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn only_the_expandable_page_is_address_space() {
+        let pools = expandable_pools();
+        let pages: Vec<u64> = pools
+            .iter()
+            .filter_map(|p| match *p {
+                Pool::Sliced { page, .. } => Some(page),
+                Pool::Exclusive { .. } => None,
+            })
+            .collect();
+        assert_eq!(
+            pages
+                .iter()
+                .filter(|&&p| p >= EXPANSION.min_page)
+                .collect::<Vec<_>>(),
+            [&EXPANDABLE_PAGE]
+        );
+        // Any tensor of the compact configuration fits the expandable one.
+        assert!(matches!(
+            pools.last(),
+            Some(Pool::Sliced { max_slice, .. }) if *max_slice >= LARGEST
+        ));
+        // CUDA maps physical memory in multiples of 2 MiB.
+        assert_eq!(EXPANSION.step % (2 * MIB), 0);
+        // Pinned host memory gets the compact pools, none of which is address space.
+        assert!(compact_pools().iter().all(|p| match *p {
+            Pool::Sliced { page, .. } => page < EXPANSION.min_page,
+            Pool::Exclusive { .. } => true,
+        }));
     }
 }

@@ -8,6 +8,7 @@ pub mod kernel_timing;
 pub mod prebuild;
 mod runtime;
 
+pub use compute::storage::expandable::ExpandablePages;
 pub use device::*;
 pub use runtime::*;
 

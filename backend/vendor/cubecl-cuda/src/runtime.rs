@@ -62,6 +62,48 @@ pub fn set_memory_configuration(config: MemoryConfiguration) -> bool {
     !DEVICE_INITIALIZED.load(std::sync::atomic::Ordering::SeqCst)
 }
 
+// rcoa patch: pinned host memory's own pools (it had the device's), and the device
+// pages that are reserved as address space and mapped as used.
+static PINNED_MEMORY_CONFIGURATION: std::sync::Mutex<Option<MemoryConfiguration>> =
+    std::sync::Mutex::new(None);
+static EXPANDABLE_PAGES: std::sync::Mutex<Option<crate::ExpandablePages>> =
+    std::sync::Mutex::new(None);
+
+/// Sets the pools of the pinned host memory of every CUDA device this process initialises
+/// from now on (by default the device memory's, as upstream). Returns `false` when some
+/// device was already initialised.
+pub fn set_pinned_memory_configuration(config: MemoryConfiguration) -> bool {
+    *PINNED_MEMORY_CONFIGURATION
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(config);
+    !DEVICE_INITIALIZED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Makes the device-memory pages of at least `pages.min_page` bytes of every CUDA device
+/// this process initialises from now on expandable: reserved as address space, with
+/// device memory mapped under them as their slices are handed out
+/// (`compute/storage/expandable.rs`). `None`: every page is allocated whole (upstream).
+/// Returns `false` when some device was already initialised.
+pub fn set_expandable_pages(pages: Option<crate::ExpandablePages>) -> bool {
+    *EXPANDABLE_PAGES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = pages;
+    !DEVICE_INITIALIZED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+pub(crate) fn pinned_memory_configuration() -> Option<MemoryConfiguration> {
+    PINNED_MEMORY_CONFIGURATION
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone()
+}
+
+pub(crate) fn expandable_pages() -> Option<crate::ExpandablePages> {
+    *EXPANDABLE_PAGES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl DeviceService for CudaServer {
     fn init(device_id: cubecl_common::device::DeviceId) -> Self {
         // rcoa patch: the configuration set by `set_memory_configuration`.

@@ -71,7 +71,12 @@ impl<'a> Command<'a> {
     ///
     /// * The [`MemoryUsage`] struct.
     pub fn memory_usage(&mut self) -> MemoryUsage {
-        self.streams.current().memory_management_gpu.memory_usage()
+        let memory = &mut self.streams.current().memory_management_gpu;
+        let mut usage = memory.memory_usage();
+        // rcoa patch: an expandable page reserves only what is mapped under it.
+        let (asked, mapped) = memory.storage().expandable_bytes();
+        usage.bytes_reserved = usage.bytes_reserved - asked + mapped;
+        usage
     }
 
     /// Explicitly cleanup gpu memory on the current stream.
@@ -100,7 +105,15 @@ impl<'a> Command<'a> {
     /// * `Err(IoError)` - If the allocation fails.
     #[cfg_attr(feature = "tracing", tracing::instrument(level = "trace", skip(self)))]
     pub fn reserve(&mut self, size: u64) -> Result<ManagedMemoryHandle, IoError> {
-        let handle = self.streams.current().memory_management_gpu.reserve(size)?;
+        let memory = &mut self.streams.current().memory_management_gpu;
+        let handle = memory.reserve(size)?;
+        // rcoa patch: every device allocation passes here, so a slice of an expandable
+        // page gets its memory mapped before anything can use it; on failure the handle
+        // is dropped and its slice is free again.
+        if memory.storage().has_expandable() {
+            let slice = memory.get_storage(handle.clone().binding())?;
+            memory.storage().commit(&slice)?;
+        }
 
         Ok(handle)
     }

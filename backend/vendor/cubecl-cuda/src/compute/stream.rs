@@ -52,7 +52,12 @@ impl EventStreamBackend for CudaStreamBackend {
         )
         .expect("Can create a new stream.");
 
-        let storage = GpuStorage::new(self.mem_alignment, stream);
+        // rcoa patch: expandable pages and the pinned pools, as `runtime.rs` set them.
+        let storage = GpuStorage::new(
+            self.mem_alignment,
+            stream,
+            crate::runtime::expandable_pages(),
+        );
         let memory_management_gpu = MemoryManagement::from_configuration(
             storage,
             &self.mem_props,
@@ -68,7 +73,8 @@ impl EventStreamBackend for CudaStreamBackend {
                 max_page_size: self.mem_props.max_page_size,
                 alignment: PINNED_MEMORY_ALIGNMENT as u64,
             },
-            self.mem_config.clone(),
+            crate::runtime::pinned_memory_configuration()
+                .unwrap_or_else(|| self.mem_config.clone()),
             self.logger.clone(),
             MemoryManagementOptions::new("Pinned CPU Memory").mode(MemoryAllocationMode::Auto),
         );

@@ -1,3 +1,4 @@
+use super::expandable::{ExpandablePage, ExpandablePages};
 use crate::compute::uninit_vec;
 use cubecl_common::backtrace::BackTrace;
 use cubecl_core::server::IoError;
@@ -17,6 +18,9 @@ enum AllocationKind {
 /// for launching kernels.
 pub struct GpuStorage {
     memory: HashMap<StorageId, (cudarc::driver::sys::CUdeviceptr, AllocationKind)>,
+    // rcoa patch: pages reserved as address space and mapped as used (`expandable.rs`).
+    expandable_pages: Option<ExpandablePages>,
+    expandable: HashMap<StorageId, ExpandablePage>,
     deallocations: Vec<StorageId>,
     ptr_bindings: PtrBindings,
     stream: cudarc::driver::sys::CUstream,
@@ -47,9 +51,15 @@ impl GpuStorage {
     /// # Arguments
     ///
     /// * `mem_alignment` - The memory alignment requirement in bytes.
-    pub fn new(mem_alignment: usize, stream: cudarc::driver::sys::CUstream) -> Self {
+    pub fn new(
+        mem_alignment: usize,
+        stream: cudarc::driver::sys::CUstream,
+        expandable_pages: Option<ExpandablePages>,
+    ) -> Self {
         Self {
             memory: HashMap::new(),
+            expandable_pages,
+            expandable: HashMap::new(),
             deallocations: Vec::new(),
             ptr_bindings: PtrBindings::new(),
             stream,
@@ -57,10 +67,58 @@ impl GpuStorage {
         }
     }
 
+    /// rcoa patch: make the slice `handle` usable, mapping device memory under it when it
+    /// lies in an expandable page (a no-op for other pages, allocated whole).
+    pub fn commit(&mut self, handle: &StorageHandle) -> Result<(), IoError> {
+        let Some(page) = self.expandable.get_mut(&handle.id) else {
+            return Ok(());
+        };
+        let end = handle.offset() + handle.size();
+        page.commit(end).map_err(|e| match e {
+            DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
+                IoError::BufferTooBig {
+                    size: handle.size(),
+                    backtrace: BackTrace::capture(),
+                }
+            }
+            other => IoError::Unknown {
+                description: format!("CUDA mapping error: {other}"),
+                backtrace: BackTrace::capture(),
+            },
+        })
+    }
+
+    /// rcoa patch: whether any page is expandable (only then must a slice be committed).
+    pub fn has_expandable(&self) -> bool {
+        !self.expandable.is_empty()
+    }
+
+    /// rcoa patch: (address space the expandable pages reserve, device memory mapped under
+    /// them): CubeCL counts the first as reserved, the device gives the second.
+    pub fn expandable_bytes(&self) -> (u64, u64) {
+        self.expandable.values().fold((0, 0), |(asked, mapped), p| {
+            (asked + p.asked(), mapped + p.mapped())
+        })
+    }
+
     /// Deallocates buffers marked for deallocation.
     ///
     /// This method processes all pending deallocations by freeing the associated GPU memory.
     fn perform_deallocations(&mut self) {
+        // rcoa patch: unmapping is not ordered on the stream as `free_async` is, so wait
+        // for the kernels that may still use an expandable page first.
+        let expandable: Vec<ExpandablePage> = self
+            .deallocations
+            .iter()
+            .filter_map(|id| self.expandable.remove(id))
+            .collect();
+        if !expandable.is_empty() {
+            // SAFETY: `self.stream` is the live stream this storage allocates on.
+            if let Err(e) = unsafe { cudarc::driver::result::stream::synchronize(self.stream) } {
+                eprintln!("CUDA synchronize error before unmapping: {e}");
+            }
+            expandable.into_iter().for_each(ExpandablePage::release);
+        }
         self.deallocations
             .drain(..)
             .filter_map(|id| self.memory.remove(&id))
@@ -146,10 +204,14 @@ impl ComputeStorage for GpuStorage {
     }
 
     fn get(&mut self, handle: &StorageHandle) -> Self::Resource {
-        let (ptr, _) = self
-            .memory
-            .get(&handle.id)
-            .expect("Storage handle not found");
+        let ptr = match self.memory.get(&handle.id) {
+            Some((ptr, _)) => ptr,
+            None => &self
+                .expandable
+                .get(&handle.id)
+                .expect("Storage handle not found")
+                .base(),
+        };
 
         let offset = handle.offset();
         let size = handle.size();
@@ -168,6 +230,17 @@ impl ComputeStorage for GpuStorage {
     )]
     fn alloc(&mut self, size: u64) -> Result<StorageHandle, IoError> {
         let id = StorageId::new();
+        if let Some(pages) = self.expandable_pages.filter(|p| size >= p.min_page) {
+            let page = ExpandablePage::reserve(size, pages.step).map_err(|e| IoError::Unknown {
+                description: format!("CUDA address reservation error: {e}"),
+                backtrace: BackTrace::capture(),
+            })?;
+            self.expandable.insert(id, page);
+            return Ok(StorageHandle::new(
+                id,
+                StorageUtilization { offset: 0, size },
+            ));
+        }
         // SAFETY: Calling CUDA driver FFI to allocate device memory. First tries async
         // allocation on the stream; falls back to synchronous allocation if that fails.
         // The returned pointer is stored in `self.memory` and freed on deallocation.

@@ -1,2 +1,3 @@
 pub mod cpu;
+pub mod expandable;
 pub mod gpu;
