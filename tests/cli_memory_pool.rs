@@ -1,149 +1,117 @@
 //! `rcoa run --memory-pool`: the choice of CubeCL's pools on CUDA (docs/memory-pool.md).
 //! Without a GPU only its refusals and the start event can be checked here.
 
-use std::process::Command;
+use std::process::{Command, Output};
 
-fn rcoa() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rcoa"))
-}
-
-fn tiny_plan_file(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+/// `rcoa run` of the tiny plan for one step with `args` after it, in a directory of its
+/// own named after `name`.
+fn run_tiny(name: &str, args: &[&str]) -> Output {
     let d = std::env::temp_dir().join(format!("rcoa-cli-pool-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    let p = d.join("tiny.json");
+    let plan = d.join("tiny.json");
     std::fs::write(
-        &p,
+        &plan,
         serde_json::to_string(&rcoa_backend::testing::tiny_plan()).unwrap(),
     )
     .unwrap();
-    (d, p)
+    let out = Command::new(env!("CARGO_BIN_EXE_rcoa"))
+        .args(["run", "--lowered", plan.to_str().unwrap(), "--steps", "1"])
+        .args(args)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&d);
+    out
 }
 
-fn run(args: &[&str]) -> std::process::Output {
-    rcoa().arg("run").args(args).output().unwrap()
+/// Exit status 2 with a stderr that says each of `says`, and no panic.
+fn refused(out: &Output, says: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for s in says {
+        assert!(stderr.contains(s), "`{s}` not in: {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+fn start_event(out: &Output) -> serde_json::Value {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "start")
+        .expect("a start line")
 }
 
 #[test]
 fn an_unknown_pool_is_a_usage_error() {
-    let (d, plan) = tiny_plan_file("unknown");
-    let out = run(&[
-        "--lowered",
-        plan.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--memory-pool",
-        "big",
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("`compact`"), "{stderr}");
-    let _ = std::fs::remove_dir_all(&d);
+    let out = run_tiny("unknown", &["--memory-pool", "big"]);
+    refused(&out, &["`compact`", "`expandable`"]);
 }
 
 #[test]
 fn compact_or_expandable_on_the_cpu_is_refused() {
-    let (d, plan) = tiny_plan_file("cpu");
     for pool in ["compact", "expandable"] {
-        let out = run(&[
-            "--lowered",
-            plan.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--memory-pool",
-            pool,
-        ]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{pool}: {stderr}");
-        assert!(stderr.contains("--device cuda"), "{pool}: {stderr}");
+        let out = run_tiny(&format!("cpu-{pool}"), &["--memory-pool", pool]);
+        refused(&out, &["--device cuda"]);
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn expandable_with_two_devices_in_a_process_is_refused() {
-    let (d, plan) = tiny_plan_file("devices");
-    let out = run(&[
-        "--lowered",
-        plan.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--device",
-        "cuda",
-        "--devices",
-        "2",
-        "--memory-pool",
-        "expandable",
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("expandable") && stderr.contains("one device per process"),
-        "{stderr}"
+    let out = run_tiny(
+        "devices",
+        &[
+            "--device",
+            "cuda",
+            "--devices",
+            "2",
+            "--memory-pool",
+            "expandable",
+        ],
     );
-    let _ = std::fs::remove_dir_all(&d);
+    refused(&out, &["expandable", "one device per process"]);
 }
 
 #[test]
-fn compact_on_cuda_without_a_gpu_is_a_clean_error() {
+fn a_pool_on_cuda_without_a_gpu_is_a_clean_error() {
     // Without the `cuda` feature, or without a GPU, exit 2 with a message; on a GPU machine
     // with a CUDA build the run may succeed, and its start event names the pool.
-    let (d, plan) = tiny_plan_file("cuda");
-    let out = run(&[
-        "--lowered",
-        plan.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--device",
-        "cuda",
-        "--memory-pool",
-        "compact",
-        "--format",
-        "json",
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if out.status.success() {
-        let start = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .find(|v| v["event"] == "start")
-            .expect("a start line");
-        assert_eq!(start["memory_pool"], "compact");
-    } else {
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
-        assert!(
-            stderr.contains("CUDA") || stderr.contains("cuda"),
-            "{stderr}"
+    for pool in ["compact", "expandable"] {
+        let out = run_tiny(
+            &format!("cuda-{pool}"),
+            &[
+                "--device",
+                "cuda",
+                "--memory-pool",
+                pool,
+                "--format",
+                "json",
+            ],
         );
-        assert!(!stderr.contains("panicked"), "{stderr}");
+        if out.status.success() {
+            assert_eq!(start_event(&out)["memory_pool"], pool);
+        } else {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                stderr.contains("CUDA") || stderr.contains("cuda"),
+                "{stderr}"
+            );
+            refused(&out, &[]);
+        }
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn the_cpu_start_event_names_no_pool() {
-    let (d, plan) = tiny_plan_file("start");
-    let out = run(&[
-        "--lowered",
-        plan.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--format",
-        "json",
-    ]);
+    let out = run_tiny("start", &["--format", "json"]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let start = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["event"] == "start")
-        .expect("a start line");
+    let start = start_event(&out);
     assert!(
         start.get("memory_pool").is_some_and(|v| v.is_null()),
         "{start}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
