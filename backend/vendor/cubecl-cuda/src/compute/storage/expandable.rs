@@ -33,7 +33,8 @@ pub(crate) struct ExpandablePage {
     base: CUdeviceptr,
     /// The size asked for, what CubeCL counts as the page.
     asked: u64,
-    /// The address space reserved: `asked` rounded up to `step`.
+    /// The address space reserved: `asked`, at most 9/8 of the device's memory (what
+    /// PyTorch reserves per segment), rounded up to `step`.
     size: u64,
     step: u64,
     device: CUdevice,
@@ -88,7 +89,11 @@ impl ExpandablePage {
             .result()?;
             let granularity = (granularity as u64).max(1);
             let step = step.max(1).next_multiple_of(granularity);
-            let reserved = size.next_multiple_of(step);
+            // More than the device has could never be mapped; a page of 256 GiB of address
+            // space per stream need not be asked of the driver.
+            let mut total = 0usize;
+            sys::cuDeviceTotalMem_v2(&mut total, device).result()?;
+            let reserved = size.min(total as u64 / 8 * 9).next_multiple_of(step);
             let mut base = 0;
             sys::cuMemAddressReserve(&mut base, reserved as usize, granularity as usize, 0, 0)
                 .result()?;
@@ -125,9 +130,14 @@ impl ExpandablePage {
         if end <= self.mapped {
             return Ok(());
         }
+        if end > self.size {
+            // Above what the device could back: out of memory, as a mapping would be.
+            return Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        }
         let bytes = (end - self.mapped)
             .next_multiple_of(self.step)
             .min(self.size - self.mapped);
+        debug_assert_eq!(bytes % self.step, 0);
         let at = self.base + self.mapped;
         let prop = allocation_prop(self.device);
         let access = CUmemAccessDesc {
