@@ -16,8 +16,8 @@
 //! up as slices are handed out (its `compute/storage/expandable.rs`): one
 //! heap, with no page boundaries to leave holes at.
 
-#[cfg(test)]
-mod replay;
+#[cfg(any(test, feature = "pool-replay"))]
+pub mod replay;
 
 /// Which pool configuration the run's CUDA device gets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -156,7 +156,7 @@ pub fn compact_pools() -> Vec<Pool> {
 }
 
 /// The configuration of `choice` as CubeCL takes it; `None`: CubeCL's default.
-#[cfg(any(test, feature = "cuda"))]
+#[cfg(any(test, feature = "cuda", feature = "pool-replay"))]
 pub fn memory_configuration(
     choice: PoolChoice,
 ) -> Option<cubecl_runtime::memory_management::MemoryConfiguration> {
@@ -167,7 +167,7 @@ pub fn memory_configuration(
     }
 }
 
-#[cfg(any(test, feature = "cuda"))]
+#[cfg(any(test, feature = "cuda", feature = "pool-replay"))]
 pub(crate) fn to_cubecl(pools: &[Pool]) -> cubecl_runtime::memory_management::MemoryConfiguration {
     use cubecl_runtime::memory_management::{MemoryConfiguration, MemoryPoolOptions, PoolType};
     MemoryConfiguration::Custom {

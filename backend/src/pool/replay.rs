@@ -172,6 +172,26 @@ pub fn replay(
     }
 }
 
+/// The trace of `steps` steps of the plan `source` (named `name`, its paths relative to
+/// `base_dir`), as `rcoa run` would execute it: parsed, resolved, compiled for its target.
+pub fn plan_trace(
+    name: &str,
+    source: &str,
+    base_dir: &std::path::Path,
+    steps: u32,
+) -> Result<Trace, String> {
+    let file = rcoa_grammar::parse(name, source).map_err(|e| e.to_string())?;
+    let ctx = rcoa_compiler::resolve::ResolveContext {
+        name: name.into(),
+        source: source.into(),
+        base_dir: base_dir.into(),
+    };
+    let spec = rcoa_compiler::resolve::resolve(&file, &ctx).map_err(|e| format!("{e:?}"))?;
+    let c = rcoa_compiler::compile(&spec).map_err(|e| format!("{e:?}"))?;
+    rcoa_compiler::memory::trace::run_trace(&spec, &c.candidate, &c.profile, steps)
+        .map_err(|e| e.to_string())
+}
+
 /// [`replay`] with the pools of `choice` on an H100.
 pub fn replay_choice(trace: &Trace, choice: PoolChoice, persistent_params: bool) -> Replayed {
     replay(
@@ -186,8 +206,6 @@ pub fn replay_choice(trace: &Trace, choice: PoolChoice, persistent_params: bool)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rcoa_compiler::memory::trace::run_trace;
-    use rcoa_compiler::resolve::{resolve, ResolveContext};
     use std::path::PathBuf;
 
     fn bench_dir() -> PathBuf {
@@ -200,15 +218,7 @@ mod tests {
             Some(s) => s.to_string(),
             None => std::fs::read_to_string(bench_dir().join(name)).expect("bench plan"),
         };
-        let file = rcoa_grammar::parse(name, &source).expect("parses");
-        let ctx = ResolveContext {
-            name: name.into(),
-            source: source.clone(),
-            base_dir: bench_dir(),
-        };
-        let spec = resolve(&file, &ctx).expect("resolves");
-        let c = rcoa_compiler::compile(&spec).expect("compiles");
-        run_trace(&spec, &c.candidate, &c.profile, steps).expect("in the trace's scope")
+        plan_trace(name, &source, &bench_dir(), steps).expect("a trace")
     }
 
     /// A pool that gives every allocation a page of exactly its size reserves exactly the
