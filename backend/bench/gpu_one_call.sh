@@ -159,10 +159,11 @@ for pool in expandable compact; do
 import json, sys
 for line in open(sys.argv[1]):
     v = json.loads(line)
-    if v.get("event") in ("start", "step"):
-        continue
-    keys = [k for k in v if any(w in k for w in ("reserved", "peak", "step_seconds", "tokens", "pool"))]
-    print(v.get("event"), {k: v[k] for k in keys})
+    if v.get("event") == "start":
+        print("pool", v.get("memory_pool"))
+    elif v.get("event") == "summary":
+        print({k: v.get(k) for k in ("measured_reserved_bytes", "measured_peak_bytes", "predicted_peak_bytes",
+                                     "first_step_seconds", "steady_step_seconds", "tokens_per_second")})
 PY
 done
 unset RCOA_FLASH_TENSOR_CORES
