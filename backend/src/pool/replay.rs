@@ -405,6 +405,17 @@ target burn
                 ),
             ),
             (
+                "issue 13's ≥ 1B speed shape (speed.py `1b`: Llama-3.2-1B, mb 4 × 2048, fp32 weights)",
+                edit(
+                    &bench("speed350m.plan"),
+                    &[
+                        ("layers = 24  hidden = 1024  heads = 16", "layers = 16  hidden = 2048  heads = 32"),
+                        ("kv_heads = 16  ffn = 2816  vocab = 32000", "kv_heads = 8  ffn = 8192  vocab = 128256"),
+                        ("tie_embeddings = false", "tie_embeddings = true"),
+                    ],
+                ),
+            ),
+            (
                 LARGEST_VOCAB,
                 edit(
                     &bench("llama350m_gc.plan"),
