@@ -75,7 +75,8 @@ pub struct Args {
     device: Device,
     /// CubeCL's memory pools on CUDA: `default` (CubeCL's own), `compact` (reserves less
     /// beyond the bytes in use) or `expandable` (one heap of address space, backed by
-    /// device memory as it is used: the least; docs/memory-pool.md).
+    /// device memory as it is used: the least in replays, not yet run on a GPU;
+    /// docs/memory-pool.md).
     #[arg(long, value_name = "POOL", default_value = "default")]
     memory_pool: rcoa_backend::pool::PoolChoice,
     #[arg(long, value_enum, default_value = "text")]
