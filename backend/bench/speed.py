@@ -147,6 +147,11 @@ def run_torch(a, shape, engine):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def rcoa_engine(a):
+    """The name of rcoa's row: with the memory pool when one was asked for."""
+    return "rcoa run (burn)" + (f", {a.rcoa_memory_pool} pool" if a.rcoa_memory_pool else "")
+
+
 def run_rcoa(a, shape, out):
     s = SHAPES[shape]
     plan = os.path.join(out, f"speed-{shape}.plan")
@@ -156,6 +161,8 @@ def run_rcoa(a, shape, out):
     if a.cold:
         env["RCOA_CACHE_DIR"] = tempfile.mkdtemp(prefix="rcoa-cold-cache-")
     cmd = [a.rcoa, "run", plan, "--device", a.device, "--steps", str(a.steps), "--format", "json"]
+    if a.rcoa_memory_pool:
+        cmd += ["--memory-pool", a.rcoa_memory_pool]
     t0 = time.perf_counter()
     rc, stdout, stderr = run_capped(cmd, a.timeout, env)
     wall = time.perf_counter() - t0
@@ -167,13 +174,14 @@ def run_rcoa(a, shape, out):
     event = lambda name: next((json.loads(l) for l in stdout.splitlines() if f'"{name}"' in l), None)
     summary = event("summary")
     if rc != 0 or summary is None:
-        return {"engine": "rcoa run (burn)", "error": stderr.strip().splitlines()[-3:] or ["failed"]}
+        return {"engine": rcoa_engine(a), "error": stderr.strip().splitlines()[-3:] or ["failed"]}
     # A cold cache is compiled on every core before the first step (docs/cold-start.md):
     # the user waits for that and the first step together.
     ahead = event("compiled_ahead")
     ahead_s = ahead["record_seconds"] + ahead["compile_seconds"] if ahead else 0.0
     return {
-        "engine": "rcoa run (burn)",
+        "engine": rcoa_engine(a),
+        "memory_pool": a.rcoa_memory_pool or "default",
         "steady_step_seconds": summary["steady_step_seconds"],
         "first_step_seconds": ahead_s + summary["first_step_seconds"],
         "compiled_ahead_seconds": ahead_s,
@@ -200,6 +208,8 @@ def main():
     ap.add_argument("--engines", default="rcoa,eager,compile")
     ap.add_argument("--rcoa-attention", choices=["flash", "eager", "sdpa"], default=None,
                     help="`train { attention = ... }` of rcoa's plan (flash: the fused kernels)")
+    ap.add_argument("--rcoa-memory-pool", choices=["default", "compact", "expandable"], default=None,
+                    help="`rcoa run --memory-pool` (CUDA; docs/memory-pool.md)")
     ap.add_argument("--cold", action="store_true", help="rcoa starts from an empty kernel cache")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")
