@@ -17,11 +17,6 @@ const PLANS: &[&str] = &[
     "llama1b_pool.plan",
     "llama350m_gc.plan",
 ];
-const POOLS: [PoolChoice; 3] = [
-    PoolChoice::Default,
-    PoolChoice::Compact,
-    PoolChoice::Expandable,
-];
 
 /// The fastest of at least three replays and at least `budget` of them in all.
 fn fastest(budget: Duration, mut replay: impl FnMut()) -> Duration {
@@ -50,7 +45,8 @@ fn main() {
             .filter(|e| matches!(e, Event::Alloc { .. }))
             .count();
         let mut default = None;
-        for pool in POOLS {
+        // Default first: the others' ratios are to it.
+        for pool in PoolChoice::ALL {
             let mut factor = 0.0;
             let t = fastest(Duration::from_secs(1), || {
                 factor = replay_choice(&trace, pool, false).factor();

@@ -32,14 +32,13 @@ pub enum PoolChoice {
 }
 
 impl PoolChoice {
-    const ALL: [PoolChoice; 3] = [
+    /// Every choice, in the order `--memory-pool` lists them.
+    pub const ALL: [PoolChoice; 3] = [
         PoolChoice::Default,
         PoolChoice::Compact,
         PoolChoice::Expandable,
     ];
-}
 
-impl PoolChoice {
     pub fn as_str(self) -> &'static str {
         match self {
             PoolChoice::Default => "default",

@@ -289,32 +289,17 @@ mod tests {
             min_page: 1 << 30,
             step: MIB,
         };
-        let r = replay(
-            &trace,
-            Some(config.clone()),
-            Some(exact),
-            H100_MEMORY,
-            false,
-        );
+        let with = |expansion| replay(&trace, Some(config.clone()), expansion, H100_MEMORY, false);
+        let r = with(Some(exact));
         assert_eq!((r.in_use, r.reserved), (11 * MIB, 12 * MIB));
         // Mapped in steps of 5 MiB: 5 (the first slice's 3), 10 (to 8), 15 (to 12).
         let coarse = Expansion {
             step: 5 * MIB,
             ..exact
         };
-        let r = replay(
-            &trace,
-            Some(config.clone()),
-            Some(coarse),
-            H100_MEMORY,
-            false,
-        );
-        assert_eq!(r.reserved, 15 * MIB);
+        assert_eq!(with(Some(coarse)).reserved, 15 * MIB);
         // Without expansion the page is allocated whole.
-        assert_eq!(
-            replay(&trace, Some(config), None, H100_MEMORY, false).reserved,
-            1 << 30
-        );
+        assert_eq!(with(None).reserved, 1 << 30);
     }
 
     const TINY: &str = r#"

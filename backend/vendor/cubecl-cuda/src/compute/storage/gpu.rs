@@ -205,8 +205,8 @@ impl ComputeStorage for GpuStorage {
 
     fn get(&mut self, handle: &StorageHandle) -> Self::Resource {
         let ptr = match self.memory.get(&handle.id) {
-            Some((ptr, _)) => ptr,
-            None => &self
+            Some((ptr, _)) => *ptr,
+            None => self
                 .expandable
                 .get(&handle.id)
                 .expect("Storage handle not found")
