@@ -18,23 +18,23 @@ use cubecl::prelude::*;
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{
     dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, stage_tile,
-    unmasked, MASKED,
+    staged_ld, unmasked, MASKED,
 };
 
-/// `Σ_c a[row · dim + c] · b[row · dim + c]` over two staged `[rows, dim]`
-/// tiles, in fp32: the D term `rowsum(dO ∘ O)` of one row. Unit `u` starts
-/// at column `u` and wraps around, so a plane's units, one row each, read
-/// different banks (rows of 64 or 128 16-bit values all start in bank 0: in
-/// step, every unit would read the same bank).
+/// `Σ_c a[row · ld + c] · b[row · ld + c]` over two staged `[rows, dim]`
+/// tiles (rows `ld` apart), in fp32: the D term `rowsum(dO ∘ O)` of one row.
+/// Unit `u` starts at column `u` and wraps around, so a plane's units, one
+/// row each, read different banks (even padded rows start in only 8 banks).
 #[cube]
 fn staged_row_dot<F: Float>(
     a: &SharedMemory<F>,
     b: &SharedMemory<F>,
     row: usize,
     #[comptime] dim: usize,
+    #[comptime] ld: usize,
 ) -> f32 {
     let mut sum = f32::new(0.0);
-    let start = row * dim;
+    let start = row * ld;
     for c in 0..dim {
         let cc = start + (c + row) % dim;
         sum += f32::cast_from(a[cc]) * f32::cast_from(b[cc]);
@@ -104,12 +104,14 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     let live = j < t;
     let jr = min(j, t - 1);
 
-    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    // The staged tiles' rows are padded (`staged_ld`).
+    let hd_ld = comptime![staged_ld(head_dim)];
+    let mut ks = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut qs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     // O's rows, for D = rowsum(dO ∘ O).
-    let mut os = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    let mut os = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     // Row strides of the tiles units take one row each (`PAD_F32`).
     let s_ld = block + PAD_F32;
     let out_ld = head_dim + PAD_F32;
@@ -126,8 +128,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim);
-    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim);
+    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim, hd_ld);
+    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim, hd_ld);
     let mut dk = Array::<f32>::new(part);
     let mut dv = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -150,9 +152,9 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
         let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim);
-            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim);
-            stage_tile::<F, N>(o, &mut os, obase, i0, s, block, head_dim);
+            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld);
+            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld);
+            stage_tile::<F, N>(o, &mut os, obase, i0, s, block, head_dim, hd_ld);
             // The first `block` units write query row i0 + unit's LSE and
             // D (whole planes: the others skip it together).
             let ir = min(i0 + unit, s - 1);
@@ -167,17 +169,17 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             // reading its own rows from global memory touched a cache line
             // per unit). Read after the next barrier.
             if unit < block {
-                drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim);
+                drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim, hd_ld);
             }
 
             block_product::<F>(
-                &ks, dim, &qs, dim, true, &mut work, 0, s_ld, block, block, dim, products,
+                &ks, hd_ld, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
             );
             block_product::<F>(
                 &vs,
-                dim,
+                hd_ld,
                 &dos,
-                dim,
+                hd_ld,
                 true,
                 &mut work,
                 block * s_ld,
@@ -220,7 +222,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             sync_cube();
 
             block_product::<F>(
-                &pt, p_ld, &dos, dim, false, &mut work, 0, out_ld, block, dim, block, products,
+                &pt, p_ld, &dos, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -229,7 +231,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             }
             sync_cube();
             block_product::<F>(
-                &dst, p_ld, &qs, dim, false, &mut work, 0, out_ld, block, dim, block, products,
+                &dst, p_ld, &qs, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -308,10 +310,12 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let live = row < s;
     let r = min(row, s - 1);
 
-    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut dos = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    // The staged tiles' rows are padded (`staged_ld`).
+    let hd_ld = comptime![staged_ld(head_dim)];
+    let mut qs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut ks = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     let s_ld = block + PAD_F32;
     let out_ld = head_dim + PAD_F32;
     let p_ld = block + PAD_HALF;
@@ -322,14 +326,14 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim);
-    stage_tile::<F, N>(d_o, &mut dos, dobase, first, s, block, head_dim);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld);
+    stage_tile::<F, N>(d_o, &mut dos, dobase, first, s, block, head_dim, hd_ld);
     // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
     // before the key blocks need it; and its LSE.
     let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim);
+    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim, hd_ld);
     sync_cube();
-    let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim);
+    let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim, hd_ld);
     sync_cube();
     let mut dq = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -343,18 +347,18 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld);
         sync_cube();
 
         block_product::<F>(
-            &qs, dim, &ks, dim, true, &mut work, 0, s_ld, block, block, dim, products,
+            &qs, hd_ld, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
         );
         block_product::<F>(
             &dos,
-            dim,
+            hd_ld,
             &vs,
-            dim,
+            hd_ld,
             true,
             &mut work,
             block * s_ld,
@@ -395,7 +399,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &dss, p_ld, &ks, dim, false, &mut work, 0, out_ld, block, dim, block, products,
+            &dss, p_ld, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         #[unroll(unroll)]

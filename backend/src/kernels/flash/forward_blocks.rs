@@ -7,7 +7,8 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, unmasked, MASKED,
+    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, staged_ld, unmasked,
+    MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)` with
@@ -84,9 +85,11 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let live = row < s;
     let r = min(row, s - 1);
 
-    let mut qs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut ks = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(block * head_dim, 128usize);
+    // Q, K and V with padded rows (`staged_ld`).
+    let hd_ld = comptime![staged_ld(head_dim)];
+    let mut qs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut ks = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     // Row strides of the tiles units take one row each (`PAD_F32`).
     let s_ld = block + PAD_F32;
     let out_ld = head_dim + PAD_F32;
@@ -101,7 +104,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld);
 
     let mut acc = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -116,12 +119,12 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld);
         sync_cube();
 
         block_product::<F>(
-            &qs, dim, &ks, dim, true, &mut s32, 0, s_ld, block, block, dim, products,
+            &qs, hd_ld, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, dim, products,
         );
         sync_cube();
 
@@ -176,7 +179,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &ps, p_ld, &vs, dim, false, &mut s32, 0, out_ld, block, dim, block, products,
+            &ps, p_ld, &vs, hd_ld, false, &mut s32, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         #[unroll(unroll)]

@@ -22,6 +22,7 @@ use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
 use super::launch::{FlashDims, FlashLaunch};
 use super::mma::{Products, PAD_F32, PAD_HALF};
+use super::tile::staged_ld;
 
 const SM: u32 = 90;
 
@@ -183,8 +184,8 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             Products::TensorCores,
             float(kind),
         );
-        // Q, K, V and P; S (then P V), the last three with padded rows.
-        let tiles16 = 3 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
+        // Q, K, V and P, their rows padded; S (then P V), rows padded.
+        let tiles16 = 3 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
     }
@@ -194,9 +195,9 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
     for (kind, head_dim, causal, padding, dropout) in tensor_core_variants() {
-        // K, V, Q, dO, O and two score tiles; S and dP (then the products),
-        // the rows of the last three padded.
-        let tiles16 = 5 * BLOCK * head_dim + 2 * BLOCK * (BLOCK + PAD_HALF);
+        // K, V, Q, dO, O and two score tiles; S and dP (then the products);
+        // every tile's rows padded.
+        let tiles16 = 5 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         let split = FlashLaunch::units_per_row(BLOCK, head_dim);
         let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout}");
@@ -260,7 +261,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             Products::TensorCores,
             float(kind),
         );
-        let tiles16 = 4 * BLOCK * head_dim + BLOCK * (BLOCK + PAD_HALF);
+        let tiles16 = 4 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
     }
 }

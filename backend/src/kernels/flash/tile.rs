@@ -16,6 +16,8 @@
 
 use cubecl::prelude::*;
 
+use super::mma::PAD_HALF;
+
 /// The score of an excluded (future or out-of-range) key: below any real
 /// score, so `exp(x − max)` is 0 and a max over a block ignores it. Finite:
 /// WGSL has no infinity literal.
@@ -48,6 +50,16 @@ pub fn stage_rows<F: Float>(
     }
 }
 
+/// The row stride, in elements, of a staged `[rows, head_dim]` tile of the
+/// block-product kernels: each row padded by [`PAD_HALF`] (16 bytes). The
+/// tiles are the operands of the block products, read 16 rows at a time;
+/// rows 128 or 256 bytes apart all start in the same shared-memory bank, so
+/// a plane's fragment load took 4 times the cycles it needs (rows 144 bytes
+/// apart start 4 banks on). A multiple of 16 bytes, as wmma wants.
+pub const fn staged_ld(head_dim: usize) -> usize {
+    head_dim + PAD_HALF
+}
+
 /// [`stage_rows`] for the block-product kernels, which stage the input type
 /// as it is: `src` is read `N` consecutive elements at a time (two 16-bit
 /// values; the launch picks `N` and says why no more:
@@ -55,8 +67,10 @@ pub fn stage_rows<F: Float>(
 /// and stores them one by one. With `N > 1` the last dim must be
 /// contiguous and `base`, the row stride and `dim` multiples of `N` (the
 /// launch checks); shapes, strides and `base` are in elements, indices in
-/// vectors.
+/// vectors. Row `i` of the tile starts at element `i · ld` of `dst`
+/// ([`staged_ld`]).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn stage_tile<F: Float, N: Size>(
     src: &Tensor<Vector<F, N>>,
     dst: &mut SharedMemory<F>,
@@ -65,6 +79,7 @@ pub fn stage_tile<F: Float, N: Size>(
     n: usize,
     #[comptime] rows: usize,
     #[comptime] dim: usize,
+    #[comptime] ld: usize,
 ) {
     let width = src.vector_size();
     let per_row = comptime![dim / width];
@@ -79,9 +94,10 @@ pub fn stage_tile<F: Float, N: Size>(
             (base + r * src.stride(2)) / width + col
         };
         let v = src[at];
+        let to = (e / per_row) * ld + col * width;
         #[unroll]
         for i in 0..width {
-            dst[e * width + i] = v[i];
+            dst[to + i] = v[i];
         }
         e += units;
     }
