@@ -373,11 +373,9 @@ fn burn_70b_on_eight_80gb_gpus_with_zero_3_and_optimizer_offload() {
     assert!(fits(&v), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(v["resolved"]["zero"], 3);
     assert_eq!(v["resolved"]["offload"][0], "optimizer:cpu");
-    for alt in [
-        "offload = []",
-        "offload = [optimizer:cpu]",
-        "offload = [params:cpu]",
-    ] {
+    // The optimizer's state and the gradient accumulator must leave the GPU; the weight
+    // shards may stay (they do under `compact`'s pool factors since 2026-11-28f).
+    for alt in ["offload = []", "offload = [params:cpu]"] {
         assert!(rejected_over_budget(&v, alt), "{alt}: {:?}", rejected(&v));
     }
     assert!(rejected(&v)

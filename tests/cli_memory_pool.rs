@@ -49,8 +49,8 @@ fn an_unknown_pool_is_a_usage_error() {
 }
 
 #[test]
-fn compact_or_expandable_on_the_cpu_is_refused() {
-    for pool in ["compact", "expandable"] {
+fn any_pool_on_the_cpu_is_refused() {
+    for pool in ["compact", "expandable", "cubecl"] {
         let out = run_tiny(&format!("cpu-{pool}"), &["--memory-pool", pool]);
         refused(&out, &["--device cuda"]);
     }
@@ -76,20 +76,13 @@ fn expandable_with_two_devices_in_a_process_is_refused() {
 fn a_pool_on_cuda_without_a_gpu_is_a_clean_error() {
     // Without the `cuda` feature, or without a GPU, exit 2 with a message; on a GPU machine
     // with a CUDA build the run may succeed, and its start event names the pool.
-    for pool in ["compact", "expandable"] {
-        let out = run_tiny(
-            &format!("cuda-{pool}"),
-            &[
-                "--device",
-                "cuda",
-                "--memory-pool",
-                pool,
-                "--format",
-                "json",
-            ],
-        );
+    // No flag: `compact`, the default.
+    for pool in [None, Some("compact"), Some("expandable"), Some("cubecl")] {
+        let mut args = vec!["--device", "cuda", "--format", "json"];
+        args.extend(pool.iter().flat_map(|p| ["--memory-pool", *p]));
+        let out = run_tiny(&format!("cuda-{}", pool.unwrap_or("none")), &args);
         if out.status.success() {
-            assert_eq!(start_event(&out)["memory_pool"], pool);
+            assert_eq!(start_event(&out)["memory_pool"], pool.unwrap_or("compact"));
         } else {
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert!(

@@ -73,12 +73,12 @@ pub struct Args {
     steps: u64,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
-    /// CubeCL's memory pools on CUDA: `default` (CubeCL's own), `compact` (reserves less
-    /// beyond the bytes in use) or `expandable` (one heap of address space, backed by
-    /// device memory as it is used: the least in replays, not yet run on a GPU;
-    /// docs/memory-pool.md).
-    #[arg(long, value_name = "POOL", default_value = "default")]
-    memory_pool: rcoa_backend::pool::PoolChoice,
+    /// CubeCL's memory pools on CUDA: `compact` (the default: pages that do not grow with
+    /// the card; what `target burn`'s `fits` assumes), `expandable` (one heap of address
+    /// space, backed by device memory as it is used: the least measured, one device per
+    /// process) or `cubecl` (CubeCL's own, which reserve more; docs/memory-pool.md).
+    #[arg(long, value_name = "POOL")]
+    memory_pool: Option<rcoa_backend::pool::PoolChoice>,
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
     /// Train on this file instead of synthetic tokens: JSONL `{"text": …}` documents,
@@ -336,13 +336,14 @@ pub fn run(args: Args) -> ExitCode {
     if dist.is_some() {
         quiet_collective_panics();
     }
-    if args.memory_pool != rcoa_backend::pool::PoolChoice::Default && args.device != Device::Cuda {
+    if args.memory_pool.is_some() && args.device != Device::Cuda {
         eprintln!(
             "rcoa run: --memory-pool configures CubeCL's pools on CUDA; use it with --device cuda"
         );
         return ExitCode::from(2);
     }
-    if args.memory_pool == rcoa_backend::pool::PoolChoice::Expandable && args.devices > 1 {
+    let memory_pool = args.memory_pool.unwrap_or_default();
+    if memory_pool == rcoa_backend::pool::PoolChoice::Expandable && args.devices > 1 {
         // Its memory is mapped for its own device only: a copy between two devices of
         // one process (how their ranks meet) could not read it.
         eprintln!(
@@ -352,7 +353,7 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    rcoa_backend::pool::select(args.memory_pool);
+    rcoa_backend::pool::select(memory_pool);
     if args.profile_kernels {
         let refused = if args.device != Device::Cuda {
             Err("--profile-kernels times CUDA kernels; use it with --device cuda".to_string())
@@ -435,7 +436,7 @@ pub fn run(args: Args) -> ExitCode {
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
                         "ranks": ranks, "zero": s.zero, "offload": s.offload,
                         "weights": plan.model.weights,
-                        "memory_pool": (args.device == Device::Cuda).then(|| args.memory_pool.as_str()),
+                        "memory_pool": (args.device == Device::Cuda).then(|| memory_pool.as_str()),
                     }))
                 );
             } else if text {

@@ -22,26 +22,29 @@ pub mod replay;
 /// Which pool configuration the run's CUDA device gets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PoolChoice {
-    /// CubeCL's own (`SubSlices`), what every measurement so far used.
+    /// [`compact_pools`]: rcoa's default since 2026-11-28f. CubeCL's own pools size their
+    /// pages from the device's memory, so their waste grows with the card (replayed up to
+    /// 2.1 × the bytes in use on an H200); these pages do not, and `target burn`'s `fits`
+    /// factors are measured on them (docs/memory-pool.md).
     #[default]
-    Default,
-    /// [`compact_pools`].
     Compact,
     /// [`expandable_pools`], with [`EXPANSION`].
     Expandable,
+    /// CubeCL's own (`SubSlices`), what the measurements before 2026-11-28f used.
+    Cubecl,
 }
 
 impl PoolChoice {
-    /// Every choice, in the order `--memory-pool` lists them.
+    /// Every choice, the default first, in the order `--memory-pool` lists them.
     pub const ALL: [PoolChoice; 3] = [
-        PoolChoice::Default,
         PoolChoice::Compact,
         PoolChoice::Expandable,
+        PoolChoice::Cubecl,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
-            PoolChoice::Default => "default",
+            PoolChoice::Cubecl => "cubecl",
             PoolChoice::Compact => "compact",
             PoolChoice::Expandable => "expandable",
         }
@@ -56,8 +59,8 @@ impl std::str::FromStr for PoolChoice {
             .find(|c| c.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown memory pool `{s}`: use `default` (CubeCL's own), `compact` or \
-                     `expandable`"
+                    "unknown memory pool `{s}`: use `compact` (the default), `expandable` or \
+                     `cubecl` (CubeCL's own pools)"
                 )
             })
     }
@@ -160,7 +163,7 @@ pub fn memory_configuration(
     choice: PoolChoice,
 ) -> Option<cubecl_runtime::memory_management::MemoryConfiguration> {
     match choice {
-        PoolChoice::Default => None,
+        PoolChoice::Cubecl => None,
         PoolChoice::Compact => Some(to_cubecl(&compact_pools())),
         PoolChoice::Expandable => Some(to_cubecl(&expandable_pools())),
     }
@@ -203,7 +206,7 @@ pub fn select(choice: PoolChoice) {
     SELECTED.store(index as u8, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// What [`select`] chose ([`PoolChoice::Default`] when nothing did).
+/// What [`select`] chose (the default, [`PoolChoice::Compact`], when nothing did).
 pub fn selected() -> PoolChoice {
     PoolChoice::ALL[SELECTED.load(std::sync::atomic::Ordering::SeqCst) as usize]
 }
@@ -253,10 +256,10 @@ pub fn configure(choice: PoolChoice) -> Result<(), crate::RunError> {
     if unused {
         Ok(())
     } else {
-        *applied = Some(PoolChoice::Default);
+        *applied = Some(PoolChoice::Cubecl);
         Err(crate::RunError::Backend(format!(
             "--memory-pool {} came after this process had already used the GPU with CubeCL's \
-             default pools, which stay; run it in a fresh process",
+             own pools, which stay; run it in a fresh process",
             choice.as_str()
         )))
     }
@@ -265,6 +268,39 @@ pub fn configure(choice: PoolChoice) -> Result<(), crate::RunError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The compiler's page for a tensor under `compact` (`fits`' term for the flat exchange
+    /// vector) is the page these pools give it, or for an exclusive pool its bound.
+    #[test]
+    fn the_compiler_knows_the_compact_pages() {
+        let pools = compact_pools();
+        for bytes in [
+            1u64,
+            MIB,
+            MIB + 1,
+            536_423_424,
+            PAGE,
+            PAGE + 1,
+            3 << 30,
+            40 << 30,
+        ] {
+            let page = pools
+                .iter()
+                .find_map(|p| match *p {
+                    Pool::Sliced { page, max_slice } if bytes <= max_slice => Some(page),
+                    Pool::Exclusive { max_alloc } if max_alloc > 0 && bytes <= max_alloc => {
+                        Some(max_alloc)
+                    }
+                    _ => None,
+                })
+                .expect("a pool takes it");
+            assert_eq!(
+                rcoa_compiler::memory::parallel::compact_pool_page(bytes),
+                page,
+                "{bytes} B"
+            );
+        }
+    }
 
     #[test]
     fn compact_pools_cover_every_size_in_order() {
@@ -293,25 +329,27 @@ mod tests {
         let mut applied = None;
         assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(true));
         assert_eq!(settle(&mut applied, PoolChoice::Compact), Ok(false));
-        let e = settle(&mut applied, PoolChoice::Default).unwrap_err();
+        let e = settle(&mut applied, PoolChoice::Cubecl).unwrap_err();
         assert!(
             e.contains("fresh process") && e.contains("compact pools"),
             "{e}"
         );
         let mut applied = None;
-        assert_eq!(settle(&mut applied, PoolChoice::Default), Ok(true));
+        assert_eq!(settle(&mut applied, PoolChoice::Cubecl), Ok(true));
         assert!(settle(&mut applied, PoolChoice::Compact).is_err());
     }
 
     #[test]
     fn selection_is_remembered() {
-        assert_eq!(selected(), PoolChoice::Default);
+        assert_eq!(selected(), PoolChoice::Compact);
+        select(PoolChoice::Cubecl);
+        assert_eq!(selected(), PoolChoice::Cubecl);
         select(PoolChoice::Compact);
         assert_eq!(selected(), PoolChoice::Compact);
         select(PoolChoice::Expandable);
         assert_eq!(selected(), PoolChoice::Expandable);
-        select(PoolChoice::Default);
-        assert_eq!(selected(), PoolChoice::Default);
+        select(PoolChoice::Compact);
+        assert_eq!(selected(), PoolChoice::Compact);
     }
 
     #[test]
@@ -321,7 +359,7 @@ mod tests {
         }
         let e = "big".parse::<PoolChoice>().unwrap_err();
         assert!(
-            e.contains("`default`") && e.contains("`compact`") && e.contains("`expandable`"),
+            e.contains("`cubecl`") && e.contains("`compact`") && e.contains("`expandable`"),
             "{e}"
         );
     }

@@ -23,6 +23,8 @@ use std::sync::Arc;
 
 /// `cuDeviceTotalMem` of the H100 80GB HBM3 of docs/burn-h100.md (its runs' `total_B`).
 pub const H100_MEMORY: u64 = 85_017_493_504;
+/// An H200's memory as CUDA reports it: CubeCL's default pool sizes its pages from it.
+pub const H200_MEMORY: u64 = 150_754_820_096;
 
 /// A storage of ids only: what CubeCL's pools ask of the device, counted.
 #[derive(Default)]
@@ -423,23 +425,46 @@ target burn
     /// `bench/h100-results/2026-11-25/call2/speed350-compact-rcoa.jsonl`).
     const MEASURED_COMPACT: &[(&str, u64)] = &[("speed350m.plan", 33_361_494_016)];
 
-    /// The compact pool measured against its replay: reserved ÷ the replay's highest
-    /// bytes in use (printed for docs/memory-pool.md). Not a bar: the measurement is
-    /// over the 1.1 where the replay is under it, and the table records both.
+    /// The speed plan with `attention = flash`, as `gpu_one_call.sh` ran it on an H200
+    /// (2026-11-28f): the pool, and `measured_reserved_bytes` and `measured_peak_bytes`
+    /// (`bench/h100-results/2026-11-28f/pool-*.jsonl`, 6 steps).
+    const MEASURED_FLASH_H200: &[(PoolChoice, u64, u64)] = &[
+        (PoolChoice::Compact, 20_484_980_736, 16_313_268_736),
+        (PoolChoice::Expandable, 19_608_371_200, 16_313_268_736),
+    ];
+
+    /// The pools measured against their replays: reserved ÷ the replay's highest bytes in
+    /// use (printed for docs/memory-pool.md). Not a bar: the measurements are over the
+    /// issue's 1.1 where the replays are under it, and the table records both.
     #[test]
-    fn compact_pool_measured_beside_its_replay() {
-        println!("| plan | highest in use (B) | compact measured (H100) | compact (replay) | expandable (replay) |");
-        println!("| --- | ---: | ---: | ---: | ---: |");
-        for (plan, reserved) in MEASURED_COMPACT {
-            let trace = trace_of(plan, None, 3);
-            let c = replay_choice(&trace, PoolChoice::Compact, false);
-            let e = replay_choice(&trace, PoolChoice::Expandable, false);
-            let measured = *reserved as f64 / c.in_use as f64;
+    fn pools_measured_beside_their_replays() {
+        println!("| plan | pool | highest in use, replay (B) | sampled peak, measured (B) | reserved ÷ replay's in use, measured | replay |");
+        println!("| --- | --- | ---: | ---: | ---: | ---: |");
+        let flash = std::fs::read_to_string(bench_dir().join("speed350m.plan"))
+            .expect("bench plan")
+            .replace("grad_accum = 1", "grad_accum = 1\n  attention = flash");
+        let rows = MEASURED_COMPACT
+            .iter()
+            .map(|(plan, reserved)| (plan.to_string(), None, PoolChoice::Compact, *reserved, None))
+            .chain(MEASURED_FLASH_H200.iter().map(|(pool, reserved, peak)| {
+                (
+                    "speed350m.plan, attention = flash (H200)".to_string(),
+                    Some(flash.as_str()),
+                    *pool,
+                    *reserved,
+                    Some(*peak),
+                )
+            }));
+        for (plan, source, pool, reserved, peak) in rows {
+            let trace = trace_of("speed350m.plan", source, 3);
+            let r = replay_choice(&trace, pool, false);
+            let measured = reserved as f64 / r.in_use as f64;
             println!(
-                "| {plan} | {} | {measured:.3} | {:.3} | {:.3} |",
-                c.in_use,
-                c.factor(),
-                e.factor()
+                "| {plan} | {} | {} | {} | {measured:.3} | {:.3} |",
+                pool.as_str(),
+                r.in_use,
+                peak.map_or("—".into(), |p| p.to_string()),
+                r.factor()
             );
             // The replay's bytes in use are the model's: below them no pool could reserve.
             assert!(measured >= 1.0, "{plan}: reserved below the bytes in use");
@@ -476,19 +501,21 @@ target burn
     /// every row but those [`OVER_THE_BAR`] names, which may not grow.
     #[test]
     fn compact_and_expandable_pools_reserve_at_most_1_1_times_the_bytes_in_use() {
-        println!("| plan | highest in use (B) | measured (H100) | default (replay) | compact (replay) | compact, parameters persistent | expandable (replay) |");
-        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| plan | highest in use (B) | measured (H100) | default (replay) | default on an H200 (replay) | compact (replay) | compact, parameters persistent | expandable (replay) |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         let mut over = Vec::new();
         for (name, trace, measured) in rows() {
-            let d = replay_choice(&trace, PoolChoice::Default, false);
+            let d = replay_choice(&trace, PoolChoice::Cubecl, false);
+            let d200 = replay(&trace, None, None, H200_MEMORY, false);
             let c = replay_choice(&trace, PoolChoice::Compact, false);
             let cp = replay_choice(&trace, PoolChoice::Compact, true);
             let e = replay_choice(&trace, PoolChoice::Expandable, false);
             println!(
-                "| {name} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |",
+                "| {name} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
                 d.in_use,
                 measured.map_or("—".into(), |m| format!("{m:.3}")),
                 d.factor(),
+                d200.factor(),
                 c.factor(),
                 cp.factor(),
                 e.factor()

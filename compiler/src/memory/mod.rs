@@ -619,14 +619,11 @@ fn evaluate_stage(
     let mut pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
     if let Some(x) = exchange.filter(|_| cand.data > 1) {
         // The exchange comes after the step's other tensors, and its flat vector is the
-        // largest tensor of the run: CubeCL's default pool takes a new page of that
-        // vector's size class for it (4.95 GiB for 0.54 GB on an H100), and keeps it. A
-        // ZeRO-2 run over two processes reserved 11.58 GB for 4.59 GB in use: about the
-        // pool factor's 1.35 x, and that page (docs/burn-h100.md, "2026-11-25c").
-        pool += x.at_step_end.max(parallel::default_pool_page(
-            spec.hardware.gpu.memory_bytes,
-            x.flat,
-        ));
+        // largest tensor of the run: the pool may take a new page for it, and keeps it
+        // (CubeCL's default pool took a 4.95 GiB page for 0.54 GB on an H100 and reserved
+        // 11.58 GB for 4.59 GB in use, docs/burn-h100.md, "2026-11-25c"; `compact`'s page
+        // for it is at most 1 GiB, or the vector's own size above that).
+        pool += x.at_step_end.max(parallel::compact_pool_page(x.flat));
     }
     let reserve = spec.fit.reserve.unwrap_or(profile.default_reserve_bytes) + pool;
     let unit_bytes = tape

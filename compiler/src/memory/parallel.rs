@@ -242,30 +242,25 @@ pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<Bu
     }
 }
 
-/// The page CubeCL 0.10's default pool (`MemoryConfiguration::SubSlices`, `cubecl-runtime`
-/// `memory_manage.rs`) takes for a new tensor of `bytes` on a GPU of `memory` bytes (the
-/// CUDA runtime's `max_page_size` is a quarter of it). Its pools, smallest first: pages of
-/// `max_page / 4^k` (k = 1, 2, ... while the page divided was at least 32 MiB) holding
-/// slices up to `page / 2^k`, then pages of `max_page` holding anything up to a page. The
-/// first pool that accepts the size takes it: the size fits its slices, or it fills 80 % of
-/// its page or more. So on an H100 a 0.5 GB tensor takes a 4.95 GiB page, a 3 GB one a
-/// 19.8 GiB page.
-pub fn default_pool_page(memory: u64, bytes: u64) -> u64 {
+/// The page `rcoa run`'s default pools (`--memory-pool compact`, `backend/src/pool`) take
+/// for a new tensor of `bytes`: 8 MiB pages hold tensors up to 1 MiB, 1 GiB pages anything
+/// up to 1 GiB, and a larger tensor gets a page of its own, at most the size of the first
+/// exclusive pool that takes it (1 GiB × 1.04^k). Mirrors `compact_pools` (the compiler does
+/// not link the backend; the backend's tests hold the two equal).
+pub fn compact_pool_page(bytes: u64) -> u64 {
     const MIB: u64 = 1 << 20;
-    let max_page = memory / 4;
-    let mut pools = Vec::new();
-    let (mut page, mut k) = (max_page, 1u32);
-    while page >= 32 * MIB {
-        page /= 4;
-        pools.push((page, page >> k));
-        k += 1;
+    const PAGE: u64 = 1 << 30;
+    if bytes <= MIB {
+        return 8 * MIB;
     }
-    pools.reverse();
-    pools.push((max_page, max_page));
-    pools
-        .into_iter()
-        .find(|&(page, slice)| bytes <= slice || (bytes <= page && (page - bytes) * 5 < page))
-        .map_or(bytes, |(page, _)| page)
+    if bytes <= PAGE {
+        return PAGE;
+    }
+    let mut max = PAGE as f64;
+    while (max as u64) < bytes {
+        max *= 1.04;
+    }
+    (max as u64).next_multiple_of(512)
 }
 
 /// [`super::evaluate_on`] plus the layout's per-rank terms, for each of [`super::stages`].
@@ -829,25 +824,29 @@ pub fn shard_sequence(tape: &mut super::tape::Tape, tokens: u64, hidden: u64, te
 mod tests {
     use super::*;
 
-    /// CubeCL 0.10's default pools on an H100 (85,017,493,504 bytes: a 19.8 GiB max page),
-    /// as its `memory_manage.rs` computes them: pages of 19.8 MiB (slices up to 0.62 MiB),
-    /// 79.2 MiB (4.95), 317 MiB (39.6), 1.24 GiB (317 MiB), 4.95 GiB (2.47 GiB) and 19.8 GiB.
+    /// The compact pools' pages, as `backend/src/pool`'s `compact_pools` sizes them.
     #[test]
-    fn default_pool_pages_on_an_h100() {
-        let h100 = 85_017_493_504u64;
-        let max = h100 / 4;
-        let page = |b: u64| default_pool_page(h100, b);
-        assert_eq!(page(1 << 10), max / 1024);
-        assert_eq!(page(4 << 20), max / 256);
-        assert_eq!(page(200 << 20), max / 16);
-        // The ZeRO-2 flat vector of the 125M decoder: a 4.95 GiB page.
-        assert_eq!(page(536_423_424), max / 4);
-        assert_eq!(page(2 << 30), max / 4);
-        // Too large for the 4.95 GiB pages' slices, too small to fill 80 % of one.
-        assert_eq!(page(3 << 30), max);
-        // 80 % of a page or more takes that page whole.
-        assert_eq!(page(max / 4 - (max / 4) / 10), max / 4);
-        assert_eq!(page(max), max);
+    fn compact_pool_pages() {
+        assert_eq!(compact_pool_page(1 << 10), 8 << 20);
+        assert_eq!(compact_pool_page(1 << 20), 8 << 20);
+        // The ZeRO-2 flat vector of the 125M decoder: sliced out of a 1 GiB page.
+        assert_eq!(compact_pool_page(536_423_424), 1 << 30);
+        assert_eq!(compact_pool_page(1 << 30), 1 << 30);
+        // Just above a page: the first exclusive pool, 4 % larger.
+        let first = ((1u64 << 30) as f64 * 1.04) as u64;
+        assert_eq!(
+            compact_pool_page((1 << 30) + 1),
+            first.next_multiple_of(512)
+        );
+        // A page is never below its tensor, nor 4 % and a rounding above it.
+        for gib in [2u64, 3, 5, 17] {
+            let b = gib << 30;
+            let p = compact_pool_page(b);
+            assert!(
+                p >= b && (p as f64) <= b as f64 * 1.04 + 512.0,
+                "{gib} GiB: {p}"
+            );
+        }
     }
 
     fn spec() -> Spec {

@@ -361,16 +361,20 @@ impl Profile {
             // (64 MiB) over the prediction there, at 8 and at 32 layers alike
             // (docs/burn-h100.md, "2026-11-27").
             recompute_holds_output: true,
-            // CubeCL's pool keeps pages once grown. Measured reserved over the model's highest
-            // bytes in use (transients inside segments included: the loss's fp32 log-softmax
-            // adds 3.1 GB over the sampled 350M peak), fused CUDA executor: 1.275
-            // (llama350m_eager), 1.204 (llama350m_fp32), 1.318 (llama125m_base), 1.339
-            // (llama125m_bf16), 1.236 (llama125m_fp32); with layers recomputed 1.644
-            // (llama350m_gc: the recompute's transients get pages of their own) and 1.421
-            // (llama125m_every2). The worst of each, rounded up, so a plan predicted to fit
-            // does not OOM (docs/burn-h100.md, "Calibration").
-            pool_factor: 1.35,
-            pool_factor_recompute: 1.68,
+            // `rcoa run`'s pools on CUDA (`--memory-pool compact`, the default since
+            // 2026-11-28f), which keep pages once grown. Measured reserved over the model's
+            // highest bytes in use (transients inside segments included: the loss's fp32
+            // log-softmax adds 3.1 GB over the sampled 350M peak): 1.045 (speed350m, H100,
+            // cold), 1.053 (speed350m with flash attention, H200), 1.004 (llama125m_selective,
+            // H200, cold); with layers recomputed 1.107 to 1.264 (the 125M rows and QLoRA's
+            // 8 layers on an H200, cold: one 1 GiB page is a sixth of their 6 GB). Replays of
+            // other shapes reach 1.114 and, with everything recomputed at a 152k vocabulary,
+            // 1.252 (docs/memory-pool.md). The worst of each, rounded up, so a plan predicted
+            // to fit does not OOM. Compact's pages do not depend on the card; CubeCL's own
+            // default pool (`--memory-pool default`, not what this predicts) reserves 1.2–1.7
+            // × on an H100 and, by replay, up to 2.1 × on an H200, whose pages are larger.
+            pool_factor: 1.15,
+            pool_factor_recompute: 1.30,
             // Fitted to the fused executor's steps on the H100 (docs/burn-h100.md: 350m eager
             // 0.2125 s, 350m gc 0.288 s, 350m fp32 0.392 s, 125m fp32 0.147 s). Fusion merges
             // the element-wise passes the tape counts one by one, so the tape's bytes at the
