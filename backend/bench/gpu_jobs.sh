@@ -9,6 +9,8 @@
 # JOBS="kind:plan:steps[:port] ...": kind "ranks" (port for the orchestrator, the ranks
 # take the next two) or "one". The default is what docs/gpu-session.md has next.
 # TMO: each process's limit in seconds. W: the working folder, packed into $OUT.
+# POOL: the runs' pool flags (default "--memory-pool compact"). TRANSPORT=0: no transport
+# benchmark.
 #
 # Run on 2026-11-27 (an H200; docs/burn-h100.md "2026-11-27"; raw outputs in
 # h100-results/2026-11-27/), twice on one warm machine, the second reusing the first's
@@ -31,7 +33,7 @@ TMO=${TMO:-500}
 if [ "${DRY:-0}" = 1 ]; then
   DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}"); POOL=""
 else
-  DEVICE=cuda; RCOA=/tmp/rcoa; POOL="--memory-pool compact"
+  DEVICE=cuda; RCOA=/tmp/rcoa; POOL=${POOL:-"--memory-pool compact"}
   gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
   [ -f .rcoa-bin/transport-cuda.gz ] && gunzip -c .rcoa-bin/transport-cuda.gz > /tmp/transport-cuda \
     && chmod +x /tmp/transport-cuda
@@ -51,7 +53,7 @@ JOBS=${JOBS:-"ranks:$B/llama125m_zero2_grads_offload.plan:4:29500 ranks:$B/llama
   ranks:$B/llama125m_zero2_bf16.plan:6:29520 ranks:$B/h100-results/2026-11-25b/l125_zero3_nooff.plan:4:29530
   one:$B/llama125m_adam8bit.plan:3"}
 P=()
-if [ -x /tmp/transport-cuda ] && [ "$DEVICE" = cuda ]; then
+if [ -x /tmp/transport-cuda ] && [ "$DEVICE" = cuda ] && [ "${TRANSPORT:-1}" = 1 ]; then
   ( timeout 80 /tmp/transport-cuda 16 256 --cuda --bf16 > "$W/transport-cuda-bf16.txt" 2>&1
     echo "transport bf16 rc=$? $(date +%T)" >> "$W/times.txt"
     timeout 80 /tmp/transport-cuda 16 256 --cuda > "$W/transport-cuda.txt" 2>&1

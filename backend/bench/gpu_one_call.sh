@@ -111,7 +111,8 @@ speed() {
     --out "$OUT/speed-$name" "$@" > "$OUT/speed-$name.txt" 2>&1
   log "$name rc=$?"; tail -n 6 "$OUT/speed-$name.txt"
 }
-if [ $TC = 1 ]; then export RCOA_FLASH_TENSOR_CORES=1; fi
+# The tensor-core kernels are the default on CUDA; =0 takes the Rows kernels if they failed.
+if [ $TC = 1 ]; then export RCOA_FLASH_TENSOR_CORES=1; else export RCOA_FLASH_TENSOR_CORES=0; fi
 speed 2-rcoa-cold 300 --engines rcoa --rcoa-attention $ATTENTION
 # Which flash kernels ran (rcoa says so once when RCOA_FLASH_TENSOR_CORES=1).
 grep -h "tensor cores\|RCOA_FLASH\|compiling kernels ahead\|note:" "$OUT"/speed-2-rcoa-cold/*.err 2>/dev/null | head -n 8

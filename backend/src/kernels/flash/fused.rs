@@ -79,25 +79,35 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         unroll: launch::unrolls(&q.client),
         dropout: mask.dropout.as_ref().map(|d| d.p),
     };
-    if tensor_cores_asked() {
+    let asked = tensor_cores_asked();
+    if asked != Some(false) {
         let cmma = launch::has_tensor_cores(&q.client, dtype);
         if cmma {
             cfg.kernels = FlashKernels::Blocks {
                 products: Products::TensorCores,
             };
         }
-        static TOLD: std::sync::Once = std::sync::Once::new();
-        TOLD.call_once(|| eprintln!("note: {}", tensor_core_note(cmma, &cfg)));
+        if asked == Some(true) {
+            static TOLD: std::sync::Once = std::sync::Once::new();
+            TOLD.call_once(|| eprintln!("note: {}", tensor_core_note(cmma, &cfg)));
+        }
     }
     Ok(cfg)
 }
 
-/// `RCOA_FLASH_TENSOR_CORES=1`: the tensor-core kernels, where the device
-/// and the shape take them. They are opt-in until their test has passed on
-/// an H100 (`tests_kernels::cuda::tensor_cores`; `docs/flash-attention.md`).
-fn tensor_cores_asked() -> bool {
-    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(|| std::env::var_os("RCOA_FLASH_TENSOR_CORES").is_some_and(|v| v == "1"))
+/// The tensor-core kernels run wherever the device multiplies the type's
+/// tiles on them and the shape suits them (`FlashLaunch::kernels`): their
+/// tests passed on an H200 (2026-11-28f), where they ran 2.9 × the scalar
+/// `Rows` kernels (`docs/flash-attention.md`). `RCOA_FLASH_TENSOR_CORES=0`
+/// turns them off (`Some(false)`); `=1` asks for them and says once whether
+/// they run (`Some(true)`).
+fn tensor_cores_asked() -> Option<bool> {
+    static ASKED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| match std::env::var("RCOA_FLASH_TENSOR_CORES").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    })
 }
 
 /// What a run that asked for tensor cores is told (once): that they run, or

@@ -1,0 +1,126 @@
+#!/bin/bash
+# A short device call (about 7 minutes) after a change to the flash kernels or the pools, for
+# a session's second call once gpu_one_call.sh has run. Each step is capped so that the whole
+# ends within LIMIT seconds (default 400) and writes under $OUT as it finishes:
+#
+#  0. `--memory-pool expandable` beside pinned host memory (llama125m_activation_offload.plan,
+#     4 steps, cold), in the background from the start beside step 1 (which times nothing)
+#     and waited for before anything is timed. At most 150 s.
+#  1. The tensor-core flash tests and the block products alone (tests_mma). At most 90 s.
+#     If they fail, the speed run takes the Rows kernels.
+#  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, with the
+#     millisecond and TFLOP/s of each. At most 60 s.
+#  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
+#     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
+#     step), tokens/s, and the pool's reserved bytes under the default pools. At most 200 s.
+#  4. Where the warm step's time goes (--profile-kernels, 4 steps). At most 40 s.
+#  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
+#     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each.
+#
+# Keep what comes back to 8 files: call it as
+#   OUT_DIR=$OUT; export OUT=/tmp/o; bash backend/bench/gpu_flash_call.sh;
+#   tar czf $OUT_DIR/all.tgz -C /tmp/o .; cp /tmp/o/steps.txt $OUT_DIR/
+# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as
+# docs/gpu-session.md says). DRY=1 checks the script on a CPU with this machine's release build.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-400}
+END=$(( $(date +%s) + LIMIT ))
+B=backend/bench
+cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
+log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
+if [ "${DRY:-0}" = 1 ]; then
+  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
+  SHAPE=tiny; BG="one:plans/tiny-cpu.plan:3"; POOLS=""
+else
+  DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
+  BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
+  gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
+  export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
+fi
+
+# 0. expandable beside pinned host memory, in the background.
+t=$(cap 150)
+W=/tmp/jobs-expandable OUT="$OUT/expandable" TMO=$(( t - 20 )) JOBS="$BG" POOL="$POOLS" TRANSPORT=0 \
+  DRY="${DRY:-0}" BIN="$RCOA" bash $B/gpu_jobs.sh > "$OUT/expandable.txt" 2>&1 &
+BG_PID=$!
+
+# 1. The tensor-core kernels.
+TC=0
+if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
+  gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
+  timeout "$(cap 90)" /tmp/flash-tests tests_kernels::cuda::tensor_cores tests_mma::cuda \
+    --test-threads 1 --nocapture > "$OUT/flash-tests.txt" 2>&1
+  rc=$?
+  log "1 tensor-core flash tests rc=$rc"; grep "test result" "$OUT/flash-tests.txt"
+  if [ $rc = 0 ] && ! grep -q SKIPPED "$OUT/flash-tests.txt"; then TC=1; fi
+else
+  log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
+fi
+
+wait $BG_PID
+log "0 expandable jobs rc=$?"; grep -h "measured\|no summary\|rc=" "$OUT/expandable.txt" | head -n 6
+grep -h "memory_pool\|measured_reserved" /tmp/jobs-expandable/*.jsonl 2>/dev/null | cut -c1-400 | tail -n 2
+
+# 2. The kernels alone.
+if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
+  gunzip -c .rcoa-bin/flash-bench.gz > /tmp/flash-bench && chmod +x /tmp/flash-bench
+  timeout "$(cap 60)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
+  log "2 flash bench rc=$?"; cat "$OUT/flash-bench.txt"
+fi
+
+# 3. Cold 350M with fused attention (tensor cores if step 1 passed), default pools.
+export RCOA_CACHE_DIR=/tmp/cache-flash-call
+rm -rf "$RCOA_CACHE_DIR"
+# The tensor-core kernels are the default on CUDA; =0 takes the Rows kernels if they failed.
+if [ $TC = 1 ]; then export RCOA_FLASH_TENSOR_CORES=1; else export RCOA_FLASH_TENSOR_CORES=0; fi
+t=$(cap 200)
+if [ "$t" -ge 60 ]; then
+  python3 $B/speed.py --rcoa "$RCOA" --device $DEVICE --shapes $SHAPE --steps 12 --timeout "$t" \
+    --engines rcoa --rcoa-attention flash --out "$OUT/speed-cold" > "$OUT/speed-cold.txt" 2>&1
+  log "3 cold 350M rc=$?"; tail -n 6 "$OUT/speed-cold.txt"
+  grep -h '"compiled_ahead"\|"start"' "$OUT"/speed-cold/*.jsonl 2>/dev/null | cut -c1-600
+  grep -hv "^\s*$" "$OUT"/speed-cold/*.err 2>/dev/null | grep -v "^\[" | tail -n 12
+else
+  log "3 skipped: ${t}s left"
+fi
+
+# 4. Where the warm step's time goes.
+PLAN="$OUT/speed-cold/speed-$SHAPE.plan"
+t=$(cap 40)
+if [ "$DEVICE" = cuda ] && [ -f "$PLAN" ] && [ "$t" -gt 20 ]; then
+  timeout "$t" "$RCOA" run "$PLAN" --device cuda --steps 4 --profile-kernels --format json \
+    > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
+  log "4 kernel profile rc=$?"
+  python3 - "$OUT/profile.jsonl" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    v = json.loads(line)
+    if v.get("event") != "kernel_profile":
+        continue
+    print(f"kernels {v['kernel_seconds']:.4f} s per {v['step_seconds']:.4f} s step, busy {v['busy']:.0%}, "
+          f"{v['launches_per_step']:.0f} launches, compute {v.get('compute_tflops')} TFLOP/s")
+    for r in v["families"] + v["kernels"][:6]:
+        print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
+PY
+fi
+unset RCOA_FLASH_TENSOR_CORES
+
+# 5. Nsight Compute on each tensor-core kernel's first launch.
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+if [ "$DEVICE" = cuda ] && [ -x /tmp/flash-bench ] && [ -n "$NCU" ]; then
+  for k in FlashForwardBlocks FlashBackwardKvBlocks FlashBackwardQBlocks; do
+    t=$(cap 60)
+    if [ "$t" -lt 25 ]; then log "5 ncu $k skipped: ${t}s left"; continue; fi
+    timeout "$t" "$NCU" --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats /tmp/flash-bench > "$OUT/ncu-$k.txt" 2>&1
+    log "5 ncu $k rc=$?"
+    grep -E "Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Bank|Stall|One or More|Warp Cycles Per Issued" \
+      "$OUT/ncu-$k.txt" | head -n 24
+  done
+else
+  log "5 ncu skipped (no ncu, or not on CUDA)"
+fi
+log "done"
