@@ -1,4 +1,4 @@
-//! What each memory pool configuration costs per allocation, against CubeCL's default in
+//! What each memory pool configuration costs per allocation, against CubeCL's own pools in
 //! the same run: a run's allocations (the memory model's trace of three steps of a
 //! `backend/bench/` plan) replayed through CubeCL's own memory management on the CPU, in
 //! an optimised build. `expandable` puts every tensor above 1 MiB in one page, whose list
@@ -34,7 +34,7 @@ fn fastest(budget: Duration, mut replay: impl FnMut()) -> Duration {
 
 fn main() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench");
-    println!("| plan | allocations | pool | µs per allocation | × default | reserved ÷ in use |");
+    println!("| plan | allocations | pool | µs per allocation | × cubecl | reserved ÷ in use |");
     println!("| --- | ---: | --- | ---: | ---: | ---: |");
     for plan in PLANS {
         let source = std::fs::read_to_string(dir.join(plan)).expect("a bench plan");
@@ -44,15 +44,16 @@ fn main() {
             .iter()
             .filter(|e| matches!(e, Event::Alloc { .. }))
             .count();
-        let mut default = None;
-        // Default first: the others' ratios are to it.
-        for pool in PoolChoice::ALL {
+        let mut cubecl = None;
+        // CubeCL's own pools first: the others' ratios are to them.
+        let others = PoolChoice::ALL.into_iter().filter(|&p| p != PoolChoice::Cubecl);
+        for pool in std::iter::once(PoolChoice::Cubecl).chain(others) {
             let mut factor = 0.0;
             let t = fastest(Duration::from_secs(1), || {
                 factor = replay_choice(&trace, pool, false).factor();
             });
             let per = t.as_secs_f64() * 1e6 / allocations as f64;
-            let base = *default.get_or_insert(per);
+            let base = *cubecl.get_or_insert(per);
             println!(
                 "| {plan} | {allocations} | {} | {per:.2} | {:.2} | {factor:.3} |",
                 pool.as_str(),

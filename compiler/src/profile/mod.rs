@@ -371,7 +371,7 @@ impl Profile {
             // other shapes reach 1.114 and, with everything recomputed at a 152k vocabulary,
             // 1.252 (docs/memory-pool.md). The worst of each, rounded up, so a plan predicted
             // to fit does not OOM. Compact's pages do not depend on the card; CubeCL's own
-            // default pool (`--memory-pool default`, not what this predicts) reserves 1.2–1.7
+            // pools (`--memory-pool cubecl`, not what this predicts) reserve 1.2–1.7
             // × on an H100 and, by replay, up to 2.1 × on an H200, whose pages are larger.
             pool_factor: 1.15,
             pool_factor_recompute: 1.30,
