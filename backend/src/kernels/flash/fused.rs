@@ -103,11 +103,13 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
 /// they run (`Some(true)`).
 fn tensor_cores_asked() -> Option<bool> {
     static ASKED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(|| match std::env::var("RCOA_FLASH_TENSOR_CORES").as_deref() {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
-        _ => None,
-    })
+    *ASKED.get_or_init(
+        || match std::env::var("RCOA_FLASH_TENSOR_CORES").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
+    )
 }
 
 /// What a run that asked for tensor cores is told (once): that they run, or
