@@ -15,7 +15,8 @@
 #     step), tokens/s, and the pool's reserved bytes under the default pools. At most 200 s.
 #  4. Where the warm step's time goes (--profile-kernels, 4 steps). At most 40 s.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
-#     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each.
+#     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
+#     2026-11-28f run matched no kernel: it asked for the Rust type names.)
 #
 # Keep what comes back to 8 files: call it as
 #   OUT_DIR=$OUT; export OUT=/tmp/o; bash backend/bench/gpu_flash_call.sh;
@@ -110,10 +111,11 @@ unset RCOA_FLASH_TENSOR_CORES
 # 5. Nsight Compute on each tensor-core kernel's first launch.
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$DEVICE" = cuda ] && [ -x /tmp/flash-bench ] && [ -n "$NCU" ]; then
-  for k in FlashForwardBlocks FlashBackwardKvBlocks FlashBackwardQBlocks; do
+  # The kernels' CUDA names (ncu lists them when none matches), not their Rust types'.
+  for k in flash_forward_blocks flash_backward_kv_blocks flash_backward_q_blocks; do
     t=$(cap 60)
     if [ "$t" -lt 25 ]; then log "5 ncu $k skipped: ${t}s left"; continue; fi
-    timeout "$t" "$NCU" --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight \
+    timeout "$t" "$NCU" --clock-control none -k "regex:^${k}_" -c 1 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats /tmp/flash-bench > "$OUT/ncu-$k.txt" 2>&1
     log "5 ncu $k rc=$?"
