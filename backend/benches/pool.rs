@@ -46,7 +46,9 @@ fn main() {
             .count();
         let mut cubecl = None;
         // CubeCL's own pools first: the others' ratios are to them.
-        let others = PoolChoice::ALL.into_iter().filter(|&p| p != PoolChoice::Cubecl);
+        let others = PoolChoice::ALL
+            .into_iter()
+            .filter(|&p| p != PoolChoice::Cubecl);
         for pool in std::iter::once(PoolChoice::Cubecl).chain(others) {
             let mut factor = 0.0;
             let t = fastest(Duration::from_secs(1), || {

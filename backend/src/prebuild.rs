@@ -240,6 +240,22 @@ pub struct CompileReport {
     pub failed: Vec<String>,
     pub threads: usize,
     pub seconds: f64,
+    /// The [`SLOWEST`] longest single compiles: `(entry point, seconds)`, longest first.
+    /// The first bounds the phase from below however many threads there are.
+    pub slowest: Vec<(String, f64)>,
+}
+
+/// How many of the longest compiles a [`CompileReport`] names.
+pub const SLOWEST: usize = 5;
+
+/// The order to compile `kernels` in: longest source first. With N threads the phase
+/// lasts at least its longest compile, and a long one started last lasts past all the
+/// others; on the 350M plan 272 kernels took 91 s on 16 threads (an H200, 2026-11-28f),
+/// 5.4 s a kernel against 0.3 s for a flash kernel, so a few long ones are likely.
+/// Source length stands in for compile time, which is not known before compiling.
+#[cfg(any(test, feature = "cuda"))]
+fn longest_first<K>(kernels: &mut [&K], len: impl Fn(&K) -> usize) {
+    kernels.sort_by_key(|k| std::cmp::Reverse(len(k)));
 }
 
 /// Phase 2: NVRTC on the kernels `record` wrote to `file`, `jobs` at a time,
@@ -286,16 +302,23 @@ pub fn compile_into(
     })?;
     let kernels: Vec<RecordedKernel> = read_records(file).map_err(RunError::Prebuild)?;
     let mut cache = KernelCache::open(&dir);
-    let todo: Vec<&RecordedKernel> = kernels.iter().filter(|k| !cache.contains(k)).collect();
+    let mut todo: Vec<&RecordedKernel> = kernels.iter().filter(|k| !cache.contains(k)).collect();
+    longest_first(&mut todo, |k| k.source.len());
     let threads = jobs.clamp(1, todo.len().max(1));
     let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
+    let mut times = Vec::with_capacity(todo.len());
     progress(0, todo.len());
     compile_all(
         &todo,
         threads,
-        |k| prebuild::compile(k),
-        |i, image| {
+        |k| {
+            let start = std::time::Instant::now();
+            let image = prebuild::compile(k);
+            (start.elapsed().as_secs_f64(), image)
+        },
+        |i, (secs, image)| {
             let k = todo[i];
+            times.push((k.entrypoint_name.clone(), secs));
             match image.and_then(|image| {
                 let cubin = image.cubin;
                 cache.insert(k, image).map(|()| cubin)
@@ -326,7 +349,16 @@ pub fn compile_into(
         failed,
         threads,
         seconds: start.elapsed().as_secs_f64(),
+        slowest: slowest(times),
     })
+}
+
+/// The [`SLOWEST`] longest of `times`, longest first.
+#[cfg(any(test, feature = "cuda"))]
+fn slowest(mut times: Vec<(String, f64)>) -> Vec<(String, f64)> {
+    times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    times.truncate(SLOWEST);
+    times
 }
 
 #[cfg(test)]
@@ -378,6 +410,20 @@ mod tests {
     struct K {
         hash: String,
         source: String,
+    }
+
+    #[test]
+    fn the_longest_sources_compile_first_and_the_slowest_are_named() {
+        let sources = ["ab", "abcdef", "", "abcd"];
+        let mut order: Vec<&&str> = sources.iter().collect();
+        longest_first(&mut order, |s| s.len());
+        assert_eq!(order, [&"abcdef", &"abcd", &"ab", &""]);
+        let times: Vec<(String, f64)> = (0..8).map(|i| (format!("k{i}"), (i % 5) as f64)).collect();
+        let top = slowest(times);
+        assert_eq!(top.len(), SLOWEST);
+        assert_eq!(top[0].1, 4.0);
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(slowest(Vec::new()).is_empty());
     }
 
     #[test]
@@ -508,6 +554,13 @@ mod nvrtc_tests {
         );
         assert_eq!(seen.first(), Some(&(0, 7)));
         assert_eq!(seen.last(), Some(&(7, 7)));
+        // Every compile was timed (the refused one too); the longest are named.
+        assert_eq!(r.slowest.len(), SLOWEST);
+        assert!(r.slowest.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(r
+            .slowest
+            .iter()
+            .all(|(name, s)| name.starts_with("rcoa_") && *s > 0.0));
         // A later process finds them where a launch looks, under their keys;
         // compiling again finds everything cached but the broken one.
         let cache = KernelCache::open(&cache_dir);

@@ -107,8 +107,11 @@ impl Prebuilt {
         )
     }
 
-    /// Kernels NVRTC refused, on stderr.
+    /// The longest compiles and the kernels NVRTC refused, on stderr.
     pub fn notes(&self) {
+        if let Some(line) = self.slowest() {
+            eprintln!("{line}");
+        }
         let failed = &self.compile.failed;
         if !failed.is_empty() {
             eprintln!(
@@ -119,6 +122,15 @@ impl Prebuilt {
         }
     }
 
+    /// `slowest compiles: NAME 12.3 s, ...`: what bounds the compile phase from below.
+    fn slowest(&self) -> Option<String> {
+        let s = &self.compile.slowest;
+        (!s.is_empty()).then(|| {
+            let each: Vec<String> = s.iter().map(|(k, t)| format!("{k} {t:.1} s")).collect();
+            format!("slowest compiles: {}", each.join(", "))
+        })
+    }
+
     pub fn json(&self) -> serde_json::Value {
         let c = &self.compile;
         serde_json::json!({
@@ -126,6 +138,7 @@ impl Prebuilt {
             "compiled": c.compiled, "cubins": c.cubins, "failed": c.failed.len(),
             "threads": c.threads, "record_seconds": self.record_seconds,
             "compile_seconds": c.seconds,
+            "slowest": c.slowest.iter().map(|(k, t)| serde_json::json!({"kernel": k, "seconds": t})).collect::<Vec<_>>(),
         })
     }
 }
@@ -237,6 +250,7 @@ mod tests {
                 failed: vec!["k: error".into()],
                 threads: 16,
                 seconds: 21.5,
+                slowest: vec![("matmul_a".into(), 9.25), ("fuse_b".into(), 2.0)],
             },
         };
         assert_eq!(
@@ -254,6 +268,12 @@ mod tests {
             assert!(j[key].is_u64(), "{key} in {j}");
         }
         assert_eq!(j["failed"], 1);
+        assert_eq!(j["slowest"][0]["kernel"], "matmul_a");
+        assert_eq!(j["slowest"][1]["seconds"], 2.0);
+        assert_eq!(
+            p.slowest().as_deref(),
+            Some("slowest compiles: matmul_a 9.2 s, fuse_b 2.0 s")
+        );
     }
 
     #[test]
