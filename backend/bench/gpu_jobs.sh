@@ -50,8 +50,7 @@ export CACHE_ROOT=/tmp/rcoa-caches
 B=backend/bench
 # kind:plan:steps[:port]; "ranks" = two processes over loopback (zero_ranks.sh), "one" = one process.
 JOBS=${JOBS:-"ranks:$B/llama125m_zero2_grads_offload.plan:4:29500 ranks:$B/llama1b_zero3_offload.plan:3:29510
-  ranks:$B/llama125m_zero2_bf16.plan:6:29520 ranks:$B/h100-results/2026-11-25b/l125_zero3_nooff.plan:4:29530
-  one:$B/llama125m_adam8bit.plan:3"}
+  ranks:$B/llama125m_zero2_bf16.plan:6:29520 ranks:$B/h100-results/2026-11-25b/l125_zero3_nooff.plan:4:29530"}
 P=()
 if [ -x /tmp/transport-cuda ] && [ "$DEVICE" = cuda ] && [ "${TRANSPORT:-1}" = 1 ]; then
   ( timeout 80 /tmp/transport-cuda 16 256 --cuda --bf16 > "$W/transport-cuda-bf16.txt" 2>&1

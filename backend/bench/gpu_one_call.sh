@@ -4,10 +4,10 @@
 # the whole ends within LIMIT seconds (default 560), and writes under $OUT as it finishes, so a
 # call cut short still brings back what it reached. In order of value:
 #
-#  0. 8-bit Adam's memory on its own (issue 12's last item): llama125m_adam8bit.plan through
-#     gpu_jobs.sh, measured peak against the prediction. In the background from the start,
-#     beside step 1 (which times nothing), and waited for before anything is timed. At most
-#     240 s.
+#  0. `--memory-pool expandable` beside pinned host memory (llama125m_activation_offload.plan,
+#     4 steps, cold: 2026-11-28f's try ran out of time compiling), in the background from
+#     the start, beside step 1 (which times nothing), and waited for before anything is
+#     timed. At most 240 s. (This step measured issue 12's 8-bit Adam row on 2026-11-28f.)
 #  1. The flash kernel tests on CUDA (.rcoa-bin/flash-tests.gz, docs/gpu-session.md "Fused
 #     attention on CUDA"): the tensor-core kernels' first run anywhere, and the Rows kernels
 #     with their loops unrolled; if the tensor-core ones fail, their scalar twins, to tell a
@@ -25,6 +25,7 @@
 #     (mapped as used; its first run on a GPU), then `compact`: reserved ÷ in use and the
 #     step time, beside step 3's default pool (docs/memory-pool.md). At most 50 s each.
 #
+# The tool brings back at most 8 files: pack them as backend/bench/gpu_flash_call.sh says.
 # Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as docs/gpu-session.md
 # says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
 set -u
@@ -37,21 +38,21 @@ cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1
 log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
 if [ "${DRY:-0}" = 1 ]; then
   DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
-  SHAPE=tiny; ADAM="one:plans/tiny-cpu.plan:3"
+  SHAPE=tiny; BG="one:plans/tiny-cpu.plan:3"; POOLS=""
 else
   DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
-  ADAM="one:$B/llama125m_adam8bit.plan:3"
+  BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
   gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
 fi
 
-# 0. 8-bit Adam's memory (issue 12's last item) in the background from the start, beside the
+# 0. expandable beside pinned host memory, in the background from the start, beside the
 # flash tests (which time nothing); waited for before anything is timed.
 t=$(cap 240)
-W=/tmp/jobs-adam8bit OUT="$OUT/adam8bit" TMO=$(( t - 20 )) JOBS="$ADAM" DRY="${DRY:-0}" BIN="$RCOA" \
-  bash $B/gpu_jobs.sh > "$OUT/adam8bit.txt" 2>&1 &
-ADAM_PID=$!
+W=/tmp/jobs-expandable OUT="$OUT/expandable" TMO=$(( t - 20 )) JOBS="$BG" POOL="$POOLS" TRANSPORT=0 \
+  DRY="${DRY:-0}" BIN="$RCOA" bash $B/gpu_jobs.sh > "$OUT/expandable.txt" 2>&1 &
+BG_PID=$!
 
 # 1. Flash kernels: the tensor-core ones and the Rows ones (their loops unrolled on CUDA
 # since the 2026-11-28c session; they passed on an H100 before that).
@@ -87,8 +88,8 @@ else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
 
-wait $ADAM_PID
-log "0 adam8bit rc=$?"; grep -h "measured\|no summary" "$OUT/adam8bit.txt"
+wait $BG_PID
+log "0 expandable jobs rc=$?"; grep -h "measured\|no summary" "$OUT/expandable.txt"
 
 # 1b. The kernels alone: rcoa's scalar and tensor-core kernels in one run (benches/flash.rs),
 # then PyTorch's SDPA on the same shape.
