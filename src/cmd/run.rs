@@ -353,6 +353,14 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    if memory_pool == rcoa_backend::pool::PoolChoice::Cubecl {
+        // `fits` assumed `compact`'s pages; CubeCL's own grow with the card.
+        eprintln!(
+            "note: --memory-pool cubecl reserves more than the plan's `fits` assumed (1.2-1.7 x \
+             the bytes in use on an H100, up to 2.1 x on an H200, against compact's 1.15-1.30): \
+             near the budget it can run out where the default pools would not"
+        );
+    }
     rcoa_backend::pool::select(memory_pool);
     if args.profile_kernels {
         let refused = if args.device != Device::Cuda {
