@@ -24,28 +24,11 @@
 # Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as
 # docs/gpu-session.md says). DRY=1 checks the script on a CPU with this machine's release build.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${LIMIT:-400}
-END=$(( $(date +%s) + LIMIT ))
-B=backend/bench
-cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
-log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
-if [ "${DRY:-0}" = 1 ]; then
-  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
-  SHAPE=tiny; BG="one:plans/tiny-cpu.plan:3"; POOLS=""
-else
-  DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
-  BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
-  gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
-  export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
-fi
+source backend/bench/gpu_call_common.sh
 
 # 0. expandable beside pinned host memory, in the background.
-t=$(cap 150)
-W=/tmp/jobs-expandable OUT="$OUT/expandable" TMO=$(( t - 20 )) JOBS="$BG" POOL="$POOLS" TRANSPORT=0 \
-  DRY="${DRY:-0}" BIN="$RCOA" bash $B/gpu_jobs.sh > "$OUT/expandable.txt" 2>&1 &
-BG_PID=$!
+start_expandable_jobs 150
 
 # 1. The tensor-core kernels.
 TC=0
@@ -60,9 +43,7 @@ else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
 
-wait $BG_PID
-log "0 expandable jobs rc=$?"; grep -h "measured\|no summary\|rc=" "$OUT/expandable.txt" | head -n 6
-grep -h "memory_pool\|measured_reserved" /tmp/jobs-expandable/*.jsonl 2>/dev/null | cut -c1-400 | tail -n 2
+wait_expandable_jobs
 
 # 2. The kernels alone.
 if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
@@ -94,17 +75,7 @@ if [ "$DEVICE" = cuda ] && [ -f "$PLAN" ] && [ "$t" -gt 20 ]; then
   timeout "$t" "$RCOA" run "$PLAN" --device cuda --steps 4 --profile-kernels --format json \
     > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
   log "4 kernel profile rc=$?"
-  python3 - "$OUT/profile.jsonl" <<'PY' || true
-import json, sys
-for line in open(sys.argv[1]):
-    v = json.loads(line)
-    if v.get("event") != "kernel_profile":
-        continue
-    print(f"kernels {v['kernel_seconds']:.4f} s per {v['step_seconds']:.4f} s step, busy {v['busy']:.0%}, "
-          f"{v['launches_per_step']:.0f} launches, compute {v.get('compute_tflops')} TFLOP/s")
-    for r in v["families"] + v["kernels"][:6]:
-        print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
-PY
+  profile_summary "$OUT/profile.jsonl" 6
 fi
 unset RCOA_FLASH_TENSOR_CORES
 

@@ -29,30 +29,12 @@
 # Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as docs/gpu-session.md
 # says). DRY=1 checks the script on a CPU with this machine's release build and tiny shapes.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${LIMIT:-560}
-END=$(( $(date +%s) + LIMIT ))
-B=backend/bench
-# Seconds a step may take: its cap, or what is left of the call minus 10 s to pack up.
-cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
-log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
-if [ "${DRY:-0}" = 1 ]; then
-  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
-  SHAPE=tiny; BG="one:plans/tiny-cpu.plan:3"; POOLS=""
-else
-  DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
-  BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
-  gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
-  export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
-fi
+source backend/bench/gpu_call_common.sh
 
 # 0. expandable beside pinned host memory, in the background from the start, beside the
 # flash tests (which time nothing); waited for before anything is timed.
-t=$(cap 240)
-W=/tmp/jobs-expandable OUT="$OUT/expandable" TMO=$(( t - 20 )) JOBS="$BG" POOL="$POOLS" TRANSPORT=0 \
-  DRY="${DRY:-0}" BIN="$RCOA" bash $B/gpu_jobs.sh > "$OUT/expandable.txt" 2>&1 &
-BG_PID=$!
+start_expandable_jobs 240
 
 # 1. Flash kernels: the tensor-core ones and the Rows ones (their loops unrolled on CUDA
 # since the 2026-11-28c session; they passed on an H100 before that).
@@ -88,8 +70,7 @@ else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
 
-wait $BG_PID
-log "0 expandable jobs rc=$?"; grep -h "measured\|no summary" "$OUT/expandable.txt"
+wait_expandable_jobs
 
 # 1b. The kernels alone: rcoa's scalar and tensor-core kernels in one run (benches/flash.rs),
 # then PyTorch's SDPA on the same shape.
@@ -126,17 +107,7 @@ if [ "$DEVICE" = cuda ] && [ -f "$PLAN350" ] && [ "$t" -gt 20 ]; then
   timeout "$t" "$RCOA" run "$PLAN350" --device cuda --steps 4 --profile-kernels --format json \
     > "$OUT/profile-$SHAPE.jsonl" 2> "$OUT/profile-$SHAPE.err"
   log "3b kernel profile rc=$?"
-  python3 - "$OUT/profile-$SHAPE.jsonl" <<'PY' || true
-import json, sys
-for line in open(sys.argv[1]):
-    v = json.loads(line)
-    if v.get("event") != "kernel_profile":
-        continue
-    print(f"kernels {v['kernel_seconds']:.4f} s per {v['step_seconds']:.4f} s step, busy {v['busy']:.0%}, "
-          f"{v['launches_per_step']:.0f} launches, compute {v.get('compute_tflops')} TFLOP/s")
-    for r in v["families"] + v["kernels"][:8]:
-        print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
-PY
+  profile_summary "$OUT/profile-$SHAPE.jsonl" 8
   # No kernel_profile line (the event timing failed): CubeCL's own profiler instead, which
   # syncs around every kernel (its per-kernel lines and a summary table per step).
   t=$(cap 40)

@@ -1,0 +1,50 @@
+# Sourced by gpu_one_call.sh and gpu_flash_call.sh: what a device call's script sets up first.
+# Expects LIMIT (seconds the whole call may take) and OUT; sets B, END, DEVICE, RCOA, SHAPE,
+# and cap, log, start_expandable_jobs, wait_expandable_jobs, profile_summary. DRY=1: the
+# CPU, this machine's release build (BIN), tiny shapes.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+END=$(( $(date +%s) + LIMIT ))
+B=backend/bench
+# Seconds a step may take: its cap, or what is left of the call minus 10 s to pack up.
+cap() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? left : $1 )); }
+log() { echo "$(date +%T) $*" | tee -a "$OUT/steps.txt"; }
+if [ "${DRY:-0}" = 1 ]; then
+  DEVICE=cpu; RCOA=$(realpath "${BIN:-target/release/rcoa}")
+  SHAPE=tiny; BG="one:plans/tiny-cpu.plan:3"; POOLS=""
+else
+  DEVICE=cuda; RCOA=/tmp/rcoa; SHAPE=350m
+  BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
+  gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
+  export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
+fi
+
+# `--memory-pool expandable` beside pinned host memory (activation offload, 4 steps, cold), in
+# the background for at most $1 seconds; the caller waits for it before timing anything.
+start_expandable_jobs() {
+  local t; t=$(cap "$1")
+  W=/tmp/jobs-expandable OUT="$OUT/expandable" TMO=$(( t - 20 )) JOBS="$BG" POOL="$POOLS" TRANSPORT=0 \
+    DRY="${DRY:-0}" BIN="$RCOA" bash $B/gpu_jobs.sh > "$OUT/expandable.txt" 2>&1 &
+  BG_PID=$!
+}
+wait_expandable_jobs() {
+  wait "$BG_PID"
+  log "0 expandable jobs rc=$?"; grep -h "measured\|no summary\|rc=" "$OUT/expandable.txt" | head -n 6
+  grep -h "memory_pool\|measured_reserved" /tmp/jobs-expandable/*.jsonl 2>/dev/null | cut -c1-400 | tail -n 2
+}
+
+# The kernel_profile line of `rcoa run --profile-kernels --format json` output $1: the
+# families and the $2 longest kernels.
+profile_summary() {
+  python3 - "$1" "$2" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    v = json.loads(line)
+    if v.get("event") != "kernel_profile":
+        continue
+    print(f"kernels {v['kernel_seconds']:.4f} s per {v['step_seconds']:.4f} s step, busy {v['busy']:.0%}, "
+          f"{v['launches_per_step']:.0f} launches, compute {v.get('compute_tflops')} TFLOP/s")
+    for r in v["families"] + v["kernels"][:int(sys.argv[2])]:
+        print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
+PY
+}
