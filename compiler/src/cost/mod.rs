@@ -43,9 +43,15 @@ pub fn estimate(
         _ => 1.0,
     };
     let flops_rate = gpu.bf16_tflops * 1e12 * profile.matmul_efficiency * rate_scale;
+    // The executor's fused attention kernels run at their own measured rate.
+    let fused_rate = profile
+        .fused_attention_efficiency
+        .map_or(flops_rate, |e| gpu.bf16_tflops * 1e12 * e * rate_scale);
     let bw = gpu.bandwidth_bytes_per_s * profile.bandwidth_efficiency;
     let ga = cand.grad_accum.max(1) as f64;
-    let compute_s = ga * report.step_flops / flops_rate.max(1.0);
+    let fused = report.step_fused_attention_flops;
+    let compute_s =
+        ga * ((report.step_flops - fused) / flops_rate.max(1.0) + fused / fused_rate.max(1.0));
     let launch_s = ga * report.step_kernels as f64 * profile.kernel_overhead_s;
     let memory_s = ga * report.step_bytes_moved / bw.max(1.0) + launch_s;
     let persistent: u64 = ["weights", "grads", "optimizer"]
@@ -78,5 +84,56 @@ pub fn estimate(
         memory_seconds: memory_s,
         optimizer_seconds: optimizer_s,
         communication_seconds: communication_s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::evaluate;
+    use crate::spec::{Attention, Target};
+    use crate::testing::{one_gpu, SpecBuilder};
+
+    /// Under `target burn` the flash kernels' FLOPs run at the profile's fused-attention
+    /// rate and the rest at the matmul rate; eager attention has no fused FLOPs.
+    #[test]
+    fn fused_attention_runs_at_its_own_rate() {
+        let profile = Profile::for_target(Target::Burn);
+        let (fused_eff, mm_eff) = (
+            profile
+                .fused_attention_efficiency
+                .expect("burn's is measured"),
+            profile.matmul_efficiency,
+        );
+        let mut spec = SpecBuilder::new().target(Target::Burn).build();
+        spec.train.attention = Attention::Flash;
+        let c = one_gpu(4);
+        let r = evaluate(&spec, &c, &profile, false);
+        let fused = r.step_fused_attention_flops;
+        assert!(
+            fused > 0.0 && fused < r.step_flops,
+            "{fused} of {}",
+            r.step_flops
+        );
+        let t = estimate(&spec, &c, &profile, &r);
+        let all_at_matmul_rate = estimate(
+            &spec,
+            &c,
+            &profile,
+            &MemoryReport {
+                step_fused_attention_flops: 0.0,
+                ..r.clone()
+            },
+        );
+        // The fused FLOPs' time grows by the ratio of the two rates.
+        let extra = t.compute_seconds - all_at_matmul_rate.compute_seconds;
+        let at_matmul = fused / r.step_flops * all_at_matmul_rate.compute_seconds;
+        let ratio = extra / at_matmul;
+        assert!((ratio - (mm_eff / fused_eff - 1.0)).abs() < 1e-6, "{ratio}");
+        spec.train.attention = Attention::Eager;
+        assert_eq!(
+            evaluate(&spec, &c, &profile, false).step_fused_attention_flops,
+            0.0
+        );
     }
 }

@@ -103,6 +103,10 @@ pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 /// blocks (`burn_flash_attention`); this names the CPU's difference.
 pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
 
+/// The op name of the executor's fused attention kernels (`burn_flash_attention`), whose
+/// FLOPs the time model prices at `Profile::fused_attention_efficiency`.
+pub const FUSED_ATTENTION_OP: &str = "flash_attention";
+
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
         let stored = storage(spec.precision.params);
@@ -1068,7 +1072,7 @@ impl<'a> Builder<'a> {
         let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
         let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
         let o = self.op(
-            "flash_attention",
+            FUSED_ATTENTION_OP,
             &[q, k, v],
             &[out, lse],
             &[q, k, v, out, lse],

@@ -201,6 +201,10 @@ pub struct MemoryReport {
     pub params_trainable: u64,
     /// Forward + backward FLOPs of one micro-step on this device (recompute included).
     pub step_flops: f64,
+    /// Of `step_flops`, those of the executor's own fused attention kernels
+    /// (`flash_attention` ops), which run at `Profile::fused_attention_efficiency`.
+    #[serde(skip_serializing_if = "is_zero_f64")]
+    pub step_fused_attention_flops: f64,
     /// Bytes moved by memory-bound ops in one micro-step.
     pub step_bytes_moved: f64,
     /// Kernels launched by one micro-step (forward, recompute, backward).
@@ -226,6 +230,10 @@ pub struct MemoryReport {
     /// from the first step on and may lift the step above the setup).
     #[serde(skip)]
     pub step_peak: Option<(u64, PeakLocation, BTreeMap<String, u64>)>,
+}
+
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -607,7 +615,7 @@ fn evaluate_stage(
         };
         (p.bytes, location, categories(&p))
     });
-    let (flops, moved, kernels) = tape_work(&tape);
+    let (flops, fused_flops, moved, kernels) = tape_work(&tape);
     // The allocator's pool beyond the reported peak (CubeCL keeps the pages it grew): a
     // measured factor of the highest bytes in use at any op (transients included), larger
     // when layers are recomputed, minus what the reported peak already counts.
@@ -650,6 +658,7 @@ fn evaluate_stage(
         params_total: total,
         params_trainable: trainable_count,
         step_flops: flops,
+        step_fused_attention_flops: fused_flops,
         step_bytes_moved: moved,
         step_kernels: kernels,
         units: unit_bytes,
@@ -932,8 +941,9 @@ fn param_counts(tape: &tape::Tape) -> (u64, u64) {
 
 /// FLOPs (forward, backward and recompute), bytes moved and kernels launched by one
 /// micro-step.
-fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
+fn tape_work(tape: &tape::Tape) -> (f64, f64, f64, u64) {
     let mut flops = 0.0;
+    let mut fused = 0.0;
     let mut moved = 0.0;
     let mut kernels = 0u64;
     let kept = tape.kept_mask();
@@ -947,18 +957,22 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, u64) {
                 .any(|o| kept[o.0 as usize] && tape.tensor(*o).role != tape::Role::Gathered);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
         kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
-        flops += op.flops * fwd_times
+        let op_flops = op.flops * fwd_times
             + if op.has_backward(tape) {
                 op.bwd_flops
             } else {
                 0.0
             };
+        flops += op_flops;
+        if op.name == build::FUSED_ATTENTION_OP {
+            fused += op_flops;
+        }
         if op.flops == 0.0 {
             // Forward (and recompute), and about as many bytes again in the backward.
             moved += op.bytes_moved * (fwd_times + 1.0);
         }
     }
-    (flops, moved, kernels)
+    (flops, fused, moved, kernels)
 }
 
 /// Keep one sample per run of (phase, layer): the highest.

@@ -159,6 +159,10 @@ pub struct Profile {
     pub pool_factor_recompute: f64,
     /// Fraction of the GPU's dense bf16 rate a step's matmuls reach.
     pub matmul_efficiency: f64,
+    /// Fraction of the dense bf16 rate the executor's own fused attention kernels
+    /// (`attention = flash`) reach on their block products, when it differs from
+    /// `matmul_efficiency`'s.
+    pub fused_attention_efficiency: Option<f64>,
     /// Fraction of the memory bandwidth element-wise ops reach.
     pub bandwidth_efficiency: f64,
     /// Fixed time per step (optimizer launch, Python overhead), seconds.
@@ -274,6 +278,7 @@ impl Profile {
             // below) puts the median predicted/measured step time of the 45 measured rows
             // at 1.03 (range 0.67-1.38).
             matmul_efficiency: 0.42,
+            fused_attention_efficiency: None,
             bandwidth_efficiency: 0.8,
             step_overhead_s: 0.015,
             // Eager PyTorch dispatch + launch, ~10 us a kernel (groundtruth llama1b_b1_accum4:
@@ -380,6 +385,14 @@ impl Profile {
             // the element-wise passes the tape counts one by one, so the tape's bytes at the
             // full bandwidth stand for what is left of them.
             matmul_efficiency: 0.13,
+            // rcoa's tensor-core flash kernels on an H200 (2026-11-28f, after the staged
+            // tiles were padded): 20.0 TFLOP/s forward and 14.1 backward in FlashAttention's
+            // count, i.e. 0.86 and 0.87 ms per block product of the 350M shape (2 forward, 7
+            // backward): 20 TFLOP/s of the products the model counts, 0.020 of the dense
+            // bf16 rate (an H100's SMs and clocks are the H200's). The 0.13 above prices
+            // them 6.5 times too fast: the 350M flash plan predicted 0.227 s a step against
+            // 0.314 s measured.
+            fused_attention_efficiency: Some(0.020),
             bandwidth_efficiency: 1.0,
             step_overhead_s: 0.02,
             // CubeCL launches (fused element-wise kernels are fewer than PyTorch's).
