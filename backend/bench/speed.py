@@ -179,9 +179,14 @@ def run_rcoa(a, shape, out):
     # the user waits for that and the first step together.
     ahead = event("compiled_ahead")
     ahead_s = ahead["record_seconds"] + ahead["compile_seconds"] if ahead else 0.0
+    start = event("start") or {}
     return {
         "engine": rcoa_engine(a),
-        "memory_pool": a.rcoa_memory_pool or "default",
+        # The pool the run says it took (compact unless asked; none on the CPU), and its
+        # device ("cuda:0 NVIDIA H200 (...)"), which names the GPU's peak for the MFU when
+        # no PyTorch row ran beside it.
+        "memory_pool": start.get("memory_pool") or a.rcoa_memory_pool,
+        "device_name": start.get("device"),
         "steady_step_seconds": summary["steady_step_seconds"],
         "first_step_seconds": ahead_s + summary["first_step_seconds"],
         "compiled_ahead_seconds": ahead_s,
@@ -208,8 +213,8 @@ def main():
     ap.add_argument("--engines", default="rcoa,eager,compile")
     ap.add_argument("--rcoa-attention", choices=["flash", "eager", "sdpa"], default=None,
                     help="`train { attention = ... }` of rcoa's plan (flash: the fused kernels)")
-    ap.add_argument("--rcoa-memory-pool", choices=["default", "compact", "expandable"], default=None,
-                    help="`rcoa run --memory-pool` (CUDA; docs/memory-pool.md)")
+    ap.add_argument("--rcoa-memory-pool", choices=["compact", "expandable", "cubecl"], default=None,
+                    help="`rcoa run --memory-pool` (CUDA; compact without it; docs/memory-pool.md)")
     ap.add_argument("--cold", action="store_true", help="rcoa starts from an empty kernel cache")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")
