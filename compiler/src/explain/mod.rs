@@ -377,9 +377,18 @@ pub fn render_text(c: &Compilation) -> String {
             gib(rep.host_activation_bytes)
         );
     }
+    let kept = if rep.reserve_pool_bytes > 0 {
+        format!(
+            "kept out of the budget: {} of reserve (context, buffers), {} for the allocator's pages above the peak (its slack, and transients inside layers)",
+            gib(rep.reserve_bytes - rep.reserve_pool_bytes).trim(),
+            gib(rep.reserve_pool_bytes).trim()
+        )
+    } else {
+        "kept out of the budget".to_string()
+    };
     let _ = writeln!(
         s,
-        "  {:<18} {:>11}  (kept out of the budget)",
+        "  {:<18} {:>11}  ({kept})",
         "reserved",
         gib(rep.reserve_bytes)
     );

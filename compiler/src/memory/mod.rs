@@ -196,6 +196,9 @@ pub struct MemoryReport {
     /// Bytes kept out of the budget (context, communication buffers, fragmentation, and
     /// the pool's pages beyond the bytes in use: `Profile::pool_factor`).
     pub reserve_bytes: u64,
+    /// Of `reserve_bytes`, the allocator pool's pages beyond the reported peak.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub reserve_pool_bytes: u64,
     /// Parameter counts (all, trainable), per model (not per device).
     pub params_total: u64,
     pub params_trainable: u64,
@@ -655,6 +658,7 @@ fn evaluate_stage(
         phase_peaks,
         timeline: compress(samples),
         reserve_bytes: reserve,
+        reserve_pool_bytes: pool,
         params_total: total,
         params_trainable: trainable_count,
         step_flops: flops,
