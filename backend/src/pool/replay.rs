@@ -425,8 +425,8 @@ target burn
     /// `bench/h100-results/2026-11-25/call2/speed350-compact-rcoa.jsonl`).
     const MEASURED_COMPACT: &[(&str, u64)] = &[("speed350m.plan", 33_361_494_016)];
 
-    /// The speed plan with `attention = flash`, as `gpu_one_call.sh` ran it on an H200
-    /// (2026-11-28f): the pool, and `measured_reserved_bytes` and `measured_peak_bytes`
+    /// `speed350m_flash.plan` as `gpu_one_call.sh` ran it on an H200 (2026-11-28f): the
+    /// pool, and `measured_reserved_bytes` and `measured_peak_bytes`
     /// (`bench/h100-results/2026-11-28f/pool-*.jsonl`, 6 steps).
     const MEASURED_FLASH_H200: &[(PoolChoice, u64, u64)] = &[
         (PoolChoice::Compact, 20_484_980_736, 16_313_268_736),
@@ -440,23 +440,14 @@ target burn
     fn pools_measured_beside_their_replays() {
         println!("| plan | pool | highest in use, replay (B) | sampled peak, measured (B) | reserved ÷ replay's in use, measured | replay |");
         println!("| --- | --- | ---: | ---: | ---: | ---: |");
-        let flash = std::fs::read_to_string(bench_dir().join("speed350m.plan"))
-            .expect("bench plan")
-            .replace("grad_accum = 1", "grad_accum = 1\n  attention = flash");
         let rows = MEASURED_COMPACT
             .iter()
-            .map(|(plan, reserved)| (plan.to_string(), None, PoolChoice::Compact, *reserved, None))
+            .map(|(plan, reserved)| (*plan, PoolChoice::Compact, *reserved, None))
             .chain(MEASURED_FLASH_H200.iter().map(|(pool, reserved, peak)| {
-                (
-                    "speed350m.plan, attention = flash (H200)".to_string(),
-                    Some(flash.as_str()),
-                    *pool,
-                    *reserved,
-                    Some(*peak),
-                )
+                ("speed350m_flash.plan", *pool, *reserved, Some(*peak))
             }));
-        for (plan, source, pool, reserved, peak) in rows {
-            let trace = trace_of("speed350m.plan", source, 3);
+        for (plan, pool, reserved, peak) in rows {
+            let trace = trace_of(plan, None, 3);
             let r = replay_choice(&trace, pool, false);
             let measured = reserved as f64 / r.in_use as f64;
             println!(
