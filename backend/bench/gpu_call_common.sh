@@ -1,6 +1,6 @@
 # Sourced by gpu_one_call.sh and gpu_flash_call.sh: what a device call's script sets up first.
 # Expects LIMIT (seconds the whole call may take) and OUT; sets B, END, DEVICE, RCOA, SHAPE,
-# and cap, log, start_expandable_jobs, wait_expandable_jobs, profile_summary. DRY=1: the
+# and cap, log, start_expandable_jobs, wait_expandable_jobs, profile_kernels. DRY=1: the
 # CPU, this machine's release build (BIN), tiny shapes.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 END=$(( $(date +%s) + LIMIT ))
@@ -33,10 +33,17 @@ wait_expandable_jobs() {
   grep -h "memory_pool\|measured_reserved" /tmp/jobs-expandable/*.jsonl 2>/dev/null | cut -c1-400 | tail -n 2
 }
 
-# The kernel_profile line of `rcoa run --profile-kernels --format json` output $1: the
-# families and the $2 longest kernels.
-profile_summary() {
-  python3 - "$1" "$2" <<'PY' || true
+# Where plan $2's warm step time goes: `rcoa run --profile-kernels` for 4 steps, at most $3
+# seconds, into $OUT/$4.jsonl and .err; logs it as step $1 and prints the families and the $5
+# longest kernels. Returns 1 (running nothing) off CUDA, without the plan, or with 20 s or
+# less left.
+profile_kernels() {
+  local t; t=$(cap "$3")
+  if [ "$DEVICE" != cuda ] || [ ! -f "$2" ] || [ "$t" -le 20 ]; then return 1; fi
+  timeout "$t" "$RCOA" run "$2" --device cuda --steps 4 --profile-kernels --format json \
+    > "$OUT/$4.jsonl" 2> "$OUT/$4.err"
+  log "$1 kernel profile rc=$?"
+  python3 - "$OUT/$4.jsonl" "$5" <<'PY' || true
 import json, sys
 for line in open(sys.argv[1]):
     v = json.loads(line)

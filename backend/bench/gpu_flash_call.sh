@@ -69,14 +69,7 @@ else
 fi
 
 # 4. Where the warm step's time goes.
-PLAN="$OUT/speed-cold/speed-$SHAPE.plan"
-t=$(cap 40)
-if [ "$DEVICE" = cuda ] && [ -f "$PLAN" ] && [ "$t" -gt 20 ]; then
-  timeout "$t" "$RCOA" run "$PLAN" --device cuda --steps 4 --profile-kernels --format json \
-    > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
-  log "4 kernel profile rc=$?"
-  profile_summary "$OUT/profile.jsonl" 6
-fi
+profile_kernels 4 "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile 6
 unset RCOA_FLASH_TENSOR_CORES
 
 # 5. Nsight Compute on each tensor-core kernel's first launch.

@@ -102,12 +102,7 @@ speed 3-rcoa-warm 90 --engines rcoa --rcoa-attention $ATTENTION
 # 3b. Where the warm step's time goes: every kernel timed on the GPU (--profile-kernels),
 # by family and the longest kernels, beside the plan's FLOPs.
 PLAN350="$OUT/speed-3-rcoa-warm/speed-$SHAPE.plan"
-t=$(cap 60)
-if [ "$DEVICE" = cuda ] && [ -f "$PLAN350" ] && [ "$t" -gt 20 ]; then
-  timeout "$t" "$RCOA" run "$PLAN350" --device cuda --steps 4 --profile-kernels --format json \
-    > "$OUT/profile-$SHAPE.jsonl" 2> "$OUT/profile-$SHAPE.err"
-  log "3b kernel profile rc=$?"
-  profile_summary "$OUT/profile-$SHAPE.jsonl" 8
+if profile_kernels 3b "$PLAN350" 60 "profile-$SHAPE" 8; then
   # No kernel_profile line (the event timing failed): CubeCL's own profiler instead, which
   # syncs around every kernel (its per-kernel lines and a summary table per step).
   t=$(cap 40)
