@@ -193,8 +193,9 @@ pub(crate) fn to_cubecl(pools: &[Pool]) -> cubecl_runtime::memory_management::Me
     }
 }
 
-/// The choice of this process (`rcoa run --memory-pool`): CubeCL's configuration is
-/// process-wide too, and fixed once a device is in use.
+/// The choice of this process (`rcoa run --memory-pool`), as 1 + its place in
+/// [`PoolChoice::ALL`]; 0 until one is made. CubeCL's configuration is process-wide too,
+/// and fixed once a device is in use.
 static SELECTED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Select the pools the CUDA devices of this process get (`configure` applies it).
@@ -202,13 +203,16 @@ pub fn select(choice: PoolChoice) {
     let index = PoolChoice::ALL
         .iter()
         .position(|&c| c == choice)
-        .unwrap_or(0);
-    SELECTED.store(index as u8, std::sync::atomic::Ordering::SeqCst);
+        .expect("ALL lists every choice");
+    SELECTED.store(index as u8 + 1, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// What [`select`] chose (the default, [`PoolChoice::Compact`], when nothing did).
+/// What [`select`] chose ([`PoolChoice::default`] when nothing did).
 pub fn selected() -> PoolChoice {
-    PoolChoice::ALL[SELECTED.load(std::sync::atomic::Ordering::SeqCst) as usize]
+    match SELECTED.load(std::sync::atomic::Ordering::SeqCst) {
+        0 => PoolChoice::default(),
+        i => PoolChoice::ALL[i as usize - 1],
+    }
 }
 
 /// The pools of this process's CUDA devices, once the first run chose them.
