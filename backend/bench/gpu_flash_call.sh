@@ -8,11 +8,13 @@
 #     and waited for before anything is timed. At most 150 s.
 #  1. The tensor-core flash tests and the block products alone (tests_mma). At most 90 s.
 #     If they fail, the speed run takes the Rows kernels.
-#  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, with the
-#     millisecond and TFLOP/s of each. At most 60 s.
+#  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
+#     backward runs in two passes and in one (dQ added atomically), with the millisecond and
+#     TFLOP/s of each. At most 60 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
-#     step), tokens/s, and the pool's reserved bytes under the default pools. At most 200 s.
+#     step), tokens/s, and the pool's reserved bytes under the default pools and the default
+#     one-pass backward. At most 200 s.
 #  4. Where the warm step's time goes (--profile-kernels, 4 steps). At most 40 s.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
 #     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
@@ -75,16 +77,21 @@ unset RCOA_FLASH_TENSOR_CORES
 # 5. Nsight Compute on each tensor-core kernel's first launch.
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$DEVICE" = cuda ] && [ -x /tmp/flash-bench ] && [ -n "$NCU" ]; then
-  # The kernels' CUDA names (ncu lists them when none matches), not their Rust types'.
-  for k in flash_forward_blocks flash_backward_kv_blocks flash_backward_q_blocks; do
+  # The kernels' CUDA names (ncu lists them when none matches), not their Rust types', and
+  # how many of their launches to skip: the bench times the two-pass backward (2 warm-up
+  # launches and 10 timed) before the one-pass one, whose key-block kernel has the same name.
+  for ks in flash_forward_blocks:0 flash_backward_kv_blocks:0 flash_backward_q_blocks:0 \
+    flash_backward_kv_blocks:12; do
+    k=${ks%:*}; skip=${ks#*:}; name=$k; [ "$skip" = 0 ] || name=$k-one-pass
     t=$(cap 60)
-    if [ "$t" -lt 25 ]; then log "5 ncu $k skipped: ${t}s left"; continue; fi
-    timeout "$t" "$NCU" --clock-control none -k "regex:^${k}_" -c 1 --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats /tmp/flash-bench > "$OUT/ncu-$k.txt" 2>&1
-    log "5 ncu $k rc=$?"
+    if [ "$t" -lt 25 ]; then log "5 ncu $name skipped: ${t}s left"; continue; fi
+    timeout "$t" "$NCU" --clock-control none -k "regex:^${k}_" -s "$skip" -c 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats /tmp/flash-bench \
+      > "$OUT/ncu-$name.txt" 2>&1
+    log "5 ncu $name rc=$?"
     grep -E "Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Bank|Stall|One or More|Warp Cycles Per Issued" \
-      "$OUT/ncu-$k.txt" | head -n 24
+      "$OUT/ncu-$name.txt" | head -n 24
   done
 else
   log "5 ncu skipped (no ncu, or not on CUDA)"

@@ -1,7 +1,8 @@
 //! The fused-attention kernels timed alone, in one run: the `Rows` kernels
 //! (scalar FMAs, what `attention = flash` runs by default) against the
 //! block-product kernels on tensor cores (`RCOA_FLASH_TENSOR_CORES=1`), on
-//! one attention shape, forward and backward (dK/dV and dQ). Prints each
+//! one attention shape, forward and backward (dK/dV and dQ; on tensor cores
+//! in two passes and in one, dQ added atomically). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -22,7 +23,9 @@
 mod bench {
     use cubecl::prelude::*;
     use rcoa_backend::kernels::flash::device_tensor::{AttentionTensors, Elem, HostInputs};
-    use rcoa_backend::kernels::flash::launch::{unrolls, FlashDims, FlashKernels, FlashLaunch};
+    use rcoa_backend::kernels::flash::launch::{
+        has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch,
+    };
     use std::time::Instant;
 
     const WARMUP: usize = 2;
@@ -73,16 +76,16 @@ mod bench {
     pub fn run<R: Runtime, E: Elem>(
         client: ComputeClient<R>,
         dims: FlashDims,
-        variants: &[(&str, FlashKernels)],
+        variants: &[(&str, FlashKernels, bool)],
     ) {
         // Each kind without dropout, then with it (its cost, not its outputs).
-        let variants: Vec<(String, FlashKernels, Option<f64>)> = variants
+        let variants: Vec<(String, FlashKernels, bool, Option<f64>)> = variants
             .iter()
-            .map(|&(n, k)| (n.to_string(), k, None))
+            .map(|&(n, k, one)| (n.to_string(), k, one, None))
             .chain(
                 variants
                     .iter()
-                    .map(|&(n, k)| (format!("{n} + dropout 0.1"), k, Some(0.1))),
+                    .map(|&(n, k, one)| (format!("{n} + dropout 0.1"), k, one, Some(0.1))),
             )
             .collect();
         let causal = true;
@@ -117,7 +120,7 @@ mod bench {
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× first"
         );
         let mut results: Vec<Result> = Vec::new();
-        for (name, kernels, dropout) in variants {
+        for (name, kernels, one_pass, dropout) in variants {
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -127,8 +130,9 @@ mod bench {
                 kernels,
                 unroll: unrolls(&client),
                 dropout,
+                atomic_dq: one_pass && has_atomic_add(&client),
             };
-            if cfg.kernels() != kernels {
+            if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
                 continue;
             }
@@ -215,6 +219,9 @@ fn main() {
     use cubecl::prelude::Runtime;
     use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels};
     use rcoa_backend::kernels::flash::mma::Products;
+    const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
+        products: Products::TensorCores,
+    };
     let dims = bench::dims_from_args(FlashDims {
         batch: 4,
         heads: 16,
@@ -231,12 +238,12 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false),
+            ("blocks on tensor cores", TENSOR_CORES, false),
             (
-                "blocks on tensor cores",
-                FlashKernels::Blocks {
-                    products: Products::TensorCores,
-                },
+                "blocks on tensor cores, one-pass backward",
+                TENSOR_CORES,
+                true,
             ),
         ],
     );
@@ -248,6 +255,9 @@ fn main() {
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use rcoa_backend::kernels::flash::launch::{FlashDims, FlashKernels};
     use rcoa_backend::kernels::flash::mma::Products;
+    const TILED: FlashKernels = FlashKernels::Blocks {
+        products: Products::TiledScalar,
+    };
     let dims = bench::dims_from_args(FlashDims {
         batch: 1,
         heads: 2,
@@ -264,13 +274,9 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows),
-            (
-                "blocks, tiles on scalar FMAs",
-                FlashKernels::Blocks {
-                    products: Products::TiledScalar,
-                },
-            ),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false),
+            ("blocks, tiles on scalar FMAs", TILED, false),
+            ("blocks, tiles on scalar FMAs, one pass", TILED, true),
         ],
     );
 }

@@ -103,6 +103,22 @@ pub const CHUNKED_LOSS_TOKENS: u64 = 1024;
 /// blocks (`burn_flash_attention`); this names the CPU's difference.
 pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
 
+/// The largest head dim the executor's tensor-core flash kernels take
+/// (`backend/src/kernels/flash/launch.rs` `MAX_TENSOR_CORE_HEAD_DIM`; a
+/// backend test checks they agree).
+pub const BURN_FLASH_TENSOR_CORE_HEAD_DIM: u64 = 128;
+
+/// Whether the executor's flash attention on CUDA runs its block-product
+/// kernels on tensor cores, whose backward is one pass with an fp32 dQ
+/// accumulator: 16-bit inputs and head dims in 16s up to
+/// [`BURN_FLASH_TENSOR_CORE_HEAD_DIM`] (`FlashLaunch::kernels`). Otherwise
+/// the `Rows` kernels run, in two passes.
+pub fn burn_flash_one_pass(act: Dtype, head_dim: u64) -> bool {
+    matches!(act, Dtype::Bf16 | Dtype::Fp16)
+        && head_dim.is_multiple_of(16)
+        && head_dim <= BURN_FLASH_TENSOR_CORE_HEAD_DIM
+}
+
 /// The op name of the executor's fused attention kernels (`burn_flash_attention`), whose
 /// FLOPs the time model prices at `Profile::fused_attention_efficiency`.
 pub const FUSED_ATTENTION_OP: &str = "flash_attention";
@@ -1046,13 +1062,15 @@ impl<'a> Builder<'a> {
     /// `train { attention = flash }` on Burn (`backend/src/kernels/flash`,
     /// `ops::flash_attention`): one autodiff node that saves q, k and v (not repeated for
     /// grouped-query attention), the output `[b, h, s, d]` and the fp32 log-sum-exp
-    /// `[b, h, s]`. On CUDA the CubeCL kernels make no transient beyond their outputs. The
+    /// `[b, h, s]`. On CUDA the tensor-core kernels' one-pass backward
+    /// ([`burn_flash_one_pass`]) adds dQ up in an fp32 `[b, h, s, d]` accumulator, alive
+    /// while it runs; otherwise the kernels make no transient beyond their outputs. The
     /// CPU's blocked plain path also makes `[b, h, BURN_FLASH_QUERY_BLOCK, s]` score blocks
     /// (2 forward, 4 backward) and keeps its LSE in the compute dtype: not charged here, since
     /// the prediction is for the plan's GPU. The backend's memory test bounds that
     /// difference. Time: the kernels' block products, with no separate softmax passes. The
-    /// forward has two (`score_flops`). The backward has seven: S and dP in each of the
-    /// atomics-free dK/dV and dQ kernels, then dV, dK and dQ, so 3.5 x
+    /// forward has two (`score_flops`). The one-pass backward has five (S, dP, dV, dK,
+    /// dQ), so 2.5 x; the atomics-free two passes seven (S and dP in each), 3.5 x
     /// (`docs/flash-attention.md`).
     fn burn_flash_attention(
         &mut self,
@@ -1077,9 +1095,15 @@ impl<'a> Builder<'a> {
             &[out, lse],
             &[q, k, v, out, lse],
         );
+        let one_pass = burn_flash_one_pass(act, hd);
         let info = &mut self.tape.ops[o];
         info.flops = score_flops;
-        info.bwd_flops = 3.5 * score_flops;
+        if one_pass {
+            info.bwd_flops = 2.5 * score_flops;
+            info.bwd_workspace = seqs * heads * s * hd * 4;
+        } else {
+            info.bwd_flops = 3.5 * score_flops;
+        }
         // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
         let rg = self.rg(out);
         let flat = self.tensor("transpose", &[self.tokens, width], act, rg);

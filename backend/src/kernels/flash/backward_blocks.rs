@@ -1,7 +1,9 @@
 //! The backward kernels with their block products over shared-memory tiles
-//! (`mma.rs`), so that on a GPU with tensor cores they run on them. Same
-//! split, arguments and results as `backward.rs` (no atomics; dK and dV per
-//! key block, dQ per query block); what changes is who computes what:
+//! (`mma.rs`), so that on a GPU with tensor cores they run on them. Two
+//! ways: the same split, arguments and results as `backward.rs` (no
+//! atomics; dK and dV per key block, dQ per query block), or one pass over
+//! key blocks that also adds dQ atomically (`one_pass`). Against
+//! `backward.rs`, what changes is who computes what:
 //!
 //! - the products (`S`, `dP`, `Pᵀ dO`, `dSᵀ Q`, `dS K`) are cube-wide
 //!   `block_product`s;
@@ -42,6 +44,36 @@ fn staged_row_dot<F: Float>(
     sum
 }
 
+/// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
+/// from the fp32 `[rows, head_dim]` tile `src` (row stride `ld`) to `acc`,
+/// atomically. The whole cube adds, consecutive units taking consecutive
+/// elements, so a plane's adds to one row are coalesced.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_rows(
+    acc: &mut Tensor<Atomic<f32>>,
+    src: &SharedMemory<f32>,
+    bi: usize,
+    hi: usize,
+    i0: usize,
+    s: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    ld: usize,
+) {
+    let base = bi * acc.stride(0) + hi * acc.stride(1);
+    let units = CUBE_DIM as usize;
+    let mut e = UNIT_POS as usize;
+    while e < rows * head_dim {
+        let r = e / head_dim;
+        let c = e % head_dim;
+        if i0 + r < s {
+            acc[base + (i0 + r) * acc.stride(2) + c * acc.stride(3)].fetch_add(src[r * ld + c]);
+        }
+        e += units;
+    }
+}
+
 /// dK and dV for `block` key rows of one `(batch, kv head)`, with
 /// `units_per_row` units per key row: unit `u` takes key row
 /// `CUBE_POS_X · block + u % block` and the `u / block`-th share of its
@@ -50,6 +82,14 @@ fn staged_row_dot<F: Float>(
 /// unit's row is its key's); each unit forms its share of its row of `Pᵀ`
 /// and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`, each unit keeping its
 /// share of the row's columns in registers.
+///
+/// With `one_pass` it also computes dQ, FlashAttention-2's way: per query
+/// block, `dS K` (a fifth product, from the `dSᵀ` tile it already holds)
+/// added to the fp32 `d_q_acc [b, h, s, d]` (zeroed before) with atomic
+/// adds, since every key block adds to the same query rows. That saves
+/// `flash_backward_q_blocks`, which computes S and dP again: 5 block
+/// products instead of 7. Without it `d_q_acc` is a placeholder never
+/// touched.
 ///
 /// Arguments as `flash_backward_kv`'s, and `units_per_row`, which divides
 /// `block` and `head_dim` (`FlashLaunch::units_per_row`); the cube has
@@ -68,6 +108,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     dropout_seed: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
+    d_q_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     group: u32,
     drop_threshold: u32,
@@ -80,6 +121,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
+    #[comptime] one_pass: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
@@ -173,11 +215,13 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             }
 
             block_product::<F>(
-                &ks, hd_ld, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
+                &ks, hd_ld, false, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim,
+                products,
             );
             block_product::<F>(
                 &vs,
                 hd_ld,
+                false,
                 &dos,
                 hd_ld,
                 true,
@@ -204,8 +248,10 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 for ic in 0..cols {
                     let il = c0s + ic;
                     let i = i0 + il;
-                    // A query past the end, or (causal) before this key: no term.
-                    let skip = i >= s || excluded(jr, i, t, causal);
+                    // A query past the end, or (causal) before this key, or a
+                    // key row past the end (it repeats key t − 1; one pass
+                    // would add that key's term to dQ twice): no term.
+                    let skip = !live || i >= s || excluded(jr, i, t, causal);
                     let mut p = f32::new(0.0);
                     let mut ds = f32::new(0.0);
                     let mut z = f32::new(1.0);
@@ -222,7 +268,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             sync_cube();
 
             block_product::<F>(
-                &pt, p_ld, &dos, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
+                &pt, p_ld, false, &dos, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+                products,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -231,7 +278,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             }
             sync_cube();
             block_product::<F>(
-                &dst, p_ld, &qs, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
+                &dst, p_ld, false, &qs, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+                products,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -239,6 +287,17 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 dk[c] += work[row * out_ld + c0d + c];
             }
             sync_cube();
+            if one_pass {
+                // dQ += dS K for these queries, from the dSᵀ the cube holds;
+                // other key blocks add theirs to the same rows.
+                block_product::<F>(
+                    &dst, p_ld, true, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+                    products,
+                );
+                sync_cube();
+                add_rows(d_q_acc, &work, bi, hi, i0, s, block, head_dim, out_ld);
+                sync_cube();
+            }
         }
     }
 
@@ -352,11 +411,12 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &qs, hd_ld, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
+            &qs, hd_ld, false, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
         );
         block_product::<F>(
             &dos,
             hd_ld,
+            false,
             &vs,
             hd_ld,
             true,
@@ -399,7 +459,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &dss, p_ld, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
+            &dss, p_ld, false, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         #[unroll(unroll)]

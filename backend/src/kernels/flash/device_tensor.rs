@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::launch::{self, BackwardInputs, FlashLaunch};
+use super::launch::{self, BackwardInputs, BackwardOutputs, FlashLaunch};
 
 /// An element type a [`DeviceTensor`] holds: f32, f16 or bf16, converted
 /// from and to f32 on the host.
@@ -122,7 +122,7 @@ pub struct HostInputs<'a> {
 /// One attention call's tensors on the device, as the kernels take them:
 /// the inputs (q, k, v, dO in `E`; the key bias in f32, a 1 × 1
 /// placeholder without padding) and zeroed outputs (O and the gradients in
-/// `E`, LSE in f32) for [`AttentionTensors::forward`] and
+/// `E`, LSE and the one-pass backward's dQ accumulator in f32) for [`AttentionTensors::forward`] and
 /// [`AttentionTensors::backward`] to write.
 pub struct AttentionTensors<R: Runtime> {
     pub q: DeviceTensor<R>,
@@ -137,6 +137,9 @@ pub struct AttentionTensors<R: Runtime> {
     pub d_q: DeviceTensor<R>,
     pub d_k: DeviceTensor<R>,
     pub d_v: DeviceTensor<R>,
+    /// dQ's fp32 accumulator, for a one-pass backward
+    /// (`FlashLaunch::one_pass`), which zeroes it itself.
+    pub d_q_acc: DeviceTensor<R>,
 }
 
 impl<R: Runtime> AttentionTensors<R> {
@@ -162,6 +165,7 @@ impl<R: Runtime> AttentionTensors<R> {
             d_q: DeviceTensor::zeros_as::<E>(client, &qs),
             d_k: DeviceTensor::zeros_as::<E>(client, &ks),
             d_v: DeviceTensor::zeros_as::<E>(client, &ks),
+            d_q_acc: DeviceTensor::zeros(client, &qs),
         }
     }
 
@@ -193,7 +197,12 @@ impl<R: Runtime> AttentionTensors<R> {
             key_bias: self.key_bias.arg(),
             dropout_seed: self.dropout_seed.arg(),
         };
-        launch::backward_kv(client, cfg, inputs(), self.d_k.arg(), self.d_v.arg());
-        launch::backward_q(client, cfg, inputs(), self.d_q.arg());
+        let out = BackwardOutputs {
+            d_q: self.d_q.arg(),
+            d_k: self.d_k.arg(),
+            d_v: self.d_v.arg(),
+            d_q_acc: self.d_q_acc.arg(),
+        };
+        launch::backward(client, cfg, inputs(), out);
     }
 }

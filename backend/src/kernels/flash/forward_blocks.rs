@@ -124,7 +124,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &qs, hd_ld, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, dim, products,
+            &qs, hd_ld, false, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, dim, products,
         );
         sync_cube();
 
@@ -179,7 +179,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &ps, p_ld, &vs, hd_ld, false, &mut s32, 0, out_ld, block, dim, block, products,
+            &ps, p_ld, false, &vs, hd_ld, false, &mut s32, 0, out_ld, block, dim, block, products,
         );
         sync_cube();
         #[unroll(unroll)]

@@ -19,7 +19,7 @@ use burn_fusion::{get_client, Fusion, NoOp};
 use cubecl::prelude::{StorageType, TensorArg};
 
 use super::blocked::FlashMask;
-use super::launch::{self, BackwardInputs, FlashDims, FlashKernels, FlashLaunch};
+use super::launch::{self, BackwardInputs, BackwardOutputs, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 
 type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
@@ -78,6 +78,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         kernels: FlashKernels::Rows,
         unroll: launch::unrolls(&q.client),
         dropout: mask.dropout.as_ref().map(|d| d.p),
+        atomic_dq: one_pass_asked() && launch::has_atomic_add(&q.client),
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -92,8 +93,19 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
             TOLD.call_once(|| eprintln!("note: {}", tensor_core_note(cmma, &cfg)));
         }
     }
+    #[cfg(test)]
+    if let Some(kernels) = *TEST_KERNELS.lock().unwrap() {
+        cfg.kernels = kernels;
+    }
     Ok(cfg)
 }
+
+/// The kernels a test runs through this glue instead of the device's
+/// choice: the block-product kernels (and their one-pass backward) on a
+/// device without tensor cores. One test sets it (`tests_kernels`).
+#[cfg(test)]
+pub(super) static TEST_KERNELS: std::sync::Mutex<Option<FlashKernels>> =
+    std::sync::Mutex::new(None);
 
 /// The tensor-core kernels run wherever the device multiplies the type's
 /// tiles on them and the shape suits them (`FlashLaunch::kernels`): their
@@ -110,6 +122,16 @@ fn tensor_cores_asked() -> Option<bool> {
             _ => None,
         },
     )
+}
+
+/// The block-product kernels' backward runs in one pass, adding dQ up with
+/// atomics (`launch::FlashLaunch::atomic_dq`: 5 block products instead of
+/// 7), wherever the device adds fp32 atomically.
+/// `RCOA_FLASH_ONE_PASS=0` keeps the atomics-free two passes, whose
+/// gradients are the same bits from run to run.
+fn one_pass_asked() -> bool {
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| std::env::var("RCOA_FLASH_ONE_PASS").as_deref() != Ok("0"))
 }
 
 /// What a run that asked for tensor cores is told (once): that they run, or
@@ -277,8 +299,14 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     let d_q = empty(&qc, qc.shape(), qc.dtype);
     let d_k = empty(&kc, kc.shape(), kc.dtype);
     let d_v = empty(&vc, vc.shape(), vc.dtype);
+    // Freed when this returns: a transient of the backward, which the
+    // `burn` profile charges (`memory::build` `burn_flash_attention`).
+    let d_q_acc = match cfg.dq_accumulator() {
+        Some(shape) => empty(&qc, Shape::new(shape), DType::F32),
+        None => empty(&qc, Shape::new([1]), DType::F32),
+    };
     let client = qc.client.clone();
-    let inputs = || BackwardInputs {
+    let inputs = BackwardInputs {
         q: arg(&qc),
         k: arg(&kc),
         v: arg(&vc),
@@ -288,8 +316,13 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         key_bias: arg(&bias),
         dropout_seed: arg(&seed),
     };
-    launch::backward_kv(&client, &cfg, inputs(), arg(&d_k), arg(&d_v));
-    launch::backward_q(&client, &cfg, inputs(), arg(&d_q));
+    let out = BackwardOutputs {
+        d_q: arg(&d_q),
+        d_k: arg(&d_k),
+        d_v: arg(&d_v),
+        d_q_acc: arg(&d_q_acc),
+    };
+    launch::backward(&client, &cfg, inputs, out);
     [
         register::<R, BT>(d_q),
         register::<R, BT>(d_k),
@@ -327,6 +360,7 @@ mod tests {
             },
             unroll: true,
             dropout: None,
+            atomic_dq: true,
         }
     }
 

@@ -2,7 +2,8 @@
 //! same launches run on CUDA (`rcoa run`) and on wgpu (the tests, through
 //! lavapipe where there is no GPU).
 
-use cubecl::ir::{ElemType, FloatKind};
+use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
 use super::backward::{flash_backward_kv, flash_backward_q};
@@ -60,6 +61,12 @@ pub struct FlashLaunch {
     /// Attention dropout's probability (its seed is a tensor the kernels
     /// read: `super::dropout`), or `None`.
     pub dropout: Option<f64>,
+    /// The backward computes dQ in the key-block kernel, adding it to an
+    /// fp32 accumulator atomically (FlashAttention-2's one pass: 5 block
+    /// products instead of 7), where the `Blocks` kernels run
+    /// ([`FlashLaunch::one_pass`]). Needs fp32 atomic adds
+    /// ([`has_atomic_add`]); the sums' order then varies from run to run.
+    pub atomic_dq: bool,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -118,6 +125,13 @@ impl FlashLaunch {
         } else {
             FlashKernels::Rows
         }
+    }
+
+    /// The backward runs in one pass ([`FlashLaunch::atomic_dq`]): asked
+    /// for, and the `Blocks` kernels run (the `Rows` kernels have only the
+    /// atomics-free split).
+    pub fn one_pass(&self) -> bool {
+        self.atomic_dq && matches!(self.kernels(), FlashKernels::Blocks { .. })
     }
 
     /// Query (and key) rows per block of the `Blocks` kernels: 64 on
@@ -216,6 +230,16 @@ pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageTyp
         })
 }
 
+/// Whether `client`'s device adds fp32 values to memory atomically, as the
+/// one-pass backward does ([`FlashLaunch::atomic_dq`]).
+pub fn has_atomic_add<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let ty = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)));
+    client
+        .properties()
+        .atomic_type_usage(ty)
+        .contains(AtomicUsage::Add)
+}
+
 /// The bytes of one shared-memory bank: what a unit may stage at once
 /// ([`vector_width`]).
 const BANK_BYTES: usize = 4;
@@ -280,11 +304,12 @@ fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, C
 /// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
 /// rows in `$slices` slices, with the tensors `$t` and the settings every
 /// flash kernel takes after them, in their order (a block-product kernel
-/// also takes the width `$width` it stages its inputs in, before them, and
-/// its units per row after its block size). `$width` is evaluated only when
-/// a block-product kernel runs.
+/// also takes the width `$width` it stages its inputs in, before them, its
+/// units per row after its block size, and where given the tensors
+/// `blocks` after `$t` and the compile-time `flags` after its products).
+/// `$width` is evaluated only when a block-product kernel runs.
 macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*]) => {{
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*] $(, blocks: [$($bt:expr),*], flags: [$($bf:expr),*])?) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
         match cfg.kernels() {
             FlashKernels::Rows => {
@@ -301,9 +326,10 @@ macro_rules! launch_flash {
                 let split = FlashLaunch::units_per_row(block, d.head_dim);
                 let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
-                    $client, count, dim, $width, $($t,)* cfg.scale, d.group(),
+                    $client, count, dim, $width, $($t,)* $($($bt,)*)? cfg.scale, d.group(),
                     cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
-                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.dtype,
+                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, $($($bf,)*)?
+                    cfg.dtype,
                 );
             }
         }
@@ -359,15 +385,50 @@ impl<R: Runtime> BackwardInputs<R> {
     }
 }
 
-/// Writes `d_k, d_v [b, kv_heads, t, d]`: one launch over key blocks.
-pub fn backward_kv<R: Runtime>(
+/// What the backward writes: the gradients, in the inputs' type and
+/// layout, and the one-pass backward's fp32 dQ accumulator.
+pub struct BackwardOutputs<R: Runtime> {
+    pub d_q: TensorArg<R>,
+    pub d_k: TensorArg<R>,
+    pub d_v: TensorArg<R>,
+    /// Where [`FlashLaunch::one_pass`]: a contiguous fp32 tensor of dQ's
+    /// shape ([`FlashLaunch::dq_accumulator`]), which the backward zeroes,
+    /// adds to and casts into `d_q` (contiguous too); otherwise any
+    /// placeholder, never read.
+    pub d_q_acc: TensorArg<R>,
+}
+
+impl FlashLaunch {
+    /// The shape of the fp32 dQ accumulator the backward needs
+    /// ([`BackwardOutputs::d_q_acc`]), or `None` where it runs in two
+    /// passes.
+    pub fn dq_accumulator(&self) -> Option<[usize; 4]> {
+        let d = &self.dims;
+        self.one_pass()
+            .then_some([d.batch, d.heads, d.q_len, d.head_dim])
+    }
+}
+
+/// Writes dQ, dK and dV: one launch over key blocks that also adds dQ up
+/// ([`FlashLaunch::one_pass`]), between zeroing the accumulator and casting
+/// it; or one launch over key blocks for dK and dV and one over query blocks
+/// for dQ.
+pub fn backward<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &FlashLaunch,
     x: BackwardInputs<R>,
-    d_k: TensorArg<R>,
-    d_v: TensorArg<R>,
+    out: BackwardOutputs<R>,
 ) {
     let d = &cfg.dims;
+    let width = x.vector_width(client, cfg);
+    let one_pass = cfg.one_pass();
+    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
+    let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
+    if let Some(acc) = &acc {
+        super::dq::zero(client, clone_arg(acc), dq_len);
+    }
+    // The second pass reads the same inputs.
+    let second = (!one_pass).then(|| x.clone());
     launch_flash!(
         client,
         cfg,
@@ -375,50 +436,69 @@ pub fn backward_kv<R: Runtime>(
         flash_backward_kv_blocks,
         d.kv_len,
         d.batch * d.kv_heads,
-        x.vector_width(client, cfg),
-        [
-            x.q,
-            x.k,
-            x.v,
-            x.o,
-            x.d_o,
-            x.lse,
-            x.key_bias,
-            x.dropout_seed,
-            d_k,
-            d_v
-        ]
+        width,
+        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, x.dropout_seed, out.d_k, out.d_v],
+        blocks: [out.d_q_acc],
+        flags: [one_pass]
     );
+    if let Some(acc) = acc {
+        super::dq::cast(client, acc, out.d_q, dq_len, cfg.dtype);
+    } else if let Some(x) = second {
+        launch_flash!(
+            client,
+            cfg,
+            flash_backward_q,
+            flash_backward_q_blocks,
+            d.q_len,
+            d.batch * d.heads,
+            width,
+            [
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                x.dropout_seed,
+                out.d_q
+            ]
+        );
+    }
 }
 
-/// Writes `d_q [b, h, s, d]`: one launch over query blocks.
-pub fn backward_q<R: Runtime>(
-    client: &ComputeClient<R>,
-    cfg: &FlashLaunch,
-    x: BackwardInputs<R>,
-    d_q: TensorArg<R>,
-) {
-    let d = &cfg.dims;
-    launch_flash!(
-        client,
-        cfg,
-        flash_backward_q,
-        flash_backward_q_blocks,
-        d.q_len,
-        d.batch * d.heads,
-        x.vector_width(client, cfg),
-        [
-            x.q,
-            x.k,
-            x.v,
-            x.o,
-            x.d_o,
-            x.lse,
-            x.key_bias,
-            x.dropout_seed,
-            d_q
-        ]
-    );
+/// Another argument for the same tensor (`TensorArg` is not `Clone`; its
+/// binding is a handle, not the data).
+fn clone_arg<R: Runtime>(a: &TensorArg<R>) -> TensorArg<R> {
+    match a {
+        TensorArg::Handle { handle } => TensorArg::Handle {
+            handle: handle.clone(),
+        },
+        TensorArg::Alias {
+            input_pos,
+            strides,
+            shape,
+        } => TensorArg::Alias {
+            input_pos: *input_pos,
+            strides: strides.clone(),
+            shape: shape.clone(),
+        },
+    }
+}
+
+impl<R: Runtime> Clone for BackwardInputs<R> {
+    fn clone(&self) -> Self {
+        BackwardInputs {
+            q: clone_arg(&self.q),
+            k: clone_arg(&self.k),
+            v: clone_arg(&self.v),
+            o: clone_arg(&self.o),
+            d_o: clone_arg(&self.d_o),
+            lse: clone_arg(&self.lse),
+            key_bias: clone_arg(&self.key_bias),
+            dropout_seed: clone_arg(&self.dropout_seed),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -444,7 +524,38 @@ mod tests {
             },
             unroll: true,
             dropout: None,
+            atomic_dq: true,
         }
+    }
+
+    /// The memory model charges the one-pass backward's fp32 dQ
+    /// accumulator where the kernels run it (given fp32 atomic adds, which
+    /// CUDA has).
+    #[test]
+    fn the_memory_model_knows_where_the_backward_runs_in_one_pass() {
+        use rcoa_compiler::memory::build::{burn_flash_one_pass, BURN_FLASH_TENSOR_CORE_HEAD_DIM};
+        use rcoa_compiler::spec::Dtype;
+        assert_eq!(
+            MAX_TENSOR_CORE_HEAD_DIM as u64,
+            BURN_FLASH_TENSOR_CORE_HEAD_DIM
+        );
+        let kinds = [
+            (FloatKind::BF16, Dtype::Bf16),
+            (FloatKind::F16, Dtype::Fp16),
+            (FloatKind::F32, Dtype::Fp32),
+        ];
+        for (kind, dtype) in kinds {
+            for d in [16, 24, 64, 100, 128, 144, 256] {
+                assert_eq!(
+                    launch(d, kind).one_pass(),
+                    burn_flash_one_pass(dtype, d as u64),
+                    "{kind:?} d{d}"
+                );
+            }
+        }
+        let mut rows = launch(64, FloatKind::BF16);
+        rows.kernels = FlashKernels::Rows;
+        assert!(!rows.one_pass(), "the Rows kernels have two passes only");
     }
 
     #[test]

@@ -42,10 +42,12 @@ pub const PAD_F32: usize = 4;
 /// [`PAD_F32`] for tiles of the input type (P, dS).
 pub const PAD_HALF: usize = 8;
 
-/// `C[m × n] = A[m × k] · B[k × n]`: A row-major with row stride `lda`; B
-/// row-major `[k × n]` with row stride `ldb` or, with `b_transposed`, given
-/// as its transpose (row-major `[n × k]`, so `C = A · Bᵀ` of the stored
-/// rows); C fp32, row-major from element `c_offset` of `c` with row stride
+/// `C[m × n] = A[m × k] · B[k × n]`: A row-major `[m × k]` with row stride
+/// `lda` or, with `a_transposed`, given as its transpose (row-major
+/// `[k × m]`: the one-pass backward's `dQ = dS K` from the `dSᵀ` it holds);
+/// B row-major `[k × n]` with row stride `ldb` or, with `b_transposed`,
+/// given as its transpose (row-major `[n × k]`, so `C = A · Bᵀ` of the
+/// stored rows); C fp32, row-major from element `c_offset` of `c` with row stride
 /// `ldc`. Sizes are run-time values so that shader compilers do not unroll
 /// the scalar loops. With `Products::TensorCores`, every 16-row tile must start
 /// 32-byte aligned and the strides be multiples of 16 bytes (wmma's rules),
@@ -56,6 +58,7 @@ pub const PAD_HALF: usize = 8;
 pub fn block_product<F: Float>(
     a: &SharedMemory<F>,
     lda: usize,
+    #[comptime] a_transposed: bool,
     b: &SharedMemory<F>,
     ldb: usize,
     #[comptime] b_transposed: bool,
@@ -75,12 +78,17 @@ pub fn block_product<F: Float>(
             let j = e % n;
             let mut sum = f32::new(0.0);
             for l in 0..k {
+                let av = if a_transposed {
+                    a[l * lda + i]
+                } else {
+                    a[i * lda + l]
+                };
                 let bv = if b_transposed {
                     b[j * ldb + l]
                 } else {
                     b[l * ldb + j]
                 };
-                sum += f32::cast_from(a[i * lda + l]) * f32::cast_from(bv);
+                sum += f32::cast_from(av) * f32::cast_from(bv);
             }
             c[c_offset + i * ldc + j] = sum;
             e += units;
@@ -110,13 +118,19 @@ pub fn block_product<F: Float>(
                 );
                 let mut kk = 0;
                 while kk < k {
+                    // Aᵀ stored row-major is A stored column-major.
+                    let a_layout = if a_transposed {
+                        cmma::MatrixLayout::ColMajor
+                    } else {
+                        cmma::MatrixLayout::RowMajor
+                    };
                     let fa = cmma::Matrix::<F>::from_slice(
                         cmma::MatrixIdent::A,
                         TILE,
                         TILE,
                         TILE,
-                        cmma::MatrixLayout::RowMajor,
-                        &a_tile::<F>(a, lda, ti, kk),
+                        a_layout,
+                        &a_tile::<F>(a, lda, ti, kk, a_transposed),
                         lda as u32,
                     );
                     let layout = if b_transposed {
@@ -155,15 +169,20 @@ pub fn block_product<F: Float>(
                     let mut sum = f32::new(0.0);
                     let mut kk = 0;
                     while kk < k {
-                        let fa = a_tile::<F>(a, lda, ti, kk);
+                        let fa = a_tile::<F>(a, lda, ti, kk, a_transposed);
                         let fb = b_tile::<F>(b, ldb, tj, kk, b_transposed);
                         for l in 0..TILE {
+                            let av = if a_transposed {
+                                fa[l * lda + r]
+                            } else {
+                                fa[r * lda + l]
+                            };
                             let bv = if b_transposed {
                                 fb[cc * ldb + l]
                             } else {
                                 fb[l * ldb + cc]
                             };
-                            sum += f32::cast_from(fa[r * lda + l]) * f32::cast_from(bv);
+                            sum += f32::cast_from(av) * f32::cast_from(bv);
                         }
                         kk += TILE;
                     }
@@ -178,10 +197,21 @@ pub fn block_product<F: Float>(
 }
 
 /// The 16 × 16 tile of A at tile row `ti`, columns `kk ..`: a slice from its
-/// first element, row stride `lda`.
+/// first element, row stride `lda`; with `a_transposed` from the stored
+/// rows `kk ..`, columns `ti · 16 ..` (A column-major).
 #[cube]
-fn a_tile<F: Float>(a: &SharedMemory<F>, lda: usize, ti: usize, kk: usize) -> Slice<F> {
-    let start = ti * TILE * lda + kk;
+fn a_tile<F: Float>(
+    a: &SharedMemory<F>,
+    lda: usize,
+    ti: usize,
+    kk: usize,
+    #[comptime] a_transposed: bool,
+) -> Slice<F> {
+    let start = if a_transposed {
+        kk * lda + ti * TILE
+    } else {
+        ti * TILE * lda + kk
+    };
     a.slice(start, start + (TILE - 1) * lda + TILE)
 }
 

@@ -10,7 +10,9 @@
 //!   and `Wgpu<f32>` in the tests).
 //! - `forward`, `backward`, `tile`, `launch`: the CubeCL kernels
 //!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
-//!   over key blocks and dQ over query blocks, atomics-free). Built with the
+//!   over key blocks and dQ over query blocks, atomics-free, or, for the
+//!   block-product kernels, all three in one pass over key blocks with dQ
+//!   added atomically: `dq`). Built with the
 //!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
 //!   them on wgpu (lavapipe on a machine without a GPU).
 //!
@@ -30,6 +32,8 @@ mod backward;
 mod backward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod device_tensor;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod dq;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]

@@ -200,37 +200,50 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
         let tiles16 = 5 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         let split = FlashLaunch::units_per_row(BLOCK, head_dim);
-        let what = format!("flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout}");
-        let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
-            settings((BLOCK * split) as u32),
-            client.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            (),
-            (),
-            (),
-            (),
-            // Staged 2 16-bit values (a bank) at a time, as launched.
-            2,
-            head_dim,
-            BLOCK,
-            split,
-            causal,
-            padding,
-            dropout,
-            true,
-            Products::TensorCores,
-            float(kind),
-        );
-        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
+        for one_pass in [false, true] {
+            let what = format!(
+                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass}"
+            );
+            let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
+                settings((BLOCK * split) as u32),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                // Staged 2 16-bit values (a bank) at a time, as launched.
+                2,
+                head_dim,
+                BLOCK,
+                split,
+                causal,
+                padding,
+                dropout,
+                true,
+                Products::TensorCores,
+                one_pass,
+                float(kind),
+            );
+            let compiled = compiles(kernel, &what);
+            on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
+            // dQ is added to global memory atomically in one pass only.
+            assert_eq!(
+                compiled.lowered.source.contains("atomicAdd("),
+                one_pass,
+                "{what}"
+            );
+        }
 
         let what = format!("flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout}");
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(

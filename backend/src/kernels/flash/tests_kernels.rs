@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::device_tensor::{AttentionTensors, Elem, HostInputs};
-use super::launch::{unrolls, FlashDims, FlashKernels, FlashLaunch};
+use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -26,6 +26,30 @@ pub(super) fn client_or_skip<R: Runtime>(
     found.ok()
 }
 
+/// The kernels under test: which compute, and whether the backward runs in
+/// one pass (`FlashLaunch::atomic_dq`; the block-product kernels only).
+#[derive(Clone, Copy, Debug)]
+struct Under {
+    kernels: FlashKernels,
+    one_pass: bool,
+}
+
+impl Under {
+    const fn two_pass(kernels: FlashKernels) -> Self {
+        Under {
+            kernels,
+            one_pass: false,
+        }
+    }
+
+    const fn one_pass(kernels: FlashKernels) -> Self {
+        Under {
+            kernels,
+            one_pass: true,
+        }
+    }
+}
+
 /// `x` rounded to `E` and back.
 fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
@@ -40,15 +64,23 @@ struct Got {
     d_v: Vec<f32>,
 }
 
-/// The three kernels on `p`, with q, k, v, O, dO and the gradients in `E`
-/// (`kernels` computing them, their loops unrolled as the runtime has them
-/// or as `unroll` says).
+/// The kernels on `p`, with q, k, v, O, dO and the gradients in `E`
+/// (`under` computing them, their loops unrolled as the runtime has them
+/// or as `unroll` says); `None`, with a note, where the runtime cannot
+/// add fp32 atomically and `under` is a one-pass backward.
 fn run<R: Runtime, E: Elem>(
     client: &ComputeClient<R>,
     p: &Problem,
-    kernels: FlashKernels,
+    under: Under,
     unroll: Option<bool>,
-) -> Got {
+) -> Option<Got> {
+    if under.one_pass && !has_atomic_add(client) {
+        eprintln!(
+            "SKIPPED: {} adds no fp32 atomically; the one-pass backward did not run",
+            std::any::type_name::<R>()
+        );
+        return None;
+    }
     let dims = FlashDims {
         batch: p.b,
         heads: p.h,
@@ -64,11 +96,17 @@ fn run<R: Runtime, E: Elem>(
         padding: p.keep.is_some(),
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
-        kernels,
+        kernels: under.kernels,
         unroll: unroll.unwrap_or_else(|| unrolls(client)),
         dropout: p.dropout.map(|(prob, _)| prob),
+        atomic_dq: under.one_pass,
     };
-    assert_eq!(cfg.kernels(), kernels, "the kernels under test run");
+    assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
+    assert_eq!(
+        cfg.one_pass(),
+        under.one_pass,
+        "the backward under test runs"
+    );
     let bias = p.key_bias();
     let t = AttentionTensors::<R>::new::<E>(
         client,
@@ -84,24 +122,19 @@ fn run<R: Runtime, E: Elem>(
     );
     t.forward(client, &cfg);
     t.backward(client, &cfg);
-    Got {
+    Some(Got {
         o: t.o.read_as::<E>(client),
         lse: t.lse.read(client),
         d_q: t.d_q.read_as::<E>(client),
         d_k: t.d_k.read_as::<E>(client),
         d_v: t.d_v.read_as::<E>(client),
-    }
+    })
 }
 
 /// Output within 1e-4, LSE within 1e-4, gradients within 1e-3 (relative to
 /// `1 + |x|`), for one problem.
-fn check<R: Runtime>(
-    client: Option<ComputeClient<R>>,
-    p: Problem,
-    what: &str,
-    kernels: FlashKernels,
-) {
-    check_unrolled(client, p, what, kernels, None);
+fn check<R: Runtime>(client: Option<ComputeClient<R>>, p: Problem, what: &str, under: Under) {
+    check_unrolled(client, p, what, under, None);
 }
 
 /// [`check`], with the kernels' loops unrolled or not as `unroll` says
@@ -110,12 +143,14 @@ fn check_unrolled<R: Runtime>(
     client: Option<ComputeClient<R>>,
     p: Problem,
     what: &str,
-    kernels: FlashKernels,
+    under: Under,
     unroll: Option<bool>,
 ) {
     let Some(client) = client else { return };
     let want = p.expected();
-    let got = run::<R, f32>(&client, &p, kernels, unroll);
+    let Some(got) = run::<R, f32>(&client, &p, under, unroll) else {
+        return;
+    };
     let errs = [
         ("O", worst(&got.o, &want.o), 1e-4),
         ("LSE", worst(&got.lse, &want.lse), 1e-4),
@@ -132,16 +167,12 @@ fn check_unrolled<R: Runtime>(
 /// the reference on the same rounded inputs: the output within `tol`, the
 /// gradients within `4 · tol`, LSE (fp32) within 1e-3. Skipped, with a note,
 /// where the runtime lacks the type.
-fn check_16bit<R: Runtime, E: Elem>(
-    client: Option<ComputeClient<R>>,
-    tol: f64,
-    kernels: FlashKernels,
-) {
+fn check_16bit<R: Runtime, E: Elem>(client: Option<ComputeClient<R>>, tol: f64, under: Under) {
     check_16bit_on::<R, E>(
         client,
         Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
         tol,
-        kernels,
+        under,
     );
 }
 
@@ -150,7 +181,7 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     client: Option<ComputeClient<R>>,
     mut p: Problem,
     tol: f64,
-    kernels: FlashKernels,
+    under: Under,
 ) {
     let Some(client) = client else { return };
     let ty = E::as_type_native_unchecked();
@@ -166,7 +197,9 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     p.v = round::<E>(&p.v);
     p.d_o = round::<E>(&p.d_o);
     let want = p.expected();
-    let got = run::<R, E>(&client, &p, kernels, None);
+    let Some(got) = run::<R, E>(&client, &p, under, None) else {
+        return;
+    };
     let errs = [
         ("O", worst(&got.o, &want.o), tol),
         ("LSE", worst(&got.lse, &want.lse), 1e-3),
@@ -179,11 +212,11 @@ fn check_16bit_on<R: Runtime, E: Elem>(
     }
 }
 
-/// The same problems on each runtime, with the kernels `$kernels`.
+/// The same problems on each runtime, with the kernels `$under`.
 macro_rules! kernel_tests {
-    ($kernels:expr) => {
+    ($under:expr) => {
         use super::*;
-        const KERNELS: FlashKernels = $kernels;
+        const KERNELS: Under = $under;
 
         #[test]
         fn bidirectional() {
@@ -319,10 +352,13 @@ macro_rules! kernel_tests {
 /// that every index of that path is checked where `cmma` does not run. Head
 /// dims in 16s up to 64; f32 at the f32 tolerances, and f16.
 macro_rules! tiled_tests {
-    () => {
+    ($one_pass:expr) => {
         use super::*;
-        const KERNELS: FlashKernels = FlashKernels::Blocks {
-            products: Products::TiledScalar,
+        const KERNELS: Under = Under {
+            kernels: FlashKernels::Blocks {
+                products: Products::TiledScalar,
+            },
+            one_pass: $one_pass,
         };
 
         fn problems() -> Vec<(Problem, &'static str)> {
@@ -386,20 +422,31 @@ mod wgpu {
 
     /// `forward.rs` and `backward.rs`.
     mod rows {
-        kernel_tests!(FlashKernels::Rows);
+        kernel_tests!(Under::two_pass(FlashKernels::Rows));
     }
 
     /// `forward_blocks.rs` and `backward_blocks.rs` with their products on
     /// scalar FMAs: the tensor-core kernels' data flow, on a device without
     /// tensor cores.
     mod blocks {
-        kernel_tests!(FlashKernels::Blocks {
+        kernel_tests!(Under::two_pass(FlashKernels::Blocks {
             products: Products::Scalar
-        });
+        }));
+    }
+
+    /// The same, with the backward in one pass (dQ added atomically).
+    mod blocks_one_pass {
+        kernel_tests!(Under::one_pass(FlashKernels::Blocks {
+            products: Products::Scalar
+        }));
     }
 
     mod tiled {
-        tiled_tests!();
+        tiled_tests!(false);
+    }
+
+    mod tiled_one_pass {
+        tiled_tests!(true);
     }
 
     /// The loops over each unit's rows unrolled, as CUDA runs them (the
@@ -408,17 +455,20 @@ mod wgpu {
     #[test]
     fn unrolled() {
         let p = || Problem::new(2, 4, 2, 37, 37, 16, true, &[0, 5], 11);
-        for kernels in [
-            FlashKernels::Rows,
-            FlashKernels::Blocks {
-                products: Products::Scalar,
-            },
-            FlashKernels::Blocks {
-                products: Products::TiledScalar,
-            },
+        let scalar = FlashKernels::Blocks {
+            products: Products::Scalar,
+        };
+        let tiled = FlashKernels::Blocks {
+            products: Products::TiledScalar,
+        };
+        for under in [
+            Under::two_pass(FlashKernels::Rows),
+            Under::two_pass(scalar),
+            Under::two_pass(tiled),
+            Under::one_pass(tiled),
         ] {
-            let what = format!("{kernels:?} unrolled, d16");
-            check_unrolled(client(), p(), &what, kernels, Some(true));
+            let what = format!("{under:?} unrolled, d16");
+            check_unrolled(client(), p(), &what, under, Some(true));
         }
     }
 
@@ -452,25 +502,50 @@ mod wgpu {
     /// kernels underneath.
     #[test]
     fn fused_backend_autodiff() {
-        if client().is_none() {
-            return;
-        }
+        let Some(client) = client() else { return };
         type B = burn::backend::Wgpu<f32>;
         let check = super::super::tests_blocked::check_on::<B>;
-        check(
-            Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 31),
-            "causal gqa padding",
-        );
-        check(
-            Problem::new(1, 2, 2, 21, 21, 64, false, &[], 32),
-            "bidirectional",
-        );
-        // The seed as Burn holds it (the backend's 32-bit ints), resolved
-        // through the fusion layer.
-        check(
-            Problem::new(1, 4, 2, 29, 29, 32, true, &[], 33).with_dropout(0.25, [6, 600]),
-            "dropout",
-        );
+        let problems = || {
+            [
+                (
+                    Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 31),
+                    "causal gqa padding",
+                ),
+                (
+                    Problem::new(1, 2, 2, 21, 21, 64, false, &[], 32),
+                    "bidirectional",
+                ),
+                // The seed as Burn holds it (the backend's 32-bit ints),
+                // resolved through the fusion layer.
+                (
+                    Problem::new(1, 4, 2, 29, 29, 32, true, &[], 33).with_dropout(0.25, [6, 600]),
+                    "dropout",
+                ),
+            ]
+        };
+        // The device's choice here (the `Rows` kernels: no tensor cores).
+        for (p, what) in problems() {
+            check(p, what);
+        }
+        // The block-product kernels with the one-pass backward, as CUDA
+        // runs them: the glue's dQ accumulator and its cast.
+        if !has_atomic_add(&client) {
+            eprintln!("SKIPPED: no fp32 atomic adds; the one-pass glue did not run");
+            return;
+        }
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                *super::super::fused::TEST_KERNELS.lock().unwrap() = None;
+            }
+        }
+        let _reset = Reset;
+        *super::super::fused::TEST_KERNELS.lock().unwrap() = Some(FlashKernels::Blocks {
+            products: Products::TiledScalar,
+        });
+        for (p, what) in problems() {
+            check(p, &format!("{what}, block products in one pass"));
+        }
     }
 }
 
@@ -487,17 +562,27 @@ mod cuda {
     }
 
     mod rows {
-        kernel_tests!(FlashKernels::Rows);
+        kernel_tests!(Under::two_pass(FlashKernels::Rows));
     }
 
     mod blocks {
-        kernel_tests!(FlashKernels::Blocks {
+        kernel_tests!(Under::two_pass(FlashKernels::Blocks {
             products: Products::Scalar
-        });
+        }));
+    }
+
+    mod blocks_one_pass {
+        kernel_tests!(Under::one_pass(FlashKernels::Blocks {
+            products: Products::Scalar
+        }));
     }
 
     mod tiled {
-        tiled_tests!();
+        tiled_tests!(false);
+    }
+
+    mod tiled_one_pass {
+        tiled_tests!(true);
     }
 
     /// The `Blocks` kernels on tensor cores: 16-bit inputs only, head
@@ -505,9 +590,12 @@ mod cuda {
     /// such dims, rounded to 16 bits).
     mod tensor_cores {
         use super::*;
-        const KERNELS: FlashKernels = FlashKernels::Blocks {
+        const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
             products: Products::TensorCores,
         };
+        /// Both backwards: the one-pass backward is the default where it
+        /// runs (`fused::one_pass_asked`).
+        const BOTH: [Under; 2] = [Under::two_pass(TENSOR_CORES), Under::one_pass(TENSOR_CORES)];
 
         fn problems() -> Vec<Problem> {
             vec![
@@ -526,21 +614,27 @@ mod cuda {
         fn dropout() {
             let p =
                 || Problem::new(2, 4, 2, 70, 70, 64, true, &[0, 5], 16).with_dropout(0.1, [8, 88]);
-            check_16bit_on::<_, burn::tensor::f16>(client(), p(), 2e-3, KERNELS);
-            check_16bit_on::<_, burn::tensor::bf16>(client(), p(), 1.6e-2, KERNELS);
+            for under in BOTH {
+                check_16bit_on::<_, burn::tensor::f16>(client(), p(), 2e-3, under);
+                check_16bit_on::<_, burn::tensor::bf16>(client(), p(), 1.6e-2, under);
+            }
         }
 
         #[test]
         fn f16() {
-            for p in problems() {
-                check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, KERNELS);
+            for under in BOTH {
+                for p in problems() {
+                    check_16bit_on::<_, burn::tensor::f16>(client(), p, 2e-3, under);
+                }
             }
         }
 
         #[test]
         fn bf16() {
-            for p in problems() {
-                check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, KERNELS);
+            for under in BOTH {
+                for p in problems() {
+                    check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, under);
+                }
             }
         }
     }

@@ -33,12 +33,13 @@ fn product<F: Float>(
     #[comptime] ldb: usize,
     #[comptime] ldc: usize,
     #[comptime] c_offset: usize,
+    #[comptime] a_transposed: bool,
     #[comptime] b_transposed: bool,
     #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = CUBE_DIM as usize;
-    let a_len = comptime![m * lda];
+    let a_len = comptime![if a_transposed { k * lda } else { m * lda }];
     let b_len = comptime![if b_transposed { n * ldb } else { k * ldb }];
     let mut sa = SharedMemory::<F>::new_aligned(a_len, 128usize);
     let mut sb = SharedMemory::<F>::new_aligned(b_len, 128usize);
@@ -57,6 +58,7 @@ fn product<F: Float>(
     block_product::<F>(
         &sa,
         lda,
+        a_transposed,
         &sb,
         ldb,
         b_transposed,
@@ -87,15 +89,17 @@ struct Case {
     ldb: usize,
     ldc: usize,
     c_offset: usize,
+    a_transposed: bool,
     b_transposed: bool,
 }
 
 impl Case {
-    /// The flash kernels' three kinds of product at block `block` and head
+    /// The flash kernels' four kinds of product at block `block` and head
     /// dim `d`: `S = Q Kᵀ` (B given as its transpose, C rows padded), the
     /// second of two such products (dP beside S, into the tile's second
-    /// half), and `P V` (A padded P, B row-major V).
-    fn flash(block: usize, d: usize) -> [Case; 3] {
+    /// half), `P V` (A padded P, B row-major V), and the one-pass
+    /// backward's `dS K` (A given as the padded `dSᵀ`).
+    fn flash(block: usize, d: usize) -> [Case; 4] {
         let s_ld = block + PAD_F32;
         let qk = Case {
             what: "S = Q Kᵀ",
@@ -106,6 +110,7 @@ impl Case {
             ldb: d,
             ldc: s_ld,
             c_offset: 0,
+            a_transposed: false,
             b_transposed: true,
         };
         [
@@ -124,9 +129,30 @@ impl Case {
                 ldb: d,
                 ldc: d + PAD_F32,
                 c_offset: 0,
+                a_transposed: false,
+                b_transposed: false,
+            },
+            Case {
+                what: "dS K from dSᵀ",
+                m: block,
+                n: d,
+                k: block,
+                lda: block + PAD_HALF,
+                ldb: d,
+                ldc: d + PAD_F32,
+                c_offset: 0,
+                a_transposed: true,
                 b_transposed: false,
             },
         ]
+    }
+
+    fn a_len(&self) -> usize {
+        if self.a_transposed {
+            self.k * self.lda
+        } else {
+            self.m * self.lda
+        }
     }
 
     fn b_len(&self) -> usize {
@@ -149,7 +175,12 @@ impl Case {
                         } else {
                             b[l * self.ldb + j]
                         };
-                        a[i * self.lda + l] as f64 * bv as f64
+                        let av = if self.a_transposed {
+                            a[l * self.lda + i]
+                        } else {
+                            a[i * self.lda + l]
+                        };
+                        av as f64 * bv as f64
                     })
                     .sum();
             }
@@ -175,7 +206,7 @@ fn check<R: Runtime, E: Elem>(client: &ComputeClient<R>, case: Case, products: P
         eprintln!("SKIPPED: no {ty:?} on {}", std::any::type_name::<R>());
         return;
     }
-    let a = values::<E>(case.m * case.lda, 1);
+    let a = values::<E>(case.a_len(), 1);
     let b = values::<E>(case.b_len(), 2);
     let da = DeviceTensor::<R>::new_as::<E>(client, &a, &[a.len()]);
     let db = DeviceTensor::<R>::new_as::<E>(client, &b, &[b.len()]);
@@ -194,6 +225,7 @@ fn check<R: Runtime, E: Elem>(client: &ComputeClient<R>, case: Case, products: P
         case.ldb,
         case.ldc,
         case.c_offset,
+        case.a_transposed,
         case.b_transposed,
         products,
         ty.storage_type(),
