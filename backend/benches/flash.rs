@@ -2,7 +2,8 @@
 //! (scalar FMAs, what `attention = flash` runs by default) against the
 //! block-product kernels on tensor cores (`RCOA_FLASH_TENSOR_CORES=1`), on
 //! one attention shape, forward and backward (dK/dV and dQ; on tensor cores
-//! in two passes and in one, dQ added atomically). Prints each
+//! in two passes and in one, dQ added atomically, and with four units a row
+//! instead of two: eight warps a cube). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -27,6 +28,10 @@ mod bench {
         has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch,
     };
     use std::time::Instant;
+
+    /// A row of the table: its name, the kernels, whether their backward
+    /// runs in one pass, and their units per row.
+    pub type Variant = (&'static str, FlashKernels, bool, usize);
 
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
@@ -76,16 +81,16 @@ mod bench {
     pub fn run<R: Runtime, E: Elem>(
         client: ComputeClient<R>,
         dims: FlashDims,
-        variants: &[(&str, FlashKernels, bool)],
+        variants: &[Variant],
     ) {
         // Each kind without dropout, then with it (its cost, not its outputs).
-        let variants: Vec<(String, FlashKernels, bool, Option<f64>)> = variants
+        let variants: Vec<(String, Variant, Option<f64>)> = variants
             .iter()
-            .map(|&(n, k, one)| (n.to_string(), k, one, None))
+            .map(|v| (v.0.to_string(), *v, None))
             .chain(
                 variants
                     .iter()
-                    .map(|&(n, k, one)| (format!("{n} + dropout 0.1"), k, one, Some(0.1))),
+                    .map(|v| (format!("{} + dropout 0.1", v.0), *v, Some(0.1))),
             )
             .collect();
         let causal = true;
@@ -120,7 +125,7 @@ mod bench {
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× first"
         );
         let mut results: Vec<Result> = Vec::new();
-        for (name, kernels, one_pass, dropout) in variants {
+        for (name, (_, kernels, one_pass, units_per_row), dropout) in variants {
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -131,6 +136,7 @@ mod bench {
                 unroll: unrolls(&client),
                 dropout,
                 atomic_dq: one_pass && has_atomic_add(&client),
+                units_per_row,
             };
             if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
@@ -238,12 +244,14 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false),
-            ("blocks on tensor cores", TENSOR_CORES, false),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1),
+            ("blocks on tensor cores", TENSOR_CORES, false, 2),
+            ("tensor cores, one-pass backward", TENSOR_CORES, true, 2),
             (
-                "blocks on tensor cores, one-pass backward",
+                "tensor cores, one pass, 4 units a row",
                 TENSOR_CORES,
                 true,
+                4,
             ),
         ],
     );
@@ -274,9 +282,10 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false),
-            ("blocks, tiles on scalar FMAs", TILED, false),
-            ("blocks, tiles on scalar FMAs, one pass", TILED, true),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1),
+            ("blocks, tiles on scalar FMAs", TILED, false, 2),
+            ("tiles on scalar FMAs, one pass", TILED, true, 2),
+            ("tiles on scalar FMAs, one pass, 4 a row", TILED, true, 4),
         ],
     );
 }

@@ -79,6 +79,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         unroll: launch::unrolls(&q.client),
         dropout: mask.dropout.as_ref().map(|d| d.p),
         atomic_dq: one_pass_asked() && launch::has_atomic_add(&q.client),
+        units_per_row: units_per_row_asked(),
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -132,6 +133,34 @@ fn tensor_cores_asked() -> Option<bool> {
 fn one_pass_asked() -> bool {
     static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ASKED.get_or_init(|| std::env::var("RCOA_FLASH_ONE_PASS").as_deref() != Ok("0"))
+}
+
+/// Units per row of the block-product kernels: `RCOA_FLASH_UNITS_PER_ROW`
+/// (1, 2, 4 or 8; `launch::FlashLaunch::units_per_row` says what each
+/// changes), else `launch::UNITS_PER_ROW`. Any other value is refused once,
+/// on stderr, for the default.
+fn units_per_row_asked() -> usize {
+    static ASKED: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| {
+        let var = std::env::var("RCOA_FLASH_UNITS_PER_ROW").ok();
+        parse_units_per_row(var.as_deref()).unwrap_or_else(|why| {
+            eprintln!("warning: {why}");
+            launch::UNITS_PER_ROW
+        })
+    })
+}
+
+fn parse_units_per_row(var: Option<&str>) -> Result<usize, String> {
+    match var {
+        None => Ok(launch::UNITS_PER_ROW),
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n @ (1 | 2 | 4 | 8)) => Ok(n),
+            _ => Err(format!(
+                "RCOA_FLASH_UNITS_PER_ROW={v} is not 1, 2, 4 or 8; the flash kernels run {} units per row",
+                launch::UNITS_PER_ROW
+            )),
+        },
+    }
 }
 
 /// What a run that asked for tensor cores is told (once): that they run, or
@@ -361,6 +390,18 @@ mod tests {
             unroll: true,
             dropout: None,
             atomic_dq: true,
+            units_per_row: launch::UNITS_PER_ROW,
+        }
+    }
+
+    #[test]
+    fn units_per_row_are_1_2_4_or_8() {
+        assert_eq!(parse_units_per_row(None), Ok(launch::UNITS_PER_ROW));
+        assert_eq!(parse_units_per_row(Some("4")), Ok(4));
+        assert_eq!(parse_units_per_row(Some(" 8 ")), Ok(8));
+        for bad in ["3", "0", "16", "four", ""] {
+            let err = parse_units_per_row(Some(bad)).unwrap_err();
+            assert!(err.contains("is not 1, 2, 4 or 8"), "{bad}: {err}");
         }
     }
 

@@ -67,6 +67,9 @@ pub struct FlashLaunch {
     /// ([`FlashLaunch::one_pass`]). Needs fp32 atomic adds
     /// ([`has_atomic_add`]); the sums' order then varies from run to run.
     pub atomic_dq: bool,
+    /// Units per row the block-product kernels are asked to run
+    /// ([`FlashLaunch::units_per_row`]; [`UNITS_PER_ROW`] by default).
+    pub units_per_row: usize,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -149,21 +152,30 @@ impl FlashLaunch {
         }
     }
 
-    /// Units per row of the block-product kernels: two where they divide
-    /// the block and the head dim (always on tensor cores). Each takes half
-    /// its row's score columns and half its output or gradient row, so a
-    /// cube of 64 rows has four warps: they share the products and the
-    /// staging, and a unit keeps half the fp32 row in registers (the
-    /// key-block backward's two rows of 128 spilled from a thread's 255
-    /// registers with one unit per row).
-    pub fn units_per_row(block: usize, head_dim: usize) -> usize {
-        if block.is_multiple_of(2) && head_dim.is_multiple_of(2) {
+    /// Units per row of the block-product kernels: `asked` where it divides
+    /// the block and the head dim, else two where that does, else one. Each
+    /// takes its share of its row's score columns and of its output or
+    /// gradient row. With two (the default, [`UNITS_PER_ROW`]) a cube of 64
+    /// rows has four warps: they share the products and the staging, and a
+    /// unit keeps half the fp32 row in registers (the key-block backward's
+    /// two rows of 128 spilled from a thread's 255 registers with one unit
+    /// per row). Four give eight warps at the same shared memory: twice the
+    /// warps an SM has to hide each other's latency.
+    pub fn units_per_row(asked: usize, block: usize, head_dim: usize) -> usize {
+        let fits = |u: usize| u >= 1 && block.is_multiple_of(u) && head_dim.is_multiple_of(u);
+        if fits(asked) {
+            asked
+        } else if asked > 2 && fits(2) {
             2
         } else {
             1
         }
     }
 }
+
+/// Units per row the block-product kernels run by default
+/// ([`FlashLaunch::units_per_row`]).
+pub const UNITS_PER_ROW: usize = 2;
 
 impl FlashDims {
     /// Why the kernels cannot take these shapes, if they cannot.
@@ -323,7 +335,7 @@ macro_rules! launch_flash {
             }
             FlashKernels::Blocks { products } => {
                 let block = FlashLaunch::blocks_block(products, d.head_dim);
-                let split = FlashLaunch::units_per_row(block, d.head_dim);
+                let split = FlashLaunch::units_per_row(cfg.units_per_row, block, d.head_dim);
                 let (count, dim) = grid($rows_of, block, block * split, $slices);
                 $blocks::launch::<R>(
                     $client, count, dim, $width, $($t,)* $($($bt,)*)? cfg.scale, d.group(),
@@ -525,6 +537,7 @@ mod tests {
             unroll: true,
             dropout: None,
             atomic_dq: true,
+            units_per_row: UNITS_PER_ROW,
         }
     }
 
@@ -559,19 +572,27 @@ mod tests {
     }
 
     #[test]
-    fn rows_split_in_two_where_two_divides_them() {
-        assert_eq!(FlashLaunch::units_per_row(64, 64), 2);
-        assert_eq!(FlashLaunch::units_per_row(64, 128), 2);
-        assert_eq!(FlashLaunch::units_per_row(16, 24), 2);
+    fn rows_split_as_asked_where_that_divides_them() {
+        let two = UNITS_PER_ROW;
+        assert_eq!(FlashLaunch::units_per_row(two, 64, 64), 2);
+        assert_eq!(FlashLaunch::units_per_row(two, 64, 128), 2);
+        assert_eq!(FlashLaunch::units_per_row(two, 16, 24), 2);
+        assert_eq!(FlashLaunch::units_per_row(4, 64, 64), 4);
+        assert_eq!(FlashLaunch::units_per_row(8, 64, 64), 8);
+        // Four do not divide 24 columns of 6: two do.
+        assert_eq!(FlashLaunch::units_per_row(4, 16, 24), 4);
+        assert_eq!(FlashLaunch::units_per_row(4, 16, 18), 2);
+        assert_eq!(FlashLaunch::units_per_row(1, 64, 64), 1);
         // The scalar products' blocks of 1024 / head_dim rows may be odd.
         let block = FlashLaunch::blocks_block(Products::Scalar, 200);
         assert_eq!(block, 5);
-        assert_eq!(FlashLaunch::units_per_row(block, 200), 1);
-        assert_eq!(FlashLaunch::units_per_row(16, 25), 1);
-        // Tensor cores always split.
+        assert_eq!(FlashLaunch::units_per_row(two, block, 200), 1);
+        assert_eq!(FlashLaunch::units_per_row(4, block, 200), 1);
+        assert_eq!(FlashLaunch::units_per_row(two, 16, 25), 1);
+        // Tensor cores always split in two by default.
         for d in (16..=MAX_TENSOR_CORE_HEAD_DIM).step_by(16) {
             let block = FlashLaunch::blocks_block(Products::TensorCores, d);
-            assert_eq!(FlashLaunch::units_per_row(block, d), 2, "d{d}");
+            assert_eq!(FlashLaunch::units_per_row(two, block, d), 2, "d{d}");
         }
     }
 

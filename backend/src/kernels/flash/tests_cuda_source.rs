@@ -20,7 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
-use super::launch::{FlashDims, FlashLaunch};
+use super::launch::{FlashDims, UNITS_PER_ROW};
 use super::mma::{Products, PAD_F32, PAD_HALF};
 use super::tile::staged_ld;
 
@@ -86,8 +86,10 @@ fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
 
 /// The shapes the tensor-core kernels are compiled for here: both 16-bit
 /// types, the head dims of the plans (64, 128) and a small one, with and
-/// without the causal and padding masks and dropout.
-fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool)> {
+/// without the causal and padding masks and dropout, at the default units
+/// per row; and the plans' head dims at bf16 with four units per row. The
+/// last field is the units per row.
+fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool, usize)> {
     let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
         for (head_dim, causal, padding, dropout) in [
@@ -96,8 +98,11 @@ fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool)> {
             (32, true, false, false),
             (64, true, false, true),
         ] {
-            out.push((kind, head_dim, causal, padding, dropout));
+            out.push((kind, head_dim, causal, padding, dropout, UNITS_PER_ROW));
         }
+    }
+    for head_dim in [64, 128] {
+        out.push((FloatKind::BF16, head_dim, true, false, false, 4));
     }
     out
 }
@@ -155,9 +160,10 @@ const BLOCK: usize = 64;
 #[test]
 fn the_tensor_core_forward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding, dropout) in tensor_core_variants() {
-        let split = FlashLaunch::units_per_row(BLOCK, head_dim);
-        let what = format!("flash_forward_blocks {kind:?} d{head_dim} dropout {dropout}");
+    for (kind, head_dim, causal, padding, dropout, split) in tensor_core_variants() {
+        let what = format!(
+            "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row"
+        );
         let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
             client.clone(),
@@ -194,15 +200,14 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 #[test]
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding, dropout) in tensor_core_variants() {
+    for (kind, head_dim, causal, padding, dropout, split) in tensor_core_variants() {
         // K, V, Q, dO, O and two score tiles; S and dP (then the products);
         // every tile's rows padded.
         let tiles16 = 5 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
-        let split = FlashLaunch::units_per_row(BLOCK, head_dim);
         for one_pass in [false, true] {
             let what = format!(
-                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass}"
+                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass} {split} units a row"
             );
             let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
                 settings((BLOCK * split) as u32),
@@ -245,7 +250,9 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             );
         }
 
-        let what = format!("flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout}");
+        let what = format!(
+            "flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row"
+        );
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
             client.clone(),

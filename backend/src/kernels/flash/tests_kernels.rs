@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::device_tensor::{AttentionTensors, Elem, HostInputs};
-use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch};
+use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -26,12 +26,14 @@ pub(super) fn client_or_skip<R: Runtime>(
     found.ok()
 }
 
-/// The kernels under test: which compute, and whether the backward runs in
-/// one pass (`FlashLaunch::atomic_dq`; the block-product kernels only).
+/// The kernels under test: which compute, whether the backward runs in one
+/// pass (`FlashLaunch::atomic_dq`), and with how many units per row (both
+/// for the block-product kernels only).
 #[derive(Clone, Copy, Debug)]
 struct Under {
     kernels: FlashKernels,
     one_pass: bool,
+    units_per_row: usize,
 }
 
 impl Under {
@@ -39,6 +41,7 @@ impl Under {
         Under {
             kernels,
             one_pass: false,
+            units_per_row: UNITS_PER_ROW,
         }
     }
 
@@ -46,6 +49,14 @@ impl Under {
         Under {
             kernels,
             one_pass: true,
+            units_per_row: UNITS_PER_ROW,
+        }
+    }
+
+    const fn with_units_per_row(self, units_per_row: usize) -> Self {
+        Under {
+            units_per_row,
+            ..self
         }
     }
 }
@@ -100,6 +111,7 @@ fn run<R: Runtime, E: Elem>(
         unroll: unroll.unwrap_or_else(|| unrolls(client)),
         dropout: p.dropout.map(|(prob, _)| prob),
         atomic_dq: under.one_pass,
+        units_per_row: under.units_per_row,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(
@@ -352,13 +364,14 @@ macro_rules! kernel_tests {
 /// that every index of that path is checked where `cmma` does not run. Head
 /// dims in 16s up to 64; f32 at the f32 tolerances, and f16.
 macro_rules! tiled_tests {
-    ($one_pass:expr) => {
+    ($one_pass:expr, $units_per_row:expr) => {
         use super::*;
         const KERNELS: Under = Under {
             kernels: FlashKernels::Blocks {
                 products: Products::TiledScalar,
             },
             one_pass: $one_pass,
+            units_per_row: $units_per_row,
         };
 
         fn problems() -> Vec<(Problem, &'static str)> {
@@ -442,11 +455,16 @@ mod wgpu {
     }
 
     mod tiled {
-        tiled_tests!(false);
+        tiled_tests!(false, UNITS_PER_ROW);
     }
 
     mod tiled_one_pass {
-        tiled_tests!(true);
+        tiled_tests!(true, UNITS_PER_ROW);
+    }
+
+    /// Four units per row: eight planes share a block of 16 rows' tiles.
+    mod tiled_four_per_row {
+        tiled_tests!(true, 4);
     }
 
     /// The loops over each unit's rows unrolled, as CUDA runs them (the
@@ -466,6 +484,7 @@ mod wgpu {
             Under::two_pass(scalar),
             Under::two_pass(tiled),
             Under::one_pass(tiled),
+            Under::one_pass(tiled).with_units_per_row(4),
         ] {
             let what = format!("{under:?} unrolled, d16");
             check_unrolled(client(), p(), &what, under, Some(true));
@@ -578,11 +597,16 @@ mod cuda {
     }
 
     mod tiled {
-        tiled_tests!(false);
+        tiled_tests!(false, UNITS_PER_ROW);
     }
 
     mod tiled_one_pass {
-        tiled_tests!(true);
+        tiled_tests!(true, UNITS_PER_ROW);
+    }
+
+    /// Four units per row: eight planes share a block of 16 rows' tiles.
+    mod tiled_four_per_row {
+        tiled_tests!(true, 4);
     }
 
     /// The `Blocks` kernels on tensor cores: 16-bit inputs only, head
@@ -593,9 +617,13 @@ mod cuda {
         const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
             products: Products::TensorCores,
         };
-        /// Both backwards: the one-pass backward is the default where it
-        /// runs (`fused::one_pass_asked`).
-        const BOTH: [Under; 2] = [Under::two_pass(TENSOR_CORES), Under::one_pass(TENSOR_CORES)];
+        /// Both backwards (the one-pass backward is the default where it
+        /// runs: `fused::one_pass_asked`), and four units a row.
+        const BOTH: [Under; 3] = [
+            Under::two_pass(TENSOR_CORES),
+            Under::one_pass(TENSOR_CORES),
+            Under::one_pass(TENSOR_CORES).with_units_per_row(4),
+        ];
 
         fn problems() -> Vec<Problem> {
             vec![
