@@ -66,6 +66,10 @@ if [ "$t" -ge 60 ]; then
   log "3 cold 350M rc=$?"; tail -n 6 "$OUT/speed-cold.txt"
   grep -h '"compiled_ahead"\|"start"' "$OUT"/speed-cold/*.jsonl 2>/dev/null | cut -c1-600
   grep -hv "^\s*$" "$OUT"/speed-cold/*.err 2>/dev/null | grep -v "^\[" | tail -n 12
+  # The tunings it made (small JSON lines): what a shipped seed for this GPU would hold
+  # (docs/cold-start.md, "Tunings").
+  mkdir -p "$OUT/autotune-350m" && cp -r "$RCOA_CACHE_DIR"/*/autotune "$OUT/autotune-350m/" 2>/dev/null
+  log "3 tunings kept: $(cat "$OUT"/autotune-350m/autotune/*/*/*.json.log 2>/dev/null | wc -l) entries"
 else
   log "3 skipped: ${t}s left"
 fi

@@ -260,6 +260,15 @@ pub fn configure_cache(dir: &std::path::Path) -> Result<bool, RunError> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
+    if let Some(recording) = &autotune_dir {
+        // The tunings this cache has: the recording launches only their
+        // winners (a failed copy only costs compiling every candidate).
+        if let Err(e) = crate::kernel_cache::copy_tunings(dir, recording) {
+            eprintln!(
+                "note: the cache's tunings were not copied for the recording ({e}); it records every candidate"
+            );
+        }
+    }
     cfg.autotune.cache = CacheConfig::File(autotune_dir.unwrap_or_else(|| dir.to_path_buf()));
     if let Some(level) = crate::kernel_cache::autotune() {
         cfg.autotune.level = match level {

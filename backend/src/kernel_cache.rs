@@ -119,6 +119,36 @@ pub fn has_entries(dir: &Path) -> bool {
 
 // ---------------------------------------------------------------- autotune
 
+/// Copies the tuning results in the cache `dir` (CubeCL's
+/// `autotune/**/*.json.log`) to the same places under `to`, and returns
+/// the entries copied. The recording pass of compiling ahead
+/// (`prebuild::record`) keeps its own tunings apart, since it times
+/// launches that do nothing; seeded with these, its tuner finds the keys
+/// this cache has already tuned and launches (so records) only their
+/// fastest candidate, not every candidate again. Missing files copy
+/// nothing.
+pub fn copy_tunings(dir: &Path, to: &Path) -> std::io::Result<u64> {
+    let mut files = Vec::new();
+    cubecl_files(&dir.join(AUTOTUNE_DIR), &mut files);
+    let mut entries = 0;
+    for file in files {
+        let Ok(rel) = file.strip_prefix(dir) else {
+            continue;
+        };
+        let dest = to.join(rel);
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let text = std::fs::read(&file)?;
+        entries += text.iter().filter(|&&b| b == b'\n').count() as u64;
+        std::fs::write(&dest, text)?;
+    }
+    Ok(entries)
+}
+
+/// CubeCL's autotune cache, under a kernel cache directory.
+const AUTOTUNE_DIR: &str = "autotune";
+
 /// CubeCL's autotune level (`cubecl_runtime::config::autotune::AutotuneLevel`,
 /// mirrored so the CPU build and the CLI can name it). It sets how coarsely
 /// tuned ops' shapes are bucketed into tuning keys, not which kernels are
@@ -287,6 +317,32 @@ mod tests {
             "the record and lock files are not CubeCL's entries"
         );
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn tunings_are_copied_where_the_recording_reads_them_and_nothing_else() {
+        let d = tmp("tunings-from");
+        let to = tmp("tunings-to");
+        assert_eq!(copy_tunings(&d, &to).unwrap(), 0, "no cache, nothing");
+        let tune = d.join("autotune/0.10.0/cuda-0");
+        std::fs::create_dir_all(&tune).unwrap();
+        std::fs::create_dir_all(d.join("cuda/0.10.0")).unwrap();
+        std::fs::write(tune.join("matmul.json.log"), "{\"k\":1}\n{\"k\":2}\n").unwrap();
+        std::fs::write(tune.join("reduce.json.log"), "{\"k\":3}\n").unwrap();
+        std::fs::write(tune.join("matmul.json.log.lock"), "x\n").unwrap();
+        std::fs::write(d.join("cuda/0.10.0/ptx.json.log"), "{\"p\":1}\n").unwrap();
+        assert_eq!(copy_tunings(&d, &to).unwrap(), 3);
+        let copied = to.join("autotune/0.10.0/cuda-0");
+        assert_eq!(
+            std::fs::read_to_string(copied.join("matmul.json.log")).unwrap(),
+            "{\"k\":1}\n{\"k\":2}\n"
+        );
+        assert!(copied.join("reduce.json.log").exists());
+        assert!(!copied.join("matmul.json.log.lock").exists());
+        assert!(!to.join("cuda").exists(), "kernels are not tunings");
+        assert_eq!(count_entries(&to), 3);
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(&to).unwrap();
     }
 
     #[test]
