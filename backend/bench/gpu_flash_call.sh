@@ -7,10 +7,11 @@
 #     4 steps, cold), in the background from the start beside step 1 (which times nothing)
 #     and waited for before anything is timed. At most 150 s.
 #  1. The tensor-core flash tests and the block products alone (tests_mma). At most 90 s.
-#     If they fail, the speed run takes the Rows kernels.
+#     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
+#     (four units a row, 2 x 2 tiles), which decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), with the millisecond and
-#     TFLOP/s of each. At most 60 s.
+#     TFLOP/s of each. At most 80 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
@@ -41,6 +42,10 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   rc=$?
   log "1 tensor-core flash tests rc=$rc"; grep "test result" "$OUT/flash-tests.txt"
   if [ $rc = 0 ] && ! grep -q SKIPPED "$OUT/flash-tests.txt"; then TC=1; fi
+  # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
+  timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
+    tests_mma::trials_cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+  log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
@@ -50,7 +55,7 @@ wait_expandable_jobs
 # 2. The kernels alone.
 if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-bench.gz > /tmp/flash-bench && chmod +x /tmp/flash-bench
-  timeout "$(cap 60)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
+  timeout "$(cap 80)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
   log "2 flash bench rc=$?"; cat "$OUT/flash-bench.txt"
 fi
 

@@ -2,8 +2,9 @@
 //! (scalar FMAs, what `attention = flash` runs by default) against the
 //! block-product kernels on tensor cores (`RCOA_FLASH_TENSOR_CORES=1`), on
 //! one attention shape, forward and backward (dK/dV and dQ; on tensor cores
-//! in two passes and in one, dQ added atomically, and with four units a row
-//! instead of two: eight warps a cube). Prints each
+//! in two passes and in one, dQ added atomically, with four units a row
+//! instead of two (eight warps a cube), and with each warp taking 2 × 2
+//! tiles of a product at a time). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -30,8 +31,9 @@ mod bench {
     use std::time::Instant;
 
     /// A row of the table: its name, the kernels, whether their backward
-    /// runs in one pass, and their units per row.
-    pub type Variant = (&'static str, FlashKernels, bool, usize);
+    /// runs in one pass, their units per row, and whether their planes take
+    /// 2 × 2 tiles at a time.
+    pub type Variant = (&'static str, FlashKernels, bool, usize, bool);
 
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
@@ -125,7 +127,7 @@ mod bench {
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× first"
         );
         let mut results: Vec<Result> = Vec::new();
-        for (name, (_, kernels, one_pass, units_per_row), dropout) in variants {
+        for (name, (_, kernels, one_pass, units_per_row, tile_pairs), dropout) in variants {
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -137,6 +139,7 @@ mod bench {
                 dropout,
                 atomic_dq: one_pass && has_atomic_add(&client),
                 units_per_row,
+                tile_pairs,
             };
             if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
@@ -244,14 +247,28 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1),
-            ("blocks on tensor cores", TENSOR_CORES, false, 2),
-            ("tensor cores, one-pass backward", TENSOR_CORES, true, 2),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1, false),
+            ("blocks on tensor cores", TENSOR_CORES, false, 2, false),
+            (
+                "tensor cores, one-pass backward",
+                TENSOR_CORES,
+                true,
+                2,
+                false,
+            ),
             (
                 "tensor cores, one pass, 4 units a row",
                 TENSOR_CORES,
                 true,
                 4,
+                false,
+            ),
+            (
+                "tensor cores, one pass, 2 x 2 tiles",
+                TENSOR_CORES,
+                true,
+                2,
+                true,
             ),
         ],
     );
@@ -282,10 +299,16 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1),
-            ("blocks, tiles on scalar FMAs", TILED, false, 2),
-            ("tiles on scalar FMAs, one pass", TILED, true, 2),
-            ("tiles on scalar FMAs, one pass, 4 a row", TILED, true, 4),
+            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1, false),
+            ("blocks, tiles on scalar FMAs", TILED, false, 2, false),
+            ("tiles on scalar FMAs, one pass", TILED, true, 2, false),
+            (
+                "tiles on scalar FMAs, one pass, 4 a row",
+                TILED,
+                true,
+                4,
+                false,
+            ),
         ],
     );
 }

@@ -17,7 +17,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
+use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
     dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, stage_tile,
     staged_ld, unmasked, MASKED,
@@ -121,6 +121,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
+    #[comptime] tile_pairs: bool,
     #[comptime] one_pass: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -139,6 +140,12 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     let share = unit / block;
     let cols = comptime![block / units_per_row];
     let part = comptime![head_dim / units_per_row];
+    // Whether the block products take 2 × 2 tiles per plane (`tile_pairs`,
+    // where `pairs_fit`, counting planes of 32 units as on CUDA): those of
+    // block × block, and those of block × head dim.
+    let planes = comptime![block * units_per_row / 32];
+    let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
+    let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
@@ -216,7 +223,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
             block_product::<F>(
                 &ks, hd_ld, false, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim,
-                products,
+                products, pairs_bb,
             );
             block_product::<F>(
                 &vs,
@@ -232,6 +239,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 block,
                 dim,
                 products,
+                pairs_bb,
             );
             sync_cube();
 
@@ -269,7 +277,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
             block_product::<F>(
                 &pt, p_ld, false, &dos, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
-                products,
+                products, pairs_bd,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -279,7 +287,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             sync_cube();
             block_product::<F>(
                 &dst, p_ld, false, &qs, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
-                products,
+                products, pairs_bd,
             );
             sync_cube();
             #[unroll(unroll)]
@@ -292,7 +300,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 // other key blocks add theirs to the same rows.
                 block_product::<F>(
                     &dst, p_ld, true, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
-                    products,
+                    products, pairs_bd,
                 );
                 sync_cube();
                 add_rows(d_q_acc, &work, bi, hi, i0, s, block, head_dim, out_ld);
@@ -344,6 +352,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
+    #[comptime] tile_pairs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
@@ -362,6 +371,12 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let share = unit / block;
     let cols = comptime![block / units_per_row];
     let part = comptime![head_dim / units_per_row];
+    // Whether the block products take 2 × 2 tiles per plane (`tile_pairs`,
+    // where `pairs_fit`, counting planes of 32 units as on CUDA): those of
+    // block × block, and those of block × head dim.
+    let planes = comptime![block * units_per_row / 32];
+    let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
+    let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
@@ -412,6 +427,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
 
         block_product::<F>(
             &qs, hd_ld, false, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
+            pairs_bb,
         );
         block_product::<F>(
             &dos,
@@ -427,6 +443,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
             block,
             dim,
             products,
+            pairs_bb,
         );
         sync_cube();
 
@@ -459,7 +476,8 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &dss, p_ld, false, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block, products,
+            &dss, p_ld, false, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+            products, pairs_bd,
         );
         sync_cube();
         #[unroll(unroll)]

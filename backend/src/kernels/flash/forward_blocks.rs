@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
+use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
     dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, staged_ld, unmasked,
     MASKED,
@@ -61,6 +61,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
+    #[comptime] tile_pairs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
@@ -78,6 +79,12 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let share = unit / block;
     let cols = comptime![block / units_per_row];
     let part = comptime![head_dim / units_per_row];
+    // Whether the block products take 2 × 2 tiles per plane (`tile_pairs`,
+    // where `pairs_fit`, counting planes of 32 units as on CUDA): those of
+    // block × block, and those of block × head dim.
+    let planes = comptime![block * units_per_row / 32];
+    let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
+    let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
@@ -125,6 +132,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
 
         block_product::<F>(
             &qs, hd_ld, false, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, dim, products,
+            pairs_bb,
         );
         sync_cube();
 
@@ -180,6 +188,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
 
         block_product::<F>(
             &ps, p_ld, false, &vs, hd_ld, false, &mut s32, 0, out_ld, block, dim, block, products,
+            pairs_bd,
         );
         sync_cube();
         #[unroll(unroll)]

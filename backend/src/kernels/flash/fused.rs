@@ -80,6 +80,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         dropout: mask.dropout.as_ref().map(|d| d.p),
         atomic_dq: one_pass_asked() && launch::has_atomic_add(&q.client),
         units_per_row: units_per_row_asked(),
+        tile_pairs: std::env::var("RCOA_FLASH_TILE_PAIRS").as_deref() == Ok("1"),
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -391,6 +392,7 @@ mod tests {
             dropout: None,
             atomic_dq: true,
             units_per_row: launch::UNITS_PER_ROW,
+            tile_pairs: false,
         }
     }
 

@@ -70,6 +70,10 @@ pub struct FlashLaunch {
     /// Units per row the block-product kernels are asked to run
     /// ([`FlashLaunch::units_per_row`]; [`UNITS_PER_ROW`] by default).
     pub units_per_row: usize,
+    /// The block-product kernels' planes take 2 × 2 tiles of a product at a
+    /// time where it fits (`mma::pairs_fit`): on tensor cores, one fragment
+    /// load from shared memory per product instead of two.
+    pub tile_pairs: bool,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -340,8 +344,8 @@ macro_rules! launch_flash {
                 $blocks::launch::<R>(
                     $client, count, dim, $width, $($t,)* $($($bt,)*)? cfg.scale, d.group(),
                     cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
-                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, $($($bf,)*)?
-                    cfg.dtype,
+                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
+                    $($($bf,)*)? cfg.dtype,
                 );
             }
         }
@@ -538,6 +542,7 @@ mod tests {
             dropout: None,
             atomic_dq: true,
             units_per_row: UNITS_PER_ROW,
+            tile_pairs: false,
         }
     }
 

@@ -52,7 +52,9 @@ pub const PAD_HALF: usize = 8;
 /// the scalar loops. With `Products::TensorCores`, every 16-row tile must start
 /// 32-byte aligned and the strides be multiples of 16 bytes (wmma's rules),
 /// as rows of multiples of 16 elements padded by [`PAD_F32`] or
-/// [`PAD_HALF`] are.
+/// [`PAD_HALF`] are. With `pairs` (tiled forms only; callers pass
+/// [`pairs_fit`] of the product's sides), each plane takes 2 × 2 tiles at a
+/// time and `m`, `n` must be multiples of 32.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn block_product<F: Float>(
@@ -69,6 +71,7 @@ pub fn block_product<F: Float>(
     n: usize,
     k: usize,
     #[comptime] products: Products,
+    #[comptime] pairs: bool,
 ) {
     if comptime![products == Products::Scalar] {
         let units = CUBE_DIM as usize;
@@ -93,6 +96,62 @@ pub fn block_product<F: Float>(
             c[c_offset + i * ldc + j] = sum;
             e += units;
         }
+    } else if comptime![pairs] {
+        // Planes take 2 × 2 groups of 16 × 16 tiles of C in turn. On tensor
+        // cores each step of k loads two A and two B fragments for four
+        // products (one shared-memory fragment load per product instead of
+        // two). The tiled scalar form computes the same four tiles in the
+        // same order from the same slices.
+        let plane_dim = PLANE_DIM as usize;
+        let planes = (CUBE_DIM as usize).div_ceil(plane_dim);
+        let plane = UNIT_POS as usize / plane_dim;
+        let groups_per_row = n / (2 * TILE);
+        let groups = (m / (2 * TILE)) * groups_per_row;
+        let mut t = plane;
+        while t < groups {
+            let ti = (t / groups_per_row) * 2;
+            let tj = (t % groups_per_row) * 2;
+            if comptime![products == Products::TensorCores] {
+                let acc00 = zero_accumulator();
+                let acc01 = zero_accumulator();
+                let acc10 = zero_accumulator();
+                let acc11 = zero_accumulator();
+                let mut kk = 0;
+                while kk < k {
+                    let a0 = fragment_a::<F>(a, lda, a_transposed, ti, kk);
+                    let a1 = fragment_a::<F>(a, lda, a_transposed, ti + 1, kk);
+                    let b0 = fragment_b::<F>(b, ldb, b_transposed, tj, kk);
+                    let b1 = fragment_b::<F>(b, ldb, b_transposed, tj + 1, kk);
+                    cmma::execute::<F, F, f32, f32>(&a0, &b0, &acc00, &acc00);
+                    cmma::execute::<F, F, f32, f32>(&a0, &b1, &acc01, &acc01);
+                    cmma::execute::<F, F, f32, f32>(&a1, &b0, &acc10, &acc10);
+                    cmma::execute::<F, F, f32, f32>(&a1, &b1, &acc11, &acc11);
+                    kk += TILE;
+                }
+                store_tile(c, c_offset, ldc, ti, tj, &acc00);
+                store_tile(c, c_offset, ldc, ti, tj + 1, &acc01);
+                store_tile(c, c_offset, ldc, ti + 1, tj, &acc10);
+                store_tile(c, c_offset, ldc, ti + 1, tj + 1, &acc11);
+            } else {
+                for g in 0..4usize {
+                    scalar_tile::<F>(
+                        a,
+                        lda,
+                        a_transposed,
+                        b,
+                        ldb,
+                        b_transposed,
+                        c,
+                        c_offset,
+                        ldc,
+                        ti + g / 2,
+                        tj + g % 2,
+                        k,
+                    );
+                }
+            }
+            t += planes;
+        }
     } else {
         // Planes take 16 × 16 tiles of C in turn; every unit of a plane takes
         // the same tiles (a `cmma` is the whole plane's). Both tiled forms
@@ -106,93 +165,180 @@ pub fn block_product<F: Float>(
         while t < tiles {
             let ti = t / cols;
             let tj = t % cols;
-            let c_start = c_offset + ti * TILE * ldc + tj * TILE;
             if comptime![products == Products::TensorCores] {
-                let acc = cmma::Matrix::<f32>::from_value(
-                    cmma::MatrixIdent::Accumulator,
-                    TILE,
-                    TILE,
-                    TILE,
-                    cmma::MatrixLayout::Undefined,
-                    f32::new(0.0),
-                );
+                let acc = zero_accumulator();
                 let mut kk = 0;
                 while kk < k {
-                    // Aᵀ stored row-major is A stored column-major.
-                    let a_layout = if a_transposed {
-                        cmma::MatrixLayout::ColMajor
-                    } else {
-                        cmma::MatrixLayout::RowMajor
-                    };
-                    let fa = cmma::Matrix::<F>::from_slice(
-                        cmma::MatrixIdent::A,
-                        TILE,
-                        TILE,
-                        TILE,
-                        a_layout,
-                        &a_tile::<F>(a, lda, ti, kk, a_transposed),
-                        lda as u32,
-                    );
-                    let layout = if b_transposed {
-                        // Bᵀ stored row-major is B stored column-major.
-                        cmma::MatrixLayout::ColMajor
-                    } else {
-                        cmma::MatrixLayout::RowMajor
-                    };
-                    let fb = cmma::Matrix::<F>::from_slice(
-                        cmma::MatrixIdent::B,
-                        TILE,
-                        TILE,
-                        TILE,
-                        layout,
-                        &b_tile::<F>(b, ldb, tj, kk, b_transposed),
-                        ldb as u32,
-                    );
+                    let fa = fragment_a::<F>(a, lda, a_transposed, ti, kk);
+                    let fb = fragment_b::<F>(b, ldb, b_transposed, tj, kk);
                     cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
                     kk += TILE;
                 }
-                cmma::store(
-                    &mut c.slice_mut(c_start, c_start + (TILE - 1) * ldc + TILE),
-                    &acc,
-                    ldc as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
+                store_tile(c, c_offset, ldc, ti, tj, &acc);
             } else {
-                // TiledScalar: the plane's lanes share the tile's elements,
-                // reading the slices as `cmma` reads them with those layouts.
-                let lane = UNIT_POS as usize % plane_dim;
-                let lanes = min(plane_dim, CUBE_DIM as usize - plane * plane_dim);
-                let mut idx = lane;
-                while idx < TILE * TILE {
-                    let r = idx / TILE;
-                    let cc = idx % TILE;
-                    let mut sum = f32::new(0.0);
-                    let mut kk = 0;
-                    while kk < k {
-                        let fa = a_tile::<F>(a, lda, ti, kk, a_transposed);
-                        let fb = b_tile::<F>(b, ldb, tj, kk, b_transposed);
-                        for l in 0..TILE {
-                            let av = if a_transposed {
-                                fa[l * lda + r]
-                            } else {
-                                fa[r * lda + l]
-                            };
-                            let bv = if b_transposed {
-                                fb[cc * ldb + l]
-                            } else {
-                                fb[l * ldb + cc]
-                            };
-                            sum += f32::cast_from(av) * f32::cast_from(bv);
-                        }
-                        kk += TILE;
-                    }
-                    let mut fc = c.slice_mut(c_start, c_start + (TILE - 1) * ldc + TILE);
-                    fc[r * ldc + cc] = sum;
-                    idx += lanes;
-                }
+                scalar_tile::<F>(
+                    a,
+                    lda,
+                    a_transposed,
+                    b,
+                    ldb,
+                    b_transposed,
+                    c,
+                    c_offset,
+                    ldc,
+                    ti,
+                    tj,
+                    k,
+                );
             }
             t += planes;
         }
+    }
+}
+
+/// Whether a `block_product` of `m × n` takes 2 × 2 tiles per plane (its
+/// `pairs`), with `planes` planes in the cube: both sides multiples of 32,
+/// and at least one group of four tiles per plane (fewer would leave planes
+/// idle, which costs more than the loads it saves).
+pub const fn pairs_fit(m: usize, n: usize, planes: usize) -> bool {
+    let side = 2 * TILE;
+    m.is_multiple_of(side) && n.is_multiple_of(side) && (m / side) * (n / side) >= planes
+}
+
+/// A zeroed 16 × 16 fp32 accumulator fragment.
+#[cube]
+fn zero_accumulator() -> cmma::Matrix<f32> {
+    cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        TILE,
+        TILE,
+        TILE,
+        cmma::MatrixLayout::Undefined,
+        f32::new(0.0),
+    )
+}
+
+/// The A fragment of tile row `ti`, columns `kk ..` ([`a_tile`]).
+#[cube]
+fn fragment_a<F: Float>(
+    a: &SharedMemory<F>,
+    lda: usize,
+    #[comptime] a_transposed: bool,
+    ti: usize,
+    kk: usize,
+) -> cmma::Matrix<F> {
+    // Aᵀ stored row-major is A stored column-major.
+    let layout = if a_transposed {
+        cmma::MatrixLayout::ColMajor
+    } else {
+        cmma::MatrixLayout::RowMajor
+    };
+    cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::A,
+        TILE,
+        TILE,
+        TILE,
+        layout,
+        &a_tile::<F>(a, lda, ti, kk, a_transposed),
+        lda as u32,
+    )
+}
+
+/// The B fragment of rows `kk ..`, tile column `tj` ([`b_tile`]).
+#[cube]
+fn fragment_b<F: Float>(
+    b: &SharedMemory<F>,
+    ldb: usize,
+    #[comptime] b_transposed: bool,
+    tj: usize,
+    kk: usize,
+) -> cmma::Matrix<F> {
+    // Bᵀ stored row-major is B stored column-major.
+    let layout = if b_transposed {
+        cmma::MatrixLayout::ColMajor
+    } else {
+        cmma::MatrixLayout::RowMajor
+    };
+    cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::B,
+        TILE,
+        TILE,
+        TILE,
+        layout,
+        &b_tile::<F>(b, ldb, tj, kk, b_transposed),
+        ldb as u32,
+    )
+}
+
+/// Stores the accumulator of tile `(ti, tj)` of C.
+#[cube]
+fn store_tile(
+    c: &mut SharedMemory<f32>,
+    c_offset: usize,
+    ldc: usize,
+    ti: usize,
+    tj: usize,
+    acc: &cmma::Matrix<f32>,
+) {
+    let start = c_offset + ti * TILE * ldc + tj * TILE;
+    cmma::store(
+        &mut c.slice_mut(start, start + (TILE - 1) * ldc + TILE),
+        acc,
+        ldc as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+}
+
+/// Tile `(ti, tj)` of C on scalar FMAs by the plane's lanes, reading the
+/// operand slices as `cmma` reads them with those layouts (`TiledScalar`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scalar_tile<F: Float>(
+    a: &SharedMemory<F>,
+    lda: usize,
+    #[comptime] a_transposed: bool,
+    b: &SharedMemory<F>,
+    ldb: usize,
+    #[comptime] b_transposed: bool,
+    c: &mut SharedMemory<f32>,
+    c_offset: usize,
+    ldc: usize,
+    ti: usize,
+    tj: usize,
+    k: usize,
+) {
+    let plane_dim = PLANE_DIM as usize;
+    let plane = UNIT_POS as usize / plane_dim;
+    let lane = UNIT_POS as usize % plane_dim;
+    let lanes = min(plane_dim, CUBE_DIM as usize - plane * plane_dim);
+    let c_start = c_offset + ti * TILE * ldc + tj * TILE;
+    let mut idx = lane;
+    while idx < TILE * TILE {
+        let r = idx / TILE;
+        let cc = idx % TILE;
+        let mut sum = f32::new(0.0);
+        let mut kk = 0;
+        while kk < k {
+            let fa = a_tile::<F>(a, lda, ti, kk, a_transposed);
+            let fb = b_tile::<F>(b, ldb, tj, kk, b_transposed);
+            for l in 0..TILE {
+                let av = if a_transposed {
+                    fa[l * lda + r]
+                } else {
+                    fa[r * lda + l]
+                };
+                let bv = if b_transposed {
+                    fb[cc * ldb + l]
+                } else {
+                    fb[l * ldb + cc]
+                };
+                sum += f32::cast_from(av) * f32::cast_from(bv);
+            }
+            kk += TILE;
+        }
+        let mut fc = c.slice_mut(c_start, c_start + (TILE - 1) * ldc + TILE);
+        fc[r * ldc + cc] = sum;
+        idx += lanes;
     }
 }
 

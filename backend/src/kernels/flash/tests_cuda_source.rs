@@ -84,12 +84,24 @@ fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
     Compiled { lowered, ptxas }
 }
 
+/// One compiled configuration of the tensor-core kernels.
+#[derive(Clone, Copy)]
+struct Variant {
+    kind: FloatKind,
+    head_dim: usize,
+    causal: bool,
+    padding: bool,
+    dropout: bool,
+    units_per_row: usize,
+    tile_pairs: bool,
+}
+
 /// The shapes the tensor-core kernels are compiled for here: both 16-bit
 /// types, the head dims of the plans (64, 128) and a small one, with and
 /// without the causal and padding masks and dropout, at the default units
-/// per row; and the plans' head dims at bf16 with four units per row. The
-/// last field is the units per row.
-fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool, usize)> {
+/// per row; and the plans' head dims at bf16 with four units per row, and
+/// with 2 × 2 tiles per plane.
+fn tensor_core_variants() -> Vec<Variant> {
     let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
         for (head_dim, causal, padding, dropout) in [
@@ -98,11 +110,29 @@ fn tensor_core_variants() -> Vec<(FloatKind, usize, bool, bool, bool, usize)> {
             (32, true, false, false),
             (64, true, false, true),
         ] {
-            out.push((kind, head_dim, causal, padding, dropout, UNITS_PER_ROW));
+            out.push(Variant {
+                kind,
+                head_dim,
+                causal,
+                padding,
+                dropout,
+                units_per_row: UNITS_PER_ROW,
+                tile_pairs: false,
+            });
         }
     }
     for head_dim in [64, 128] {
-        out.push((FloatKind::BF16, head_dim, true, false, false, 4));
+        for (units_per_row, tile_pairs) in [(4, false), (UNITS_PER_ROW, true)] {
+            out.push(Variant {
+                kind: FloatKind::BF16,
+                head_dim,
+                causal: true,
+                padding: false,
+                dropout: false,
+                units_per_row,
+                tile_pairs,
+            });
+        }
     }
     out
 }
@@ -160,9 +190,18 @@ const BLOCK: usize = 64;
 #[test]
 fn the_tensor_core_forward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding, dropout, split) in tensor_core_variants() {
+    for v in tensor_core_variants() {
+        let Variant {
+            kind,
+            head_dim,
+            causal,
+            padding,
+            dropout,
+            units_per_row: split,
+            tile_pairs,
+        } = v;
         let what = format!(
-            "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row"
+            "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}"
         );
         let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
@@ -188,6 +227,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             dropout,
             true,
             Products::TensorCores,
+            tile_pairs,
             float(kind),
         );
         // Q, K, V and P, their rows padded; S (then P V), rows padded.
@@ -200,14 +240,23 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
 #[test]
 fn the_tensor_core_backward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
-    for (kind, head_dim, causal, padding, dropout, split) in tensor_core_variants() {
+    for v in tensor_core_variants() {
+        let Variant {
+            kind,
+            head_dim,
+            causal,
+            padding,
+            dropout,
+            units_per_row: split,
+            tile_pairs,
+        } = v;
         // K, V, Q, dO, O and two score tiles; S and dP (then the products);
         // every tile's rows padded.
         let tiles16 = 5 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         for one_pass in [false, true] {
             let what = format!(
-                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass} {split} units a row"
+                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass} {split} units a row, pairs {tile_pairs}"
             );
             let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
                 settings((BLOCK * split) as u32),
@@ -237,6 +286,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
                 dropout,
                 true,
                 Products::TensorCores,
+                tile_pairs,
                 one_pass,
                 float(kind),
             );
@@ -251,7 +301,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
         }
 
         let what = format!(
-            "flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row"
+            "flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}"
         );
         let kernel = FlashBackwardQBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
@@ -279,6 +329,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             dropout,
             true,
             Products::TensorCores,
+            tile_pairs,
             float(kind),
         );
         let tiles16 = 4 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);

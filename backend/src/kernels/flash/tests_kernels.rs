@@ -34,6 +34,7 @@ struct Under {
     kernels: FlashKernels,
     one_pass: bool,
     units_per_row: usize,
+    tile_pairs: bool,
 }
 
 impl Under {
@@ -42,6 +43,7 @@ impl Under {
             kernels,
             one_pass: false,
             units_per_row: UNITS_PER_ROW,
+            tile_pairs: false,
         }
     }
 
@@ -50,12 +52,23 @@ impl Under {
             kernels,
             one_pass: true,
             units_per_row: UNITS_PER_ROW,
+            tile_pairs: false,
         }
     }
 
     const fn with_units_per_row(self, units_per_row: usize) -> Self {
         Under {
             units_per_row,
+            ..self
+        }
+    }
+
+    /// The tiled kernels' blocks of 16 rows never fit pairs: only the
+    /// tensor-core trials on CUDA take them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    const fn with_tile_pairs(self) -> Self {
+        Under {
+            tile_pairs: true,
             ..self
         }
     }
@@ -112,6 +125,7 @@ fn run<R: Runtime, E: Elem>(
         dropout: p.dropout.map(|(prob, _)| prob),
         atomic_dq: under.one_pass,
         units_per_row: under.units_per_row,
+        tile_pairs: under.tile_pairs,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(
@@ -372,6 +386,7 @@ macro_rules! tiled_tests {
             },
             one_pass: $one_pass,
             units_per_row: $units_per_row,
+            tile_pairs: false,
         };
 
         fn problems() -> Vec<(Problem, &'static str)> {
@@ -618,12 +633,8 @@ mod cuda {
             products: Products::TensorCores,
         };
         /// Both backwards (the one-pass backward is the default where it
-        /// runs: `fused::one_pass_asked`), and four units a row.
-        const BOTH: [Under; 3] = [
-            Under::two_pass(TENSOR_CORES),
-            Under::one_pass(TENSOR_CORES),
-            Under::one_pass(TENSOR_CORES).with_units_per_row(4),
-        ];
+        /// runs: `fused::one_pass_asked`).
+        const BOTH: [Under; 2] = [Under::two_pass(TENSOR_CORES), Under::one_pass(TENSOR_CORES)];
 
         fn problems() -> Vec<Problem> {
             vec![
@@ -660,6 +671,41 @@ mod cuda {
         #[test]
         fn bf16() {
             for under in BOTH {
+                for p in problems() {
+                    check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, under);
+                }
+            }
+        }
+    }
+
+    /// The tensor-core kernels' settings under trial, not their defaults:
+    /// four units per row, and 2 × 2 tiles per plane (with both, and with
+    /// the one-pass backward). Apart from `tensor_cores`, which decides
+    /// whether a GPU call's speed run takes the tensor cores at all
+    /// (`gpu_flash_call.sh`).
+    mod tensor_core_trials {
+        use super::*;
+        const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
+            products: Products::TensorCores,
+        };
+        const TRIALS: [Under; 3] = [
+            Under::one_pass(TENSOR_CORES).with_units_per_row(4),
+            Under::one_pass(TENSOR_CORES).with_tile_pairs(),
+            Under::two_pass(TENSOR_CORES).with_tile_pairs(),
+        ];
+
+        fn problems() -> Vec<Problem> {
+            vec![
+                Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
+                Problem::new(2, 4, 2, 70, 70, 64, true, &[0, 5], 16).with_dropout(0.1, [8, 88]),
+                Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
+                Problem::new(1, 2, 2, 150, 150, 128, true, &[], 7),
+            ]
+        }
+
+        #[test]
+        fn bf16() {
+            for under in TRIALS {
                 for p in problems() {
                     check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, under);
                 }

@@ -36,6 +36,7 @@ fn product<F: Float>(
     #[comptime] a_transposed: bool,
     #[comptime] b_transposed: bool,
     #[comptime] products: Products,
+    #[comptime] pairs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = CUBE_DIM as usize;
@@ -69,6 +70,7 @@ fn product<F: Float>(
         n,
         k,
         products,
+        pairs,
     );
     sync_cube();
     e = UNIT_POS as usize;
@@ -147,6 +149,21 @@ impl Case {
         ]
     }
 
+    /// The same product with twice the rows of A and C (64 at block 32),
+    /// A's rows twice as many (or, transposed, its columns).
+    fn taller(case: Case) -> Case {
+        Case {
+            what: "taller",
+            m: 2 * case.m,
+            lda: if case.a_transposed {
+                2 * case.m + PAD_HALF
+            } else {
+                case.lda
+            },
+            ..case
+        }
+    }
+
     fn a_len(&self) -> usize {
         if self.a_transposed {
             self.k * self.lda
@@ -197,10 +214,16 @@ fn values<E: Elem>(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `case` with inputs of type `E` and `products` on a cube of 128
-/// units (four planes, as the flash kernels' blocks of 64 rows with two
-/// units each), and checks every element within `1e-3 · (1 + |x|)`.
-fn check<R: Runtime, E: Elem>(client: &ComputeClient<R>, case: Case, products: Products) {
+/// Runs `case` with inputs of type `E` and `products` (with `pairs`: 2 × 2
+/// tiles per plane) on a cube of 128 units (four planes, as the flash
+/// kernels' blocks of 64 rows with two units each), and checks every
+/// element within `1e-3 · (1 + |x|)`.
+fn check<R: Runtime, E: Elem>(
+    client: &ComputeClient<R>,
+    case: Case,
+    products: Products,
+    pairs: bool,
+) {
     let ty = E::as_type_native_unchecked();
     if !client.properties().supports_type(ty) {
         eprintln!("SKIPPED: no {ty:?} on {}", std::any::type_name::<R>());
@@ -228,6 +251,7 @@ fn check<R: Runtime, E: Elem>(client: &ComputeClient<R>, case: Case, products: P
         case.a_transposed,
         case.b_transposed,
         products,
+        pairs,
         ty.storage_type(),
     );
     let got = dc.read(client);
@@ -240,7 +264,7 @@ fn check<R: Runtime, E: Elem>(client: &ComputeClient<R>, case: Case, products: P
         .fold((0.0, 0), |acc, x| if x.0 > acc.0 { x } else { acc });
     assert!(
         worst <= 1e-3,
-        "{} ({case:?}, {products:?}, {ty:?}): element {} (row {}, column {}) is {} where {} was expected",
+        "{} ({case:?}, {products:?}, pairs {pairs}, {ty:?}): element {} (row {}, column {}) is {} where {} was expected",
         case.what,
         at,
         at / case.n,
@@ -266,9 +290,26 @@ mod wgpu {
         let Some(client) = client() else { return };
         for case in Case::flash(32, 32) {
             for products in [Products::Scalar, Products::TiledScalar] {
-                check::<_, f32>(&client, case, products);
-                check::<_, burn::tensor::f16>(&client, case, products);
+                check::<_, f32>(&client, case, products, false);
+                check::<_, burn::tensor::f16>(&client, case, products, false);
             }
+        }
+    }
+
+    /// 2 × 2 tiles per plane, in the tiled form: the flash layouts at 32
+    /// rows and head dim 32 (one group of four tiles), and with 64 rows or
+    /// a head dim of 64 (two groups, down and across).
+    #[test]
+    fn tiled_products_two_by_two() {
+        let Some(client) = client() else { return };
+        let mut cases: Vec<Case> = Case::flash(32, 32).to_vec();
+        for case in Case::flash(32, 32) {
+            cases.push(Case::taller(case));
+        }
+        cases.push(Case::flash(32, 64)[2]);
+        cases.push(Case::flash(32, 64)[3]);
+        for case in cases {
+            check::<_, f32>(&client, case, Products::TiledScalar, true);
         }
     }
 }
@@ -289,8 +330,8 @@ mod cuda {
         let Some(client) = client() else { return };
         for d in [64, 128] {
             for case in Case::flash(64, d) {
-                check::<_, burn::tensor::bf16>(&client, case, Products::TensorCores);
-                check::<_, burn::tensor::f16>(&client, case, Products::TensorCores);
+                check::<_, burn::tensor::bf16>(&client, case, Products::TensorCores, false);
+                check::<_, burn::tensor::f16>(&client, case, Products::TensorCores, false);
             }
         }
     }
@@ -302,7 +343,30 @@ mod cuda {
         let Some(client) = client() else { return };
         for d in [64, 128] {
             for case in Case::flash(64, d) {
-                check::<_, burn::tensor::bf16>(&client, case, Products::TiledScalar);
+                check::<_, burn::tensor::bf16>(&client, case, Products::TiledScalar, false);
+            }
+        }
+    }
+}
+
+/// The tensor-core products with 2 × 2 tiles per plane (a trial setting:
+/// `FlashLaunch::tile_pairs`), apart from `cuda`, whose tests decide whether
+/// a GPU call's speed run takes the tensor cores (`gpu_flash_call.sh`).
+#[cfg(feature = "cuda")]
+mod trials_cuda {
+    use super::*;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    #[test]
+    fn tensor_core_products_two_by_two() {
+        let Some(client) = client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "block_product")
+        else {
+            return;
+        };
+        for d in [64, 128] {
+            for case in Case::flash(64, d) {
+                check::<_, burn::tensor::bf16>(&client, case, Products::TensorCores, true);
+                check::<_, burn::tensor::f16>(&client, case, Products::TensorCores, true);
             }
         }
     }
