@@ -1063,8 +1063,9 @@ impl<'a> Builder<'a> {
     /// `ops::flash_attention`): one autodiff node that saves q, k and v (not repeated for
     /// grouped-query attention), the output `[b, h, s, d]` and the fp32 log-sum-exp
     /// `[b, h, s]`. On CUDA the tensor-core kernels' one-pass backward
-    /// ([`burn_flash_one_pass`]) adds dQ up in an fp32 `[b, h, s, d]` accumulator, alive
-    /// while it runs; otherwise the kernels make no transient beyond their outputs. The
+    /// ([`burn_flash_one_pass`]) adds dQ up in an fp32 `[b, h, s, d]` accumulator and reads
+    /// the rows' fp32 `D [b, h, s]`, both alive while it runs; otherwise the kernels make no
+    /// transient beyond their outputs. The
     /// CPU's blocked plain path also makes `[b, h, BURN_FLASH_QUERY_BLOCK, s]` score blocks
     /// (2 forward, 4 backward) and keeps its LSE in the compute dtype: not charged here, since
     /// the prediction is for the plan's GPU. The backend's memory test bounds that
@@ -1100,7 +1101,8 @@ impl<'a> Builder<'a> {
         info.flops = score_flops;
         if one_pass {
             info.bwd_flops = 2.5 * score_flops;
-            info.bwd_workspace = seqs * heads * s * hd * 4;
+            // The fp32 dQ accumulator and the rows' fp32 D.
+            info.bwd_workspace = seqs * heads * s * (hd + 1) * 4;
         } else {
             info.bwd_flops = 3.5 * score_flops;
         }

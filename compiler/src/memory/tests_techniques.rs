@@ -298,9 +298,10 @@ fn flash_on_burn_keeps_nothing_quadratic() {
 }
 
 /// The executor's flash backward on tensor cores (16-bit compute, head dims in 16s up to
-/// 128) runs in one pass, adding dQ up in an fp32 `[b, h, s, d]` accumulator while it runs
-/// (`backend/src/kernels/flash/dq.rs`): backward scratch, 5 block products (2.5 x the
-/// forward's). In fp32 the `Rows` kernels run two atomics-free passes: no scratch, 7 products.
+/// 128) runs in one pass, adding dQ up in an fp32 `[b, h, s, d]` accumulator and reading the
+/// rows' fp32 D `[b, h, s]` while it runs (`backend/src/kernels/flash/scratch.rs`): backward
+/// scratch, 5 block products (2.5 x the forward's). In fp32 the `Rows` kernels run two
+/// atomics-free passes: no scratch, 7 products.
 #[test]
 fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
     use crate::memory::build::{Builder, FUSED_ATTENTION_OP};
@@ -323,13 +324,13 @@ fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
             .expect("a flash op")
             .clone();
         let m = &spec.model;
-        let q_elems = c.micro_batch * m.heads * spec.train.seq_len * m.head_dim;
-        (o, q_elems)
+        let rows = c.micro_batch * m.heads * spec.train.seq_len;
+        (o, rows * m.head_dim, rows)
     };
-    let (bf16, q_elems) = op(Dtype::Bf16);
-    assert_eq!(bf16.bwd_workspace, 4 * q_elems);
+    let (bf16, q_elems, rows) = op(Dtype::Bf16);
+    assert_eq!(bf16.bwd_workspace, 4 * q_elems + 4 * rows);
     assert_eq!(bf16.bwd_flops, 2.5 * bf16.flops);
-    let (fp32, _) = op(Dtype::Fp32);
+    let (fp32, _, _) = op(Dtype::Fp32);
     assert_eq!(fp32.bwd_workspace, 0);
     assert_eq!(fp32.bwd_flops, 3.5 * fp32.flops);
 }

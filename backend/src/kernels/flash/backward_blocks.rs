@@ -77,8 +77,9 @@ fn add_rows(
 /// dK and dV for `block` key rows of one `(batch, kv head)`, with
 /// `units_per_row` units per key row: unit `u` takes key row
 /// `CUBE_POS_X · block + u % block` and the `u / block`-th share of its
-/// columns. Per query block of each query head on this kv head: stage q, dO
-/// and O; `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by query columns, so each
+/// columns. Per query block of each query head on this kv head: stage q
+/// and dO, and the rows' LSE and D (`d_rows [b, h, s]`, from
+/// `scratch::row_dots`); `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` (key rows by query columns, so each
 /// unit's row is its key's); each unit forms its share of its row of `Pᵀ`
 /// and `dSᵀ`; then `dV += Pᵀ dO` and `dK += dSᵀ Q`, each unit keeping its
 /// share of the row's columns in registers.
@@ -91,7 +92,8 @@ fn add_rows(
 /// products instead of 7. Without it `d_q_acc` is a placeholder never
 /// touched.
 ///
-/// Arguments as `flash_backward_kv`'s, and `units_per_row`, which divides
+/// Arguments as `flash_backward_kv`'s, with `d_rows` where it takes `o`,
+/// and `units_per_row`, which divides
 /// `block` and `head_dim` (`FlashLaunch::units_per_row`); the cube has
 /// `block · units_per_row` units. With `Products::TensorCores`, F must be f16
 /// or bf16 and `head_dim` and `block` multiples of 16.
@@ -101,9 +103,9 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
-    o: &Tensor<Vector<F, N>>,
     d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
+    d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
     d_k: &mut Tensor<F>,
@@ -159,8 +161,6 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     let mut vs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     let mut qs = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     let mut dos = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
-    // O's rows, for D = rowsum(dO ∘ O).
-    let mut os = SharedMemory::<F>::new_aligned(block * hd_ld, 128usize);
     // Row strides of the tiles units take one row each (`PAD_F32`).
     let s_ld = block + PAD_F32;
     let out_ld = head_dim + PAD_F32;
@@ -198,28 +198,23 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
         let hi = kvh * group + g;
         let qbase = bi * q.stride(0) + hi * q.stride(1);
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-        let obase = bi * o.stride(0) + hi * o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
             stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld);
             stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld);
-            stage_tile::<F, N>(o, &mut os, obase, i0, s, block, head_dim, hd_ld);
-            // The first `block` units write query row i0 + unit's LSE and
-            // D (whole planes: the others skip it together).
+            // The first `block` units stage query row i0 + unit's LSE and D
+            // (`scratch::row_dots`; whole planes: the others skip it
+            // together).
             let ir = min(i0 + unit, s - 1);
             if unit < block {
                 ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+                drow[unit] =
+                    d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2)];
                 if dropout {
                     keys[unit] = dropout_row(dropout_seed, bi * heads + hi, ir, dropout);
                 }
             }
             sync_cube();
-            // D from the staged rows (coalesced loads, where each unit
-            // reading its own rows from global memory touched a cache line
-            // per unit). Read after the next barrier.
-            if unit < block {
-                drow[unit] = staged_row_dot::<F>(&dos, &os, unit, head_dim, hd_ld);
-            }
 
             block_product::<F>(
                 &ks, hd_ld, false, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim,

@@ -122,7 +122,7 @@ pub struct HostInputs<'a> {
 /// One attention call's tensors on the device, as the kernels take them:
 /// the inputs (q, k, v, dO in `E`; the key bias in f32, a 1 × 1
 /// placeholder without padding) and zeroed outputs (O and the gradients in
-/// `E`, LSE and the one-pass backward's dQ accumulator in f32) for [`AttentionTensors::forward`] and
+/// `E`; LSE, the one-pass backward's dQ accumulator and the rows' D in f32) for [`AttentionTensors::forward`] and
 /// [`AttentionTensors::backward`] to write.
 pub struct AttentionTensors<R: Runtime> {
     pub q: DeviceTensor<R>,
@@ -140,6 +140,9 @@ pub struct AttentionTensors<R: Runtime> {
     /// dQ's fp32 accumulator, for a one-pass backward
     /// (`FlashLaunch::one_pass`), which zeroes it itself.
     pub d_q_acc: DeviceTensor<R>,
+    /// The rows' D, fp32 `[b, h, s]`, which the block-product backward
+    /// writes and reads.
+    pub d_rows: DeviceTensor<R>,
 }
 
 impl<R: Runtime> AttentionTensors<R> {
@@ -166,6 +169,7 @@ impl<R: Runtime> AttentionTensors<R> {
             d_k: DeviceTensor::zeros_as::<E>(client, &ks),
             d_v: DeviceTensor::zeros_as::<E>(client, &ks),
             d_q_acc: DeviceTensor::zeros(client, &qs),
+            d_rows: DeviceTensor::zeros(client, &[dims.batch, dims.heads, dims.q_len]),
         }
     }
 
@@ -202,6 +206,7 @@ impl<R: Runtime> AttentionTensors<R> {
             d_k: self.d_k.arg(),
             d_v: self.d_v.arg(),
             d_q_acc: self.d_q_acc.arg(),
+            d_rows: self.d_rows.arg(),
         };
         launch::backward(client, cfg, inputs(), out);
     }

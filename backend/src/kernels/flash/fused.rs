@@ -329,9 +329,13 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     let d_q = empty(&qc, qc.shape(), qc.dtype);
     let d_k = empty(&kc, kc.shape(), kc.dtype);
     let d_v = empty(&vc, vc.shape(), vc.dtype);
-    // Freed when this returns: a transient of the backward, which the
+    // Freed when this returns: transients of the backward, which the
     // `burn` profile charges (`memory::build` `burn_flash_attention`).
     let d_q_acc = match cfg.dq_accumulator() {
+        Some(shape) => empty(&qc, Shape::new(shape), DType::F32),
+        None => empty(&qc, Shape::new([1]), DType::F32),
+    };
+    let d_rows = match cfg.row_dots() {
         Some(shape) => empty(&qc, Shape::new(shape), DType::F32),
         None => empty(&qc, Shape::new([1]), DType::F32),
     };
@@ -351,6 +355,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         d_k: arg(&d_k),
         d_v: arg(&d_v),
         d_q_acc: arg(&d_q_acc),
+        d_rows: arg(&d_rows),
     };
     launch::backward(&client, &cfg, inputs, out);
     [

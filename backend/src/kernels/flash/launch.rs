@@ -317,37 +317,51 @@ fn grid(rows: usize, block: usize, units: usize, slices: usize) -> (CubeCount, C
     )
 }
 
-/// Launches the kernel `$rows` or `$blocks` (`cfg.kernels()`) over `$rows_of`
-/// rows in `$slices` slices, with the tensors `$t` and the settings every
-/// flash kernel takes after them, in their order (a block-product kernel
-/// also takes the width `$width` it stages its inputs in, before them, its
-/// units per row after its block size, and where given the tensors
-/// `blocks` after `$t` and the compile-time `flags` after its products).
-/// `$width` is evaluated only when a block-product kernel runs.
-macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*] $(, blocks: [$($bt:expr),*], flags: [$($bf:expr),*])?) => {{
+/// Launches the `Rows` kernel `$kernel` over `$rows_of` rows in `$slices`
+/// slices, with the tensors `$t` and the settings every `Rows` kernel takes
+/// after them, in their order.
+macro_rules! launch_rows {
+    ($client:expr, $cfg:expr, $kernel:ident, $rows_of:expr, $slices:expr, [$($t:expr),*]) => {{
         let (cfg, d) = ($cfg, &$cfg.dims);
-        match cfg.kernels() {
-            FlashKernels::Rows => {
-                let block = d.block();
-                let (count, dim) = grid($rows_of, block, block, $slices);
-                $rows::launch::<R>(
-                    $client, count, dim, $($t,)* cfg.scale, d.group(), cfg.drop_threshold(),
-                    cfg.drop_scale(), d.head_dim, block, cfg.causal, cfg.padding,
-                    cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
-                );
-            }
-            FlashKernels::Blocks { products } => {
-                let block = FlashLaunch::blocks_block(products, d.head_dim);
-                let split = FlashLaunch::units_per_row(cfg.units_per_row, block, d.head_dim);
-                let (count, dim) = grid($rows_of, block, block * split, $slices);
-                $blocks::launch::<R>(
-                    $client, count, dim, $width, $($t,)* $($($bt,)*)? cfg.scale, d.group(),
-                    cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
-                    cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
-                    $($($bf,)*)? cfg.dtype,
-                );
-            }
+        let block = d.block();
+        let (count, dim) = grid($rows_of, block, block, $slices);
+        $kernel::launch::<R>(
+            $client, count, dim, $($t,)* cfg.scale, d.group(), cfg.drop_threshold(),
+            cfg.drop_scale(), d.head_dim, block, cfg.causal, cfg.padding,
+            cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
+        );
+    }};
+}
+
+/// Launches the block-product kernel `$kernel` (`$products`) as
+/// [`launch_rows`] does, with the width `$width` it stages its inputs in
+/// before the tensors, its units per row after its block size, and after
+/// its products and tile pairing the compile-time `flags`, where given.
+macro_rules! launch_blocks {
+    ($client:expr, $cfg:expr, $kernel:ident, $products:expr, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*] $(, flags: [$($f:expr),*])?) => {{
+        let (cfg, d, products) = ($cfg, &$cfg.dims, $products);
+        let block = FlashLaunch::blocks_block(products, d.head_dim);
+        let split = FlashLaunch::units_per_row(cfg.units_per_row, block, d.head_dim);
+        let (count, dim) = grid($rows_of, block, block * split, $slices);
+        $kernel::launch::<R>(
+            $client, count, dim, $width, $($t,)* cfg.scale, d.group(),
+            cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
+            cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
+            $($($f,)*)? cfg.dtype,
+        );
+    }};
+}
+
+/// Launches `$rows` or `$blocks`, whichever `cfg.kernels()` says, where
+/// both take the same tensors. `$width` is evaluated only when a
+/// block-product kernel runs.
+macro_rules! launch_flash {
+    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*]) => {{
+        match $cfg.kernels() {
+            FlashKernels::Rows => launch_rows!($client, $cfg, $rows, $rows_of, $slices, [$($t),*]),
+            FlashKernels::Blocks { products } => launch_blocks!(
+                $client, $cfg, $blocks, products, $rows_of, $slices, $width, [$($t),*]
+            ),
         }
     }};
 }
@@ -412,6 +426,11 @@ pub struct BackwardOutputs<R: Runtime> {
     /// adds to and casts into `d_q` (contiguous too); otherwise any
     /// placeholder, never read.
     pub d_q_acc: TensorArg<R>,
+    /// Where the block-product kernels run: an fp32 `[b, h, s]` tensor
+    /// ([`FlashLaunch::row_dots`]) for `D = rowsum(dO ∘ O)`, which the
+    /// backward writes before the key-block kernel reads it; otherwise any
+    /// placeholder, never read.
+    pub d_rows: TensorArg<R>,
 }
 
 impl FlashLaunch {
@@ -423,12 +442,21 @@ impl FlashLaunch {
         self.one_pass()
             .then_some([d.batch, d.heads, d.q_len, d.head_dim])
     }
+
+    /// The shape of the fp32 `D` rows the block-product backward needs
+    /// ([`BackwardOutputs::d_rows`]), or `None` where the `Rows` kernels
+    /// run (they compute D themselves).
+    pub fn row_dots(&self) -> Option<[usize; 3]> {
+        let d = &self.dims;
+        matches!(self.kernels(), FlashKernels::Blocks { .. }).then_some([d.batch, d.heads, d.q_len])
+    }
 }
 
 /// Writes dQ, dK and dV: one launch over key blocks that also adds dQ up
 /// ([`FlashLaunch::one_pass`]), between zeroing the accumulator and casting
 /// it; or one launch over key blocks for dK and dV and one over query blocks
-/// for dQ.
+/// for dQ. The block-product kernels' key-block launch reads the rows' D,
+/// which a small kernel computes first.
 pub fn backward<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &FlashLaunch,
@@ -441,24 +469,59 @@ pub fn backward<R: Runtime>(
     let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
     let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
     if let Some(acc) = &acc {
-        super::dq::zero(client, clone_arg(acc), dq_len);
+        super::scratch::zero(client, clone_arg(acc), dq_len);
     }
     // The second pass reads the same inputs.
     let second = (!one_pass).then(|| x.clone());
-    launch_flash!(
-        client,
-        cfg,
-        flash_backward_kv,
-        flash_backward_kv_blocks,
-        d.kv_len,
-        d.batch * d.kv_heads,
-        width,
-        [x.q, x.k, x.v, x.o, x.d_o, x.lse, x.key_bias, x.dropout_seed, out.d_k, out.d_v],
-        blocks: [out.d_q_acc],
-        flags: [one_pass]
-    );
+    match cfg.kernels() {
+        FlashKernels::Rows => launch_rows!(
+            client,
+            cfg,
+            flash_backward_kv,
+            d.kv_len,
+            d.batch * d.kv_heads,
+            [
+                x.q,
+                x.k,
+                x.v,
+                x.o,
+                x.d_o,
+                x.lse,
+                x.key_bias,
+                x.dropout_seed,
+                out.d_k,
+                out.d_v
+            ]
+        ),
+        FlashKernels::Blocks { products } => {
+            super::scratch::row_dots(client, cfg, x.o, clone_arg(&x.d_o), clone_arg(&out.d_rows));
+            launch_blocks!(
+                client,
+                cfg,
+                flash_backward_kv_blocks,
+                products,
+                d.kv_len,
+                d.batch * d.kv_heads,
+                width,
+                [
+                    x.q,
+                    x.k,
+                    x.v,
+                    x.d_o,
+                    x.lse,
+                    out.d_rows,
+                    x.key_bias,
+                    x.dropout_seed,
+                    out.d_k,
+                    out.d_v,
+                    out.d_q_acc
+                ],
+                flags: [one_pass]
+            )
+        }
+    }
     if let Some(acc) = acc {
-        super::dq::cast(client, acc, out.d_q, dq_len, cfg.dtype);
+        super::scratch::cast(client, acc, out.d_q, dq_len, cfg.dtype);
     } else if let Some(x) = second {
         launch_flash!(
             client,

@@ -12,7 +12,7 @@
 //!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
 //!   over key blocks and dQ over query blocks, atomics-free, or, for the
 //!   block-product kernels, all three in one pass over key blocks with dQ
-//!   added atomically: `dq`). Built with the
+//!   added atomically; `scratch` holds the backward's small kernels). Built with the
 //!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
 //!   them on wgpu (lavapipe on a machine without a GPU).
 //!
@@ -33,8 +33,6 @@ mod backward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod device_tensor;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
-mod dq;
-#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward_blocks;
@@ -42,6 +40,8 @@ mod forward_blocks;
 pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod mma;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod scratch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 

@@ -250,9 +250,9 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             units_per_row: split,
             tile_pairs,
         } = v;
-        // K, V, Q, dO, O and two score tiles; S and dP (then the products);
+        // K, V, Q, dO and two score tiles; S and dP (then the products);
         // every tile's rows padded.
-        let tiles16 = 5 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
+        let tiles16 = 4 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         for one_pass in [false, true] {
             let what = format!(
