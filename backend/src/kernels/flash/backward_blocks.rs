@@ -131,7 +131,6 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bkv = CUBE_POS_Y as usize;
     let bi = bkv / kv_heads;
     let kvh = bkv % kv_heads;
@@ -149,6 +148,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
     let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
+    // The cube's units, as the launch sets them (`tile::stage_tile`).
+    let units = comptime![block * units_per_row];
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
     let j = first + row;
@@ -177,8 +178,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim, hd_ld);
-    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim, hd_ld);
+    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim, hd_ld, units);
+    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim, hd_ld, units);
     let mut dk = Array::<f32>::new(part);
     let mut dv = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -200,16 +201,22 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
-            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld);
-            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld);
-            // The first `block` units stage query row i0 + unit's LSE and D
-            // (`scratch::row_dots`; whole planes: the others skip it
-            // together).
+            // The first `block` units load query row i0 + unit's LSE and D
+            // (`scratch::row_dots`; whole planes: the others skip them
+            // together) before staging q and dO, so that all those loads
+            // are in flight together, and store them after.
             let ir = min(i0 + unit, s - 1);
+            let mut lse_i = f32::new(0.0);
+            let mut d_i = f32::new(0.0);
             if unit < block {
-                ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
-                drow[unit] =
-                    d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2)];
+                lse_i = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
+                d_i = d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2)];
+            }
+            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld, units);
+            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld, units);
+            if unit < block {
+                ls[unit] = lse_i;
+                drow[unit] = d_i;
                 if dropout {
                     keys[unit] = dropout_row(dropout_seed, bi * heads + hi, ir, dropout);
                 }
@@ -217,7 +224,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             sync_cube();
 
             block_product::<F>(
-                &ks, hd_ld, false, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, dim,
+                &ks, hd_ld, false, &qs, hd_ld, true, &mut work, 0, s_ld, block, block, head_dim,
                 products, pairs_bb,
             );
             block_product::<F>(
@@ -232,7 +239,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 s_ld,
                 block,
                 block,
-                dim,
+                head_dim,
                 products,
                 pairs_bb,
             );
@@ -271,7 +278,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             sync_cube();
 
             block_product::<F>(
-                &pt, p_ld, false, &dos, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+                &pt, p_ld, false, &dos, hd_ld, false, &mut work, 0, out_ld, block, head_dim, block,
                 products, pairs_bd,
             );
             sync_cube();
@@ -281,7 +288,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             }
             sync_cube();
             block_product::<F>(
-                &dst, p_ld, false, &qs, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+                &dst, p_ld, false, &qs, hd_ld, false, &mut work, 0, out_ld, block, head_dim, block,
                 products, pairs_bd,
             );
             sync_cube();
@@ -294,8 +301,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 // dQ += dS K for these queries, from the dSᵀ the cube holds;
                 // other key blocks add theirs to the same rows.
                 block_product::<F>(
-                    &dst, p_ld, true, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
-                    products, pairs_bd,
+                    &dst, p_ld, true, &ks, hd_ld, false, &mut work, 0, out_ld, block, head_dim,
+                    block, products, pairs_bd,
                 );
                 sync_cube();
                 add_rows(d_q_acc, &work, bi, hi, i0, s, block, head_dim, out_ld);
@@ -353,7 +360,6 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -373,6 +379,8 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
     let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
+    // The cube's units, as the launch sets them (`tile::stage_tile`).
+    let units = comptime![block * units_per_row];
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
     let row = first + lr;
@@ -395,12 +403,14 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld);
-    stage_tile::<F, N>(d_o, &mut dos, dobase, first, s, block, head_dim, hd_ld);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
+    stage_tile::<F, N>(
+        d_o, &mut dos, dobase, first, s, block, head_dim, hd_ld, units,
+    );
     // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
     // before the key blocks need it; and its LSE.
     let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim, hd_ld);
+    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim, hd_ld, units);
     sync_cube();
     let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim, hd_ld);
     sync_cube();
@@ -416,13 +426,13 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
         sync_cube();
 
         block_product::<F>(
-            &qs, hd_ld, false, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, dim, products,
-            pairs_bb,
+            &qs, hd_ld, false, &ks, hd_ld, true, &mut work, 0, s_ld, block, block, head_dim,
+            products, pairs_bb,
         );
         block_product::<F>(
             &dos,
@@ -436,7 +446,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
             s_ld,
             block,
             block,
-            dim,
+            head_dim,
             products,
             pairs_bb,
         );
@@ -471,7 +481,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &dss, p_ld, false, &ks, hd_ld, false, &mut work, 0, out_ld, block, dim, block,
+            &dss, p_ld, false, &ks, hd_ld, false, &mut work, 0, out_ld, block, head_dim, block,
             products, pairs_bd,
         );
         sync_cube();

@@ -67,7 +67,6 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let heads = q.shape(1);
     let s = q.shape(2);
     let t = k.shape(2);
-    let dim = q.shape(3);
     let bh = CUBE_POS_Y as usize;
     let bi = bh / heads;
     let hi = bh % heads;
@@ -86,6 +85,8 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let pairs_bb = comptime![tile_pairs && pairs_fit(block, block, planes)];
     let pairs_bd = comptime![tile_pairs && pairs_fit(block, head_dim, planes)];
     let c0s = share * cols;
+    // The cube's units, as the launch sets them (`tile::stage_tile`).
+    let units = comptime![block * units_per_row];
     let c0d = share * part;
     let first = CUBE_POS_X as usize * block;
     let row = first + lr;
@@ -111,7 +112,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld);
+    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
 
     let mut acc = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -126,13 +127,13 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
 
     for kb in 0..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld);
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
         sync_cube();
 
         block_product::<F>(
-            &qs, hd_ld, false, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, dim, products,
-            pairs_bb,
+            &qs, hd_ld, false, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, head_dim,
+            products, pairs_bb,
         );
         sync_cube();
 
@@ -187,8 +188,8 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         sync_cube();
 
         block_product::<F>(
-            &ps, p_ld, false, &vs, hd_ld, false, &mut s32, 0, out_ld, block, dim, block, products,
-            pairs_bd,
+            &ps, p_ld, false, &vs, hd_ld, false, &mut s32, 0, out_ld, block, head_dim, block,
+            products, pairs_bd,
         );
         sync_cube();
         #[unroll(unroll)]

@@ -48,8 +48,12 @@ pub const PAD_HALF: usize = 8;
 /// B row-major `[k × n]` with row stride `ldb` or, with `b_transposed`,
 /// given as its transpose (row-major `[n × k]`, so `C = A · Bᵀ` of the
 /// stored rows); C fp32, row-major from element `c_offset` of `c` with row stride
-/// `ldc`. Sizes are run-time values so that shader compilers do not unroll
-/// the scalar loops. With `Products::TensorCores`, every 16-row tile must start
+/// `ldc`. Sizes are run-time arguments, but the kernels pass their
+/// compile-time block and head dim (not the tensors' run-time extent): with
+/// a constant `k` the compiler unrolls the loop over `k` and issues a tile's
+/// fragment loads ahead of its `mma`s, where a run-time `k` left one load,
+/// wait and `mma` per 16 columns (the H100 machine code showed both). With
+/// `Products::TensorCores`, every 16-row tile must start
 /// 32-byte aligned and the strides be multiples of 16 bytes (wmma's rules),
 /// as rows of multiples of 16 elements padded by [`PAD_F32`] or
 /// [`PAD_HALF`] are. With `pairs` (tiled forms only; callers pass

@@ -81,7 +81,26 @@ fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
         .filter(|l| l.contains("Used") || l.contains("stack"))
         .collect();
     eprintln!("{what}: {}", used.join("; "));
+    dump(&lowered, &image, what);
     Compiled { lowered, ptxas }
+}
+
+/// With `RCOA_DUMP_KERNELS=DIR`, writes the kernel's CUDA source and cubin
+/// to `DIR/<what>.cu` and `.cubin`, for reading the machine code without a
+/// GPU (`cuobjdump -sass`, from PyPI's `nvidia-cuda-cuobjdump`).
+fn dump(lowered: &prebuild::RecordedKernel, image: &prebuild::Image, what: &str) {
+    let Some(dir) = std::env::var_os("RCOA_DUMP_KERNELS") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    std::fs::create_dir_all(&dir).expect("the dump directory");
+    let name: String = what
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let bytes: Vec<u8> = image.bytes.iter().map(|&b| b as u8).collect();
+    std::fs::write(dir.join(format!("{name}.cu")), &lowered.source).expect("the source");
+    std::fs::write(dir.join(format!("{name}.cubin")), bytes).expect("the cubin");
 }
 
 /// One compiled configuration of the tensor-core kernels.

@@ -61,14 +61,30 @@ pub const fn staged_ld(head_dim: usize) -> usize {
 }
 
 /// [`stage_rows`] for the block-product kernels, which stage the input type
-/// as it is: `src` is read `N` consecutive elements at a time (two 16-bit
-/// values; the launch picks `N` and says why no more:
-/// `launch::vector_width`), so a unit issues one load where it issued `N`,
-/// and stores them one by one. With `N > 1` the last dim must be
-/// contiguous and `base`, the row stride and `dim` multiples of `N` (the
-/// launch checks); shapes, strides and `base` are in elements, indices in
-/// vectors. Row `i` of the tile starts at element `i · ld` of `dst`
-/// ([`staged_ld`]).
+/// as it is: rows `r0 .. r0 + rows` of one `(batch, head)` slice of `src`
+/// (from element `base`) into `dst`, row `i` from element `i · ld`
+/// ([`staged_ld`]). Rows past `n` repeat row `n − 1` (finite; the callers
+/// mask them). A unit may not read what the others staged before the next
+/// `sync_cube`.
+///
+/// Each unit first loads its whole share of the tile into registers, every
+/// load issued before any value is used, then stores it. A loop that
+/// stored each value before loading the next waited out global memory's
+/// latency once per load: the H100 machine code showed 8 such waits per
+/// 64 × 64 tile and unit (ptxas unrolled it twice), 16 per key block
+/// against 8 tensor-core instructions of products, most likely what set
+/// the kernels' pace. (Fetching the next block during this one's products
+/// as well did not overlap: ptxas unpacks 16-bit pairs as they arrive, so
+/// the warp waited there anyway, in twice the registers, and spilled at
+/// head dim 128.)
+///
+/// `src` is read `N` consecutive elements at a time (two 16-bit values;
+/// the launch picks `N` and says why no more: `launch::vector_width`). With
+/// `N > 1` the last dim must be contiguous and `base`, the row stride and
+/// `dim` multiples of `N` (the launch checks); shapes, strides and `base`
+/// are in elements, indices in vectors. The cube has `units` units (a
+/// compile-time value, as the launch sets it); consecutive units take
+/// consecutive vectors, so a plane's reads of a row are coalesced.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_tile<F: Float, N: Size>(
@@ -80,28 +96,81 @@ pub fn stage_tile<F: Float, N: Size>(
     #[comptime] rows: usize,
     #[comptime] dim: usize,
     #[comptime] ld: usize,
+    #[comptime] units: usize,
 ) {
-    let width = src.vector_size();
+    let width = N::value().comptime();
     let per_row = comptime![dim / width];
-    let units = CUBE_DIM as usize;
-    let mut e = UNIT_POS as usize;
-    while e < rows * per_row {
-        let r = min(r0 + e / per_row, n - 1);
-        let col = e % per_row;
-        let at = if comptime![width == 1] {
-            base + r * src.stride(2) + col * src.stride(3)
-        } else {
-            (base + r * src.stride(2)) / width + col
-        };
-        let v = src[at];
-        let to = (e / per_row) * ld + col * width;
-        #[unroll]
-        for i in 0..width {
-            dst[to + i] = v[i];
+    let total = comptime![rows * per_row];
+    let unit = UNIT_POS as usize;
+    if comptime![units.is_multiple_of(per_row) && total.is_multiple_of(units)] {
+        // The cube covers whole rows at a time and the tile evenly (at
+        // every size the kernels run on CUDA): a unit's vectors share one
+        // column and lie `step` rows apart, each one's place in `dst` a
+        // constant offset from the first, and every one inside the tile.
+        // (Per-vector divisions had ptxas keep their results across the
+        // kernels' loops, a register each; per-vector bounds tests became
+        // branches with the loads sunk into them, in series again.)
+        let per_unit = comptime![total / units];
+        let batch = comptime![per_unit.min(STAGE_BATCH)];
+        let batches = comptime![per_unit.div_ceil(batch)];
+        let step = comptime![units / per_row];
+        let row0 = unit / per_row;
+        let col0 = unit % per_row;
+        let mut regs = Array::<Vector<F, N>>::new(batch);
+        #[unroll(batches <= 2)]
+        for b in 0..batches {
+            #[unroll]
+            for i in 0..batch {
+                let r = min(r0 + row0 + (b * batch + i) * step, n - 1);
+                let at = if comptime![width == 1] {
+                    base + r * src.stride(2) + col0 * src.stride(3)
+                } else {
+                    (base + r * src.stride(2)) / width + col0
+                };
+                // In bounds by construction (the row clamped to `n − 1`,
+                // the column below the row's vectors), so unchecked: a
+                // checked read selects 0 past the end, and that select,
+                // waiting for the load, put the loads back in series.
+                regs[i] = src.read_unchecked(at);
+            }
+            #[unroll]
+            for i in 0..batch {
+                let to = (row0 + (b * batch + i) * step) * ld + col0 * width;
+                let x = regs[i];
+                #[unroll]
+                for c in 0..width {
+                    dst[to + c] = x[c];
+                }
+            }
         }
-        e += units;
+    } else {
+        // Other sizes (odd head dims, the scalar products' small blocks on
+        // lavapipe): one vector at a time, any shape.
+        let mut e = unit;
+        while e < total {
+            let r = min(r0 + e / per_row, n - 1);
+            let col = e % per_row;
+            let at = if comptime![width == 1] {
+                base + r * src.stride(2) + col * src.stride(3)
+            } else {
+                (base + r * src.stride(2)) / width + col
+            };
+            let x = src[at];
+            let to = (e / per_row) * ld + col * width;
+            #[unroll]
+            for c in 0..width {
+                dst[to + c] = x[c];
+            }
+            e += units;
+        }
     }
 }
+
+/// The most vectors a unit of [`stage_tile`] loads before it stores them:
+/// each is a register (and its address two, for a while), so a 64 × 128
+/// tile takes two rounds where one pushed the head-dim-128 kernels past
+/// 255 registers.
+const STAGE_BATCH: usize = 16;
 
 /// Key blocks (of `block` keys, `t` in all) that the query block starting
 /// at row `first` (of `s`) reads: all of them, or with `causal` those up to
