@@ -510,7 +510,7 @@ mod nvrtc_tests {
         match crate::cuda::compiler() {
             Ok(_) => true,
             Err(e) => {
-                eprintln!("SKIPPED: {e}");
+                crate::testing::skip("nvrtc", &e.to_string());
                 false
             }
         }

@@ -219,3 +219,23 @@ pub fn loopback_node(
         timeouts: crate::distributed::Timeouts::uniform(limit),
     }
 }
+
+/// Whether the environment requires the test device or tool `kind`
+/// (`vulkan`, `nvrtc`, `cuda`): `RCOA_REQUIRE` lists them, comma-separated.
+/// `.ci/run` sets it for what it installed, so that a run where they went
+/// missing fails instead of passing with nothing checked.
+pub fn required(kind: &str) -> bool {
+    std::env::var("RCOA_REQUIRE")
+        .map(|v| v.split(',').any(|k| k.trim() == kind))
+        .unwrap_or(false)
+}
+
+/// A test that cannot run here for want of `kind`: prints `SKIPPED: why`
+/// and returns, or, where [`required`], panics with it.
+pub fn skip(kind: &str, why: &str) {
+    assert!(
+        !required(kind),
+        "RCOA_REQUIRE has {kind}, but {why} (unset it to skip)"
+    );
+    eprintln!("SKIPPED: {why}");
+}

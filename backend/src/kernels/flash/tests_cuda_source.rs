@@ -30,7 +30,10 @@ fn client() -> Option<ComputeClient<WgpuRuntime>> {
     let headers = match crate::cuda::compiler() {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("SKIPPED: {e}; the flash kernels' CUDA source was not compiled");
+            crate::testing::skip(
+                "nvrtc",
+                &format!("{e}; the flash kernels' CUDA source was not compiled"),
+            );
             return None;
         }
     };
@@ -44,7 +47,7 @@ fn client() -> Option<ComputeClient<WgpuRuntime>> {
     );
     let found = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
     if found.is_err() {
-        eprintln!("SKIPPED: no Vulkan device to expand the kernels with");
+        crate::testing::skip("vulkan", "no Vulkan device to expand the kernels with");
     }
     found.ok()
 }

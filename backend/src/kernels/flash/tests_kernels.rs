@@ -11,16 +11,22 @@ use super::mma::Products;
 use super::reference::{worst, Problem};
 
 /// A runtime's client, or `None` (with a note that `what` did not run)
-/// where it has no device: cubecl panics when it finds none.
+/// where it has no device: cubecl panics when it finds none. `kind` names
+/// the device for [`crate::testing::required`] (`vulkan`, `cuda`):
+/// where the environment requires it, no device fails the test.
 pub(super) fn client_or_skip<R: Runtime>(
     device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
+    kind: &str,
     what: &str,
 ) -> Option<ComputeClient<R>> {
     let found = std::panic::catch_unwind(|| R::client(&device()));
     if found.is_err() {
-        eprintln!(
-            "SKIPPED: no {} device; {what} did not run",
-            std::any::type_name::<R>()
+        crate::testing::skip(
+            kind,
+            &format!(
+                "no {} device; {what} did not run",
+                std::any::type_name::<R>()
+            ),
         );
     }
     found.ok()
@@ -443,7 +449,11 @@ mod wgpu {
         static C: std::sync::OnceLock<Option<ComputeClient<WgpuRuntime>>> =
             std::sync::OnceLock::new();
         C.get_or_init(|| {
-            client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice, "the flash kernels")
+            client_or_skip::<WgpuRuntime>(
+                || WgpuDevice::DefaultDevice,
+                "vulkan",
+                "the flash kernels",
+            )
         })
         .clone()
     }
@@ -591,8 +601,10 @@ mod cuda {
     fn client() -> Option<ComputeClient<CudaRuntime>> {
         static C: std::sync::OnceLock<Option<ComputeClient<CudaRuntime>>> =
             std::sync::OnceLock::new();
-        C.get_or_init(|| client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "the flash kernels"))
-            .clone()
+        C.get_or_init(|| {
+            client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "cuda", "the flash kernels")
+        })
+        .clone()
     }
 
     mod rows {

@@ -280,7 +280,7 @@ mod wgpu {
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
     fn client() -> Option<ComputeClient<WgpuRuntime>> {
-        client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice, "block_product")
+        client_or_skip::<WgpuRuntime>(|| WgpuDevice::DefaultDevice, "vulkan", "block_product")
     }
 
     /// Blocks of 32 at head dim 32: the same layouts within lavapipe's
@@ -320,7 +320,7 @@ mod cuda {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
 
     fn client() -> Option<ComputeClient<CudaRuntime>> {
-        client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "block_product")
+        client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "cuda", "block_product")
     }
 
     /// The tensor-core products at the flash kernels' sizes, both 16-bit
@@ -359,7 +359,8 @@ mod trials_cuda {
 
     #[test]
     fn tensor_core_products_two_by_two() {
-        let Some(client) = client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "block_product")
+        let Some(client) =
+            client_or_skip::<CudaRuntime>(|| CudaDevice::new(0), "cuda", "block_product")
         else {
             return;
         };
