@@ -330,15 +330,12 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     let d_k = empty(&kc, kc.shape(), kc.dtype);
     let d_v = empty(&vc, vc.shape(), vc.dtype);
     // Freed when this returns: transients of the backward, which the
-    // `burn` profile charges (`memory::build` `burn_flash_attention`).
-    let d_q_acc = match cfg.dq_accumulator() {
-        Some(shape) => empty(&qc, Shape::new(shape), DType::F32),
-        None => empty(&qc, Shape::new([1]), DType::F32),
-    };
-    let d_rows = match cfg.row_dots() {
-        Some(shape) => empty(&qc, Shape::new(shape), DType::F32),
-        None => empty(&qc, Shape::new([1]), DType::F32),
-    };
+    // `burn` profile charges (`memory::build` `burn_flash_attention`); a
+    // one-element placeholder where the kernels that run read none.
+    let scratch =
+        |shape: Option<Shape>| empty(&qc, shape.unwrap_or_else(|| Shape::new([1])), DType::F32);
+    let d_q_acc = scratch(cfg.dq_accumulator().map(Shape::new));
+    let d_rows = scratch(cfg.row_dots().map(Shape::new));
     let client = qc.client.clone();
     let inputs = BackwardInputs {
         q: arg(&qc),

@@ -122,11 +122,7 @@ pub fn stage_tile<F: Float, N: Size>(
             #[unroll]
             for i in 0..batch {
                 let r = min(r0 + row0 + (b * batch + i) * step, n - 1);
-                let at = if comptime![width == 1] {
-                    base + r * src.stride(2) + col0 * src.stride(3)
-                } else {
-                    (base + r * src.stride(2)) / width + col0
-                };
+                let at = vector_at::<F, N>(src, base, r, col0);
                 // In bounds by construction (the row clamped to `n − 1`,
                 // the column below the row's vectors), so unchecked: a
                 // checked read selects 0 past the end, and that select,
@@ -136,11 +132,7 @@ pub fn stage_tile<F: Float, N: Size>(
             #[unroll]
             for i in 0..batch {
                 let to = (row0 + (b * batch + i) * step) * ld + col0 * width;
-                let x = regs[i];
-                #[unroll]
-                for c in 0..width {
-                    dst[to + c] = x[c];
-                }
+                put_vector::<F, N>(dst, to, regs[i]);
             }
         }
     } else {
@@ -150,19 +142,37 @@ pub fn stage_tile<F: Float, N: Size>(
         while e < total {
             let r = min(r0 + e / per_row, n - 1);
             let col = e % per_row;
-            let at = if comptime![width == 1] {
-                base + r * src.stride(2) + col * src.stride(3)
-            } else {
-                (base + r * src.stride(2)) / width + col
-            };
-            let x = src[at];
-            let to = (e / per_row) * ld + col * width;
-            #[unroll]
-            for c in 0..width {
-                dst[to + c] = x[c];
-            }
+            let x = src[vector_at::<F, N>(src, base, r, col)];
+            put_vector::<F, N>(dst, (e / per_row) * ld + col * width, x);
             e += units;
         }
+    }
+}
+
+/// The index, in vectors of `N`, of row `r`'s `col`-th vector in the slice
+/// of `src` from element `base` ([`stage_tile`]'s layout rules).
+#[cube]
+fn vector_at<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    base: usize,
+    r: usize,
+    col: usize,
+) -> usize {
+    let width = N::value().comptime();
+    if comptime![width == 1] {
+        base + r * src.stride(2) + col * src.stride(3)
+    } else {
+        (base + r * src.stride(2)) / width + col
+    }
+}
+
+/// Stores the `N` elements of `x` at `dst[to ..]`, one at a time (why not
+/// as a vector: `launch::vector_width`).
+#[cube]
+fn put_vector<F: Float, N: Size>(dst: &mut SharedMemory<F>, to: usize, x: Vector<F, N>) {
+    #[unroll]
+    for c in 0..N::value().comptime() {
+        dst[to + c] = x[c];
     }
 }
 
