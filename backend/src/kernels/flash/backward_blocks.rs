@@ -23,27 +23,6 @@ use super::tile::{
     staged_ld, unmasked, MASKED,
 };
 
-/// `Σ_c a[row · ld + c] · b[row · ld + c]` over two staged `[rows, dim]`
-/// tiles (rows `ld` apart), in fp32: the D term `rowsum(dO ∘ O)` of one row.
-/// Unit `u` starts at column `u` and wraps around, so a plane's units, one
-/// row each, read different banks (even padded rows start in only 8 banks).
-#[cube]
-fn staged_row_dot<F: Float>(
-    a: &SharedMemory<F>,
-    b: &SharedMemory<F>,
-    row: usize,
-    #[comptime] dim: usize,
-    #[comptime] ld: usize,
-) -> f32 {
-    let mut sum = f32::new(0.0);
-    let start = row * ld;
-    for c in 0..dim {
-        let cc = start + (c + row) % dim;
-        sum += f32::cast_from(a[cc]) * f32::cast_from(b[cc]);
-    }
-    sum
-}
-
 /// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
 /// from the fp32 `[rows, head_dim]` tile `src` (row stride `ld`) to `acc`,
 /// atomically. The whole cube adds, consecutive units taking consecutive
@@ -326,19 +305,22 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 /// units per query row: unit `u` takes query row `CUBE_POS_X · block + u %
 /// block` and the `u / block`-th share of its columns. Per key block: stage
 /// K and V; `S = Q Kᵀ` and `dP = dO Vᵀ`; each unit forms its share of its
-/// row of `dS`; then `dQ += dS K`, each unit keeping its share of the row's
-/// columns in registers.
+/// row of `dS`, with its row's LSE and D (`d_rows`, from
+/// `scratch::row_dots`, as the key-block kernel reads them); then
+/// `dQ += dS K`, each unit keeping its share of the row's columns in
+/// registers.
 ///
-/// Arguments as `flash_backward_q`'s and `units_per_row`, as above.
+/// Arguments as `flash_backward_q`'s, with `d_rows` where it takes `o`, and
+/// `units_per_row`, as above.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_q_blocks<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
-    o: &Tensor<Vector<F, N>>,
     d_o: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
+    d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
     d_q: &mut Tensor<F>,
@@ -401,25 +383,21 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     let mut work =
         SharedMemory::<f32>::new_aligned(block * comptime![(2 * s_ld).max(out_ld)], 128usize);
 
+    // This row's LSE and D, loaded before the staging so that all those
+    // loads are in flight together.
+    let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
+    let dsum = d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + r * d_rows.stride(2)];
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
     stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
     stage_tile::<F, N>(
         d_o, &mut dos, dobase, first, s, block, head_dim, hd_ld, units,
     );
-    // This row's D = rowsum(dO ∘ O), with O's rows staged in the K tile
-    // before the key blocks need it; and its LSE.
-    let obase = bi * o.stride(0) + hi * o.stride(1);
-    stage_tile::<F, N>(o, &mut ks, obase, first, s, block, head_dim, hd_ld, units);
-    sync_cube();
-    let dsum = staged_row_dot::<F>(&dos, &ks, lr, head_dim, hd_ld);
-    sync_cube();
     let mut dq = Array::<f32>::new(part);
     #[unroll(unroll)]
     for c in 0..part {
         dq[c] = f32::new(0.0);
     }
-    let lse_r = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
     let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);

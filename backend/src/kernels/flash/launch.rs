@@ -408,9 +408,10 @@ pub struct BackwardInputs<R: Runtime> {
 }
 
 impl<R: Runtime> BackwardInputs<R> {
-    /// [`vector_width`] over the tensors the backward stages.
+    /// [`vector_width`] over the tensors the block-product backward stages
+    /// (O goes only to `scratch::row_dots`, which stages nothing).
     fn vector_width(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) -> usize {
-        let staged = [&self.q, &self.k, &self.v, &self.o, &self.d_o];
+        let staged = [&self.q, &self.k, &self.v, &self.d_o];
         vector_width(client, cfg.dtype, cfg.dims.head_dim, &staged)
     }
 }
@@ -452,11 +453,12 @@ impl FlashLaunch {
     }
 }
 
-/// Writes dQ, dK and dV: one launch over key blocks that also adds dQ up
-/// ([`FlashLaunch::one_pass`]), between zeroing the accumulator and casting
-/// it; or one launch over key blocks for dK and dV and one over query blocks
-/// for dQ. The block-product kernels' key-block launch reads the rows' D,
-/// which a small kernel computes first.
+/// Writes dQ, dK and dV. The `Rows` kernels: one launch over key blocks for
+/// dK and dV and one over query blocks for dQ. The block-product kernels:
+/// a small kernel computes the rows' D first; then one launch over key
+/// blocks that also adds dQ up ([`FlashLaunch::one_pass`]), between zeroing
+/// the accumulator and casting it, or one over key blocks and one over
+/// query blocks, both reading D.
 pub fn backward<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &FlashLaunch,
@@ -464,6 +466,51 @@ pub fn backward<R: Runtime>(
     out: BackwardOutputs<R>,
 ) {
     let d = &cfg.dims;
+    let products = match cfg.kernels() {
+        FlashKernels::Rows => {
+            let second = x.clone();
+            launch_rows!(
+                client,
+                cfg,
+                flash_backward_kv,
+                d.kv_len,
+                d.batch * d.kv_heads,
+                [
+                    x.q,
+                    x.k,
+                    x.v,
+                    x.o,
+                    x.d_o,
+                    x.lse,
+                    x.key_bias,
+                    x.dropout_seed,
+                    out.d_k,
+                    out.d_v
+                ]
+            );
+            let x = second;
+            launch_rows!(
+                client,
+                cfg,
+                flash_backward_q,
+                d.q_len,
+                d.batch * d.heads,
+                [
+                    x.q,
+                    x.k,
+                    x.v,
+                    x.o,
+                    x.d_o,
+                    x.lse,
+                    x.key_bias,
+                    x.dropout_seed,
+                    out.d_q
+                ]
+            );
+            return;
+        }
+        FlashKernels::Blocks { products } => products,
+    };
     let width = x.vector_width(client, cfg);
     let one_pass = cfg.one_pass();
     let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
@@ -471,63 +518,34 @@ pub fn backward<R: Runtime>(
     if let Some(acc) = &acc {
         super::scratch::zero(client, clone_arg(acc), dq_len);
     }
-    // The second pass reads the same inputs.
-    let second = (!one_pass).then(|| x.clone());
-    match cfg.kernels() {
-        FlashKernels::Rows => launch_rows!(
-            client,
-            cfg,
-            flash_backward_kv,
-            d.kv_len,
-            d.batch * d.kv_heads,
-            [
-                x.q,
-                x.k,
-                x.v,
-                x.o,
-                x.d_o,
-                x.lse,
-                x.key_bias,
-                x.dropout_seed,
-                out.d_k,
-                out.d_v
-            ]
-        ),
-        FlashKernels::Blocks { products } => {
-            super::scratch::row_dots(client, cfg, x.o, clone_arg(&x.d_o), clone_arg(&out.d_rows));
-            launch_blocks!(
-                client,
-                cfg,
-                flash_backward_kv_blocks,
-                products,
-                d.kv_len,
-                d.batch * d.kv_heads,
-                width,
-                [
-                    x.q,
-                    x.k,
-                    x.v,
-                    x.d_o,
-                    x.lse,
-                    out.d_rows,
-                    x.key_bias,
-                    x.dropout_seed,
-                    out.d_k,
-                    out.d_v,
-                    out.d_q_acc
-                ],
-                flags: [one_pass]
-            )
-        }
-    }
+    super::scratch::row_dots(
+        client,
+        cfg,
+        clone_arg(&x.o),
+        clone_arg(&x.d_o),
+        clone_arg(&out.d_rows),
+    );
+    // The second pass reads the same inputs and D.
+    let second = (!one_pass).then(|| (x.clone(), clone_arg(&out.d_rows)));
+    launch_blocks!(
+        client,
+        cfg,
+        flash_backward_kv_blocks,
+        products,
+        d.kv_len,
+        d.batch * d.kv_heads,
+        width,
+        [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, out.d_k, out.d_v, out.d_q_acc],
+        flags: [one_pass]
+    );
     if let Some(acc) = acc {
         super::scratch::cast(client, acc, out.d_q, dq_len, cfg.dtype);
-    } else if let Some(x) = second {
-        launch_flash!(
+    } else if let Some((x, d_rows)) = second {
+        launch_blocks!(
             client,
             cfg,
-            flash_backward_q,
             flash_backward_q_blocks,
+            products,
             d.q_len,
             d.batch * d.heads,
             width,
@@ -535,9 +553,9 @@ pub fn backward<R: Runtime>(
                 x.q,
                 x.k,
                 x.v,
-                x.o,
                 x.d_o,
                 x.lse,
+                d_rows,
                 x.key_bias,
                 x.dropout_seed,
                 out.d_q
