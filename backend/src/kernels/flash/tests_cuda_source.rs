@@ -76,14 +76,16 @@ struct Compiled {
 /// NVRTC's log in the panic. Prints ptxas's report (`--nocapture`).
 fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
     let lowered = prebuild::lower_for(kernel, SM).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let started = std::time::Instant::now();
     let (image, ptxas) = prebuild::compile_verbose(&lowered)
         .unwrap_or_else(|e| panic!("{what}: {e}\n{}", lowered.source));
+    let seconds = started.elapsed().as_secs_f64();
     assert!(image.cubin, "{what}: NVRTC gave PTX, not an sm_{SM}a cubin");
     let used: Vec<&str> = ptxas
         .lines()
         .filter(|l| l.contains("Used") || l.contains("stack"))
         .collect();
-    eprintln!("{what}: {}", used.join("; "));
+    eprintln!("{what}: NVRTC {seconds:.1} s; {}", used.join("; "));
     dump(&lowered, &image, what);
     Compiled { lowered, ptxas }
 }
