@@ -231,21 +231,8 @@ fn fragment_a<F: Float>(
     ti: usize,
     kk: usize,
 ) -> cmma::Matrix<F> {
-    // Aᵀ stored row-major is A stored column-major.
-    let layout = if a_transposed {
-        cmma::MatrixLayout::ColMajor
-    } else {
-        cmma::MatrixLayout::RowMajor
-    };
-    cmma::Matrix::<F>::from_slice(
-        cmma::MatrixIdent::A,
-        TILE,
-        TILE,
-        TILE,
-        layout,
-        &a_tile::<F>(a, lda, ti, kk, a_transposed),
-        lda as u32,
-    )
+    let tile = a_tile::<F>(a, lda, ti, kk, a_transposed);
+    fragment::<F>(&tile, lda, cmma::MatrixIdent::A, a_transposed)
 }
 
 /// The B fragment of rows `kk ..`, tile column `tj` ([`b_tile`]).
@@ -257,21 +244,26 @@ fn fragment_b<F: Float>(
     tj: usize,
     kk: usize,
 ) -> cmma::Matrix<F> {
-    // Bᵀ stored row-major is B stored column-major.
-    let layout = if b_transposed {
+    let tile = b_tile::<F>(b, ldb, tj, kk, b_transposed);
+    fragment::<F>(&tile, ldb, cmma::MatrixIdent::B, b_transposed)
+}
+
+/// The `ident` fragment of the 16 × 16 tile from `tile`'s first element,
+/// row stride `ld`; with `transposed` the stored rows are the operand's
+/// columns (its transpose stored row-major is it stored column-major).
+#[cube]
+fn fragment<F: Float>(
+    tile: &Slice<F>,
+    ld: usize,
+    #[comptime] ident: cmma::MatrixIdent,
+    #[comptime] transposed: bool,
+) -> cmma::Matrix<F> {
+    let layout = if transposed {
         cmma::MatrixLayout::ColMajor
     } else {
         cmma::MatrixLayout::RowMajor
     };
-    cmma::Matrix::<F>::from_slice(
-        cmma::MatrixIdent::B,
-        TILE,
-        TILE,
-        TILE,
-        layout,
-        &b_tile::<F>(b, ldb, tj, kk, b_transposed),
-        ldb as u32,
-    )
+    cmma::Matrix::<F>::from_slice(ident, TILE, TILE, TILE, layout, tile, ld as u32)
 }
 
 /// Stores the accumulator of tile `(ti, tj)` of C.
@@ -357,12 +349,7 @@ fn a_tile<F: Float>(
     kk: usize,
     #[comptime] a_transposed: bool,
 ) -> Slice<F> {
-    let start = if a_transposed {
-        kk * lda + ti * TILE
-    } else {
-        ti * TILE * lda + kk
-    };
-    a.slice(start, start + (TILE - 1) * lda + TILE)
+    operand_tile::<F>(a, lda, ti, kk, a_transposed)
 }
 
 /// The 16 × 16 tile of B at rows `kk ..`, tile column `tj`: with
@@ -376,10 +363,26 @@ fn b_tile<F: Float>(
     kk: usize,
     #[comptime] b_transposed: bool,
 ) -> Slice<F> {
-    let start = if b_transposed {
-        tj * TILE * ldb + kk
+    // B's tile column `tj` is Bᵀ's tile row `tj`.
+    operand_tile::<F>(b, ldb, tj, kk, comptime![!b_transposed])
+}
+
+/// The 16 × 16 tile at tile row `outer`, reduction columns `kk ..` of an
+/// operand stored with rows `ld` apart: from stored row `outer · 16`,
+/// column `kk`; or, with `k_rows` (the reduction runs down the stored
+/// rows), from stored row `kk`, column `outer · 16`.
+#[cube]
+fn operand_tile<F: Float>(
+    x: &SharedMemory<F>,
+    ld: usize,
+    outer: usize,
+    kk: usize,
+    #[comptime] k_rows: bool,
+) -> Slice<F> {
+    let start = if k_rows {
+        kk * ld + outer * TILE
     } else {
-        kk * ldb + tj * TILE
+        outer * TILE * ld + kk
     };
-    b.slice(start, start + (TILE - 1) * ldb + TILE)
+    x.slice(start, start + (TILE - 1) * ld + TILE)
 }
