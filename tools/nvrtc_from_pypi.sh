@@ -13,13 +13,16 @@
 set -eu
 dir=${1:-.nvrtc}
 tmp=$(mktemp -d)
-# nvcc's wheel only for its `include/crt` (the tensor-core `mma.h` includes it).
+# nvcc's wheel only for its `include/crt` (the tensor-core `mma.h` includes it);
+# CCCL's for `cuda/barrier` and `nv/target` (CubeCL's barriers and asynchronous
+# copies include them; a toolkit has them).
 python3 -m pip download --quiet --no-deps -d "$tmp" \
-  nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12
+  nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 nvidia-cuda-cccl-cu12
 for w in "$tmp"/*.whl; do python3 -m zipfile -e "$w" "$tmp/x"; done
 rm -rf "$dir" && mkdir -p "$dir"
 cp -r "$tmp/x/nvidia/cuda_runtime/include" "$dir/include"
 cp -r "$tmp/x/nvidia/cuda_nvcc/include/crt" "$dir/include/crt"
+cp -r "$tmp/x/nvidia/cuda_cccl/include/cuda" "$tmp/x/nvidia/cuda_cccl/include/nv" "$dir/include/"
 cp -r "$tmp/x/nvidia/cuda_nvrtc/lib" "$dir/lib64"
 # cudarc and rcoa's preflight open libnvrtc.so by its unversioned name first.
 ln -sf "$(cd "$dir/lib64" && ls libnvrtc.so.* | head -1)" "$dir/lib64/libnvrtc.so"

@@ -3,8 +3,9 @@
 //! block-product kernels on tensor cores (`RCOA_FLASH_TENSOR_CORES=1`), on
 //! one attention shape, forward and backward (dK/dV and dQ; on tensor cores
 //! in two passes and in one, dQ added atomically, with four units a row
-//! instead of two (eight warps a cube), and with each warp taking 2 × 2
-//! tiles of a product at a time). Prints each
+//! instead of two (eight warps a cube), with each warp taking 2 × 2
+//! tiles of a product at a time, and with the forward's tiles staged by
+//! asynchronous copies under the products). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -31,9 +32,10 @@ mod bench {
     use std::time::Instant;
 
     /// A row of the table: its name, the kernels, whether their backward
-    /// runs in one pass, their units per row, and whether their planes take
-    /// 2 × 2 tiles at a time.
-    pub type Variant = (&'static str, FlashKernels, bool, usize, bool);
+    /// runs in one pass, their units per row, whether their planes take
+    /// 2 × 2 tiles at a time, and whether the forward stages with
+    /// asynchronous copies.
+    pub type Variant = (&'static str, FlashKernels, bool, usize, bool, bool);
 
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
@@ -127,7 +129,9 @@ mod bench {
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× first"
         );
         let mut results: Vec<Result> = Vec::new();
-        for (name, (_, kernels, one_pass, units_per_row, tile_pairs), dropout) in variants {
+        for (name, (_, kernels, one_pass, units_per_row, tile_pairs, async_copy), dropout) in
+            variants
+        {
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -140,6 +144,7 @@ mod bench {
                 atomic_dq: one_pass && has_atomic_add(&client),
                 units_per_row,
                 tile_pairs,
+                async_copy,
             };
             if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
@@ -247,13 +252,28 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1, false),
-            ("blocks on tensor cores", TENSOR_CORES, false, 2, false),
+            (
+                "rows (scalar FMAs)",
+                FlashKernels::Rows,
+                false,
+                1,
+                false,
+                false,
+            ),
+            (
+                "blocks on tensor cores",
+                TENSOR_CORES,
+                false,
+                2,
+                false,
+                false,
+            ),
             (
                 "tensor cores, one-pass backward",
                 TENSOR_CORES,
                 true,
                 2,
+                false,
                 false,
             ),
             (
@@ -262,12 +282,22 @@ fn main() {
                 true,
                 4,
                 false,
+                false,
             ),
             (
                 "tensor cores, one pass, 2 x 2 tiles",
                 TENSOR_CORES,
                 true,
                 2,
+                true,
+                false,
+            ),
+            (
+                "tensor cores, one pass, async copies",
+                TENSOR_CORES,
+                true,
+                2,
+                false,
                 true,
             ),
         ],
@@ -299,14 +329,36 @@ fn main() {
         client,
         dims,
         &[
-            ("rows (scalar FMAs)", FlashKernels::Rows, false, 1, false),
-            ("blocks, tiles on scalar FMAs", TILED, false, 2, false),
-            ("tiles on scalar FMAs, one pass", TILED, true, 2, false),
+            (
+                "rows (scalar FMAs)",
+                FlashKernels::Rows,
+                false,
+                1,
+                false,
+                false,
+            ),
+            (
+                "blocks, tiles on scalar FMAs",
+                TILED,
+                false,
+                2,
+                false,
+                false,
+            ),
+            (
+                "tiles on scalar FMAs, one pass",
+                TILED,
+                true,
+                2,
+                false,
+                false,
+            ),
             (
                 "tiles on scalar FMAs, one pass, 4 a row",
                 TILED,
                 true,
                 4,
+                false,
                 false,
             ),
         ],

@@ -3,12 +3,13 @@
 //! FlashAttention-2's forward as `flash_forward` computes it, with
 //! `S = Q Kᵀ` and `P V` as cube-wide products instead of per-row FMA loops.
 
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, staged_ld, unmasked,
-    MASKED,
+    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, stage_tile_async,
+    staged_ld, unmasked, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)` with
@@ -33,6 +34,14 @@ use super::tile::{
 /// range-reduced series), as FlashAttention's `exp2f` does. Their inputs are
 /// finite (masked scores are `MASKED`), as `NotNaN` and `NotInf` promise.
 /// wgpu has no fast math and ignores it. The backward kernels do the same.
+///
+/// With `async_copy` (a trial on CUDA: `FlashLaunch::async_copy`), the
+/// tiles are staged with `cp.async` (`tile::stage_tile_async`, `copy`
+/// elements a copy), each under its own barrier, and the next block's
+/// copies are issued as soon as this block's tile is free: K's after the
+/// `S` product, V's after the `P V` product. So V's load runs under the
+/// `S` product and the softmax, and K's under the softmax and `P V`,
+/// where a synchronous stage waits for both before any product.
 ///
 /// Same arguments and outputs as `flash_forward`, and `units_per_row`,
 /// which divides `block` and `head_dim`; the cube has `block ·
@@ -62,6 +71,8 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     #[comptime] unroll: bool,
     #[comptime] products: Products,
     #[comptime] tile_pairs: bool,
+    #[comptime] async_copy: bool,
+    #[comptime] copy: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let heads = q.shape(1);
@@ -112,7 +123,32 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
+    let blocks = key_blocks(first, block, s, t, causal);
+    // With `async_copy`: K's copies (and Q's, the first time) complete on
+    // `k_ready`, V's on `v_ready`; every unit arrives on each once per key
+    // block. Both start with block 0's copies in flight.
+    // (None elsewhere: wgpu has no barrier objects.)
+    let k_ready = if async_copy {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::<Shared<Barrier>>::new_None()
+    };
+    let v_ready = if async_copy {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::<Shared<Barrier>>::new_None()
+    };
+    if async_copy {
+        stage_tile_async::<F, N>(
+            q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units, copy,
+        );
+        stage_tile_async::<F, N>(k, &mut ks, kbase, 0, t, block, head_dim, hd_ld, units, copy);
+        k_ready.unwrap().commit_copy_async();
+        stage_tile_async::<F, N>(v, &mut vs, vbase, 0, t, block, head_dim, hd_ld, units, copy);
+        v_ready.unwrap().commit_copy_async();
+    } else {
+        stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
+    }
 
     let mut acc = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -125,17 +161,35 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let mut l = f32::new(0.0);
     let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
-    for kb in 0..key_blocks(first, block, s, t, causal) {
+    for kb in 0..blocks {
         let j0 = kb * block;
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
-        sync_cube();
+        let next = j0 + block;
+        if async_copy {
+            // Also a barrier of the whole cube: every unit is past the last
+            // block's reads of S's tile.
+            k_ready.unwrap().arrive_and_wait();
+        } else {
+            stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
+            stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
+            sync_cube();
+        }
 
         block_product::<F>(
             &qs, hd_ld, false, &ks, hd_ld, true, &mut s32, 0, s_ld, block, block, head_dim,
             products, pairs_bb,
         );
         sync_cube();
+        // (Nested: a compile-time test joined to a run-time one would
+        // expand the body for the synchronous kernel too.)
+        if async_copy {
+            if kb + 1 < blocks {
+                // K's tile is free: the next block's K loads under the softmax.
+                stage_tile_async::<F, N>(
+                    k, &mut ks, kbase, next, t, block, head_dim, hd_ld, units, copy,
+                );
+                k_ready.unwrap().commit_copy_async();
+            }
+        }
 
         // This unit's share of its row of S: scaled, masked, its maximum.
         let n = min(block, t - j0);
@@ -185,13 +239,27 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
             ps[lr * p_ld + jl] = F::cast_from(p * z);
         }
         m = mb;
-        sync_cube();
+        if async_copy {
+            // Also the barrier after P's tile is written.
+            v_ready.unwrap().arrive_and_wait();
+        } else {
+            sync_cube();
+        }
 
         block_product::<F>(
             &ps, p_ld, false, &vs, hd_ld, false, &mut s32, 0, out_ld, block, head_dim, block,
             products, pairs_bd,
         );
         sync_cube();
+        if async_copy {
+            if kb + 1 < blocks {
+                // V's tile is free: the next block's V loads under S and the softmax.
+                stage_tile_async::<F, N>(
+                    v, &mut vs, vbase, next, t, block, head_dim, hd_ld, units, copy,
+                );
+                v_ready.unwrap().commit_copy_async();
+            }
+        }
         #[unroll(unroll)]
         for c in 0..part {
             acc[c] += s32[lr * out_ld + c0d + c];

@@ -74,6 +74,10 @@ pub struct FlashLaunch {
     /// time where it fits (`mma::pairs_fit`): on tensor cores, one fragment
     /// load from shared memory per product instead of two.
     pub tile_pairs: bool,
+    /// The tensor-core forward stages K and V with CUDA's asynchronous
+    /// copies, each block's loads under the previous block's products
+    /// (`forward_blocks`), where [`async_copy_fits`]. A trial setting.
+    pub async_copy: bool,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -285,27 +289,60 @@ pub fn vector_width<R: Runtime>(
     staged: &[&TensorArg<R>],
 ) -> usize {
     let bytes = dtype.size();
-    let fits = |width: usize| {
-        head_dim.is_multiple_of(width)
-            && staged.iter().all(|t| match t {
-                TensorArg::Handle { handle } => {
-                    let strides = &handle.strides;
-                    let last = strides.len().saturating_sub(1);
-                    strides.get(last) == Some(&1)
-                        && strides[..last].iter().all(|s| s.is_multiple_of(width))
-                        && handle
-                            .handle
-                            .offset_start
-                            .unwrap_or(0)
-                            .is_multiple_of((width * bytes) as u64)
-                }
-                TensorArg::Alias { .. } => false,
-            })
-    };
     client
         .io_optimized_vector_sizes(bytes)
-        .find(|&w| w > 1 && w * bytes <= BANK_BYTES && fits(w))
+        .find(|&w| w > 1 && w * bytes <= BANK_BYTES && aligned(bytes, head_dim, staged, w))
         .unwrap_or(1)
+}
+
+/// Whether every tensor in `staged` can be read `width` elements (of
+/// `bytes` each) at a time along rows of `head_dim`: the head dim and every
+/// stride but the last a multiple of `width`, the last stride 1, and the
+/// byte offset a multiple of `width · bytes`.
+fn aligned<R: Runtime>(
+    bytes: usize,
+    head_dim: usize,
+    staged: &[&TensorArg<R>],
+    width: usize,
+) -> bool {
+    head_dim.is_multiple_of(width)
+        && staged.iter().all(|t| match t {
+            TensorArg::Handle { handle } => {
+                let strides = &handle.strides;
+                let last = strides.len().saturating_sub(1);
+                strides.get(last) == Some(&1)
+                    && strides[..last].iter().all(|s| s.is_multiple_of(width))
+                    && handle
+                        .handle
+                        .offset_start
+                        .unwrap_or(0)
+                        .is_multiple_of((width * bytes) as u64)
+            }
+            TensorArg::Alias { .. } => false,
+        })
+}
+
+/// The bytes of one asynchronous copy (`tile::stage_tile_async`).
+const ASYNC_COPY_BYTES: usize = 16;
+
+/// Elements per asynchronous copy of the tensor-core forward, where it may
+/// stage `staged` that way ([`FlashLaunch::async_copy`]): the device copies
+/// asynchronously (CUDA from sm 80), and the rows are read 16 bytes at a
+/// time (`aligned`) on top of the [`vector_width`] the kernel reads them
+/// in. `None` otherwise.
+pub fn async_copy_fits<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    head_dim: usize,
+    staged: &[&TensorArg<R>],
+    width: usize,
+) -> Option<usize> {
+    let copy = ASYNC_COPY_BYTES / dtype.size();
+    (client.properties().features.copy_async
+        && width > 1
+        && copy.is_multiple_of(width)
+        && aligned(dtype.size(), head_dim, staged, copy))
+    .then_some(copy)
 }
 
 /// Cubes of `units` units over `rows` rows in blocks of `block`, for each
@@ -352,20 +389,6 @@ macro_rules! launch_blocks {
     }};
 }
 
-/// Launches `$rows` or `$blocks`, whichever `cfg.kernels()` says, where
-/// both take the same tensors. `$width` is evaluated only when a
-/// block-product kernel runs.
-macro_rules! launch_flash {
-    ($client:expr, $cfg:expr, $rows:ident, $blocks:ident, $rows_of:expr, $slices:expr, $width:expr, [$($t:expr),*]) => {{
-        match $cfg.kernels() {
-            FlashKernels::Rows => launch_rows!($client, $cfg, $rows, $rows_of, $slices, [$($t),*]),
-            FlashKernels::Blocks { products } => launch_blocks!(
-                $client, $cfg, $blocks, products, $rows_of, $slices, $width, [$($t),*]
-            ),
-        }
-    }};
-}
-
 /// Writes `out [b, h, s, d]` (`dtype`) and `lse [b, h, s]` (fp32).
 /// `dropout_seed`: the two seed words (`[2]`, 32-bit integers) where
 /// `cfg.dropout` is set, a placeholder that is never read otherwise.
@@ -382,16 +405,35 @@ pub fn forward<R: Runtime>(
     lse: TensorArg<R>,
 ) {
     let d = &cfg.dims;
-    launch_flash!(
-        client,
-        cfg,
-        flash_forward,
-        flash_forward_blocks,
-        d.q_len,
-        d.batch * d.heads,
-        vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]),
-        [q, k, v, key_bias, dropout_seed, out, lse]
-    );
+    match cfg.kernels() {
+        FlashKernels::Rows => launch_rows!(
+            client,
+            cfg,
+            flash_forward,
+            d.q_len,
+            d.batch * d.heads,
+            [q, k, v, key_bias, dropout_seed, out, lse]
+        ),
+        FlashKernels::Blocks { products } => {
+            let staged = [&q, &k, &v];
+            let width = vector_width(client, cfg.dtype, d.head_dim, &staged);
+            // The copy's elements, or a placeholder where it is off.
+            let copy = (cfg.async_copy && products == Products::TensorCores)
+                .then(|| async_copy_fits(client, cfg.dtype, d.head_dim, &staged, width))
+                .flatten();
+            launch_blocks!(
+                client,
+                cfg,
+                flash_forward_blocks,
+                products,
+                d.q_len,
+                d.batch * d.heads,
+                width,
+                [q, k, v, key_bias, dropout_seed, out, lse],
+                flags: [copy.is_some(), copy.unwrap_or(1)]
+            )
+        }
+    }
 }
 
 /// The tensors the backward reads (`o` and `lse` from [`forward`]).
@@ -624,6 +666,7 @@ mod tests {
             atomic_dq: true,
             units_per_row: UNITS_PER_ROW,
             tile_pairs: false,
+            async_copy: false,
         }
     }
 

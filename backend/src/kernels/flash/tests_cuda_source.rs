@@ -40,11 +40,15 @@ fn client() -> Option<ComputeClient<WgpuRuntime>> {
     // wmma's `mma.h` includes `crt/mma.h`, which a toolkit has and NVRTC's
     // PyPI wheels lack (`tools/nvrtc_from_pypi.sh` takes it from nvcc's since
     // 2026-11-28).
-    assert!(
-        headers.join("crt/mma.h").exists(),
-        "{} has no crt/mma.h: run `sh tools/nvrtc_from_pypi.sh` again",
-        headers.display()
-    );
+    // CubeCL's barriers include CCCL's `cuda/barrier`, which needs `nv/target`
+    // (in the script's headers since 2026-11-28i).
+    for header in ["crt/mma.h", "nv/target"] {
+        assert!(
+            headers.join(header).exists(),
+            "{} has no {header}: run `sh tools/nvrtc_from_pypi.sh` again",
+            headers.display()
+        );
+    }
     let found = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
     if found.is_err() {
         crate::testing::skip("vulkan", "no Vulkan device to expand the kernels with");
@@ -118,13 +122,16 @@ struct Variant {
     dropout: bool,
     units_per_row: usize,
     tile_pairs: bool,
+    /// The forward's asynchronous copies (`FlashLaunch::async_copy`; the
+    /// backward test skips these variants).
+    async_copy: bool,
 }
 
 /// The shapes the tensor-core kernels are compiled for here: both 16-bit
 /// types, the head dims of the plans (64, 128) and a small one, with and
 /// without the causal and padding masks and dropout, at the default units
-/// per row; and the plans' head dims at bf16 with four units per row, and
-/// with 2 × 2 tiles per plane.
+/// per row; and the plans' head dims at bf16 with four units per row,
+/// with 2 × 2 tiles per plane, and (the forward) with asynchronous copies.
 fn tensor_core_variants() -> Vec<Variant> {
     let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
@@ -142,6 +149,7 @@ fn tensor_core_variants() -> Vec<Variant> {
                 dropout,
                 units_per_row: UNITS_PER_ROW,
                 tile_pairs: false,
+                async_copy: false,
             });
         }
     }
@@ -155,8 +163,19 @@ fn tensor_core_variants() -> Vec<Variant> {
                 dropout: false,
                 units_per_row,
                 tile_pairs,
+                async_copy: false,
             });
         }
+        out.push(Variant {
+            kind: FloatKind::BF16,
+            head_dim,
+            causal: true,
+            padding: true,
+            dropout: false,
+            units_per_row: UNITS_PER_ROW,
+            tile_pairs: false,
+            async_copy: true,
+        });
     }
     out
 }
@@ -223,9 +242,10 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             dropout,
             units_per_row: split,
             tile_pairs,
+            async_copy,
         } = v;
         let what = format!(
-            "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}"
+            "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}, async {async_copy}"
         );
         let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
             settings((BLOCK * split) as u32),
@@ -252,12 +272,26 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
             true,
             Products::TensorCores,
             tile_pairs,
+            async_copy,
+            // 16 bytes a copy (`launch::async_copy_fits`).
+            8,
             float(kind),
         );
         // Q, K, V and P, their rows padded; S (then P V), rows padded.
         let tiles16 = 3 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
-        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
+        let compiled = compiles(kernel, &what);
+        on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
+        // The tiles go straight to shared memory, 16 bytes a copy, and the
+        // products wait on the copies' barriers.
+        let source = &compiled.lowered.source;
+        for sign in [
+            "__cp_async_shared_global<16>",
+            "arrive_and_wait()",
+            "__cp_async_arrive(",
+        ] {
+            assert_eq!(source.contains(sign), async_copy, "{what}: {sign}");
+        }
     }
 }
 
@@ -273,7 +307,11 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             dropout,
             units_per_row: split,
             tile_pairs,
+            async_copy,
         } = v;
+        if async_copy {
+            continue;
+        }
         // K, V, Q, dO and two score tiles; S and dP (then the products);
         // every tile's rows padded.
         let tiles16 = 4 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);

@@ -6,7 +6,10 @@
 use cubecl::prelude::*;
 
 use super::device_tensor::{AttentionTensors, Elem, HostInputs};
-use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
+use super::launch::{
+    async_copy_fits, has_atomic_add, unrolls, vector_width, FlashDims, FlashKernels, FlashLaunch,
+    UNITS_PER_ROW,
+};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -41,6 +44,7 @@ struct Under {
     one_pass: bool,
     units_per_row: usize,
     tile_pairs: bool,
+    async_copy: bool,
 }
 
 impl Under {
@@ -50,6 +54,7 @@ impl Under {
             one_pass: false,
             units_per_row: UNITS_PER_ROW,
             tile_pairs: false,
+            async_copy: false,
         }
     }
 
@@ -59,6 +64,7 @@ impl Under {
             one_pass: true,
             units_per_row: UNITS_PER_ROW,
             tile_pairs: false,
+            async_copy: false,
         }
     }
 
@@ -75,6 +81,15 @@ impl Under {
     const fn with_tile_pairs(self) -> Self {
         Under {
             tile_pairs: true,
+            ..self
+        }
+    }
+
+    /// The forward's asynchronous copies: CUDA only, like the tile pairs.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    const fn with_async_copy(self) -> Self {
+        Under {
+            async_copy: true,
             ..self
         }
     }
@@ -132,6 +147,7 @@ fn run<R: Runtime, E: Elem>(
         atomic_dq: under.one_pass,
         units_per_row: under.units_per_row,
         tile_pairs: under.tile_pairs,
+        async_copy: under.async_copy,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(
@@ -152,6 +168,15 @@ fn run<R: Runtime, E: Elem>(
             dropout_seed: p.dropout.map(|(_, seed)| seed),
         },
     );
+    if under.async_copy {
+        let (q, k, v) = (t.q.arg(), t.k.arg(), t.v.arg());
+        let staged = [&q, &k, &v];
+        let width = vector_width(client, cfg.dtype, p.d, &staged);
+        assert!(
+            async_copy_fits(client, cfg.dtype, p.d, &staged, width).is_some(),
+            "the asynchronous copies under test run"
+        );
+    }
     t.forward(client, &cfg);
     t.backward(client, &cfg);
     Some(Got {
@@ -393,6 +418,7 @@ macro_rules! tiled_tests {
             one_pass: $one_pass,
             units_per_row: $units_per_row,
             tile_pairs: false,
+            async_copy: false,
         };
 
         fn problems() -> Vec<(Problem, &'static str)> {
@@ -691,8 +717,9 @@ mod cuda {
     }
 
     /// The tensor-core kernels' settings under trial, not their defaults:
-    /// four units per row, and 2 × 2 tiles per plane (with both, and with
-    /// the one-pass backward). Apart from `tensor_cores`, which decides
+    /// four units per row, 2 × 2 tiles per plane (with both, and with
+    /// the one-pass backward), and the forward's asynchronous copies.
+    /// Apart from `tensor_cores`, which decides
     /// whether a GPU call's speed run takes the tensor cores at all
     /// (`gpu_flash_call.sh`).
     mod tensor_core_trials {
@@ -700,10 +727,11 @@ mod cuda {
         const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
             products: Products::TensorCores,
         };
-        const TRIALS: [Under; 3] = [
+        const TRIALS: [Under; 4] = [
             Under::one_pass(TENSOR_CORES).with_units_per_row(4),
             Under::one_pass(TENSOR_CORES).with_tile_pairs(),
             Under::two_pass(TENSOR_CORES).with_tile_pairs(),
+            Under::one_pass(TENSOR_CORES).with_async_copy(),
         ];
 
         fn problems() -> Vec<Problem> {

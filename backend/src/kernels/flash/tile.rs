@@ -14,6 +14,7 @@
 //! whole array in local memory. Loops over the rows of a block stay
 //! run-time loops.
 
+use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
 use super::mma::PAD_HALF;
@@ -146,6 +147,56 @@ pub fn stage_tile<F: Float, N: Size>(
             put_vector::<F, N>(dst, (e / per_row) * ld + col * width, x);
             e += units;
         }
+    }
+}
+
+/// [`stage_tile`] with CUDA's asynchronous copies (`cp.async`, 16 bytes
+/// each, `copy` elements): global memory to shared memory without passing
+/// through registers, so nothing waits for them here. The caller commits
+/// them to a barrier and waits on it before the tile is read
+/// (`commit_copy_async`, then `arrive_and_wait`), and may compute between
+/// the two. Rows past `n` repeat row `n − 1`, as [`stage_tile`]'s.
+///
+/// Trial setting (`launch::FlashLaunch::async_copy`): the launch checks
+/// that `dim`, `base` and the row stride are multiples of `copy` elements
+/// and that the buffer starts 16-byte aligned (`launch::async_copy_fits`);
+/// `ld` must be a multiple of `copy` too (16-bit [`staged_ld`] is). `src`
+/// is read as vectors of `N`, which divides `copy`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile_async<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut SharedMemory<F>,
+    base: usize,
+    r0: usize,
+    n: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] ld: usize,
+    #[comptime] units: usize,
+    #[comptime] copy: usize,
+) {
+    let width = N::value().comptime();
+    let vectors = comptime![copy / width];
+    let per_row = comptime![dim / copy];
+    let total = comptime![rows * per_row];
+    let mut e = UNIT_POS as usize;
+    #[unroll(total <= 4 * units)]
+    for _ in 0..comptime![total.div_ceil(units)] {
+        if e < total {
+            let r = min(r0 + e / per_row, n - 1);
+            let col = e % per_row;
+            let at = vector_at::<F, N>(src, base, r, col * vectors);
+            let from = src.slice(at, at + vectors);
+            let to = (e / per_row) * ld + col * copy;
+            let mut into = dst.slice_mut(to, to + copy);
+            // SAFETY: the copy's bytes are `vectors` of `src`'s vectors,
+            // whose start the launch checked is 16-byte aligned; only the
+            // Rust types of the two slices differ.
+            let from = unsafe { from.downcast_unchecked::<F>() };
+            copy_async::<F>(&from, &mut into, comptime![copy as u32]);
+        }
+        e += units;
     }
 }
 
