@@ -15,12 +15,13 @@
 //! - with dropout `Z` (`tile::keep_factor`), `dV` takes `P ∘ Z` and `dS`
 //!   takes `dP ∘ Z`, as in `backward.rs`.
 
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
     dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, stage_tile,
-    staged_ld, unmasked, MASKED,
+    stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
@@ -71,13 +72,20 @@ fn add_rows(
 /// products instead of 7. Without it `d_q_acc` is a placeholder never
 /// touched.
 ///
+/// With `async_copy` (the trial `forward_blocks` describes), the tiles are
+/// staged with `cp.async`, q's and dO's each under its own barrier, and the
+/// next query block's are issued as soon as this one's are free: dO's after
+/// the `dV` product, q's after the `dK` product. So dO's load runs under
+/// `dK` (and `dQ`), and q's under `dQ` and its atomic adds.
+///
 /// Arguments as `flash_backward_kv`'s, with `d_rows` where it takes `o`,
 /// and `units_per_row`, which divides
 /// `block` and `head_dim` (`FlashLaunch::units_per_row`); the cube has
 /// `block · units_per_row` units. With `Products::TensorCores`, F must be f16
 /// or bf16 and `head_dim` and `block` multiples of 16.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-#[allow(clippy::too_many_arguments)]
+// `collapsible_if`: the nested tests keep the compile-time one apart.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -104,6 +112,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     #[comptime] products: Products,
     #[comptime] tile_pairs: bool,
     #[comptime] one_pass: bool,
+    #[comptime] async_copy: bool,
+    #[comptime] copy: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_heads = k.shape(1);
@@ -157,8 +167,46 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim, hd_ld, units);
-    stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim, hd_ld, units);
+    let blocks = s.div_ceil(block);
+    let start = first_query_block(first, block, s, causal);
+    let group = group as usize;
+    // With `async_copy`: K's, V's and q's copies complete on `q_ready`,
+    // dO's on `do_ready`; every unit arrives on each once per query block,
+    // and once more at the end. Both start with the first query block's
+    // copies in flight. (None elsewhere: wgpu has no barrier objects.)
+    let q_ready = if async_copy {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::<Shared<Barrier>>::new_None()
+    };
+    let do_ready = if async_copy {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::<Shared<Barrier>>::new_None()
+    };
+    if async_copy {
+        let hi0 = kvh * group;
+        let qbase0 = bi * q.stride(0) + hi0 * q.stride(1);
+        let dobase0 = bi * d_o.stride(0) + hi0 * d_o.stride(1);
+        let i00 = start * block;
+        stage_tile_async::<F, N>(
+            k, &mut ks, kbase, first, t, block, head_dim, hd_ld, units, copy,
+        );
+        stage_tile_async::<F, N>(
+            v, &mut vs, vbase, first, t, block, head_dim, hd_ld, units, copy,
+        );
+        stage_tile_async::<F, N>(
+            q, &mut qs, qbase0, i00, s, block, head_dim, hd_ld, units, copy,
+        );
+        q_ready.unwrap().commit_copy_async();
+        stage_tile_async::<F, N>(
+            d_o, &mut dos, dobase0, i00, s, block, head_dim, hd_ld, units, copy,
+        );
+        do_ready.unwrap().commit_copy_async();
+    } else {
+        stage_tile::<F, N>(k, &mut ks, kbase, first, t, block, head_dim, hd_ld, units);
+        stage_tile::<F, N>(v, &mut vs, vbase, first, t, block, head_dim, hd_ld, units);
+    }
     let mut dk = Array::<f32>::new(part);
     let mut dv = Array::<f32>::new(part);
     #[unroll(unroll)]
@@ -171,15 +219,19 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
         bias = pad_bias(key_bias, bi, jr);
     }
 
-    let blocks = s.div_ceil(block);
-    let start = first_query_block(first, block, s, causal);
-    let group = group as usize;
     for g in 0..group {
         let hi = kvh * group + g;
         let qbase = bi * q.stride(0) + hi * q.stride(1);
         let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * block;
+            // The query block after this one (this head's next, or the next
+            // head's first), for the asynchronous copies.
+            let last_here = qb + 1 == blocks;
+            let next_g = select(last_here, g + 1, g);
+            let next_i0 = select(last_here, start * block, i0 + block);
+            let next_hi = kvh * group + next_g;
+            let has_next = next_g < group;
             // The first `block` units load query row i0 + unit's LSE and D
             // (`scratch::row_dots`; whole planes: the others skip them
             // together) before staging q and dO, so that all those loads
@@ -191,8 +243,15 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 lse_i = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
                 d_i = d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2)];
             }
-            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld, units);
-            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld, units);
+            if async_copy {
+                // Also a barrier of the whole cube: every unit is past the
+                // last block's reads of the score rows and the work tile.
+                q_ready.unwrap().arrive_and_wait();
+                do_ready.unwrap().arrive_and_wait();
+            } else {
+                stage_tile::<F, N>(q, &mut qs, qbase, i0, s, block, head_dim, hd_ld, units);
+                stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, block, head_dim, hd_ld, units);
+            }
             if unit < block {
                 ls[unit] = lse_i;
                 drow[unit] = d_i;
@@ -261,6 +320,18 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 products, pairs_bd,
             );
             sync_cube();
+            // (Nested: a compile-time test joined to a run-time one would
+            // expand the body for the synchronous kernel too.)
+            if async_copy {
+                if has_next {
+                    // dO's tile is free: the next block's dO loads under dK.
+                    let base = bi * d_o.stride(0) + next_hi * d_o.stride(1);
+                    stage_tile_async::<F, N>(
+                        d_o, &mut dos, base, next_i0, s, block, head_dim, hd_ld, units, copy,
+                    );
+                    do_ready.unwrap().commit_copy_async();
+                }
+            }
             #[unroll(unroll)]
             for c in 0..part {
                 dv[c] += work[row * out_ld + c0d + c];
@@ -271,6 +342,16 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 products, pairs_bd,
             );
             sync_cube();
+            if async_copy {
+                if has_next {
+                    // q's tile is free: the next block's q loads under dQ.
+                    let base = bi * q.stride(0) + next_hi * q.stride(1);
+                    stage_tile_async::<F, N>(
+                        q, &mut qs, base, next_i0, s, block, head_dim, hd_ld, units, copy,
+                    );
+                    q_ready.unwrap().commit_copy_async();
+                }
+            }
             #[unroll(unroll)]
             for c in 0..part {
                 dk[c] += work[row * out_ld + c0d + c];
@@ -288,6 +369,12 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                 sync_cube();
             }
         }
+    }
+    if async_copy {
+        // No copy is left in flight (a cube with no query block to read
+        // still issued K's, V's and the first block's).
+        q_ready.unwrap().arrive_and_wait();
+        do_ready.unwrap().arrive_and_wait();
     }
 
     if live {

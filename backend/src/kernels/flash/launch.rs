@@ -74,9 +74,10 @@ pub struct FlashLaunch {
     /// time where it fits (`mma::pairs_fit`): on tensor cores, one fragment
     /// load from shared memory per product instead of two.
     pub tile_pairs: bool,
-    /// The tensor-core forward stages K and V with CUDA's asynchronous
-    /// copies, each block's loads under the previous block's products
-    /// (`forward_blocks`), where [`async_copy_fits`]. A trial setting.
+    /// The tensor-core forward and key-block backward stage their tiles
+    /// with CUDA's asynchronous copies, the next block's loads under this
+    /// block's products (`forward_blocks`, `backward_blocks`), where
+    /// [`async_copy_fits`]. A trial setting.
     pub async_copy: bool,
 }
 
@@ -325,7 +326,7 @@ fn aligned<R: Runtime>(
 /// The bytes of one asynchronous copy (`tile::stage_tile_async`).
 const ASYNC_COPY_BYTES: usize = 16;
 
-/// Elements per asynchronous copy of the tensor-core forward, where it may
+/// Elements per asynchronous copy of the tensor-core kernels, where they may
 /// stage `staged` that way ([`FlashLaunch::async_copy`]): the device copies
 /// asynchronously (CUDA from sm 80), and the rows are read 16 bytes at a
 /// time (`aligned`) on top of the [`vector_width`] the kernel reads them
@@ -343,6 +344,23 @@ pub fn async_copy_fits<R: Runtime>(
         && copy.is_multiple_of(width)
         && aligned(dtype.size(), head_dim, staged, copy))
     .then_some(copy)
+}
+
+impl FlashLaunch {
+    /// Elements per asynchronous copy where the tensor-core kernels stage
+    /// `staged` that way ([`FlashLaunch::async_copy`], [`async_copy_fits`]);
+    /// `None` where they stage synchronously.
+    fn async_copy_elems<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        products: Products,
+        staged: &[&TensorArg<R>],
+        width: usize,
+    ) -> Option<usize> {
+        (self.async_copy && products == Products::TensorCores)
+            .then(|| async_copy_fits(client, self.dtype, self.dims.head_dim, staged, width))
+            .flatten()
+    }
 }
 
 /// Cubes of `units` units over `rows` rows in blocks of `block`, for each
@@ -417,10 +435,7 @@ pub fn forward<R: Runtime>(
         FlashKernels::Blocks { products } => {
             let staged = [&q, &k, &v];
             let width = vector_width(client, cfg.dtype, d.head_dim, &staged);
-            // The copy's elements, or a placeholder where it is off.
-            let copy = (cfg.async_copy && products == Products::TensorCores)
-                .then(|| async_copy_fits(client, cfg.dtype, d.head_dim, &staged, width))
-                .flatten();
+            let copy = cfg.async_copy_elems(client, products, &staged, width);
             launch_blocks!(
                 client,
                 cfg,
@@ -554,6 +569,7 @@ pub fn backward<R: Runtime>(
         FlashKernels::Blocks { products } => products,
     };
     let width = x.vector_width(client, cfg);
+    let copy = cfg.async_copy_elems(client, products, &[&x.q, &x.k, &x.v, &x.d_o], width);
     let one_pass = cfg.one_pass();
     let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
     let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
@@ -578,7 +594,7 @@ pub fn backward<R: Runtime>(
         d.batch * d.kv_heads,
         width,
         [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, out.d_k, out.d_v, out.d_q_acc],
-        flags: [one_pass]
+        flags: [one_pass, copy.is_some(), copy.unwrap_or(1)]
     );
     if let Some(acc) = acc {
         super::scratch::cast(client, acc, out.d_q, dq_len, cfg.dtype);

@@ -112,6 +112,20 @@ fn dump(lowered: &prebuild::RecordedKernel, image: &prebuild::Image, what: &str)
     std::fs::write(dir.join(format!("{name}.cubin")), bytes).expect("the cubin");
 }
 
+/// With `async_copy`, the tiles go straight to shared memory, 16 bytes a
+/// copy, and the products wait on the copies' barriers; without it, none of
+/// that is in the source.
+fn copies_async(compiled: &Compiled, async_copy: bool, what: &str) {
+    let source = &compiled.lowered.source;
+    for sign in [
+        "__cp_async_shared_global<16>",
+        "arrive_and_wait()",
+        "__cp_async_arrive(",
+    ] {
+        assert_eq!(source.contains(sign), async_copy, "{what}: {sign}");
+    }
+}
+
 /// One compiled configuration of the tensor-core kernels.
 #[derive(Clone, Copy)]
 struct Variant {
@@ -122,8 +136,8 @@ struct Variant {
     dropout: bool,
     units_per_row: usize,
     tile_pairs: bool,
-    /// The forward's asynchronous copies (`FlashLaunch::async_copy`; the
-    /// backward test skips these variants).
+    /// The asynchronous copies (`FlashLaunch::async_copy`; the two-pass
+    /// query-block kernel has none).
     async_copy: bool,
 }
 
@@ -131,7 +145,7 @@ struct Variant {
 /// types, the head dims of the plans (64, 128) and a small one, with and
 /// without the causal and padding masks and dropout, at the default units
 /// per row; and the plans' head dims at bf16 with four units per row,
-/// with 2 × 2 tiles per plane, and (the forward) with asynchronous copies.
+/// with 2 × 2 tiles per plane, and with asynchronous copies.
 fn tensor_core_variants() -> Vec<Variant> {
     let mut out = Vec::new();
     for kind in [FloatKind::BF16, FloatKind::F16] {
@@ -282,16 +296,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
         let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
         let compiled = compiles(kernel, &what);
         on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
-        // The tiles go straight to shared memory, 16 bytes a copy, and the
-        // products wait on the copies' barriers.
-        let source = &compiled.lowered.source;
-        for sign in [
-            "__cp_async_shared_global<16>",
-            "arrive_and_wait()",
-            "__cp_async_arrive(",
-        ] {
-            assert_eq!(source.contains(sign), async_copy, "{what}: {sign}");
-        }
+        copies_async(&compiled, async_copy, &what);
     }
 }
 
@@ -309,16 +314,13 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tile_pairs,
             async_copy,
         } = v;
-        if async_copy {
-            continue;
-        }
         // K, V, Q, dO and two score tiles; S and dP (then the products);
         // every tile's rows padded.
         let tiles16 = 4 * BLOCK * staged_ld(head_dim) + 2 * BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (2 * (BLOCK + PAD_F32)).max(head_dim + PAD_F32);
         for one_pass in [false, true] {
             let what = format!(
-                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass} {split} units a row, pairs {tile_pairs}"
+                "flash_backward_kv_blocks {kind:?} d{head_dim} dropout {dropout} one pass {one_pass} {split} units a row, pairs {tile_pairs}, async {async_copy}"
             );
             let kernel = FlashBackwardKvBlocks::<WgpuRuntime>::new(
                 settings((BLOCK * split) as u32),
@@ -350,10 +352,14 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
                 Products::TensorCores,
                 tile_pairs,
                 one_pass,
+                async_copy,
+                // 16 bytes a copy (`launch::async_copy_fits`).
+                8,
                 float(kind),
             );
             let compiled = compiles(kernel, &what);
             on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
+            copies_async(&compiled, async_copy, &what);
             // dQ is added to global memory atomically in one pass only.
             assert_eq!(
                 compiled.lowered.source.contains("atomicAdd("),
@@ -362,6 +368,10 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             );
         }
 
+        if async_copy {
+            // The two-pass query-block kernel stages synchronously.
+            continue;
+        }
         let what = format!(
             "flash_backward_q_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}"
         );

@@ -85,7 +85,7 @@ impl Under {
         }
     }
 
-    /// The forward's asynchronous copies: CUDA only, like the tile pairs.
+    /// The asynchronous copies: CUDA only (wgpu has no barrier objects).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     const fn with_async_copy(self) -> Self {
         Under {
@@ -727,11 +727,12 @@ mod cuda {
         const TENSOR_CORES: FlashKernels = FlashKernels::Blocks {
             products: Products::TensorCores,
         };
-        const TRIALS: [Under; 4] = [
+        const TRIALS: [Under; 5] = [
             Under::one_pass(TENSOR_CORES).with_units_per_row(4),
             Under::one_pass(TENSOR_CORES).with_tile_pairs(),
             Under::two_pass(TENSOR_CORES).with_tile_pairs(),
             Under::one_pass(TENSOR_CORES).with_async_copy(),
+            Under::two_pass(TENSOR_CORES).with_async_copy(),
         ];
 
         fn problems() -> Vec<Problem> {
