@@ -239,6 +239,10 @@ pub struct CompileReport {
     /// candidate that does not build, which the tuner then skips).
     pub failed: Vec<String>,
     pub threads: usize,
+    /// Distinct header sets NVRTC parsed once and read back for each kernel
+    /// that includes them ([`PrecompiledHeaders`]); 0 where NVRTC has no
+    /// precompiled headers (before CUDA 12.8).
+    pub precompiled_headers: usize,
     pub seconds: f64,
     /// The [`SLOWEST`] longest single compiles: `(entry point, seconds)`, longest first.
     /// The first bounds the phase from below however many threads there are.
@@ -308,12 +312,16 @@ pub fn compile_into(
     let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
     let mut times = Vec::with_capacity(todo.len());
     progress(0, todo.len());
+    let headers = PrecompiledHeaders::create(&todo, threads);
     compile_all(
         &todo,
         threads,
         |k| {
             let start = std::time::Instant::now();
-            let image = prebuild::compile(k);
+            let image = match headers.of(k) {
+                Some(pch) => prebuild::compile_with_pch(k, pch),
+                None => prebuild::compile(k),
+            };
             (start.elapsed().as_secs_f64(), image)
         },
         |i, (secs, image)| {
@@ -348,9 +356,117 @@ pub fn compile_into(
         cubins,
         failed,
         threads,
+        precompiled_headers: headers.len(),
         seconds: start.elapsed().as_secs_f64(),
         slowest: slowest(times),
     })
+}
+
+/// NVRTC's precompiled headers for a compile phase, in a directory of their
+/// own that goes with them: one per header set (`prebuild::header_prefix`)
+/// and NVRTC options that two kernels or more share. A kernel's compile
+/// parses its headers anew, and CUDA's are large: `cuda/barrier` and
+/// cooperative groups, which CubeCL includes in every kernel that uses
+/// barriers or TMA (the accelerated matmuls, their tuning candidates),
+/// take 1.5 s of a 2 s compile on the CPU that wrote this, 0.3 s read back.
+/// Compiling the flash kernels' 54 variants on 2 threads took 37 s with
+/// them against 43 s without (NVRTC 12.9; `docs/cold-start.md`).
+#[cfg(feature = "cuda")]
+struct PrecompiledHeaders {
+    dir: Option<PathBuf>,
+    files: std::collections::HashMap<(String, Vec<String>), PathBuf>,
+}
+
+#[cfg(feature = "cuda")]
+impl PrecompiledHeaders {
+    /// Writes them on `threads` threads, where NVRTC has them (12.8 and
+    /// later). One that NVRTC does not write is left out: its kernels
+    /// compile as before.
+    fn create(kernels: &[&cubecl::cuda::prebuild::RecordedKernel], threads: usize) -> Self {
+        use cubecl::cuda::prebuild;
+        let mut none = PrecompiledHeaders {
+            dir: None,
+            files: Default::default(),
+        };
+        if !prebuild::precompiled_headers_supported() {
+            return none;
+        }
+        let sets = shared_header_sets(kernels);
+        if sets.is_empty() {
+            return none;
+        }
+        // Per call: two compile phases of one process must not share it.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("rcoa-pch-{}-{call}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_err() {
+            return none;
+        }
+        let jobs: Vec<(PathBuf, &str, &[String])> = sets
+            .into_iter()
+            .enumerate()
+            .map(|(i, (prefix, options))| (dir.join(format!("headers-{i}.pch")), prefix, options))
+            .collect();
+        compile_all(
+            &jobs,
+            threads,
+            |(path, prefix, options)| prebuild::create_pch(prefix, options, path).is_ok(),
+            |i, made| {
+                let (path, prefix, options) = &jobs[i];
+                if made {
+                    none.files
+                        .insert((prefix.to_string(), options.to_vec()), path.clone());
+                }
+            },
+        );
+        none.dir = Some(dir);
+        none
+    }
+
+    /// The precompiled header of `kernel`'s headers and options, if any.
+    fn of(&self, kernel: &cubecl::cuda::prebuild::RecordedKernel) -> Option<&Path> {
+        let prefix = cubecl::cuda::prebuild::header_prefix(&kernel.source);
+        self.files
+            .get(&(prefix.to_string(), kernel.options.clone()))
+            .map(PathBuf::as_path)
+    }
+
+    fn len(&self) -> usize {
+        self.files.len()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for PrecompiledHeaders {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The header sets and options that two or more of `kernels` share, in the
+/// order first met: those worth a precompiled header (one kernel's would
+/// cost a compile more than it saves).
+#[cfg(feature = "cuda")]
+fn shared_header_sets<'a>(
+    kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel],
+) -> Vec<(&'a str, &'a [String])> {
+    let mut sets: Vec<((&'a str, &'a [String]), usize)> = Vec::new();
+    for k in kernels {
+        let set = (
+            cubecl::cuda::prebuild::header_prefix(&k.source),
+            k.options.as_slice(),
+        );
+        match sets.iter_mut().find(|(s, _)| *s == set) {
+            Some((_, n)) => *n += 1,
+            None => sets.push((set, 1)),
+        }
+    }
+    sets.into_iter()
+        .filter(|&(_, n)| n >= 2)
+        .map(|(set, _)| set)
+        .collect()
 }
 
 /// The [`SLOWEST`] longest of `times`, longest first.
@@ -546,6 +662,9 @@ mod nvrtc_tests {
         .unwrap();
         assert_eq!((r.recorded, r.cached, r.compiled, r.cubins), (7, 0, 6, 6));
         assert_eq!(r.threads, 3);
+        // The seven share their headers: parsed once where NVRTC can.
+        let pch = usize::from(prebuild::precompiled_headers_supported());
+        assert_eq!(r.precompiled_headers, pch);
         assert_eq!(r.failed.len(), 1, "{:?}", r.failed);
         assert!(
             r.failed[0].starts_with("rcoa_broken: ") && r.failed[0].contains("no_such_function"),
@@ -573,5 +692,59 @@ mod nvrtc_tests {
             (6, 0, 1)
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A kernel read with its headers precompiled compiles to the same bytes
+    /// as without them, for the heaviest headers CubeCL writes (barriers).
+    #[test]
+    fn a_precompiled_header_changes_nothing_but_the_time() {
+        if !nvrtc() {
+            return;
+        }
+        if !prebuild::precompiled_headers_supported() {
+            crate::testing::skip("nvrtc", "NVRTC before 12.8 has no precompiled headers");
+            return;
+        }
+        let mut k = kernel(
+            "rcoa_scale",
+            "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);",
+        );
+        let headers = "#include <cuda_runtime.h>\n#include <cuda_bf16.h>\n\
+                       #include <cooperative_groups.h>\n#include <cuda/barrier>\n";
+        k.source = format!(
+            "{headers}{}",
+            k.source.replace("#include <cuda_bf16.h>\n", "")
+        );
+        assert_eq!(prebuild::header_prefix(&k.source), headers);
+        let dir = std::env::temp_dir().join(format!("rcoa-pch-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pch = dir.join("h.pch");
+        prebuild::create_pch(headers, &k.options, &pch).unwrap();
+        let with = prebuild::compile_with_pch(&k, &pch).unwrap();
+        let without = prebuild::compile(&k).unwrap();
+        assert!(with.cubin && without.cubin);
+        assert!(with.bytes == without.bytes, "the cubins differ");
+        // A header file NVRTC cannot read costs the kernel nothing.
+        let missing = prebuild::compile_with_pch(&k, &dir.join("none.pch")).unwrap();
+        assert!(missing.bytes == without.bytes);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Only header sets (with their options) that two kernels share get a
+    /// precompiled header.
+    #[test]
+    fn header_sets_shared_by_two_kernels_are_the_ones_precompiled() {
+        let a = kernel("rcoa_a", "x[i] = s;");
+        let b = kernel("rcoa_b", "x[i] = s;");
+        let mut c = kernel("rcoa_c", "x[i] = s;");
+        c.source = format!("#include <mma.h>\n{}", c.source);
+        let mut d = kernel("rcoa_d", "x[i] = s;");
+        d.options.push("-G".to_string());
+        let sets = shared_header_sets(&[&a, &c, &b, &d]);
+        assert_eq!(
+            sets,
+            vec![("#include <cuda_bf16.h>\n", a.options.as_slice())]
+        );
+        assert!(shared_header_sets(&[&a, &c]).is_empty());
     }
 }

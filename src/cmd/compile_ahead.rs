@@ -92,11 +92,12 @@ impl Prebuilt {
     pub fn summary(&self) -> String {
         let c = &self.compile;
         format!(
-            "{} kernels compiled on {} threads in {:.1} s ({} as cubins), of {} recorded in {:.1} s{}",
+            "{} kernels compiled on {} threads in {:.1} s ({} as cubins, {} header sets precompiled), of {} recorded in {:.1} s{}",
             c.compiled,
             c.threads,
             c.seconds,
             c.cubins,
+            c.precompiled_headers,
             c.recorded,
             self.record_seconds,
             if c.cached > 0 {
@@ -136,7 +137,8 @@ impl Prebuilt {
         serde_json::json!({
             "event": "compiled_ahead", "recorded": c.recorded, "cached": c.cached,
             "compiled": c.compiled, "cubins": c.cubins, "failed": c.failed.len(),
-            "threads": c.threads, "record_seconds": self.record_seconds,
+            "threads": c.threads, "precompiled_headers": c.precompiled_headers,
+            "record_seconds": self.record_seconds,
             "compile_seconds": c.seconds,
             "slowest": c.slowest.iter().map(|(k, t)| serde_json::json!({"kernel": k, "seconds": t})).collect::<Vec<_>>(),
         })
@@ -249,13 +251,14 @@ mod tests {
                 cubins: 409,
                 failed: vec!["k: error".into()],
                 threads: 16,
+                precompiled_headers: 4,
                 seconds: 21.5,
                 slowest: vec![("matmul_a".into(), 9.25), ("fuse_b".into(), 2.0)],
             },
         };
         assert_eq!(
             p.summary(),
-            "409 kernels compiled on 16 threads in 21.5 s (409 as cubins), of 412 recorded in 8.2 s (2 already cached)"
+            "409 kernels compiled on 16 threads in 21.5 s (409 as cubins, 4 header sets precompiled), of 412 recorded in 8.2 s (2 already cached)"
         );
         // backend/bench/speed.py adds these two; docs/cold-start.md lists them all.
         let j = p.json();
@@ -263,7 +266,13 @@ mod tests {
         assert_eq!(j["record_seconds"], 8.25);
         assert_eq!(j["compile_seconds"], 21.5);
         for key in [
-            "recorded", "cached", "compiled", "cubins", "failed", "threads",
+            "recorded",
+            "cached",
+            "compiled",
+            "cubins",
+            "failed",
+            "threads",
+            "precompiled_headers",
         ] {
             assert!(j[key].is_u64(), "{key} in {j}");
         }
