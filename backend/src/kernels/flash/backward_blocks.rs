@@ -15,13 +15,12 @@
 //! - with dropout `Z` (`tile::keep_factor`), `dV` takes `P ∘ Z` and `dS`
 //!   takes `dP ∘ Z`, as in `backward.rs`.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, stage_tile,
-    stage_tile_async, staged_ld, unmasked, MASKED,
+    copy_barrier, dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias,
+    stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
@@ -174,16 +173,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     // dO's on `do_ready`; every unit arrives on each once per query block,
     // and once more at the end. Both start with the first query block's
     // copies in flight. (None elsewhere: wgpu has no barrier objects.)
-    let q_ready = if async_copy {
-        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
-    } else {
-        ComptimeOption::<Shared<Barrier>>::new_None()
-    };
-    let do_ready = if async_copy {
-        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
-    } else {
-        ComptimeOption::<Shared<Barrier>>::new_None()
-    };
+    let q_ready = copy_barrier(async_copy);
+    let do_ready = copy_barrier(async_copy);
     if async_copy {
         let hi0 = kvh * group;
         let qbase0 = bi * q.stride(0) + hi0 * q.stride(1);

@@ -3,13 +3,12 @@
 //! FlashAttention-2's forward as `flash_forward` computes it, with
 //! `S = Q Kᵀ` and `P V` as cube-wide products instead of per-row FMA loops.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile, stage_tile_async,
-    staged_ld, unmasked, MASKED,
+    copy_barrier, dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile,
+    stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)` with
@@ -129,16 +128,8 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     // `k_ready`, V's on `v_ready`; every unit arrives on each once per key
     // block. Both start with block 0's copies in flight.
     // (None elsewhere: wgpu has no barrier objects.)
-    let k_ready = if async_copy {
-        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
-    } else {
-        ComptimeOption::<Shared<Barrier>>::new_None()
-    };
-    let v_ready = if async_copy {
-        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
-    } else {
-        ComptimeOption::<Shared<Barrier>>::new_None()
-    };
+    let k_ready = copy_barrier(async_copy);
+    let v_ready = copy_barrier(async_copy);
     if async_copy {
         stage_tile_async::<F, N>(
             q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units, copy,

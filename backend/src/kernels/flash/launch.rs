@@ -266,7 +266,7 @@ pub fn has_atomic_add<R: Runtime>(client: &ComputeClient<R>) -> bool {
 const BANK_BYTES: usize = 4;
 
 /// Elements a unit of the block-product kernels reads at once when it
-/// stages q, k, v, O and dO (`tile::stage_tile`): as many as fill one
+/// stages q, k, v and dO (`tile::stage_tile`): as many as fill one
 /// shared-memory bank (2 16-bit values, 1 fp32), where that divides the
 /// head dim and every stride but the last of every tensor in `staged`,
 /// whose last stride is 1 and whose byte offset is a multiple of it, and

@@ -14,7 +14,7 @@
 //! whole array in local memory. Loops over the rows of a block stay
 //! run-time loops.
 
-use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::mma::PAD_HALF;
@@ -197,6 +197,18 @@ pub fn stage_tile_async<F: Float, N: Size>(
             copy_async::<F>(&from, &mut into, comptime![copy as u32]);
         }
         e += units;
+    }
+}
+
+/// A barrier of the whole cube for [`stage_tile_async`]'s copies (every
+/// unit arrives on it) where `async_copy`; none elsewhere, since wgpu has no
+/// barrier objects.
+#[cube]
+pub fn copy_barrier(#[comptime] async_copy: bool) -> ComptimeOption<Shared<Barrier>> {
+    if async_copy {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::new_None()
     }
 }
 
