@@ -372,63 +372,77 @@ pub fn compile_into(
 /// Compiling the flash kernels' 54 variants on 2 threads took 37 s with
 /// them against 43 s without (NVRTC 12.9; `docs/cold-start.md`).
 #[cfg(feature = "cuda")]
-struct PrecompiledHeaders {
+struct PrecompiledHeaders<'a> {
     dir: Option<PathBuf>,
-    files: std::collections::HashMap<(String, Vec<String>), PathBuf>,
+    /// Each header set written, and its file.
+    files: Vec<(HeaderSet<'a>, PathBuf)>,
+}
+
+/// A kernel's leading includes (`prebuild::header_prefix`) and its NVRTC
+/// options: what a precompiled header is made for.
+#[cfg(feature = "cuda")]
+type HeaderSet<'a> = (&'a str, &'a [String]);
+
+#[cfg(feature = "cuda")]
+fn header_set(kernel: &cubecl::cuda::prebuild::RecordedKernel) -> HeaderSet<'_> {
+    (
+        cubecl::cuda::prebuild::header_prefix(&kernel.source),
+        kernel.options.as_slice(),
+    )
 }
 
 #[cfg(feature = "cuda")]
-impl PrecompiledHeaders {
+impl<'a> PrecompiledHeaders<'a> {
     /// Writes them on `threads` threads, where NVRTC has them (12.8 and
     /// later). One that NVRTC does not write is left out: its kernels
     /// compile as before.
-    fn create(kernels: &[&cubecl::cuda::prebuild::RecordedKernel], threads: usize) -> Self {
-        use cubecl::cuda::prebuild;
-        let mut none = PrecompiledHeaders {
+    fn create(kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel], threads: usize) -> Self {
+        let mut headers = PrecompiledHeaders {
             dir: None,
-            files: Default::default(),
+            files: Vec::new(),
         };
-        if !prebuild::precompiled_headers_supported() {
-            return none;
+        if !cubecl::cuda::prebuild::precompiled_headers_supported() {
+            return headers;
         }
         let sets = shared_header_sets(kernels);
         if sets.is_empty() {
-            return none;
+            return headers;
         }
         // Per call: two compile phases of one process must not share it.
         static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("rcoa-pch-{}-{call}", std::process::id()));
         if std::fs::create_dir_all(&dir).is_err() {
-            return none;
+            return headers;
         }
-        let jobs: Vec<(PathBuf, &str, &[String])> = sets
+        let jobs: Vec<(HeaderSet<'a>, PathBuf)> = sets
             .into_iter()
             .enumerate()
-            .map(|(i, (prefix, options))| (dir.join(format!("headers-{i}.pch")), prefix, options))
+            .map(|(i, set)| (set, dir.join(format!("headers-{i}.pch"))))
             .collect();
         compile_all(
             &jobs,
             threads,
-            |(path, prefix, options)| prebuild::create_pch(prefix, options, path).is_ok(),
+            |((prefix, options), path)| {
+                cubecl::cuda::prebuild::create_pch(prefix, options, path).is_ok()
+            },
             |i, made| {
-                let (path, prefix, options) = &jobs[i];
                 if made {
-                    none.files
-                        .insert((prefix.to_string(), options.to_vec()), path.clone());
+                    headers.files.push(jobs[i].clone());
                 }
             },
         );
-        none.dir = Some(dir);
-        none
+        headers.dir = Some(dir);
+        headers
     }
 
     /// The precompiled header of `kernel`'s headers and options, if any.
     fn of(&self, kernel: &cubecl::cuda::prebuild::RecordedKernel) -> Option<&Path> {
-        let prefix = cubecl::cuda::prebuild::header_prefix(&kernel.source);
+        let set = header_set(kernel);
         self.files
-            .get(&(prefix.to_string(), kernel.options.clone()))
-            .map(PathBuf::as_path)
+            .iter()
+            .find(|(s, _)| *s == set)
+            .map(|(_, path)| path.as_path())
     }
 
     fn len(&self) -> usize {
@@ -437,7 +451,7 @@ impl PrecompiledHeaders {
 }
 
 #[cfg(feature = "cuda")]
-impl Drop for PrecompiledHeaders {
+impl Drop for PrecompiledHeaders<'_> {
     fn drop(&mut self) {
         if let Some(dir) = &self.dir {
             let _ = std::fs::remove_dir_all(dir);
@@ -445,19 +459,16 @@ impl Drop for PrecompiledHeaders {
     }
 }
 
-/// The header sets and options that two or more of `kernels` share, in the
-/// order first met: those worth a precompiled header (one kernel's would
-/// cost a compile more than it saves).
+/// The header sets that two or more of `kernels` share, in the order first
+/// met: those worth a precompiled header (one kernel's would cost a compile
+/// more than it saves).
 #[cfg(feature = "cuda")]
 fn shared_header_sets<'a>(
     kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel],
-) -> Vec<(&'a str, &'a [String])> {
-    let mut sets: Vec<((&'a str, &'a [String]), usize)> = Vec::new();
+) -> Vec<HeaderSet<'a>> {
+    let mut sets: Vec<(HeaderSet<'a>, usize)> = Vec::new();
     for k in kernels {
-        let set = (
-            cubecl::cuda::prebuild::header_prefix(&k.source),
-            k.options.as_slice(),
-        );
+        let set = header_set(k);
         match sets.iter_mut().find(|(s, _)| *s == set) {
             Some((_, n)) => *n += 1,
             None => sets.push((set, 1)),

@@ -347,19 +347,22 @@ pub fn async_copy_fits<R: Runtime>(
 }
 
 impl FlashLaunch {
-    /// Elements per asynchronous copy where the tensor-core kernels stage
-    /// `staged` that way ([`FlashLaunch::async_copy`], [`async_copy_fits`]);
-    /// `None` where they stage synchronously.
-    fn async_copy_elems<R: Runtime>(
+    /// How the block-product kernels (`products`) stage `staged`: the
+    /// [`vector_width`] they read it in and, where they copy it
+    /// asynchronously ([`FlashLaunch::async_copy`], [`async_copy_fits`]),
+    /// the elements per copy (`None` where they stage synchronously).
+    pub(crate) fn staging<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
         products: Products,
         staged: &[&TensorArg<R>],
-        width: usize,
-    ) -> Option<usize> {
-        (self.async_copy && products == Products::TensorCores)
-            .then(|| async_copy_fits(client, self.dtype, self.dims.head_dim, staged, width))
-            .flatten()
+    ) -> (usize, Option<usize>) {
+        let head_dim = self.dims.head_dim;
+        let width = vector_width(client, self.dtype, head_dim, staged);
+        let copy = (self.async_copy && products == Products::TensorCores)
+            .then(|| async_copy_fits(client, self.dtype, head_dim, staged, width))
+            .flatten();
+        (width, copy)
     }
 }
 
@@ -433,9 +436,7 @@ pub fn forward<R: Runtime>(
             [q, k, v, key_bias, dropout_seed, out, lse]
         ),
         FlashKernels::Blocks { products } => {
-            let staged = [&q, &k, &v];
-            let width = vector_width(client, cfg.dtype, d.head_dim, &staged);
-            let copy = cfg.async_copy_elems(client, products, &staged, width);
+            let (width, copy) = cfg.staging(client, products, &[&q, &k, &v]);
             launch_blocks!(
                 client,
                 cfg,
@@ -462,15 +463,6 @@ pub struct BackwardInputs<R: Runtime> {
     pub key_bias: TensorArg<R>,
     /// As [`forward`]'s.
     pub dropout_seed: TensorArg<R>,
-}
-
-impl<R: Runtime> BackwardInputs<R> {
-    /// [`vector_width`] over the tensors the block-product backward stages
-    /// (O goes only to `scratch::row_dots`, which stages nothing).
-    fn vector_width(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) -> usize {
-        let staged = [&self.q, &self.k, &self.v, &self.d_o];
-        vector_width(client, cfg.dtype, cfg.dims.head_dim, &staged)
-    }
 }
 
 /// What the backward writes: the gradients, in the inputs' type and
@@ -568,8 +560,9 @@ pub fn backward<R: Runtime>(
         }
         FlashKernels::Blocks { products } => products,
     };
-    let width = x.vector_width(client, cfg);
-    let copy = cfg.async_copy_elems(client, products, &[&x.q, &x.k, &x.v, &x.d_o], width);
+    // The tensors the block kernels stage (O goes only to
+    // `scratch::row_dots`, which stages nothing).
+    let (width, copy) = cfg.staging(client, products, &[&x.q, &x.k, &x.v, &x.d_o]);
     let one_pass = cfg.one_pass();
     let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
     let acc = one_pass.then(|| clone_arg(&out.d_q_acc));

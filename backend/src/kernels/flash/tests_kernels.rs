@@ -6,10 +6,7 @@
 use cubecl::prelude::*;
 
 use super::device_tensor::{AttentionTensors, Elem, HostInputs};
-use super::launch::{
-    async_copy_fits, has_atomic_add, unrolls, vector_width, FlashDims, FlashKernels, FlashLaunch,
-    UNITS_PER_ROW,
-};
+use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
 use super::mma::Products;
 use super::reference::{worst, Problem};
 
@@ -169,11 +166,12 @@ fn run<R: Runtime, E: Elem>(
         },
     );
     if under.async_copy {
+        let FlashKernels::Blocks { products } = under.kernels else {
+            panic!("asynchronous copies are the block-product kernels'")
+        };
         let (q, k, v) = (t.q.arg(), t.k.arg(), t.v.arg());
-        let staged = [&q, &k, &v];
-        let width = vector_width(client, cfg.dtype, p.d, &staged);
         assert!(
-            async_copy_fits(client, cfg.dtype, p.d, &staged, width).is_some(),
+            cfg.staging(client, products, &[&q, &k, &v]).1.is_some(),
             "the asynchronous copies under test run"
         );
     }
