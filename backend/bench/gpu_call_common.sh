@@ -16,7 +16,16 @@ else
   BG="one:$B/llama125m_activation_offload.plan:4"; POOLS="--memory-pool expandable"
   gunzip -c .rcoa-bin/rcoa.gz > /tmp/rcoa && chmod +x /tmp/rcoa
   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
+  # cuBLAS for RCOA_MATMUL=cublas: the toolkit's if it has one, else the one PyTorch's wheels bring.
+  if ! ls /usr/local/cuda/lib64/libcublas.so* > /dev/null 2>&1; then
+    CUBLAS_DIR=$(python3 -c 'import glob, os, site
+print(next(iter(sorted(os.path.dirname(p) for s in site.getsitepackages()
+  for p in glob.glob(s + "/nvidia/**/libcublas.so*", recursive=True))), ""))' 2>/dev/null)
+    [ -n "$CUBLAS_DIR" ] && export LD_LIBRARY_PATH=$CUBLAS_DIR:$LD_LIBRARY_PATH
+  fi
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
+    echo "cuBLAS: $(ls /usr/local/cuda/lib64/libcublas.so* ${CUBLAS_DIR:-/nonexistent}/libcublas.so* 2>/dev/null | tr '\n' ' ')"
+  } > "$OUT/gpu.txt" 2>&1
 fi
 
 # `--memory-pool expandable` beside pinned host memory (activation offload, 4 steps, cold), in

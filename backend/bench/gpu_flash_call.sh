@@ -6,17 +6,23 @@
 #  0. `--memory-pool expandable` beside pinned host memory (llama125m_activation_offload.plan,
 #     4 steps, cold), in the background from the start beside step 1 (which times nothing)
 #     and waited for before anything is timed. At most 150 s.
-#  1. The tensor-core flash tests and the block products alone (tests_mma). At most 90 s.
+#  1. The tensor-core flash tests and the block products alone (tests_mma), and cuBLAS's
+#     products (kernels::gemm::tests_cuda). At most 90 s.
 #     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
 #     (four units a row, 2 x 2 tiles), which decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), with the millisecond and
-#     TFLOP/s of each. At most 80 s.
+#     TFLOP/s of each. At most 80 s. Then the linear layers' products on CubeCL against
+#     cuBLAS (.rcoa-bin/gemm-bench.gz). At most 60 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
 #     one-pass backward. At most 200 s.
-#  4. Where the warm step's time goes (--profile-kernels, 4 steps). At most 40 s.
+#  3b. The same cold run with the linear layers on cuBLAS (RCOA_MATMUL=cublas, its own empty
+#     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
+#     matmul kernels to compile. At most 150 s.
+#  4. Where the warm step's time goes (--profile-kernels, 4 steps), CubeCL's matmuls then
+#     cuBLAS's. At most 40 s each.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
 #     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
 #     2026-11-28f run matched no kernel: it asked for the Rust type names.)
@@ -24,7 +30,7 @@
 # Keep what comes back to 8 files: call it as
 #   OUT_DIR=$OUT; export OUT=/tmp/o; bash backend/bench/gpu_flash_call.sh;
 #   tar czf $OUT_DIR/all.tgz -C /tmp/o .; cp /tmp/o/steps.txt $OUT_DIR/
-# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz and flash-bench.gz, built as
+# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz, flash-bench.gz, gemm-bench.gz, built as
 # docs/gpu-session.md says). DRY=1 checks the script on a CPU with this machine's release build.
 set -u
 LIMIT=${LIMIT:-400}
@@ -34,7 +40,7 @@ source backend/bench/gpu_call_common.sh
 start_expandable_jobs 150
 
 # 1. The tensor-core kernels.
-TC=0
+TC=0; BLAS=0
 if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
   timeout "$(cap 90)" /tmp/flash-tests tests_kernels::cuda::tensor_cores tests_mma::cuda \
@@ -42,6 +48,12 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   rc=$?
   log "1 tensor-core flash tests rc=$rc"; grep "test result" "$OUT/flash-tests.txt"
   if [ $rc = 0 ] && ! grep -q SKIPPED "$OUT/flash-tests.txt"; then TC=1; fi
+  # cuBLAS's products (RCOA_MATMUL=cublas): step 3b runs only if they pass.
+  RCOA_REQUIRE=cuda,cublas timeout "$(cap 30)" /tmp/flash-tests kernels::gemm::tests_cuda \
+    --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
+  rc=$?
+  log "1 cuBLAS tests rc=$rc"; grep "test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 4
+  if [ $rc = 0 ]; then BLAS=1; fi
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
   timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
     tests_mma::trials_cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
@@ -57,6 +69,11 @@ if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-bench.gz > /tmp/flash-bench && chmod +x /tmp/flash-bench
   timeout "$(cap 80)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
   log "2 flash bench rc=$?"; cat "$OUT/flash-bench.txt"
+fi
+if [ -f .rcoa-bin/gemm-bench.gz ] && [ "$DEVICE" = cuda ]; then
+  gunzip -c .rcoa-bin/gemm-bench.gz > /tmp/gemm-bench && chmod +x /tmp/gemm-bench
+  timeout "$(cap 60)" /tmp/gemm-bench > "$OUT/gemm-bench.txt" 2>&1
+  log "2 gemm bench rc=$?"; cat "$OUT/gemm-bench.txt"
 fi
 
 # 3. Cold 350M with fused attention (tensor cores if step 1 passed), default pools.
@@ -79,8 +96,26 @@ else
   log "3 skipped: ${t}s left"
 fi
 
-# 4. Where the warm step's time goes.
+# 3b. The same, the linear layers on cuBLAS, from its own empty cache.
+t=$(cap 150)
+if [ $BLAS = 1 ] && [ "$t" -ge 60 ]; then
+  RCOA_MATMUL=cublas RCOA_CACHE_DIR=/tmp/cache-cublas-call python3 $B/speed.py --rcoa "$RCOA" \
+    --device $DEVICE --shapes $SHAPE --steps 12 --timeout "$t" --engines rcoa \
+    --rcoa-attention flash --out "$OUT/speed-cublas" > "$OUT/speed-cublas.txt" 2>&1
+  log "3b cold 350M, cuBLAS rc=$?"; tail -n 6 "$OUT/speed-cublas.txt"
+  grep -h '"compiled_ahead"' "$OUT"/speed-cublas/*.jsonl 2>/dev/null | cut -c1-400
+  grep -hv "^\s*$" "$OUT"/speed-cublas/*.err 2>/dev/null | grep -v "^\[" | tail -n 6
+else
+  log "3b cuBLAS run skipped (tests passed: $BLAS; ${t}s left)"
+fi
+
+# 4. Where the warm step's time goes, CubeCL's matmuls then cuBLAS's.
 profile_kernels 4 "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile 6
+if [ $BLAS = 1 ]; then
+  export RCOA_MATMUL=cublas RCOA_CACHE_DIR=/tmp/cache-cublas-call
+  profile_kernels 4b "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-cublas 6
+  unset RCOA_MATMUL; export RCOA_CACHE_DIR=/tmp/cache-flash-call
+fi
 unset RCOA_FLASH_TENSOR_CORES
 
 # 5. Nsight Compute on each tensor-core kernel's first launch.

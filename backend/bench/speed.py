@@ -149,7 +149,8 @@ def run_torch(a, shape, engine):
 
 def rcoa_engine(a):
     """The name of rcoa's row: with the memory pool when one was asked for."""
-    return "rcoa run (burn)" + (f", {a.rcoa_memory_pool} pool" if a.rcoa_memory_pool else "")
+    return ("rcoa run (burn)" + (f", {a.rcoa_memory_pool} pool" if a.rcoa_memory_pool else "")
+            + (", cuBLAS matmuls" if os.environ.get("RCOA_MATMUL") == "cublas" else ""))
 
 
 def run_rcoa(a, shape, out):

@@ -433,6 +433,8 @@ mod tests {
             Family::Random
         );
         assert_eq!(family("some_crate::Mystery<u8>"), Family::Other);
+        // `RCOA_MATMUL=cublas`: timed by `kernels::gemm::cublas` under this name.
+        assert_eq!(family("cublas_gemm"), Family::Matmul);
         // A fused kernel named after a matmul in its arguments is still fused.
         assert_eq!(
             family("burn_cubecl_fusion::x::elemwise_fuse::ElemwiseFuse<cubek_matmul::Matmul>"),

@@ -28,7 +28,7 @@
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
 use crate::kernels::flash::dropout::FlashDropout;
-use crate::ops::{softmax_last, ExecBackend};
+use crate::ops::{matmul_2d, softmax_last, ExecBackend};
 use crate::quant::base::{Nf4Base, Nf4Slot};
 use crate::quant::nf4::DeviceScales;
 use burn::module::{Module, Param, ParamId};
@@ -406,7 +406,7 @@ impl<B: ExecBackend> Linear<B> {
         let [b, s, d_in] = x.dims();
         let x = x.reshape([b * s, d_in]);
         let mut y = match (&self.weight, &self.nf4.0) {
-            (Some(w), _) => x.clone().matmul(to_dtype(w.val(), ctx.compute)),
+            (Some(w), _) => matmul_2d(x.clone(), to_dtype(w.val(), ctx.compute)),
             // Dequantized per use in x's (the compute) dtype, never kept.
             (None, Some(q)) => crate::quant::qlora::nf4_linear(x.clone(), &q.w),
             (None, None) => unreachable!("a linear layer has a dense or an NF4 base"),
@@ -415,8 +415,11 @@ impl<B: ExecBackend> Linear<B> {
             y = y + to_dtype(bias.val(), ctx.compute).unsqueeze();
         }
         if let Some(l) = &self.lora {
-            let xa = dropout(x, ctx.lora_dropout, ctx).matmul(to_dtype(l.a.val(), ctx.compute));
-            let xab = xa.matmul(to_dtype(l.b.val(), ctx.compute));
+            let xa = matmul_2d(
+                dropout(x, ctx.lora_dropout, ctx),
+                to_dtype(l.a.val(), ctx.compute),
+            );
+            let xab = matmul_2d(xa, to_dtype(l.b.val(), ctx.compute));
             y = y + xab.mul_scalar(ctx.lora_scale);
         }
         let d_out = y.dims()[1];
@@ -696,11 +699,14 @@ impl<B: Backend> Head<B> {
     }
 
     /// Vocabulary logits `[b, s, vocab]` in the compute dtype.
-    pub fn logits(&self, x: Tensor<B, 3>, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+    pub fn logits(&self, x: Tensor<B, 3>, embed: &Embed<B>, ctx: &Ctx<B>) -> Tensor<B, 3>
+    where
+        B: ExecBackend,
+    {
         let w = self.weight(embed, ctx);
         let [b, s, d] = x.dims();
         let v = w.dims()[1];
-        x.reshape([b * s, d]).matmul(w).reshape([b, s, v])
+        matmul_2d(x.reshape([b * s, d]), w).reshape([b, s, v])
     }
 }
 

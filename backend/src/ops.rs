@@ -99,6 +99,14 @@ pub trait ExecBackend: Backend {
         [dq, dk, dv].map(|t| t.into_primitive().tensor())
     }
 
+    /// `x [n, k] · w [k, m]`: the linear layers' and the head's products.
+    /// Burn's matmul; on CUDA, cuBLAS when `RCOA_MATMUL=cublas`
+    /// (`kernels::gemm`). Under autodiff the backward's two products run
+    /// through it too.
+    fn matmul_2d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(x, w)
+    }
+
     /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
     /// [d, vocab]` against `targets [n]`, `chunk` rows of logits at a time
     /// (`loss_chunked`); under autodiff it saves the inputs only.
@@ -126,8 +134,10 @@ impl ExecBackend for burn::backend::NdArray<f32> {}
 /// glue on lavapipe.
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 macro_rules! fused_cube_exec_backend {
-    ($backend:ty) => {
+    ($backend:ty $(, $more:item)*) => {
         impl ExecBackend for $backend {
+            $($more)*
+
             fn flash_attention_forward(
                 q: FloatTensor<Self>,
                 k: FloatTensor<Self>,
@@ -155,7 +165,12 @@ macro_rules! fused_cube_exec_backend {
 }
 
 #[cfg(feature = "cuda")]
-fused_cube_exec_backend!(burn::backend::Cuda<f32>);
+fused_cube_exec_backend!(
+    burn::backend::Cuda<f32>,
+    fn matmul_2d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::kernels::gemm::fused::matmul_2d(x, w)
+    }
+);
 #[cfg(feature = "wgpu-kernels")]
 fused_cube_exec_backend!(burn::backend::Wgpu<f32>);
 
@@ -232,6 +247,10 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         crate::kernels::flash::autodiff::forward::<B, C>(q, k, v, mask, scale)
     }
 
+    fn matmul_2d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::kernels::gemm::autodiff::matmul_2d::<B, C>(x, w)
+    }
+
     fn chunked_lm_loss(
         hidden: FloatTensor<Self>,
         head: FloatTensor<Self>,
@@ -241,6 +260,12 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         crate::loss_chunked::autodiff::<B, C>(hidden, head, targets, weights, chunk)
     }
+}
+
+/// `x [n, k] · w [k, m]` ([`ExecBackend::matmul_2d`]).
+pub fn matmul_2d<B: ExecBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    let y = B::matmul_2d(x.into_primitive().tensor(), w.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
 /// Softmax over the last dimension ([`ExecBackend::softmax_last`]).

@@ -1,54 +1,20 @@
 //! The kernels under Burn's CubeCL backends behind their fusion layer
 //! (`burn::backend::Cuda<f32>`; `Wgpu<f32>` in the tests, so this glue runs
-//! on lavapipe too): the fusion queue is drained into CubeCL tensors
-//! (`resolve_tensor_float`), the kernels run on them, and their outputs are
-//! registered back with the fusion client as fresh tensors (what Burn's own
-//! `float_from_data` does). Shapes the kernels do not take (head dim above
+//! on lavapipe too), through `kernels::fusion`. Shapes the kernels do not take (head dim above
 //! `launch::MAX_HEAD_DIM`, causal with `s != t`) run the blocked plain path
 //! instead, with one note on stderr.
 
-use burn::backend::ir::{BackendIr, InitOperationIr, OperationIr};
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
-use burn_fusion::stream::OperationStreams;
-use burn_fusion::{get_client, Fusion, NoOp};
+use burn_cubecl::{BoolElement, CubeRuntime};
 use cubecl::prelude::{StorageType, TensorArg};
 
 use super::blocked::FlashMask;
 use super::launch::{self, BackwardInputs, BackwardOutputs, FlashDims, FlashKernels, FlashLaunch};
 use super::mma::Products;
-
-type Inner<R, BT> = CubeBackend<R, f32, i32, BT>;
-type Fused<R, BT> = Fusion<Inner<R, BT>>;
-
-/// The CubeCL tensor behind a fusion tensor (queued ops run first).
-fn resolve<R: CubeRuntime, BT: BoolElement>(t: FloatTensor<Fused<R, BT>>) -> CubeTensor<R> {
-    let client = t.client.clone();
-    client.resolve_tensor_float::<Inner<R, BT>>(t)
-}
-
-/// A CubeCL tensor handed back to the fusion layer.
-fn register<R: CubeRuntime, BT: BoolElement>(t: CubeTensor<R>) -> FloatTensor<Fused<R, BT>> {
-    let client = get_client::<Inner<R, BT>>(&t.device);
-    let (shape, dtype) = (t.shape(), t.dtype);
-    let handle = <Inner<R, BT> as BackendIr>::float_tensor_handle(t);
-    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-    client
-        .register(
-            OperationStreams::default(),
-            OperationIr::Init(desc),
-            NoOp::<Inner<R, BT>>::new(),
-        )
-        .remove(0)
-}
-
-fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
-    empty_device_dtype(like.client.clone(), like.device.clone(), shape, dtype)
-}
+use crate::kernels::fusion::{empty, register, resolve, Fused, Inner};
 
 /// The launch settings, or why the kernels cannot take these shapes.
 fn settings<R: CubeRuntime, BT: BoolElement>(

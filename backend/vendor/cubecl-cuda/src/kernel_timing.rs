@@ -132,6 +132,22 @@ pub(crate) fn after_launch(
     }
 }
 
+/// rcoa patch: times work queued outside CubeCL on `stream` (a cuBLAS
+/// call) as one launch named `name`, as `Command::kernel` times its kernels.
+/// The stream's context must be current on this thread.
+pub fn time_external<T>(name: &'static str, stream: CUstream, f: impl FnOnce() -> T) -> T {
+    let context = match on().then(ctx::get_current) {
+        Some(Ok(Some(context))) => context,
+        _ => return f(),
+    };
+    let start = before_launch(context, stream);
+    let out = f();
+    if let Some(start) = start {
+        after_launch(name, context, stream, start);
+    }
+    out
+}
+
 /// The kernels timed since the last call, in launch order. Waits for each to
 /// finish. An error names the first event CUDA refused; the launches it
 /// concerned are missing from the result, so it is returned instead.

@@ -54,10 +54,14 @@ impl<'a> Command<'a> {
     /// * `Ok(GpuResource)` - The GPU resource associated with the binding.
     /// * `Err(IoError::InvalidHandle)` - If the binding does not correspond to a valid resource.
     pub fn resource(&mut self, binding: Binding) -> Result<GpuResource, IoError> {
-        self.streams
+        let mut resource = self
+            .streams
             .get(&binding.stream)
             .memory_management_gpu
-            .get_resource(binding.memory, binding.offset_start, binding.offset_end)
+            .get_resource(binding.memory, binding.offset_start, binding.offset_end)?;
+        // rcoa patch: the stream work on the resource joins (`GpuResource::stream`).
+        resource.stream = self.streams.current().sys;
+        Ok(resource)
     }
 
     /// Get the stream cursor.

@@ -36,12 +36,22 @@ pub struct GpuResource {
     pub binding: *mut std::ffi::c_void,
     /// The size of the resource.
     pub size: u64,
+    /// rcoa patch: the stream of the command that resolved the resource (the
+    /// caller's, made to wait for the resource's writes), so work outside
+    /// CubeCL (cuBLAS) can be queued in order with its kernels. Null where no
+    /// command resolved it.
+    pub stream: cudarc::driver::sys::CUstream,
 }
 
 impl GpuResource {
     /// Creates a new [`GpuResource`].
     pub fn new(ptr: u64, binding: *mut std::ffi::c_void, size: u64) -> Self {
-        Self { ptr, binding, size }
+        Self {
+            ptr,
+            binding,
+            size,
+            stream: std::ptr::null_mut(),
+        }
     }
 }
 

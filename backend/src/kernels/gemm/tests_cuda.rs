@@ -1,0 +1,169 @@
+//! cuBLAS against an f64 product of the same (rounded) inputs, on a CUDA
+//! device: every pair of operand orders autodiff hands over, the three
+//! element types, vector shapes, an operand at an offset in its buffer, and
+//! inputs a fused CubeCL kernel writes just before (the stream order). Skip
+//! without a device or a cuBLAS library unless `RCOA_REQUIRE` names `cuda`
+//! or `cublas`.
+
+use burn::backend::cuda::CudaDevice;
+use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
+use cubecl::cuda::CudaRuntime;
+use cubecl::Runtime;
+
+use super::cublas;
+use super::fused::cublas_matmul;
+
+type B = burn::backend::Cuda<f32>;
+
+fn device() -> Option<CudaDevice> {
+    let found = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0)));
+    if found.is_err() {
+        crate::testing::skip("cuda", "no CUDA device; the cuBLAS tests did not run");
+        return None;
+    }
+    if !cublas::available() {
+        crate::testing::skip(
+            "cublas",
+            "no cuBLAS library loads; the cuBLAS tests did not run",
+        );
+        return None;
+    }
+    Some(CudaDevice::new(0))
+}
+
+/// Values in [-1, 1) from a seeded generator.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn host(t: Tensor<B, 2>) -> Vec<f64> {
+    let v = t.cast(FloatDType::F32).into_data().convert::<f32>();
+    v.into_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// A `[rows, cols]` matrix of `dtype`, stored column by column (a transposed
+/// view) when `cols_first`, written by a fused CubeCL kernel just before use.
+fn matrix(
+    rows: usize,
+    cols: usize,
+    cols_first: bool,
+    dtype: FloatDType,
+    seed: u64,
+    dev: &CudaDevice,
+) -> Tensor<B, 2> {
+    let shape = if cols_first {
+        [cols, rows]
+    } else {
+        [rows, cols]
+    };
+    let t = Tensor::<B, 2>::from_data(TensorData::new(values(rows * cols, seed), shape), dev)
+        .add_scalar(0.125)
+        .cast(dtype);
+    if cols_first {
+        t.transpose()
+    } else {
+        t
+    }
+}
+
+fn reference(x: &[f64], w: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
+    let mut y = vec![0.0; n * m];
+    for i in 0..n {
+        for l in 0..k {
+            let a = x[i * k + l];
+            for j in 0..m {
+                y[i * m + j] += a * w[l * m + j];
+            }
+        }
+    }
+    y
+}
+
+fn tolerance(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F32 => 1e-5,
+        FloatDType::F16 => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+fn cublas(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    let y = cublas_matmul(x.into_primitive().tensor(), w.into_primitive().tensor())
+        .expect("cuBLAS takes the product");
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// cuBLAS's `x · w` against the f64 product of the same inputs, within the
+/// output type's rounding of the largest value.
+fn check(x: Tensor<B, 2>, w: Tensor<B, 2>, dtype: FloatDType, what: &str) {
+    let ([n, k], [_, m]) = (x.dims(), w.dims());
+    let want = reference(&host(x.clone()), &host(w.clone()), n, k, m);
+    let got = host(cublas(x, w));
+    let scale = want.iter().fold(1.0f64, |a, v| a.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, r)| (g - r).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst <= tolerance(dtype) * scale,
+        "{what}: largest difference {worst:e} over {scale:e} ({dtype:?})"
+    );
+}
+
+#[test]
+fn every_operand_order_and_type_matches_the_exact_product() {
+    let Some(dev) = device() else { return };
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        for (n, k, m) in [(64, 96, 80), (300, 1024, 257), (1, 7, 5), (37, 64, 1)] {
+            for (x_cols, w_cols) in [(false, false), (false, true), (true, false), (true, true)] {
+                let x = matrix(n, k, x_cols, dtype, 1, &dev);
+                let w = matrix(k, m, w_cols, dtype, 2, &dev);
+                let what = format!("{n}×{k}×{m}, x by columns {x_cols}, w by columns {w_cols}");
+                check(x, w, dtype, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_operand_at_an_offset_in_its_buffer_reads_its_own_rows() {
+    let Some(dev) = device() else { return };
+    let dtype = FloatDType::BF16;
+    let big = matrix(40, 48, false, dtype, 3, &dev);
+    let x = big.narrow(0, 9, 24);
+    let w = matrix(48, 32, false, dtype, 4, &dev);
+    check(x, w, dtype, "rows 9..33 of a 40-row matrix");
+}
+
+#[test]
+fn later_cubecl_kernels_see_the_product() {
+    // The product is queued on CubeCL's stream: a fused kernel reading it
+    // right after sees its values, not the uninitialised output's.
+    let Some(dev) = device() else { return };
+    let dtype = FloatDType::F32;
+    let x = matrix(128, 256, false, dtype, 5, &dev);
+    let w = matrix(256, 64, false, dtype, 6, &dev);
+    let (n, k, m) = (128, 256, 64);
+    let want = reference(&host(x.clone()), &host(w.clone()), n, k, m);
+    let got = host(cublas(x, w).mul_scalar(2.0).sum_dim(1));
+    for (i, g) in got.iter().enumerate() {
+        let r: f64 = 2.0 * want[i * m..(i + 1) * m].iter().sum::<f64>();
+        assert!(
+            (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+            "row {i}: {g} against {r}"
+        );
+    }
+}
