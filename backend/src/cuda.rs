@@ -395,7 +395,7 @@ pub(crate) fn run_probed(
     });
     let name = |i: u32| {
         format!(
-            "cuda:{i}{} {} (driver {}.{}, fusion on, kernel cache {})",
+            "cuda:{i}{} {} (driver {}.{}, fusion on, {}, kernel cache {})",
             if n > 1 {
                 format!(" (of {n} in this process)")
             } else {
@@ -404,6 +404,7 @@ pub(crate) fn run_probed(
             info.gpu,
             info.driver_version / 1000,
             (info.driver_version % 1000) / 10,
+            crate::kernels::gemm::fused::engine_in_use(),
             dir.display()
         )
     };

@@ -11,7 +11,7 @@
 //! Same objective as `loss::lm_loss` on full logits (the logits cast to fp32):
 //! mean cross-entropy, or with weights `Σ w·nll / max(Σ w, 1)` (masked LM).
 
-use crate::ops::ExecBackend;
+use crate::ops::{matmul_2d, ExecBackend};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -87,17 +87,13 @@ fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
 }
 
 /// One chunk's fp32 logits and their row-wise log-sum-exp.
-fn chunk_logits<B: Backend>(
+fn chunk_logits<B: ExecBackend>(
     h: &Tensor<B, 2>,
     w: &Tensor<B, 2>,
     start: usize,
     len: usize,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let logits = h
-        .clone()
-        .narrow(0, start, len)
-        .matmul(w.clone())
-        .cast(FloatDType::F32);
+    let logits = matmul_2d(h.clone().narrow(0, start, len), w.clone()).cast(FloatDType::F32);
     let m = logits.clone().max_dim(1);
     let lse = (logits.clone() - m.clone()).exp().sum_dim(1).log() + m;
     (logits, lse)
@@ -113,7 +109,7 @@ fn count<B: Backend>(n: usize, weights: &Option<Tensor<B, 1>>, device: &B::Devic
 
 /// The loss, computed chunk by chunk; the second value is unused state kept
 /// for symmetry with the backward.
-pub(crate) fn forward<B: Backend>(
+pub(crate) fn forward<B: ExecBackend>(
     hidden: FloatTensor<B>,
     head: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -145,7 +141,7 @@ pub(crate) fn forward<B: Backend>(
 #[derive(Debug)]
 struct ChunkedLmLoss;
 
-impl<B: Backend> Backward<B, 2> for ChunkedLmLoss {
+impl<B: ExecBackend> Backward<B, 2> for ChunkedLmLoss {
     /// Hidden states, head weight, targets, weights, chunk.
     type State = (
         FloatTensor<B>,
@@ -196,10 +192,10 @@ impl<B: Backend> Backward<B, 2> for ChunkedLmLoss {
             }
             let dlogits = (((logits - lse).exp() - onehot) * row).cast(h.dtype());
             if node_h.is_some() {
-                dh.push(dlogits.clone().matmul(w.clone().transpose()));
+                dh.push(matmul_2d(dlogits.clone(), w.clone().transpose()));
             }
             if node_w.is_some() {
-                let part = h.clone().narrow(0, start, len).transpose().matmul(dlogits);
+                let part = matmul_2d(h.clone().narrow(0, start, len).transpose(), dlogits);
                 dw = Some(match dw {
                     None => part,
                     Some(acc) => acc + part,

@@ -47,6 +47,15 @@ fn parse_engine(var: Option<&str>) -> Result<Engine, String> {
     }
 }
 
+/// Which library multiplies, for the run's device line.
+pub fn engine_in_use() -> &'static str {
+    match engine_asked() {
+        Engine::Cublas if cublas::available() => "matmuls on cuBLAS",
+        Engine::Cublas => "matmuls on CubeCL (RCOA_MATMUL=cublas, but no cuBLAS loads)",
+        Engine::CubeCl => "matmuls on CubeCL",
+    }
+}
+
 fn note_once(why: String) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| eprintln!("note: {why}"));
