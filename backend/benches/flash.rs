@@ -27,15 +27,67 @@ mod bench {
     use cubecl::prelude::*;
     use rcoa_backend::kernels::flash::device_tensor::{AttentionTensors, Elem, HostInputs};
     use rcoa_backend::kernels::flash::launch::{
-        has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch,
+        has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW,
     };
     use std::time::Instant;
 
-    /// A row of the table: its name, the kernels, whether their backward
-    /// runs in one pass, their units per row, whether their planes take
-    /// 2 × 2 tiles at a time, and whether the forward stages with
-    /// asynchronous copies.
-    pub type Variant = (&'static str, FlashKernels, bool, usize, bool, bool);
+    /// A row of the table: the kernels and the settings they run with
+    /// (`FlashLaunch`'s fields of the same names).
+    #[derive(Clone, Copy)]
+    pub struct Variant {
+        name: &'static str,
+        kernels: FlashKernels,
+        /// The backward in one pass, dQ added atomically.
+        one_pass: bool,
+        units_per_row: usize,
+        /// Each plane takes 2 × 2 tiles of a product at a time.
+        tile_pairs: bool,
+        /// The forward stages its tiles with asynchronous copies.
+        async_copy: bool,
+    }
+
+    impl Variant {
+        /// Two-pass backward, the default units per row, one tile at a time,
+        /// synchronous staging.
+        pub const fn new(name: &'static str, kernels: FlashKernels) -> Self {
+            Variant {
+                name,
+                kernels,
+                one_pass: false,
+                units_per_row: UNITS_PER_ROW,
+                tile_pairs: false,
+                async_copy: false,
+            }
+        }
+        pub const fn one_pass(self) -> Self {
+            Variant {
+                one_pass: true,
+                ..self
+            }
+        }
+        pub const fn units_per_row(self, units_per_row: usize) -> Self {
+            Variant {
+                units_per_row,
+                ..self
+            }
+        }
+        // Rows of the CUDA table only.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        pub const fn tile_pairs(self) -> Self {
+            Variant {
+                tile_pairs: true,
+                ..self
+            }
+        }
+        // Rows of the CUDA table only.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        pub const fn async_copy(self) -> Self {
+            Variant {
+                async_copy: true,
+                ..self
+            }
+        }
+    }
 
     const WARMUP: usize = 2;
     const REPEATS: usize = 10;
@@ -90,11 +142,11 @@ mod bench {
         // Each kind without dropout, then with it (its cost, not its outputs).
         let variants: Vec<(String, Variant, Option<f64>)> = variants
             .iter()
-            .map(|v| (v.0.to_string(), *v, None))
+            .map(|v| (v.name.to_string(), *v, None))
             .chain(
                 variants
                     .iter()
-                    .map(|v| (format!("{} + dropout 0.1", v.0), *v, Some(0.1))),
+                    .map(|v| (format!("{} + dropout 0.1", v.name), *v, Some(0.1))),
             )
             .collect();
         let causal = true;
@@ -129,9 +181,8 @@ mod bench {
             "kernels", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "× first"
         );
         let mut results: Vec<Result> = Vec::new();
-        for (name, (_, kernels, one_pass, units_per_row, tile_pairs, async_copy), dropout) in
-            variants
-        {
+        for (name, v, dropout) in variants {
+            let (kernels, one_pass) = (v.kernels, v.one_pass);
             let cfg = FlashLaunch {
                 dims,
                 causal,
@@ -142,9 +193,9 @@ mod bench {
                 unroll: unrolls(&client),
                 dropout,
                 atomic_dq: one_pass && has_atomic_add(&client),
-                units_per_row,
-                tile_pairs,
-                async_copy,
+                units_per_row: v.units_per_row,
+                tile_pairs: v.tile_pairs,
+                async_copy: v.async_copy,
             };
             if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
@@ -252,54 +303,18 @@ fn main() {
         client,
         dims,
         &[
-            (
-                "rows (scalar FMAs)",
-                FlashKernels::Rows,
-                false,
-                1,
-                false,
-                false,
-            ),
-            (
-                "blocks on tensor cores",
-                TENSOR_CORES,
-                false,
-                2,
-                false,
-                false,
-            ),
-            (
-                "tensor cores, one-pass backward",
-                TENSOR_CORES,
-                true,
-                2,
-                false,
-                false,
-            ),
-            (
-                "tensor cores, one pass, 4 units a row",
-                TENSOR_CORES,
-                true,
-                4,
-                false,
-                false,
-            ),
-            (
-                "tensor cores, one pass, 2 x 2 tiles",
-                TENSOR_CORES,
-                true,
-                2,
-                true,
-                false,
-            ),
-            (
-                "tensor cores, one pass, async copies",
-                TENSOR_CORES,
-                true,
-                2,
-                false,
-                true,
-            ),
+            bench::Variant::new("rows (scalar FMAs)", FlashKernels::Rows).units_per_row(1),
+            bench::Variant::new("blocks on tensor cores", TENSOR_CORES),
+            bench::Variant::new("tensor cores, one-pass backward", TENSOR_CORES).one_pass(),
+            bench::Variant::new("tensor cores, one pass, 4 units a row", TENSOR_CORES)
+                .one_pass()
+                .units_per_row(4),
+            bench::Variant::new("tensor cores, one pass, 2 x 2 tiles", TENSOR_CORES)
+                .one_pass()
+                .tile_pairs(),
+            bench::Variant::new("tensor cores, one pass, async copies", TENSOR_CORES)
+                .one_pass()
+                .async_copy(),
         ],
     );
 }
@@ -329,38 +344,12 @@ fn main() {
         client,
         dims,
         &[
-            (
-                "rows (scalar FMAs)",
-                FlashKernels::Rows,
-                false,
-                1,
-                false,
-                false,
-            ),
-            (
-                "blocks, tiles on scalar FMAs",
-                TILED,
-                false,
-                2,
-                false,
-                false,
-            ),
-            (
-                "tiles on scalar FMAs, one pass",
-                TILED,
-                true,
-                2,
-                false,
-                false,
-            ),
-            (
-                "tiles on scalar FMAs, one pass, 4 a row",
-                TILED,
-                true,
-                4,
-                false,
-                false,
-            ),
+            bench::Variant::new("rows (scalar FMAs)", FlashKernels::Rows).units_per_row(1),
+            bench::Variant::new("blocks, tiles on scalar FMAs", TILED),
+            bench::Variant::new("tiles on scalar FMAs, one pass", TILED).one_pass(),
+            bench::Variant::new("tiles on scalar FMAs, one pass, 4 a row", TILED)
+                .one_pass()
+                .units_per_row(4),
         ],
     );
 }
