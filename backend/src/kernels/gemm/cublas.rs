@@ -17,6 +17,7 @@ use cubecl::prelude::ComputeClient;
 use cudarc::cublas::sys as cb;
 use cudarc::driver::sys as cu;
 
+use super::glue::Elem;
 use super::layout::{Call, Op};
 
 /// The workspace each handle computes in: what cuBLAS's own default is on
@@ -32,21 +33,11 @@ pub fn available() -> bool {
     *PRESENT.get_or_init(|| unsafe { cb::is_culib_present() })
 }
 
-/// The element type of all three matrices; products accumulate in f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl Elem {
-    fn data_type(self) -> cb::cudaDataType_t {
-        match self {
-            Elem::F32 => cb::cudaDataType_t::CUDA_R_32F,
-            Elem::F16 => cb::cudaDataType_t::CUDA_R_16F,
-            Elem::Bf16 => cb::cudaDataType_t::CUDA_R_16BF,
-        }
+fn data_type(elem: Elem) -> cb::cudaDataType_t {
+    match elem {
+        Elem::F32 => cb::cudaDataType_t::CUDA_R_32F,
+        Elem::F16 => cb::cudaDataType_t::CUDA_R_16F,
+        Elem::Bf16 => cb::cudaDataType_t::CUDA_R_16BF,
     }
 }
 
@@ -177,7 +168,7 @@ pub unsafe fn gemm(
     let context = enter_context(stream)?;
     with_handle(client, context, stream, |handle| {
         let (one, zero) = (1.0f32, 0.0f32);
-        let ty = elem.data_type();
+        let ty = data_type(elem);
         let s = cubecl::cuda::kernel_timing::time_external("cublas_gemm", stream, || {
             // SAFETY: the caller's pointers; alpha and beta are f32 as
             // CUBLAS_COMPUTE_32F requires; `Call::new` checked the sizes.

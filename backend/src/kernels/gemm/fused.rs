@@ -4,14 +4,12 @@
 
 use burn::backend::Cuda;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, Shape};
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 
-use super::cublas::{self, Elem, Pointers};
-use super::layout::{Call, Operand};
-use crate::kernels::fusion::{empty, register, resolve};
+use super::cublas::{self, Pointers};
+use super::glue::{blas_matmul, Blas, Elem};
+use super::layout::Call;
 
 type Backend = Cuda<f32>;
 
@@ -80,29 +78,43 @@ pub fn matmul_2d(x: FloatTensor<Backend>, w: FloatTensor<Backend>) -> FloatTenso
     Backend::float_matmul(x, w)
 }
 
-fn elem(dtype: DType) -> Option<Elem> {
-    match dtype {
-        DType::F32 => Some(Elem::F32),
-        DType::F16 => Some(Elem::F16),
-        DType::BF16 => Some(Elem::Bf16),
-        _ => None,
-    }
-}
+/// cuBLAS as the glue's BLAS: the operands' device memory, resolved on this
+/// thread's stream (which waits for their writes), and the call queued
+/// there.
+struct Cublas;
 
-/// A 2-D tensor's BLAS layout, copied contiguous first when it has neither
-/// order (`Operand::of`).
-fn operand(t: CubeTensor<CudaRuntime>) -> (CubeTensor<CudaRuntime>, Operand) {
-    let [rows, cols] = t.meta.shape().dims::<2>();
-    let strides = t.meta.strides();
-    match Operand::of(rows, cols, strides[0], strides[1]) {
-        Some(op) => (t, op),
-        None => {
-            let t = into_contiguous(t);
-            (
-                t,
-                Operand::of(rows, cols, cols, 1).expect("a contiguous matrix"),
-            )
+impl Blas<CudaRuntime> for Cublas {
+    fn gemm(
+        call: &Call,
+        elem: Elem,
+        p: &CubeTensor<CudaRuntime>,
+        q: &CubeTensor<CudaRuntime>,
+        out: CubeTensor<CudaRuntime>,
+    ) -> Result<CubeTensor<CudaRuntime>, String> {
+        if crate::prebuild::recording() {
+            // A recording executes nothing; the output's values mean nothing.
+            return Ok(out);
         }
+        let client = out.client.clone();
+        let resource = |t: &CubeTensor<CudaRuntime>| {
+            client
+                .get_resource(t.handle.clone())
+                .map_err(|e| format!("a matrix's device memory: {e:?}"))
+        };
+        // The resources keep the memory from reuse until the product is queued.
+        let (pr, qr, cr) = (resource(p)?, resource(q)?, resource(&out)?);
+        let ptrs = Pointers {
+            p: pr.resource().ptr,
+            q: qr.resource().ptr,
+            c: cr.resource().ptr,
+        };
+        let stream = cr.resource().stream;
+        // SAFETY: the three resources are this stream's view of live tensors
+        // (p and q of the shapes `call` was built from, out `call.ldc ·
+        // call.n` elements, contiguous); their memory is reused only by work
+        // queued after this.
+        unsafe { cublas::gemm(&client, call, elem, ptrs, stream)? };
+        Ok(out)
     }
 }
 
@@ -111,49 +123,7 @@ pub fn cublas_matmul(
     x: FloatTensor<Backend>,
     w: FloatTensor<Backend>,
 ) -> Result<FloatTensor<Backend>, String> {
-    if x.shape.num_dims() != 2 || w.shape.num_dims() != 2 {
-        return Err(format!("not 2-D: {:?} · {:?}", x.shape, w.shape));
-    }
-    let Some(ty) = elem(x.dtype).filter(|_| x.dtype == w.dtype) else {
-        return Err(format!("element types {:?} · {:?}", x.dtype, w.dtype));
-    };
-    let ([n, k], [k2, m]) = (x.shape.dims::<2>(), w.shape.dims::<2>());
-    if k != k2 {
-        return Err(format!("inner dims {k} and {k2}"));
-    }
-    let (xc, a) = operand(resolve::<CudaRuntime, u8>(x));
-    let (wc, b) = operand(resolve::<CudaRuntime, u8>(w));
-    let Some(call) = Call::new(n, k, m, a, b) else {
-        return Err(format!(
-            "{n} × {k} × {m} is empty or over cuBLAS's 32-bit sizes"
-        ));
-    };
-    let out = empty(&xc, Shape::new([n, m]), xc.dtype);
-    if crate::prebuild::recording() {
-        // A recording executes nothing; the output's values mean nothing.
-        return Ok(register::<CudaRuntime, u8>(out));
-    }
-    let client = xc.client.clone();
-    let resource = |t: &CubeTensor<CudaRuntime>| {
-        client
-            .get_resource(t.handle.clone())
-            .map_err(|e| format!("a matrix's device memory: {e:?}"))
-    };
-    // Each lookup makes this thread's stream wait for the tensor's writes;
-    // the resources keep the memory from reuse until the product is queued.
-    let (p, q, c) = (resource(&wc)?, resource(&xc)?, resource(&out)?);
-    let ptrs = Pointers {
-        p: p.resource().ptr,
-        q: q.resource().ptr,
-        c: c.resource().ptr,
-    };
-    let stream = c.resource().stream;
-    // SAFETY: the three resources are this stream's view of live tensors
-    // (x and w of the shapes `call` was built from, out `n · m` elements
-    // contiguous); their memory is reused only by work queued after this.
-    unsafe { cublas::gemm(&client, &call, ty, ptrs, stream)? };
-    drop((p, q, c, xc, wc));
-    Ok(register::<CudaRuntime, u8>(out))
+    blas_matmul::<CudaRuntime, u8, Cublas>(x, w)
 }
 
 #[cfg(test)]

@@ -93,31 +93,32 @@ impl Call {
 }
 
 #[cfg(test)]
+/// BLAS's column-major GEMM as its reference defines it (alpha 1, beta
+/// 0): `C[i + j·ldc] = Σ_l op(P)[i, l] · op(Q)[l, j]`.
+pub(crate) fn reference_gemm(call: &Call, p: &[f64], q: &[f64]) -> Vec<f64> {
+    let (m, n, k) = (call.m as usize, call.n as usize, call.k as usize);
+    let at = |op, x: &[f64], ld: usize, i: usize, l: usize| match op {
+        Op::N => x[i + l * ld],
+        Op::T => x[l + i * ld],
+    };
+    let mut c = vec![f64::NAN; call.ldc as usize * n];
+    for j in 0..n {
+        for i in 0..m {
+            c[i + j * call.ldc as usize] = (0..k)
+                .map(|l| {
+                    at(call.trans_p, p, call.ld_p as usize, i, l)
+                        * at(call.trans_q, q, call.ld_q as usize, l, j)
+                })
+                .sum();
+        }
+    }
+    c
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    /// BLAS's column-major GEMM as its reference defines it (alpha 1, beta
-    /// 0): `C[i + j·ldc] = Σ_l op(P)[i, l] · op(Q)[l, j]`.
-    fn blas_gemm(call: &Call, p: &[f64], q: &[f64]) -> Vec<f64> {
-        let (m, n, k) = (call.m as usize, call.n as usize, call.k as usize);
-        let at = |op, x: &[f64], ld: usize, i: usize, l: usize| match op {
-            Op::N => x[i + l * ld],
-            Op::T => x[l + i * ld],
-        };
-        let mut c = vec![f64::NAN; call.ldc as usize * n];
-        for j in 0..n {
-            for i in 0..m {
-                c[i + j * call.ldc as usize] = (0..k)
-                    .map(|l| {
-                        at(call.trans_p, p, call.ld_p as usize, i, l)
-                            * at(call.trans_q, q, call.ld_q as usize, l, j)
-                    })
-                    .sum();
-            }
-        }
-        c
-    }
 
     /// A row-major `[rows, cols]` laid out in memory with the given
     /// strides (padding holds NaN, so a read of it shows), from values
@@ -161,7 +162,7 @@ mod tests {
         let a_op = Operand::of(n, k, sa.0, sa.1).expect("A's layout");
         let b_op = Operand::of(k, m, sb.0, sb.1).expect("B's layout");
         let call = Call::new(n, k, m, a_op, b_op).expect("a valid call");
-        let c = blas_gemm(&call, &store(k, m, sb, b), &store(n, k, sa, a));
+        let c = reference_gemm(&call, &store(k, m, sb, b), &store(n, k, sa, a));
         for i in 0..n {
             for j in 0..m {
                 let want: f64 = (0..k).map(|l| a(i, l) * b(l, j)).sum();

@@ -9,9 +9,12 @@
 //!   definition).
 //! - [`autodiff`]: the autodiff node, Burn's matmul node with both backward
 //!   products through `matmul_2d` as well.
+//! - `glue`: a BLAS product under Burn's fusion layer, for any CubeCL
+//!   runtime (tested on wgpu with a host BLAS over the tensors' memory).
 //! - `cublas`: loading cuBLAS, per-thread handles on CubeCL's stream, and
 //!   the call (`cuda` feature).
-//! - `fused`: the glue under Burn's fusion layer on `Cuda<f32>`.
+//! - `fused`: which library `Cuda<f32>` multiplies with, and cuBLAS as the
+//!   glue's BLAS.
 
 pub mod autodiff;
 pub mod layout;
@@ -20,5 +23,7 @@ pub mod layout;
 pub mod cublas;
 #[cfg(feature = "cuda")]
 pub mod fused;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod glue;
 #[cfg(all(test, feature = "cuda"))]
 mod tests_cuda;
