@@ -12,12 +12,13 @@
 #     (four units a row, 2 x 2 tiles), which decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), with the millisecond and
-#     TFLOP/s of each. At most 80 s. Then the linear layers' products on CubeCL against
-#     cuBLAS (.rcoa-bin/gemm-bench.gz). At most 60 s.
+#     TFLOP/s of each. At most 80 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
 #     one-pass backward. At most 200 s.
+#  3a. The linear layers' products on CubeCL against cuBLAS (.rcoa-bin/gemm-bench.gz), in
+#     step 3's kernel cache, if step 1's cuBLAS tests passed. At most 60 s.
 #  3b. The same cold run with the linear layers on cuBLAS (RCOA_MATMUL=cublas, its own empty
 #     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
 #     matmul kernels to compile. At most 150 s.
@@ -70,11 +71,6 @@ if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
   timeout "$(cap 80)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
   log "2 flash bench rc=$?"; cat "$OUT/flash-bench.txt"
 fi
-if [ -f .rcoa-bin/gemm-bench.gz ] && [ "$DEVICE" = cuda ]; then
-  gunzip -c .rcoa-bin/gemm-bench.gz > /tmp/gemm-bench && chmod +x /tmp/gemm-bench
-  timeout "$(cap 60)" /tmp/gemm-bench > "$OUT/gemm-bench.txt" 2>&1
-  log "2 gemm bench rc=$?"; cat "$OUT/gemm-bench.txt"
-fi
 
 # 3. Cold 350M with fused attention (tensor cores if step 1 passed), default pools.
 export RCOA_CACHE_DIR=/tmp/cache-flash-call
@@ -94,6 +90,14 @@ if [ "$t" -ge 60 ]; then
   log "3 tunings kept: $(cat "$OUT"/autotune-350m/autotune/*/*/*.json.log 2>/dev/null | wc -l) entries"
 else
   log "3 skipped: ${t}s left"
+fi
+
+# 3a. The linear layers' products alone, CubeCL's against cuBLAS's, in step 3's cache (its
+# matmuls compiled and tuned there, so the bench times them, not their tuning).
+if [ -f .rcoa-bin/gemm-bench.gz ] && [ "$DEVICE" = cuda ] && [ $BLAS = 1 ]; then
+  gunzip -c .rcoa-bin/gemm-bench.gz > /tmp/gemm-bench && chmod +x /tmp/gemm-bench
+  timeout "$(cap 60)" /tmp/gemm-bench > "$OUT/gemm-bench.txt" 2>&1
+  log "3a gemm bench rc=$?"; cat "$OUT/gemm-bench.txt"
 fi
 
 # 3b. The same, the linear layers on cuBLAS, from its own empty cache.

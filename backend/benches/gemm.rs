@@ -12,6 +12,11 @@
 //! The default is the 350M decoder at 4 × 2048 tokens (hidden 1024, ffn
 //! 2816, vocab 32000, 24 layers), bf16. Needs a CUDA device and a cuBLAS
 //! library on the library path; prints why not and times nothing otherwise.
+//!
+//! It uses `rcoa run`'s kernel cache (`RCOA_CACHE_DIR`, as a run sets it):
+//! after a run of the same model, CubeCL's matmuls are compiled and tuned
+//! already, so the bench times them rather than their tuning (twenty
+//! candidates compiled per shape otherwise).
 
 #[cfg(feature = "cuda")]
 mod bench {
@@ -108,6 +113,19 @@ mod bench {
             arg(3, 32000),
             arg(4, 24),
         );
+        // rcoa run's cache: its tunings and compiled kernels.
+        match rcoa_backend::cuda::preflight() {
+            Ok(info) => {
+                let dir = rcoa_backend::cuda::cache_dir(&info);
+                if let Err(e) = rcoa_backend::cuda::configure_cache(&dir) {
+                    println!("the kernel cache {}: {e}", dir.display());
+                }
+            }
+            Err(e) => {
+                println!("no CUDA: {e}; nothing timed");
+                return;
+            }
+        }
         // Without a device the first use panics; keep its message off the output.
         let hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
