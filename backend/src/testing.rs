@@ -221,7 +221,7 @@ pub fn loopback_node(
 }
 
 /// Whether the environment requires the test device or tool `kind`
-/// (`vulkan`, `nvrtc`, `cuda`): `RCOA_REQUIRE` lists them, comma-separated.
+/// (`vulkan`, `nvrtc`, `cuda`, `cublas`): `RCOA_REQUIRE` lists them, comma-separated.
 /// `.ci/run` sets it for what it installed, so that a run where they went
 /// missing fails instead of passing with nothing checked.
 pub fn required(kind: &str) -> bool {
