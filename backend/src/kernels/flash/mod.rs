@@ -48,7 +48,7 @@ mod tile;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod fused;
 #[cfg(test)]
-mod reference;
+pub(crate) mod reference;
 #[cfg(test)]
 mod tests_blocked;
 #[cfg(all(test, feature = "cuda", feature = "wgpu-kernels"))]

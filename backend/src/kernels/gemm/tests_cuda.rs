@@ -12,6 +12,7 @@ use cubecl::Runtime;
 
 use super::cublas;
 use super::fused::cublas_matmul;
+use crate::kernels::flash::reference::fill;
 
 type B = burn::backend::Cuda<f32>;
 
@@ -29,19 +30,6 @@ fn device() -> Option<CudaDevice> {
         return None;
     }
     Some(CudaDevice::new(0))
-}
-
-/// Values in [-1, 1) from a seeded generator.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 fn host(t: Tensor<B, 2>) -> Vec<f64> {
@@ -68,7 +56,7 @@ fn matrix(
     } else {
         [rows, cols]
     };
-    let t = Tensor::<B, 2>::from_data(TensorData::new(values(rows * cols, seed), shape), dev)
+    let t = Tensor::<B, 2>::from_data(TensorData::new(fill(rows * cols, seed), shape), dev)
         .add_scalar(0.125)
         .cast(dtype);
     if cols_first {
