@@ -117,7 +117,8 @@ pub struct Ctx<B: Backend> {
     pub dropout: f64,
     /// Dropout masks are drawn only while training (never in a gradient check).
     pub train: bool,
-    /// `[seq, head_dim / 2]` cosines and sines, in the compute dtype.
+    /// RoPE tables in the compute dtype, laid out for [`rope`]: the cosines `[seq, head_dim
+    /// / 2]` (both halves use them) and the signed sines `[seq, head_dim]` (`[-s, s]`).
     pub rope: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
     /// `[1, 1, seq, seq]` additive causal mask in the compute dtype: 0, or a
     /// large negative number above the diagonal (future positions). Added
@@ -160,17 +161,17 @@ impl<B: Backend> Ctx<B> {
                 .map(|i| (1.0 / base.powf(2.0 * i as f64 / head_dim as f64)) as f32)
                 .collect();
             let mut cos = Vec::with_capacity(seq * half);
-            let mut sin = Vec::with_capacity(seq * half);
+            let mut sin = Vec::with_capacity(seq * head_dim);
             for p in 0..seq {
-                for f in &inv {
-                    let a = p as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
+                let angles = inv.iter().map(|f| p as f32 * f);
+                cos.extend(angles.clone().map(f32::cos));
+                sin.extend(angles.clone().map(|a| -a.sin()));
+                sin.extend(angles.map(f32::sin));
             }
             let mk = |v: Vec<f32>| {
+                let cols = v.len() / seq;
                 to_dtype(
-                    Tensor::<B, 1>::from_floats(v.as_slice(), device).reshape([seq, half]),
+                    Tensor::<B, 1>::from_floats(v.as_slice(), device).reshape([seq, cols]),
                     compute,
                 )
             };
@@ -494,20 +495,18 @@ pub struct Attention<B: Backend> {
 }
 
 fn rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
-    // Rotate-half form (as in Hugging Face LLaMA): pairs (i, i + d/2).
-    let [_, _, _, d] = x.dims();
-    let half = d / 2;
-    let x1 = x.clone().narrow(3, 0, half);
-    let x2 = x.narrow(3, half, half);
-    let c = cos.clone().unsqueeze::<4>();
-    let s = sin.clone().unsqueeze::<4>();
-    Tensor::cat(
-        vec![
-            x1.clone() * c.clone() - x2.clone() * s.clone(),
-            x1 * s + x2 * c,
-        ],
-        3,
-    )
+    // Rotate-half form (as in Hugging Face LLaMA), pairs (i, i + d/2):
+    //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s].
+    // Swapping the halves is a flip of the size-2 axis of a `[.., 2, d/2]` view: one
+    // gather each way. `narrow` + `cat` launched two slices forward and, backward, two
+    // slices, two slice-assigns and their zero fills, for each of q and k in each layer.
+    let [b, h, s, d] = x.dims();
+    let halves = x.reshape([b, h, s, 2, d / 2]);
+    // The flip first, so the products and the sum after it fuse into one kernel.
+    let swapped = halves.clone().flip([3]);
+    let cos = cos.clone().reshape([1, 1, s, 1, d / 2]);
+    let sin = sin.clone().reshape([1, 1, s, 2, d / 2]);
+    (halves * cos + swapped * sin).reshape([b, h, s, d])
 }
 
 impl<B: ExecBackend> Attention<B> {
@@ -1549,6 +1548,57 @@ mod ctx_tests {
     use super::*;
 
     type Ad = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+    /// RoPE rotates each pair (i, i + d/2) of a head by position · θ_i, θ_i = base^(-2i/d):
+    /// the flip-based form against that definition computed on the host, forward and
+    /// backward (the backward of a rotation is the rotation by the opposite angle).
+    #[test]
+    fn rope_rotates_each_pair_by_its_angle_forward_and_backward() {
+        let mut spec = crate::testing::tiny_plan().model;
+        spec.numerics.rope_theta = 500.0;
+        let (b, h, s, d) = (2, 3, 5, spec.head_dim as usize);
+        let device = Default::default();
+        let ctx = Ctx::<Ad>::new(&spec, None, s, FloatDType::F32, false, &device);
+        let (cos, sin) = ctx.rope.clone().expect("a decoder has RoPE");
+        let values: Vec<f32> = (0..b * h * s * d)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 3.0)
+            .collect();
+        let x = Tensor::<Ad, 1>::from_floats(values.as_slice(), &device)
+            .reshape([b, h, s, d])
+            .require_grad();
+        let up: Vec<f32> = (0..b * h * s * d)
+            .map(|i| (i * 104_729 % 997) as f32 / 997.0 - 0.5)
+            .collect();
+        let out = rope(x.clone(), &cos, &sin);
+        let grads = (out.clone()
+            * Tensor::<Ad, 1>::from_floats(up.as_slice(), &device).reshape([b, h, s, d]))
+        .sum()
+        .backward();
+        let out: Vec<f32> = out.into_data().to_vec().unwrap();
+        let grad: Vec<f32> = x.grad(&grads).unwrap().into_data().to_vec().unwrap();
+
+        let half = d / 2;
+        let rotate = |v: &[f32], row: usize, sign: f64| -> Vec<f64> {
+            let p = (row / d) % s;
+            let mut r = vec![0.0; d];
+            for i in 0..half {
+                let theta = 500f64.powf(-2.0 * i as f64 / d as f64);
+                let (sn, c) = (p as f64 * theta).sin_cos();
+                let (x1, x2) = (v[row + i] as f64, v[row + half + i] as f64);
+                r[i] = x1 * c - sign * x2 * sn;
+                r[half + i] = x2 * c + sign * x1 * sn;
+            }
+            r
+        };
+        for row in (0..values.len()).step_by(d) {
+            let want = rotate(&values, row, 1.0);
+            let want_grad = rotate(&up, row, -1.0);
+            for j in 0..d {
+                assert!((out[row + j] as f64 - want[j]).abs() < 1e-5, "out[{}]", row + j);
+                assert!((grad[row + j] as f64 - want_grad[j]).abs() < 1e-5);
+            }
+        }
+    }
 
     /// With `attention = flash` the kernels mask the future themselves: no `[seq, seq]` bias
     /// exists. The inner backend's context is the autodiff one's, tables and all.

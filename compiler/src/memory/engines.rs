@@ -206,8 +206,8 @@ pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u6
 }
 
 /// The Burn executor's per-run constants on the device (`backend/src/model.rs` `Ctx`), in the
-/// compute dtype, from the model's build to the end of the run: the RoPE cosines and sines
-/// (`[seq, head_dim / 2]` each) and, for a decoder's attention unless it is fused (`flash`
+/// compute dtype, from the model's build to the end of the run: the RoPE cosines (`[seq,
+/// head_dim / 2]`) and signed sines (`[seq, head_dim]`, laid out so one flip rotates) and, for a decoder's attention unless it is fused (`flash`
 /// masks the future itself), the additive causal bias `[seq, seq]`. Measured on CUDA: the 17
 /// MiB (two sets, before the executor shared one) by which QLoRA at 2,048 tokens was over
 /// its prediction through the whole step (docs/burn-h100.md, "2026-11-27").
@@ -231,7 +231,7 @@ pub fn burn_context_tensors(spec: &Spec, profile: &Profile) -> Vec<u64> {
     };
     let mut out = Vec::new();
     if m.positions == Positions::Rope {
-        out.extend([bytes(seq * (m.head_dim / 2)); 2]);
+        out.extend([bytes(seq * (m.head_dim / 2)), bytes(seq * m.head_dim)]);
     }
     if m.arch == Arch::Decoder && spec.train.attention != Attention::Flash {
         out.push(bytes(seq * seq));
@@ -1093,7 +1093,7 @@ mod tests {
         let burn = Profile::for_target(Target::Burn);
         let mut s = spec("burn", "bf16", 0);
         s.train.attention = Attention::Eager;
-        let rope = 2 * burn.allocated(128 * 32 * 2);
+        let rope = burn.allocated(128 * 32 * 2) + burn.allocated(128 * 64 * 2);
         assert_eq!(
             burn_context_bytes(&s, &burn),
             burn.allocated(128 * 128 * 2) + rope

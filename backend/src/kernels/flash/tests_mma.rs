@@ -150,7 +150,8 @@ impl Case {
     }
 
     /// The same product with twice the rows of A and C (64 at block 32),
-    /// A's rows twice as many (or, transposed, its columns).
+    /// A's rows twice as many (or, transposed, its columns). Only the wgpu tests use it.
+    #[cfg_attr(not(feature = "wgpu-kernels"), allow(dead_code))]
     fn taller(case: Case) -> Case {
         Case {
             what: "taller",
