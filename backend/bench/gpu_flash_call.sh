@@ -6,8 +6,9 @@
 #  0. `--memory-pool expandable` beside pinned host memory (llama125m_activation_offload.plan,
 #     4 steps, cold), in the background from the start beside step 1 (which times nothing)
 #     and waited for before anything is timed. At most 150 s.
-#  1. The tensor-core flash tests and the block products alone (tests_mma), and cuBLAS's
-#     products (kernels::gemm::tests_cuda). At most 90 s.
+#  1. The tensor-core flash tests and the block products alone (tests_mma), cuBLAS's
+#     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
+#     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
 #     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
 #     (four units a row, 2 x 2 tiles), which decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
@@ -19,6 +20,8 @@
 #     one-pass backward. At most 200 s.
 #  3a. The linear layers' products on CubeCL against cuBLAS (.rcoa-bin/gemm-bench.gz), in
 #     step 3's kernel cache, if step 1's cuBLAS tests passed. At most 60 s.
+#  3c. The embedding gradient alone (.rcoa-bin/embedding-bench.gz): Burn's select_assign
+#     against kernels::embedding. At most 20 s.
 #  3b. The same cold run with the linear layers on cuBLAS (RCOA_MATMUL=cublas, its own empty
 #     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
 #     matmul kernels to compile. At most 150 s.
@@ -31,7 +34,8 @@
 # Keep what comes back to 8 files: call it as
 #   OUT_DIR=$OUT; export OUT=/tmp/o; bash backend/bench/gpu_flash_call.sh;
 #   tar czf $OUT_DIR/all.tgz -C /tmp/o .; cp /tmp/o/steps.txt $OUT_DIR/
-# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz, flash-bench.gz, gemm-bench.gz, built as
+# Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz, flash-bench.gz, gemm-bench.gz,
+# embedding-bench.gz, built as
 # docs/gpu-session.md says). DRY=1 checks the script on a CPU with this machine's release build.
 set -u
 LIMIT=${LIMIT:-400}
@@ -55,6 +59,10 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   rc=$?
   log "1 cuBLAS tests rc=$rc"; grep "test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 4
   if [ $rc = 0 ]; then BLAS=1; fi
+  # The embedding gradient's kernel against Burn's (the default on CUDA since 2026-11-29b).
+  RCOA_REQUIRE=cuda timeout "$(cap 20)" /tmp/flash-tests kernels::embedding::fused::tests_cuda \
+    --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
+  log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
   timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
     tests_mma::trials_cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
@@ -98,6 +106,13 @@ if [ -f .rcoa-bin/gemm-bench.gz ] && [ "$DEVICE" = cuda ] && [ $BLAS = 1 ]; then
   gunzip -c .rcoa-bin/gemm-bench.gz > /tmp/gemm-bench && chmod +x /tmp/gemm-bench
   timeout "$(cap 60)" /tmp/gemm-bench > "$OUT/gemm-bench.txt" 2>&1
   log "3a gemm bench rc=$?"; cat "$OUT/gemm-bench.txt"
+fi
+
+# 3c. The embedding gradient alone, Burn's select_assign against kernels::embedding.
+if [ -f .rcoa-bin/embedding-bench.gz ] && [ "$DEVICE" = cuda ]; then
+  gunzip -c .rcoa-bin/embedding-bench.gz > /tmp/embedding-bench && chmod +x /tmp/embedding-bench
+  timeout "$(cap 20)" /tmp/embedding-bench > "$OUT/embedding-bench.txt" 2>&1
+  log "3c embedding bench rc=$?"; cat "$OUT/embedding-bench.txt"
 fi
 
 # 3b. The same, the linear layers on cuBLAS, from its own empty cache.

@@ -104,6 +104,8 @@ pub fn family(name: &str) -> Family {
         "gather",
         "select",
         "scatter",
+        // rcoa's embedding gradient: a scatter-add, as Burn's `select_assign` it replaces.
+        "embedding",
         "cast",
         "repeat",
         "flip",
@@ -431,6 +433,10 @@ mod tests {
         assert_eq!(
             family("cubek_random::base::prng_kernel::PrngKernel<R>"),
             Family::Random
+        );
+        assert_eq!(
+            family("rcoa_backend::kernels::embedding::fused::embedding_grad_kernel::EmbeddingGradKernel<R>"),
+            Family::Layout
         );
         assert_eq!(family("some_crate::Mystery<u8>"), Family::Other);
         // `RCOA_MATMUL=cublas`: timed by `kernels::gemm::cublas` under this name.

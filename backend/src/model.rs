@@ -648,11 +648,11 @@ pub struct Embed<B: Backend> {
     norm: Option<NormLayer<B>>,
 }
 
-impl<B: Backend> Embed<B> {
+impl<B: ExecBackend> Embed<B> {
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let [_, s] = tokens.dims();
         let table = to_dtype(self.tokens.val(), ctx.compute);
-        let mut x = burn::tensor::module::embedding(table, tokens);
+        let mut x = crate::ops::embedding(table, tokens);
         if let Some(p) = &self.positions {
             x = x + to_dtype(p.val(), ctx.compute)
                 .narrow(0, ctx.position_offset, s)
@@ -663,7 +663,9 @@ impl<B: Backend> Embed<B> {
         }
         dropout(x, ctx.dropout, ctx)
     }
+}
 
+impl<B: Backend> Embed<B> {
     /// The token table, for a tied head.
     pub fn table(&self) -> Tensor<B, 2> {
         self.tokens.val()
@@ -1594,7 +1596,11 @@ mod ctx_tests {
             let want = rotate(&values, row, 1.0);
             let want_grad = rotate(&up, row, -1.0);
             for j in 0..d {
-                assert!((out[row + j] as f64 - want[j]).abs() < 1e-5, "out[{}]", row + j);
+                assert!(
+                    (out[row + j] as f64 - want[j]).abs() < 1e-5,
+                    "out[{}]",
+                    row + j
+                );
                 assert!((grad[row + j] as f64 - want_grad[j]).abs() < 1e-5);
             }
         }

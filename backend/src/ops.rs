@@ -20,7 +20,7 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{ActivationOps, BoolTensor, FloatTensor, IntTensor};
-use burn::tensor::{Bool, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
 
 use crate::kernels::flash::{self, blocked::FlashMask};
 use crate::quant::nf4::Nf4Tensor;
@@ -107,6 +107,23 @@ pub trait ExecBackend: Backend {
         Self::float_matmul(x, w)
     }
 
+    /// `table [vocab, d]`'s rows for `ids [b, s]`: `[b, s, d]` (Burn's embedding). Under
+    /// autodiff its backward is [`ExecBackend::embedding_grad`] (`kernels::embedding`).
+    fn embedding_lookup(table: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        Self::embedding(table, ids)
+    }
+
+    /// The table's gradient: each token's `dy [b, s, d]` row added into row `ids [b, s]` of
+    /// a zero `[vocab, d]` (the shape, type and device of `table`). Burn's `select_assign`;
+    /// on the fused CubeCL backends a kernel parallel over tokens as well as columns.
+    fn embedding_grad(
+        table: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::embedding_backward(table, dy, ids)
+    }
+
     /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
     /// [d, vocab]` against `targets [n]`, `chunk` rows of logits at a time
     /// (`loss_chunked`); under autodiff it saves the inputs only.
@@ -129,12 +146,12 @@ impl<B> ExecAutodiff for B where B: AutodiffBackend<InnerBackend: ExecBackend> +
 
 impl ExecBackend for burn::backend::NdArray<f32> {}
 
-/// The fused CubeCL backends run the flash kernels (`kernels::flash::fused`);
-/// the rest is Burn's. CUDA for `rcoa run`; Wgpu so the tests run the same
-/// glue on lavapipe.
+/// The fused CubeCL backends (each with its runtime and bool element) run the flash kernels
+/// (`kernels::flash::fused`) and the embedding gradient's (`kernels::embedding::fused`); the
+/// rest is Burn's. CUDA for `rcoa run`; Wgpu so the tests run the same glue on lavapipe.
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 macro_rules! fused_cube_exec_backend {
-    ($backend:ty $(, $more:item)*) => {
+    ($backend:ty, $runtime:ty, $bool:ty $(, $more:item)*) => {
         impl ExecBackend for $backend {
             $($more)*
 
@@ -146,6 +163,14 @@ macro_rules! fused_cube_exec_backend {
                 scale: f64,
             ) -> (FloatTensor<Self>, FloatTensor<Self>) {
                 flash::fused::forward(q, k, v, mask, scale)
+            }
+
+            fn embedding_grad(
+                table: FloatTensor<Self>,
+                dy: FloatTensor<Self>,
+                ids: IntTensor<Self>,
+            ) -> FloatTensor<Self> {
+                crate::kernels::embedding::fused::embedding_grad::<$runtime, $bool>(table, dy, ids)
             }
 
             fn flash_attention_backward(
@@ -167,12 +192,14 @@ macro_rules! fused_cube_exec_backend {
 #[cfg(feature = "cuda")]
 fused_cube_exec_backend!(
     burn::backend::Cuda<f32>,
+    cubecl::cuda::CudaRuntime,
+    u8,
     fn matmul_2d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::kernels::gemm::fused::matmul_2d(x, w)
     }
 );
 #[cfg(feature = "wgpu-kernels")]
-fused_cube_exec_backend!(burn::backend::Wgpu<f32>);
+fused_cube_exec_backend!(burn::backend::Wgpu<f32>, cubecl::wgpu::WgpuRuntime, u32);
 
 /// Benchmarks only: `RCOA_COMPOSITE_SOFTMAX=1` runs Burn's composite softmax
 /// under autodiff instead, so one binary can time both (docs/burn-h100.md).
@@ -251,6 +278,10 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         crate::kernels::gemm::autodiff::matmul_2d::<B, C>(x, w)
     }
 
+    fn embedding_lookup(table: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        crate::kernels::embedding::autodiff::embedding::<B, C>(table, ids)
+    }
+
     fn chunked_lm_loss(
         hidden: FloatTensor<Self>,
         head: FloatTensor<Self>,
@@ -265,6 +296,12 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
 /// `x [n, k] · w [k, m]` ([`ExecBackend::matmul_2d`]).
 pub fn matmul_2d<B: ExecBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
     let y = B::matmul_2d(x.into_primitive().tensor(), w.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// `table [vocab, d]`'s rows for `ids [b, s]` ([`ExecBackend::embedding_lookup`]).
+pub fn embedding<B: ExecBackend>(table: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let y = B::embedding_lookup(table.into_primitive().tensor(), ids.into_primitive());
     Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 

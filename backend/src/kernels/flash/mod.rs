@@ -52,7 +52,7 @@ pub(crate) mod reference;
 #[cfg(test)]
 mod tests_blocked;
 #[cfg(all(test, feature = "cuda", feature = "wgpu-kernels"))]
-mod tests_cuda_source;
+pub(crate) mod tests_cuda_source;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
 mod tests_kernels;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]

@@ -26,7 +26,7 @@ use super::tile::staged_ld;
 
 const SM: u32 = 90;
 
-fn client() -> Option<ComputeClient<WgpuRuntime>> {
+pub(crate) fn client() -> Option<ComputeClient<WgpuRuntime>> {
     let headers = match crate::cuda::compiler() {
         Ok(h) => h,
         Err(e) => {
@@ -62,23 +62,23 @@ fn settings(units: u32) -> KernelSettings {
         .address_type(AddressType::U32)
 }
 
-fn tensor() -> TensorCompilationArg {
+pub(crate) fn tensor() -> TensorCompilationArg {
     TensorCompilationArg { inplace: None }
 }
 
-fn float(kind: FloatKind) -> StorageType {
+pub(crate) fn float(kind: FloatKind) -> StorageType {
     StorageType::Scalar(ElemType::Float(kind))
 }
 
 /// A kernel lowered for the H100, and ptxas's report of its resources.
-struct Compiled {
-    lowered: prebuild::RecordedKernel,
-    ptxas: String,
+pub(crate) struct Compiled {
+    pub(crate) lowered: prebuild::RecordedKernel,
+    pub(crate) ptxas: String,
 }
 
 /// Lowers `kernel` for the H100 and compiles it with NVRTC: a cubin, or
 /// NVRTC's log in the panic. Prints ptxas's report (`--nocapture`).
-fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
+pub(crate) fn compiles<K: CubeKernel>(kernel: K, what: &str) -> Compiled {
     let lowered = prebuild::lower_for(kernel, SM).unwrap_or_else(|e| panic!("{what}: {e}"));
     let started = std::time::Instant::now();
     let (image, ptxas) = prebuild::compile_verbose(&lowered)
