@@ -494,34 +494,61 @@ pub struct Attention<B: Backend> {
     o: Linear<B>,
 }
 
-fn rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+/// Where a `[.., seq, .., head_dim]` tensor has its positions.
+#[derive(Clone, Copy)]
+enum SeqAxis {
+    /// `[b, seq, heads, d]`: the projections' order.
+    Second,
+    /// `[b, heads, seq, d]`: the attention's order.
+    Third,
+}
+
+fn rope<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    seq: SeqAxis,
+) -> Tensor<B, 4> {
     // Rotate-half form (as in Hugging Face LLaMA), pairs (i, i + d/2):
     //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s].
     // Swapping the halves is a flip of the size-2 axis of a `[.., 2, d/2]` view: one
     // gather each way. `narrow` + `cat` launched two slices forward and, backward, two
     // slices, two slice-assigns and their zero fills, for each of q and k in each layer.
-    let [b, h, s, d] = x.dims();
-    let halves = x.reshape([b, h, s, 2, d / 2]);
-    // The flip first, so the products and the sum after it fuse into one kernel.
+    let dims = x.dims();
+    let [a, b, c, d] = dims;
+    let halves = x.reshape([a, b, c, 2, d / 2]);
+    // The flip first, so the products and the sum after it can fuse into one kernel.
     let swapped = halves.clone().flip([3]);
-    let cos = cos.clone().reshape([1, 1, s, 1, d / 2]);
-    let sin = sin.clone().reshape([1, 1, s, 2, d / 2]);
-    (halves * cos + swapped * sin).reshape([b, h, s, d])
+    let rows = cos.dims()[0];
+    let table = |t: &Tensor<B, 2>, pair: usize| match seq {
+        SeqAxis::Second => t.clone().reshape([1, rows, 1, pair, d / 2]),
+        SeqAxis::Third => t.clone().reshape([1, 1, rows, pair, d / 2]),
+    };
+    (halves * table(cos, 1) + swapped * table(sin, 2)).reshape(dims)
 }
 
 impl<B: ExecBackend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, kvh, hd) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
-        let split = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
-        let mut q = split(self.q.forward(x.clone(), ctx), h);
-        let mut k = split(self.k.forward(x.clone(), ctx), kvh);
-        let mut v = split(self.v.forward(x, ctx), kvh);
-        if let Some((cos, sin)) = &ctx.rope {
-            q = rope(q, cos, sin);
-            k = rope(k, cos, sin);
-        }
+        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, hd]);
+        let (q, k) = (
+            heads(self.q.forward(x.clone(), ctx), h),
+            heads(self.k.forward(x.clone(), ctx), kvh),
+        );
+        let mut v = heads(self.v.forward(x, ctx), kvh).swap_dims(1, 2);
         if ctx.flash {
+            // RoPE in the projections' order, before the swap: the kernels write dq and dk in
+            // that order too (`flash::fused` `heads_last`), so their way back to the
+            // projections, RoPE's backward included, copies nothing.
+            let (q, k) = match &ctx.rope {
+                Some((cos, sin)) => (
+                    rope(q, cos, sin, SeqAxis::Second),
+                    rope(k, cos, sin, SeqAxis::Second),
+                ),
+                None => (q, k),
+            };
+            let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
             let mask = crate::kernels::flash::blocked::FlashMask {
                 causal: ctx.causal,
                 key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
@@ -533,6 +560,11 @@ impl<B: ExecBackend> Attention<B> {
             return self
                 .o
                 .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
+        }
+        let (mut q, mut k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
+        if let Some((cos, sin)) = &ctx.rope {
+            q = rope(q, cos, sin, SeqAxis::Third);
+            k = rope(k, cos, sin, SeqAxis::Third);
         }
         if kvh != h {
             // Grouped-query attention: each kv head serves h / kvh query heads.
@@ -1553,7 +1585,8 @@ mod ctx_tests {
 
     /// RoPE rotates each pair (i, i + d/2) of a head by position · θ_i, θ_i = base^(-2i/d):
     /// the flip-based form against that definition computed on the host, forward and
-    /// backward (the backward of a rotation is the rotation by the opposite angle).
+    /// backward (the backward of a rotation is the rotation by the opposite angle), in
+    /// both orders of the heads and positions.
     #[test]
     fn rope_rotates_each_pair_by_its_angle_forward_and_backward() {
         let mut spec = crate::testing::tiny_plan().model;
@@ -1571,7 +1604,11 @@ mod ctx_tests {
         let up: Vec<f32> = (0..b * h * s * d)
             .map(|i| (i * 104_729 % 997) as f32 / 997.0 - 0.5)
             .collect();
-        let out = rope(x.clone(), &cos, &sin);
+        let out = rope(x.clone(), &cos, &sin, SeqAxis::Third);
+        // The flash path's order, `[b, seq, heads, d]`, rotates the same pairs by the same
+        // angles.
+        let second = rope(x.clone().swap_dims(1, 2), &cos, &sin, SeqAxis::Second).swap_dims(1, 2);
+        assert_eq!(second.into_data(), out.clone().into_data());
         let grads = (out.clone()
             * Tensor::<Ad, 1>::from_floats(up.as_slice(), &device).reshape([b, h, s, d]))
         .sum()

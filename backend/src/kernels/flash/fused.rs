@@ -293,15 +293,19 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     );
     let bias = key_bias::<R, BT>(mask, &qc);
     let seed = dropout_seed::<R, BT>(mask, &qc);
-    let d_q = empty(&qc, qc.shape(), qc.dtype);
-    let d_k = empty(&kc, kc.shape(), kc.dtype);
-    let d_v = empty(&vc, vc.shape(), vc.dtype);
+    let d_q = heads_last(&qc, qc.shape(), qc.dtype);
+    let d_k = heads_last(&kc, kc.shape(), kc.dtype);
+    let d_v = heads_last(&vc, vc.shape(), vc.dtype);
     // Freed when this returns: transients of the backward, which the
     // `burn` profile charges (`memory::build` `burn_flash_attention`); a
     // one-element placeholder where the kernels that run read none.
     let scratch =
         |shape: Option<Shape>| empty(&qc, shape.unwrap_or_else(|| Shape::new([1])), DType::F32);
-    let d_q_acc = scratch(cfg.dq_accumulator().map(Shape::new));
+    // dQ's layout: it is zeroed and cast into dQ element by element in memory order.
+    let d_q_acc = match cfg.dq_accumulator() {
+        Some(shape) => heads_last(&qc, Shape::new(shape), DType::F32),
+        None => scratch(None),
+    };
     let d_rows = scratch(cfg.row_dots().map(Shape::new));
     let client = qc.client.clone();
     let inputs = BackwardInputs {
@@ -327,6 +331,17 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         register::<R, BT>(d_k),
         register::<R, BT>(d_v),
     ]
+}
+
+/// An uninitialised `[b, h, s, d]` tensor stored as `[b, s, h, d]`: a gradient in the order
+/// its projection has it. The model's `swap_dims(1, 2).reshape([b, s, h·d])` on its way
+/// back to the projection is then a view; from a `[b, h, s, d]`-ordered gradient it was a
+/// copy, one per q, k and v in every layer. The kernels write through the strides.
+fn heads_last<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    let [b, h, s, d] = shape.dims::<4>();
+    let mut t = empty(like, Shape::new([b, s, h, d]), dtype);
+    t.meta.swap(1, 2);
+    t
 }
 
 fn float4<R: CubeRuntime, BT: BoolElement>(

@@ -471,10 +471,10 @@ pub struct BackwardOutputs<R: Runtime> {
     pub d_q: TensorArg<R>,
     pub d_k: TensorArg<R>,
     pub d_v: TensorArg<R>,
-    /// Where [`FlashLaunch::one_pass`]: a contiguous fp32 tensor of dQ's
-    /// shape ([`FlashLaunch::dq_accumulator`]), which the backward zeroes,
-    /// adds to and casts into `d_q` (contiguous too); otherwise any
-    /// placeholder, never read.
+    /// Where [`FlashLaunch::one_pass`]: an fp32 tensor of dQ's shape
+    /// ([`FlashLaunch::dq_accumulator`]) with `d_q`'s strides, both without gaps,
+    /// which the backward zeroes, adds to and casts into `d_q` element by element
+    /// in memory order; otherwise any placeholder, never read.
     pub d_q_acc: TensorArg<R>,
     /// Where the block-product kernels run: an fp32 `[b, h, s]` tensor
     /// ([`FlashLaunch::row_dots`]) for `D = rowsum(dO ∘ O)`, which the

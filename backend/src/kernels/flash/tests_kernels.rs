@@ -615,6 +615,52 @@ mod wgpu {
             check(p, &format!("{what}, block products in one pass"));
         }
     }
+
+    /// The glue's gradients come back in the projections' order, `[b, s, h, d]` in memory
+    /// (`fused::heads_last`), under both backwards, so the model's way back to the
+    /// projections is a view, not a copy; the values are the same tests' above.
+    #[test]
+    fn fused_gradients_are_stored_heads_last() {
+        use crate::kernels::flash::blocked::FlashMask;
+        use crate::ops::ExecBackend;
+        use burn::tensor::{Distribution, Tensor};
+        let Some(client) = client() else { return };
+        type B = burn::backend::Wgpu<f32>;
+        let dev = WgpuDevice::DefaultDevice;
+        let (b, h, kvh, s, d) = (2, 4, 2, 16, 32);
+        let t = |heads: usize| {
+            Tensor::<B, 4>::random([b, heads, s, d], Distribution::Normal(0.0, 1.0), &dev)
+                .into_primitive()
+                .tensor()
+        };
+        let strides = |g| {
+            let g = crate::kernels::fusion::resolve::<WgpuRuntime, u32>(g);
+            g.meta.strides().iter().copied().collect::<Vec<usize>>()
+        };
+        let mut kernels = vec![None];
+        if has_atomic_add(&client) {
+            kernels.push(Some(FlashKernels::Blocks {
+                products: Products::TiledScalar,
+            }));
+        }
+        for k in kernels {
+            *super::super::fused::TEST_KERNELS.lock().unwrap() = k;
+            let mask = FlashMask::<B> {
+                causal: true,
+                key_bias: None,
+                dropout: None,
+            };
+            let (q, kk, v) = (t(h), t(kvh), t(kvh));
+            let (o, lse) =
+                B::flash_attention_forward(q.clone(), kk.clone(), v.clone(), &mask, 0.125);
+            let d_o = t(h);
+            let [dq, dk, dv] = B::flash_attention_backward(q, kk, v, o, lse, d_o, &mask, 0.125);
+            *super::super::fused::TEST_KERNELS.lock().unwrap() = None;
+            assert_eq!(strides(dq), [s * h * d, d, h * d, 1], "{k:?}: dq");
+            assert_eq!(strides(dk), [s * kvh * d, d, kvh * d, 1], "{k:?}: dk");
+            assert_eq!(strides(dv), [s * kvh * d, d, kvh * d, 1], "{k:?}: dv");
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
