@@ -11,6 +11,8 @@
 //! `--features wgpu-kernels`, on a Vulkan device (lavapipe: the CPU, so its ratio says
 //! little about a GPU).
 
+mod common;
+
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod bench {
     use burn::tensor::backend::Backend;
@@ -19,23 +21,13 @@ mod bench {
         Distribution, ElementConversion, FloatDType, Int, Tensor, TensorData, TensorPrimitive,
     };
     use rcoa_backend::ops::ExecBackend;
-    use std::time::Instant;
 
     const WARMUP: usize = 3;
     const REPEATS: usize = 20;
 
     /// Mean seconds of `f` over `REPEATS` calls queued back to back, after warming up.
-    fn time<B: Backend>(dev: &B::Device, mut f: impl FnMut() -> FloatTensor<B>) -> f64 {
-        for _ in 0..WARMUP {
-            let _ = f();
-        }
-        B::sync(dev).expect("device sync");
-        let start = Instant::now();
-        let out: Vec<_> = (0..REPEATS).map(|_| f()).collect();
-        B::sync(dev).expect("device sync");
-        let t = start.elapsed().as_secs_f64() / REPEATS as f64;
-        drop(out);
-        t
+    fn time<B: Backend>(dev: &B::Device, f: impl FnMut() -> FloatTensor<B>) -> f64 {
+        crate::common::mean_seconds::<B, _>(dev, WARMUP, REPEATS, f)
     }
 
     /// Token ids as text has them: a few ids very often, the rest spread over the vocabulary.
@@ -103,22 +95,6 @@ mod bench {
             shape::<B>(8192, 32000, 2048, dtype, dev);
         }
     }
-
-    /// The device `make` gives, or `None` where its first use panics (its message kept off
-    /// the output).
-    pub fn found<B: Backend>(
-        make: impl FnOnce() -> B::Device + std::panic::UnwindSafe,
-    ) -> Option<B::Device> {
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let found = std::panic::catch_unwind(|| {
-            let dev = make();
-            let _ = Tensor::<B, 1>::zeros([1], &dev).into_data();
-            dev
-        });
-        std::panic::set_hook(hook);
-        found.ok()
-    }
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
@@ -132,14 +108,14 @@ fn main() {
     #[cfg(feature = "cuda")]
     if rcoa_backend::cuda::preflight().is_ok() {
         use burn::backend::{cuda::CudaDevice, Cuda};
-        if let Some(dev) = bench::found::<Cuda<f32>>(|| CudaDevice::new(0)) {
+        if let Some(dev) = common::device::<Cuda<f32>>(|| CudaDevice::new(0)) {
             return bench::run::<Cuda<f32>>(&dev, "CUDA", FloatDType::BF16, &args);
         }
     }
     #[cfg(feature = "wgpu-kernels")]
     {
         use burn::backend::{wgpu::WgpuDevice, Wgpu};
-        if let Some(dev) = bench::found::<Wgpu<f32>>(|| WgpuDevice::DefaultDevice) {
+        if let Some(dev) = common::device::<Wgpu<f32>>(|| WgpuDevice::DefaultDevice) {
             // WGSL has no bf16.
             return bench::run::<Wgpu<f32>>(&dev, "Vulkan (wgpu)", FloatDType::F16, &args);
         }

@@ -22,6 +22,8 @@
 //! FLOPs count what FlashAttention counts: forward `4 · b · h · s² · d`,
 //! backward 2.5 × that, halved for causal.
 
+mod common;
+
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod bench {
     use cubecl::prelude::*;
@@ -248,16 +250,6 @@ mod bench {
         }
     }
 
-    /// `f()`, or `None` if it panics (CubeCL's clients panic without a
-    /// device), without the panic's message and backtrace.
-    pub fn quietly<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let out = std::panic::catch_unwind(f).ok();
-        std::panic::set_hook(hook);
-        out
-    }
-
     pub fn dims_from_args(default: FlashDims) -> FlashDims {
         let n: Vec<usize> = std::env::args()
             .skip(1)
@@ -295,7 +287,7 @@ fn main() {
         kv_len: 2048,
         head_dim: 64,
     });
-    let Some(client) = bench::quietly(|| CudaRuntime::client(&CudaDevice::new(0))) else {
+    let Some(client) = common::quietly(|| CudaRuntime::client(&CudaDevice::new(0))) else {
         println!("no CUDA device: nothing timed");
         return;
     };
@@ -336,7 +328,7 @@ fn main() {
         kv_len: 64,
         head_dim: 32,
     });
-    let Some(client) = bench::quietly(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice)) else {
+    let Some(client) = common::quietly(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice)) else {
         println!("no Vulkan device: nothing timed");
         return;
     };

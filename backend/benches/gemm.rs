@@ -18,15 +18,15 @@
 //! already, so the bench times them rather than their tuning (twenty
 //! candidates compiled per shape otherwise).
 
+mod common;
+
 #[cfg(feature = "cuda")]
 mod bench {
     use burn::backend::cuda::CudaDevice;
     use burn::backend::Cuda;
-    use burn::tensor::backend::Backend;
     use burn::tensor::ops::FloatTensor;
     use burn::tensor::{Distribution, FloatDType, Tensor, TensorPrimitive};
     use rcoa_backend::kernels::gemm::{cublas, fused};
-    use std::time::Instant;
 
     type B = Cuda<f32>;
     const WARMUP: usize = 3;
@@ -34,17 +34,8 @@ mod bench {
 
     /// Mean seconds of `f` over `REPEATS` calls queued back to back, after
     /// warming up (the autotuner's first runs among them).
-    fn time(dev: &CudaDevice, mut f: impl FnMut() -> Tensor<B, 2>) -> f64 {
-        for _ in 0..WARMUP {
-            let _ = f();
-        }
-        B::sync(dev).expect("device sync");
-        let start = Instant::now();
-        let out: Vec<_> = (0..REPEATS).map(|_| f()).collect();
-        B::sync(dev).expect("device sync");
-        let t = start.elapsed().as_secs_f64() / REPEATS as f64;
-        drop(out);
-        t
+    fn time(dev: &CudaDevice, f: impl FnMut() -> Tensor<B, 2>) -> f64 {
+        crate::common::mean_seconds::<B, _>(dev, WARMUP, REPEATS, f)
     }
 
     fn prim(t: &Tensor<B, 2>) -> FloatTensor<B> {
@@ -127,15 +118,7 @@ mod bench {
             }
         }
         // Without a device the first use panics; keep its message off the output.
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let found = std::panic::catch_unwind(|| {
-            let dev = CudaDevice::new(0);
-            let _ = Tensor::<B, 1>::zeros([1], &dev).into_data();
-            dev
-        });
-        std::panic::set_hook(hook);
-        let Ok(dev) = found else {
+        let Some(dev) = crate::common::device::<B>(|| CudaDevice::new(0)) else {
             println!("no CUDA device: nothing timed");
             return;
         };

@@ -115,7 +115,7 @@ pub trait ExecBackend: Backend {
 
     /// The table's gradient: each token's `dy [b, s, d]` row added into row `ids [b, s]` of
     /// a zero `[vocab, d]` (the shape, type and device of `table`). Burn's `select_assign`;
-    /// on the fused CubeCL backends a kernel parallel over tokens as well as columns.
+    /// on the fused CubeCL backends a kernel parallel over buckets of ids as well as columns.
     fn embedding_grad(
         table: FloatTensor<Self>,
         dy: FloatTensor<Self>,

@@ -239,3 +239,26 @@ pub fn skip(kind: &str, why: &str) {
     );
     eprintln!("SKIPPED: {why}");
 }
+
+/// A runtime's client, or `None` (with a note that `what` did not run)
+/// where it has no device: cubecl panics when it finds none. `kind` names
+/// the device for [`required`] (`vulkan`, `cuda`):
+/// where the environment requires it, no device fails the test.
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub fn client_or_skip<R: cubecl::Runtime>(
+    device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
+    kind: &str,
+    what: &str,
+) -> Option<cubecl::prelude::ComputeClient<R>> {
+    let found = std::panic::catch_unwind(|| R::client(&device()));
+    if found.is_err() {
+        skip(
+            kind,
+            &format!(
+                "no {} device; {what} did not run",
+                std::any::type_name::<R>()
+            ),
+        );
+    }
+    found.ok()
+}

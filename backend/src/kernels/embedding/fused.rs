@@ -214,25 +214,17 @@ mod checks {
 #[cfg(all(test, feature = "wgpu-kernels"))]
 mod tests_wgpu {
     use burn::backend::wgpu::{Wgpu, WgpuDevice};
-    use burn::tensor::{FloatDType, Tensor};
+    use burn::tensor::FloatDType;
+    use cubecl::wgpu::WgpuRuntime;
 
     use super::checks;
+    use crate::testing::client_or_skip;
 
     type B = Wgpu<f32>;
 
     fn device() -> Option<WgpuDevice> {
-        let found = std::panic::catch_unwind(|| {
-            let dev = WgpuDevice::DefaultDevice;
-            let _ = Tensor::<B, 1>::zeros([1], &dev).into_data();
-            dev
-        });
-        if found.is_err() {
-            crate::testing::skip(
-                "vulkan",
-                "no Vulkan device; the embedding kernel tests did not run",
-            );
-        }
-        found.ok()
+        let dev = || WgpuDevice::DefaultDevice;
+        client_or_skip::<WgpuRuntime>(dev, "vulkan", "the embedding kernel tests").map(|_| dev())
     }
 
     #[test]
@@ -254,22 +246,15 @@ mod tests_cuda {
     use burn::backend::cuda::CudaDevice;
     use burn::tensor::FloatDType;
     use cubecl::cuda::CudaRuntime;
-    use cubecl::Runtime;
 
     use super::checks;
+    use crate::testing::client_or_skip;
 
     type B = burn::backend::Cuda<f32>;
 
     fn device() -> Option<CudaDevice> {
-        let found = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0)));
-        if found.is_err() {
-            crate::testing::skip(
-                "cuda",
-                "no CUDA device; the embedding kernel tests did not run",
-            );
-            return None;
-        }
-        Some(CudaDevice::new(0))
+        let dev = || CudaDevice::new(0);
+        client_or_skip::<CudaRuntime>(dev, "cuda", "the embedding kernel tests").map(|_| dev())
     }
 
     #[test]

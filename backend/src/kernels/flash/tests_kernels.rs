@@ -9,28 +9,7 @@ use super::device_tensor::{AttentionTensors, Elem, HostInputs};
 use super::launch::{has_atomic_add, unrolls, FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
 use super::mma::Products;
 use super::reference::{worst, Problem};
-
-/// A runtime's client, or `None` (with a note that `what` did not run)
-/// where it has no device: cubecl panics when it finds none. `kind` names
-/// the device for [`crate::testing::required`] (`vulkan`, `cuda`):
-/// where the environment requires it, no device fails the test.
-pub(super) fn client_or_skip<R: Runtime>(
-    device: impl FnOnce() -> R::Device + std::panic::UnwindSafe,
-    kind: &str,
-    what: &str,
-) -> Option<ComputeClient<R>> {
-    let found = std::panic::catch_unwind(|| R::client(&device()));
-    if found.is_err() {
-        crate::testing::skip(
-            kind,
-            &format!(
-                "no {} device; {what} did not run",
-                std::any::type_name::<R>()
-            ),
-        );
-    }
-    found.ok()
-}
+use crate::testing::client_or_skip;
 
 /// The kernels under test: which compute, whether the backward runs in one
 /// pass (`FlashLaunch::atomic_dq`), and with how many units per row (both

@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 use super::device_tensor::{DeviceTensor, Elem};
 use super::mma::{block_product, Products, PAD_F32, PAD_HALF};
 use super::reference::fill;
-use super::tests_kernels::client_or_skip;
+use crate::testing::client_or_skip;
 
 /// Stages `a` (`[m, lda]`) and `b` (`[k, ldb]`, or `[n, ldb]` with
 /// `b_transposed`) in shared memory as the flash kernels do (aligned to 128

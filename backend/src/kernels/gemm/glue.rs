@@ -143,18 +143,9 @@ mod tests {
     }
 
     fn device() -> Option<WgpuDevice> {
-        let found = std::panic::catch_unwind(|| {
-            let dev = WgpuDevice::DefaultDevice;
-            let _ = Tensor::<B, 1>::zeros([1], &dev).into_data();
-            dev
-        });
-        if found.is_err() {
-            crate::testing::skip(
-                "vulkan",
-                "no Vulkan device; the BLAS glue tests did not run",
-            );
-        }
-        found.ok()
+        let dev = || WgpuDevice::DefaultDevice;
+        crate::testing::client_or_skip::<WgpuRuntime>(dev, "vulkan", "the BLAS glue tests")
+            .map(|_| dev())
     }
 
     fn matrix(rows: usize, cols: usize, seed: usize, dev: &WgpuDevice) -> Tensor<B, 2> {

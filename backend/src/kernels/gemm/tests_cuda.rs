@@ -8,7 +8,6 @@
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 use cubecl::cuda::CudaRuntime;
-use cubecl::Runtime;
 
 use super::cublas;
 use super::fused::cublas_matmul;
@@ -17,11 +16,8 @@ use crate::kernels::flash::reference::fill;
 type B = burn::backend::Cuda<f32>;
 
 fn device() -> Option<CudaDevice> {
-    let found = std::panic::catch_unwind(|| CudaRuntime::client(&CudaDevice::new(0)));
-    if found.is_err() {
-        crate::testing::skip("cuda", "no CUDA device; the cuBLAS tests did not run");
-        return None;
-    }
+    let dev = || CudaDevice::new(0);
+    crate::testing::client_or_skip::<CudaRuntime>(dev, "cuda", "the cuBLAS tests")?;
     if !cublas::available() {
         crate::testing::skip(
             "cublas",
@@ -29,7 +25,7 @@ fn device() -> Option<CudaDevice> {
         );
         return None;
     }
-    Some(CudaDevice::new(0))
+    Some(dev())
 }
 
 fn host(t: Tensor<B, 2>) -> Vec<f64> {
