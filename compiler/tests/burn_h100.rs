@@ -220,6 +220,10 @@ const MEASURED_COMPACT: &[(&str, &str)] = &[
     // H200, warm cache, then cold with compact as the default (docs/burn-h100.md,
     // "2026-11-28f"): the same bytes reserved.
     ("speed350m_flash.plan", "2026-11-28f/pool-compact.jsonl"),
+    // Measured while the executor still copied the flash output before the output
+    // projection and kept the copy: one `[tokens, 1024]` bf16 tensor a layer (384 MiB) that
+    // the prediction no longer charges, so this row reads +2.5% until it is measured again
+    // (docs/burn-h100.md, "RoPE without slices").
     (
         "speed350m_flash.plan",
         "2026-11-28f/call2/speed-350m-rcoa.jsonl",

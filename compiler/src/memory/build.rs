@@ -1061,8 +1061,8 @@ impl<'a> Builder<'a> {
 
     /// `train { attention = flash }` on Burn (`backend/src/kernels/flash`,
     /// `ops::flash_attention`): one autodiff node that saves q, k and v (not repeated for
-    /// grouped-query attention), the output `[b, h, s, d]` and the fp32 log-sum-exp
-    /// `[b, h, s]`. On CUDA the tensor-core kernels' one-pass backward
+    /// grouped-query attention), the output `[b, h, s, d]` (stored `[b, s, h, d]`, which the
+    /// output projection saves too) and the fp32 log-sum-exp `[b, h, s]`. On CUDA the tensor-core kernels' one-pass backward
     /// ([`burn_flash_one_pass`]) adds dQ up in an fp32 `[b, h, s, d]` accumulator and reads
     /// the rows' fp32 `D [b, h, s]`, both alive while it runs; otherwise the kernels make no
     /// transient beyond their outputs. The
@@ -1088,7 +1088,10 @@ impl<'a> Builder<'a> {
         let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
         let act = self.dtype(q);
         let rg = self.rg(q) || self.rg(k) || self.rg(v);
-        let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
+        // Written heads-last (`[b, s, h, d]` in memory), so the output projection's
+        // `swap_dims(1, 2).reshape([b, s, h * d])` is a view: the backward's saved output
+        // and the projection's saved input are one tensor.
+        let out = self.tensor("attn_out", &[self.tokens, width], act, rg);
         let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
         let o = self.op(
             FUSED_ATTENTION_OP,
@@ -1106,11 +1109,7 @@ impl<'a> Builder<'a> {
         } else {
             info.bwd_flops = 3.5 * score_flops;
         }
-        // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.
-        let rg = self.rg(out);
-        let flat = self.tensor("transpose", &[self.tokens, width], act, rg);
-        self.op("transpose", &[out], &[flat], &[]);
-        flat
+        out
     }
 
     /// `backend/src/model.rs` `NormLayer::forward` in the element type, with Burn's save

@@ -221,13 +221,14 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
                 mask,
                 scale,
             );
+            let o = stored_heads_last(o);
             return (o.into_primitive().tensor(), lse.into_primitive().tensor());
         }
     };
     let d = cfg.dims;
     let bias = key_bias::<R, BT>(mask, &qc);
     let seed = dropout_seed::<R, BT>(mask, &qc);
-    let o = empty(
+    let o = heads_last(
         &qc,
         Shape::new([d.batch, d.heads, d.q_len, d.head_dim]),
         qc.dtype,
@@ -333,15 +334,31 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     ]
 }
 
-/// An uninitialised `[b, h, s, d]` tensor stored as `[b, s, h, d]`: a gradient in the order
-/// its projection has it. The model's `swap_dims(1, 2).reshape([b, s, h·d])` on its way
-/// back to the projection is then a view; from a `[b, h, s, d]`-ordered gradient it was a
-/// copy, one per q, k and v in every layer. The kernels write through the strides.
+/// An uninitialised `[b, h, s, d]` tensor stored as `[b, s, h, d]`: the output in the order
+/// the output projection reads it, and a gradient in the order its projection has it. The
+/// model's `swap_dims(1, 2).reshape([b, s, h·d])` on either way is then a view; from a
+/// `[b, h, s, d]`-ordered tensor it was a copy, one per o, q, k and v in every layer, and
+/// the output's copy was kept for the backward beside the output. The kernels write
+/// through the strides.
 fn heads_last<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
     let [b, h, s, d] = shape.dims::<4>();
     let mut t = empty(like, Shape::new([b, s, h, d]), dtype);
     t.meta.swap(1, 2);
     t
+}
+
+/// The blocked path's contiguous `[b, h, s, d]` output in the kernels' order (`heads_last`),
+/// so the `burn` profile's one saved output holds where the kernels fall back too. The copy
+/// is made here, while the contiguous one is a transient. (NdArray keeps the blocked path's
+/// order: its `reshape` copies even a contiguous tensor, so there the order saves nothing.)
+fn stored_heads_last<B: burn::tensor::backend::Backend>(
+    o: burn::tensor::Tensor<B, 4>,
+) -> burn::tensor::Tensor<B, 4> {
+    let [b, h, s, d] = o.dims();
+    o.swap_dims(1, 2)
+        .reshape([b, s, h * d])
+        .reshape([b, s, h, d])
+        .swap_dims(1, 2)
 }
 
 fn float4<R: CubeRuntime, BT: BoolElement>(

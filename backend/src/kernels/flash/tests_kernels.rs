@@ -596,13 +596,15 @@ mod wgpu {
     }
 
     /// The glue's gradients come back in the projections' order, `[b, s, h, d]` in memory
-    /// (`fused::heads_last`), under both backwards, so the model's way back to the
+    /// (`fused::heads_last`), under both backwards, and so does the output, from the kernels
+    /// and from the blocked path they fall back to, so the model's way to and from the
     /// projections is a view, not a copy; the values are the same tests' above.
     #[test]
-    fn fused_gradients_are_stored_heads_last() {
+    fn fused_outputs_and_gradients_are_stored_heads_last() {
         use crate::kernels::flash::blocked::FlashMask;
         use crate::ops::ExecBackend;
-        use burn::tensor::{Distribution, Tensor};
+        use burn::tensor::ops::FloatTensor;
+        use burn::tensor::{Distribution, Tensor, TensorPrimitive};
         let Some(client) = client() else { return };
         type B = burn::backend::Wgpu<f32>;
         let dev = WgpuDevice::DefaultDevice;
@@ -612,9 +614,28 @@ mod wgpu {
                 .into_primitive()
                 .tensor()
         };
-        let strides = |g| {
-            let g = crate::kernels::fusion::resolve::<WgpuRuntime, u32>(g);
-            g.meta.strides().iter().copied().collect::<Vec<usize>>()
+        let resolve = crate::kernels::fusion::resolve::<WgpuRuntime, u32>;
+        // The buffer's id in CubeCL's pool (only its `Debug` shows it).
+        let memory = |g| {
+            let dbg = format!("{:?}", resolve(g).handle.memory);
+            let at = dbg.find("ManagedMemoryId").expect("a memory id");
+            dbg[at..].split('}').next().unwrap().to_string()
+        };
+        // Stored `[b, s, heads, d]`, and the model's `swap_dims(1, 2).reshape([b, s, heads·d])`
+        // between it and its projection is the same buffer, not a copy.
+        let heads_last = |g: FloatTensor<B>, heads: usize, what: &str| {
+            let strides: Vec<usize> = resolve(g.clone()).meta.strides().to_vec();
+            assert_eq!(strides, [s * heads * d, d, heads * d, 1], "{what}");
+            let flat = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(g.clone()))
+                .swap_dims(1, 2)
+                .reshape([b, s, heads * d])
+                .into_primitive()
+                .tensor();
+            assert_eq!(
+                memory(flat),
+                memory(g),
+                "{what}: the projection's side is a copy"
+            );
         };
         let mut kernels = vec![None];
         if has_atomic_add(&client) {
@@ -632,13 +653,28 @@ mod wgpu {
             let (q, kk, v) = (t(h), t(kvh), t(kvh));
             let (o, lse) =
                 B::flash_attention_forward(q.clone(), kk.clone(), v.clone(), &mask, 0.125);
+            heads_last(o.clone(), h, &format!("{k:?}: o"));
             let d_o = t(h);
             let [dq, dk, dv] = B::flash_attention_backward(q, kk, v, o, lse, d_o, &mask, 0.125);
             *super::super::fused::TEST_KERNELS.lock().unwrap() = None;
-            assert_eq!(strides(dq), [s * h * d, d, h * d, 1], "{k:?}: dq");
-            assert_eq!(strides(dk), [s * kvh * d, d, kvh * d, 1], "{k:?}: dk");
-            assert_eq!(strides(dv), [s * kvh * d, d, kvh * d, 1], "{k:?}: dv");
+            heads_last(dq, h, &format!("{k:?}: dq"));
+            heads_last(dk, kvh, &format!("{k:?}: dk"));
+            heads_last(dv, kvh, &format!("{k:?}: dv"));
         }
+        // Causal with fewer keys than queries: the kernels take no such shape, and the
+        // blocked path they fall back to stores its output in their order too.
+        let mask = FlashMask::<B> {
+            causal: true,
+            key_bias: None,
+            dropout: None,
+        };
+        let short = |heads: usize| {
+            Tensor::<B, 4>::random([b, heads, s / 2, d], Distribution::Normal(0.0, 1.0), &dev)
+                .into_primitive()
+                .tensor()
+        };
+        let (o, _) = B::flash_attention_forward(t(h), short(kvh), short(kvh), &mask, 0.125);
+        heads_last(o, h, "blocked: o");
     }
 }
 
