@@ -10,7 +10,8 @@
 #     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
 #     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
 #     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
-#     (four units a row, 2 x 2 tiles), which decide nothing. At most 40 s.
+#     (four units a row, 2 x 2 tiles) and the manual MMA probe (tests_manual_mma), which
+#     decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), with the millisecond and
 #     TFLOP/s of each. At most 80 s.
@@ -64,8 +65,9 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
   log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
+  # With them, CubeCL's manual MMA (register fragments, FlashAttention-2's building block).
   timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
-    tests_mma::trials_cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+    tests_mma::trials_cuda tests_manual_mma::cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
   log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"

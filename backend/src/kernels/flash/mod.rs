@@ -55,5 +55,7 @@ mod tests_blocked;
 pub(crate) mod tests_cuda_source;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
 mod tests_kernels;
+#[cfg(all(test, feature = "cuda"))]
+mod tests_manual_mma;
 #[cfg(all(test, any(feature = "cuda", feature = "wgpu-kernels")))]
 mod tests_mma;
