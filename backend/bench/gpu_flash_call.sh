@@ -10,11 +10,11 @@
 #     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
 #     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
 #     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
-#     (four units a row, 2 x 2 tiles) and the manual MMA probe (tests_manual_mma), which
-#     decide nothing. At most 40 s.
+#     (four units a row, 2 x 2 tiles), the manual MMA probe (tests_manual_mma) and the
+#     register forward (forward_registers), which decide nothing. At most 40 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
-#     backward runs in two passes and in one (dQ added atomically), with the millisecond and
-#     TFLOP/s of each. At most 80 s.
+#     backward runs in two passes and in one (dQ added atomically), and the register
+#     forward, with the millisecond and TFLOP/s of each. At most 80 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
@@ -27,7 +27,8 @@
 #     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
 #     matmul kernels to compile. At most 150 s.
 #  4. Where the warm step's time goes (--profile-kernels, 4 steps), CubeCL's matmuls then
-#     cuBLAS's. At most 40 s each.
+#     cuBLAS's, then (4c) with the register forward (RCOA_FLASH_REGISTERS=1) if its test
+#     passed. At most 40 s each.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
 #     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
 #     2026-11-28f run matched no kernel: it asked for the Rust type names.)
@@ -65,9 +66,11 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
   log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
-  # With them, CubeCL's manual MMA (register fragments, FlashAttention-2's building block).
+  # With them, CubeCL's manual MMA (register fragments) and the forward built on it
+  # (RCOA_FLASH_REGISTERS=1, FlashAttention-2's structure; step 2 times it).
   timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
-    tests_mma::trials_cuda tests_manual_mma::cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+    tests_mma::trials_cuda tests_manual_mma::cuda forward_registers::tests::cuda \
+    --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
   log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
@@ -136,6 +139,14 @@ if [ $BLAS = 1 ]; then
   export RCOA_MATMUL=cublas RCOA_CACHE_DIR=/tmp/cache-cublas-call
   profile_kernels 4b "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-cublas 6
   unset RCOA_MATMUL; export RCOA_CACHE_DIR=/tmp/cache-flash-call
+fi
+# 4c. The warm step with the register forward, if its CUDA test passed in step 1.
+if grep -q "register_fragments_match_the_reference ... ok" "$OUT/flash-trials.txt" 2>/dev/null; then
+  export RCOA_FLASH_REGISTERS=1
+  profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-registers 6
+  unset RCOA_FLASH_REGISTERS
+else
+  log "4c register forward run skipped (its test did not pass or did not run)"
 fi
 unset RCOA_FLASH_TENSOR_CORES
 

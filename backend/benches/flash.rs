@@ -46,6 +46,8 @@ mod bench {
         tile_pairs: bool,
         /// The forward stages its tiles with asynchronous copies.
         async_copy: bool,
+        /// The forward keeps each warp's scores and output in registers.
+        register_forward: bool,
     }
 
     impl Variant {
@@ -59,6 +61,7 @@ mod bench {
                 units_per_row: UNITS_PER_ROW,
                 tile_pairs: false,
                 async_copy: false,
+                register_forward: false,
             }
         }
         pub const fn one_pass(self) -> Self {
@@ -86,6 +89,14 @@ mod bench {
         pub const fn async_copy(self) -> Self {
             Variant {
                 async_copy: true,
+                ..self
+            }
+        }
+        // Rows of the CUDA table only.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        pub const fn register_forward(self) -> Self {
+            Variant {
+                register_forward: true,
                 ..self
             }
         }
@@ -198,8 +209,12 @@ mod bench {
                 units_per_row: v.units_per_row,
                 tile_pairs: v.tile_pairs,
                 async_copy: v.async_copy,
+                register_forward: v.register_forward,
             };
-            if cfg.kernels() != kernels || cfg.one_pass() != one_pass {
+            if cfg.kernels() != kernels
+                || cfg.one_pass() != one_pass
+                || cfg.register_forward_runs() != v.register_forward
+            {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
                 continue;
             }
@@ -307,6 +322,9 @@ fn main() {
             bench::Variant::new("tensor cores, one pass, async copies", TENSOR_CORES)
                 .one_pass()
                 .async_copy(),
+            bench::Variant::new("register forward (FA2), one pass", TENSOR_CORES)
+                .one_pass()
+                .register_forward(),
         ],
     );
 }

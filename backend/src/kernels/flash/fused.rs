@@ -48,6 +48,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         units_per_row: units_per_row_asked(),
         tile_pairs: std::env::var("RCOA_FLASH_TILE_PAIRS").as_deref() == Ok("1"),
         async_copy: std::env::var("RCOA_FLASH_ASYNC_COPY").as_deref() == Ok("1"),
+        register_forward: std::env::var("RCOA_FLASH_REGISTERS").as_deref() == Ok("1"),
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -395,6 +396,7 @@ mod tests {
             units_per_row: launch::UNITS_PER_ROW,
             tile_pairs: false,
             async_copy: false,
+            register_forward: false,
         }
     }
 

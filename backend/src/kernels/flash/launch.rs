@@ -79,6 +79,10 @@ pub struct FlashLaunch {
     /// block's products (`forward_blocks`, `backward_blocks`), where
     /// [`async_copy_fits`]. A trial setting.
     pub async_copy: bool,
+    /// The forward runs in FlashAttention-2's structure, each warp's scores and output in
+    /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. A
+    /// trial setting; the backward is the block-product kernels' either way.
+    pub register_forward: bool,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -226,7 +230,7 @@ impl FlashDims {
         (2048 / head_dim.max(1)).clamp(1, 32)
     }
 
-    fn group(&self) -> u32 {
+    pub(crate) fn group(&self) -> u32 {
         (self.heads / self.kv_heads) as u32
     }
 }
@@ -435,6 +439,19 @@ pub fn forward<R: Runtime>(
             d.batch * d.heads,
             [q, k, v, key_bias, dropout_seed, out, lse]
         ),
+        FlashKernels::Blocks { .. } if cfg.register_forward_runs() => {
+            super::forward_registers::launch(
+                client,
+                cfg,
+                super::forward_registers::Fragments::Registers,
+                q,
+                k,
+                v,
+                key_bias,
+                out,
+                lse,
+            )
+        }
         FlashKernels::Blocks { products } => {
             let (width, copy) = cfg.staging(client, products, &[&q, &k, &v]);
             launch_blocks!(
@@ -484,6 +501,19 @@ pub struct BackwardOutputs<R: Runtime> {
 }
 
 impl FlashLaunch {
+    /// Whether the forward runs `forward_registers`: asked for ([`FlashLaunch::register_forward`]),
+    /// on tensor cores (16-bit inputs, head dims in 16s up to 128: the register products'
+    /// shapes), without dropout (which it does not draw).
+    pub fn register_forward_runs(&self) -> bool {
+        self.register_forward
+            && self.kernels()
+                == FlashKernels::Blocks {
+                    products: Products::TensorCores,
+                }
+            && self.dropout.is_none()
+            && self.dims.head_dim <= super::forward_registers::MAX_HEAD_DIM
+    }
+
     /// The shape of the fp32 dQ accumulator the backward needs
     /// ([`BackwardOutputs::d_q_acc`]), or `None` where it runs in two
     /// passes.
@@ -676,7 +706,40 @@ mod tests {
             units_per_row: UNITS_PER_ROW,
             tile_pairs: false,
             async_copy: false,
+            register_forward: false,
         }
+    }
+
+    /// The register forward runs where asked, on the tensor-core path, without dropout;
+    /// otherwise the block kernels' forward does.
+    #[test]
+    fn the_register_forward_runs_only_where_its_products_do() {
+        let asked = |d, kind| FlashLaunch {
+            register_forward: true,
+            ..launch(d, kind)
+        };
+        for d in [16, 64, 128] {
+            assert!(
+                asked(d, FloatKind::BF16).register_forward_runs(),
+                "bf16 d{d}"
+            );
+            assert!(asked(d, FloatKind::F16).register_forward_runs(), "f16 d{d}");
+            assert!(
+                !launch(d, FloatKind::BF16).register_forward_runs(),
+                "not asked d{d}"
+            );
+        }
+        assert!(
+            !asked(64, FloatKind::F32).register_forward_runs(),
+            "no f32 mma"
+        );
+        assert!(!asked(24, FloatKind::BF16).register_forward_runs(), "d24");
+        assert!(!asked(256, FloatKind::BF16).register_forward_runs(), "d256");
+        let dropped = FlashLaunch {
+            dropout: Some(0.1),
+            ..asked(64, FloatKind::BF16)
+        };
+        assert!(!dropped.register_forward_runs(), "dropout");
     }
 
     /// The memory model charges the one-pass backward's fp32 dQ

@@ -12,7 +12,9 @@
 //!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
 //!   over key blocks and dQ over query blocks, atomics-free, or, for the
 //!   block-product kernels, all three in one pass over key blocks with dQ
-//!   added atomically; `scratch` holds the backward's small kernels). Built with the
+//!   added atomically; `scratch` holds the backward's small kernels;
+//!   `forward_registers` is the forward in FlashAttention-2's register structure, a
+//!   trial behind `RCOA_FLASH_REGISTERS=1`). Built with the
 //!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
 //!   them on wgpu (lavapipe on a machine without a GPU).
 //!
@@ -36,6 +38,8 @@ pub mod device_tensor;
 mod forward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward_blocks;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod forward_registers;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]

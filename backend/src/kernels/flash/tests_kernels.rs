@@ -124,6 +124,7 @@ fn run<R: Runtime, E: Elem>(
         units_per_row: under.units_per_row,
         tile_pairs: under.tile_pairs,
         async_copy: under.async_copy,
+        register_forward: false,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(

@@ -1,0 +1,704 @@
+//! The forward kernel in FlashAttention-2's structure: each warp owns 16 query rows and
+//! keeps their scores, their running maxima and sums and their output in registers, as
+//! PTX `m16n8k16` accumulator fragments, from the first key block to the last. Per key
+//! block the cube stages K and V in shared memory; each warp then
+//!
+//! 1. computes its `S = Q Kᵀ` tiles with register products (`mma.sync`; Q's fragments were
+//!    loaded once), 8 tiles of 16 × 8;
+//! 2. scales and masks them in place, takes each row's maximum across the 4 lanes that hold
+//!    the row (two warp shuffles), and takes the online-softmax step on its registers;
+//! 3. reads the probabilities, rounded to the input type, as the `A` fragments of `P V`:
+//!    the accumulators of two adjacent 8-key tiles are, element for element, one 16-key
+//!    `A` fragment (`tests_manual_mma` checks that on a GPU), so `P` never leaves the
+//!    registers;
+//! 4. adds `P V` into its output fragments.
+//!
+//! Nothing goes through shared memory but K and V (and Q once, through K's tile): the block-product kernels
+//! (`forward_blocks.rs`) store `S` and `P V` to shared memory and reload them for every
+//! product, which is where their time went (docs/flash-attention.md).
+//!
+//! [`Fragments::Emulated`] runs the same data flow on any device: each product and each
+//! shuffle goes through shared memory in PTX's layouts, with the cube's barriers. That is
+//! how lavapipe checks every index of this kernel; on CUDA only the products and the
+//! shuffles differ.
+//!
+//! Takes 16-bit inputs, head dims of 16 to 128 in 16s, causal or not, key padding and
+//! grouped-query attention; not dropout (the launch keeps the block kernels for it).
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+
+use super::tile::{excluded, key_blocks, pad_bias, stage_tile, staged_ld, unmasked, MASKED};
+
+/// Query rows a cube computes, and keys a block stages: 4 warps of 16 rows.
+pub const BLOCK: usize = 64;
+/// Units a cube has: 4 warps of 32.
+pub const UNITS: usize = 128;
+/// The largest head dim: 16 output fragments (64 fp32 a lane) beside 16 of S.
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// How a warp multiplies fragments and shares values between its lanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fragments {
+    /// PTX `mma.sync.m16n8k16` and warp shuffles (CUDA).
+    Registers,
+    /// The same through shared memory and cube barriers (any device).
+    Emulated,
+}
+
+/// Two values of a fragment: the 32 bits a lane passes per register (16-bit inputs), or an
+/// accumulator's pair of adjacent columns.
+type Pair<E> = Vector<E, Const<2>>;
+
+/// Shared memory the emulation takes per warp: an `A` fragment (16 × 16) and a `B` (16 × 8).
+const SCRATCH_PER_WARP: usize = 16 * 16 + 16 * 8;
+
+/// (row, col) of element `i` of a lane's `A` fragment (16 × 16, 8 elements).
+#[cube]
+fn a_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
+    let row = lane / 4 + comptime![8 * ((i / 2) % 2)];
+    let col = (lane % 4) * 2 + comptime![i % 2 + 8 * (i / 4)];
+    (row, col)
+}
+
+/// (k, n) of element `i` of a lane's `B` fragment (16 × 8, 4 elements).
+#[cube]
+fn b_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
+    let k = (lane % 4) * 2 + comptime![i % 2 + 8 * (i / 2)];
+    (k, lane / 4)
+}
+
+/// (row, col) of element `i` of a lane's accumulator (16 × 8, 4 elements): vector `i / 2`
+/// holds row `lane / 4` (`i < 2`) or that row + 8, columns `(lane % 4) · 2 ..+ 2`.
+#[cube]
+fn c_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
+    let row = lane / 4 + comptime![8 * (i / 2)];
+    let col = (lane % 4) * 2 + comptime![i % 2];
+    (row, col)
+}
+
+/// `c += a b` for the calling warp: one `m16n8k16` product.
+#[cube]
+fn product<F: Float>(
+    a: &Array<Pair<F>>,
+    b: &Array<Pair<F>>,
+    c: &mut Array<Pair<f32>>,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] frags: Fragments,
+) {
+    if comptime![frags == Fragments::Registers] {
+        let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+        def.execute_inplace(a, b, c);
+    } else {
+        let unit = UNIT_POS as usize;
+        let lane = unit % 32;
+        let base = (unit / 32) * SCRATCH_PER_WARP;
+        #[unroll]
+        for i in 0..8usize {
+            let (r, col) = a_place(lane, i);
+            scratch[base + r * 16 + col] = f32::cast_from(a[i / 2][i % 2]);
+        }
+        #[unroll]
+        for i in 0..4usize {
+            let (kk, n) = b_place(lane, i);
+            scratch[base + 256 + kk * 8 + n] = f32::cast_from(b[i / 2][i % 2]);
+        }
+        sync_cube();
+        #[unroll]
+        for half in 0..2usize {
+            let mut pair = c[half];
+            #[unroll]
+            for e in 0..2usize {
+                let (r, col) = c_place(lane, half * 2 + e);
+                let mut sum = f32::new(0.0);
+                for kk in 0..16usize {
+                    sum += scratch[base + r * 16 + kk] * scratch[base + 256 + kk * 8 + col];
+                }
+                pair[e] += sum;
+            }
+            c[half] = pair;
+        }
+        sync_cube();
+    }
+}
+
+/// The maximum (or, with `sum`, the sum) of `x` over the 4 lanes that hold the same rows.
+#[cube]
+fn across_quad(
+    x: f32,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] sum: bool,
+    #[comptime] frags: Fragments,
+) -> f32 {
+    let mut out = x;
+    if comptime![frags == Fragments::Registers] {
+        #[unroll]
+        for step in 0..2u32 {
+            let other = plane_shuffle_xor(out, 1u32 << step);
+            if sum {
+                out += other;
+            } else {
+                out = max(out, other);
+            }
+        }
+    } else {
+        let unit = UNIT_POS as usize;
+        scratch[unit] = x;
+        sync_cube();
+        let first = unit - unit % 4;
+        out = scratch[first];
+        #[unroll]
+        for i in 1..4usize {
+            let other = scratch[first + i];
+            if sum {
+                out += other;
+            } else {
+                out = max(out, other);
+            }
+        }
+        sync_cube();
+    }
+    out
+}
+
+/// Shapes and arguments as `flash_forward_blocks` (without dropout): `q [b, h, s, d]`,
+/// `k, v [b, h / group, t, d]`, `out` like q, `lse [b, h, s]` (any strides); cubes of
+/// [`UNITS`] over (`s / BLOCK`, `b · h`). `head_dim` equals the tensors' last extent, a
+/// multiple of 16 up to [`MAX_HEAD_DIM`]; with [`Fragments::Registers`], F is f16 or bf16.
+#[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward_registers<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    key_bias: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] padding: bool,
+    #[comptime] frags: Fragments,
+    #[define(F)] _dtype: StorageType,
+) {
+    // Everything unrolls on CUDA, so the fragments stay in registers. The emulation keeps
+    // the loops: lavapipe's shader compiler took more than 15 minutes on one unrolled
+    // kernel at head dim 64.
+    let unroll = comptime![frags == Fragments::Registers];
+    let heads = q.shape(1);
+    let s = q.shape(2);
+    let t = k.shape(2);
+    let bh = CUBE_POS_Y as usize;
+    let bi = bh / heads;
+    let hi = bh % heads;
+    let kvh = hi / group as usize;
+    let unit = UNIT_POS as usize;
+    let lane = unit % 32;
+    let warp = unit / 32;
+    let quad = lane % 4;
+    let first = CUBE_POS_X as usize * BLOCK;
+    // This lane's two rows: `rows[0]` and 8 below it.
+    let row0 = first + warp * 16 + lane / 4;
+
+    let hd_ld = comptime![staged_ld(head_dim)];
+    let mut ks = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
+    let scratch_len = comptime![match frags {
+        Fragments::Registers => 1,
+        Fragments::Emulated => 4 * SCRATCH_PER_WARP,
+    }];
+    let mut scratch = SharedMemory::<f32>::new(scratch_len);
+
+    let qbase = bi * q.stride(0) + hi * q.stride(1);
+    let kbase = bi * k.stride(0) + kvh * k.stride(1);
+    let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    // Q passes through K's tile on its way to the registers.
+    stage_tile::<F, N>(q, &mut ks, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
+    sync_cube();
+
+    // Q's A fragments, one per 16 head-dim columns, for the whole kernel.
+    let ksteps = comptime![head_dim / 16];
+    let mut qf = Array::<Pair<F>>::new(ksteps * 4);
+    #[unroll(unroll)]
+    for kq in 0..ksteps {
+        #[unroll]
+        for p in 0..4usize {
+            let mut pair = Pair::<F>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let (r, col) = a_place(lane, p * 2 + e);
+                pair[e] = ks[(warp * 16 + r) * hd_ld + kq * 16 + col];
+            }
+            qf[kq * 4 + p] = pair;
+        }
+    }
+
+    // S's 8 tiles of 8 keys and the output's tiles of 8 columns: two pairs each (rows
+    // `row0` and `row0 + 8`).
+    let key_tiles = comptime![BLOCK / 8];
+    let out_tiles = comptime![head_dim / 8];
+    let mut o = Array::<Pair<f32>>::new(out_tiles * 2);
+    #[unroll(unroll)]
+    for i in 0..out_tiles * 2 {
+        o[i] = Pair::<f32>::new(0.0f32);
+    }
+    // Per row of the two (`row0`, `row0 + 8`): the running maximum (the same in the
+    // quad), this lane's share of the sum, and the row the masks read (clamped).
+    let mut m = Array::<f32>::new(2usize);
+    let mut l = Array::<f32>::new(2usize);
+    let mut rows = Array::<usize>::new(2usize);
+    #[unroll]
+    for half in 0..2usize {
+        m[half] = f32::new(MASKED);
+        l[half] = f32::new(0.0);
+        rows[half] = min(row0 + half * 8, s - 1);
+    }
+
+    let blocks = key_blocks(first, BLOCK, s, t, causal);
+    for kb in 0..blocks {
+        let j0 = kb * BLOCK;
+        // Every warp is past the last block's reads of K and V.
+        sync_cube();
+        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
+        sync_cube();
+
+        let mut sc = Array::<Pair<f32>>::new(key_tiles * 2);
+        #[unroll(unroll)]
+        for j in 0..key_tiles {
+            let mut c = Array::<Pair<f32>>::new(2usize);
+            c[0] = Pair::<f32>::new(0.0f32);
+            c[1] = Pair::<f32>::new(0.0f32);
+            #[unroll(unroll)]
+            for kq in 0..ksteps {
+                let mut a = Array::<Pair<F>>::new(4usize);
+                #[unroll]
+                for p in 0..4usize {
+                    a[p] = qf[kq * 4 + p];
+                }
+                let mut b = Array::<Pair<F>>::new(2usize);
+                #[unroll]
+                for p in 0..2usize {
+                    let mut pair = Pair::<F>::empty();
+                    #[unroll]
+                    for e in 0..2usize {
+                        // B[kk][n] = K[key 8 j + n][column 16 kq + kk].
+                        let (kk, n) = b_place(lane, p * 2 + e);
+                        pair[e] = ks[(j * 8 + n) * hd_ld + kq * 16 + kk];
+                    }
+                    b[p] = pair;
+                }
+                product::<F>(&a, &b, &mut c, &mut scratch, frags);
+            }
+            sc[j * 2] = c[0];
+            sc[j * 2 + 1] = c[1];
+        }
+
+        // Scaled and masked in place; each row's maximum over this lane's columns.
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding);
+        let mut top = Array::<f32>::new(2usize);
+        top[0] = f32::new(MASKED);
+        top[1] = f32::new(MASKED);
+        #[unroll(unroll)]
+        for j in 0..key_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let mut pair = sc[j * 2 + half];
+                #[unroll]
+                for e in 0..2usize {
+                    let key = j0 + j * 8 + quad * 2 + e;
+                    let mut x = pair[e] * scale;
+                    if !open {
+                        if excluded(key, rows[half], t, causal) {
+                            x = f32::new(MASKED);
+                        } else if padding {
+                            x += pad_bias(key_bias, bi, key);
+                        }
+                    }
+                    pair[e] = x;
+                    top[half] = max(top[half], x);
+                }
+                sc[j * 2 + half] = pair;
+            }
+        }
+        // The rows' new maxima; the output and the sums rescaled to them.
+        #[unroll]
+        for half in 0..2usize {
+            let mb = max(m[half], across_quad(top[half], &mut scratch, false, frags));
+            let alpha = (m[half] - mb).exp();
+            l[half] *= alpha;
+            #[unroll(unroll)]
+            for n in 0..out_tiles {
+                o[n * 2 + half] = o[n * 2 + half] * Pair::<f32>::new(alpha);
+            }
+            m[half] = mb;
+        }
+        // P in place; this lane's share of each row's sum (the quad adds up at the end).
+        #[unroll(unroll)]
+        for j in 0..key_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let mut pair = sc[j * 2 + half];
+                #[unroll]
+                for e in 0..2usize {
+                    let x = pair[e];
+                    let p = select(x > f32::new(MASKED), (x - m[half]).exp(), f32::new(0.0));
+                    pair[e] = p;
+                    l[half] += p;
+                }
+                sc[j * 2 + half] = pair;
+            }
+        }
+
+        // O += P V, 16 keys at a time: key tiles 2 kp and 2 kp + 1 are the A fragment.
+        #[unroll(unroll)]
+        for kp in 0..comptime![BLOCK / 16] {
+            let mut a = Array::<Pair<F>>::new(4usize);
+            #[unroll]
+            for p in 0..4usize {
+                // A's elements 2 p, 2 p + 1 = tile 2 kp + p / 2, its pair p % 2.
+                a[p] = Pair::<F>::cast_from(sc[(kp * 2 + p / 2) * 2 + p % 2]);
+            }
+            #[unroll(unroll)]
+            for n in 0..out_tiles {
+                let mut b = Array::<Pair<F>>::new(2usize);
+                #[unroll]
+                for p in 0..2usize {
+                    let mut pair = Pair::<F>::empty();
+                    #[unroll]
+                    for e in 0..2usize {
+                        // B[kk][c] = V[key 16 kp + kk][column 8 n + c].
+                        let (kk, c) = b_place(lane, p * 2 + e);
+                        pair[e] = vs[(kp * 16 + kk) * hd_ld + n * 8 + c];
+                    }
+                    b[p] = pair;
+                }
+                let mut c = Array::<Pair<f32>>::new(2usize);
+                c[0] = o[n * 2];
+                c[1] = o[n * 2 + 1];
+                product::<F>(&a, &b, &mut c, &mut scratch, frags);
+                o[n * 2] = c[0];
+                o[n * 2 + 1] = c[1];
+            }
+        }
+    }
+
+    #[unroll]
+    for half in 0..2usize {
+        let row = row0 + half * 8;
+        // (Every lane reaches this: the emulation's barriers.)
+        let total = across_quad(l[half], &mut scratch, true, frags);
+        if row < s {
+            let ob = bi * out.stride(0) + hi * out.stride(1) + row * out.stride(2);
+            let inv = f32::new(1.0) / total;
+            #[unroll(unroll)]
+            for n in 0..out_tiles {
+                let pair = o[n * 2 + half];
+                #[unroll]
+                for e in 0..2usize {
+                    let col = n * 8 + quad * 2 + e;
+                    out[ob + col * out.stride(3)] = F::cast_from(pair[e] * inv);
+                }
+            }
+            if quad == 0 {
+                lse[bi * lse.stride(0) + hi * lse.stride(1) + row * lse.stride(2)] =
+                    m[half] + total.ln();
+            }
+        }
+    }
+}
+
+/// Writes `out` and `lse` as `launch::forward` does, with [`flash_forward_registers`]
+/// (`cfg.dropout` must be `None`; `cfg.dims.head_dim` a multiple of 16 up to
+/// [`MAX_HEAD_DIM`]).
+#[allow(clippy::too_many_arguments)]
+pub fn launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &super::launch::FlashLaunch,
+    frags: Fragments,
+    q: TensorArg<R>,
+    k: TensorArg<R>,
+    v: TensorArg<R>,
+    key_bias: TensorArg<R>,
+    out: TensorArg<R>,
+    lse: TensorArg<R>,
+) {
+    let d = &cfg.dims;
+    assert!(cfg.dropout.is_none(), "the register forward has no dropout");
+    assert!(
+        d.head_dim.is_multiple_of(16) && d.head_dim <= MAX_HEAD_DIM,
+        "head dim {}",
+        d.head_dim
+    );
+    let width = super::launch::vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]);
+    let count = CubeCount::Static(
+        d.q_len.div_ceil(BLOCK) as u32,
+        (d.batch * d.heads) as u32,
+        1,
+    );
+    flash_forward_registers::launch::<R>(
+        client,
+        count,
+        CubeDim::new_1d(UNITS as u32),
+        width,
+        q,
+        k,
+        v,
+        key_bias,
+        out,
+        lse,
+        cfg.scale,
+        d.group(),
+        d.head_dim,
+        cfg.causal,
+        cfg.padding,
+        frags,
+        cfg.dtype,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device_tensor::{AttentionTensors, Elem, HostInputs};
+    use super::super::launch::{FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
+    use super::super::mma::Products;
+    use super::super::reference::{worst, Problem};
+    use super::*;
+
+    /// The kernel's O and LSE against the f64 reference, on the inputs rounded to `E`:
+    /// within `tol` (O) and 1e-3 (LSE).
+    fn check<R: Runtime, E: Elem>(
+        client: &ComputeClient<R>,
+        frags: Fragments,
+        mut p: Problem,
+        tol: f64,
+    ) {
+        let what = format!(
+            "{} b{} h{}/{} s{} d{} causal {} padding {}",
+            std::any::type_name::<E>(),
+            p.b,
+            p.h,
+            p.kvh,
+            p.s,
+            p.d,
+            p.causal,
+            p.keep.is_some()
+        );
+        let ty = E::as_type_native_unchecked();
+        if !client.properties().supports_type(ty) {
+            eprintln!("SKIPPED: no {ty:?} on this device; {what} did not run");
+            return;
+        }
+        let round =
+            |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| E::from_f32(v).to_f32()).collect() };
+        p.q = round(&p.q);
+        p.k = round(&p.k);
+        p.v = round(&p.v);
+        let dims = FlashDims {
+            batch: p.b,
+            heads: p.h,
+            kv_heads: p.kvh,
+            q_len: p.s,
+            kv_len: p.t,
+            head_dim: p.d,
+        };
+        let cfg = FlashLaunch {
+            dims,
+            causal: p.causal,
+            padding: p.keep.is_some(),
+            scale: p.scale as f32,
+            dtype: ty.storage_type(),
+            kernels: FlashKernels::Blocks {
+                products: Products::TiledScalar,
+            },
+            unroll: false,
+            dropout: None,
+            atomic_dq: false,
+            units_per_row: UNITS_PER_ROW,
+            tile_pairs: false,
+            async_copy: false,
+            register_forward: false,
+        };
+        let bias = p.key_bias();
+        let t = AttentionTensors::<R>::new::<E>(
+            client,
+            &dims,
+            HostInputs {
+                q: &p.q,
+                k: &p.k,
+                v: &p.v,
+                d_o: &p.d_o,
+                key_bias: bias.as_deref(),
+                dropout_seed: None,
+            },
+        );
+        launch(
+            client,
+            &cfg,
+            frags,
+            t.q.arg(),
+            t.k.arg(),
+            t.v.arg(),
+            t.key_bias.arg(),
+            t.o.arg(),
+            t.lse.arg(),
+        );
+        let want = p.expected();
+        let o = worst(&t.o.read_as::<E>(client), &want.o);
+        let lse = worst(&t.lse.read(client), &want.lse);
+        assert!(o <= tol, "{what}: O differs by {o:e} (> {tol:e})");
+        assert!(lse <= 1e-3, "{what}: LSE differs by {lse:e}");
+    }
+
+    #[cfg(feature = "wgpu-kernels")]
+    mod wgpu {
+        use super::*;
+        use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+        fn client() -> Option<ComputeClient<WgpuRuntime>> {
+            crate::testing::client_or_skip::<WgpuRuntime>(
+                || WgpuDevice::DefaultDevice,
+                "vulkan",
+                "the register forward's emulation",
+            )
+        }
+
+        /// f32 through the same data flow: every index, to fp32 rounding.
+        #[test]
+        fn emulated_fragments_match_the_reference_in_f32() {
+            let Some(client) = client() else { return };
+            // (Lavapipe gives a cube 32 KiB of shared memory: two f32 tiles of 64 rows fit up to
+            // head dim 32.) 70 queries: a second, partial block of 64; four query heads per kv
+            // head.
+            check::<_, f32>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(1, 8, 2, 70, 70, 32, true, &[], 31),
+                1e-4,
+            );
+            // Bidirectional with padded keys.
+            check::<_, f32>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 32),
+                1e-4,
+            );
+            // Causal with padding, grouped, d 16; three key blocks.
+            check::<_, f32>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
+                1e-4,
+            );
+            // Bidirectional, more keys than queries.
+            check::<_, f32>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(1, 2, 1, 20, 90, 16, false, &[], 34),
+                1e-4,
+            );
+        }
+
+        /// 16-bit inputs: P rounded to the input type before `P V`, as on the tensor cores.
+        #[test]
+        fn emulated_fragments_match_the_reference_in_f16() {
+            let Some(client) = client() else { return };
+            check::<_, burn::tensor::f16>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
+                2e-2,
+            );
+            check::<_, burn::tensor::f16>(
+                &client,
+                Fragments::Emulated,
+                Problem::new(1, 2, 2, 80, 80, 48, false, &[], 10),
+                2e-2,
+            );
+        }
+    }
+
+    /// The register products and shuffles themselves, at the head dims the executor runs.
+    #[cfg(feature = "cuda")]
+    mod cuda {
+        use super::*;
+        use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+        #[test]
+        fn register_fragments_match_the_reference() {
+            let Some(client) = crate::testing::client_or_skip::<CudaRuntime>(
+                || CudaDevice::new(0),
+                "cuda",
+                "the register forward",
+            ) else {
+                return;
+            };
+            for d in [64, 128] {
+                for (causal, pads) in [(true, &[0usize, 5][..]), (false, &[][..])] {
+                    let p = || Problem::new(2, 8, 2, 150, 150, d, causal, pads, 40 + d as u64);
+                    check::<_, burn::tensor::bf16>(&client, Fragments::Registers, p(), 3e-2);
+                    check::<_, burn::tensor::f16>(&client, Fragments::Registers, p(), 1e-2);
+                }
+            }
+        }
+    }
+
+    /// The CUDA source: register products and shuffles, nothing on the stack (ptxas,
+    /// `sm_90a`), at the head dims and types the executor runs. No GPU needed.
+    #[cfg(all(feature = "cuda", feature = "wgpu-kernels"))]
+    mod source {
+        use super::super::super::tests_cuda_source::{client, compiles, float, tensor};
+        use super::*;
+        use cubecl::ir::FloatKind;
+        use cubecl::wgpu::WgpuRuntime;
+
+        #[test]
+        fn the_register_forward_compiles_without_spills() {
+            let Some(client) = client() else { return };
+            for kind in [FloatKind::BF16, FloatKind::F16] {
+                for head_dim in [64, 128] {
+                    for (causal, padding) in [(true, false), (false, true)] {
+                        let kernel =
+                            flash_forward_registers::FlashForwardRegisters::<WgpuRuntime>::new(
+                                KernelSettings::default()
+                                    .cube_dim(CubeDim::new_1d(UNITS as u32))
+                                    .address_type(AddressType::U32),
+                                client.clone(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                (),
+                                (),
+                                // Staged 2 16-bit values at a time, as launched.
+                                2,
+                                head_dim,
+                                causal,
+                                padding,
+                                Fragments::Registers,
+                                float(kind),
+                            );
+                        let what = format!(
+                            "register forward {kind:?} d{head_dim} causal {causal} padding {padding}"
+                        );
+                        let compiled = compiles(kernel, &what);
+                        let source = &compiled.lowered.source;
+                        assert!(
+                            source.contains("mma.sync.aligned.m16n8k16.row.col.f32"),
+                            "{what}: no register mma"
+                        );
+                        assert!(source.contains("__shfl_xor_sync"), "{what}: no shuffles");
+                        assert!(
+                            compiled.ptxas.contains("0 bytes stack frame"),
+                            "{what}: {}",
+                            compiled.ptxas
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
