@@ -56,7 +56,7 @@ pub(crate) fn client() -> Option<ComputeClient<WgpuRuntime>> {
     found.ok()
 }
 
-fn settings(units: u32) -> KernelSettings {
+pub(crate) fn settings(units: u32) -> KernelSettings {
     KernelSettings::default()
         .cube_dim(CubeDim::new_1d(units))
         .address_type(AddressType::U32)
@@ -407,6 +407,17 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
         let tiles16 = 4 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
         on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
     }
+}
+
+/// PTX's register `mma.sync.m16n8k16` (CubeCL's manual MMA) in the source, and nothing on
+/// the stack: the fragments stay in registers.
+pub(crate) fn on_register_mma(compiled: &Compiled, what: &str) {
+    let source = &compiled.lowered.source;
+    assert!(
+        source.contains("mma.sync.aligned.m16n8k16.row.col.f32"),
+        "{what}: no register mma\n{source}"
+    );
+    assert_eq!(stack_bytes(compiled, what), 0, "{what}: {}", compiled.ptxas);
 }
 
 /// ptxas's stack frame, in bytes: the unit's arrays that live in local

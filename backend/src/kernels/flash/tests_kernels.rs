@@ -72,8 +72,20 @@ impl Under {
 }
 
 /// `x` rounded to `E` and back.
-fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
+pub(super) fn round<E: Elem>(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
+}
+
+/// The kernels' dimensions of problem `p`.
+pub(super) fn dims(p: &Problem) -> FlashDims {
+    FlashDims {
+        batch: p.b,
+        heads: p.h,
+        kv_heads: p.kvh,
+        q_len: p.s,
+        kv_len: p.t,
+        head_dim: p.d,
+    }
 }
 
 /// Everything one problem's kernels return.
@@ -102,14 +114,7 @@ fn run<R: Runtime, E: Elem>(
         );
         return None;
     }
-    let dims = FlashDims {
-        batch: p.b,
-        heads: p.h,
-        kv_heads: p.kvh,
-        q_len: p.s,
-        kv_len: p.t,
-        head_dim: p.d,
-    };
+    let dims = dims(p);
     dims.check(p.causal).expect("a shape the kernels take");
     let cfg = FlashLaunch {
         dims,
