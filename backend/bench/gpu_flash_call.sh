@@ -66,11 +66,11 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
   log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
-  # With them, CubeCL's manual MMA (register fragments) and the forward built on it
-  # (RCOA_FLASH_REGISTERS=1, FlashAttention-2's structure; step 2 times it).
-  timeout "$(cap 40)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
+  # With them, CubeCL's manual MMA (register fragments) and the forward and backward built
+  # on it (RCOA_FLASH_REGISTERS, FlashAttention-2's structure; step 2 times them).
+  timeout "$(cap 50)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
     tests_mma::trials_cuda tests_manual_mma::cuda forward_registers::tests::cuda \
-    --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+    backward_registers::tests::cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
   log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
@@ -140,13 +140,19 @@ if [ $BLAS = 1 ]; then
   profile_kernels 4b "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-cublas 6
   unset RCOA_MATMUL; export RCOA_CACHE_DIR=/tmp/cache-flash-call
 fi
-# 4c. The warm step with the register forward, if its CUDA test passed in step 1.
-if grep -q "register_fragments_match_the_reference ... ok" "$OUT/flash-trials.txt" 2>/dev/null; then
-  export RCOA_FLASH_REGISTERS=1
+# 4c. The warm step with the register kernels whose CUDA tests passed in step 1.
+REGS=""
+for dir in forward backward; do
+  if grep -q "${dir}_registers::tests::cuda::register_fragments_match_the_reference ... ok" \
+    "$OUT/flash-trials.txt" 2>/dev/null; then REGS="${REGS:+$REGS,}$dir"; fi
+done
+if [ -n "$REGS" ]; then
+  export RCOA_FLASH_REGISTERS=$REGS
+  log "4c register kernels: $REGS"
   profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-registers 6
   unset RCOA_FLASH_REGISTERS
 else
-  log "4c register forward run skipped (its test did not pass or did not run)"
+  log "4c register kernels' run skipped (their tests did not pass or did not run)"
 fi
 unset RCOA_FLASH_TENSOR_CORES
 

@@ -48,6 +48,8 @@ mod bench {
         async_copy: bool,
         /// The forward keeps each warp's scores and output in registers.
         register_forward: bool,
+        /// The backward keeps each warp's gradient rows in registers.
+        register_backward: bool,
     }
 
     impl Variant {
@@ -62,6 +64,7 @@ mod bench {
                 tile_pairs: false,
                 async_copy: false,
                 register_forward: false,
+                register_backward: false,
             }
         }
         pub const fn one_pass(self) -> Self {
@@ -97,6 +100,14 @@ mod bench {
         pub const fn register_forward(self) -> Self {
             Variant {
                 register_forward: true,
+                ..self
+            }
+        }
+        // Rows of the CUDA table only.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        pub const fn register_backward(self) -> Self {
+            Variant {
+                register_backward: true,
                 ..self
             }
         }
@@ -210,10 +221,12 @@ mod bench {
                 tile_pairs: v.tile_pairs,
                 async_copy: v.async_copy,
                 register_forward: v.register_forward,
+                register_backward: v.register_backward,
             };
             if cfg.kernels() != kernels
                 || cfg.one_pass() != one_pass
                 || cfg.register_forward_runs() != v.register_forward
+                || cfg.register_backward_runs() != v.register_backward
             {
                 println!("  {name:<44} skipped: these kernels do not take this shape or type");
                 continue;
@@ -325,6 +338,9 @@ fn main() {
             bench::Variant::new("register forward (FA2), one pass", TENSOR_CORES)
                 .one_pass()
                 .register_forward(),
+            bench::Variant::new("register forward and backward (FA2)", TENSOR_CORES)
+                .register_forward()
+                .register_backward(),
         ],
     );
 }

@@ -25,9 +25,10 @@
 //! Takes 16-bit inputs, head dims of 16 to 128 in 16s, causal or not, key padding and
 //! grouped-query attention; not dropout (the launch keeps the block kernels for it).
 
-use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
+pub use super::fragments::Fragments;
+use super::fragments::{a_fragments, accumulate, across_quad, scores, zeros, Pair};
 use super::tile::{excluded, key_blocks, pad_bias, stage_tile, staged_ld, unmasked, MASKED};
 
 /// Query rows a cube computes, and keys a block stages: 4 warps of 16 rows.
@@ -36,155 +37,6 @@ pub const BLOCK: usize = 64;
 pub const UNITS: usize = 128;
 /// The largest head dim: 16 output fragments (64 fp32 a lane) beside 16 of S.
 pub const MAX_HEAD_DIM: usize = 128;
-
-/// How a warp multiplies fragments and shares values between its lanes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fragments {
-    /// PTX `mma.sync.m16n8k16` and warp shuffles (CUDA).
-    Registers,
-    /// The same through shared memory and cube barriers (any device).
-    Emulated,
-}
-
-/// Two values of a fragment: the 32 bits a lane passes per register (16-bit inputs), or an
-/// accumulator's pair of adjacent columns.
-type Pair<E> = Vector<E, Const<2>>;
-
-/// Shared memory the emulation takes per warp: an `A` fragment (16 × 16) and a `B` (16 × 8).
-const SCRATCH_PER_WARP: usize = 16 * 16 + 16 * 8;
-
-/// (row, col) of element `i` of a lane's `A` fragment (16 × 16, 8 elements).
-#[cube]
-fn a_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
-    let row = lane / 4 + comptime![8 * ((i / 2) % 2)];
-    let col = (lane % 4) * 2 + comptime![i % 2 + 8 * (i / 4)];
-    (row, col)
-}
-
-/// (k, n) of element `i` of a lane's `B` fragment (16 × 8, 4 elements).
-#[cube]
-fn b_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
-    let k = (lane % 4) * 2 + comptime![i % 2 + 8 * (i / 2)];
-    (k, lane / 4)
-}
-
-/// A lane's `B` fragment of a 16-bit tile in shared memory, `B[kk][n]` at
-/// `offset + kk · k_stride + n · n_stride`: K's as it is stored (`k_stride` 1, each pair
-/// one 32-bit load), V's across its rows.
-#[cube]
-fn b_fragment<F: Float>(
-    tile: &SharedMemory<F>,
-    offset: usize,
-    #[comptime] k_stride: usize,
-    #[comptime] n_stride: usize,
-    lane: usize,
-) -> Array<Pair<F>> {
-    let mut b = Array::<Pair<F>>::new(2usize);
-    #[unroll]
-    for p in 0..2usize {
-        let mut pair = Pair::<F>::empty();
-        #[unroll]
-        for e in 0..2usize {
-            let (kk, n) = b_place(lane, p * 2 + e);
-            pair[e] = tile[offset + kk * k_stride + n * n_stride];
-        }
-        b[p] = pair;
-    }
-    b
-}
-
-/// (row, col) of element `i` of a lane's accumulator (16 × 8, 4 elements): vector `i / 2`
-/// holds row `lane / 4` (`i < 2`) or that row + 8, columns `(lane % 4) · 2 ..+ 2`.
-#[cube]
-fn c_place(lane: usize, #[comptime] i: usize) -> (usize, usize) {
-    let row = lane / 4 + comptime![8 * (i / 2)];
-    let col = (lane % 4) * 2 + comptime![i % 2];
-    (row, col)
-}
-
-/// `c += a b` for the calling warp: one `m16n8k16` product.
-#[cube]
-fn product<F: Float>(
-    a: &Array<Pair<F>>,
-    b: &Array<Pair<F>>,
-    c: &mut Array<Pair<f32>>,
-    scratch: &mut SharedMemory<f32>,
-    #[comptime] frags: Fragments,
-) {
-    if comptime![frags == Fragments::Registers] {
-        let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-        def.execute_inplace(a, b, c);
-    } else {
-        let unit = UNIT_POS as usize;
-        let lane = unit % 32;
-        let base = (unit / 32) * SCRATCH_PER_WARP;
-        #[unroll]
-        for i in 0..8usize {
-            let (r, col) = a_place(lane, i);
-            scratch[base + r * 16 + col] = f32::cast_from(a[i / 2][i % 2]);
-        }
-        #[unroll]
-        for i in 0..4usize {
-            let (kk, n) = b_place(lane, i);
-            scratch[base + 256 + kk * 8 + n] = f32::cast_from(b[i / 2][i % 2]);
-        }
-        sync_cube();
-        #[unroll]
-        for half in 0..2usize {
-            let mut pair = c[half];
-            #[unroll]
-            for e in 0..2usize {
-                let (r, col) = c_place(lane, half * 2 + e);
-                let mut sum = f32::new(0.0);
-                for kk in 0..16usize {
-                    sum += scratch[base + r * 16 + kk] * scratch[base + 256 + kk * 8 + col];
-                }
-                pair[e] += sum;
-            }
-            c[half] = pair;
-        }
-        sync_cube();
-    }
-}
-
-/// The maximum (or, with `sum`, the sum) of `x` over the 4 lanes that hold the same rows.
-#[cube]
-fn across_quad(
-    x: f32,
-    scratch: &mut SharedMemory<f32>,
-    #[comptime] sum: bool,
-    #[comptime] frags: Fragments,
-) -> f32 {
-    let mut out = x;
-    if comptime![frags == Fragments::Registers] {
-        #[unroll]
-        for step in 0..2u32 {
-            let other = plane_shuffle_xor(out, 1u32 << step);
-            if sum {
-                out += other;
-            } else {
-                out = max(out, other);
-            }
-        }
-    } else {
-        let unit = UNIT_POS as usize;
-        scratch[unit] = x;
-        sync_cube();
-        let first = unit - unit % 4;
-        out = scratch[first];
-        #[unroll]
-        for i in 1..4usize {
-            let other = scratch[first + i];
-            if sum {
-                out += other;
-            } else {
-                out = max(out, other);
-            }
-        }
-        sync_cube();
-    }
-    out
-}
 
 /// Shapes and arguments as `flash_forward_blocks` (without dropout): `q [b, h, s, d]`,
 /// `k, v [b, h / group, t, d]`, `out` like q, `lse [b, h, s]` (any strides); cubes of
@@ -229,10 +81,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     let hd_ld = comptime![staged_ld(head_dim)];
     let mut ks = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
     let mut vs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
-    let scratch_len = comptime![match frags {
-        Fragments::Registers => 1,
-        Fragments::Emulated => 4 * SCRATCH_PER_WARP,
-    }];
+    let scratch_len = comptime![frags.scratch_len()];
     let mut scratch = SharedMemory::<f32>::new(scratch_len);
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
@@ -244,30 +93,13 @@ pub fn flash_forward_registers<F: Float, N: Size>(
 
     // Q's A fragments, one per 16 head-dim columns, for the whole kernel.
     let ksteps = comptime![head_dim / 16];
-    let mut qf = Array::<Pair<F>>::new(ksteps * 4);
-    #[unroll(unroll)]
-    for kq in 0..ksteps {
-        #[unroll]
-        for p in 0..4usize {
-            let mut pair = Pair::<F>::empty();
-            #[unroll]
-            for e in 0..2usize {
-                let (r, col) = a_place(lane, p * 2 + e);
-                pair[e] = ks[(warp * 16 + r) * hd_ld + kq * 16 + col];
-            }
-            qf[kq * 4 + p] = pair;
-        }
-    }
+    let qf = a_fragments::<F>(&ks, warp * 16 * hd_ld, hd_ld, lane, ksteps, unroll);
 
     // S's 8 tiles of 8 keys and the output's tiles of 8 columns: two pairs each (rows
     // `row0` and `row0 + 8`).
     let key_tiles = comptime![BLOCK / 8];
     let out_tiles = comptime![head_dim / 8];
-    let mut o = Array::<Pair<f32>>::new(out_tiles * 2);
-    #[unroll(unroll)]
-    for i in 0..out_tiles * 2 {
-        o[i] = Pair::<f32>::new(0.0f32);
-    }
+    let mut o = zeros(out_tiles, unroll);
     // Per row of the two (`row0`, `row0 + 8`): the running maximum (the same in the
     // quad), this lane's share of the sum, and the row the masks read (clamped).
     let mut m = Array::<f32>::new(2usize);
@@ -291,23 +123,24 @@ pub fn flash_forward_registers<F: Float, N: Size>(
 
         let mut sc = Array::<Pair<f32>>::new(key_tiles * 2);
         #[unroll(unroll)]
-        for j in 0..key_tiles {
-            let mut c = Array::<Pair<f32>>::new(2usize);
-            c[0] = Pair::<f32>::new(0.0f32);
-            c[1] = Pair::<f32>::new(0.0f32);
-            #[unroll(unroll)]
-            for kq in 0..ksteps {
-                let mut a = Array::<Pair<F>>::new(4usize);
-                #[unroll]
-                for p in 0..4usize {
-                    a[p] = qf[kq * 4 + p];
-                }
-                // B[kk][n] = K[key 8 j + n][column 16 kq + kk].
-                let b = b_fragment::<F>(&ks, j * 8 * hd_ld + kq * 16, 1usize, hd_ld, lane);
-                product::<F>(&a, &b, &mut c, &mut scratch, frags);
+        for kp in 0..comptime![BLOCK / 16] {
+            let c = scores::<F>(
+                &qf,
+                &ks,
+                0,
+                &ks,
+                kp * 16,
+                hd_ld,
+                lane,
+                &mut scratch,
+                ksteps,
+                false,
+                frags,
+            );
+            #[unroll]
+            for i in 0..4usize {
+                sc[kp * 4 + i] = c[i];
             }
-            sc[j * 2] = c[0];
-            sc[j * 2 + 1] = c[1];
         }
 
         // Scaled and masked in place; each row's maximum over this lane's columns.
@@ -375,17 +208,17 @@ pub fn flash_forward_registers<F: Float, N: Size>(
                 // A's elements 2 p, 2 p + 1 = tile 2 kp + p / 2, its pair p % 2.
                 a[p] = Pair::<F>::cast_from(sc[(kp * 2 + p / 2) * 2 + p % 2]);
             }
-            #[unroll(unroll)]
-            for n in 0..out_tiles {
-                // B[kk][c] = V[key 16 kp + kk][column 8 n + c].
-                let b = b_fragment::<F>(&vs, kp * 16 * hd_ld + n * 8, hd_ld, 1usize, lane);
-                let mut c = Array::<Pair<f32>>::new(2usize);
-                c[0] = o[n * 2];
-                c[1] = o[n * 2 + 1];
-                product::<F>(&a, &b, &mut c, &mut scratch, frags);
-                o[n * 2] = c[0];
-                o[n * 2 + 1] = c[1];
-            }
+            accumulate::<F>(
+                &a,
+                &vs,
+                kp * 16,
+                hd_ld,
+                &mut o,
+                lane,
+                &mut scratch,
+                out_tiles,
+                frags,
+            );
         }
     }
 
@@ -516,6 +349,7 @@ mod tests {
             tile_pairs: false,
             async_copy: false,
             register_forward: false,
+            register_backward: false,
         };
         let bias = p.key_bias();
         let t = AttentionTensors::<R>::new::<E>(

@@ -48,7 +48,8 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         units_per_row: units_per_row_asked(),
         tile_pairs: std::env::var("RCOA_FLASH_TILE_PAIRS").as_deref() == Ok("1"),
         async_copy: std::env::var("RCOA_FLASH_ASYNC_COPY").as_deref() == Ok("1"),
-        register_forward: std::env::var("RCOA_FLASH_REGISTERS").as_deref() == Ok("1"),
+        register_forward: registers_asked().forward,
+        register_backward: registers_asked().backward,
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -102,6 +103,46 @@ fn tensor_cores_asked() -> Option<bool> {
 fn one_pass_asked() -> bool {
     static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ASKED.get_or_init(|| std::env::var("RCOA_FLASH_ONE_PASS").as_deref() != Ok("0"))
+}
+
+/// Which directions run in FlashAttention-2's register structure (trials:
+/// `forward_registers`, `backward_registers`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct RegistersAsked {
+    forward: bool,
+    backward: bool,
+}
+
+/// `RCOA_FLASH_REGISTERS`: `forward`, `backward`, both (`forward,backward`, or `1`). Any
+/// other word is refused once, on stderr, and neither runs.
+fn registers_asked() -> RegistersAsked {
+    static ASKED: std::sync::OnceLock<RegistersAsked> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| {
+        let value = std::env::var("RCOA_FLASH_REGISTERS").unwrap_or_default();
+        parse_registers(&value).unwrap_or_else(|word| {
+            eprintln!(
+                "warning: RCOA_FLASH_REGISTERS={value}: `{word}` is not forward, backward or 1; \
+                 the block kernels run"
+            );
+            RegistersAsked::default()
+        })
+    })
+}
+
+fn parse_registers(value: &str) -> Result<RegistersAsked, &str> {
+    let mut asked = RegistersAsked::default();
+    for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        match word {
+            "forward" => asked.forward = true,
+            "backward" => asked.backward = true,
+            "1" => {
+                asked.forward = true;
+                asked.backward = true;
+            }
+            _ => return Err(word),
+        }
+    }
+    Ok(asked)
 }
 
 /// Units per row of the block-product kernels: `RCOA_FLASH_UNITS_PER_ROW`
@@ -373,6 +414,26 @@ mod tests {
     use super::*;
     use cubecl::ir::{ElemType, FloatKind};
 
+    #[test]
+    fn the_register_trials_are_asked_for_by_direction() {
+        let both = RegistersAsked {
+            forward: true,
+            backward: true,
+        };
+        assert_eq!(parse_registers(""), Ok(RegistersAsked::default()));
+        assert_eq!(parse_registers("1"), Ok(both));
+        assert_eq!(parse_registers("forward, backward"), Ok(both));
+        assert_eq!(
+            parse_registers("backward"),
+            Ok(RegistersAsked {
+                forward: false,
+                backward: true
+            })
+        );
+        assert_eq!(parse_registers("forward,bwd"), Err("bwd"));
+        assert_eq!(parse_registers("0"), Err("0"));
+    }
+
     fn cfg(head_dim: usize, kind: FloatKind) -> FlashLaunch {
         FlashLaunch {
             dims: FlashDims {
@@ -397,6 +458,7 @@ mod tests {
             tile_pairs: false,
             async_copy: false,
             register_forward: false,
+            register_backward: false,
         }
     }
 

@@ -81,8 +81,11 @@ pub struct FlashLaunch {
     pub async_copy: bool,
     /// The forward runs in FlashAttention-2's structure, each warp's scores and output in
     /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. A
-    /// trial setting; the backward is the block-product kernels' either way.
+    /// trial setting.
     pub register_forward: bool,
+    /// The backward runs in the same structure (`backward_registers`: two kernels, no
+    /// atomics), where [`FlashLaunch::register_backward_runs`]. A trial setting.
+    pub register_backward: bool,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -147,7 +150,9 @@ impl FlashLaunch {
     /// for, and the `Blocks` kernels run (the `Rows` kernels have only the
     /// atomics-free split).
     pub fn one_pass(&self) -> bool {
-        self.atomic_dq && matches!(self.kernels(), FlashKernels::Blocks { .. })
+        self.atomic_dq
+            && matches!(self.kernels(), FlashKernels::Blocks { .. })
+            && !self.register_backward_runs()
     }
 
     /// Query (and key) rows per block of the `Blocks` kernels: 64 on
@@ -501,15 +506,26 @@ pub struct BackwardOutputs<R: Runtime> {
 }
 
 impl FlashLaunch {
-    /// Whether the forward runs `forward_registers`: asked for ([`FlashLaunch::register_forward`]),
-    /// on tensor cores (16-bit inputs, head dims in 16s up to 128: the register products'
-    /// shapes), without dropout (which it does not draw).
+    /// Whether the forward runs `forward_registers`: asked for
+    /// ([`FlashLaunch::register_forward`]), where [`FlashLaunch::registers_take`].
     pub fn register_forward_runs(&self) -> bool {
-        self.register_forward
-            && self.kernels()
-                == FlashKernels::Blocks {
-                    products: Products::TensorCores,
-                }
+        self.register_forward && self.registers_take()
+    }
+
+    /// Whether the backward runs `backward_registers`: asked for
+    /// ([`FlashLaunch::register_backward`]), where the register forward would run.
+    pub fn register_backward_runs(&self) -> bool {
+        self.register_backward && self.registers_take()
+    }
+
+    /// The register kernels take this launch: tensor cores (16-bit inputs, head dims in
+    /// 16s up to 128: the register products' shapes), without dropout (which they do not
+    /// draw).
+    fn registers_take(&self) -> bool {
+        self.kernels()
+            == FlashKernels::Blocks {
+                products: Products::TensorCores,
+            }
             && self.dropout.is_none()
             && self.dims.head_dim <= super::forward_registers::MAX_HEAD_DIM
     }
@@ -606,6 +622,11 @@ pub fn backward<R: Runtime>(
         clone_arg(&x.d_o),
         clone_arg(&out.d_rows),
     );
+    if cfg.register_backward_runs() {
+        let frags = super::fragments::Fragments::Registers;
+        super::backward_registers::launch(client, cfg, frags, x, out);
+        return;
+    }
     // The second pass reads the same inputs and D.
     let second = (!one_pass).then(|| (x.clone(), clone_arg(&out.d_rows)));
     launch_blocks!(
@@ -647,7 +668,7 @@ pub fn backward<R: Runtime>(
 
 /// Another argument for the same tensor (`TensorArg` is not `Clone`; its
 /// binding is a handle, not the data).
-fn clone_arg<R: Runtime>(a: &TensorArg<R>) -> TensorArg<R> {
+pub(super) fn clone_arg<R: Runtime>(a: &TensorArg<R>) -> TensorArg<R> {
     match a {
         TensorArg::Handle { handle } => TensorArg::Handle {
             handle: handle.clone(),
@@ -707,39 +728,50 @@ mod tests {
             tile_pairs: false,
             async_copy: false,
             register_forward: false,
+            register_backward: false,
         }
     }
 
-    /// The register forward runs where asked, on the tensor-core path, without dropout;
-    /// otherwise the block kernels' forward does.
+    /// The register kernels run where asked, on the tensor-core path, without dropout;
+    /// otherwise the block kernels do. The register backward has no atomics: no
+    /// one pass, no dQ accumulator.
     #[test]
-    fn the_register_forward_runs_only_where_its_products_do() {
+    fn the_register_kernels_run_only_where_their_products_do() {
         let asked = |d, kind| FlashLaunch {
             register_forward: true,
+            register_backward: true,
             ..launch(d, kind)
         };
+        let runs = |cfg: FlashLaunch| {
+            assert_eq!(
+                cfg.register_forward_runs(),
+                cfg.register_backward_runs(),
+                "{cfg:?}"
+            );
+            cfg.register_forward_runs()
+        };
         for d in [16, 64, 128] {
-            assert!(
-                asked(d, FloatKind::BF16).register_forward_runs(),
-                "bf16 d{d}"
-            );
-            assert!(asked(d, FloatKind::F16).register_forward_runs(), "f16 d{d}");
-            assert!(
-                !launch(d, FloatKind::BF16).register_forward_runs(),
-                "not asked d{d}"
-            );
+            assert!(runs(asked(d, FloatKind::BF16)), "bf16 d{d}");
+            assert!(runs(asked(d, FloatKind::F16)), "f16 d{d}");
+            assert!(!runs(launch(d, FloatKind::BF16)), "not asked d{d}");
+            assert!(launch(d, FloatKind::BF16).one_pass(), "d{d}");
+            assert!(!asked(d, FloatKind::BF16).one_pass(), "registers d{d}");
+            assert_eq!(asked(d, FloatKind::BF16).dq_accumulator(), None);
         }
-        assert!(
-            !asked(64, FloatKind::F32).register_forward_runs(),
-            "no f32 mma"
-        );
-        assert!(!asked(24, FloatKind::BF16).register_forward_runs(), "d24");
-        assert!(!asked(256, FloatKind::BF16).register_forward_runs(), "d256");
+        assert!(!runs(asked(64, FloatKind::F32)), "no f32 mma");
+        assert!(!runs(asked(24, FloatKind::BF16)), "d24");
+        assert!(!runs(asked(256, FloatKind::BF16)), "d256");
         let dropped = FlashLaunch {
             dropout: Some(0.1),
             ..asked(64, FloatKind::BF16)
         };
-        assert!(!dropped.register_forward_runs(), "dropout");
+        assert!(!runs(dropped), "dropout");
+        assert!(dropped.one_pass(), "dropout keeps the one pass");
+        let forward_only = FlashLaunch {
+            register_backward: false,
+            ..asked(64, FloatKind::BF16)
+        };
+        assert!(forward_only.register_forward_runs() && forward_only.one_pass());
     }
 
     /// The memory model charges the one-pass backward's fp32 dQ

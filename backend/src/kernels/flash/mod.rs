@@ -13,8 +13,9 @@
 //!   over key blocks and dQ over query blocks, atomics-free, or, for the
 //!   block-product kernels, all three in one pass over key blocks with dQ
 //!   added atomically; `scratch` holds the backward's small kernels;
-//!   `forward_registers` is the forward in FlashAttention-2's register structure, a
-//!   trial behind `RCOA_FLASH_REGISTERS=1`). Built with the
+//!   `forward_registers` and `backward_registers` are both directions in
+//!   FlashAttention-2's register structure, on `fragments`, trials behind
+//!   `RCOA_FLASH_REGISTERS`). Built with the
 //!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
 //!   them on wgpu (lavapipe on a machine without a GPU).
 //!
@@ -33,6 +34,8 @@ mod backward;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod backward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod backward_registers;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod device_tensor;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod forward;
@@ -40,6 +43,8 @@ mod forward;
 mod forward_blocks;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod forward_registers;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+mod fragments;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub mod launch;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]

@@ -130,6 +130,7 @@ fn run<R: Runtime, E: Elem>(
         tile_pairs: under.tile_pairs,
         async_copy: under.async_copy,
         register_forward: false,
+        register_backward: false,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(
