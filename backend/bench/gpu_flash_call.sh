@@ -66,11 +66,13 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
   log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
   # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
-  # With them, CubeCL's manual MMA (register fragments) and the forward and backward built
-  # on it (RCOA_FLASH_REGISTERS, FlashAttention-2's structure; step 2 times them).
+  # With them, CubeCL's manual MMA (register fragments), ldmatrix, and the forward and
+  # backward built on them (RCOA_FLASH_REGISTERS, FlashAttention-2's structure; step 2
+  # times them).
   timeout "$(cap 50)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
-    tests_mma::trials_cuda tests_manual_mma::cuda forward_registers::tests::cuda \
-    backward_registers::tests::cuda --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+    tests_mma::trials_cuda tests_manual_mma::cuda fragments::tests::register_load \
+    forward_registers::tests::cuda backward_registers::tests::cuda --test-threads 1 \
+    > "$OUT/flash-trials.txt" 2>&1
   log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"

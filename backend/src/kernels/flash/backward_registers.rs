@@ -35,8 +35,9 @@ use super::tile::{
 pub const BLOCK: usize = 64;
 /// Units a cube has: 4 warps of 32.
 pub const UNITS: usize = 128;
-/// The largest head dim at which the key kernel holds K's and V's rows in registers
-/// beside dK and dV: at 128, ptxas (sm_90a) needed 255 registers and spilled 76 bytes.
+/// The largest head dim at which the key kernel holds K's and V's rows in registers beside
+/// dK and dV, and the query kernel q's and dO's beside dQ: at 128, ptxas (sm_90a) needed
+/// 255 registers and spilled (76 bytes in the key kernel, 8 in the query kernel).
 const RESIDENT_HEAD_DIM: usize = 64;
 
 /// The `A` fragment of the 16 × 16 block whose 4 fp32 pairs `fragments::scores` returned
@@ -131,8 +132,8 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     // (Not resident: one fragment's loads, never read, which the compiler drops.)
     let held = comptime![if resident { steps } else { 1 }];
     let own = warp * 16 * hd_ld;
-    let kf = a_fragments::<F>(&qs, own, hd_ld, lane, held, unroll);
-    let vf = a_fragments::<F>(&dos, own, hd_ld, lane, held, unroll);
+    let kf = a_fragments::<F>(&qs, own, hd_ld, lane, held, frags);
+    let vf = a_fragments::<F>(&dos, own, hd_ld, lane, held, frags);
     let from_tile = comptime![!resident];
 
     let out_tiles = comptime![head_dim / 8];
@@ -260,7 +261,9 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
 /// dQ for [`BLOCK`] queries of one `(batch, head)`; cubes of [`UNITS`] over
 /// (`s / BLOCK`, `b · h`). Arguments as [`flash_backward_kv_registers`]'s, with `d_q`.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-#[allow(clippy::too_many_arguments)]
+// `collapsible_if`: the nested tests keep the compile-time one apart (joined, the body
+// would be expanded without padding too).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_q_registers<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -298,18 +301,36 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     let mut ks = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
     let mut vs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
     let mut scratch = SharedMemory::<f32>::new(comptime![frags.scratch_len()]);
+    // As K and V in the key kernel: q's and dO's rows in registers up to
+    // `RESIDENT_HEAD_DIM` (through K's and V's tiles), past it in tiles of their own.
+    let resident = comptime![head_dim <= RESIDENT_HEAD_DIM];
+    let own_tile = comptime![if resident { 1 } else { BLOCK * hd_ld }];
+    let mut qs = SharedMemory::<F>::new_aligned(own_tile, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(own_tile, 128usize);
 
-    // q and dO pass through K's and V's tiles on their way to the registers.
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
-    stage_tile::<F, N>(q, &mut ks, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
-    stage_tile::<F, N>(
-        d_o, &mut vs, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
-    );
+    if resident {
+        stage_tile::<F, N>(q, &mut ks, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile::<F, N>(
+            d_o, &mut vs, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        );
+    } else {
+        stage_tile::<F, N>(q, &mut qs, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile::<F, N>(
+            d_o, &mut dos, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        );
+    }
     sync_cube();
     let steps = comptime![head_dim / 16];
-    let qf = a_fragments::<F>(&ks, warp * 16 * hd_ld, hd_ld, lane, steps, unroll);
-    let dof = a_fragments::<F>(&vs, warp * 16 * hd_ld, hd_ld, lane, steps, unroll);
+    let held = comptime![if resident { steps } else { 1 }];
+    let own = warp * 16 * hd_ld;
+    let qf = a_fragments::<F>(&ks, own, hd_ld, lane, held, frags);
+    let dof = a_fragments::<F>(&vs, own, hd_ld, lane, held, frags);
+    let from_tile = comptime![!resident];
+    // The staged keys' padding biases: one load per key, not one per score (loads from
+    // global memory the unrolled loop would hold registers for).
+    let mut kbias = SharedMemory::<f32>::new(comptime![if padding { BLOCK } else { 1 }]);
 
     let out_tiles = comptime![head_dim / 8];
     let mut dq = zeros(out_tiles, unroll);
@@ -333,15 +354,24 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
         sync_cube();
         stage_tile::<F, N>(k, &mut ks, kbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
         stage_tile::<F, N>(v, &mut vs, vbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
+        if padding {
+            if unit < BLOCK {
+                kbias[unit] = pad_bias(key_bias, bi, min(j0 + unit, t - 1));
+            }
+        }
         sync_cube();
 
         let open = unmasked(first, j0, BLOCK, s, t, causal, padding);
-        #[unroll(unroll)]
+        // Unrolled where q and dO are resident; past that ptxas hoisted the next 16 keys'
+        // loads into registers dQ needs, as in the key kernel.
+        #[unroll(unroll && resident)]
         for sub in 0..comptime![BLOCK / 16] {
             let (row, scr) = (sub * 16, &mut scratch);
-            let sc = scores::<F>(&qf, &ks, 0, &ks, row, hd_ld, lane, scr, steps, false, frags);
+            let sc = scores::<F>(
+                &qf, &qs, own, &ks, row, hd_ld, lane, scr, steps, from_tile, frags,
+            );
             let dp = scores::<F>(
-                &dof, &vs, 0, &vs, row, hd_ld, lane, scr, steps, false, frags,
+                &dof, &dos, own, &vs, row, hd_ld, lane, scr, steps, from_tile, frags,
             );
             let mut ds = Array::<Pair<f32>>::new(4usize);
             #[unroll]
@@ -357,7 +387,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
                     if !open {
                         masked = excluded(key, rows[half], t, causal);
                         if padding {
-                            x += pad_bias(key_bias, bi, min(key, t - 1));
+                            x += kbias[key - j0];
                         }
                     }
                     let (_, g) = probability_and_gradient(

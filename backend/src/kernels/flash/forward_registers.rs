@@ -93,7 +93,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
 
     // Q's A fragments, one per 16 head-dim columns, for the whole kernel.
     let ksteps = comptime![head_dim / 16];
-    let qf = a_fragments::<F>(&ks, warp * 16 * hd_ld, hd_ld, lane, ksteps, unroll);
+    let qf = a_fragments::<F>(&ks, warp * 16 * hd_ld, hd_ld, lane, ksteps, frags);
 
     // S's 8 tiles of 8 keys and the output's tiles of 8 columns: two pairs each (rows
     // `row0` and `row0 + 8`).
