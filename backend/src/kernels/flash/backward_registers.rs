@@ -514,11 +514,9 @@ pub fn launch<R: Runtime>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::device_tensor::{AttentionTensors, Elem, HostInputs};
-    use super::super::launch::{BackwardInputs, BackwardOutputs, FlashKernels, FlashLaunch};
-    use super::super::mma::Products;
+    use super::super::device_tensor::Elem;
     use super::super::reference::{worst, Problem};
-    use super::super::tests_kernels::{dims, round};
+    use super::super::tests_kernels::register_forward_on;
     use super::*;
 
     /// dQ, dK and dV against the f64 reference, on the inputs rounded to `E`, within `tol`;
@@ -529,93 +527,12 @@ mod tests {
         mut p: Problem,
         tol: f64,
     ) {
-        let what = format!(
-            "{} b{} h{}/{} s{} t{} d{} causal {} padding {}",
-            std::any::type_name::<E>(),
-            p.b,
-            p.h,
-            p.kvh,
-            p.s,
-            p.t,
-            p.d,
-            p.causal,
-            p.keep.is_some()
-        );
-        let ty = E::as_type_native_unchecked();
-        if !client.properties().supports_type(ty) {
-            eprintln!("SKIPPED: no {ty:?} on this device; {what} did not run");
+        let Some((what, cfg, t)) = register_forward_on::<R, E>(client, frags, &mut p) else {
             return;
-        }
-        p.q = round::<E>(&p.q);
-        p.k = round::<E>(&p.k);
-        p.v = round::<E>(&p.v);
-        p.d_o = round::<E>(&p.d_o);
-        let dims = dims(&p);
-        let cfg = FlashLaunch {
-            dims,
-            causal: p.causal,
-            padding: p.keep.is_some(),
-            scale: p.scale as f32,
-            dtype: ty.storage_type(),
-            kernels: FlashKernels::Blocks {
-                products: Products::TiledScalar,
-            },
-            unroll: false,
-            dropout: None,
-            atomic_dq: false,
-            units_per_row: super::super::launch::UNITS_PER_ROW,
-            tile_pairs: false,
-            async_copy: false,
-            register_forward: false,
-            register_backward: false,
         };
-        let bias = p.key_bias();
-        let t = AttentionTensors::<R>::new::<E>(
-            client,
-            &dims,
-            HostInputs {
-                q: &p.q,
-                k: &p.k,
-                v: &p.v,
-                d_o: &p.d_o,
-                key_bias: bias.as_deref(),
-                dropout_seed: None,
-            },
-        );
-        super::super::forward_registers::launch(
-            client,
-            &cfg,
-            frags,
-            t.q.arg(),
-            t.k.arg(),
-            t.v.arg(),
-            t.key_bias.arg(),
-            t.o.arg(),
-            t.lse.arg(),
-        );
         super::super::scratch::row_dots(client, &cfg, t.o.arg(), t.d_o.arg(), t.d_rows.arg());
-        launch(
-            client,
-            &cfg,
-            frags,
-            BackwardInputs {
-                q: t.q.arg(),
-                k: t.k.arg(),
-                v: t.v.arg(),
-                o: t.o.arg(),
-                d_o: t.d_o.arg(),
-                lse: t.lse.arg(),
-                key_bias: t.key_bias.arg(),
-                dropout_seed: t.dropout_seed.arg(),
-            },
-            BackwardOutputs {
-                d_q: t.d_q.arg(),
-                d_k: t.d_k.arg(),
-                d_v: t.d_v.arg(),
-                d_q_acc: t.d_q_acc.arg(),
-                d_rows: t.d_rows.arg(),
-            },
-        );
+        let (inputs, out) = t.backward_args();
+        launch(client, &cfg, frags, inputs, out);
         let want = p.expected();
         for (name, got, want) in [
             ("dQ", &t.d_q, &want.d_q),

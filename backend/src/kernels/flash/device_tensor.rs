@@ -191,7 +191,13 @@ impl<R: Runtime> AttentionTensors<R> {
     /// Writes dQ, dK and dV from the O and LSE [`AttentionTensors::forward`]
     /// wrote.
     pub fn backward(&self, client: &ComputeClient<R>, cfg: &FlashLaunch) {
-        let inputs = || BackwardInputs {
+        let (inputs, out) = self.backward_args();
+        launch::backward(client, cfg, inputs, out);
+    }
+
+    /// The backward's arguments: what it reads and what it writes.
+    pub fn backward_args(&self) -> (BackwardInputs<R>, BackwardOutputs<R>) {
+        let inputs = BackwardInputs {
             q: self.q.arg(),
             k: self.k.arg(),
             v: self.v.arg(),
@@ -208,6 +214,6 @@ impl<R: Runtime> AttentionTensors<R> {
             d_q_acc: self.d_q_acc.arg(),
             d_rows: self.d_rows.arg(),
         };
-        launch::backward(client, cfg, inputs(), out);
+        (inputs, out)
     }
 }

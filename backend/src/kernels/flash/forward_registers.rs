@@ -298,11 +298,9 @@ pub fn launch<R: Runtime>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::device_tensor::{AttentionTensors, Elem, HostInputs};
-    use super::super::launch::{FlashKernels, FlashLaunch, UNITS_PER_ROW};
-    use super::super::mma::Products;
+    use super::super::device_tensor::Elem;
     use super::super::reference::{worst, Problem};
-    use super::super::tests_kernels::{dims, round};
+    use super::super::tests_kernels::register_forward_on;
     use super::*;
 
     /// The kernel's O and LSE against the f64 reference, on the inputs rounded to `E`:
@@ -313,68 +311,9 @@ mod tests {
         mut p: Problem,
         tol: f64,
     ) {
-        let what = format!(
-            "{} b{} h{}/{} s{} d{} causal {} padding {}",
-            std::any::type_name::<E>(),
-            p.b,
-            p.h,
-            p.kvh,
-            p.s,
-            p.d,
-            p.causal,
-            p.keep.is_some()
-        );
-        let ty = E::as_type_native_unchecked();
-        if !client.properties().supports_type(ty) {
-            eprintln!("SKIPPED: no {ty:?} on this device; {what} did not run");
+        let Some((what, _, t)) = register_forward_on::<R, E>(client, frags, &mut p) else {
             return;
-        }
-        p.q = round::<E>(&p.q);
-        p.k = round::<E>(&p.k);
-        p.v = round::<E>(&p.v);
-        let dims = dims(&p);
-        let cfg = FlashLaunch {
-            dims,
-            causal: p.causal,
-            padding: p.keep.is_some(),
-            scale: p.scale as f32,
-            dtype: ty.storage_type(),
-            kernels: FlashKernels::Blocks {
-                products: Products::TiledScalar,
-            },
-            unroll: false,
-            dropout: None,
-            atomic_dq: false,
-            units_per_row: UNITS_PER_ROW,
-            tile_pairs: false,
-            async_copy: false,
-            register_forward: false,
-            register_backward: false,
         };
-        let bias = p.key_bias();
-        let t = AttentionTensors::<R>::new::<E>(
-            client,
-            &dims,
-            HostInputs {
-                q: &p.q,
-                k: &p.k,
-                v: &p.v,
-                d_o: &p.d_o,
-                key_bias: bias.as_deref(),
-                dropout_seed: None,
-            },
-        );
-        launch(
-            client,
-            &cfg,
-            frags,
-            t.q.arg(),
-            t.k.arg(),
-            t.v.arg(),
-            t.key_bias.arg(),
-            t.o.arg(),
-            t.lse.arg(),
-        );
         let want = p.expected();
         let o = worst(&t.o.read_as::<E>(client), &want.o);
         let lse = worst(&t.lse.read(client), &want.lse);

@@ -35,6 +35,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
     };
     dims.check(mask.causal)?;
     let dtype: StorageType = q.dtype.into();
+    let registers = registers_asked();
     let mut cfg = FlashLaunch {
         dims,
         causal: mask.causal,
@@ -48,8 +49,8 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         units_per_row: units_per_row_asked(),
         tile_pairs: std::env::var("RCOA_FLASH_TILE_PAIRS").as_deref() == Ok("1"),
         async_copy: std::env::var("RCOA_FLASH_ASYNC_COPY").as_deref() == Ok("1"),
-        register_forward: registers_asked().forward,
-        register_backward: registers_asked().backward,
+        register_forward: registers.forward,
+        register_backward: registers.backward,
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {

@@ -88,6 +88,81 @@ pub(super) fn dims(p: &Problem) -> FlashDims {
     }
 }
 
+/// `p` on `client` for the register kernels: its inputs rounded to `E` (in `p` too, so
+/// that the reference takes the same), a launch for its shape, its tensors, and O and LSE
+/// written by the register forward with `frags`. Also a name for `p` in messages. `None`,
+/// with a note, where the device has no `E`.
+pub(super) fn register_forward_on<R: Runtime, E: Elem>(
+    client: &ComputeClient<R>,
+    frags: super::fragments::Fragments,
+    p: &mut Problem,
+) -> Option<(String, FlashLaunch, AttentionTensors<R>)> {
+    let what = format!(
+        "{} b{} h{}/{} s{} t{} d{} causal {} padding {}",
+        std::any::type_name::<E>(),
+        p.b,
+        p.h,
+        p.kvh,
+        p.s,
+        p.t,
+        p.d,
+        p.causal,
+        p.keep.is_some()
+    );
+    let ty = E::as_type_native_unchecked();
+    if !client.properties().supports_type(ty) {
+        eprintln!("SKIPPED: no {ty:?} on this device; {what} did not run");
+        return None;
+    }
+    for x in [&mut p.q, &mut p.k, &mut p.v, &mut p.d_o] {
+        *x = round::<E>(x);
+    }
+    let dims = dims(p);
+    let cfg = FlashLaunch {
+        dims,
+        causal: p.causal,
+        padding: p.keep.is_some(),
+        scale: p.scale as f32,
+        dtype: ty.storage_type(),
+        kernels: FlashKernels::Blocks {
+            products: Products::TiledScalar,
+        },
+        unroll: false,
+        dropout: None,
+        atomic_dq: false,
+        units_per_row: UNITS_PER_ROW,
+        tile_pairs: false,
+        async_copy: false,
+        register_forward: false,
+        register_backward: false,
+    };
+    let bias = p.key_bias();
+    let t = AttentionTensors::<R>::new::<E>(
+        client,
+        &dims,
+        HostInputs {
+            q: &p.q,
+            k: &p.k,
+            v: &p.v,
+            d_o: &p.d_o,
+            key_bias: bias.as_deref(),
+            dropout_seed: None,
+        },
+    );
+    super::forward_registers::launch(
+        client,
+        &cfg,
+        frags,
+        t.q.arg(),
+        t.k.arg(),
+        t.v.arg(),
+        t.key_bias.arg(),
+        t.o.arg(),
+        t.lse.arg(),
+    );
+    Some((what, cfg, t))
+}
+
 /// Everything one problem's kernels return.
 struct Got {
     o: Vec<f32>,
