@@ -88,6 +88,24 @@ pub(super) fn dims(p: &Problem) -> FlashDims {
     }
 }
 
+/// `p`'s inputs (its key padding and dropout seed too) on `client`, in `E`, with room
+/// for every output.
+fn tensors<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> AttentionTensors<R> {
+    let bias = p.key_bias();
+    AttentionTensors::<R>::new::<E>(
+        client,
+        &dims(p),
+        HostInputs {
+            q: &p.q,
+            k: &p.k,
+            v: &p.v,
+            d_o: &p.d_o,
+            key_bias: bias.as_deref(),
+            dropout_seed: p.dropout.map(|(_, seed)| seed),
+        },
+    )
+}
+
 /// `p` on `client` for the register kernels: its inputs rounded to `E` (in `p` too, so
 /// that the reference takes the same), a launch for its shape, its tensors, and O and LSE
 /// written by the register forward with `frags`. Also a name for `p` in messages. `None`,
@@ -136,19 +154,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
         register_forward: false,
         register_backward: false,
     };
-    let bias = p.key_bias();
-    let t = AttentionTensors::<R>::new::<E>(
-        client,
-        &dims,
-        HostInputs {
-            q: &p.q,
-            k: &p.k,
-            v: &p.v,
-            d_o: &p.d_o,
-            key_bias: bias.as_deref(),
-            dropout_seed: None,
-        },
-    );
+    let t = tensors::<R, E>(client, p);
     super::forward_registers::launch(
         client,
         &cfg,
@@ -213,19 +219,7 @@ fn run<R: Runtime, E: Elem>(
         under.one_pass,
         "the backward under test runs"
     );
-    let bias = p.key_bias();
-    let t = AttentionTensors::<R>::new::<E>(
-        client,
-        &dims,
-        HostInputs {
-            q: &p.q,
-            k: &p.k,
-            v: &p.v,
-            d_o: &p.d_o,
-            key_bias: bias.as_deref(),
-            dropout_seed: p.dropout.map(|(_, seed)| seed),
-        },
-    );
+    let t = tensors::<R, E>(client, p);
     if under.async_copy {
         let FlashKernels::Blocks { products } = under.kernels else {
             panic!("asynchronous copies are the block-product kernels'")
