@@ -10,11 +10,13 @@
 #     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
 #     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
 #     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
-#     (four units a row, 2 x 2 tiles), the manual MMA probe (tests_manual_mma) and the
-#     register forward (forward_registers), which decide nothing. At most 40 s.
+#     (four units a row, 2 x 2 tiles), the manual MMA probe (tests_manual_mma), ldmatrix,
+#     and the register kernels (forward_registers, backward_registers; one block at a time
+#     and copied a block ahead), which decide nothing but step 4c. At most 50 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), and the register
-#     forward, with the millisecond and TFLOP/s of each. At most 80 s.
+#     kernels (one block at a time, then copied ahead), with the millisecond and TFLOP/s of
+#     each. At most 80 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
@@ -27,7 +29,7 @@
 #     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
 #     matmul kernels to compile. At most 150 s.
 #  4. Where the warm step's time goes (--profile-kernels, 4 steps), CubeCL's matmuls then
-#     cuBLAS's, then (4c) with the register forward (RCOA_FLASH_REGISTERS=1) if its test
+#     cuBLAS's, then (4c) with the register kernels (RCOA_FLASH_REGISTERS) whose tests
 #     passed. At most 40 s each.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
 #     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
@@ -71,9 +73,13 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   # times them).
   timeout "$(cap 50)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
     tests_mma::trials_cuda tests_manual_mma::cuda fragments::tests::register_load \
-    forward_registers::tests::cuda backward_registers::tests::cuda --test-threads 1 \
+    registers::tests::cuda::register_fragments --test-threads 1 \
     > "$OUT/flash-trials.txt" 2>&1
   log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
+  # The register kernels with the other side's blocks copied a block ahead.
+  timeout "$(cap 30)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
+    >> "$OUT/flash-trials.txt" 2>&1
+  log "1 register kernels copied ahead rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
@@ -142,17 +148,22 @@ if [ $BLAS = 1 ]; then
   profile_kernels 4b "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-cublas 6
   unset RCOA_MATMUL; export RCOA_CACHE_DIR=/tmp/cache-flash-call
 fi
-# 4c. The warm step with the register kernels whose CUDA tests passed in step 1.
-REGS=""
+# 4c. The warm step with the register kernels whose CUDA tests passed in step 1, their
+# blocks copied ahead if both directions' tests of that passed too (RCOA_FLASH_ASYNC_COPY
+# then reaches no block kernel: both directions run the register kernels).
+REGS=""; AHEAD=0
 for dir in forward backward; do
   if grep -q "${dir}_registers::tests::cuda::register_fragments_match_the_reference ... ok" \
     "$OUT/flash-trials.txt" 2>/dev/null; then REGS="${REGS:+$REGS,}$dir"; fi
+  if grep -q "${dir}_registers::tests::cuda::copied_ahead_match_the_reference ... ok" \
+    "$OUT/flash-trials.txt" 2>/dev/null; then AHEAD=$((AHEAD + 1)); fi
 done
 if [ -n "$REGS" ]; then
   export RCOA_FLASH_REGISTERS=$REGS
-  log "4c register kernels: $REGS"
+  if [ "$REGS" = forward,backward ] && [ $AHEAD = 2 ]; then export RCOA_FLASH_ASYNC_COPY=1; fi
+  log "4c register kernels: $REGS, copied ahead: ${RCOA_FLASH_ASYNC_COPY:-0}"
   profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-registers 6
-  unset RCOA_FLASH_REGISTERS
+  unset RCOA_FLASH_REGISTERS RCOA_FLASH_ASYNC_COPY
 else
   log "4c register kernels' run skipped (their tests did not pass or did not run)"
 fi

@@ -5,7 +5,9 @@
 //! in two passes and in one, dQ added atomically, with four units a row
 //! instead of two (eight warps a cube), with each warp taking 2 × 2
 //! tiles of a product at a time, and with the forward's tiles staged by
-//! asynchronous copies under the products). Prints each
+//! asynchronous copies under the products; then both directions in
+//! FlashAttention-2's register structure, streaming the other side's blocks one
+//! at a time and copied a block ahead). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -341,6 +343,10 @@ fn main() {
             bench::Variant::new("register forward and backward (FA2)", TENSOR_CORES)
                 .register_forward()
                 .register_backward(),
+            bench::Variant::new("registers, blocks copied ahead", TENSOR_CORES)
+                .register_forward()
+                .register_backward()
+                .async_copy(),
         ],
     );
 }

@@ -13,10 +13,12 @@
 //!   Per staged block of 64 keys (K, V), 16 keys at a time: `S = Q Kᵀ`, `dP = dO Vᵀ`,
 //!   `dS`, then `dQ += dS K`.
 //!
-//! Nothing goes through shared memory but the staged tiles and (key kernel) the LSE and D
-//! of the staged queries: the block-product kernels store every product's result to
-//! shared memory and reload it for the next (docs/flash-attention.md), and that is where
-//! 145 of the 350M step's 180 attention milliseconds went.
+//! The other side's blocks stream through shared memory one at a time, or the next one
+//! copied ahead while this one is read (`stream`). Nothing goes through shared memory but
+//! the staged tiles and (key kernel) the LSE and D of the staged queries: the
+//! block-product kernels store every product's result to shared memory and reload it for
+//! the next (docs/flash-attention.md), and that is where 145 of the 350M step's 180
+//! attention milliseconds went.
 //!
 //! `D = rowsum(dO ∘ O)` comes from `scratch::row_dots`, as for the block kernels. Takes
 //! what the register forward takes: 16-bit inputs on CUDA, head dims of 16 to 128 in 16s,
@@ -27,14 +29,12 @@ use cubecl::prelude::*;
 
 use super::fragments::{a_fragments, accumulate, scores, zeros, Fragments, Pair};
 use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
+use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
+pub use super::stream::{Staging, BLOCK, UNITS};
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, stage_tile, staged_ld, unmasked,
+    excluded, first_query_block, key_blocks, pad_bias, pad_bias_index, stage_tile_at, staged_ld,
+    unmasked,
 };
-
-/// Rows a cube owns and rows a block stages: 4 warps of 16.
-pub const BLOCK: usize = 64;
-/// Units a cube has: 4 warps of 32.
-pub const UNITS: usize = 128;
 /// The largest head dim at which the key kernel holds K's and V's rows in registers beside
 /// dK and dV, and the query kernel q's and dO's beside dQ: at 128, ptxas (sm_90a) needed
 /// 255 registers and spilled (76 bytes in the key kernel, 8 in the query kernel).
@@ -67,11 +67,52 @@ fn probability_and_gradient(
     (p, p * (dp - d) * scale)
 }
 
+/// Stages the query block from `i0` of head `hi` for [`flash_backward_kv_registers`] into
+/// tile `tile`: q's and dO's rows, and their LSE and D (rows past the end read the last
+/// one's).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_queries<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    d_rows: &Tensor<f32>,
+    qs: &mut SharedMemory<F>,
+    dos: &mut SharedMemory<F>,
+    ls: &mut SharedMemory<f32>,
+    drow: &mut SharedMemory<f32>,
+    tile: usize,
+    bi: usize,
+    hi: usize,
+    i0: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] hd_ld: usize,
+    #[comptime] staging: Staging,
+) {
+    let s = q.shape(2);
+    let qbase = bi * q.stride(0) + hi * q.stride(1);
+    let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
+    stage_block::<F, N>(q, qs, tile, qbase, i0, s, head_dim, hd_ld, staging);
+    stage_block::<F, N>(d_o, dos, tile, dobase, i0, s, head_dim, hd_ld, staging);
+    let unit = UNIT_POS as usize;
+    if unit < BLOCK {
+        let ir = min(i0 + unit, s - 1);
+        let at = tile * BLOCK + unit;
+        let li = bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2);
+        let di = bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2);
+        stage_value(lse, li, ls, at, staging);
+        stage_value(d_rows, di, drow, at, staging);
+    }
+}
+
 /// dK and dV for [`BLOCK`] keys of one `(batch, kv head)`; cubes of [`UNITS`] over
 /// (`t / BLOCK`, `b · kv_heads`). Inputs as `flash_backward_kv_blocks`'s (`d_rows` from
-/// `scratch::row_dots`), without dropout; `head_dim` as `flash_forward_registers`'s.
+/// `scratch::row_dots`), without dropout; `head_dim` as `flash_forward_registers`'s. The
+/// query blocks of every query head on the kv head stream through as `staging` says, one
+/// sequence of blocks (`stream`): q, dO, their LSE and D.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-#[allow(clippy::too_many_arguments)]
+// `collapsible_if`: as in the query kernel below.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_kv_registers<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -88,6 +129,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] frags: Fragments,
+    #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
 ) {
     let unroll = comptime![frags == Fragments::Registers];
@@ -106,13 +148,15 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     let key0 = first + warp * 16 + lane / 4;
 
     let hd_ld = comptime![staged_ld(head_dim)];
-    let mut qs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
-    let mut dos = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
-    let mut ls = SharedMemory::<f32>::new(BLOCK);
-    let mut drow = SharedMemory::<f32>::new(BLOCK);
+    let tiles = comptime![staging.tiles()];
+    let mut qs = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
+    let mut dos = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
+    let mut ls = SharedMemory::<f32>::new_aligned(tiles * BLOCK, 128usize);
+    let mut drow = SharedMemory::<f32>::new_aligned(tiles * BLOCK, 128usize);
     let mut scratch = SharedMemory::<f32>::new(comptime![frags.scratch_len()]);
     // K's and V's rows stay in registers up to `RESIDENT_HEAD_DIM`, passing through q's and
-    // dO's tiles on their way; past it they stay in tiles of their own.
+    // dO's last tiles on their way (the first query block goes to the first); past it they
+    // stay in tiles of their own.
     let resident = comptime![head_dim <= RESIDENT_HEAD_DIM];
     let kv_tile = comptime![if resident { 1 } else { BLOCK * hd_ld }];
     let mut ks = SharedMemory::<F>::new_aligned(kv_tile, 128usize);
@@ -120,20 +164,29 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    let through = comptime![(tiles - 1) * BLOCK * hd_ld];
     if resident {
-        stage_tile::<F, N>(k, &mut qs, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(v, &mut dos, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile_at::<F, N>(
+            k, &mut qs, through, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
+        );
+        stage_tile_at::<F, N>(
+            v, &mut dos, through, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
+        );
     } else {
-        stage_tile::<F, N>(k, &mut ks, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(v, &mut vs, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile_at::<F, N>(
+            k, &mut ks, 0, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
+        );
+        stage_tile_at::<F, N>(
+            v, &mut vs, 0, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
+        );
     }
     sync_cube();
     let steps = comptime![head_dim / 16];
     // (Not resident: one fragment's loads, never read, which the compiler drops.)
     let held = comptime![if resident { steps } else { 1 }];
     let own = warp * 16 * hd_ld;
-    let kf = a_fragments::<F>(&qs, own, hd_ld, lane, held, frags);
-    let vf = a_fragments::<F>(&dos, own, hd_ld, lane, held, frags);
+    let kf = a_fragments::<F>(&qs, through + own, hd_ld, lane, held, frags);
+    let vf = a_fragments::<F>(&dos, through + own, hd_ld, lane, held, frags);
     let from_tile = comptime![!resident];
 
     let out_tiles = comptime![head_dim / 8];
@@ -150,32 +203,83 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
         }
     }
 
+    // The query blocks of every query head on this kv head, in one stream (`n` of them
+    // read so far): after block `qb` of head `g` comes the next block of the head, or the
+    // next head's first.
     let group = group as usize;
     let blocks = s.div_ceil(BLOCK);
     let start = first_query_block(first, BLOCK, s, causal);
+    let ready = ready_barrier(staging);
+    if comptime![staging.ahead()] {
+        if start < blocks {
+            stage_queries::<F, N>(
+                q,
+                d_o,
+                lse,
+                d_rows,
+                &mut qs,
+                &mut dos,
+                &mut ls,
+                &mut drow,
+                0,
+                bi,
+                kvh * group,
+                start * BLOCK,
+                head_dim,
+                hd_ld,
+                staging,
+            );
+            commit(&ready, staging);
+        }
+    }
+    let mut n = 0usize;
     for g in 0..group {
         let hi = kvh * group + g;
-        let qbase = bi * q.stride(0) + hi * q.stride(1);
-        let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
         for qb in start..blocks {
             let i0 = qb * BLOCK;
-            // Every warp is past the last block's reads (and the first fragments' loads).
-            sync_cube();
-            stage_tile::<F, N>(q, &mut qs, qbase, i0, s, BLOCK, head_dim, hd_ld, UNITS);
-            stage_tile::<F, N>(d_o, &mut dos, dobase, i0, s, BLOCK, head_dim, hd_ld, UNITS);
-            if unit < BLOCK {
-                let ir = min(i0 + unit, s - 1);
-                ls[unit] = lse[bi * lse.stride(0) + hi * lse.stride(1) + ir * lse.stride(2)];
-                drow[unit] =
-                    d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + ir * d_rows.stride(2)];
+            let tile = tile_of(n, staging);
+            n += 1;
+            if comptime![!staging.ahead()] {
+                // Every warp is past the last block's reads (and the first fragments' loads).
+                sync_cube();
+                stage_queries::<F, N>(
+                    q, d_o, lse, d_rows, &mut qs, &mut dos, &mut ls, &mut drow, 0, bi, hi, i0,
+                    head_dim, hd_ld, staging,
+                );
             }
-            sync_cube();
-
+            wait(&ready, staging);
+            if comptime![staging.ahead()] {
+                let last_here = qb + 1 == blocks;
+                let next_g = select(last_here, g + 1, g);
+                if next_g < group {
+                    let next_i0 = select(last_here, start * BLOCK, i0 + BLOCK);
+                    stage_queries::<F, N>(
+                        q,
+                        d_o,
+                        lse,
+                        d_rows,
+                        &mut qs,
+                        &mut dos,
+                        &mut ls,
+                        &mut drow,
+                        1 - tile,
+                        bi,
+                        kvh * group + next_g,
+                        next_i0,
+                        head_dim,
+                        hd_ld,
+                        staging,
+                    );
+                    commit(&ready, staging);
+                }
+            }
+            // This block's rows of the tiles.
+            let at = tile * BLOCK;
             let open = unmasked(i0, first, BLOCK, s, t, causal, padding);
             // A loop on the GPU too: only shared-memory offsets depend on `sub`, and unrolled
             // ptxas hoisted the next 16 rows' loads into registers dK and dV need.
             for sub in 0..comptime![BLOCK / 16] {
-                let (row, sc) = (sub * 16, &mut scratch);
+                let (row, sc) = (at + sub * 16, &mut scratch);
                 let st = scores::<F>(
                     &kf, &ks, own, &qs, row, hd_ld, lane, sc, steps, from_tile, frags,
                 );
@@ -201,8 +305,9 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                             masked = i >= s || excluded(key, i, t, causal);
                             x += bias[half];
                         }
+                        let (lse_i, d_i) = (ls[at + ql], drow[at + ql]);
                         let (p, ds) =
-                            probability_and_gradient(x, dpt[c][e], ls[ql], drow[ql], scale, masked);
+                            probability_and_gradient(x, dpt[c][e], lse_i, d_i, scale, masked);
                         p2[e] = p;
                         ds2[e] = ds;
                     }
@@ -214,7 +319,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                 accumulate::<F>(
                     &pa,
                     &dos,
-                    sub * 16,
+                    row,
                     hd_ld,
                     &mut dv,
                     lane,
@@ -225,7 +330,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                 accumulate::<F>(
                     &dsa,
                     &qs,
-                    sub * 16,
+                    row,
                     hd_ld,
                     &mut dk,
                     lane,
@@ -258,11 +363,48 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     }
 }
 
+/// Stages the key block from `j0` of [`flash_backward_q_registers`] into tile `tile`: K's
+/// and V's rows and, with `padding`, the keys' biases (keys past the end read the last
+/// one's).
+#[cube]
+// `collapsible_if`: as in the kernels.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn stage_keys<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    key_bias: &Tensor<f32>,
+    ks: &mut SharedMemory<F>,
+    vs: &mut SharedMemory<F>,
+    kbias: &mut SharedMemory<f32>,
+    tile: usize,
+    bi: usize,
+    kbase: usize,
+    vbase: usize,
+    j0: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] hd_ld: usize,
+    #[comptime] padding: bool,
+    #[comptime] staging: Staging,
+) {
+    let t = k.shape(2);
+    stage_block::<F, N>(k, ks, tile, kbase, j0, t, head_dim, hd_ld, staging);
+    stage_block::<F, N>(v, vs, tile, vbase, j0, t, head_dim, hd_ld, staging);
+    let unit = UNIT_POS as usize;
+    if padding {
+        if unit < BLOCK {
+            let j = min(j0 + unit, t - 1);
+            let from = pad_bias_index(key_bias, bi, j);
+            stage_value(key_bias, from, kbias, tile * BLOCK + unit, staging);
+        }
+    }
+}
+
 /// dQ for [`BLOCK`] queries of one `(batch, head)`; cubes of [`UNITS`] over
-/// (`s / BLOCK`, `b · h`). Arguments as [`flash_backward_kv_registers`]'s, with `d_q`.
+/// (`s / BLOCK`, `b · h`). Arguments as [`flash_backward_kv_registers`]'s, with `d_q`; the
+/// key blocks (K, V and, with padding, their biases) stream through as `staging` says.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 // `collapsible_if`: the nested tests keep the compile-time one apart (joined, the body
-// would be expanded without padding too).
+// would be expanded without padding, or without staging ahead, too).
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_q_registers<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
@@ -279,6 +421,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] frags: Fragments,
+    #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
 ) {
     let unroll = comptime![frags == Fragments::Registers];
@@ -298,11 +441,12 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     let row0 = first + warp * 16 + lane / 4;
 
     let hd_ld = comptime![staged_ld(head_dim)];
-    let mut ks = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
+    let tiles = comptime![staging.tiles()];
+    let mut ks = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
     let mut scratch = SharedMemory::<f32>::new(comptime![frags.scratch_len()]);
     // As K and V in the key kernel: q's and dO's rows in registers up to
-    // `RESIDENT_HEAD_DIM` (through K's and V's tiles), past it in tiles of their own.
+    // `RESIDENT_HEAD_DIM` (through K's and V's last tiles), past it in tiles of their own.
     let resident = comptime![head_dim <= RESIDENT_HEAD_DIM];
     let own_tile = comptime![if resident { 1 } else { BLOCK * hd_ld }];
     let mut qs = SharedMemory::<F>::new_aligned(own_tile, 128usize);
@@ -310,27 +454,33 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let dobase = bi * d_o.stride(0) + hi * d_o.stride(1);
+    let through = comptime![(tiles - 1) * BLOCK * hd_ld];
     if resident {
-        stage_tile::<F, N>(q, &mut ks, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(
-            d_o, &mut vs, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        stage_tile_at::<F, N>(
+            q, &mut ks, through, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        );
+        stage_tile_at::<F, N>(
+            d_o, &mut vs, through, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
         );
     } else {
-        stage_tile::<F, N>(q, &mut qs, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(
-            d_o, &mut dos, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        stage_tile_at::<F, N>(
+            q, &mut qs, 0, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        );
+        stage_tile_at::<F, N>(
+            d_o, &mut dos, 0, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
         );
     }
     sync_cube();
     let steps = comptime![head_dim / 16];
     let held = comptime![if resident { steps } else { 1 }];
     let own = warp * 16 * hd_ld;
-    let qf = a_fragments::<F>(&ks, own, hd_ld, lane, held, frags);
-    let dof = a_fragments::<F>(&vs, own, hd_ld, lane, held, frags);
+    let qf = a_fragments::<F>(&ks, through + own, hd_ld, lane, held, frags);
+    let dof = a_fragments::<F>(&vs, through + own, hd_ld, lane, held, frags);
     let from_tile = comptime![!resident];
     // The staged keys' padding biases: one load per key, not one per score (loads from
     // global memory the unrolled loop would hold registers for).
-    let mut kbias = SharedMemory::<f32>::new(comptime![if padding { BLOCK } else { 1 }]);
+    let bias_len = comptime![if padding { tiles * BLOCK } else { 1 }];
+    let mut kbias = SharedMemory::<f32>::new_aligned(bias_len, 128usize);
 
     let out_tiles = comptime![head_dim / 8];
     let mut dq = zeros(out_tiles, unroll);
@@ -348,25 +498,60 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    for kb in 0..key_blocks(first, BLOCK, s, t, causal) {
+    let blocks = key_blocks(first, BLOCK, s, t, causal);
+    let ready = ready_barrier(staging);
+    if comptime![staging.ahead()] {
+        if blocks > 0 {
+            stage_keys::<F, N>(
+                k, v, key_bias, &mut ks, &mut vs, &mut kbias, 0, bi, kbase, vbase, 0, head_dim,
+                hd_ld, padding, staging,
+            );
+            commit(&ready, staging);
+        }
+    }
+    for kb in 0..blocks {
         let j0 = kb * BLOCK;
-        // Every warp is past the last block's reads (and the first fragments' loads).
-        sync_cube();
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
-        if padding {
-            if unit < BLOCK {
-                kbias[unit] = pad_bias(key_bias, bi, min(j0 + unit, t - 1));
+        let tile = tile_of(kb, staging);
+        if comptime![!staging.ahead()] {
+            // Every warp is past the last block's reads (and the first fragments' loads).
+            sync_cube();
+            stage_keys::<F, N>(
+                k, v, key_bias, &mut ks, &mut vs, &mut kbias, 0, bi, kbase, vbase, j0, head_dim,
+                hd_ld, padding, staging,
+            );
+        }
+        wait(&ready, staging);
+        if comptime![staging.ahead()] {
+            if kb + 1 < blocks {
+                stage_keys::<F, N>(
+                    k,
+                    v,
+                    key_bias,
+                    &mut ks,
+                    &mut vs,
+                    &mut kbias,
+                    1 - tile,
+                    bi,
+                    kbase,
+                    vbase,
+                    j0 + BLOCK,
+                    head_dim,
+                    hd_ld,
+                    padding,
+                    staging,
+                );
+                commit(&ready, staging);
             }
         }
-        sync_cube();
+        // This block's rows of the tiles.
+        let at = tile * BLOCK;
 
         let open = unmasked(first, j0, BLOCK, s, t, causal, padding);
         // Unrolled where q and dO are resident; past that ptxas hoisted the next 16 keys'
         // loads into registers dQ needs, as in the key kernel.
         #[unroll(unroll && resident)]
         for sub in 0..comptime![BLOCK / 16] {
-            let (row, scr) = (sub * 16, &mut scratch);
+            let (row, scr) = (at + sub * 16, &mut scratch);
             let sc = scores::<F>(
                 &qf, &qs, own, &ks, row, hd_ld, lane, scr, steps, from_tile, frags,
             );
@@ -387,7 +572,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
                     if !open {
                         masked = excluded(key, rows[half], t, causal);
                         if padding {
-                            x += kbias[key - j0];
+                            x += kbias[at + key - j0];
                         }
                     }
                     let (_, g) = probability_and_gradient(
@@ -406,7 +591,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
             accumulate::<F>(
                 &dsa,
                 &ks,
-                sub * 16,
+                row,
                 hd_ld,
                 &mut dq,
                 lane,
@@ -434,13 +619,53 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     }
 }
 
+/// The shared memory a cube of the key kernel and of the query kernel takes: the streamed
+/// tiles (`staging.tiles()` each) and their rows' fp32 values, the tiles of the side that
+/// stays (one element each where it is held in registers), the emulation's scratch.
+pub fn shared_bytes(
+    head_dim: usize,
+    elem: usize,
+    padding: bool,
+    frags: Fragments,
+    staging: Staging,
+) -> (usize, usize) {
+    let streamed = staging.tiles() * BLOCK * staged_ld(head_dim);
+    let stays = if head_dim <= RESIDENT_HEAD_DIM {
+        1
+    } else {
+        BLOCK * staged_ld(head_dim)
+    };
+    let values = staging.tiles() * BLOCK;
+    let scratch = (frags.scratch_len(), 4);
+    let key_kernel = super::stream::shared_bytes(&[
+        (streamed, elem),
+        (streamed, elem),
+        (values, 4),
+        (values, 4),
+        scratch,
+        (stays, elem),
+        (stays, elem),
+    ]);
+    let query_kernel = super::stream::shared_bytes(&[
+        (streamed, elem),
+        (streamed, elem),
+        scratch,
+        (stays, elem),
+        (stays, elem),
+        (if padding { values } else { 1 }, 4),
+    ]);
+    (key_kernel, query_kernel)
+}
+
 /// Writes dQ, dK and dV as `launch::backward` does, with the two kernels above, from `D`
 /// in `out.d_rows` (written before); `out.d_q_acc` is not touched. `cfg.dropout` must be
-/// `None` and `cfg.dims.head_dim` a multiple of 16 up to 128.
+/// `None` and `cfg.dims.head_dim` a multiple of 16 up to 128; the other side's blocks
+/// stream as `staging` says.
 pub fn launch<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &FlashLaunch,
     frags: Fragments,
+    staging: Staging,
     x: BackwardInputs<R>,
     out: BackwardOutputs<R>,
 ) {
@@ -456,6 +681,10 @@ pub fn launch<R: Runtime>(
     );
     let width =
         super::launch::vector_width(client, cfg.dtype, d.head_dim, &[&x.q, &x.k, &x.v, &x.d_o]);
+    let elem = cfg.dtype.size();
+    let (kv_bytes, q_bytes) = shared_bytes(d.head_dim, elem, cfg.padding, frags, staging);
+    check_shared(client, kv_bytes, "the register backward's key kernel");
+    check_shared(client, q_bytes, "the register backward's query kernel");
     let second = x.clone();
     let d_rows = super::launch::clone_arg(&out.d_rows);
     flash_backward_kv_registers::launch::<R>(
@@ -482,6 +711,7 @@ pub fn launch<R: Runtime>(
         cfg.causal,
         cfg.padding,
         frags,
+        staging,
         cfg.dtype,
     );
     let x = second;
@@ -508,6 +738,7 @@ pub fn launch<R: Runtime>(
         cfg.causal,
         cfg.padding,
         frags,
+        staging,
         cfg.dtype,
     );
 }
@@ -520,19 +751,21 @@ mod tests {
     use super::*;
 
     /// dQ, dK and dV against the f64 reference, on the inputs rounded to `E`, within `tol`;
-    /// O and LSE from the register forward with the same `frags`.
+    /// O and LSE from the register forward with the same `frags` and `staging`.
     fn check<R: Runtime, E: Elem>(
         client: &ComputeClient<R>,
         frags: Fragments,
+        staging: Staging,
         mut p: Problem,
         tol: f64,
     ) {
-        let Some((what, cfg, t)) = register_forward_on::<R, E>(client, frags, &mut p) else {
+        let Some((what, cfg, t)) = register_forward_on::<R, E>(client, frags, staging, &mut p)
+        else {
             return;
         };
         super::super::scratch::row_dots(client, &cfg, t.o.arg(), t.d_o.arg(), t.d_rows.arg());
         let (inputs, out) = t.backward_args();
-        launch(client, &cfg, frags, inputs, out);
+        launch(client, &cfg, frags, staging, inputs, out);
         let want = p.expected();
         for (name, got, want) in [
             ("dQ", &t.d_q, &want.d_q),
@@ -567,6 +800,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 8, 2, 70, 70, 32, true, &[], 31),
                 1e-3,
             );
@@ -574,6 +808,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 32),
                 1e-3,
             );
@@ -581,6 +816,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
                 1e-3,
             );
@@ -588,14 +824,43 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 2, 1, 20, 90, 16, false, &[], 34),
                 1e-3,
             );
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 2, 2, 90, 20, 16, false, &[2], 35),
                 1e-3,
+            );
+        }
+
+        /// Both sides' blocks staged a block ahead into second tiles (the schedule of the
+        /// asynchronous copies, with plain loads), the key kernel's LSE and D with them, the
+        /// query kernel's key biases too. (Four f32 tiles of 64 rows fit lavapipe's 32 KiB at
+        /// head dim 16.)
+        #[test]
+        fn emulated_fragments_staged_ahead_match_the_reference() {
+            let Some(client) = client() else { return };
+            for p in [
+                // Causal with padding, grouped: the key kernel's stream crosses from one
+                // query head to the next; three blocks on each side.
+                Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
+                // More keys than queries (one query block per head: every block of the key
+                // kernel's stream is a new head), and fewer.
+                Problem::new(1, 6, 2, 20, 200, 16, false, &[], 36),
+                Problem::new(1, 2, 2, 200, 20, 16, false, &[4], 37),
+            ] {
+                check::<_, f32>(&client, Fragments::Emulated, Staging::Double, p, 1e-3);
+            }
+            check::<_, burn::tensor::f16>(
+                &client,
+                Fragments::Emulated,
+                Staging::Double,
+                Problem::new(2, 4, 2, 150, 150, 32, true, &[0, 5], 38),
+                2e-2,
             );
         }
 
@@ -607,6 +872,7 @@ mod tests {
             check::<_, burn::tensor::f16>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 9),
                 2e-2,
             );
@@ -619,22 +885,38 @@ mod tests {
         use super::*;
         use cubecl::cuda::{CudaDevice, CudaRuntime};
 
-        #[test]
-        fn register_fragments_match_the_reference() {
-            let Some(client) = crate::testing::client_or_skip::<CudaRuntime>(
+        /// At the head dims the executor runs, both masks, in bf16 and (`f16`) fp16, with
+        /// `staging`; `None` where the device has no CUDA.
+        fn on_cuda(staging: Staging, f16: bool) -> Option<()> {
+            let client = crate::testing::client_or_skip::<CudaRuntime>(
                 || CudaDevice::new(0),
                 "cuda",
                 "the register backward",
-            ) else {
-                return;
-            };
+            )?;
             for d in [64, 128] {
                 for (causal, pads) in [(true, &[0usize, 5][..]), (false, &[][..])] {
                     let p = || Problem::new(2, 8, 2, 150, 150, d, causal, pads, 60 + d as u64);
-                    check::<_, burn::tensor::bf16>(&client, Fragments::Registers, p(), 5e-2);
-                    check::<_, burn::tensor::f16>(&client, Fragments::Registers, p(), 2e-2);
+                    let frags = Fragments::Registers;
+                    check::<_, burn::tensor::bf16>(&client, frags, staging, p(), 5e-2);
+                    if f16 {
+                        check::<_, burn::tensor::f16>(&client, frags, staging, p(), 2e-2);
+                    }
                 }
             }
+            Some(())
+        }
+
+        #[test]
+        fn register_fragments_match_the_reference() {
+            on_cuda(Staging::Single, true);
+        }
+
+        /// The other side's blocks copied a block ahead (`cp.async`, 16 bytes a copy, on a
+        /// barrier), in bf16 (the staging does not depend on the type): a test of its own, so
+        /// that `gpu_flash_call.sh` tells it apart.
+        #[test]
+        fn copied_ahead_match_the_reference() {
+            on_cuda(Staging::Copies(8), false);
         }
     }
 
@@ -643,72 +925,86 @@ mod tests {
     #[cfg(all(feature = "cuda", feature = "wgpu-kernels"))]
     mod source {
         use super::super::super::tests_cuda_source::{
-            client, compiles, float, on_register_mma, settings, tensor,
+            client, compiles, copies_async, float, on_register_mma_spilling, settings, tensor,
         };
         use super::*;
         use cubecl::ir::FloatKind;
         use cubecl::wgpu::WgpuRuntime;
 
+        /// One block at a time in both 16-bit types; copied ahead (`cp.async` into second
+        /// tiles, completing on a barrier) in bf16.
         #[test]
         fn the_register_backward_compiles_without_spills() {
             let Some(client) = client() else { return };
+            let mut variants = Vec::new();
             for kind in [FloatKind::BF16, FloatKind::F16] {
                 for head_dim in [64, 128] {
                     for (causal, padding) in [(true, false), (false, true)] {
-                        let what = |kernel: &str| {
-                            format!(
-                                "register backward {kernel} {kind:?} d{head_dim} causal {causal} padding {padding}"
-                            )
-                        };
-                        let kv = flash_backward_kv_registers::FlashBackwardKvRegisters::<
-                            WgpuRuntime,
-                        >::new(
-                            settings(UNITS as u32),
-                            client.clone(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            (),
-                            (),
-                            // Staged 2 16-bit values at a time, as launched.
-                            2,
-                            head_dim,
-                            causal,
-                            padding,
-                            Fragments::Registers,
-                            float(kind),
-                        );
-                        on_register_mma(&compiles(kv, &what("kv")), &what("kv"));
-                        let q =
-                            flash_backward_q_registers::FlashBackwardQRegisters::<WgpuRuntime>::new(
-                                settings(UNITS as u32),
-                                client.clone(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                (),
-                                (),
-                                2,
-                                head_dim,
-                                causal,
-                                padding,
-                                Fragments::Registers,
-                                float(kind),
-                            );
-                        on_register_mma(&compiles(q, &what("q")), &what("q"));
+                        variants.push((kind, Staging::Single, head_dim, causal, padding));
+                        if kind == FloatKind::BF16 {
+                            variants.push((kind, Staging::Copies(8), head_dim, causal, padding));
+                        }
                     }
                 }
+            }
+            for (kind, staging, head_dim, causal, padding) in variants {
+                // (`on_register_mma_spilling` says why the copies may spill a little.)
+                let spill = if staging.copies() { 16 } else { 0 };
+                let what = |kernel: &str| {
+                    format!(
+                        "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
+                    )
+                };
+                let kv = flash_backward_kv_registers::FlashBackwardKvRegisters::<WgpuRuntime>::new(
+                    settings(UNITS as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    // Staged 2 16-bit values at a time, as launched.
+                    2,
+                    head_dim,
+                    causal,
+                    padding,
+                    Fragments::Registers,
+                    staging,
+                    float(kind),
+                );
+                let compiled = compiles(kv, &what("kv"));
+                on_register_mma_spilling(&compiled, spill, &what("kv"));
+                copies_async(&compiled, staging.copies(), &what("kv"));
+                let q = flash_backward_q_registers::FlashBackwardQRegisters::<WgpuRuntime>::new(
+                    settings(UNITS as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    2,
+                    head_dim,
+                    causal,
+                    padding,
+                    Fragments::Registers,
+                    staging,
+                    float(kind),
+                );
+                let compiled = compiles(q, &what("q"));
+                on_register_mma_spilling(&compiled, spill, &what("q"));
+                copies_async(&compiled, staging.copies(), &what("q"));
             }
         }
     }

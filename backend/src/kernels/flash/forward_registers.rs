@@ -1,7 +1,8 @@
 //! The forward kernel in FlashAttention-2's structure: each warp owns 16 query rows and
 //! keeps their scores, their running maxima and sums and their output in registers, as
 //! PTX `m16n8k16` accumulator fragments, from the first key block to the last. Per key
-//! block the cube stages K and V in shared memory; each warp then
+//! block the cube stages K and V in shared memory (one block at a time, or the next one
+//! copied ahead while this one is read: `stream`); each warp then
 //!
 //! 1. computes its `S = Q Kᵀ` tiles with register products (`mma.sync`; Q's fragments were
 //!    loaded once), 8 tiles of 16 × 8;
@@ -29,12 +30,10 @@ use cubecl::prelude::*;
 
 pub use super::fragments::Fragments;
 use super::fragments::{a_fragments, accumulate, across_quad, scores, zeros, Pair};
-use super::tile::{excluded, key_blocks, pad_bias, stage_tile, staged_ld, unmasked, MASKED};
+use super::stream::{check_shared, commit, ready_barrier, stage_block, tile_of, wait};
+pub use super::stream::{Staging, BLOCK, UNITS};
+use super::tile::{excluded, key_blocks, pad_bias, stage_tile_at, staged_ld, unmasked, MASKED};
 
-/// Query rows a cube computes, and keys a block stages: 4 warps of 16 rows.
-pub const BLOCK: usize = 64;
-/// Units a cube has: 4 warps of 32.
-pub const UNITS: usize = 128;
 /// The largest head dim: 16 output fragments (64 fp32 a lane) beside 16 of S.
 pub const MAX_HEAD_DIM: usize = 128;
 
@@ -42,8 +41,11 @@ pub const MAX_HEAD_DIM: usize = 128;
 /// `k, v [b, h / group, t, d]`, `out` like q, `lse [b, h, s]` (any strides); cubes of
 /// [`UNITS`] over (`s / BLOCK`, `b · h`). `head_dim` equals the tensors' last extent, a
 /// multiple of 16 up to [`MAX_HEAD_DIM`]; with [`Fragments::Registers`], F is f16 or bf16.
+/// K and V are streamed as `staging` says (`stream`; [`Staging::Copies`] only on CUDA).
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-#[allow(clippy::too_many_arguments)]
+// `collapsible_if`: the nested tests keep the compile-time one apart (joined, the body
+// would be expanded without staging ahead too).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_forward_registers<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -57,6 +59,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     #[comptime] frags: Fragments,
+    #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
 ) {
     // Everything unrolls on CUDA, so the fragments stay in registers. The emulation keeps
@@ -79,21 +82,26 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     let row0 = first + warp * 16 + lane / 4;
 
     let hd_ld = comptime![staged_ld(head_dim)];
-    let mut ks = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(BLOCK * hd_ld, 128usize);
+    let tiles = comptime![staging.tiles()];
+    let mut ks = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(tiles * BLOCK * hd_ld, 128usize);
     let scratch_len = comptime![frags.scratch_len()];
     let mut scratch = SharedMemory::<f32>::new(scratch_len);
 
     let qbase = bi * q.stride(0) + hi * q.stride(1);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    // Q passes through K's tile on its way to the registers.
-    stage_tile::<F, N>(q, &mut ks, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
+    // Q passes through K's last tile on its way to the registers: the first key block
+    // goes to the first, and the second is staged only after the first block's barrier.
+    let q_at = comptime![(tiles - 1) * BLOCK * hd_ld];
+    stage_tile_at::<F, N>(
+        q, &mut ks, q_at, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+    );
     sync_cube();
 
     // Q's A fragments, one per 16 head-dim columns, for the whole kernel.
     let ksteps = comptime![head_dim / 16];
-    let qf = a_fragments::<F>(&ks, warp * 16 * hd_ld, hd_ld, lane, ksteps, frags);
+    let qf = a_fragments::<F>(&ks, q_at + warp * 16 * hd_ld, hd_ld, lane, ksteps, frags);
 
     // S's 8 tiles of 8 keys and the output's tiles of 8 columns: two pairs each (rows
     // `row0` and `row0 + 8`).
@@ -113,13 +121,35 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     }
 
     let blocks = key_blocks(first, BLOCK, s, t, causal);
+    let ready = ready_barrier(staging);
+    if comptime![staging.ahead()] {
+        if blocks > 0 {
+            stage_block::<F, N>(k, &mut ks, 0, kbase, 0, t, head_dim, hd_ld, staging);
+            stage_block::<F, N>(v, &mut vs, 0, vbase, 0, t, head_dim, hd_ld, staging);
+            commit(&ready, staging);
+        }
+    }
     for kb in 0..blocks {
         let j0 = kb * BLOCK;
-        // Every warp is past the last block's reads of K and V.
-        sync_cube();
-        stage_tile::<F, N>(k, &mut ks, kbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
-        stage_tile::<F, N>(v, &mut vs, vbase, j0, t, BLOCK, head_dim, hd_ld, UNITS);
-        sync_cube();
+        let tile = tile_of(kb, staging);
+        if comptime![!staging.ahead()] {
+            // Every warp is past the last block's reads of K and V.
+            sync_cube();
+            stage_block::<F, N>(k, &mut ks, 0, kbase, j0, t, head_dim, hd_ld, staging);
+            stage_block::<F, N>(v, &mut vs, 0, vbase, j0, t, head_dim, hd_ld, staging);
+        }
+        wait(&ready, staging);
+        if comptime![staging.ahead()] {
+            if kb + 1 < blocks {
+                let next = 1 - tile;
+                let j1 = j0 + BLOCK;
+                stage_block::<F, N>(k, &mut ks, next, kbase, j1, t, head_dim, hd_ld, staging);
+                stage_block::<F, N>(v, &mut vs, next, vbase, j1, t, head_dim, hd_ld, staging);
+                commit(&ready, staging);
+            }
+        }
+        // This block's rows of the tiles.
+        let at = tile * BLOCK;
 
         let mut sc = Array::<Pair<f32>>::new(key_tiles * 2);
         #[unroll(unroll)]
@@ -129,7 +159,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
                 &ks,
                 0,
                 &ks,
-                kp * 16,
+                at + kp * 16,
                 hd_ld,
                 lane,
                 &mut scratch,
@@ -211,7 +241,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
             accumulate::<F>(
                 &a,
                 &vs,
-                kp * 16,
+                at + kp * 16,
                 hd_ld,
                 &mut o,
                 lane,
@@ -247,14 +277,22 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     }
 }
 
+/// The shared memory a cube of [`flash_forward_registers`] takes: K's and V's tiles
+/// (`staging.tiles()` each) and the emulation's scratch.
+pub fn shared_bytes(head_dim: usize, elem: usize, frags: Fragments, staging: Staging) -> usize {
+    let tile = staging.tiles() * BLOCK * staged_ld(head_dim);
+    super::stream::shared_bytes(&[(tile, elem), (tile, elem), (frags.scratch_len(), 4)])
+}
+
 /// Writes `out` and `lse` as `launch::forward` does, with [`flash_forward_registers`]
 /// (`cfg.dropout` must be `None`; `cfg.dims.head_dim` a multiple of 16 up to
-/// [`MAX_HEAD_DIM`]).
+/// [`MAX_HEAD_DIM`]), K and V streamed as `staging` says.
 #[allow(clippy::too_many_arguments)]
 pub fn launch<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &super::launch::FlashLaunch,
     frags: Fragments,
+    staging: Staging,
     q: TensorArg<R>,
     k: TensorArg<R>,
     v: TensorArg<R>,
@@ -270,6 +308,11 @@ pub fn launch<R: Runtime>(
         d.head_dim
     );
     let width = super::launch::vector_width(client, cfg.dtype, d.head_dim, &[&q, &k, &v]);
+    check_shared(
+        client,
+        shared_bytes(d.head_dim, cfg.dtype.size(), frags, staging),
+        "the register forward",
+    );
     let count = CubeCount::Static(
         d.q_len.div_ceil(BLOCK) as u32,
         (d.batch * d.heads) as u32,
@@ -292,6 +335,7 @@ pub fn launch<R: Runtime>(
         cfg.causal,
         cfg.padding,
         frags,
+        staging,
         cfg.dtype,
     );
 }
@@ -308,10 +352,11 @@ mod tests {
     fn check<R: Runtime, E: Elem>(
         client: &ComputeClient<R>,
         frags: Fragments,
+        staging: Staging,
         mut p: Problem,
         tol: f64,
     ) {
-        let Some((what, _, t)) = register_forward_on::<R, E>(client, frags, &mut p) else {
+        let Some((what, _, t)) = register_forward_on::<R, E>(client, frags, staging, &mut p) else {
             return;
         };
         let want = p.expected();
@@ -344,6 +389,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 8, 2, 70, 70, 32, true, &[], 31),
                 1e-4,
             );
@@ -351,6 +397,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 32),
                 1e-4,
             );
@@ -358,6 +405,7 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
                 1e-4,
             );
@@ -365,8 +413,61 @@ mod tests {
             check::<_, f32>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 2, 1, 20, 90, 16, false, &[], 34),
                 1e-4,
+            );
+        }
+
+        /// K and V staged a block ahead into second tiles (the schedule of the asynchronous
+        /// copies, with plain loads): every block read from the tile it went to. (Four f32
+        /// tiles of 64 rows fit lavapipe's 32 KiB at head dim 16.)
+        #[test]
+        fn emulated_fragments_staged_ahead_match_the_reference() {
+            let Some(client) = client() else { return };
+            for p in [
+                // Causal with padding, grouped; three key blocks, so both tiles are reused.
+                Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
+                // Bidirectional: four key blocks past one query block; one key block.
+                Problem::new(1, 2, 1, 20, 200, 16, false, &[], 36),
+                Problem::new(1, 2, 2, 90, 20, 16, false, &[4], 37),
+            ] {
+                check::<_, f32>(&client, Fragments::Emulated, Staging::Double, p, 1e-4);
+            }
+            check::<_, burn::tensor::f16>(
+                &client,
+                Fragments::Emulated,
+                Staging::Double,
+                Problem::new(2, 4, 2, 150, 150, 32, true, &[0, 5], 38),
+                2e-2,
+            );
+        }
+
+        /// A cube that needs more shared memory than the device gives is refused, saying
+        /// how much it needs, where wgpu's own error would not reach the caller.
+        #[test]
+        fn a_launch_past_the_shared_memory_limit_says_so() {
+            let Some(client) = client() else { return };
+            // Two f32 tiles each of K and V at d 64: 72 KiB, past lavapipe's 32.
+            let need = shared_bytes(64, 4, Fragments::Emulated, Staging::Double);
+            let max = client.properties().hardware.max_shared_memory_size;
+            if need <= max {
+                eprintln!("SKIPPED: this device gives {max} bytes of shared memory a cube");
+                return;
+            }
+            let mut p = Problem::new(1, 1, 1, 64, 64, 64, false, &[], 1);
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                register_forward_on::<_, f32>(&client, Fragments::Emulated, Staging::Double, &mut p)
+                    .is_some()
+            }))
+            .expect_err("the launch went ahead");
+            let message = refused
+                .downcast_ref::<String>()
+                .expect("a formatted message");
+            assert!(
+                message.contains(&format!("needs {need} bytes of shared memory"))
+                    && message.contains(&max.to_string()),
+                "{message}"
             );
         }
 
@@ -377,12 +478,14 @@ mod tests {
             check::<_, burn::tensor::f16>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(2, 4, 2, 37, 37, 64, true, &[0, 5], 9),
                 2e-2,
             );
             check::<_, burn::tensor::f16>(
                 &client,
                 Fragments::Emulated,
+                Staging::Single,
                 Problem::new(1, 2, 2, 80, 80, 48, false, &[], 10),
                 2e-2,
             );
@@ -395,22 +498,38 @@ mod tests {
         use super::*;
         use cubecl::cuda::{CudaDevice, CudaRuntime};
 
-        #[test]
-        fn register_fragments_match_the_reference() {
-            let Some(client) = crate::testing::client_or_skip::<CudaRuntime>(
+        /// At the head dims the executor runs, both masks, in bf16 and (`f16`) fp16, with
+        /// `staging`; `None` where the device has no CUDA.
+        fn on_cuda(staging: Staging, f16: bool) -> Option<()> {
+            let client = crate::testing::client_or_skip::<CudaRuntime>(
                 || CudaDevice::new(0),
                 "cuda",
                 "the register forward",
-            ) else {
-                return;
-            };
+            )?;
             for d in [64, 128] {
                 for (causal, pads) in [(true, &[0usize, 5][..]), (false, &[][..])] {
                     let p = || Problem::new(2, 8, 2, 150, 150, d, causal, pads, 40 + d as u64);
-                    check::<_, burn::tensor::bf16>(&client, Fragments::Registers, p(), 3e-2);
-                    check::<_, burn::tensor::f16>(&client, Fragments::Registers, p(), 1e-2);
+                    let frags = Fragments::Registers;
+                    check::<_, burn::tensor::bf16>(&client, frags, staging, p(), 3e-2);
+                    if f16 {
+                        check::<_, burn::tensor::f16>(&client, frags, staging, p(), 1e-2);
+                    }
                 }
             }
+            Some(())
+        }
+
+        #[test]
+        fn register_fragments_match_the_reference() {
+            on_cuda(Staging::Single, true);
+        }
+
+        /// The other side's blocks copied a block ahead (`cp.async`, 16 bytes a copy, on a
+        /// barrier), in bf16 (the staging does not depend on the type): a test of its own, so
+        /// that `gpu_flash_call.sh` tells it apart.
+        #[test]
+        fn copied_ahead_match_the_reference() {
+            on_cuda(Staging::Copies(8), false);
         }
     }
 
@@ -419,47 +538,59 @@ mod tests {
     #[cfg(all(feature = "cuda", feature = "wgpu-kernels"))]
     mod source {
         use super::super::super::tests_cuda_source::{
-            client, compiles, float, on_register_mma, settings, tensor,
+            client, compiles, copies_async, float, on_register_mma_spilling, settings, tensor,
         };
         use super::*;
         use cubecl::ir::FloatKind;
         use cubecl::wgpu::WgpuRuntime;
 
+        /// One block at a time in both 16-bit types; copied ahead (`cp.async` into second
+        /// tiles, completing on a barrier) in bf16.
         #[test]
         fn the_register_forward_compiles_without_spills() {
             let Some(client) = client() else { return };
             for kind in [FloatKind::BF16, FloatKind::F16] {
-                for head_dim in [64, 128] {
-                    for (causal, padding) in [(true, false), (false, true)] {
-                        let kernel =
-                            flash_forward_registers::FlashForwardRegisters::<WgpuRuntime>::new(
-                                settings(UNITS as u32),
-                                client.clone(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                tensor(),
-                                (),
-                                (),
-                                // Staged 2 16-bit values at a time, as launched.
-                                2,
-                                head_dim,
-                                causal,
-                                padding,
-                                Fragments::Registers,
-                                float(kind),
+                for staging in [Staging::Single, Staging::Copies(8)] {
+                    if kind == FloatKind::F16 && staging.copies() {
+                        continue;
+                    }
+                    for head_dim in [64, 128] {
+                        for (causal, padding) in [(true, false), (false, true)] {
+                            let kernel =
+                                flash_forward_registers::FlashForwardRegisters::<WgpuRuntime>::new(
+                                    settings(UNITS as u32),
+                                    client.clone(),
+                                    tensor(),
+                                    tensor(),
+                                    tensor(),
+                                    tensor(),
+                                    tensor(),
+                                    tensor(),
+                                    (),
+                                    (),
+                                    // Staged 2 16-bit values at a time, as launched.
+                                    2,
+                                    head_dim,
+                                    causal,
+                                    padding,
+                                    Fragments::Registers,
+                                    staging,
+                                    float(kind),
+                                );
+                            let what = format!(
+                                "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
                             );
-                        let what = format!(
-                            "register forward {kind:?} d{head_dim} causal {causal} padding {padding}"
-                        );
-                        let compiled = compiles(kernel, &what);
-                        on_register_mma(&compiled, &what);
-                        assert!(
-                            compiled.lowered.source.contains("__shfl_xor_sync"),
-                            "{what}: no shuffles"
-                        );
+                            let compiled = compiles(kernel, &what);
+                            // (`on_register_mma_spilling` says why the copies may spill a
+                            // little.)
+                            let spill = if staging.copies() { 16 } else { 0 };
+                            on_register_mma_spilling(&compiled, spill, &what);
+                            copies_async(&compiled, staging.copies(), &what);
+                            assert!(
+                                compiled.lowered.source.contains("__shfl_xor_sync"),
+                                "{what}: no shuffles"
+                            );
+                        }
                     }
                 }
             }

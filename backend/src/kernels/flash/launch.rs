@@ -77,7 +77,8 @@ pub struct FlashLaunch {
     /// The tensor-core forward and key-block backward stage their tiles
     /// with CUDA's asynchronous copies, the next block's loads under this
     /// block's products (`forward_blocks`, `backward_blocks`), where
-    /// [`async_copy_fits`]. A trial setting.
+    /// [`async_copy_fits`]; the register kernels copy a block ahead into
+    /// second tiles ([`FlashLaunch::register_staging`]). A trial setting.
     pub async_copy: bool,
     /// The forward runs in FlashAttention-2's structure, each warp's scores and output in
     /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. A
@@ -373,6 +374,19 @@ impl FlashLaunch {
             .flatten();
         (width, copy)
     }
+
+    /// How the register kernels stream the other side's blocks past `staged`: copied
+    /// asynchronously, a block ahead, where [`FlashLaunch::async_copy`] asks and
+    /// [`async_copy_fits`]; else one block at a time.
+    pub(crate) fn register_staging<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        staged: &[&TensorArg<R>],
+    ) -> super::stream::Staging {
+        use super::stream::Staging;
+        let (_, copy) = self.staging(client, Products::TensorCores, staged);
+        copy.map_or(Staging::Single, Staging::Copies)
+    }
 }
 
 /// Cubes of `units` units over `rows` rows in blocks of `block`, for each
@@ -445,10 +459,12 @@ pub fn forward<R: Runtime>(
             [q, k, v, key_bias, dropout_seed, out, lse]
         ),
         FlashKernels::Blocks { .. } if cfg.register_forward_runs() => {
+            let staging = cfg.register_staging(client, &[&q, &k, &v]);
             super::forward_registers::launch(
                 client,
                 cfg,
                 super::forward_registers::Fragments::Registers,
+                staging,
                 q,
                 k,
                 v,
@@ -624,7 +640,8 @@ pub fn backward<R: Runtime>(
     );
     if cfg.register_backward_runs() {
         let frags = super::fragments::Fragments::Registers;
-        super::backward_registers::launch(client, cfg, frags, x, out);
+        let staging = cfg.register_staging(client, &[&x.q, &x.k, &x.v, &x.d_o]);
+        super::backward_registers::launch(client, cfg, frags, staging, x, out);
         return;
     }
     // The second pass reads the same inputs and D.

@@ -14,8 +14,8 @@
 //!   block-product kernels, all three in one pass over key blocks with dQ
 //!   added atomically; `scratch` holds the backward's small kernels;
 //!   `forward_registers` and `backward_registers` are both directions in
-//!   FlashAttention-2's register structure, on `fragments`, trials behind
-//!   `RCOA_FLASH_REGISTERS`). Built with the
+//!   FlashAttention-2's register structure, on `fragments`, streaming the other side's
+//!   blocks as `stream` says, trials behind `RCOA_FLASH_REGISTERS`). Built with the
 //!   `cuda` or `wgpu-kernels` feature; runtime-generic, so the tests run
 //!   them on wgpu (lavapipe on a machine without a GPU).
 //!
@@ -51,6 +51,8 @@ pub mod launch;
 pub mod mma;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod scratch;
+#[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
+pub mod stream;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 mod tile;
 

@@ -115,7 +115,7 @@ fn dump(lowered: &prebuild::RecordedKernel, image: &prebuild::Image, what: &str)
 /// With `async_copy`, the tiles go straight to shared memory, 16 bytes a
 /// copy, and the products wait on the copies' barriers; without it, none of
 /// that is in the source.
-fn copies_async(compiled: &Compiled, async_copy: bool, what: &str) {
+pub(crate) fn copies_async(compiled: &Compiled, async_copy: bool, what: &str) {
     let source = &compiled.lowered.source;
     for sign in [
         "__cp_async_shared_global<16>",
@@ -412,12 +412,29 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
 /// PTX's register `mma.sync.m16n8k16` (CubeCL's manual MMA) in the source, and nothing on
 /// the stack: the fragments stay in registers.
 pub(crate) fn on_register_mma(compiled: &Compiled, what: &str) {
+    on_register_mma_spilling(compiled, 0, what);
+}
+
+/// [`on_register_mma`], with at most `spill` bytes on the stack: a few registers ptxas may
+/// spill to fit one more cube an SM, never an array of fragments (hundreds of bytes).
+///
+/// The kernels that copy a block ahead take this: CubeCL lays out shared memory in a
+/// different order from one expansion to the next (a hash map's), and from the same
+/// source ptxas then gave the query kernel (bf16, d 128) 168 registers and 12 bytes
+/// spilled in some builds, 176–229 registers and none in others. At 168 it aims at three
+/// cubes an SM, which the kernel's 102 KiB of shared memory does not allow anyway.
+pub(crate) fn on_register_mma_spilling(compiled: &Compiled, spill: usize, what: &str) {
     let source = &compiled.lowered.source;
     assert!(
         source.contains("mma.sync.aligned.m16n8k16.row.col.f32"),
         "{what}: no register mma\n{source}"
     );
-    assert_eq!(stack_bytes(compiled, what), 0, "{what}: {}", compiled.ptxas);
+    let stack = stack_bytes(compiled, what);
+    assert!(
+        stack <= spill,
+        "{what}: {stack} bytes of stack (> {spill}): {}",
+        compiled.ptxas
+    );
 }
 
 /// ptxas's stack frame, in bytes: the unit's arrays that live in local

@@ -108,15 +108,16 @@ fn tensors<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Atten
 
 /// `p` on `client` for the register kernels: its inputs rounded to `E` (in `p` too, so
 /// that the reference takes the same), a launch for its shape, its tensors, and O and LSE
-/// written by the register forward with `frags`. Also a name for `p` in messages. `None`,
-/// with a note, where the device has no `E`.
+/// written by the register forward with `frags` and `staging`. Also a name for `p` in
+/// messages. `None`, with a note, where the device has no `E`.
 pub(super) fn register_forward_on<R: Runtime, E: Elem>(
     client: &ComputeClient<R>,
     frags: super::fragments::Fragments,
+    staging: super::stream::Staging,
     p: &mut Problem,
 ) -> Option<(String, FlashLaunch, AttentionTensors<R>)> {
     let what = format!(
-        "{} b{} h{}/{} s{} t{} d{} causal {} padding {}",
+        "{} {staging:?} b{} h{}/{} s{} t{} d{} causal {} padding {}",
         std::any::type_name::<E>(),
         p.b,
         p.h,
@@ -159,6 +160,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
         client,
         &cfg,
         frags,
+        staging,
         t.q.arg(),
         t.k.arg(),
         t.v.arg(),

@@ -99,6 +99,25 @@ pub fn stage_tile<F: Float, N: Size>(
     #[comptime] ld: usize,
     #[comptime] units: usize,
 ) {
+    stage_tile_at::<F, N>(src, dst, 0, base, r0, n, rows, dim, ld, units);
+}
+
+/// [`stage_tile`] into `dst` from element `at` on: one of several tiles in one shared
+/// array (the register kernels' double buffers, `stream`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile_at<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut SharedMemory<F>,
+    at: usize,
+    base: usize,
+    r0: usize,
+    n: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] ld: usize,
+    #[comptime] units: usize,
+) {
     let width = N::value().comptime();
     let per_row = comptime![dim / width];
     let total = comptime![rows * per_row];
@@ -132,7 +151,7 @@ pub fn stage_tile<F: Float, N: Size>(
             }
             #[unroll]
             for i in 0..batch {
-                let to = (row0 + (b * batch + i) * step) * ld + col0 * width;
+                let to = at + (row0 + (b * batch + i) * step) * ld + col0 * width;
                 put_vector::<F, N>(dst, to, regs[i]);
             }
         }
@@ -144,7 +163,7 @@ pub fn stage_tile<F: Float, N: Size>(
             let r = min(r0 + e / per_row, n - 1);
             let col = e % per_row;
             let x = src[vector_at::<F, N>(src, base, r, col)];
-            put_vector::<F, N>(dst, (e / per_row) * ld + col * width, x);
+            put_vector::<F, N>(dst, at + (e / per_row) * ld + col * width, x);
             e += units;
         }
     }
@@ -176,6 +195,26 @@ pub fn stage_tile_async<F: Float, N: Size>(
     #[comptime] units: usize,
     #[comptime] copy: usize,
 ) {
+    stage_tile_async_at::<F, N>(src, dst, 0, base, r0, n, rows, dim, ld, units, copy);
+}
+
+/// [`stage_tile_async`] into `dst` from element `at` on (as [`stage_tile_at`]); `at` a
+/// multiple of `copy`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile_async_at<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut SharedMemory<F>,
+    at: usize,
+    base: usize,
+    r0: usize,
+    n: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] ld: usize,
+    #[comptime] units: usize,
+    #[comptime] copy: usize,
+) {
     let width = N::value().comptime();
     let vectors = comptime![copy / width];
     let per_row = comptime![dim / copy];
@@ -186,9 +225,9 @@ pub fn stage_tile_async<F: Float, N: Size>(
         if e < total {
             let r = min(r0 + e / per_row, n - 1);
             let col = e % per_row;
-            let at = vector_at::<F, N>(src, base, r, col * vectors);
-            let from = src.slice(at, at + vectors);
-            let to = (e / per_row) * ld + col * copy;
+            let from_at = vector_at::<F, N>(src, base, r, col * vectors);
+            let from = src.slice(from_at, from_at + vectors);
+            let to = at + (e / per_row) * ld + col * copy;
             let mut into = dst.slice_mut(to, to + copy);
             // SAFETY: the copy's bytes are `vectors` of `src`'s vectors,
             // whose start the launch checked is 16-byte aligned; only the
@@ -323,7 +362,13 @@ pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool) -> bool 
 /// token, the executor's `-1e9` for a pad).
 #[cube]
 pub fn pad_bias(bias: &Tensor<f32>, bi: usize, j: usize) -> f32 {
-    bias[bi * bias.stride(0) + j * bias.stride(1)]
+    bias[pad_bias_index(bias, bi, j)]
+}
+
+/// Where [`pad_bias`] reads key `j`'s bias of batch row `bi`.
+#[cube]
+pub fn pad_bias_index(bias: &Tensor<f32>, bi: usize, j: usize) -> usize {
+    bi * bias.stride(0) + j * bias.stride(1)
 }
 
 /// The most fp32 values a unit of a `Rows` kernel keeps in registers: its
