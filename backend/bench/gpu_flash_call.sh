@@ -9,10 +9,11 @@
 #  1. The tensor-core flash tests and the block products alone (tests_mma), cuBLAS's
 #     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
 #     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
-#     If they fail, the speed run takes the Rows kernels. Then the trial settings' tests
-#     (four units a row, 2 x 2 tiles), the manual MMA probe (tests_manual_mma), ldmatrix,
-#     and the register kernels (forward_registers, backward_registers; one block at a time
-#     and copied a block ahead), which decide nothing but step 4c. At most 50 s.
+#     If they fail, the speed run takes the Rows kernels. Then the trials, which decide
+#     nothing but step 4c: the register kernels (forward_registers, backward_registers) and
+#     the probes under them (manual MMA, ldmatrix), at most 60 s; the same copying blocks
+#     ahead, at most 35 s; the block kernels' trial settings (four units a row, 2 x 2
+#     tiles), at most 30 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), and the register
 #     kernels (one block at a time, then copied ahead), with the millisecond and TFLOP/s of
@@ -67,19 +68,21 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   RCOA_REQUIRE=cuda timeout "$(cap 20)" /tmp/flash-tests kernels::embedding::fused::tests_cuda \
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1
   log "1 embedding gradient tests rc=$?"; grep "test result\|panicked" "$OUT/embedding-tests.txt" | head -n 3
-  # The settings under trial (4 units a row, 2 x 2 tiles): right or not, the default runs.
-  # With them, CubeCL's manual MMA (register fragments), ldmatrix, and the forward and
-  # backward built on them (RCOA_FLASH_REGISTERS, FlashAttention-2's structure; step 2
-  # times them).
-  timeout "$(cap 50)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
-    tests_mma::trials_cuda tests_manual_mma::cuda fragments::tests::register_load \
-    registers::tests::cuda::register_fragments --test-threads 1 \
-    > "$OUT/flash-trials.txt" 2>&1
-  log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
-  # The register kernels with the other side's blocks copied a block ahead.
-  timeout "$(cap 30)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
+  # The register kernels (RCOA_FLASH_REGISTERS, FlashAttention-2's structure: step 2 times
+  # them, step 4c runs the step with those that pass), with the probes they rest on: CubeCL's
+  # manual MMA (register fragments) and ldmatrix. About 26 kernels to compile (45 s or so).
+  timeout "$(cap 60)" /tmp/flash-tests tests_manual_mma::cuda fragments::tests::register_load \
+    registers::tests::cuda::register_fragments --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
+  log "1 register kernels' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
+  # The same with the other side's blocks copied a block ahead (bf16; 12 kernels).
+  timeout "$(cap 35)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
     >> "$OUT/flash-trials.txt" 2>&1
   log "1 register kernels copied ahead rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
+  # The block kernels' settings under trial (4 units a row, 2 x 2 tiles): right or not, the
+  # default runs. (Step 1 overlaps step 0's background run, which takes about 150 s.)
+  timeout "$(cap 30)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
+    tests_mma::trials_cuda --test-threads 1 >> "$OUT/flash-trials.txt" 2>&1
+  log "1 trial settings' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
 else
   log "1 flash tests skipped (no .rcoa-bin/flash-tests.gz, or not on CUDA)"
 fi
