@@ -182,7 +182,8 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     }
     sync_cube();
     let steps = comptime![head_dim / 16];
-    // (Not resident: one fragment's loads, never read, which the compiler drops.)
+    // (Not resident: one fragment's loads, never read; on CUDA one `ldmatrix` a cube, which
+    // ptxas keeps, being `asm volatile`.)
     let held = comptime![if resident { steps } else { 1 }];
     let own = warp * 16 * hd_ld;
     let kf = a_fragments::<F>(&qs, through + own, hd_ld, lane, held, frags);
@@ -882,6 +883,7 @@ mod tests {
     /// The register products themselves, at the head dims the executor runs.
     #[cfg(feature = "cuda")]
     mod cuda {
+        use super::super::super::tests_kernels::register_cuda_problems;
         use super::*;
         use cubecl::cuda::{CudaDevice, CudaRuntime};
 
@@ -893,14 +895,11 @@ mod tests {
                 "cuda",
                 "the register backward",
             )?;
-            for d in [64, 128] {
-                for (causal, pads) in [(true, &[0usize, 5][..]), (false, &[][..])] {
-                    let p = || Problem::new(2, 8, 2, 150, 150, d, causal, pads, 60 + d as u64);
-                    let frags = Fragments::Registers;
-                    check::<_, burn::tensor::bf16>(&client, frags, staging, p(), 5e-2);
-                    if f16 {
-                        check::<_, burn::tensor::f16>(&client, frags, staging, p(), 2e-2);
-                    }
+            let frags = Fragments::Registers;
+            for p in register_cuda_problems(60) {
+                check::<_, burn::tensor::bf16>(&client, frags, staging, p.clone(), 5e-2);
+                if f16 {
+                    check::<_, burn::tensor::f16>(&client, frags, staging, p, 2e-2);
                 }
             }
             Some(())

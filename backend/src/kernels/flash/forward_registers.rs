@@ -495,6 +495,7 @@ mod tests {
     /// The register products and shuffles themselves, at the head dims the executor runs.
     #[cfg(feature = "cuda")]
     mod cuda {
+        use super::super::super::tests_kernels::register_cuda_problems;
         use super::*;
         use cubecl::cuda::{CudaDevice, CudaRuntime};
 
@@ -506,14 +507,11 @@ mod tests {
                 "cuda",
                 "the register forward",
             )?;
-            for d in [64, 128] {
-                for (causal, pads) in [(true, &[0usize, 5][..]), (false, &[][..])] {
-                    let p = || Problem::new(2, 8, 2, 150, 150, d, causal, pads, 40 + d as u64);
-                    let frags = Fragments::Registers;
-                    check::<_, burn::tensor::bf16>(&client, frags, staging, p(), 3e-2);
-                    if f16 {
-                        check::<_, burn::tensor::f16>(&client, frags, staging, p(), 1e-2);
-                    }
+            let frags = Fragments::Registers;
+            for p in register_cuda_problems(40) {
+                check::<_, burn::tensor::bf16>(&client, frags, staging, p.clone(), 3e-2);
+                if f16 {
+                    check::<_, burn::tensor::f16>(&client, frags, staging, p, 1e-2);
                 }
             }
             Some(())

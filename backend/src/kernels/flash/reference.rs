@@ -5,6 +5,7 @@
 use super::dropout;
 
 /// One test problem: shapes, masks and the inputs.
+#[derive(Clone)]
 pub struct Problem {
     pub b: usize,
     pub h: usize,

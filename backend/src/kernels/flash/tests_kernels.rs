@@ -171,6 +171,19 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
     Some((what, cfg, t))
 }
 
+/// The problems the register kernels' CUDA tests run: the executor's head dims (64, 128),
+/// causal with padded keys and bidirectional without, grouped queries, three blocks a side.
+#[cfg(feature = "cuda")]
+pub(super) fn register_cuda_problems(seed: u64) -> impl Iterator<Item = Problem> {
+    [64, 128].into_iter().flat_map(move |d| {
+        [(true, &[0usize, 5][..]), (false, &[][..])]
+            .into_iter()
+            .map(move |(causal, pads)| {
+                Problem::new(2, 8, 2, 150, 150, d, causal, pads, seed + d as u64)
+            })
+    })
+}
+
 /// Everything one problem's kernels return.
 struct Got {
     o: Vec<f32>,
