@@ -32,9 +32,10 @@ use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, pad_bias_index, stage_tile_at, staged_ld,
-    unmasked,
+    excluded, first_query_block, key_blocks, pad_bias, pad_bias_index, stage_tile, stage_tile_at,
+    staged_ld, unmasked,
 };
+
 /// The largest head dim at which the key kernel holds K's and V's rows in registers beside
 /// dK and dV, and the query kernel q's and dO's beside dQ: at 128, ptxas (sm_90a) needed
 /// 255 registers and spilled (76 bytes in the key kernel, 8 in the query kernel).
@@ -173,12 +174,8 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
             v, &mut dos, through, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
         );
     } else {
-        stage_tile_at::<F, N>(
-            k, &mut ks, 0, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
-        );
-        stage_tile_at::<F, N>(
-            v, &mut vs, 0, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
-        );
+        stage_tile::<F, N>(k, &mut ks, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile::<F, N>(v, &mut vs, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
     }
     sync_cube();
     let steps = comptime![head_dim / 16];
@@ -464,11 +461,9 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
             d_o, &mut vs, through, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
         );
     } else {
-        stage_tile_at::<F, N>(
-            q, &mut qs, 0, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS,
-        );
-        stage_tile_at::<F, N>(
-            d_o, &mut dos, 0, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
+        stage_tile::<F, N>(q, &mut qs, qbase, first, s, BLOCK, head_dim, hd_ld, UNITS);
+        stage_tile::<F, N>(
+            d_o, &mut dos, dobase, first, s, BLOCK, head_dim, hd_ld, UNITS,
         );
     }
     sync_cube();
