@@ -12,12 +12,12 @@
 #     If they fail, the speed run takes the Rows kernels. Then the trials, which decide
 #     nothing but step 4c: the register kernels (forward_registers, backward_registers) and
 #     the probes under them (manual MMA, ldmatrix), at most 60 s; the same copying blocks
-#     ahead, at most 35 s; the block kernels' trial settings (four units a row, 2 x 2
-#     tiles), at most 30 s.
+#     ahead, at most 35 s; the register backward in one pass, at most 45 s; the block
+#     kernels' trial settings (four units a row, 2 x 2 tiles), at most 30 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), and the register
-#     kernels (one block at a time, then copied ahead), with the millisecond and TFLOP/s of
-#     each. At most 80 s.
+#     kernels (one block at a time, then copied ahead; the backward in two passes, then in
+#     one), with the millisecond and TFLOP/s of each. At most 80 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
 #     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
@@ -78,6 +78,11 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   timeout "$(cap 35)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
     >> "$OUT/flash-trials.txt" 2>&1
   log "1 register kernels copied ahead rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
+  # The register backward in one pass (dQ added atomically; one block at a time and copied
+  # ahead, bf16; about 16 kernels).
+  timeout "$(cap 45)" /tmp/flash-tests backward_registers::tests::cuda::one_pass \
+    --test-threads 1 >> "$OUT/flash-trials.txt" 2>&1
+  log "1 register backward in one pass rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
   # The block kernels' settings under trial (4 units a row, 2 x 2 tiles): right or not, the
   # default runs. (Step 1 overlaps step 0's background run, which takes about 150 s.)
   timeout "$(cap 30)" /tmp/flash-tests tests_kernels::cuda::tensor_core_trials \
@@ -153,7 +158,8 @@ if [ $BLAS = 1 ]; then
 fi
 # 4c. The warm step with the register kernels whose CUDA tests passed in step 1, their
 # blocks copied ahead if both directions' tests of that passed too (RCOA_FLASH_ASYNC_COPY
-# then reaches no block kernel: both directions run the register kernels).
+# then reaches no block kernel: both directions run the register kernels), the register
+# backward in one pass (the default) if its test passed, else in two.
 REGS=""; AHEAD=0
 for dir in forward backward; do
   if grep -q "${dir}_registers::tests::cuda::register_fragments_match_the_reference ... ok" \
@@ -164,9 +170,13 @@ done
 if [ -n "$REGS" ]; then
   export RCOA_FLASH_REGISTERS=$REGS
   if [ "$REGS" = forward,backward ] && [ $AHEAD = 2 ]; then export RCOA_FLASH_ASYNC_COPY=1; fi
-  log "4c register kernels: $REGS, copied ahead: ${RCOA_FLASH_ASYNC_COPY:-0}"
+  case $REGS in *backward*)
+    grep -q "backward_registers::tests::cuda::one_pass_match_the_reference ... ok" \
+      "$OUT/flash-trials.txt" 2>/dev/null || export RCOA_FLASH_ONE_PASS=0 ;;
+  esac
+  log "4c register kernels: $REGS, copied ahead: ${RCOA_FLASH_ASYNC_COPY:-0}, one pass: ${RCOA_FLASH_ONE_PASS:-1}"
   profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-registers 6
-  unset RCOA_FLASH_REGISTERS RCOA_FLASH_ASYNC_COPY
+  unset RCOA_FLASH_REGISTERS RCOA_FLASH_ASYNC_COPY RCOA_FLASH_ONE_PASS
 else
   log "4c register kernels' run skipped (their tests did not pass or did not run)"
 fi

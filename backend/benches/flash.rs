@@ -7,7 +7,7 @@
 //! tiles of a product at a time, and with the forward's tiles staged by
 //! asynchronous copies under the products; then both directions in
 //! FlashAttention-2's register structure, streaming the other side's blocks one
-//! at a time and copied a block ahead). Prints each
+//! at a time and copied a block ahead, the backward in two passes and in one). Prints each
 //! one's milliseconds and TFLOP/s and the ratio to the first (`Rows`; above 1:
 //! faster) as it is timed, then the largest difference between the two
 //! outputs and gradients, so a fast wrong kernel does not pass unseen. Each kind runs again with
@@ -344,6 +344,15 @@ fn main() {
                 .register_forward()
                 .register_backward(),
             bench::Variant::new("registers, blocks copied ahead", TENSOR_CORES)
+                .register_forward()
+                .register_backward()
+                .async_copy(),
+            bench::Variant::new("registers, one-pass backward", TENSOR_CORES)
+                .one_pass()
+                .register_forward()
+                .register_backward(),
+            bench::Variant::new("registers, one pass, copied ahead", TENSOR_CORES)
+                .one_pass()
                 .register_forward()
                 .register_backward()
                 .async_copy(),

@@ -1,14 +1,18 @@
 //! The backward kernels in the register structure of `forward_registers`: each warp owns
 //! 16 rows and keeps its gradient rows in registers, as PTX `m16n8k16` accumulator
 //! fragments, from the first block of the other side to the last. Two kernels, as
-//! `backward_blocks` without its one pass (no atomics; dQ's sums in a fixed order):
+//! `backward_blocks`: the key kernel alone in one pass (`one_pass`: dQ added atomically
+//! to an fp32 accumulator, five products per pair of blocks), or both (no atomics; dQ's
+//! sums in a fixed order):
 //!
 //! - [`flash_backward_kv_registers`]: a warp owns 16 keys and holds K's and V's rows as
 //!   `A` fragments. Per staged block of 64 queries (q, dO, their LSE and D), 16 queries at
 //!   a time: `Sᵀ = K Qᵀ` and `dPᵀ = V dOᵀ` on the tensor cores, `Pᵀ` and
 //!   `dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale` in place, then `dV += Pᵀ dO` and `dK += dSᵀ Q` with
 //!   `Pᵀ` and `dSᵀ` as the `A` fragments, straight from the accumulators
-//!   (`fragments::scores`).
+//!   (`fragments::scores`). With `one_pass`, each block's `dS` also goes to shared memory,
+//!   transposed, and each warp adds `dS K` for 16 of its queries to dQ's accumulator
+//!   (`add_dq`).
 //! - [`flash_backward_q_registers`]: a warp owns 16 queries and holds q's and dO's rows.
 //!   Per staged block of 64 keys (K, V), 16 keys at a time: `S = Q Kᵀ`, `dP = dO Vᵀ`,
 //!   `dS`, then `dQ += dS K`.
@@ -27,7 +31,7 @@
 
 use cubecl::prelude::*;
 
-use super::fragments::{a_fragments, accumulate, scores, zeros, Fragments, Pair};
+use super::fragments::{a_fragments, accumulate, accumulate_at, scores, zeros, Fragments, Pair};
 use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
@@ -66,6 +70,67 @@ fn probability_and_gradient(
 ) -> (f32, f32) {
     let p = select(masked, f32::new(0.0), (x - lse).exp());
     (p, p * (dp - d) * scale)
+}
+
+/// The one-pass key kernel's `dQ += dS K` for the calling warp's 16 queries of a block (rows
+/// `i0 ..+ 16` of head `hi`; those from `s` on are not added): `dS` over the block's keys
+/// from element `at` of `dss` (row stride `staged_ld(BLOCK)`), K from `ks`, added to the fp32
+/// `acc` atomically. 16 columns at a time, so that 8 accumulators are live beside dK's and
+/// dV's, not `head_dim / 2`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_dq<F: Float>(
+    dss: &SharedMemory<F>,
+    ks: &SharedMemory<F>,
+    acc: &mut Tensor<Atomic<f32>>,
+    bi: usize,
+    hi: usize,
+    i0: usize,
+    at: usize,
+    s: usize,
+    lane: usize,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] head_dim: usize,
+    #[comptime] hd_ld: usize,
+    #[comptime] frags: Fragments,
+) {
+    let unroll = comptime![frags == Fragments::Registers];
+    let ds_ld = comptime![staged_ld(BLOCK)];
+    let key_steps = comptime![BLOCK / 16];
+    let dsf = a_fragments::<F>(dss, at, ds_ld, lane, key_steps, frags);
+    let base = bi * acc.stride(0) + hi * acc.stride(1);
+    let quad = lane % 4;
+    // A loop on the GPU too, as the key kernel's over a block's rows: only offsets depend on
+    // `c16`.
+    for c16 in 0..comptime![head_dim / 16] {
+        let mut part = zeros(2usize, unroll);
+        #[unroll(unroll)]
+        for kk in 0..key_steps {
+            let mut a = Array::<Pair<F>>::new(4usize);
+            #[unroll]
+            for p in 0..4usize {
+                a[p] = dsf[kk * 4 + p];
+            }
+            let from = kk * 16 * hd_ld + c16 * 16;
+            accumulate_at::<F>(&a, ks, from, hd_ld, &mut part, lane, scratch, 2usize, frags);
+        }
+        #[unroll]
+        for half in 0..2usize {
+            let row = i0 + lane / 4 + half * 8;
+            if row < s {
+                let rb = base + row * acc.stride(2);
+                #[unroll]
+                for n in 0..2usize {
+                    let pair = part[n * 2 + half];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let col = c16 * 16 + n * 8 + quad * 2 + e;
+                        acc[rb + col * acc.stride(3)].fetch_add(pair[e]);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Stages the query block from `i0` of head `hi` for [`flash_backward_kv_registers`] into
@@ -108,7 +173,8 @@ fn stage_queries<F: Float, N: Size>(
 
 /// dK and dV for [`BLOCK`] keys of one `(batch, kv head)`; cubes of [`UNITS`] over
 /// (`t / BLOCK`, `b · kv_heads`). Inputs as `flash_backward_kv_blocks`'s (`d_rows` from
-/// `scratch::row_dots`), without dropout; `head_dim` as `flash_forward_registers`'s. The
+/// `scratch::row_dots`; with `one_pass` dQ's share added to `d_q_acc`, otherwise a
+/// placeholder never touched), without dropout; `head_dim` as `flash_forward_registers`'s. The
 /// query blocks of every query head on the kv head stream through as `staging` says, one
 /// sequence of blocks (`stream`): q, dO, their LSE and D.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
@@ -124,11 +190,13 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     key_bias: &Tensor<f32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
+    d_q_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     group: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] one_pass: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
@@ -157,24 +225,34 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     let mut scratch = SharedMemory::<f32>::new(comptime![frags.scratch_len()]);
     // K's and V's rows stay in registers up to `RESIDENT_HEAD_DIM`, passing through q's and
     // dO's last tiles on their way (the first query block goes to the first); past it they
-    // stay in tiles of their own.
+    // stay in tiles of their own. With `one_pass`, K stays in its tile either way: `dS K`
+    // reads it there.
     let resident = comptime![head_dim <= RESIDENT_HEAD_DIM];
-    let kv_tile = comptime![if resident { 1 } else { BLOCK * hd_ld }];
-    let mut ks = SharedMemory::<F>::new_aligned(kv_tile, 128usize);
-    let mut vs = SharedMemory::<F>::new_aligned(kv_tile, 128usize);
+    let k_tiled = comptime![!resident || one_pass];
+    let k_len = comptime![if k_tiled { BLOCK * hd_ld } else { 1 }];
+    let v_len = comptime![if resident { 1 } else { BLOCK * hd_ld }];
+    let mut ks = SharedMemory::<F>::new_aligned(k_len, 128usize);
+    let mut vs = SharedMemory::<F>::new_aligned(v_len, 128usize);
+    // With `one_pass`, the block's `dS` (query rows by this cube's keys) for `dQ += dS K`.
+    let ds_ld = comptime![staged_ld(BLOCK)];
+    let ds_len = comptime![if one_pass { BLOCK * ds_ld } else { 1 }];
+    let mut dss = SharedMemory::<F>::new_aligned(ds_len, 128usize);
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     let through = comptime![(tiles - 1) * BLOCK * hd_ld];
-    if resident {
+    if k_tiled {
+        stage_tile::<F, N>(k, &mut ks, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
+    } else {
         stage_tile_at::<F, N>(
             k, &mut qs, through, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
         );
+    }
+    if resident {
         stage_tile_at::<F, N>(
             v, &mut dos, through, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS,
         );
     } else {
-        stage_tile::<F, N>(k, &mut ks, kbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
         stage_tile::<F, N>(v, &mut vs, vbase, first, t, BLOCK, head_dim, hd_ld, UNITS);
     }
     sync_cube();
@@ -183,7 +261,11 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     // ptxas keeps, being `asm volatile`.)
     let held = comptime![if resident { steps } else { 1 }];
     let own = warp * 16 * hd_ld;
-    let kf = a_fragments::<F>(&qs, through + own, hd_ld, lane, held, frags);
+    let kf = if k_tiled {
+        a_fragments::<F>(&ks, own, hd_ld, lane, held, frags)
+    } else {
+        a_fragments::<F>(&qs, through + own, hd_ld, lane, held, frags)
+    };
     let vf = a_fragments::<F>(&dos, through + own, hd_ld, lane, held, frags);
     let from_tile = comptime![!resident];
 
@@ -312,6 +394,18 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                     pt[c] = p2;
                     dst[c] = ds2;
                 }
+                if one_pass {
+                    // Transposed into `dss`: query `ql`'s row, this lane's two keys.
+                    #[unroll]
+                    for c in 0..4usize {
+                        let key = warp * 16 + lane / 4 + (c % 2) * 8;
+                        #[unroll]
+                        for e in 0..2usize {
+                            let ql = sub * 16 + (c / 2) * 8 + quad * 2 + e;
+                            dss[ql * ds_ld + key] = F::cast_from(dst[c][e]);
+                        }
+                    }
+                }
                 let pa = as_a::<F>(&pt);
                 let dsa = as_a::<F>(&dst);
                 accumulate::<F>(
@@ -334,6 +428,26 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                     lane,
                     &mut scratch,
                     out_tiles,
+                    frags,
+                );
+            }
+            if one_pass {
+                // Every warp's `dS` of the block is in `dss` (and the next block's writes
+                // come after the next `wait`, a barrier of the whole cube).
+                sync_cube();
+                add_dq::<F>(
+                    &dss,
+                    &ks,
+                    d_q_acc,
+                    bi,
+                    hi,
+                    i0 + warp * 16,
+                    warp * 16 * ds_ld,
+                    s,
+                    lane,
+                    &mut scratch,
+                    head_dim,
+                    hd_ld,
                     frags,
                 );
             }
@@ -397,7 +511,7 @@ fn stage_keys<F: Float, N: Size>(
     }
 }
 
-/// dQ for [`BLOCK`] queries of one `(batch, head)`; cubes of [`UNITS`] over
+/// dQ for [`BLOCK`] queries of one `(batch, head)`, in two passes; cubes of [`UNITS`] over
 /// (`s / BLOCK`, `b · h`). Arguments as [`flash_backward_kv_registers`]'s, with `d_q`; the
 /// key blocks (K, V and, with padding, their biases) stream through as `staging` says.
 #[cube(launch, fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
@@ -617,19 +731,25 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
 
 /// The shared memory a cube of the key kernel and of the query kernel takes: the streamed
 /// tiles (`staging.tiles()` each) and their rows' fp32 values, the tiles of the side that
-/// stays (one element each where it is held in registers), the emulation's scratch.
+/// stays (one element each where it is held in registers), the emulation's scratch; with
+/// `one_pass`, the key kernel's K tile and block of `dS`.
 pub fn shared_bytes(
     head_dim: usize,
     elem: usize,
     padding: bool,
+    one_pass: bool,
     frags: Fragments,
     staging: Staging,
 ) -> (usize, usize) {
     let streamed = staging.tiles() * BLOCK * staged_ld(head_dim);
-    let stays = if head_dim <= RESIDENT_HEAD_DIM {
-        1
+    let tile = BLOCK * staged_ld(head_dim);
+    let resident = head_dim <= RESIDENT_HEAD_DIM;
+    let stays = if resident { 1 } else { tile };
+    let k_tile = if resident && !one_pass { 1 } else { tile };
+    let ds = if one_pass {
+        BLOCK * staged_ld(BLOCK)
     } else {
-        BLOCK * staged_ld(head_dim)
+        1
     };
     let values = staging.tiles() * BLOCK;
     let scratch = (frags.scratch_len(), 4);
@@ -639,8 +759,9 @@ pub fn shared_bytes(
         (values, 4),
         (values, 4),
         scratch,
+        (k_tile, elem),
         (stays, elem),
-        (stays, elem),
+        (ds, elem),
     ]);
     let query_kernel = super::stream::shared_bytes(&[
         (streamed, elem),
@@ -653,15 +774,18 @@ pub fn shared_bytes(
     (key_kernel, query_kernel)
 }
 
-/// Writes dQ, dK and dV as `launch::backward` does, with the two kernels above, from `D`
-/// in `out.d_rows` (written before); `out.d_q_acc` is not touched. `cfg.dropout` must be
-/// `None` and `cfg.dims.head_dim` a multiple of 16 up to 128; the other side's blocks
-/// stream as `staging` says.
+/// Writes dQ, dK and dV as `launch::backward` does, from `D` in `out.d_rows` (written
+/// before): with `one_pass`, the key kernel alone, adding dQ up in `out.d_q_acc` (which this
+/// zeroes before and casts into `out.d_q` after, as `launch::backward` describes);
+/// otherwise the key kernel and the query kernel, and `out.d_q_acc` is not touched.
+/// `cfg.dropout` must be `None` and `cfg.dims.head_dim` a multiple of 16 up to 128; the
+/// other side's blocks stream as `staging` says.
 pub fn launch<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: &FlashLaunch,
     frags: Fragments,
     staging: Staging,
+    one_pass: bool,
     x: BackwardInputs<R>,
     out: BackwardOutputs<R>,
 ) {
@@ -678,11 +802,19 @@ pub fn launch<R: Runtime>(
     let width =
         super::launch::vector_width(client, cfg.dtype, d.head_dim, &[&x.q, &x.k, &x.v, &x.d_o]);
     let elem = cfg.dtype.size();
-    let (kv_bytes, q_bytes) = shared_bytes(d.head_dim, elem, cfg.padding, frags, staging);
+    let (kv_bytes, q_bytes) = shared_bytes(d.head_dim, elem, cfg.padding, one_pass, frags, staging);
     check_shared(client, kv_bytes, "the register backward's key kernel");
-    check_shared(client, q_bytes, "the register backward's query kernel");
+    if !one_pass {
+        check_shared(client, q_bytes, "the register backward's query kernel");
+    }
     let second = x.clone();
     let d_rows = super::launch::clone_arg(&out.d_rows);
+    let d_q = super::launch::clone_arg(&out.d_q);
+    let acc = super::launch::clone_arg(&out.d_q_acc);
+    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
+    if one_pass {
+        super::scratch::zero(client, super::launch::clone_arg(&acc), dq_len);
+    }
     flash_backward_kv_registers::launch::<R>(
         client,
         CubeCount::Static(
@@ -701,15 +833,21 @@ pub fn launch<R: Runtime>(
         x.key_bias,
         out.d_k,
         out.d_v,
+        out.d_q_acc,
         cfg.scale,
         d.group(),
         d.head_dim,
         cfg.causal,
         cfg.padding,
+        one_pass,
         frags,
         staging,
         cfg.dtype,
     );
+    if one_pass {
+        super::scratch::cast(client, acc, d_q, dq_len, cfg.dtype);
+        return;
+    }
     let x = second;
     flash_backward_q_registers::launch::<R>(
         client,
@@ -727,7 +865,7 @@ pub fn launch<R: Runtime>(
         x.lse,
         d_rows,
         x.key_bias,
-        out.d_q,
+        d_q,
         cfg.scale,
         d.group(),
         d.head_dim,
@@ -746,22 +884,36 @@ mod tests {
     use super::super::tests_kernels::register_forward_on;
     use super::*;
 
+    /// How the tests run dQ: in the query kernel, or (`OnePass`) added up in the key kernel.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Passes {
+        Two,
+        OnePass,
+    }
+
     /// dQ, dK and dV against the f64 reference, on the inputs rounded to `E`, within `tol`;
     /// O and LSE from the register forward with the same `frags` and `staging`.
     fn check<R: Runtime, E: Elem>(
         client: &ComputeClient<R>,
         frags: Fragments,
         staging: Staging,
+        passes: Passes,
         mut p: Problem,
         tol: f64,
     ) {
+        let one_pass = passes == Passes::OnePass;
+        if one_pass && !super::super::launch::has_atomic_add(client) {
+            eprintln!("SKIPPED: no fp32 atomic adds; the one-pass register backward did not run");
+            return;
+        }
         let Some((what, cfg, t)) = register_forward_on::<R, E>(client, frags, staging, &mut p)
         else {
             return;
         };
+        let what = format!("{what} {passes:?}");
         super::super::scratch::row_dots(client, &cfg, t.o.arg(), t.d_o.arg(), t.d_rows.arg());
         let (inputs, out) = t.backward_args();
-        launch(client, &cfg, frags, staging, inputs, out);
+        launch(client, &cfg, frags, staging, one_pass, inputs, out);
         let want = p.expected();
         for (name, got, want) in [
             ("dQ", &t.d_q, &want.d_q),
@@ -797,6 +949,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(1, 8, 2, 70, 70, 32, true, &[], 31),
                 1e-3,
             );
@@ -805,6 +958,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 32),
                 1e-3,
             );
@@ -813,6 +967,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 33),
                 1e-3,
             );
@@ -821,6 +976,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(1, 2, 1, 20, 90, 16, false, &[], 34),
                 1e-3,
             );
@@ -828,6 +984,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(1, 2, 2, 90, 20, 16, false, &[2], 35),
                 1e-3,
             );
@@ -849,15 +1006,57 @@ mod tests {
                 Problem::new(1, 6, 2, 20, 200, 16, false, &[], 36),
                 Problem::new(1, 2, 2, 200, 20, 16, false, &[4], 37),
             ] {
-                check::<_, f32>(&client, Fragments::Emulated, Staging::Double, p, 1e-3);
+                check::<_, f32>(
+                    &client,
+                    Fragments::Emulated,
+                    Staging::Double,
+                    Passes::Two,
+                    p,
+                    1e-3,
+                );
             }
             check::<_, burn::tensor::f16>(
                 &client,
                 Fragments::Emulated,
                 Staging::Double,
+                Passes::Two,
                 Problem::new(2, 4, 2, 150, 150, 32, true, &[0, 5], 38),
                 2e-2,
             );
+        }
+
+        /// dQ added up in the key kernel (atomically, into fp32), one block at a time and
+        /// staged ahead: every query head of a kv head adding to its own rows, partial
+        /// blocks on both sides (rows past the queries not added, keys past the keys adding
+        /// nothing), both masks, padding. In f16, since the block of `dS` does not fit
+        /// lavapipe's 32 KiB beside f32 tiles.
+        #[test]
+        fn emulated_fragments_in_one_pass_match_the_reference() {
+            let Some(client) = client() else { return };
+            let f16 = |staging, p| {
+                check::<_, burn::tensor::f16>(
+                    &client,
+                    Fragments::Emulated,
+                    staging,
+                    Passes::OnePass,
+                    p,
+                    2e-2,
+                )
+            };
+            for p in [
+                Problem::new(1, 8, 2, 70, 70, 32, true, &[], 41),
+                Problem::new(2, 2, 2, 33, 33, 32, false, &[0, 9], 42),
+                Problem::new(1, 2, 1, 20, 90, 32, false, &[], 43),
+                Problem::new(1, 2, 2, 90, 20, 32, false, &[2], 44),
+            ] {
+                f16(Staging::Single, p);
+            }
+            for p in [
+                Problem::new(2, 4, 2, 130, 130, 16, true, &[3, 9], 45),
+                Problem::new(1, 6, 2, 20, 200, 16, false, &[], 46),
+            ] {
+                f16(Staging::Double, p);
+            }
         }
 
         /// 16-bit inputs: P and dS rounded to the input type before their products, as on
@@ -869,6 +1068,7 @@ mod tests {
                 &client,
                 Fragments::Emulated,
                 Staging::Single,
+                Passes::Two,
                 Problem::new(2, 4, 2, 37, 37, 32, true, &[0, 5], 9),
                 2e-2,
             );
@@ -884,7 +1084,7 @@ mod tests {
 
         /// At the head dims the executor runs, both masks, in bf16 and (`f16`) fp16, with
         /// `staging`; `None` where the device has no CUDA.
-        fn on_cuda(staging: Staging, f16: bool) -> Option<()> {
+        fn on_cuda(staging: Staging, passes: Passes, f16: bool) -> Option<()> {
             let client = crate::testing::client_or_skip::<CudaRuntime>(
                 || CudaDevice::new(0),
                 "cuda",
@@ -892,9 +1092,9 @@ mod tests {
             )?;
             let frags = Fragments::Registers;
             for p in register_cuda_problems(60) {
-                check::<_, burn::tensor::bf16>(&client, frags, staging, p.clone(), 5e-2);
+                check::<_, burn::tensor::bf16>(&client, frags, staging, passes, p.clone(), 5e-2);
                 if f16 {
-                    check::<_, burn::tensor::f16>(&client, frags, staging, p, 2e-2);
+                    check::<_, burn::tensor::f16>(&client, frags, staging, passes, p, 2e-2);
                 }
             }
             Some(())
@@ -902,7 +1102,7 @@ mod tests {
 
         #[test]
         fn register_fragments_match_the_reference() {
-            on_cuda(Staging::Single, true);
+            on_cuda(Staging::Single, Passes::Two, true);
         }
 
         /// The other side's blocks copied a block ahead (`cp.async`, 16 bytes a copy, on a
@@ -910,7 +1110,14 @@ mod tests {
         /// that `gpu_flash_call.sh` tells it apart.
         #[test]
         fn copied_ahead_match_the_reference() {
-            on_cuda(Staging::Copies(8), false);
+            on_cuda(Staging::Copies(8), Passes::Two, false);
+        }
+
+        /// dQ added up in the key kernel, one block at a time and copied ahead, in bf16.
+        #[test]
+        fn one_pass_match_the_reference() {
+            on_cuda(Staging::Single, Passes::OnePass, false);
+            on_cuda(Staging::Copies(8), Passes::OnePass, false);
         }
     }
 
@@ -919,14 +1126,15 @@ mod tests {
     #[cfg(all(feature = "cuda", feature = "wgpu-kernels"))]
     mod source {
         use super::super::super::tests_cuda_source::{
-            client, compiles, copies_async, float, on_register_mma_spilling, settings, tensor,
+            atomically_adds, client, compiles, copies_async, float, on_register_mma_spilling,
+            settings, tensor,
         };
         use super::*;
         use cubecl::ir::FloatKind;
         use cubecl::wgpu::WgpuRuntime;
 
         /// One block at a time in both 16-bit types; copied ahead (`cp.async` into second
-        /// tiles, completing on a barrier) in bf16.
+        /// tiles, completing on a barrier) in bf16; the key kernel in one pass too, in bf16.
         #[test]
         fn the_register_backward_compiles_without_spills() {
             let Some(client) = client() else { return };
@@ -949,32 +1157,44 @@ mod tests {
                         "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
                     )
                 };
-                let kv = flash_backward_kv_registers::FlashBackwardKvRegisters::<WgpuRuntime>::new(
-                    settings(UNITS as u32),
-                    client.clone(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    (),
-                    (),
-                    // Staged 2 16-bit values at a time, as launched.
-                    2,
-                    head_dim,
-                    causal,
-                    padding,
-                    Fragments::Registers,
-                    staging,
-                    float(kind),
-                );
-                let compiled = compiles(kv, &what("kv"));
-                on_register_mma_spilling(&compiled, spill, &what("kv"));
-                copies_async(&compiled, staging.copies(), &what("kv"));
+                let passes: &[bool] = if kind == FloatKind::BF16 {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &one_pass in passes {
+                    let what = what(if one_pass { "kv one pass" } else { "kv" });
+                    let kv =
+                        flash_backward_kv_registers::FlashBackwardKvRegisters::<WgpuRuntime>::new(
+                            settings(UNITS as u32),
+                            client.clone(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            (),
+                            (),
+                            // Staged 2 16-bit values at a time, as launched.
+                            2,
+                            head_dim,
+                            causal,
+                            padding,
+                            one_pass,
+                            Fragments::Registers,
+                            staging,
+                            float(kind),
+                        );
+                    let compiled = compiles(kv, &what);
+                    on_register_mma_spilling(&compiled, spill, &what);
+                    copies_async(&compiled, staging.copies(), &what);
+                    atomically_adds(&compiled, one_pass, &what);
+                }
                 let q = flash_backward_q_registers::FlashBackwardQRegisters::<WgpuRuntime>::new(
                     settings(UNITS as u32),
                     client.clone(),

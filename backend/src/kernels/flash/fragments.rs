@@ -337,12 +337,30 @@ pub fn accumulate<F: Float>(
     #[comptime] tiles: usize,
     #[comptime] frags: Fragments,
 ) {
+    accumulate_at::<F>(a, tile, row * ld, ld, acc, lane, scratch, tiles, frags);
+}
+
+/// [`accumulate`] with `T` the 16 rows from element `offset` of `tile`: rows `row ..+ 16`
+/// from column `col` at `offset = row · ld + col`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_at<F: Float>(
+    a: &Array<Pair<F>>,
+    tile: &SharedMemory<F>,
+    offset: usize,
+    #[comptime] ld: usize,
+    acc: &mut Array<Pair<f32>>,
+    lane: usize,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] tiles: usize,
+    #[comptime] frags: Fragments,
+) {
     let unroll = comptime![frags == Fragments::Registers];
     #[unroll(unroll)]
     for n2 in 0..comptime![tiles / 2] {
         // B[kk][c] = tile[row + kk][16 n2 + c] (`B` is stored): the `B` fragments of tiles
         // 2 n2 and 2 n2 + 1, pairs 0–1 and 2–3, in one load (`A`'s matrices, transposed).
-        let at = row * ld + n2 * 16;
+        let at = offset + n2 * 16;
         let b = load_matrices::<F>(tile, at, ld, lane, Rows::DownThenAcross, true, frags);
         #[unroll]
         for h in 0..2usize {

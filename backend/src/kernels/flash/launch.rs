@@ -84,8 +84,9 @@ pub struct FlashLaunch {
     /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. A
     /// trial setting.
     pub register_forward: bool,
-    /// The backward runs in the same structure (`backward_registers`: two kernels, no
-    /// atomics), where [`FlashLaunch::register_backward_runs`]. A trial setting.
+    /// The backward runs in the same structure (`backward_registers`: its key kernel adds
+    /// dQ up where [`FlashLaunch::one_pass`], else a query kernel computes it), where
+    /// [`FlashLaunch::register_backward_runs`]. A trial setting.
     pub register_backward: bool,
 }
 
@@ -149,11 +150,9 @@ impl FlashLaunch {
 
     /// The backward runs in one pass ([`FlashLaunch::atomic_dq`]): asked
     /// for, and the `Blocks` kernels run (the `Rows` kernels have only the
-    /// atomics-free split).
+    /// atomics-free split), with the block products or in registers.
     pub fn one_pass(&self) -> bool {
-        self.atomic_dq
-            && matches!(self.kernels(), FlashKernels::Blocks { .. })
-            && !self.register_backward_runs()
+        self.atomic_dq && matches!(self.kernels(), FlashKernels::Blocks { .. })
     }
 
     /// Query (and key) rows per block of the `Blocks` kernels: 64 on
@@ -626,11 +625,6 @@ pub fn backward<R: Runtime>(
     // `scratch::row_dots`, which stages nothing).
     let (width, copy) = cfg.staging(client, products, &[&x.q, &x.k, &x.v, &x.d_o]);
     let one_pass = cfg.one_pass();
-    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
-    let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
-    if let Some(acc) = &acc {
-        super::scratch::zero(client, clone_arg(acc), dq_len);
-    }
     super::scratch::row_dots(
         client,
         cfg,
@@ -641,8 +635,13 @@ pub fn backward<R: Runtime>(
     if cfg.register_backward_runs() {
         let frags = super::fragments::Fragments::Registers;
         let staging = cfg.register_staging(client, &[&x.q, &x.k, &x.v, &x.d_o]);
-        super::backward_registers::launch(client, cfg, frags, staging, x, out);
+        super::backward_registers::launch(client, cfg, frags, staging, one_pass, x, out);
         return;
+    }
+    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
+    let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
+    if let Some(acc) = &acc {
+        super::scratch::zero(client, clone_arg(acc), dq_len);
     }
     // The second pass reads the same inputs and D.
     let second = (!one_pass).then(|| (x.clone(), clone_arg(&out.d_rows)));
@@ -750,8 +749,8 @@ mod tests {
     }
 
     /// The register kernels run where asked, on the tensor-core path, without dropout;
-    /// otherwise the block kernels do. The register backward has no atomics: no
-    /// one pass, no dQ accumulator.
+    /// otherwise the block kernels do. The register backward runs in one pass, with the dQ
+    /// accumulator, as the block kernels' does: where atomics are asked for.
     #[test]
     fn the_register_kernels_run_only_where_their_products_do() {
         let asked = |d, kind| FlashLaunch {
@@ -772,8 +771,14 @@ mod tests {
             assert!(runs(asked(d, FloatKind::F16)), "f16 d{d}");
             assert!(!runs(launch(d, FloatKind::BF16)), "not asked d{d}");
             assert!(launch(d, FloatKind::BF16).one_pass(), "d{d}");
-            assert!(!asked(d, FloatKind::BF16).one_pass(), "registers d{d}");
-            assert_eq!(asked(d, FloatKind::BF16).dq_accumulator(), None);
+            assert!(asked(d, FloatKind::BF16).one_pass(), "registers d{d}");
+            assert!(asked(d, FloatKind::BF16).dq_accumulator().is_some());
+            let two_pass = FlashLaunch {
+                atomic_dq: false,
+                ..asked(d, FloatKind::BF16)
+            };
+            assert!(runs(two_pass) && !two_pass.one_pass(), "d{d}");
+            assert_eq!(two_pass.dq_accumulator(), None);
         }
         assert!(!runs(asked(64, FloatKind::F32)), "no f32 mma");
         assert!(!runs(asked(24, FloatKind::BF16)), "d24");

@@ -11,8 +11,8 @@
 //! - `forward`, `backward`, `tile`, `launch`: the CubeCL kernels
 //!   (FlashAttention-2: online softmax forward saving the log-sum-exp; dK/dV
 //!   over key blocks and dQ over query blocks, atomics-free, or, for the
-//!   block-product kernels, all three in one pass over key blocks with dQ
-//!   added atomically; `scratch` holds the backward's small kernels;
+//!   block-product and register kernels, all three in one pass over key
+//!   blocks with dQ added atomically; `scratch` holds the backward's small kernels;
 //!   `forward_registers` and `backward_registers` are both directions in
 //!   FlashAttention-2's register structure, on `fragments`, streaming the other side's
 //!   blocks as `stream` says, trials behind `RCOA_FLASH_REGISTERS`). Built with the

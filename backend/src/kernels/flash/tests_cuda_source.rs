@@ -126,6 +126,15 @@ pub(crate) fn copies_async(compiled: &Compiled, async_copy: bool, what: &str) {
     }
 }
 
+/// dQ is added to global memory atomically in one pass only.
+pub(crate) fn atomically_adds(compiled: &Compiled, one_pass: bool, what: &str) {
+    assert_eq!(
+        compiled.lowered.source.contains("atomicAdd("),
+        one_pass,
+        "{what}: atomic adds"
+    );
+}
+
 /// One compiled configuration of the tensor-core kernels.
 #[derive(Clone, Copy)]
 struct Variant {
@@ -360,12 +369,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             let compiled = compiles(kernel, &what);
             on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
             copies_async(&compiled, async_copy, &what);
-            // dQ is added to global memory atomically in one pass only.
-            assert_eq!(
-                compiled.lowered.source.contains("atomicAdd("),
-                one_pass,
-                "{what}"
-            );
+            atomically_adds(&compiled, one_pass, &what);
         }
 
         if async_copy {
