@@ -1127,7 +1127,7 @@ mod tests {
     mod source {
         use super::super::super::tests_cuda_source::{
             atomically_adds, client, compiles, copies_async, float, on_register_mma_spilling,
-            settings, tensor,
+            settings, tensor, COPIES_SPILL,
         };
         use super::*;
         use cubecl::ir::FloatKind;
@@ -1150,8 +1150,8 @@ mod tests {
                 }
             }
             for (kind, staging, head_dim, causal, padding) in variants {
-                // (`on_register_mma_spilling` says why the copies may spill a little.)
-                let spill = if staging.copies() { 16 } else { 0 };
+                // (`COPIES_SPILL` says why the copies may spill a little.)
+                let spill = if staging.copies() { COPIES_SPILL } else { 0 };
                 let what = |kernel: &str| {
                     format!(
                         "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"

@@ -537,6 +537,7 @@ mod tests {
     mod source {
         use super::super::super::tests_cuda_source::{
             client, compiles, copies_async, float, on_register_mma_spilling, settings, tensor,
+            COPIES_SPILL,
         };
         use super::*;
         use cubecl::ir::FloatKind;
@@ -579,9 +580,9 @@ mod tests {
                                 "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
                             );
                             let compiled = compiles(kernel, &what);
-                            // (`on_register_mma_spilling` says why the copies may spill a
+                            // (`COPIES_SPILL` says why the copies may spill a
                             // little.)
-                            let spill = if staging.copies() { 16 } else { 0 };
+                            let spill = if staging.copies() { COPIES_SPILL } else { 0 };
                             on_register_mma_spilling(&compiled, spill, &what);
                             copies_async(&compiled, staging.copies(), &what);
                             assert!(

@@ -419,14 +419,18 @@ pub(crate) fn on_register_mma(compiled: &Compiled, what: &str) {
     on_register_mma_spilling(compiled, 0, what);
 }
 
+/// The stack the kernels that copy a block ahead may take ([`on_register_mma_spilling`]).
+///
+/// CubeCL lays out shared memory in a different order from one expansion to the next (a
+/// hash map's), and from the same source ptxas then gave the query kernel (bf16, d 128)
+/// 168 registers and a 12- or 16-byte frame (two spilled values) in some builds, 176–229
+/// registers and none in others; a small change elsewhere in the kernel once made it 24.
+/// At 168 it aims at three cubes an SM, which the kernel's 102 KiB of shared memory does
+/// not allow anyway. An array of fragments on the stack would be hundreds of bytes.
+pub(crate) const COPIES_SPILL: usize = 32;
+
 /// [`on_register_mma`], with at most `spill` bytes on the stack: a few registers ptxas may
 /// spill to fit one more cube an SM, never an array of fragments (hundreds of bytes).
-///
-/// The kernels that copy a block ahead take this: CubeCL lays out shared memory in a
-/// different order from one expansion to the next (a hash map's), and from the same
-/// source ptxas then gave the query kernel (bf16, d 128) 168 registers and 12 bytes
-/// spilled in some builds, 176–229 registers and none in others. At 168 it aims at three
-/// cubes an SM, which the kernel's 102 KiB of shared memory does not allow anyway.
 pub(crate) fn on_register_mma_spilling(compiled: &Compiled, spill: usize, what: &str) {
     let source = &compiled.lowered.source;
     assert!(
