@@ -13,16 +13,16 @@
 //!   (`fragments::scores`). With `one_pass`, each block's `dS` also goes to shared memory,
 //!   transposed, and each warp adds `dS K` for 16 of its queries to dQ's accumulator
 //!   (`add_dq`).
-//! - [`flash_backward_q_registers`]: a warp owns 16 queries and holds q's and dO's rows.
-//!   Per staged block of 64 keys (K, V), 16 keys at a time: `S = Q Kᵀ`, `dP = dO Vᵀ`,
-//!   `dS`, then `dQ += dS K`.
+//! - [`flash_backward_q_registers`] (two passes): a warp owns 16 queries and holds q's and
+//!   dO's rows. Per staged block of 64 keys (K, V), 16 keys at a time: `S = Q Kᵀ`,
+//!   `dP = dO Vᵀ`, `dS`, then `dQ += dS K`.
 //!
 //! The other side's blocks stream through shared memory one at a time, or the next one
 //! copied ahead while this one is read (`stream`). Nothing goes through shared memory but
-//! the staged tiles and (key kernel) the LSE and D of the staged queries: the
-//! block-product kernels store every product's result to shared memory and reload it for
-//! the next (docs/flash-attention.md), and that is where 145 of the 350M step's 180
-//! attention milliseconds went.
+//! the staged tiles, (key kernel) the LSE and D of the staged queries and, in one pass,
+//! `dS`: the block-product kernels store every product's result to shared memory and
+//! reload it for the next (docs/flash-attention.md), and that is where 145 of the 350M
+//! step's 180 attention milliseconds went.
 //!
 //! `D = rowsum(dO ∘ O)` comes from `scratch::row_dots`, as for the block kernels. Takes
 //! what the register forward takes: 16-bit inputs on CUDA, head dims of 16 to 128 in 16s,
