@@ -1127,7 +1127,7 @@ mod tests {
     mod source {
         use super::super::super::tests_cuda_source::{
             atomically_adds, client, compiles, copies_async, float, on_register_mma_spilling,
-            settings, tensor, COPIES_SPILL,
+            settings, shared_as_estimated, tensor, COPIES_SPILL,
         };
         use super::*;
         use cubecl::ir::FloatKind;
@@ -1194,6 +1194,9 @@ mod tests {
                     on_register_mma_spilling(&compiled, spill, &what);
                     copies_async(&compiled, staging.copies(), &what);
                     atomically_adds(&compiled, one_pass, &what);
+                    let frags = Fragments::Registers;
+                    let (need, _) = shared_bytes(head_dim, 2, padding, one_pass, frags, staging);
+                    shared_as_estimated(&compiled, need, &what);
                 }
                 let q = flash_backward_q_registers::FlashBackwardQRegisters::<WgpuRuntime>::new(
                     settings(UNITS as u32),
@@ -1219,6 +1222,9 @@ mod tests {
                 let compiled = compiles(q, &what("q"));
                 on_register_mma_spilling(&compiled, spill, &what("q"));
                 copies_async(&compiled, staging.copies(), &what("q"));
+                let frags = Fragments::Registers;
+                let (_, need) = shared_bytes(head_dim, 2, padding, false, frags, staging);
+                shared_as_estimated(&compiled, need, &what("q"));
             }
         }
     }

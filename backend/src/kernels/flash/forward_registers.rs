@@ -536,8 +536,8 @@ mod tests {
     #[cfg(all(feature = "cuda", feature = "wgpu-kernels"))]
     mod source {
         use super::super::super::tests_cuda_source::{
-            client, compiles, copies_async, float, on_register_mma_spilling, settings, tensor,
-            COPIES_SPILL,
+            client, compiles, copies_async, float, on_register_mma_spilling, settings,
+            shared_as_estimated, tensor, COPIES_SPILL,
         };
         use super::*;
         use cubecl::ir::FloatKind;
@@ -585,6 +585,8 @@ mod tests {
                             let spill = if staging.copies() { COPIES_SPILL } else { 0 };
                             on_register_mma_spilling(&compiled, spill, &what);
                             copies_async(&compiled, staging.copies(), &what);
+                            let need = shared_bytes(head_dim, 2, Fragments::Registers, staging);
+                            shared_as_estimated(&compiled, need, &what);
                             assert!(
                                 compiled.lowered.source.contains("__shfl_xor_sync"),
                                 "{what}: no shuffles"

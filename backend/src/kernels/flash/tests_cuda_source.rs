@@ -126,6 +126,18 @@ pub(crate) fn copies_async(compiled: &Compiled, async_copy: bool, what: &str) {
     }
 }
 
+/// The shared memory a launch checks against the device's limit (`estimate`, from the
+/// kernel's `shared_bytes`) covers what CubeCL lays out for the cube, and by no more than
+/// 1 KiB: an estimate below it would let an oversized launch through to fail on the
+/// device, one far above it would refuse launches that fit.
+pub(crate) fn shared_as_estimated(compiled: &Compiled, estimate: usize, what: &str) {
+    let laid = compiled.lowered.shared_mem_bytes;
+    assert!(
+        laid <= estimate && estimate <= laid + 1024,
+        "{what}: CubeCL lays out {laid} bytes of shared memory a cube; the launch checks {estimate}"
+    );
+}
+
 /// dQ is added to global memory atomically in one pass only.
 pub(crate) fn atomically_adds(compiled: &Compiled, one_pass: bool, what: &str) {
     assert_eq!(
