@@ -31,7 +31,7 @@
 
 use cubecl::prelude::*;
 
-use super::fragments::{a_fragments, accumulate, accumulate_at, scores, zeros, Fragments, Pair};
+use super::fragments::{a_fragments, accumulate, scores, zeros, Fragments, Pair};
 use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
@@ -112,7 +112,7 @@ fn add_dq<F: Float>(
                 a[p] = dsf[kk * 4 + p];
             }
             let from = kk * 16 * hd_ld + c16 * 16;
-            accumulate_at::<F>(&a, ks, from, hd_ld, &mut part, lane, scratch, 2usize, frags);
+            accumulate::<F>(&a, ks, from, hd_ld, &mut part, lane, scratch, 2usize, frags);
         }
         #[unroll]
         for half in 0..2usize {
@@ -411,7 +411,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                 accumulate::<F>(
                     &pa,
                     &dos,
-                    row,
+                    row * hd_ld,
                     hd_ld,
                     &mut dv,
                     lane,
@@ -422,7 +422,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                 accumulate::<F>(
                     &dsa,
                     &qs,
-                    row,
+                    row * hd_ld,
                     hd_ld,
                     &mut dk,
                     lane,
@@ -701,7 +701,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
             accumulate::<F>(
                 &dsa,
                 &ks,
-                row,
+                row * hd_ld,
                 hd_ld,
                 &mut dq,
                 lane,
@@ -811,43 +811,42 @@ pub fn launch<R: Runtime>(
     let d_rows = super::launch::clone_arg(&out.d_rows);
     let d_q = super::launch::clone_arg(&out.d_q);
     let acc = super::launch::clone_arg(&out.d_q_acc);
-    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
+    let key_kernel = || {
+        flash_backward_kv_registers::launch::<R>(
+            client,
+            CubeCount::Static(
+                d.kv_len.div_ceil(BLOCK) as u32,
+                (d.batch * d.kv_heads) as u32,
+                1,
+            ),
+            CubeDim::new_1d(UNITS as u32),
+            width,
+            x.q,
+            x.k,
+            x.v,
+            x.d_o,
+            x.lse,
+            out.d_rows,
+            x.key_bias,
+            out.d_k,
+            out.d_v,
+            out.d_q_acc,
+            cfg.scale,
+            d.group(),
+            d.head_dim,
+            cfg.causal,
+            cfg.padding,
+            one_pass,
+            frags,
+            staging,
+            cfg.dtype,
+        )
+    };
     if one_pass {
-        super::scratch::zero(client, super::launch::clone_arg(&acc), dq_len);
-    }
-    flash_backward_kv_registers::launch::<R>(
-        client,
-        CubeCount::Static(
-            d.kv_len.div_ceil(BLOCK) as u32,
-            (d.batch * d.kv_heads) as u32,
-            1,
-        ),
-        CubeDim::new_1d(UNITS as u32),
-        width,
-        x.q,
-        x.k,
-        x.v,
-        x.d_o,
-        x.lse,
-        out.d_rows,
-        x.key_bias,
-        out.d_k,
-        out.d_v,
-        out.d_q_acc,
-        cfg.scale,
-        d.group(),
-        d.head_dim,
-        cfg.causal,
-        cfg.padding,
-        one_pass,
-        frags,
-        staging,
-        cfg.dtype,
-    );
-    if one_pass {
-        super::scratch::cast(client, acc, d_q, dq_len, cfg.dtype);
+        super::scratch::accumulate_dq(client, cfg, acc, d_q, key_kernel);
         return;
     }
+    key_kernel();
     let x = second;
     flash_backward_q_registers::launch::<R>(
         client,
@@ -1149,6 +1148,7 @@ mod tests {
                     }
                 }
             }
+            let frags = Fragments::Registers;
             for (kind, staging, head_dim, causal, padding) in variants {
                 // (`COPIES_SPILL` says why the copies may spill a little.)
                 let spill = if staging.copies() { COPIES_SPILL } else { 0 };
@@ -1186,7 +1186,7 @@ mod tests {
                             causal,
                             padding,
                             one_pass,
-                            Fragments::Registers,
+                            frags,
                             staging,
                             float(kind),
                         );
@@ -1194,7 +1194,6 @@ mod tests {
                     on_register_mma_spilling(&compiled, spill, &what);
                     copies_async(&compiled, staging.copies(), &what);
                     atomically_adds(&compiled, one_pass, &what);
-                    let frags = Fragments::Registers;
                     let (need, _) = shared_bytes(head_dim, 2, padding, one_pass, frags, staging);
                     shared_as_estimated(&compiled, need, &what);
                 }
@@ -1215,14 +1214,13 @@ mod tests {
                     head_dim,
                     causal,
                     padding,
-                    Fragments::Registers,
+                    frags,
                     staging,
                     float(kind),
                 );
                 let compiled = compiles(q, &what("q"));
                 on_register_mma_spilling(&compiled, spill, &what("q"));
                 copies_async(&compiled, staging.copies(), &what("q"));
-                let frags = Fragments::Registers;
                 let (_, need) = shared_bytes(head_dim, 2, padding, false, frags, staging);
                 shared_as_estimated(&compiled, need, &what("q"));
             }

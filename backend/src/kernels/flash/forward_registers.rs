@@ -241,7 +241,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
             accumulate::<F>(
                 &a,
                 &vs,
-                at + kp * 16,
+                (at + kp * 16) * hd_ld,
                 hd_ld,
                 &mut o,
                 lane,

@@ -321,30 +321,13 @@ pub fn scores<F: Float>(
     out
 }
 
-/// `acc += a T` where `a` is an `A` fragment (16 × 16) and `T` rows `row ..+ 16` of `tile`
-/// (row stride `ld`), all `tiles` 8-column tiles of them (an even number); `acc` holds two
-/// pairs per tile (`n · 2 + half`).
+/// `acc += a T` where `a` is an `A` fragment (16 × 16) and `T` the 16 rows of `tile` (row
+/// stride `ld`) from element `offset` (`row · ld + col` for rows `row ..+ 16` from column
+/// `col`), all `tiles` 8-column tiles of them (an even number); `acc` holds two pairs per
+/// tile (`n · 2 + half`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn accumulate<F: Float>(
-    a: &Array<Pair<F>>,
-    tile: &SharedMemory<F>,
-    row: usize,
-    #[comptime] ld: usize,
-    acc: &mut Array<Pair<f32>>,
-    lane: usize,
-    scratch: &mut SharedMemory<f32>,
-    #[comptime] tiles: usize,
-    #[comptime] frags: Fragments,
-) {
-    accumulate_at::<F>(a, tile, row * ld, ld, acc, lane, scratch, tiles, frags);
-}
-
-/// [`accumulate`] with `T` the 16 rows from element `offset` of `tile`: rows `row ..+ 16`
-/// from column `col` at `offset = row · ld + col`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn accumulate_at<F: Float>(
     a: &Array<Pair<F>>,
     tile: &SharedMemory<F>,
     offset: usize,
@@ -358,7 +341,7 @@ pub fn accumulate_at<F: Float>(
     let unroll = comptime![frags == Fragments::Registers];
     #[unroll(unroll)]
     for n2 in 0..comptime![tiles / 2] {
-        // B[kk][c] = tile[row + kk][16 n2 + c] (`B` is stored): the `B` fragments of tiles
+        // B[kk][c] = T[kk][16 n2 + c] (`B` is stored): the `B` fragments of tiles
         // 2 n2 and 2 n2 + 1, pairs 0–1 and 2–3, in one load (`A`'s matrices, transposed).
         let at = offset + n2 * 16;
         let b = load_matrices::<F>(tile, at, ld, lane, Rows::DownThenAcross, true, frags);

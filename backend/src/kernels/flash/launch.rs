@@ -638,48 +638,48 @@ pub fn backward<R: Runtime>(
         super::backward_registers::launch(client, cfg, frags, staging, one_pass, x, out);
         return;
     }
-    let dq_len = d.batch * d.heads * d.q_len * d.head_dim;
-    let acc = one_pass.then(|| clone_arg(&out.d_q_acc));
-    if let Some(acc) = &acc {
-        super::scratch::zero(client, clone_arg(acc), dq_len);
-    }
     // The second pass reads the same inputs and D.
-    let second = (!one_pass).then(|| (x.clone(), clone_arg(&out.d_rows)));
-    launch_blocks!(
-        client,
-        cfg,
-        flash_backward_kv_blocks,
-        products,
-        d.kv_len,
-        d.batch * d.kv_heads,
-        width,
-        [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, out.d_k, out.d_v, out.d_q_acc],
-        flags: [one_pass, copy.is_some(), copy.unwrap_or(1)]
-    );
-    if let Some(acc) = acc {
-        super::scratch::cast(client, acc, out.d_q, dq_len, cfg.dtype);
-    } else if let Some((x, d_rows)) = second {
+    let (second, d_rows) = (x.clone(), clone_arg(&out.d_rows));
+    let (acc, d_q) = (clone_arg(&out.d_q_acc), clone_arg(&out.d_q));
+    let key_blocks = || {
         launch_blocks!(
             client,
             cfg,
-            flash_backward_q_blocks,
+            flash_backward_kv_blocks,
             products,
-            d.q_len,
-            d.batch * d.heads,
+            d.kv_len,
+            d.batch * d.kv_heads,
             width,
-            [
-                x.q,
-                x.k,
-                x.v,
-                x.d_o,
-                x.lse,
-                d_rows,
-                x.key_bias,
-                x.dropout_seed,
-                out.d_q
-            ]
-        );
+            [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, out.d_k, out.d_v, out.d_q_acc],
+            flags: [one_pass, copy.is_some(), copy.unwrap_or(1)]
+        )
+    };
+    if one_pass {
+        super::scratch::accumulate_dq(client, cfg, acc, d_q, key_blocks);
+        return;
     }
+    key_blocks();
+    let x = second;
+    launch_blocks!(
+        client,
+        cfg,
+        flash_backward_q_blocks,
+        products,
+        d.q_len,
+        d.batch * d.heads,
+        width,
+        [
+            x.q,
+            x.k,
+            x.v,
+            x.d_o,
+            x.lse,
+            d_rows,
+            x.key_bias,
+            x.dropout_seed,
+            d_q
+        ]
+    );
 }
 
 /// Another argument for the same tensor (`TensorArg` is not `Clone`; its

@@ -13,7 +13,7 @@
 
 use cubecl::prelude::*;
 
-use super::launch::FlashLaunch;
+use super::launch::{clone_arg, FlashLaunch};
 
 /// Units per cube, and the most cubes, of the two kernels.
 const UNITS: u32 = 256;
@@ -64,6 +64,22 @@ pub fn cast<R: Runtime>(
 ) {
     let (count, dim) = grid(len);
     cast_f32::launch::<R>(client, count, dim, acc, out, dtype);
+}
+
+/// A one-pass backward's dQ (`cfg`'s shapes): zeroes the fp32 accumulator `acc`, runs
+/// `add` (the key kernel, adding dQ's shares to it), and casts it into `d_q`.
+pub fn accumulate_dq<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &FlashLaunch,
+    acc: TensorArg<R>,
+    d_q: TensorArg<R>,
+    add: impl FnOnce(),
+) {
+    let d = &cfg.dims;
+    let len = d.batch * d.heads * d.q_len * d.head_dim;
+    zero(client, clone_arg(&acc), len);
+    add();
+    cast(client, acc, d_q, len, cfg.dtype);
 }
 
 /// `d[b, h, i] = Σ_c o[b, h, i, c] · d_o[b, h, i, c]` in fp32, one unit per
