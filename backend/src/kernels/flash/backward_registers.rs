@@ -432,8 +432,12 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                 );
             }
             if one_pass {
-                // Every warp's `dS` of the block is in `dss` (and the next block's writes
-                // come after the next `wait`, a barrier of the whole cube).
+                // Every warp's `dS` of the block is in `dss`. Nothing else guards `dss`:
+                // the next block's writes come after the next `wait`, which every unit
+                // reaches and arrives at in each staging (`stream.rs`). A schedule that
+                // skips a query block inside this loop, or a wait that not every unit
+                // arrives at (one elected arrival, TMA), needs a `sync_cube` after
+                // `add_dq` instead.
                 sync_cube();
                 add_dq::<F>(
                     &dss,

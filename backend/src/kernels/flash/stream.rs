@@ -145,7 +145,10 @@ pub fn commit(ready: &ComptimeOption<Shared<Barrier>>, #[comptime] staging: Stag
 }
 
 /// Before a block is read: all of it is in shared memory, and every unit is past the reads
-/// of the block before (a barrier of the whole cube either way).
+/// of the block before (a barrier of the whole cube either way). The kernels rely on the
+/// second half too: it is what lets a tile (and the one-pass backward's `dS` tile) be
+/// written again. So every unit must arrive here; an arrival by one elected unit or a bulk
+/// (TMA) copy would need its own barrier, and a `fence.proxy.async` before the copy.
 #[cube]
 pub fn wait(ready: &ComptimeOption<Shared<Barrier>>, #[comptime] staging: Staging) {
     if comptime![staging.copies()] {
