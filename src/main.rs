@@ -52,6 +52,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A process the compile phase started to run NVRTC on one kernel
+    // (`rcoa_backend::prebuild::Workers`): that, and nothing else.
+    if let Some(code) = rcoa_backend::prebuild::serve_compile_worker() {
+        return code;
+    }
     restore_sigpipe();
     let cli = Cli::parse();
     match cli.command {

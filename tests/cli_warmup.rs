@@ -239,3 +239,35 @@ fn bad_input_is_a_clear_error() {
     assert!(text(&out.stdout).contains("warmup"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A compile worker (`RCOA_NVRTC_JOBS`, started by the compile phase) serves its jobs
+/// before anything else reads the command line: here, without the CUDA build, it
+/// writes the reason it cannot compile where the phase reads each result, says so on
+/// stdout, and ends at the end of its stdin.
+#[test]
+fn a_compile_worker_is_served_before_the_command_line_is_read() {
+    use std::io::Write;
+    let home = temp("compile-worker");
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_rcoa"))
+        .env("RCOA_NVRTC_JOBS", &home)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    worker.stdin.take().unwrap().write_all(b"0\n1\n").unwrap();
+    let out = worker.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "rcoa-nvrtc-done 0\nrcoa-nvrtc-done 1\n");
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    for job in ["0", "1"] {
+        let result = std::fs::read(home.join(job).with_extension("out")).unwrap();
+        assert_eq!(result[0], b'E');
+        let why = text(&result[1..]);
+        assert!(
+            why.contains("built without CUDA") || why.contains("cannot read the compile job"),
+            "{why}"
+        );
+    }
+    std::fs::remove_dir_all(&home).unwrap();
+}

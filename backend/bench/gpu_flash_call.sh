@@ -18,8 +18,11 @@
 #     backward runs in two passes and in one (dQ added atomically), and the register
 #     kernels (one block at a time, then copied ahead; the backward in two passes, then in
 #     one), with the millisecond and TFLOP/s of each. At most 80 s.
+#  2b. The compile phase alone on the host's cores (.rcoa-bin/compile-phase-bench.gz): NVRTC in
+#     threads against worker processes, 48 kernels, twice each. At most 60 s.
 #  3. Issue 13's 350M shape from an empty kernel cache (speed.py, 12 steps): the cold first
-#     step and its parts (the `compiled_ahead` line: recording, compiling; then the first
+#     step and its parts (the `compiled_ahead` line: recording, compiling in worker
+#     processes, against 2026-11-28f's 91.0 s on 16 threads; then the first
 #     step), tokens/s, and the pool's reserved bytes under the default pools and the default
 #     one-pass backward. At most 200 s.
 #  3a. The linear layers' products on CubeCL against cuBLAS (.rcoa-bin/gemm-bench.gz), in
@@ -40,7 +43,7 @@
 #   OUT_DIR=$OUT; export OUT=/tmp/o; bash backend/bench/gpu_flash_call.sh;
 #   tar czf $OUT_DIR/all.tgz -C /tmp/o .; cp /tmp/o/steps.txt $OUT_DIR/
 # Device tool: carry [".rcoa-bin"] (rcoa.gz, flash-tests.gz, flash-bench.gz, gemm-bench.gz,
-# embedding-bench.gz, built as
+# embedding-bench.gz, compile-phase-bench.gz, built as
 # docs/gpu-session.md says). DRY=1 checks the script on a CPU with this machine's release build.
 set -u
 LIMIT=${LIMIT:-400}
@@ -99,6 +102,14 @@ if [ -f .rcoa-bin/flash-bench.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-bench.gz > /tmp/flash-bench && chmod +x /tmp/flash-bench
   timeout "$(cap 80)" /tmp/flash-bench > "$OUT/flash-bench.txt" 2>&1
   log "2 flash bench rc=$?"; cat "$OUT/flash-bench.txt"
+fi
+
+# 2b. The compile phase on the host's cores, NVRTC in threads against worker processes (no GPU
+# used; nothing else runs now). Step 3's cold run compiles in processes, the default.
+if [ -f .rcoa-bin/compile-phase-bench.gz ]; then
+  gunzip -c .rcoa-bin/compile-phase-bench.gz > /tmp/compile-phase-bench && chmod +x /tmp/compile-phase-bench
+  timeout "$(cap 60)" /tmp/compile-phase-bench --kernels 48 > "$OUT/compile-phase-bench.txt" 2>&1
+  log "2b compile phase bench rc=$?"; cat "$OUT/compile-phase-bench.txt"
 fi
 
 # 3. Cold 350M with fused attention (tensor cores if step 1 passed), default pools.

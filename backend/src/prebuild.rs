@@ -101,6 +101,372 @@ pub fn compile_all<T: Sync, R: Send>(
     });
 }
 
+/// Where the compile phase runs NVRTC.
+///
+/// NVRTC takes a process-wide lock for part of every compile: a thread in
+/// `nvrtcCompileProgram` waits in `pthread_mutex_lock` while another thread
+/// compiles. On the 2-core machine that measured it (NVRTC 12.9 and 13.5),
+/// two threads compiling kernels that include CUDA's barrier headers took
+/// longer than one (12.6 s against 9.1 s for eight), where two processes
+/// took 6.1 s (`docs/cold-start.md`, "A process per core"). The more
+/// threads, the larger the share that waits: the H200's 16 threads compiled
+/// the 350M plan's 272 kernels in 91 s, 5.4 s of thread time a kernel.
+/// Processes share no lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Workers {
+    /// NVRTC in this process, one compile per thread.
+    Threads,
+    /// NVRTC in worker processes, one per job slot, each compiling kernel
+    /// after kernel (NVRTC's start-up and a precompiled header's load are
+    /// paid once a worker): `program args…` started with [`JOB_VAR`] set,
+    /// which [`serve_compile_worker`] serves. A kernel whose worker cannot be
+    /// started is compiled on the calling thread.
+    Processes { program: PathBuf, args: Vec<String> },
+}
+
+impl Workers {
+    /// Worker processes, each this program (the `rcoa` binary, whose `main`
+    /// serves [`JOB_VAR`] first); threads where this program cannot be
+    /// named, or where `RCOA_COMPILE_THREADS=1` asks for them (to compare).
+    pub fn this_program() -> Workers {
+        if std::env::var("RCOA_COMPILE_THREADS").is_ok_and(|v| v == "1") {
+            return Workers::Threads;
+        }
+        match std::env::current_exe() {
+            Ok(program) => Workers::Processes {
+                program,
+                args: Vec::new(),
+            },
+            Err(_) => Workers::Threads,
+        }
+    }
+
+    /// "processes" or "threads", for the run's messages.
+    pub fn noun(&self) -> &'static str {
+        match self {
+            Workers::Threads => "threads",
+            Workers::Processes { .. } => "processes",
+        }
+    }
+}
+
+/// The environment variable that makes a process a compile worker: the
+/// directory of its jobs. The worker reads job names from stdin, one a
+/// line. Job `NAME` is `DIR/NAME.json` (the kernel, and whether to
+/// precompile its headers); its result goes to `DIR/NAME.out`, and then the worker writes
+/// [`DONE`]` NAME` on a line of stdout. It ends at the end of stdin.
+pub const JOB_VAR: &str = "RCOA_NVRTC_JOBS";
+
+/// What a worker's line of stdout starts with when a job's result is
+/// written (other lines, a test harness's, are not the worker's).
+const DONE: &str = "rcoa-nvrtc-done";
+
+/// If this process was started as a compile worker ([`JOB_VAR`]), serve it
+/// and say how the process should end; otherwise `None` (call it first
+/// thing in `main`). A result file holds `C` and a cubin, `P` and PTX, or
+/// `E` and NVRTC's error.
+pub fn serve_compile_worker() -> Option<std::process::ExitCode> {
+    use std::io::{BufRead, Write};
+    let dir = PathBuf::from(std::env::var_os(JOB_VAR)?);
+    let mut jobs = JobCompiler::new(&dir);
+    let mut stdout = std::io::stdout().lock();
+    for name in std::io::stdin().lock().lines() {
+        let Ok(name) = name else { break };
+        let stem = dir.join(name.trim());
+        let result = match jobs.run(&stem.with_extension("json")) {
+            Ok((cubin, mut bytes)) => {
+                bytes.insert(0, if cubin { b'C' } else { b'P' });
+                bytes
+            }
+            Err(e) => [b"E".as_slice(), e.as_bytes()].concat(),
+        };
+        let told = std::fs::write(stem.with_extension("out"), result).and_then(|()| {
+            writeln!(stdout, "{DONE} {}", name.trim())?;
+            stdout.flush()
+        });
+        if told.is_err() {
+            return Some(std::process::ExitCode::FAILURE);
+        }
+    }
+    Some(std::process::ExitCode::SUCCESS)
+}
+
+/// A compile job: the kernel, and whether its header set is one that
+/// several kernels of the phase share (so worth precompiling).
+#[cfg(feature = "cuda")]
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Job {
+    kernel: cubecl::cuda::prebuild::RecordedKernel,
+    precompile: bool,
+}
+
+/// A worker's compiles, with the precompiled headers it made itself: NVRTC
+/// reads a precompiled header only in the process that wrote it ("not
+/// created by the same dynamic instance of the NVRTC library", and the
+/// headers parsed again), so each worker writes its own, once per header
+/// set, into the jobs' directory.
+#[cfg(feature = "cuda")]
+struct JobCompiler {
+    dir: PathBuf,
+    /// Each header set met, and its precompiled header, if NVRTC wrote one.
+    headers: Vec<(OwnedHeaderSet, Option<PathBuf>)>,
+}
+
+/// A [`HeaderSet`] a worker keeps: its includes and NVRTC options.
+#[cfg(feature = "cuda")]
+type OwnedHeaderSet = (String, Vec<String>);
+
+#[cfg(feature = "cuda")]
+impl JobCompiler {
+    fn new(dir: &Path) -> Self {
+        JobCompiler {
+            dir: dir.to_path_buf(),
+            headers: Vec::new(),
+        }
+    }
+
+    fn run(&mut self, file: &Path) -> Result<(bool, Vec<u8>), String> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| format!("cannot read the compile job {}: {e}", file.display()))?;
+        let job: Job = serde_json::from_str(&text)
+            .map_err(|e| format!("the compile job {}: {e}", file.display()))?;
+        crate::cuda::compiler().map_err(|e| e.to_string())?;
+        let pch = if job.precompile {
+            self.header(&job.kernel)
+        } else {
+            None
+        };
+        let image = compile_here(&job.kernel, pch.as_deref())?;
+        Ok((image.cubin, image.bytes.iter().map(|&b| b as u8).collect()))
+    }
+
+    /// This worker's precompiled header of `kernel`'s header set, written
+    /// at the set's first kernel.
+    fn header(&mut self, kernel: &cubecl::cuda::prebuild::RecordedKernel) -> Option<PathBuf> {
+        if !cubecl::cuda::prebuild::precompiled_headers_supported() {
+            return None;
+        }
+        let (prefix, options) = header_set(kernel);
+        let set = (prefix.to_string(), options.to_vec());
+        if let Some((_, pch)) = self.headers.iter().find(|(s, _)| *s == set) {
+            return pch.clone();
+        }
+        let path = self.dir.join(format!(
+            "headers-{}-{}.pch",
+            std::process::id(),
+            self.headers.len()
+        ));
+        let made = cubecl::cuda::prebuild::create_pch(prefix, options, &path).is_ok();
+        let pch = made.then_some(path);
+        self.headers.push((set, pch.clone()));
+        pch
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for JobCompiler {
+    fn drop(&mut self) {
+        for (_, pch) in &self.headers {
+            if let Some(pch) = pch {
+                let _ = std::fs::remove_file(pch);
+            }
+        }
+    }
+}
+
+/// Without the CUDA build: every job is refused.
+#[cfg(not(feature = "cuda"))]
+struct JobCompiler;
+
+#[cfg(not(feature = "cuda"))]
+impl JobCompiler {
+    fn new(_: &Path) -> Self {
+        JobCompiler
+    }
+
+    fn run(&mut self, _: &Path) -> Result<(bool, Vec<u8>), String> {
+        Err("this rcoa was built without CUDA: it has no NVRTC to compile with".into())
+    }
+}
+
+/// NVRTC on `kernel` in this process, with its precompiled header if any.
+#[cfg(feature = "cuda")]
+fn compile_here(
+    kernel: &cubecl::cuda::prebuild::RecordedKernel,
+    pch: Option<&Path>,
+) -> Result<cubecl::cuda::prebuild::Image, String> {
+    match pch {
+        Some(pch) => cubecl::cuda::prebuild::compile_with_pch(kernel, pch),
+        None => cubecl::cuda::prebuild::compile(kernel),
+    }
+}
+
+/// A compile worker process and its pipes.
+#[cfg(feature = "cuda")]
+struct Worker {
+    child: std::process::Child,
+    jobs: std::process::ChildStdin,
+    done: std::io::BufReader<std::process::ChildStdout>,
+}
+
+#[cfg(feature = "cuda")]
+impl Worker {
+    fn start((program, args): (&Path, &[String]), dir: &Path) -> std::io::Result<Worker> {
+        use std::process::Stdio;
+        let mut child = std::process::Command::new(program)
+            .args(args)
+            .env(JOB_VAR, dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let (jobs, done) = (child.stdin.take(), child.stdout.take());
+        match (jobs, done) {
+            (Some(jobs), Some(done)) => Ok(Worker {
+                child,
+                jobs,
+                done: std::io::BufReader::new(done),
+            }),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(std::io::Error::other("the worker's pipes were not made"))
+            }
+        }
+    }
+
+    /// Job `name` (already written to the worker's directory): `Ok(())` once
+    /// its result is written, `Err` if the worker ended first.
+    fn run(&mut self, name: &str) -> std::io::Result<()> {
+        use std::io::{BufRead, Write};
+        writeln!(self.jobs, "{name}")?;
+        self.jobs.flush()?;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.done.read_line(&mut line)? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            if line.trim_end() == format!("{DONE} {name}") {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The end of a worker that failed a job: how it ended.
+    fn ended(mut self) -> String {
+        drop(self.jobs);
+        let _ = self.child.kill();
+        match self.child.wait() {
+            Ok(status) => format!("the compile worker ended with {status}"),
+            Err(e) => format!("the compile worker was lost: {e}"),
+        }
+    }
+}
+
+/// The compile phase's worker processes (`Workers::Processes`): started as
+/// jobs need them, at most one per job slot, and ended with the phase.
+#[cfg(feature = "cuda")]
+struct WorkerPool<'a> {
+    command: (&'a Path, &'a [String]),
+    dir: ScratchDir,
+    idle: std::sync::Mutex<Vec<Worker>>,
+    names: std::sync::atomic::AtomicUsize,
+    /// SIGPIPE's disposition before the pool, put back after it: while it
+    /// lives, a write to a worker that has died is an error (`rcoa`'s `main`
+    /// lets SIGPIPE end the process, for `rcoa check | head`).
+    #[cfg(unix)]
+    sigpipe: libc::sighandler_t,
+}
+
+#[cfg(feature = "cuda")]
+impl<'a> WorkerPool<'a> {
+    fn new(program: &'a Path, args: &'a [String]) -> Option<Self> {
+        let dir = ScratchDir::create("rcoa-nvrtc-jobs")?;
+        Some(WorkerPool {
+            command: (program, args),
+            dir,
+            idle: std::sync::Mutex::new(Vec::new()),
+            names: std::sync::atomic::AtomicUsize::new(0),
+            // SAFETY: only SIGPIPE's disposition changes, to ignore (Rust's own
+            // default), and `drop` puts the previous one back.
+            #[cfg(unix)]
+            sigpipe: unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) },
+        })
+    }
+
+    /// `kernel` compiled by an idle worker, or a new one; on the calling
+    /// thread if none can be started.
+    fn compile(
+        &self,
+        kernel: &cubecl::cuda::prebuild::RecordedKernel,
+        precompile: bool,
+    ) -> Result<cubecl::cuda::prebuild::Image, String> {
+        let name = self
+            .names
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .to_string();
+        let stem = self.dir.0.join(&name);
+        let (job_file, out_file) = (stem.with_extension("json"), stem.with_extension("out"));
+        let job = Job {
+            kernel: kernel.clone(),
+            precompile,
+        };
+        let written = serde_json::to_vec(&job)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| std::fs::write(&job_file, bytes));
+        let idle = self.idle.lock().map(|mut idle| idle.pop()).ok().flatten();
+        let worker = match (written, idle) {
+            (Ok(()), Some(w)) => Some(w),
+            (Ok(()), None) => Worker::start(self.command, &self.dir.0).ok(),
+            (Err(_), _) => None,
+        };
+        let Some(mut worker) = worker else {
+            let _ = std::fs::remove_file(&job_file);
+            return compile_here(kernel, None);
+        };
+        let ran = worker.run(&name);
+        let _ = std::fs::remove_file(&job_file);
+        let result = std::fs::read(&out_file);
+        let _ = std::fs::remove_file(&out_file);
+        if let Err(e) = ran {
+            let ended = worker.ended();
+            return Err(format!("{ended} ({e})"));
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(worker);
+        }
+        match result.as_deref() {
+            Ok([tag @ (b'C' | b'P'), bytes @ ..]) => Ok(cubecl::cuda::prebuild::Image {
+                bytes: bytes.iter().map(|&b| b as std::ffi::c_char).collect(),
+                cubin: *tag == b'C',
+            }),
+            Ok([b'E', why @ ..]) => Err(String::from_utf8_lossy(why).into_owned()),
+            Ok(_) => Err("the compile worker wrote an empty result".into()),
+            Err(e) => Err(format!("the compile worker's result: {e}")),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for WorkerPool<'_> {
+    /// The end of stdin ends each worker; wait for them, so none outlives
+    /// the phase.
+    fn drop(&mut self) {
+        let workers = self.idle.get_mut().map(std::mem::take).unwrap_or_default();
+        for w in workers {
+            drop(w.jobs);
+            let mut child = w.child;
+            let _ = child.wait();
+        }
+        // SAFETY: puts back the disposition `new` found.
+        #[cfg(unix)]
+        unsafe {
+            libc::signal(libc::SIGPIPE, self.sigpipe);
+        }
+    }
+}
+
 /// Whether this GPU's kernel cache holds nothing warmed for `plan` run on
 /// `ranks` ranks (`kernel_cache::warmed`): a run that compiles all its
 /// kernels in its first pass. False without CUDA (the run says why itself).
@@ -238,7 +604,9 @@ pub struct CompileReport {
     /// the steps meet them as a run does (recording cannot tell an autotune
     /// candidate that does not build, which the tuner then skips).
     pub failed: Vec<String>,
+    /// How many compiles ran at once, and in what (`Workers::noun`).
     pub threads: usize,
+    pub workers: &'static str,
     /// Distinct header sets NVRTC parsed once and read back for each kernel
     /// that includes them ([`PrecompiledHeaders`]); 0 where NVRTC has no
     /// precompiled headers (before CUDA 12.8).
@@ -262,25 +630,33 @@ fn longest_first<K>(kernels: &mut [&K], len: impl Fn(&K) -> usize) {
     kernels.sort_by_key(|k| std::cmp::Reverse(len(k)));
 }
 
-/// Phase 2: NVRTC on the kernels `record` wrote to `file`, `jobs` at a time,
-/// into this GPU's kernel cache. `progress(done, total)` after each.
+/// Phase 2: NVRTC on the kernels `record` wrote to `file`, `jobs` at a time
+/// in `workers`, into this GPU's kernel cache. `progress(done, total)` after each.
 pub fn compile_recorded(
     file: &Path,
     jobs: usize,
+    workers: &Workers,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CompileReport, RunError> {
     #[cfg(feature = "cuda")]
     {
         let start = std::time::Instant::now();
         let info = crate::cuda::preflight()?;
-        compile_into(file, &crate::cuda::cache_dir(&info), jobs, progress).map(|mut r| {
+        compile_into(
+            file,
+            &crate::cuda::cache_dir(&info),
+            jobs,
+            workers,
+            progress,
+        )
+        .map(|mut r| {
             r.seconds = start.elapsed().as_secs_f64();
             r
         })
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (file, jobs, progress);
+        let _ = (file, jobs, workers, progress);
         Err(RunError::CudaNotBuilt)
     }
 }
@@ -292,9 +668,10 @@ pub fn compile_into(
     file: &Path,
     dir: &Path,
     jobs: usize,
+    workers: &Workers,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CompileReport, RunError> {
-    use cubecl::cuda::prebuild::{self, KernelCache, RecordedKernel};
+    use cubecl::cuda::prebuild::{KernelCache, RecordedKernel};
     let start = std::time::Instant::now();
     crate::cuda::compiler()?;
     let dir = dir.to_path_buf();
@@ -312,15 +689,27 @@ pub fn compile_into(
     let (mut compiled, mut cubins, mut failed, mut n) = (0, 0, Vec::new(), 0);
     let mut times = Vec::with_capacity(todo.len());
     progress(0, todo.len());
-    let headers = PrecompiledHeaders::create(&todo, threads);
+    let pool = match workers {
+        Workers::Processes { program, args } => WorkerPool::new(program, args),
+        Workers::Threads => None,
+    };
+    // Threads share this process's precompiled headers; each worker process
+    // writes its own (`JobCompiler`), so none are written here for them.
+    let (headers, shared) = match &pool {
+        Some(_) => (
+            PrecompiledHeaders::none(),
+            shared_header_sets(&todo, 2 * threads),
+        ),
+        None => (PrecompiledHeaders::create(&todo, threads), Vec::new()),
+    };
     compile_all(
         &todo,
         threads,
         |k| {
             let start = std::time::Instant::now();
-            let image = match headers.of(k) {
-                Some(pch) => prebuild::compile_with_pch(k, pch),
-                None => prebuild::compile(k),
+            let image = match &pool {
+                Some(pool) => pool.compile(k, shared.contains(&header_set(k))),
+                None => compile_here(k, headers.of(k)),
             };
             (start.elapsed().as_secs_f64(), image)
         },
@@ -356,7 +745,12 @@ pub fn compile_into(
         cubins,
         failed,
         threads,
-        precompiled_headers: headers.len(),
+        workers: if pool.is_some() {
+            workers.noun()
+        } else {
+            Workers::Threads.noun()
+        },
+        precompiled_headers: headers.len().max(shared.len()),
         seconds: start.elapsed().as_secs_f64(),
         slowest: slowest(times),
     })
@@ -373,9 +767,33 @@ pub fn compile_into(
 /// them against 43 s without (NVRTC 12.9; `docs/cold-start.md`).
 #[cfg(feature = "cuda")]
 struct PrecompiledHeaders<'a> {
-    dir: Option<PathBuf>,
+    /// Removed with them.
+    _dir: Option<ScratchDir>,
     /// Each header set written, and its file.
     files: Vec<(HeaderSet<'a>, PathBuf)>,
+}
+
+/// A directory of a compile phase's own under the system's temporary one,
+/// removed when dropped.
+#[cfg(feature = "cuda")]
+struct ScratchDir(PathBuf);
+
+#[cfg(feature = "cuda")]
+impl ScratchDir {
+    /// `NAME-PID-N`: two compile phases of one process must not share one.
+    fn create(name: &str) -> Option<ScratchDir> {
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("{name}-{}-{call}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok().map(|()| ScratchDir(dir))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// A kernel's leading includes (`prebuild::header_prefix`) and its NVRTC
@@ -396,29 +814,29 @@ impl<'a> PrecompiledHeaders<'a> {
     /// Writes them on `threads` threads, where NVRTC has them (12.8 and
     /// later). One that NVRTC does not write is left out: its kernels
     /// compile as before.
-    fn create(kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel], threads: usize) -> Self {
-        let mut headers = PrecompiledHeaders {
-            dir: None,
+    fn none() -> Self {
+        PrecompiledHeaders {
+            _dir: None,
             files: Vec::new(),
-        };
+        }
+    }
+
+    fn create(kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel], threads: usize) -> Self {
+        let mut headers = Self::none();
         if !cubecl::cuda::prebuild::precompiled_headers_supported() {
             return headers;
         }
-        let sets = shared_header_sets(kernels);
+        let sets = shared_header_sets(kernels, 2);
         if sets.is_empty() {
             return headers;
         }
-        // Per call: two compile phases of one process must not share it.
-        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("rcoa-pch-{}-{call}", std::process::id()));
-        if std::fs::create_dir_all(&dir).is_err() {
+        let Some(dir) = ScratchDir::create("rcoa-pch") else {
             return headers;
-        }
+        };
         let jobs: Vec<(HeaderSet<'a>, PathBuf)> = sets
             .into_iter()
             .enumerate()
-            .map(|(i, set)| (set, dir.join(format!("headers-{i}.pch"))))
+            .map(|(i, set)| (set, dir.0.join(format!("headers-{i}.pch"))))
             .collect();
         compile_all(
             &jobs,
@@ -432,7 +850,7 @@ impl<'a> PrecompiledHeaders<'a> {
                 }
             },
         );
-        headers.dir = Some(dir);
+        headers._dir = Some(dir);
         headers
     }
 
@@ -450,21 +868,15 @@ impl<'a> PrecompiledHeaders<'a> {
     }
 }
 
-#[cfg(feature = "cuda")]
-impl Drop for PrecompiledHeaders<'_> {
-    fn drop(&mut self) {
-        if let Some(dir) = &self.dir {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
-
-/// The header sets that two or more of `kernels` share, in the order first
-/// met: those worth a precompiled header (one kernel's would cost a compile
-/// more than it saves).
+/// The header sets that `at_least` of `kernels` share, in the order first
+/// met: those worth a precompiled header. Writing one costs about a compile
+/// and saves most of each later one, so in this process (threads) two
+/// kernels are enough; a set whose kernels are spread over N worker
+/// processes, each writing its own, wants two a worker.
 #[cfg(feature = "cuda")]
 fn shared_header_sets<'a>(
     kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel],
+    at_least: usize,
 ) -> Vec<HeaderSet<'a>> {
     let mut sets: Vec<(HeaderSet<'a>, usize)> = Vec::new();
     for k in kernels {
@@ -475,7 +887,7 @@ fn shared_header_sets<'a>(
         }
     }
     sets.into_iter()
-        .filter(|&(_, n)| n >= 2)
+        .filter(|&(_, n)| n >= at_least.max(2))
         .map(|(set, _)| set)
         .collect()
 }
@@ -598,7 +1010,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
         assert!(!out.exists());
-        let e = compile_recorded(&out, 4, &mut |_, _| {}).unwrap_err();
+        let e = compile_recorded(&out, 4, &Workers::Threads, &mut |_, _| {}).unwrap_err();
         assert!(matches!(e, RunError::CudaNotBuilt), "{e}");
         assert!(!cold_for(&plan, 1), "no CUDA: nothing to compile ahead");
         assert_eq!(compiled_at_launch(), None);
@@ -647,8 +1059,105 @@ mod nvrtc_tests {
         }
     }
 
+    /// The compile workers of these tests: this test binary, started with
+    /// [`JOB_VAR`] and the name of [`compile_job_entry`].
+    fn this_test_binary() -> Workers {
+        Workers::Processes {
+            program: std::env::current_exe().unwrap(),
+            args: [
+                "prebuild::nvrtc_tests::compile_job_entry",
+                "--exact",
+                "--ignored",
+                "--quiet",
+                "--test-threads",
+                "1",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }
+    }
+
+    /// The entry point of [`this_test_binary`]'s workers, as `main` is the
+    /// `rcoa` binary's: compile jobs until the end of stdin.
+    #[test]
+    #[ignore = "an entry point: the compile-worker tests start it with RCOA_NVRTC_JOBS set"]
+    fn compile_job_entry() {
+        serve_compile_worker();
+    }
+
     #[test]
     fn recorded_kernels_compile_on_threads_to_cubins_the_kernel_cache_keeps() {
+        compiled_into_the_kernel_cache(&Workers::Threads, "threads");
+    }
+
+    /// The same in a process per kernel, which NVRTC's process-wide lock does
+    /// not slow (`Workers`): the same cubins, NVRTC's errors carried back.
+    #[test]
+    fn recorded_kernels_compile_in_processes_to_the_same_cubins() {
+        compiled_into_the_kernel_cache(&this_test_binary(), "processes");
+        if !nvrtc() {
+            return;
+        }
+        let Workers::Processes { program, args } = this_test_binary() else {
+            unreachable!()
+        };
+        let k = kernel(
+            "rcoa_scale",
+            "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);",
+        );
+        let here = prebuild::compile(&k).unwrap();
+        let pool = WorkerPool::new(&program, &args).unwrap();
+        for _ in 0..2 {
+            let there = pool.compile(&k, false).unwrap();
+            assert!(
+                there.cubin && there.bytes == here.bytes,
+                "the cubins differ"
+            );
+        }
+        // One worker served both jobs, and left nothing in its directory.
+        assert_eq!(pool.idle.lock().unwrap().len(), 1);
+        assert_eq!(std::fs::read_dir(&pool.dir.0).unwrap().count(), 0);
+        // A header set to precompile: the worker writes its own header (NVRTC
+        // reads only those its own process wrote) and keeps it for the next
+        // kernel of the set; the cubins are the same.
+        if prebuild::precompiled_headers_supported() {
+            let heavy = barrier_kernel();
+            let here = prebuild::compile(&heavy).unwrap();
+            for _ in 0..2 {
+                let there = pool.compile(&heavy, true).unwrap();
+                assert!(there.bytes == here.bytes, "the cubins differ");
+            }
+            let files: Vec<String> = std::fs::read_dir(&pool.dir.0)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            assert!(
+                files.len() == 1 && files[0].starts_with("headers-") && files[0].ends_with(".pch"),
+                "{files:?}"
+            );
+        }
+        let dir = pool.dir.0.clone();
+        drop(pool);
+        assert!(!dir.exists());
+        // A worker that cannot start: the kernel is compiled here instead.
+        let nowhere = WorkerPool::new(Path::new("/nonexistent/rcoa"), &[]).unwrap();
+        assert!(nowhere.compile(&k, false).unwrap().bytes == here.bytes);
+        // One that ends without doing its job: how it ended is the error,
+        // and the next job gets a new worker.
+        let quits = WorkerPool::new(Path::new("true"), &[]).unwrap();
+        for _ in 0..2 {
+            let Err(e) = quits.compile(&k, false) else {
+                panic!("`true` did no job, yet a result was read");
+            };
+            assert!(
+                e.starts_with("the compile worker ended with exit status: 0"),
+                "{e}"
+            );
+        }
+        assert!(quits.idle.lock().unwrap().is_empty());
+    }
+
+    fn compiled_into_the_kernel_cache(workers: &Workers, noun: &str) {
         if !nvrtc() {
             return;
         }
@@ -659,7 +1168,7 @@ mod nvrtc_tests {
         let magic: Vec<u8> = image.bytes[..4].iter().map(|&b| b as u8).collect();
         assert_eq!(magic, b"\x7fELF");
 
-        let dir = std::env::temp_dir().join(format!("rcoa-nvrtc-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("rcoa-nvrtc-{noun}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let mut ks: Vec<RecordedKernel> = (0..6)
@@ -671,12 +1180,12 @@ mod nvrtc_tests {
         write_records(&file, &ks).unwrap();
         let cache_dir = dir.join("cache");
         let mut seen = Vec::new();
-        let r = compile_into(&file, &cache_dir, 3, &mut |done, total| {
+        let r = compile_into(&file, &cache_dir, 3, workers, &mut |done, total| {
             seen.push((done, total))
         })
         .unwrap();
         assert_eq!((r.recorded, r.cached, r.compiled, r.cubins), (7, 0, 6, 6));
-        assert_eq!(r.threads, 3);
+        assert_eq!((r.threads, r.workers), (3, noun));
         // The seven share their headers: parsed once where NVRTC can.
         let pch = usize::from(prebuild::precompiled_headers_supported());
         assert_eq!(r.precompiled_headers, pch);
@@ -701,12 +1210,28 @@ mod nvrtc_tests {
         assert!(ks[..6].iter().all(|k| cache.contains(k)));
         assert!(!cache.contains(&ks[6]));
         drop(cache);
-        let again = compile_into(&file, &cache_dir, 3, &mut |_, _| {}).unwrap();
+        let again = compile_into(&file, &cache_dir, 3, workers, &mut |_, _| {}).unwrap();
         assert_eq!(
             (again.cached, again.compiled, again.failed.len()),
             (6, 0, 1)
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The heaviest headers CubeCL writes: the barriers'.
+    const BARRIER_HEADERS: &str = "#include <cuda_runtime.h>\n#include <cuda_bf16.h>\n\
+                                   #include <cooperative_groups.h>\n#include <cuda/barrier>\n";
+
+    fn barrier_kernel() -> RecordedKernel {
+        let mut k = kernel(
+            "rcoa_scale",
+            "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);",
+        );
+        k.source = format!(
+            "{BARRIER_HEADERS}{}",
+            k.source.replace("#include <cuda_bf16.h>\n", "")
+        );
+        k
     }
 
     /// A kernel read with its headers precompiled compiles to the same bytes
@@ -720,16 +1245,8 @@ mod nvrtc_tests {
             crate::testing::skip("nvrtc", "NVRTC before 12.8 has no precompiled headers");
             return;
         }
-        let mut k = kernel(
-            "rcoa_scale",
-            "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);",
-        );
-        let headers = "#include <cuda_runtime.h>\n#include <cuda_bf16.h>\n\
-                       #include <cooperative_groups.h>\n#include <cuda/barrier>\n";
-        k.source = format!(
-            "{headers}{}",
-            k.source.replace("#include <cuda_bf16.h>\n", "")
-        );
+        let k = barrier_kernel();
+        let headers = BARRIER_HEADERS;
         assert_eq!(prebuild::header_prefix(&k.source), headers);
         let dir = std::env::temp_dir().join(format!("rcoa-pch-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -757,11 +1274,14 @@ mod nvrtc_tests {
         c.source = format!("#include <mma.h>\n{}", c.source);
         let mut d = kernel("rcoa_d");
         d.options.push("-G".to_string());
-        let sets = shared_header_sets(&[&a, &c, &b, &d]);
+        let sets = shared_header_sets(&[&a, &c, &b, &d], 2);
         assert_eq!(
             sets,
             vec![("#include <cuda_bf16.h>\n", a.options.as_slice())]
         );
-        assert!(shared_header_sets(&[&a, &c]).is_empty());
+        assert!(shared_header_sets(&[&a, &c], 2).is_empty());
+        // Spread over three workers, two kernels are not worth a header each.
+        assert!(shared_header_sets(&[&a, &c, &b, &d], 6).is_empty());
+        assert_eq!(shared_header_sets(&[&a, &b, &a, &b, &a, &b], 6).len(), 1);
     }
 }

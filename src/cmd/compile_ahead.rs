@@ -64,7 +64,8 @@ fn dies_with_parent(cmd: &mut std::process::Command) {
     let _ = cmd;
 }
 
-/// `--compile-jobs`: the threads NVRTC runs on; default this machine's cores.
+/// `--compile-jobs`: how many NVRTC compiles run at once (each in a process of its own);
+/// default this machine's cores.
 pub fn jobs(arg: Option<u32>) -> usize {
     arg.map_or_else(
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -88,13 +89,14 @@ pub struct Prebuilt {
 }
 
 impl Prebuilt {
-    /// One line: what was compiled, on how many threads, in how long.
+    /// One line: what was compiled, on how many processes (or threads), in how long.
     pub fn summary(&self) -> String {
         let c = &self.compile;
         format!(
-            "{} kernels compiled on {} threads in {:.1} s ({} as cubins, {} header sets precompiled), of {} recorded in {:.1} s{}",
+            "{} kernels compiled on {} {} in {:.1} s ({} as cubins, {} header sets precompiled), of {} recorded in {:.1} s{}",
             c.compiled,
             c.threads,
+            c.workers,
             c.seconds,
             c.cubins,
             c.precompiled_headers,
@@ -137,7 +139,7 @@ impl Prebuilt {
         serde_json::json!({
             "event": "compiled_ahead", "recorded": c.recorded, "cached": c.cached,
             "compiled": c.compiled, "cubins": c.cubins, "failed": c.failed.len(),
-            "threads": c.threads, "precompiled_headers": c.precompiled_headers,
+            "threads": c.threads, "workers": c.workers, "precompiled_headers": c.precompiled_headers,
             "record_seconds": self.record_seconds,
             "compile_seconds": c.seconds,
             "slowest": c.slowest.iter().map(|(k, t)| serde_json::json!({"kernel": k, "seconds": t})).collect::<Vec<_>>(),
@@ -146,8 +148,8 @@ impl Prebuilt {
 }
 
 impl Recording {
-    /// Record the kernels (a child process), then compile them on `jobs`
-    /// threads into the cache. Nothing with one job, or without the CUDA
+    /// Record the kernels (a child process), then compile them `jobs` at a
+    /// time into the cache. Nothing with one job, or without the CUDA
     /// build (the steps say so themselves).
     pub fn compile(&self, jobs: usize) -> Option<Prebuilt> {
         if jobs <= 1 || !rcoa_backend::CUDA_BUILT {
@@ -188,8 +190,10 @@ impl Recording {
         if let Some(a) = self.autotune {
             child.args(["--autotune", a.level().as_str()]);
         }
+        let workers = rcoa_backend::prebuild::Workers::this_program();
         eprintln!(
-            "compiling kernels ahead on {jobs} threads: first, recording what the steps launch (running none)"
+            "compiling kernels ahead, {jobs} at a time in {}: first, recording what the steps launch (running none)",
+            workers.noun()
         );
         let start = std::time::Instant::now();
         let status = match child.spawn() {
@@ -213,16 +217,17 @@ impl Recording {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
             indicatif::ProgressStyle::with_template(
-                "{spinner} {elapsed:>4} NVRTC on {msg} threads: {pos}/{len} kernels",
+                "{spinner} {elapsed:>4} NVRTC in {msg}: {pos}/{len} kernels",
             )
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
-        bar.set_message(jobs.to_string());
+        bar.set_message(format!("{jobs} {}", workers.noun()));
         bar.enable_steady_tick(Duration::from_millis(200));
-        let result = rcoa_backend::prebuild::compile_recorded(&file, jobs, &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        });
+        let result =
+            rcoa_backend::prebuild::compile_recorded(&file, jobs, &workers, &mut |done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            });
         bar.finish_and_clear();
         let _ = std::fs::remove_file(&file);
         match result {
@@ -251,6 +256,7 @@ mod tests {
                 cubins: 409,
                 failed: vec!["k: error".into()],
                 threads: 16,
+                workers: "processes",
                 precompiled_headers: 4,
                 seconds: 21.5,
                 slowest: vec![("matmul_a".into(), 9.25), ("fuse_b".into(), 2.0)],
@@ -258,7 +264,7 @@ mod tests {
         };
         assert_eq!(
             p.summary(),
-            "409 kernels compiled on 16 threads in 21.5 s (409 as cubins, 4 header sets precompiled), of 412 recorded in 8.2 s (2 already cached)"
+            "409 kernels compiled on 16 processes in 21.5 s (409 as cubins, 4 header sets precompiled), of 412 recorded in 8.2 s (2 already cached)"
         );
         // backend/bench/speed.py adds these two; docs/cold-start.md lists them all.
         let j = p.json();
@@ -277,6 +283,7 @@ mod tests {
             assert!(j[key].is_u64(), "{key} in {j}");
         }
         assert_eq!(j["failed"], 1);
+        assert_eq!(j["workers"], "processes");
         assert_eq!(j["slowest"][0]["kernel"], "matmul_a");
         assert_eq!(j["slowest"][1]["seconds"], 2.0);
         assert_eq!(

@@ -143,8 +143,9 @@ pub struct Args {
     #[arg(long, value_enum)]
     autotune: Option<Autotune>,
     /// CUDA: when the kernel cache holds nothing for this plan, first record the kernels the
-    /// steps launch (running none) and compile them all on N threads, instead of one at a
-    /// time in the first step (docs/cold-start.md). 1: don't. [default: this machine's cores]
+    /// steps launch (running none) and compile them all, N at a time (a process each), instead
+    /// of one at a time in the first step (docs/cold-start.md). 1: don't. [default: this
+    /// machine's cores]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     compile_jobs: Option<u32>,
     /// CUDA: time every kernel on the GPU (CUDA events around each launch) and report where

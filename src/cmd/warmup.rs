@@ -40,8 +40,8 @@ pub struct Args {
     #[arg(long, value_enum)]
     autotune: Option<Autotune>,
     /// CUDA: compile the run's kernels N at a time before the steps: a first pass (a process
-    /// of its own) records them without running them, NVRTC compiles them all on N threads,
-    /// then the steps run on a full cache. 1: compile one at a time as CubeCL does.
+    /// of its own) records them without running them, NVRTC compiles them all N at a time (a
+    /// process each), then the steps run on a full cache. 1: compile one at a time as CubeCL does.
     /// [default: this machine's cores]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     compile_jobs: Option<u32>,
