@@ -52,8 +52,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // A process the compile phase started to run NVRTC on one kernel
-    // (`rcoa_backend::prebuild::Workers`): that, and nothing else.
+    // A worker the compile phase started to run NVRTC on the kernels it is
+    // sent (`rcoa_backend::prebuild::Workers`): that, and nothing else.
     if let Some(code) = rcoa_backend::prebuild::serve_compile_worker() {
         return code;
     }

@@ -1,5 +1,5 @@
 //! The compile phase of a cold start (`prebuild::compile_into`), with NVRTC in threads
-//! against NVRTC in a process per kernel, on the same kernels in one run: seconds for the
+//! against NVRTC in worker processes, on the same kernels in one run: seconds for the
 //! whole phase, each into an empty kernel cache, and the threads' time over the
 //! processes'. NVRTC takes a process-wide lock for part of every compile, so threads
 //! wait on each other; processes do not (`prebuild::Workers`, `docs/cold-start.md`).

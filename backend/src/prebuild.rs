@@ -243,9 +243,6 @@ impl JobCompiler {
     /// This worker's precompiled header of `kernel`'s header set, written
     /// at the set's first kernel.
     fn header(&mut self, kernel: &cubecl::cuda::prebuild::RecordedKernel) -> Option<PathBuf> {
-        if !cubecl::cuda::prebuild::precompiled_headers_supported() {
-            return None;
-        }
         let (prefix, options) = header_set(kernel);
         let set = (prefix.to_string(), options.to_vec());
         if let Some((_, pch)) = self.headers.iter().find(|(s, _)| *s == set) {
@@ -694,12 +691,14 @@ pub fn compile_into(
         Workers::Threads => None,
     };
     // Threads share this process's precompiled headers; each worker process
-    // writes its own (`JobCompiler`), so none are written here for them.
+    // writes its own (`JobCompiler`) for the sets named here, so none are
+    // written here for them.
     let (headers, shared) = match &pool {
-        Some(_) => (
+        Some(_) if cubecl::cuda::prebuild::precompiled_headers_supported() => (
             PrecompiledHeaders::none(),
             shared_header_sets(&todo, 2 * threads),
         ),
+        Some(_) => (PrecompiledHeaders::none(), Vec::new()),
         None => (PrecompiledHeaders::create(&todo, threads), Vec::new()),
     };
     compile_all(
@@ -750,7 +749,8 @@ pub fn compile_into(
         } else {
             Workers::Threads.noun()
         },
-        precompiled_headers: headers.len().max(shared.len()),
+        // One of the two is empty: the phase's own headers, or the workers'.
+        precompiled_headers: headers.len() + shared.len(),
         seconds: start.elapsed().as_secs_f64(),
         slowest: slowest(times),
     })
@@ -1090,7 +1090,7 @@ mod nvrtc_tests {
         compiled_into_the_kernel_cache(&Workers::Threads, "threads");
     }
 
-    /// The same in a process per kernel, which NVRTC's process-wide lock does
+    /// The same in worker processes, which NVRTC's process-wide lock does
     /// not slow (`Workers`): the same cubins, NVRTC's errors carried back.
     #[test]
     fn recorded_kernels_compile_in_processes_to_the_same_cubins() {

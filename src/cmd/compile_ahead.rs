@@ -64,7 +64,7 @@ fn dies_with_parent(cmd: &mut std::process::Command) {
     let _ = cmd;
 }
 
-/// `--compile-jobs`: how many NVRTC compiles run at once (each in a process of its own);
+/// `--compile-jobs`: how many NVRTC compiles run at once (each in a worker process);
 /// default this machine's cores.
 pub fn jobs(arg: Option<u32>) -> usize {
     arg.map_or_else(
