@@ -192,6 +192,9 @@ def run_rcoa(a, shape, out):
         "first_step_seconds": ahead_s + summary["first_step_seconds"],
         "compiled_ahead_seconds": ahead_s,
         "kernels_compiled_at_launch": summary.get("kernels_compiled_at_launch"),
+        # What those kernels cost the first step, and which they were (what the recording missed).
+        "kernels_compiled_at_launch_seconds": summary.get("kernels_compiled_at_launch_seconds"),
+        "kernels_compiled_at_launch_slowest": summary.get("kernels_compiled_at_launch_slowest"),
         "tokens_per_second": summary["tokens_per_second"],
         "peak_bytes": summary["measured_peak_bytes"],
         "reserved_bytes": summary.get("measured_reserved_bytes"),

@@ -199,10 +199,11 @@ mod bench {
                 match phase(&kernels, a.jobs, workers, &scratch, round) {
                     Ok(r) => {
                         println!(
-                            "  {:<9} {:>7.2} s  ({} header sets precompiled; slowest {:.2} s)",
+                            "  {:<9} {:>7.2} s  ({} header sets precompiled, {} headers written; slowest {:.2} s)",
                             workers.noun(),
                             r.seconds,
                             r.precompiled_headers,
+                            r.headers_written,
                             r.slowest.first().map_or(0.0, |s| s.1)
                         );
                         best[i] = best[i].min(r.seconds);

@@ -29,6 +29,16 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
+#[cfg(any(test, feature = "cuda"))]
+mod affinity;
+mod workers;
+
+#[cfg(any(test, feature = "cuda"))]
+use affinity::HeaderAffinity;
+#[cfg(feature = "cuda")]
+use workers::{compile_here, WorkerPool};
+pub use workers::{serve_compile_worker, JOB_VAR};
+
 /// This process is a recording pass (`record`): its values mean nothing
 /// (reads give zeros, `cubecl::cuda::prebuild`), so work done only for them
 /// is skipped.
@@ -80,23 +90,42 @@ pub fn compile_all<T: Sync, R: Send>(
 ) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let next = AtomicUsize::new(0);
-    let threads = jobs.clamp(1, items.len().max(1));
+    run_slots(
+        jobs.clamp(1, items.len().max(1)),
+        |_| {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            items.get(i).map(|item| (i, item))
+        },
+        |_, (i, item)| (i, compile(item)),
+        |(i, r)| done(i, r),
+    );
+}
+
+/// `slots` threads, thread `s` running `work(s, job)` on each job `next(s)`
+/// gives it until it gives none; each result goes to `done` on the calling
+/// thread as it arrives.
+fn run_slots<J, R: Send>(
+    slots: usize,
+    next: impl Fn(usize) -> Option<J> + Sync,
+    work: impl Fn(usize, J) -> R + Sync,
+    mut done: impl FnMut(R),
+) {
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::channel();
-        for _ in 0..threads {
+        for slot in 0..slots.max(1) {
             let tx = tx.clone();
-            let (next, compile) = (&next, &compile);
-            scope.spawn(move || loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else { break };
-                if tx.send((i, compile(item))).is_err() {
-                    break;
+            let (next, work) = (&next, &work);
+            scope.spawn(move || {
+                while let Some(job) = next(slot) {
+                    if tx.send(work(slot, job)).is_err() {
+                        break;
+                    }
                 }
             });
         }
         drop(tx);
-        for (i, r) in rx {
-            done(i, r);
+        for r in rx {
+            done(r);
         }
     });
 }
@@ -150,320 +179,6 @@ impl Workers {
     }
 }
 
-/// The environment variable that makes a process a compile worker: the
-/// directory of its jobs. The worker reads job names from stdin, one a
-/// line. Job `NAME` is `DIR/NAME.json` (the kernel, and whether to
-/// precompile its headers); its result goes to `DIR/NAME.out`, and then the worker writes
-/// [`DONE`]` NAME` on a line of stdout. It ends at the end of stdin.
-pub const JOB_VAR: &str = "RCOA_NVRTC_JOBS";
-
-/// What a worker's line of stdout starts with when a job's result is
-/// written (other lines, a test harness's, are not the worker's).
-const DONE: &str = "rcoa-nvrtc-done";
-
-/// If this process was started as a compile worker ([`JOB_VAR`]), serve it
-/// and say how the process should end; otherwise `None` (call it first
-/// thing in `main`). A result file holds `C` and a cubin, `P` and PTX, or
-/// `E` and NVRTC's error.
-pub fn serve_compile_worker() -> Option<std::process::ExitCode> {
-    use std::io::{BufRead, Write};
-    let dir = PathBuf::from(std::env::var_os(JOB_VAR)?);
-    let mut jobs = JobCompiler::new(&dir);
-    let mut stdout = std::io::stdout().lock();
-    for name in std::io::stdin().lock().lines() {
-        let Ok(name) = name else { break };
-        let stem = dir.join(name.trim());
-        let result = match jobs.run(&stem.with_extension("json")) {
-            Ok((cubin, mut bytes)) => {
-                bytes.insert(0, if cubin { b'C' } else { b'P' });
-                bytes
-            }
-            Err(e) => [b"E".as_slice(), e.as_bytes()].concat(),
-        };
-        let told = std::fs::write(stem.with_extension("out"), result).and_then(|()| {
-            writeln!(stdout, "{DONE} {}", name.trim())?;
-            stdout.flush()
-        });
-        if told.is_err() {
-            return Some(std::process::ExitCode::FAILURE);
-        }
-    }
-    Some(std::process::ExitCode::SUCCESS)
-}
-
-/// A compile job: the kernel, and whether its header set is one that
-/// several kernels of the phase share (so worth precompiling).
-#[cfg(feature = "cuda")]
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Job {
-    kernel: cubecl::cuda::prebuild::RecordedKernel,
-    precompile: bool,
-}
-
-/// A worker's compiles, with the precompiled headers it made itself: NVRTC
-/// reads a precompiled header only in the process that wrote it ("not
-/// created by the same dynamic instance of the NVRTC library", and the
-/// headers parsed again), so each worker writes its own, once per header
-/// set, into the jobs' directory.
-#[cfg(feature = "cuda")]
-struct JobCompiler {
-    dir: PathBuf,
-    /// Each header set met, and its precompiled header, if NVRTC wrote one.
-    headers: Vec<(OwnedHeaderSet, Option<PathBuf>)>,
-}
-
-/// A [`HeaderSet`] a worker keeps: its includes and NVRTC options.
-#[cfg(feature = "cuda")]
-type OwnedHeaderSet = (String, Vec<String>);
-
-#[cfg(feature = "cuda")]
-impl JobCompiler {
-    fn new(dir: &Path) -> Self {
-        JobCompiler {
-            dir: dir.to_path_buf(),
-            headers: Vec::new(),
-        }
-    }
-
-    fn run(&mut self, file: &Path) -> Result<(bool, Vec<u8>), String> {
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| format!("cannot read the compile job {}: {e}", file.display()))?;
-        let job: Job = serde_json::from_str(&text)
-            .map_err(|e| format!("the compile job {}: {e}", file.display()))?;
-        crate::cuda::compiler().map_err(|e| e.to_string())?;
-        let pch = if job.precompile {
-            self.header(&job.kernel)
-        } else {
-            None
-        };
-        let image = compile_here(&job.kernel, pch.as_deref())?;
-        Ok((image.cubin, image.bytes.iter().map(|&b| b as u8).collect()))
-    }
-
-    /// This worker's precompiled header of `kernel`'s header set, written
-    /// at the set's first kernel.
-    fn header(&mut self, kernel: &cubecl::cuda::prebuild::RecordedKernel) -> Option<PathBuf> {
-        let (prefix, options) = header_set(kernel);
-        let set = (prefix.to_string(), options.to_vec());
-        if let Some((_, pch)) = self.headers.iter().find(|(s, _)| *s == set) {
-            return pch.clone();
-        }
-        let path = self.dir.join(format!(
-            "headers-{}-{}.pch",
-            std::process::id(),
-            self.headers.len()
-        ));
-        let made = cubecl::cuda::prebuild::create_pch(prefix, options, &path).is_ok();
-        let pch = made.then_some(path);
-        self.headers.push((set, pch.clone()));
-        pch
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Drop for JobCompiler {
-    fn drop(&mut self) {
-        for (_, pch) in &self.headers {
-            if let Some(pch) = pch {
-                let _ = std::fs::remove_file(pch);
-            }
-        }
-    }
-}
-
-/// Without the CUDA build: every job is refused.
-#[cfg(not(feature = "cuda"))]
-struct JobCompiler;
-
-#[cfg(not(feature = "cuda"))]
-impl JobCompiler {
-    fn new(_: &Path) -> Self {
-        JobCompiler
-    }
-
-    fn run(&mut self, _: &Path) -> Result<(bool, Vec<u8>), String> {
-        Err("this rcoa was built without CUDA: it has no NVRTC to compile with".into())
-    }
-}
-
-/// NVRTC on `kernel` in this process, with its precompiled header if any.
-#[cfg(feature = "cuda")]
-fn compile_here(
-    kernel: &cubecl::cuda::prebuild::RecordedKernel,
-    pch: Option<&Path>,
-) -> Result<cubecl::cuda::prebuild::Image, String> {
-    match pch {
-        Some(pch) => cubecl::cuda::prebuild::compile_with_pch(kernel, pch),
-        None => cubecl::cuda::prebuild::compile(kernel),
-    }
-}
-
-/// A compile worker process and its pipes.
-#[cfg(feature = "cuda")]
-struct Worker {
-    child: std::process::Child,
-    jobs: std::process::ChildStdin,
-    done: std::io::BufReader<std::process::ChildStdout>,
-}
-
-#[cfg(feature = "cuda")]
-impl Worker {
-    fn start((program, args): (&Path, &[String]), dir: &Path) -> std::io::Result<Worker> {
-        use std::process::Stdio;
-        let mut child = std::process::Command::new(program)
-            .args(args)
-            .env(JOB_VAR, dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let (jobs, done) = (child.stdin.take(), child.stdout.take());
-        match (jobs, done) {
-            (Some(jobs), Some(done)) => Ok(Worker {
-                child,
-                jobs,
-                done: std::io::BufReader::new(done),
-            }),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(std::io::Error::other("the worker's pipes were not made"))
-            }
-        }
-    }
-
-    /// Job `name` (already written to the worker's directory): `Ok(())` once
-    /// its result is written, `Err` if the worker ended first.
-    fn run(&mut self, name: &str) -> std::io::Result<()> {
-        use std::io::{BufRead, Write};
-        writeln!(self.jobs, "{name}")?;
-        self.jobs.flush()?;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.done.read_line(&mut line)? == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            if line.trim_end() == format!("{DONE} {name}") {
-                return Ok(());
-            }
-        }
-    }
-
-    /// The end of a worker that failed a job: how it ended.
-    fn ended(mut self) -> String {
-        drop(self.jobs);
-        let _ = self.child.kill();
-        match self.child.wait() {
-            Ok(status) => format!("the compile worker ended with {status}"),
-            Err(e) => format!("the compile worker was lost: {e}"),
-        }
-    }
-}
-
-/// The compile phase's worker processes (`Workers::Processes`): started as
-/// jobs need them, at most one per job slot, and ended with the phase.
-#[cfg(feature = "cuda")]
-struct WorkerPool<'a> {
-    command: (&'a Path, &'a [String]),
-    dir: ScratchDir,
-    idle: std::sync::Mutex<Vec<Worker>>,
-    names: std::sync::atomic::AtomicUsize,
-    /// SIGPIPE's disposition before the pool, put back after it: while it
-    /// lives, a write to a worker that has died is an error (`rcoa`'s `main`
-    /// lets SIGPIPE end the process, for `rcoa check | head`).
-    #[cfg(unix)]
-    sigpipe: libc::sighandler_t,
-}
-
-#[cfg(feature = "cuda")]
-impl<'a> WorkerPool<'a> {
-    fn new(program: &'a Path, args: &'a [String]) -> Option<Self> {
-        let dir = ScratchDir::create("rcoa-nvrtc-jobs")?;
-        Some(WorkerPool {
-            command: (program, args),
-            dir,
-            idle: std::sync::Mutex::new(Vec::new()),
-            names: std::sync::atomic::AtomicUsize::new(0),
-            // SAFETY: only SIGPIPE's disposition changes, to ignore (Rust's own
-            // default), and `drop` puts the previous one back.
-            #[cfg(unix)]
-            sigpipe: unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) },
-        })
-    }
-
-    /// `kernel` compiled by an idle worker, or a new one; on the calling
-    /// thread if none can be started.
-    fn compile(
-        &self,
-        kernel: &cubecl::cuda::prebuild::RecordedKernel,
-        precompile: bool,
-    ) -> Result<cubecl::cuda::prebuild::Image, String> {
-        let name = self
-            .names
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            .to_string();
-        let stem = self.dir.0.join(&name);
-        let (job_file, out_file) = (stem.with_extension("json"), stem.with_extension("out"));
-        let job = Job {
-            kernel: kernel.clone(),
-            precompile,
-        };
-        let written = serde_json::to_vec(&job)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(&job_file, bytes));
-        let idle = self.idle.lock().map(|mut idle| idle.pop()).ok().flatten();
-        let worker = match (written, idle) {
-            (Ok(()), Some(w)) => Some(w),
-            (Ok(()), None) => Worker::start(self.command, &self.dir.0).ok(),
-            (Err(_), _) => None,
-        };
-        let Some(mut worker) = worker else {
-            let _ = std::fs::remove_file(&job_file);
-            return compile_here(kernel, None);
-        };
-        let ran = worker.run(&name);
-        let _ = std::fs::remove_file(&job_file);
-        let result = std::fs::read(&out_file);
-        let _ = std::fs::remove_file(&out_file);
-        if let Err(e) = ran {
-            let ended = worker.ended();
-            return Err(format!("{ended} ({e})"));
-        }
-        if let Ok(mut idle) = self.idle.lock() {
-            idle.push(worker);
-        }
-        match result.as_deref() {
-            Ok([tag @ (b'C' | b'P'), bytes @ ..]) => Ok(cubecl::cuda::prebuild::Image {
-                bytes: bytes.iter().map(|&b| b as std::ffi::c_char).collect(),
-                cubin: *tag == b'C',
-            }),
-            Ok([b'E', why @ ..]) => Err(String::from_utf8_lossy(why).into_owned()),
-            Ok(_) => Err("the compile worker wrote an empty result".into()),
-            Err(e) => Err(format!("the compile worker's result: {e}")),
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Drop for WorkerPool<'_> {
-    /// The end of stdin ends each worker; wait for them, so none outlives
-    /// the phase.
-    fn drop(&mut self) {
-        let workers = self.idle.get_mut().map(std::mem::take).unwrap_or_default();
-        for w in workers {
-            drop(w.jobs);
-            let mut child = w.child;
-            let _ = child.wait();
-        }
-        // SAFETY: puts back the disposition `new` found.
-        #[cfg(unix)]
-        unsafe {
-            libc::signal(libc::SIGPIPE, self.sigpipe);
-        }
-    }
-}
-
 /// Whether this GPU's kernel cache holds nothing warmed for `plan` run on
 /// `ranks` ranks (`kernel_cache::warmed`): a run that compiles all its
 /// kernels in its first pass. False without CUDA (the run says why itself).
@@ -483,13 +198,19 @@ pub fn cold_for(plan: &LoweredPlan, ranks: u64) -> bool {
     }
 }
 
-/// CUDA: kernels this process compiled with NVRTC when they were launched
-/// (cache misses). After compiling ahead: what the recording missed.
-/// `None` without the CUDA build.
-pub fn compiled_at_launch() -> Option<u64> {
+/// CUDA: the kernels this process compiled with NVRTC when they were
+/// launched (cache misses), in launch order, each with the seconds it held
+/// up the device's thread. After compiling ahead: what the recording
+/// missed, and what that cost the first step. `None` without the CUDA build.
+pub fn compiled_at_launch() -> Option<Vec<(String, f64)>> {
     #[cfg(feature = "cuda")]
     {
-        Some(cubecl::cuda::prebuild::compiled_at_launch() as u64)
+        Some(
+            cubecl::cuda::prebuild::compiled_at_launch()
+                .into_iter()
+                .map(|c| (c.entrypoint_name, c.seconds))
+                .collect(),
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -605,9 +326,12 @@ pub struct CompileReport {
     pub threads: usize,
     pub workers: &'static str,
     /// Distinct header sets NVRTC parsed once and read back for each kernel
-    /// that includes them ([`PrecompiledHeaders`]); 0 where NVRTC has no
-    /// precompiled headers (before CUDA 12.8).
+    /// that includes them ([`PrecompiledHeaders`], or each worker's own);
+    /// 0 where NVRTC has no precompiled headers (before CUDA 12.8).
     pub precompiled_headers: usize,
+    /// Precompiled headers written: one per set with threads, one per set
+    /// and worker holding it with processes (`HeaderAffinity`).
+    pub headers_written: usize,
     pub seconds: f64,
     /// The [`SLOWEST`] longest single compiles: `(entry point, seconds)`, longest first.
     /// The first bounds the phase from below however many threads there are.
@@ -687,32 +411,39 @@ pub fn compile_into(
     let mut times = Vec::with_capacity(todo.len());
     progress(0, todo.len());
     let pool = match workers {
-        Workers::Processes { program, args } => WorkerPool::new(program, args),
+        Workers::Processes { program, args } => WorkerPool::new(program, args, threads),
         Workers::Threads => None,
     };
-    // Threads share this process's precompiled headers; each worker process
-    // writes its own (`JobCompiler`) for the sets named here, so none are
-    // written here for them.
-    let (headers, shared) = match &pool {
-        Some(_) if cubecl::cuda::prebuild::precompiled_headers_supported() => (
-            PrecompiledHeaders::none(),
-            shared_header_sets(&todo, 2 * threads),
-        ),
-        Some(_) => (PrecompiledHeaders::none(), Vec::new()),
-        None => (PrecompiledHeaders::create(&todo, threads), Vec::new()),
+    // Threads share this process's precompiled headers, written here first;
+    // each worker process writes its own, for the sets `affinity` sends it.
+    let headers = match &pool {
+        Some(_) => PrecompiledHeaders::none(),
+        None => PrecompiledHeaders::create(&todo, threads),
     };
-    compile_all(
-        &todo,
+    let sets: Vec<HeaderSet> = todo.iter().map(|k| header_set(k)).collect();
+    let affinity = HeaderAffinity::new(
+        &sets,
         threads,
-        |k| {
-            let start = std::time::Instant::now();
+        pool.is_some() && cubecl::cuda::prebuild::precompiled_headers_supported(),
+    );
+    run_slots(
+        threads,
+        |slot| affinity.next(slot),
+        |slot, (i, precompile)| {
+            let (k, start) = (todo[i], std::time::Instant::now());
             let image = match &pool {
-                Some(pool) => pool.compile(k, shared.contains(&header_set(k))),
+                Some(pool) => {
+                    let image = pool.compile(slot, k, precompile);
+                    if !pool.has_worker(slot) {
+                        affinity.lost(slot);
+                    }
+                    image
+                }
                 None => compile_here(k, headers.of(k)),
             };
-            (start.elapsed().as_secs_f64(), image)
+            (i, start.elapsed().as_secs_f64(), image)
         },
-        |i, (secs, image)| {
+        |(i, secs, image)| {
             let k = todo[i];
             times.push((k.entrypoint_name.clone(), secs));
             match image.and_then(|image| {
@@ -736,6 +467,11 @@ pub fn compile_into(
             progress(n, todo.len());
         },
     );
+    // Threads: the phase's own headers; processes: the workers'.
+    let (precompiled_headers, headers_written) = match &pool {
+        Some(_) => affinity.headers(),
+        None => (headers.len(), headers.len()),
+    };
     Ok(CompileReport {
         dir,
         recorded: kernels.len(),
@@ -749,8 +485,8 @@ pub fn compile_into(
         } else {
             Workers::Threads.noun()
         },
-        // One of the two is empty: the phase's own headers, or the workers'.
-        precompiled_headers: headers.len() + shared.len(),
+        precompiled_headers,
+        headers_written,
         seconds: start.elapsed().as_secs_f64(),
         slowest: slowest(times),
     })
@@ -826,7 +562,7 @@ impl<'a> PrecompiledHeaders<'a> {
         if !cubecl::cuda::prebuild::precompiled_headers_supported() {
             return headers;
         }
-        let sets = shared_header_sets(kernels, 2);
+        let sets = shared_header_sets(kernels);
         if sets.is_empty() {
             return headers;
         }
@@ -868,15 +604,12 @@ impl<'a> PrecompiledHeaders<'a> {
     }
 }
 
-/// The header sets that `at_least` of `kernels` share, in the order first
-/// met: those worth a precompiled header. Writing one costs about a compile
-/// and saves most of each later one, so in this process (threads) two
-/// kernels are enough; a set whose kernels are spread over N worker
-/// processes, each writing its own, wants two a worker.
+/// The header sets that two or more of `kernels` share, in the order first
+/// met: those worth a precompiled header in this process (writing one costs
+/// about a compile and saves most of each later one).
 #[cfg(feature = "cuda")]
 fn shared_header_sets<'a>(
     kernels: &[&'a cubecl::cuda::prebuild::RecordedKernel],
-    at_least: usize,
 ) -> Vec<HeaderSet<'a>> {
     let mut sets: Vec<(HeaderSet<'a>, usize)> = Vec::new();
     for k in kernels {
@@ -887,14 +620,13 @@ fn shared_header_sets<'a>(
         }
     }
     sets.into_iter()
-        .filter(|&(_, n)| n >= at_least.max(2))
+        .filter(|&(_, n)| n >= 2)
         .map(|(set, _)| set)
         .collect()
 }
 
 /// The [`SLOWEST`] longest of `times`, longest first.
-#[cfg(any(test, feature = "cuda"))]
-fn slowest(mut times: Vec<(String, f64)>) -> Vec<(String, f64)> {
+pub fn slowest(mut times: Vec<(String, f64)>) -> Vec<(String, f64)> {
     times.sort_by(|a, b| b.1.total_cmp(&a.1));
     times.truncate(SLOWEST);
     times
@@ -1106,16 +838,21 @@ mod nvrtc_tests {
             "x[i] = __float2bfloat16(__bfloat162float(x[i]) * s);",
         );
         let here = prebuild::compile(&k).unwrap();
-        let pool = WorkerPool::new(&program, &args).unwrap();
+        let pool = WorkerPool::new(&program, &args, 2).unwrap();
+        assert!(!pool.has_worker(0) && !pool.has_worker(1));
+        let mut ids = Vec::new();
         for _ in 0..2 {
-            let there = pool.compile(&k, false).unwrap();
+            let there = pool.compile(0, &k, false).unwrap();
             assert!(
                 there.cubin && there.bytes == here.bytes,
                 "the cubins differ"
             );
+            ids.push(pool.worker_id(0));
         }
-        // One worker served both jobs, and left nothing in its directory.
-        assert_eq!(pool.idle.lock().unwrap().len(), 1);
+        // One worker served both jobs of its slot, and left nothing in its
+        // directory; the other slot started none.
+        assert!(ids[0].is_some() && ids[0] == ids[1], "{ids:?}");
+        assert!(!pool.has_worker(1));
         assert_eq!(std::fs::read_dir(&pool.dir.0).unwrap().count(), 0);
         // A header set to precompile: the worker writes its own header (NVRTC
         // reads only those its own process wrote) and keeps it for the next
@@ -1124,7 +861,7 @@ mod nvrtc_tests {
             let heavy = barrier_kernel();
             let here = prebuild::compile(&heavy).unwrap();
             for _ in 0..2 {
-                let there = pool.compile(&heavy, true).unwrap();
+                let there = pool.compile(0, &heavy, true).unwrap();
                 assert!(there.bytes == here.bytes, "the cubins differ");
             }
             let files: Vec<String> = std::fs::read_dir(&pool.dir.0)
@@ -1140,21 +877,23 @@ mod nvrtc_tests {
         drop(pool);
         assert!(!dir.exists());
         // A worker that cannot start: the kernel is compiled here instead.
-        let nowhere = WorkerPool::new(Path::new("/nonexistent/rcoa"), &[]).unwrap();
-        assert!(nowhere.compile(&k, false).unwrap().bytes == here.bytes);
+        let nowhere = WorkerPool::new(Path::new("/nonexistent/rcoa"), &[], 1).unwrap();
+        assert!(nowhere.compile(0, &k, false).unwrap().bytes == here.bytes);
+        assert!(!nowhere.has_worker(0));
         // One that ends without doing its job: how it ended is the error,
-        // and the next job gets a new worker.
-        let quits = WorkerPool::new(Path::new("true"), &[]).unwrap();
+        // the slot has no worker (the phase then forgets its headers), and
+        // the next job gets a new worker.
+        let quits = WorkerPool::new(Path::new("true"), &[], 1).unwrap();
         for _ in 0..2 {
-            let Err(e) = quits.compile(&k, false) else {
+            let Err(e) = quits.compile(0, &k, false) else {
                 panic!("`true` did no job, yet a result was read");
             };
             assert!(
                 e.starts_with("the compile worker ended with exit status: 0"),
                 "{e}"
             );
+            assert!(!quits.has_worker(0));
         }
-        assert!(quits.idle.lock().unwrap().is_empty());
     }
 
     fn compiled_into_the_kernel_cache(workers: &Workers, noun: &str) {
@@ -1186,9 +925,19 @@ mod nvrtc_tests {
         .unwrap();
         assert_eq!((r.recorded, r.cached, r.compiled, r.cubins), (7, 0, 6, 6));
         assert_eq!((r.threads, r.workers), (3, noun));
-        // The seven share their headers: parsed once where NVRTC can.
+        // The seven share their headers: parsed once where NVRTC can, in
+        // this process, or in each worker that two or more of the kernels
+        // left for each holder make worth it: 7 >= 2 and 6 >= 4 for the first
+        // two workers to start (one, if one worker took four before the
+        // second started), never 5 >= 6 for the third.
         let pch = usize::from(prebuild::precompiled_headers_supported());
         assert_eq!(r.precompiled_headers, pch);
+        let writes = if noun == "processes" { 1..=2 } else { 1..=1 };
+        assert!(
+            writes.contains(&r.headers_written) || pch == 0 && r.headers_written == 0,
+            "{} headers written",
+            r.headers_written
+        );
         assert_eq!(r.failed.len(), 1, "{:?}", r.failed);
         assert!(
             r.failed[0].starts_with("rcoa_broken: ") && r.failed[0].contains("no_such_function"),
@@ -1274,14 +1023,11 @@ mod nvrtc_tests {
         c.source = format!("#include <mma.h>\n{}", c.source);
         let mut d = kernel("rcoa_d");
         d.options.push("-G".to_string());
-        let sets = shared_header_sets(&[&a, &c, &b, &d], 2);
+        let sets = shared_header_sets(&[&a, &c, &b, &d]);
         assert_eq!(
             sets,
             vec![("#include <cuda_bf16.h>\n", a.options.as_slice())]
         );
-        assert!(shared_header_sets(&[&a, &c], 2).is_empty());
-        // Spread over three workers, two kernels are not worth a header each.
-        assert!(shared_header_sets(&[&a, &c, &b, &d], 6).is_empty());
-        assert_eq!(shared_header_sets(&[&a, &b, &a, &b, &a, &b], 6).len(), 1);
+        assert!(shared_header_sets(&[&a, &c]).is_empty());
     }
 }

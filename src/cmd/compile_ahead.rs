@@ -128,10 +128,7 @@ impl Prebuilt {
     /// `slowest compiles: NAME 12.3 s, ...`: what bounds the compile phase from below.
     fn slowest(&self) -> Option<String> {
         let s = &self.compile.slowest;
-        (!s.is_empty()).then(|| {
-            let each: Vec<String> = s.iter().map(|(k, t)| format!("{k} {t:.1} s")).collect();
-            format!("slowest compiles: {}", each.join(", "))
-        })
+        (!s.is_empty()).then(|| format!("slowest compiles: {}", named_times(s)))
     }
 
     pub fn json(&self) -> serde_json::Value {
@@ -140,10 +137,68 @@ impl Prebuilt {
             "event": "compiled_ahead", "recorded": c.recorded, "cached": c.cached,
             "compiled": c.compiled, "cubins": c.cubins, "failed": c.failed.len(),
             "threads": c.threads, "workers": c.workers, "precompiled_headers": c.precompiled_headers,
+            "headers_written": c.headers_written,
             "record_seconds": self.record_seconds,
             "compile_seconds": c.seconds,
-            "slowest": c.slowest.iter().map(|(k, t)| serde_json::json!({"kernel": k, "seconds": t})).collect::<Vec<_>>(),
+            "slowest": named_times_json(&c.slowest),
         })
+    }
+}
+
+/// `NAME 12.3 s, NAME 2.0 s`.
+fn named_times(times: &[(String, f64)]) -> String {
+    let each: Vec<String> = times.iter().map(|(k, t)| format!("{k} {t:.1} s")).collect();
+    each.join(", ")
+}
+
+/// `[{"kernel": NAME, "seconds": 12.3}, ...]`.
+fn named_times_json(times: &[(String, f64)]) -> serde_json::Value {
+    times
+        .iter()
+        .map(|(k, t)| serde_json::json!({"kernel": k, "seconds": t}))
+        .collect()
+}
+
+/// The kernels the steps compiled at their first launch (CUDA): after
+/// compiling ahead, what the recording missed. Each held up the device's
+/// thread in the step that met it, so their time is part of the first
+/// step's; naming them says what the recording must learn to reach.
+pub struct AtLaunch(Vec<(String, f64)>);
+
+impl AtLaunch {
+    /// This process's, where rcoa was built with CUDA.
+    pub fn now() -> Option<AtLaunch> {
+        rcoa_backend::prebuild::compiled_at_launch().map(AtLaunch)
+    }
+
+    fn seconds(&self) -> f64 {
+        self.0.iter().map(|(_, t)| t).sum()
+    }
+
+    /// `N compiled at their first launch (not cached or compiled ahead)`,
+    /// then their time and the slowest, where there were any.
+    pub fn line(&self) -> String {
+        let n = self.0.len();
+        let mut line = format!("{n} compiled at their first launch (not cached or compiled ahead)");
+        if n > 0 {
+            let slowest = rcoa_backend::prebuild::slowest(self.0.clone());
+            line += &format!(
+                ", {:.1} s in all; {}: {}",
+                self.seconds(),
+                if n > slowest.len() { "slowest" } else { "each" },
+                named_times(&slowest)
+            );
+        }
+        line
+    }
+
+    /// The summary's `kernels_compiled_at_launch` (a count, as before),
+    /// `kernels_compiled_at_launch_seconds` and `kernels_compiled_at_launch_slowest`.
+    pub fn add_to(&self, summary: &mut serde_json::Value) {
+        summary["kernels_compiled_at_launch"] = self.0.len().into();
+        summary["kernels_compiled_at_launch_seconds"] = self.seconds().into();
+        summary["kernels_compiled_at_launch_slowest"] =
+            named_times_json(&rcoa_backend::prebuild::slowest(self.0.clone()));
     }
 }
 
@@ -258,6 +313,7 @@ mod tests {
                 threads: 16,
                 workers: "processes",
                 precompiled_headers: 4,
+                headers_written: 9,
                 seconds: 21.5,
                 slowest: vec![("matmul_a".into(), 9.25), ("fuse_b".into(), 2.0)],
             },
@@ -279,6 +335,7 @@ mod tests {
             "failed",
             "threads",
             "precompiled_headers",
+            "headers_written",
         ] {
             assert!(j[key].is_u64(), "{key} in {j}");
         }
@@ -289,6 +346,47 @@ mod tests {
         assert_eq!(
             p.slowest().as_deref(),
             Some("slowest compiles: matmul_a 9.2 s, fuse_b 2.0 s")
+        );
+    }
+
+    #[test]
+    fn kernels_compiled_at_launch_are_counted_timed_and_the_slowest_named() {
+        let none = AtLaunch(Vec::new());
+        assert_eq!(
+            none.line(),
+            "0 compiled at their first launch (not cached or compiled ahead)"
+        );
+        let mut j = serde_json::json!({"event": "summary"});
+        none.add_to(&mut j);
+        assert_eq!(j["kernels_compiled_at_launch"], 0);
+        assert_eq!(j["kernels_compiled_at_launch_seconds"], 0.0);
+        assert_eq!(
+            j["kernels_compiled_at_launch_slowest"],
+            serde_json::json!([])
+        );
+
+        let two = AtLaunch(vec![("fuse_a".into(), 0.5), ("matmul_b".into(), 1.75)]);
+        assert_eq!(
+            two.line(),
+            "2 compiled at their first launch (not cached or compiled ahead), 2.2 s in all; each: matmul_b 1.8 s, fuse_a 0.5 s"
+        );
+        let seven = AtLaunch((0..7).map(|i| (format!("k{i}"), f64::from(i))).collect());
+        assert!(
+            seven.line().ends_with(
+                "21.0 s in all; slowest: k6 6.0 s, k5 5.0 s, k4 4.0 s, k3 3.0 s, k2 2.0 s"
+            ),
+            "{}",
+            seven.line()
+        );
+        let mut j = serde_json::json!({"event": "summary"});
+        seven.add_to(&mut j);
+        assert_eq!(j["kernels_compiled_at_launch"], 7);
+        assert_eq!(j["kernels_compiled_at_launch_seconds"], 21.0);
+        let slowest = j["kernels_compiled_at_launch_slowest"].as_array().unwrap();
+        assert_eq!(slowest.len(), rcoa_backend::prebuild::SLOWEST);
+        assert_eq!(
+            slowest[0],
+            serde_json::json!({"kernel": "k6", "seconds": 6.0})
         );
     }
 

@@ -592,19 +592,19 @@ pub fn run(args: Args) -> ExitCode {
     }
     match result {
         Ok(s) => {
-            let at_launch = rcoa_backend::prebuild::compiled_at_launch()
-                .filter(|_| args.device == Device::Cuda);
+            let at_launch =
+                super::compile_ahead::AtLaunch::now().filter(|_| args.device == Device::Cuda);
             if json {
                 let mut v = serde_json::to_value(&s).unwrap_or_default();
                 v["event"] = "summary".into();
-                if let Some(n) = at_launch {
-                    v["kernels_compiled_at_launch"] = n.into();
+                if let Some(a) = &at_launch {
+                    a.add_to(&mut v);
                 }
                 println!("{}", tag(v));
             } else if lead {
                 report(&s, ranks, devices, args.device);
-                if let Some(n) = at_launch {
-                    println!("kernels          {n} compiled at their first launch (not cached or compiled ahead)");
+                if let Some(a) = &at_launch {
+                    println!("kernels          {}", a.line());
                 }
             }
             if let Some(timed) = s.kernel_steps.as_ref().filter(|_| json || lead) {

@@ -155,8 +155,8 @@ pub fn run(args: Args) -> ExitCode {
                 println!("prebuilt   {}", p.summary());
                 p.notes();
             }
-            if let Some(n) = rcoa_backend::prebuild::compiled_at_launch() {
-                println!("at launch  {n} kernels compiled by the steps themselves");
+            if let Some(a) = super::compile_ahead::AtLaunch::now() {
+                println!("at launch  {}", a.line());
             }
             if let Some(e) = &c.record_error {
                 eprintln!(

@@ -37,7 +37,7 @@ use std::collections::HashSet;
 use std::ffi::{CStr, CString, c_char};
 use std::path::Path;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A recorded kernel, lowered: what NVRTC needs, and what the PTX cache
 /// stores beside the compiled image.
@@ -60,16 +60,34 @@ impl RecordedKernel {
 }
 
 static RECORDING: AtomicBool = AtomicBool::new(false);
-static COMPILED_AT_LAUNCH: AtomicUsize = AtomicUsize::new(0);
+static COMPILED_AT_LAUNCH: Mutex<Vec<LaunchCompile>> = Mutex::new(Vec::new());
 
-/// Kernels this process compiled with NVRTC at their launch (cache
-/// misses): after compiling ahead, what the recording did not reach.
-pub fn compiled_at_launch() -> usize {
-    COMPILED_AT_LAUNCH.load(Ordering::Relaxed)
+/// A kernel this process compiled with NVRTC at its launch (a cache miss),
+/// and how long that stalled the device's thread: code generation, NVRTC
+/// and ptxas, not the module load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchCompile {
+    pub entrypoint_name: String,
+    pub seconds: f64,
 }
 
-pub(crate) fn count_compiled_at_launch() {
-    COMPILED_AT_LAUNCH.fetch_add(1, Ordering::Relaxed);
+/// Kernels this process compiled with NVRTC at their launch, in launch
+/// order: after compiling ahead, what the recording did not reach, and the
+/// time each added to the step that met it.
+pub fn compiled_at_launch() -> Vec<LaunchCompile> {
+    COMPILED_AT_LAUNCH
+        .lock()
+        .map(|c| c.clone())
+        .unwrap_or_default()
+}
+
+pub(crate) fn count_compiled_at_launch(entrypoint_name: &str, seconds: f64) {
+    if let Ok(mut c) = COMPILED_AT_LAUNCH.lock() {
+        c.push(LaunchCompile {
+            entrypoint_name: entrypoint_name.to_string(),
+            seconds,
+        });
+    }
 }
 
 /// A launch recorded but not yet lowered: lowering (CubeCL's expansion,

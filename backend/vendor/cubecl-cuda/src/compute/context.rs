@@ -131,6 +131,7 @@ impl CudaContext {
         };
 
         log::trace!("Compiling kernel");
+        let started = std::time::Instant::now(); // rcoa patch
 
         validate_cube_dim(&self.properties, kernel_id)?;
         validate_units(&self.properties, kernel_id)?;
@@ -207,7 +208,10 @@ impl CudaContext {
         };
 
         let repr = kernel_compiled.repr.unwrap();
-        crate::prebuild::count_compiled_at_launch(); // rcoa patch
+        crate::prebuild::count_compiled_at_launch(
+            &kernel_compiled.entrypoint_name,
+            started.elapsed().as_secs_f64(),
+        ); // rcoa patch
 
         if let Some(cache) = &mut self.ptx_cache {
             let result = cache.insert(
