@@ -224,6 +224,7 @@ mod bench {
                 async_copy: v.async_copy,
                 register_forward: v.register_forward,
                 register_backward: v.register_backward,
+                max_shared: client.properties().hardware.max_shared_memory_size,
             };
             if cfg.kernels() != kernels
                 || cfg.one_pass() != one_pass

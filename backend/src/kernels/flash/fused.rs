@@ -51,6 +51,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         async_copy: std::env::var("RCOA_FLASH_ASYNC_COPY").as_deref() == Ok("1"),
         register_forward: registers.forward,
         register_backward: registers.backward,
+        max_shared: q.client.properties().hardware.max_shared_memory_size,
     };
     let asked = tensor_cores_asked();
     if asked != Some(false) {
@@ -63,6 +64,10 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         if asked == Some(true) {
             static TOLD: std::sync::Once = std::sync::Once::new();
             TOLD.call_once(|| eprintln!("note: {}", tensor_core_note(cmma, &cfg)));
+        } else if cmma && cfg.shape_takes() && !cfg.shared_fits() {
+            // Not asked for, but a user on such a GPU should know why attention is slow.
+            static TOLD: std::sync::Once = std::sync::Once::new();
+            TOLD.call_once(|| eprintln!("note: {}", shared_note(&cfg)));
         }
     }
     #[cfg(test)]
@@ -186,7 +191,7 @@ fn tensor_core_note(cmma: bool, cfg: &FlashLaunch) -> String {
         )
     } else if cfg.kernels() == cfg.kernels {
         "flash attention runs on tensor cores (RCOA_FLASH_TENSOR_CORES=1)".to_string()
-    } else {
+    } else if !cfg.shape_takes() {
         format!(
             "RCOA_FLASH_TENSOR_CORES=1, but the tensor-core kernels take 16-bit inputs and head \
              dims in 16s up to {}, not {:?} at head dim {}; {scalar}",
@@ -194,6 +199,32 @@ fn tensor_core_note(cmma: bool, cfg: &FlashLaunch) -> String {
             cfg.dtype,
             cfg.dims.head_dim
         )
+    } else {
+        format!("RCOA_FLASH_TENSOR_CORES=1, but {}", shared_note(cfg))
+    }
+}
+
+/// Why the tensor-core kernels do not run where they would but for the device's
+/// shared memory.
+fn shared_note(cfg: &FlashLaunch) -> String {
+    format!(
+        "at head dim {} the tensor-core flash kernels take {} KiB of shared memory a block, \
+         and this device gives {} KiB; the scalar flash kernels run (slower)",
+        cfg.dims.head_dim,
+        shared_need(cfg).div_ceil(1024),
+        cfg.max_shared / 1024
+    )
+}
+
+/// The most shared memory a cube of the block kernels asked for takes.
+fn shared_need(cfg: &FlashLaunch) -> usize {
+    match cfg.kernels {
+        FlashKernels::Blocks { products } => cfg
+            .blocks_shared_bytes(products)
+            .into_iter()
+            .max()
+            .unwrap_or(0),
+        FlashKernels::Rows => 0,
     }
 }
 
@@ -460,6 +491,7 @@ mod tests {
             async_copy: false,
             register_forward: false,
             register_backward: false,
+            max_shared: 227 * 1024,
         }
     }
 
@@ -490,6 +522,18 @@ mod tests {
         assert!(
             note.contains("no tensor cores for") && note.contains("F32"),
             "{note}"
+        );
+        // An L40S's 99 KiB: the backward's 121 KiB at head dim 128 does not fit.
+        let ada = FlashLaunch {
+            max_shared: 99 * 1024,
+            ..cfg(128, FloatKind::BF16)
+        };
+        let note = tensor_core_note(true, &ada);
+        assert_eq!(
+            note,
+            "RCOA_FLASH_TENSOR_CORES=1, but at head dim 128 the tensor-core flash kernels take \
+             121 KiB of shared memory a block, and this device gives 99 KiB; the scalar flash \
+             kernels run (slower)"
         );
     }
 }

@@ -88,6 +88,10 @@ pub struct FlashLaunch {
     /// dQ up where [`FlashLaunch::one_pass`], else a query kernel computes it), where
     /// [`FlashLaunch::register_backward_runs`]. A trial setting.
     pub register_backward: bool,
+    /// The shared memory a cube may take on the device, in bytes (CUDA's opt-in limit per
+    /// block: 227 KiB on an H100, 163 KiB on an A100, 99 KiB on Ada and consumer Ampere).
+    /// Kernels that need more do not run there ([`FlashLaunch::kernels`]).
+    pub max_shared: usize,
 }
 
 /// Whether the kernels unroll their loops over a unit's rows on `client`'s
@@ -122,11 +126,24 @@ impl FlashLaunch {
     /// The kernels that run: tensor cores take 16-bit inputs and a head dim
     /// that is a multiple of their 16-wide tiles, up to
     /// [`MAX_TENSOR_CORE_HEAD_DIM`]; their tiling on scalar FMAs (a test of
-    /// it) head dims in 16s up to 64; other shapes run `Rows`.
+    /// it) head dims in 16s up to 64; either only where each of their cubes
+    /// fits the device's shared memory ([`FlashLaunch::blocks_shared_bytes`]:
+    /// the tensor-core backward at head dim 128 takes 121 KiB, past the 99 KiB
+    /// of an L40S or an RTX 4090); other shapes run `Rows`.
     pub fn kernels(&self) -> FlashKernels {
+        if self.shape_takes() && self.shared_fits() {
+            self.kernels
+        } else {
+            FlashKernels::Rows
+        }
+    }
+
+    /// The kernels asked for take this shape and type (the first half of
+    /// [`FlashLaunch::kernels`]).
+    pub(crate) fn shape_takes(&self) -> bool {
         let d = self.dims.head_dim;
         let tiled = d.is_multiple_of(TILE);
-        let takes = match self.kernels {
+        match self.kernels {
             FlashKernels::Blocks {
                 products: Products::TensorCores,
             } => {
@@ -140,11 +157,17 @@ impl FlashLaunch {
                 products: Products::TiledScalar,
             } => tiled && d <= 64,
             _ => true,
-        };
-        if takes {
-            self.kernels
-        } else {
-            FlashKernels::Rows
+        }
+    }
+
+    /// Each cube of the kernels asked for fits the device's shared memory (the second
+    /// half of [`FlashLaunch::kernels`]); the `Rows` kernels' always do.
+    pub(crate) fn shared_fits(&self) -> bool {
+        match self.kernels {
+            FlashKernels::Blocks { products } => {
+                self.blocks_shared_bytes(products).into_iter().max() <= Some(self.max_shared)
+            }
+            FlashKernels::Rows => true,
         }
     }
 
@@ -188,6 +211,60 @@ impl FlashLaunch {
         } else {
             1
         }
+    }
+
+    /// Bytes of shared memory a cube of each block-product kernel takes with
+    /// `products` at this launch's head dim, type and units per row, as each
+    /// lays its tiles out (`forward_blocks`, `backward_blocks`), every array
+    /// from a 128-byte boundary, and the barrier of asynchronous copies where
+    /// asked: `[forward, key-block backward, query-block backward]`. The
+    /// source tests check each against what CubeCL lays out
+    /// (`tests_cuda_source`).
+    pub fn blocks_shared_bytes(&self, products: Products) -> [usize; 3] {
+        use super::mma::{PAD_F32, PAD_HALF};
+        let d = self.dims.head_dim;
+        let block = Self::blocks_block(products, d);
+        let split = Self::units_per_row(self.units_per_row, block, d);
+        let elem = self.dtype.size();
+        let staged = (block * super::tile::staged_ld(d), elem);
+        let scores = (block * (block + PAD_HALF), elem);
+        let (s_ld, out_ld) = (block + PAD_F32, d + PAD_F32);
+        let row = (block, 4);
+        let barrier = if self.async_copy { 128 } else { 0 };
+        let bytes = super::stream::shared_bytes;
+        [
+            // Q, K, V; P; S, then P V; each unit's partial maximum and sum.
+            bytes(&[
+                staged,
+                staged,
+                staged,
+                scores,
+                (block * s_ld.max(out_ld), 4),
+                (block * split, 4),
+            ]) + barrier,
+            // K, V, Q, dO; Pᵀ, dSᵀ; Sᵀ and dPᵀ side by side, then the products; L, D, keys.
+            bytes(&[
+                staged,
+                staged,
+                staged,
+                staged,
+                scores,
+                scores,
+                (block * (2 * s_ld).max(out_ld), 4),
+                row,
+                row,
+                row,
+            ]) + barrier,
+            // Q, dO, K, V; dS; S and dP side by side, then dS K.
+            bytes(&[
+                staged,
+                staged,
+                staged,
+                staged,
+                scores,
+                (block * (2 * s_ld).max(out_ld), 4),
+            ]),
+        ]
     }
 }
 
@@ -384,7 +461,12 @@ impl FlashLaunch {
     ) -> super::stream::Staging {
         use super::stream::Staging;
         let (_, copy) = self.staging(client, Products::TensorCores, staged);
-        copy.map_or(Staging::Single, Staging::Copies)
+        // A second set of tiles past the device's shared memory: one block at a time.
+        copy.map(Staging::Copies)
+            .filter(|&copies| {
+                self.register_shared_bytes(copies).into_iter().max() <= Some(self.max_shared)
+            })
+            .unwrap_or(Staging::Single)
     }
 }
 
@@ -524,13 +606,17 @@ impl FlashLaunch {
     /// Whether the forward runs `forward_registers`: asked for
     /// ([`FlashLaunch::register_forward`]), where [`FlashLaunch::registers_take`].
     pub fn register_forward_runs(&self) -> bool {
-        self.register_forward && self.registers_take()
+        self.register_forward
+            && self.registers_take()
+            && self.register_shared_bytes(super::stream::Staging::Single)[0] <= self.max_shared
     }
 
     /// Whether the backward runs `backward_registers`: asked for
     /// ([`FlashLaunch::register_backward`]), where the register forward would run.
     pub fn register_backward_runs(&self) -> bool {
-        self.register_backward && self.registers_take()
+        self.register_backward
+            && self.registers_take()
+            && self.register_shared_bytes(super::stream::Staging::Single)[1] <= self.max_shared
     }
 
     /// The register kernels take this launch: tensor cores (16-bit inputs, head dims in
@@ -543,6 +629,24 @@ impl FlashLaunch {
             }
             && self.dropout.is_none()
             && self.dims.head_dim <= super::forward_registers::MAX_HEAD_DIM
+    }
+
+    /// Bytes of shared memory a cube of the register forward, and the larger of the
+    /// register backward's two kernels, take with their blocks streamed as `staging` says.
+    pub fn register_shared_bytes(&self, staging: super::stream::Staging) -> [usize; 2] {
+        use super::forward_registers::Fragments;
+        let (d, elem) = (self.dims.head_dim, self.dtype.size());
+        let forward =
+            super::forward_registers::shared_bytes(d, elem, Fragments::Registers, staging);
+        let (key, query) = super::backward_registers::shared_bytes(
+            d,
+            elem,
+            self.padding,
+            self.one_pass(),
+            Fragments::Registers,
+            staging,
+        );
+        [forward, key.max(query)]
     }
 
     /// The shape of the fp32 dQ accumulator the backward needs
@@ -745,8 +849,13 @@ mod tests {
             async_copy: false,
             register_forward: false,
             register_backward: false,
+            max_shared: H100_SHARED,
         }
     }
+
+    /// CUDA's opt-in shared memory per block on an H100 and on an L40S (Ada), bytes.
+    const H100_SHARED: usize = 227 * 1024;
+    const ADA_SHARED: usize = 99 * 1024;
 
     /// The register kernels run where asked, on the tensor-core path, without dropout;
     /// otherwise the block kernels do. The register backward runs in one pass, with the dQ
@@ -794,6 +903,61 @@ mod tests {
             ..asked(64, FloatKind::BF16)
         };
         assert!(forward_only.register_forward_runs() && forward_only.one_pass());
+    }
+
+    /// On a device whose shared memory a block is below what a block kernel's cube takes,
+    /// the `Rows` kernels run instead of failing at launch: the tensor-core backward at head
+    /// dim 128 takes 121 KiB, which an H100 (227 KiB) gives and an L40S or RTX 4090 (99 KiB)
+    /// does not; at head dim 64 the largest, 89 KiB, fits both, not a T4's 64 KiB.
+    #[test]
+    fn block_kernels_run_only_where_their_cubes_fit_the_shared_memory() {
+        let on = |d, max_shared| FlashLaunch {
+            max_shared,
+            ..launch(d, FloatKind::BF16)
+        };
+        let tc = FlashKernels::Blocks {
+            products: Products::TensorCores,
+        };
+        let kib = |d| {
+            on(d, H100_SHARED)
+                .blocks_shared_bytes(Products::TensorCores)
+                .map(|b| b.div_ceil(1024))
+        };
+        assert_eq!(kib(128), [94, 121, 111]);
+        assert_eq!(kib(64), [54, 89, 79]);
+        assert_eq!(on(128, H100_SHARED).kernels(), tc);
+        assert_eq!(on(64, ADA_SHARED).kernels(), tc);
+        let ada = on(128, ADA_SHARED);
+        assert!(ada.shape_takes() && !ada.shared_fits());
+        assert_eq!(ada.kernels(), FlashKernels::Rows);
+        assert!(!ada.one_pass(), "the Rows kernels run in two passes");
+        assert_eq!(on(64, 64 * 1024).kernels(), FlashKernels::Rows);
+        // The limit is the largest of the three cubes, to the byte.
+        let need = on(128, 0)
+            .blocks_shared_bytes(Products::TensorCores)
+            .into_iter()
+            .max()
+            .unwrap();
+        assert_eq!(on(128, need).kernels(), tc);
+        assert_eq!(on(128, need - 1).kernels(), FlashKernels::Rows);
+        // The register kernels (trials) run where the block kernels would and their own
+        // cubes fit: at head dim 128 theirs are the smaller, so the block kernels' limit
+        // is theirs.
+        let registers = |max_shared| FlashLaunch {
+            register_forward: true,
+            register_backward: true,
+            ..on(128, max_shared)
+        };
+        let [forward, backward] =
+            registers(need).register_shared_bytes(super::super::stream::Staging::Single);
+        assert!(
+            forward < backward && backward <= need,
+            "{forward} {backward} {need}"
+        );
+        let fits = registers(need);
+        assert!(fits.register_forward_runs() && fits.register_backward_runs());
+        let short = registers(need - 1);
+        assert!(!short.register_forward_runs() && !short.register_backward_runs());
     }
 
     /// The memory model charges the one-pass backward's fp32 dQ

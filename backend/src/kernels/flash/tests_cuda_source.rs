@@ -20,7 +20,7 @@ use super::backward_blocks::{
 };
 use super::forward::flash_forward::FlashForward;
 use super::forward_blocks::flash_forward_blocks::FlashForwardBlocks;
-use super::launch::{FlashDims, UNITS_PER_ROW};
+use super::launch::{FlashDims, FlashKernels, FlashLaunch, UNITS_PER_ROW};
 use super::mma::{Products, PAD_F32, PAD_HALF};
 use super::tile::staged_ld;
 
@@ -265,6 +265,38 @@ fn on_tensor_cores(
 
 const BLOCK: usize = 64;
 
+/// What a launch of the tensor-core block kernels checks against the device's shared
+/// memory for `v` ([`FlashLaunch::blocks_shared_bytes`]): forward, key-block backward,
+/// query-block backward.
+fn blocks_estimate(v: &Variant) -> [usize; 3] {
+    let products = Products::TensorCores;
+    FlashLaunch {
+        dims: FlashDims {
+            batch: 1,
+            heads: 1,
+            kv_heads: 1,
+            q_len: 128,
+            kv_len: 128,
+            head_dim: v.head_dim,
+        },
+        causal: v.causal,
+        padding: v.padding,
+        scale: 1.0,
+        dtype: float(v.kind),
+        kernels: FlashKernels::Blocks { products },
+        unroll: true,
+        dropout: v.dropout.then_some(0.1),
+        atomic_dq: false,
+        units_per_row: v.units_per_row,
+        tile_pairs: v.tile_pairs,
+        async_copy: v.async_copy,
+        register_forward: false,
+        register_backward: false,
+        max_shared: usize::MAX,
+    }
+    .blocks_shared_bytes(products)
+}
+
 #[test]
 fn the_tensor_core_forward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
@@ -318,6 +350,7 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
         let compiled = compiles(kernel, &what);
         on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
         copies_async(&compiled, async_copy, &what);
+        shared_as_estimated(&compiled, blocks_estimate(&v)[0], &what);
     }
 }
 
@@ -382,6 +415,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
             copies_async(&compiled, async_copy, &what);
             atomically_adds(&compiled, one_pass, &what);
+            shared_as_estimated(&compiled, blocks_estimate(&v)[1], &what);
         }
 
         if async_copy {
@@ -421,7 +455,9 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             float(kind),
         );
         let tiles16 = 4 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
-        on_tensor_cores(&compiles(kernel, &what), tiles16, tiles32, head_dim, &what);
+        let compiled = compiles(kernel, &what);
+        on_tensor_cores(&compiled, tiles16, tiles32, head_dim, &what);
+        shared_as_estimated(&compiled, blocks_estimate(&v)[2], &what);
     }
 }
 

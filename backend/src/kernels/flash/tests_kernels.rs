@@ -154,6 +154,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
         async_copy: false,
         register_forward: false,
         register_backward: false,
+        max_shared: client.properties().hardware.max_shared_memory_size,
     };
     let t = tensors::<R, E>(client, p);
     super::forward_registers::launch(
@@ -227,6 +228,7 @@ fn run<R: Runtime, E: Elem>(
         async_copy: under.async_copy,
         register_forward: false,
         register_backward: false,
+        max_shared: client.properties().hardware.max_shared_memory_size,
     };
     assert_eq!(cfg.kernels(), under.kernels, "the kernels under test run");
     assert_eq!(
