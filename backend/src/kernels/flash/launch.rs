@@ -232,6 +232,16 @@ impl FlashLaunch {
         let row = (block, 4);
         let barrier = if self.async_copy { 128 } else { 0 };
         let bytes = super::stream::shared_bytes;
+        // Both backward kernels: Q, dO, K, V; a score tile (dS, or the key kernel's Pᵀ); S
+        // and dP side by side (transposed in the key kernel), then the products.
+        let backward = [
+            staged,
+            staged,
+            staged,
+            staged,
+            scores,
+            (block * (2 * s_ld).max(out_ld), 4),
+        ];
         [
             // Q, K, V; P; S, then P V; each unit's partial maximum and sum.
             bytes(&[
@@ -242,28 +252,9 @@ impl FlashLaunch {
                 (block * s_ld.max(out_ld), 4),
                 (block * split, 4),
             ]) + barrier,
-            // K, V, Q, dO; Pᵀ, dSᵀ; Sᵀ and dPᵀ side by side, then the products; L, D, keys.
-            bytes(&[
-                staged,
-                staged,
-                staged,
-                staged,
-                scores,
-                scores,
-                (block * (2 * s_ld).max(out_ld), 4),
-                row,
-                row,
-                row,
-            ]) + barrier,
-            // Q, dO, K, V; dS; S and dP side by side, then dS K.
-            bytes(&[
-                staged,
-                staged,
-                staged,
-                staged,
-                scores,
-                (block * (2 * s_ld).max(out_ld), 4),
-            ]),
+            // The key kernel also has dSᵀ beside Pᵀ, and its rows' L, D and dropout keys.
+            bytes(&[&backward[..], &[scores, row, row, row]].concat()) + barrier,
+            bytes(&backward),
         ]
     }
 }
