@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 mod affinity;
 mod workers;
 
-#[cfg(any(test, feature = "cuda"))]
+#[cfg(feature = "cuda")]
 use affinity::HeaderAffinity;
 #[cfg(feature = "cuda")]
 use workers::{compile_here, WorkerPool};
