@@ -123,6 +123,20 @@ if [ "$t" -ge 60 ]; then
     --engines rcoa --rcoa-attention flash --out "$OUT/speed-cold" > "$OUT/speed-cold.txt" 2>&1
   log "3 cold 350M rc=$?"; tail -n 6 "$OUT/speed-cold.txt"
   grep -h '"compiled_ahead"\|"start"' "$OUT"/speed-cold/*.jsonl 2>/dev/null | cut -c1-600
+  # The kernels the recording missed, compiled by the steps: how many, their seconds, the slowest.
+  python3 -c '
+import json, sys
+for f in sys.argv[1:]:
+    for line in open(f):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("event") == "summary" and "kernels_compiled_at_launch" in d:
+            print("3 at launch:", d["kernels_compiled_at_launch"], "kernels,",
+                  d.get("kernels_compiled_at_launch_seconds"), "s;",
+                  json.dumps(d.get("kernels_compiled_at_launch_slowest"))[:500])
+' "$OUT"/speed-cold/*.jsonl 2>/dev/null | tee -a "$OUT/steps.txt"
   grep -hv "^\s*$" "$OUT"/speed-cold/*.err 2>/dev/null | grep -v "^\[" | tail -n 12
   # The tunings it made (small JSON lines): what a shipped seed for this GPU would hold
   # (docs/cold-start.md, "Tunings").
