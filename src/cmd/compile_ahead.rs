@@ -175,13 +175,17 @@ impl AtLaunch {
         self.0.iter().map(|(_, t)| t).sum()
     }
 
+    fn slowest(&self) -> Vec<(String, f64)> {
+        rcoa_backend::prebuild::slowest(self.0.clone())
+    }
+
     /// `N compiled at their first launch (not cached or compiled ahead)`,
     /// then their time and the slowest, where there were any.
     pub fn line(&self) -> String {
         let n = self.0.len();
         let mut line = format!("{n} compiled at their first launch (not cached or compiled ahead)");
         if n > 0 {
-            let slowest = rcoa_backend::prebuild::slowest(self.0.clone());
+            let slowest = self.slowest();
             line += &format!(
                 ", {:.1} s in all; {}: {}",
                 self.seconds(),
@@ -197,8 +201,7 @@ impl AtLaunch {
     pub fn add_to(&self, summary: &mut serde_json::Value) {
         summary["kernels_compiled_at_launch"] = self.0.len().into();
         summary["kernels_compiled_at_launch_seconds"] = self.seconds().into();
-        summary["kernels_compiled_at_launch_slowest"] =
-            named_times_json(&rcoa_backend::prebuild::slowest(self.0.clone()));
+        summary["kernels_compiled_at_launch_slowest"] = named_times_json(&self.slowest());
     }
 }
 

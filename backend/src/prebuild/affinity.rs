@@ -84,13 +84,13 @@ impl HeaderAffinity {
         }
         let window = s.held.len().min(s.queue.len());
         let held = &s.held[slot];
-        let at = s.queue[..window]
+        // A kernel of a held set in the window (the head itself, if its set is held).
+        let found = s.queue[..window]
             .iter()
-            .position(|&k| held.contains(&s.set[k]))
-            .unwrap_or(0);
-        let kernel = s.queue.remove(at);
+            .position(|&k| held.contains(&s.set[k]));
+        let holds = found.is_some();
+        let kernel = s.queue.remove(found.unwrap_or(0));
         let set = s.set[kernel];
-        let holds = s.held[slot].contains(&set);
         // Two or more of the set's kernels (this one included) for each of
         // its holders, this worker among them: worth a header here.
         let write = !holds && s.precompile && s.left[set] >= 2 * (s.holders[set] + 1);

@@ -211,21 +211,9 @@ fn shared_note(cfg: &FlashLaunch) -> String {
         "at head dim {} the tensor-core flash kernels take {} KiB of shared memory a block, \
          and this device gives {} KiB; the scalar flash kernels run (slower)",
         cfg.dims.head_dim,
-        shared_need(cfg).div_ceil(1024),
+        cfg.shared_need().div_ceil(1024),
         cfg.max_shared / 1024
     )
-}
-
-/// The most shared memory a cube of the block kernels asked for takes.
-fn shared_need(cfg: &FlashLaunch) -> usize {
-    match cfg.kernels {
-        FlashKernels::Blocks { products } => cfg
-            .blocks_shared_bytes(products)
-            .into_iter()
-            .max()
-            .unwrap_or(0),
-        FlashKernels::Rows => 0,
-    }
 }
 
 fn fallback_note(why: &str) {

@@ -161,13 +161,22 @@ impl FlashLaunch {
     }
 
     /// Each cube of the kernels asked for fits the device's shared memory (the second
-    /// half of [`FlashLaunch::kernels`]); the `Rows` kernels' always do.
+    /// half of [`FlashLaunch::kernels`]).
     pub(crate) fn shared_fits(&self) -> bool {
+        self.shared_need() <= self.max_shared
+    }
+
+    /// The most shared memory a cube of the block kernels asked for takes
+    /// ([`FlashLaunch::blocks_shared_bytes`]); 0 for the `Rows` kernels, whose
+    /// 16 KiB any device gives.
+    pub fn shared_need(&self) -> usize {
         match self.kernels {
-            FlashKernels::Blocks { products } => {
-                self.blocks_shared_bytes(products).into_iter().max() <= Some(self.max_shared)
-            }
-            FlashKernels::Rows => true,
+            FlashKernels::Blocks { products } => self
+                .blocks_shared_bytes(products)
+                .into_iter()
+                .max()
+                .unwrap_or(0),
+            FlashKernels::Rows => 0,
         }
     }
 

@@ -81,7 +81,7 @@ pub fn compiled_at_launch() -> Vec<LaunchCompile> {
         .unwrap_or_default()
 }
 
-pub(crate) fn count_compiled_at_launch(entrypoint_name: &str, seconds: f64) {
+pub(crate) fn note_compiled_at_launch(entrypoint_name: &str, seconds: f64) {
     if let Ok(mut c) = COMPILED_AT_LAUNCH.lock() {
         c.push(LaunchCompile {
             entrypoint_name: entrypoint_name.to_string(),

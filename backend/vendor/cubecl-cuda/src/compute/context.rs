@@ -208,7 +208,7 @@ impl CudaContext {
         };
 
         let repr = kernel_compiled.repr.unwrap();
-        crate::prebuild::count_compiled_at_launch(
+        crate::prebuild::note_compiled_at_launch(
             &kernel_compiled.entrypoint_name,
             started.elapsed().as_secs_f64(),
         ); // rcoa patch
