@@ -329,7 +329,7 @@ impl KernelProfile {
         })
     }
 
-    /// The report for people; `peak_tflops`: the GPU's dense bf16 rate, to
+    /// The report for people; `peak_tflops`: the GPU's dense rate in the step's compute type, to
     /// put the rates beside.
     pub fn render(&self, peak_tflops: Option<f64>) -> String {
         use std::fmt::Write;

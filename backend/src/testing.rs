@@ -35,12 +35,7 @@ pub fn tiny_plan() -> LoweredPlan {
         model,
         adapter: None,
         hardware: HardwareSpec {
-            gpu: GpuSpec {
-                name: "cpu".into(),
-                memory_bytes: 1 << 30,
-                bf16_tflops: 1.0,
-                bandwidth_bytes_per_s: 1e10,
-            },
+            gpu: GpuSpec::custom("cpu", 1 << 30, 1.0, 1e10),
             gpus_per_node: 1,
             nodes: 1,
             host_memory_bytes: None,

@@ -245,10 +245,74 @@ pub struct GpuSpec {
     /// Catalog name, or `custom`.
     pub name: String,
     pub memory_bytes: u64,
-    /// Dense bf16 tensor-core throughput, TFLOP/s.
+    /// Dense bf16 tensor-core throughput, TFLOP/s (the fp32 CUDA-core rate where
+    /// `bf16_tensor_cores` is false).
     pub bf16_tflops: f64,
     /// Memory bandwidth, bytes/s.
     pub bandwidth_bytes_per_s: f64,
+    /// Dense fp16 tensor-core throughput with fp32 accumulation, TFLOP/s; `None` (a custom
+    /// GPU, or a lowered plan from before this field): `bf16_tflops`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_tflops: Option<f64>,
+    /// fp32 throughput of the CUDA cores (no tensor cores), TFLOP/s: what kernels of scalar
+    /// FMAs reach a fraction of. `None`: see [`GpuSpec::cuda_core_tflops`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_tflops: Option<f64>,
+    /// Whether bf16 (and so TF32) matmuls run on tensor cores. Volta and Turing have fp16
+    /// tensor cores only: there bf16 and fp32 run on the CUDA cores at `bf16_tflops`.
+    #[serde(default = "yes")]
+    pub bf16_tensor_cores: bool,
+    /// The most shared memory one block may take (CUDA's opt-in limit,
+    /// `cudaDevAttrMaxSharedMemoryPerBlockOptin`), bytes: whether the executor's
+    /// tensor-core flash kernels fit ([`crate::memory::build::burn_flash_one_pass`]).
+    /// `None` (a custom GPU): assumed to fit, the memory model's safe side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_memory_per_block_bytes: Option<u64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl GpuSpec {
+    /// A GPU known by its memory, bf16 rate and bandwidth only (a `gpu { .. }` block):
+    /// fp16 at the bf16 rate, bf16 on tensor cores, its shared memory unknown.
+    pub fn custom(name: &str, memory_bytes: u64, bf16_tflops: f64, bandwidth: f64) -> Self {
+        GpuSpec {
+            name: name.into(),
+            memory_bytes,
+            bf16_tflops,
+            bandwidth_bytes_per_s: bandwidth,
+            fp16_tflops: None,
+            fp32_tflops: None,
+            bf16_tensor_cores: true,
+            shared_memory_per_block_bytes: None,
+        }
+    }
+
+    /// Dense matmul throughput in TFLOP/s when a step computes in `compute`: fp16 at its
+    /// own tensor-core rate (8 x bf16's on a V100, which has no bf16 tensor cores); fp32
+    /// as TF32 at half the bf16 rate where bf16 runs on tensor cores, else at the CUDA
+    /// cores' rate; fp8 at twice bf16's.
+    pub fn dense_tflops(&self, compute: Dtype) -> f64 {
+        match compute {
+            Dtype::Fp16 => self.fp16_tflops.unwrap_or(self.bf16_tflops),
+            Dtype::Fp32 | Dtype::Tf32 if self.bf16_tensor_cores => 0.5 * self.bf16_tflops,
+            Dtype::Fp8 => 2.0 * self.bf16_tflops,
+            _ => self.bf16_tflops,
+        }
+    }
+
+    /// The CUDA cores' fp32 rate, TFLOP/s. Where it is not given: `bf16_tflops` on a GPU
+    /// without bf16 tensor cores (there it is that rate), else an H100's ratio of the two
+    /// (66.9 to 989.4).
+    pub fn cuda_core_tflops(&self) -> f64 {
+        match self.fp32_tflops {
+            Some(t) => t,
+            None if !self.bf16_tensor_cores => self.bf16_tflops,
+            None => self.bf16_tflops * (66.9 / 989.4),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -64,12 +64,9 @@ impl SpecBuilder {
             },
             adapter: None,
             hardware: HardwareSpec {
-                gpu: GpuSpec {
-                    name: "h100-80gb".into(),
-                    memory_bytes: 85_017_493_504,
-                    bf16_tflops: 989.4,
-                    bandwidth_bytes_per_s: 3.35e12,
-                },
+                gpu: crate::catalog::gpu("h100-80gb")
+                    .expect("the catalog has the H100")
+                    .spec(),
                 gpus_per_node: 1,
                 nodes: 1,
                 host_memory_bytes: None,

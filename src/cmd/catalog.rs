@@ -56,11 +56,13 @@ fn gpu_table(gpus: &[GpuEntry]) -> String {
         "BYTES",
         "BF16 TFLOP/S",
         "FP16 TFLOP/S",
+        "FP32 TFLOP/S",
         "HBM GB/S",
         "LINK",
         "INTRA GB/S",
         "INTER GB/S",
         "HOST",
+        "SHARED/BLOCK",
         "PRODUCT",
     ];
     let rows = gpus
@@ -72,17 +74,19 @@ fn gpu_table(gpus: &[GpuEntry]) -> String {
                 g.memory_bytes.to_string(),
                 format!("{:.1}", g.bf16_tflops),
                 format!("{:.1}", g.fp16_tflops),
+                format!("{:.1}", g.fp32_tflops),
                 format!("{:.0}", g.bandwidth_bytes_per_s / 1e9),
                 g.interconnect.clone(),
                 format!("{:.0}", g.intra_node_bytes_per_s / 1e9),
                 format!("{:.1}", g.inter_node_bytes_per_s / 1e9),
                 format!("{:.0} GiB", g.host_memory_bytes as f64 / GIB),
+                format!("{} KiB", g.shared_memory_per_block_bytes / 1024),
                 g.product.clone(),
             ]
         })
         .collect();
     // Left-aligned: names and text; the rest are numbers.
-    table(&header, rows, &[0, 6, 10])
+    table(&header, rows, &[0, 7, 12])
 }
 
 fn model_table(models: &[ModelEntry]) -> String {

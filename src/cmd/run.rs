@@ -667,7 +667,10 @@ fn kernel_report(
         v["event"] = "kernel_profile".into();
         return Some(v);
     }
-    print!("{}", p.render(Some(plan.hardware.gpu.bf16_tflops)));
+    print!(
+        "{}",
+        p.render(Some(plan.hardware.gpu.dense_tflops(plan.precision.compute)))
+    );
     None
 }
 

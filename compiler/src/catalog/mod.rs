@@ -35,6 +35,8 @@ pub struct GpuEntry {
     pub bf16_tflops: f64,
     /// Dense fp16 tensor-core throughput, TFLOP/s.
     pub fp16_tflops: f64,
+    /// fp32 throughput of the CUDA cores (no tensor cores), TFLOP/s.
+    pub fp32_tflops: f64,
     pub bf16_tensor_cores: bool,
     /// Device memory bandwidth, bytes/s.
     pub bandwidth_bytes_per_s: f64,
@@ -46,6 +48,8 @@ pub struct GpuEntry {
     pub inter_node_bytes_per_s: f64,
     /// Default `hardware.host_memory`: CPU memory of a typical node, bytes.
     pub host_memory_bytes: u64,
+    /// The most shared memory one block may take (CUDA's opt-in limit), bytes.
+    pub shared_memory_per_block_bytes: u64,
 }
 
 impl GpuEntry {
@@ -56,6 +60,10 @@ impl GpuEntry {
             memory_bytes: self.memory_bytes,
             bf16_tflops: self.bf16_tflops,
             bandwidth_bytes_per_s: self.bandwidth_bytes_per_s,
+            fp16_tflops: Some(self.fp16_tflops),
+            fp32_tflops: Some(self.fp32_tflops),
+            bf16_tensor_cores: self.bf16_tensor_cores,
+            shared_memory_per_block_bytes: Some(self.shared_memory_per_block_bytes),
         }
     }
 }
@@ -131,7 +139,9 @@ struct RawGpu {
     memory_source: String,
     bf16_tflops: f64,
     fp16_tflops: f64,
+    fp32_tflops: f64,
     bf16_tensor_cores: bool,
+    shared_memory_per_block_kib: u64,
     bandwidth_gb_s: f64,
     interconnect: String,
     intra_node_gb_s: f64,
@@ -185,12 +195,14 @@ fn parse(gpus: &str, models: &str) -> Result<Catalog, String> {
             memory_source: g.memory_source,
             bf16_tflops: g.bf16_tflops,
             fp16_tflops: g.fp16_tflops,
+            fp32_tflops: g.fp32_tflops,
             bf16_tensor_cores: g.bf16_tensor_cores,
             bandwidth_bytes_per_s: g.bandwidth_gb_s * 1e9,
             interconnect: g.interconnect,
             intra_node_bytes_per_s: g.intra_node_gb_s * 1e9,
             inter_node_bytes_per_s: g.inter_node_gbps * 1e9 / 8.0,
             host_memory_bytes: g.host_memory_gib * GIB,
+            shared_memory_per_block_bytes: g.shared_memory_per_block_kib * 1024,
         })
         .collect();
     let models = models

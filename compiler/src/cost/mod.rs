@@ -15,7 +15,7 @@ pub mod parallel;
 
 use crate::memory::{Candidate, MemoryReport};
 use crate::profile::Profile;
-use crate::spec::{Dtype, Spec};
+use crate::spec::Spec;
 use serde::Serialize;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -35,23 +35,25 @@ pub fn estimate(
     report: &MemoryReport,
 ) -> TimeEstimate {
     let gpu = &spec.hardware.gpu;
-    let compute = spec.precision.compute;
-    let rate_scale = match compute {
-        // fp32 compute runs TF32 tensor cores: half the bf16 rate.
-        Dtype::Fp32 | Dtype::Tf32 => 0.5,
-        Dtype::Fp8 => 2.0,
-        _ => 1.0,
-    };
-    let flops_rate = gpu.bf16_tflops * 1e12 * profile.matmul_efficiency * rate_scale;
+    let peak = gpu.dense_tflops(spec.precision.compute) * 1e12;
+    let flops_rate = peak * profile.matmul_efficiency;
     // The executor's fused attention kernels run at their own measured rate.
     let fused_rate = profile
         .fused_attention_efficiency
-        .map_or(flops_rate, |e| gpu.bf16_tflops * 1e12 * e * rate_scale);
+        .map_or(flops_rate, |e| peak * e);
+    let rows_rate = profile
+        .fused_attention_rows_efficiency
+        .map_or(fused_rate, |e| gpu.cuda_core_tflops() * 1e12 * e);
     let bw = gpu.bandwidth_bytes_per_s * profile.bandwidth_efficiency;
     let ga = cand.grad_accum.max(1) as f64;
-    let fused = report.step_fused_attention_flops;
-    let compute_s =
-        ga * ((report.step_flops - fused) / flops_rate.max(1.0) + fused / fused_rate.max(1.0));
+    let (fused, rows) = (
+        report.step_fused_attention_flops,
+        report.step_fused_attention_rows_flops,
+    );
+    let compute_s = ga
+        * ((report.step_flops - fused - rows) / flops_rate.max(1.0)
+            + fused / fused_rate.max(1.0)
+            + rows / rows_rate.max(1.0));
     let launch_s = ga * report.step_kernels as f64 * profile.kernel_overhead_s;
     let memory_s = ga * report.step_bytes_moved / bw.max(1.0) + launch_s;
     let persistent: u64 = ["weights", "grads", "optimizer"]
@@ -134,6 +136,87 @@ mod tests {
         assert_eq!(
             evaluate(&spec, &c, &profile, false).step_fused_attention_flops,
             0.0
+        );
+    }
+
+    /// A step computes at its compute type's rate: fp16 on a V100's tensor cores is 8 x
+    /// its bf16 (the CUDA cores'), fp32 there runs on the CUDA cores too, and on an H100
+    /// fp32 is TF32 at half the bf16 rate.
+    #[test]
+    fn each_compute_type_runs_at_its_own_rate() {
+        use crate::spec::Dtype;
+        let gpu = |name| crate::catalog::gpu(name).expect("a catalog GPU").spec();
+        let (v100, h100) = (gpu("v100-32gb"), gpu("h100-80gb"));
+        assert_eq!(v100.dense_tflops(Dtype::Fp16), 125.0);
+        assert_eq!(v100.dense_tflops(Dtype::Bf16), 15.7);
+        assert_eq!(v100.dense_tflops(Dtype::Fp32), 15.7);
+        assert_eq!(h100.dense_tflops(Dtype::Fp16), 989.4);
+        assert_eq!(h100.dense_tflops(Dtype::Tf32), 494.7);
+        let custom = crate::spec::GpuSpec::custom("custom", 1 << 34, 100.0, 1e12);
+        assert_eq!(custom.dense_tflops(Dtype::Fp16), 100.0);
+        assert_eq!(custom.dense_tflops(Dtype::Fp32), 50.0);
+
+        let profile = Profile::for_target(Target::Pytorch);
+        let compute_s = |compute: Dtype| {
+            let mut spec = SpecBuilder::new()
+                .precision(Dtype::Fp32, compute, None)
+                .build();
+            spec.hardware.gpu = v100.clone();
+            let c = one_gpu(2);
+            let r = evaluate(&spec, &c, &profile, false);
+            estimate(&spec, &c, &profile, &r).compute_seconds
+        };
+        let ratio = compute_s(Dtype::Bf16) / compute_s(Dtype::Fp16);
+        assert!((ratio - 125.0 / 15.7).abs() < 1e-6, "{ratio}");
+    }
+
+    /// Where the executor's tensor-core flash kernels do not fit the GPU's shared memory
+    /// (head dim 128 on an L40S), its `Rows` kernels run on the CUDA cores at
+    /// `fused_attention_rows_efficiency` of their fp32 rate; at head dim 64 the tensor-core
+    /// kernels run at `fused_attention_efficiency` of the bf16 rate.
+    #[test]
+    fn fused_attention_on_the_cuda_cores_runs_at_their_rate() {
+        let profile = Profile::for_target(Target::Burn);
+        let l40s = crate::catalog::gpu("l40s-48gb")
+            .expect("a catalog GPU")
+            .spec();
+        let run = |head_dim| {
+            let mut spec = SpecBuilder::new()
+                .target(Target::Burn)
+                .head_dim(head_dim)
+                .build();
+            spec.hardware.gpu = l40s.clone();
+            spec.train.attention = Attention::Flash;
+            let c = one_gpu(2);
+            let r = evaluate(&spec, &c, &profile, false);
+            let t = estimate(&spec, &c, &profile, &r);
+            let none = MemoryReport {
+                step_fused_attention_flops: 0.0,
+                step_fused_attention_rows_flops: 0.0,
+                step_flops: r.step_flops
+                    - r.step_fused_attention_flops
+                    - r.step_fused_attention_rows_flops,
+                ..r.clone()
+            };
+            let attention_s =
+                t.compute_seconds - estimate(&spec, &c, &profile, &none).compute_seconds;
+            (r, attention_s)
+        };
+        let (rows, rows_s) = run(128);
+        assert_eq!(rows.step_fused_attention_flops, 0.0);
+        let rate = 91.6e12 * profile.fused_attention_rows_efficiency.expect("measured");
+        let expected = rows.step_fused_attention_rows_flops / rate;
+        assert!(
+            expected > 0.0 && (rows_s / expected - 1.0).abs() < 1e-9,
+            "{rows_s} {expected}"
+        );
+        let (tensor, tensor_s) = run(64);
+        assert_eq!(tensor.step_fused_attention_rows_flops, 0.0);
+        let rate = 362.05e12 * profile.fused_attention_efficiency.expect("measured");
+        let expected = tensor.step_fused_attention_flops / rate;
+        assert!(
+            expected > 0.0 && (tensor_s / expected - 1.0).abs() < 1e-9,
+            "{tensor_s} {expected}"
         );
     }
 }

@@ -14,7 +14,9 @@ use crate::memory::quant::{qlora_chunks, qlora_dequant_transient};
 use crate::memory::tape::{LayerSpan, OpInfo, Role, Tape, TensorId, TensorInfo, Unit};
 use crate::memory::Candidate;
 use crate::profile::{Nf4Dequant, Profile};
-use crate::spec::{AdapterKind, Arch, Attention, Dtype, Loss, Mlp, Norm, Positions, Proj, Spec};
+use crate::spec::{
+    AdapterKind, Arch, Attention, Dtype, GpuSpec, Loss, Mlp, Norm, Positions, Proj, Spec,
+};
 
 /// Where a parameter's bytes live (its role in the step's breakdown).
 #[derive(Clone, Copy)]
@@ -108,20 +110,42 @@ pub const BURN_FLASH_QUERY_BLOCK: u64 = 64;
 /// backend test checks they agree).
 pub const BURN_FLASH_TENSOR_CORE_HEAD_DIM: u64 = 128;
 
+/// Shared memory a block of the executor's tensor-core flash kernels takes
+/// at head dims 16, 32, .., [`BURN_FLASH_TENSOR_CORE_HEAD_DIM`], bytes: the
+/// most of its forward and two backward kernels, at the default launch
+/// (`FlashLaunch::shared_need`; a backend test checks every entry). Each
+/// 16 more of head dim stage 8 KiB more.
+pub const BURN_FLASH_TENSOR_CORE_SHARED_BYTES: [u64; 8] = [
+    66_304, 74_496, 82_688, 90_880, 99_072, 107_264, 115_456, 123_648,
+];
+
 /// Whether the executor's flash attention on CUDA runs its block-product
 /// kernels on tensor cores, whose backward is one pass with an fp32 dQ
-/// accumulator: 16-bit inputs and head dims in 16s up to
-/// [`BURN_FLASH_TENSOR_CORE_HEAD_DIM`] (`FlashLaunch::kernels`). Otherwise
-/// the `Rows` kernels run, in two passes.
-pub fn burn_flash_one_pass(act: Dtype, head_dim: u64) -> bool {
-    matches!(act, Dtype::Bf16 | Dtype::Fp16)
+/// accumulator (`FlashLaunch::kernels`): 16-bit inputs, head dims in 16s up
+/// to [`BURN_FLASH_TENSOR_CORE_HEAD_DIM`], and a block of the kernels
+/// within `gpu`'s shared memory ([`BURN_FLASH_TENSOR_CORE_SHARED_BYTES`]:
+/// head dim 128 needs an A100's or an H100's, 64 fits Ada and Volta, none
+/// fits Turing's 64 KiB). Otherwise the `Rows` kernels run, in two passes,
+/// on the CUDA cores.
+pub fn burn_flash_one_pass(act: Dtype, head_dim: u64, gpu: &GpuSpec) -> bool {
+    let takes = matches!(act, Dtype::Bf16 | Dtype::Fp16)
         && head_dim.is_multiple_of(16)
-        && head_dim <= BURN_FLASH_TENSOR_CORE_HEAD_DIM
+        && (16..=BURN_FLASH_TENSOR_CORE_HEAD_DIM).contains(&head_dim);
+    takes
+        && gpu.shared_memory_per_block_bytes.is_none_or(|max| {
+            BURN_FLASH_TENSOR_CORE_SHARED_BYTES[(head_dim / 16 - 1) as usize] <= max
+        })
 }
 
-/// The op name of the executor's fused attention kernels (`burn_flash_attention`), whose
-/// FLOPs the time model prices at `Profile::fused_attention_efficiency`.
+/// The op name of the executor's fused attention kernels on tensor cores
+/// (`burn_flash_attention`), whose FLOPs the time model prices at
+/// `Profile::fused_attention_efficiency`.
 pub const FUSED_ATTENTION_OP: &str = "flash_attention";
+
+/// The op name of the executor's fused attention where its `Rows` kernels run, on the
+/// CUDA cores ([`burn_flash_one_pass`] false), priced at
+/// `Profile::fused_attention_rows_efficiency`.
+pub const FUSED_ATTENTION_ROWS_OP: &str = "flash_attention_rows";
 
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
@@ -1093,13 +1117,13 @@ impl<'a> Builder<'a> {
         // and the projection's saved input are one tensor.
         let out = self.tensor("attn_out", &[self.tokens, width], act, rg);
         let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
-        let o = self.op(
-            FUSED_ATTENTION_OP,
-            &[q, k, v],
-            &[out, lse],
-            &[q, k, v, out, lse],
-        );
-        let one_pass = burn_flash_one_pass(act, hd);
+        let one_pass = burn_flash_one_pass(act, hd, &self.spec.hardware.gpu);
+        let name = if one_pass {
+            FUSED_ATTENTION_OP
+        } else {
+            FUSED_ATTENTION_ROWS_OP
+        };
+        let o = self.op(name, &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
         let info = &mut self.tape.ops[o];
         info.flops = score_flops;
         if one_pass {

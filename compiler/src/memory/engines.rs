@@ -855,7 +855,7 @@ mod tests {
         };
         assert_eq!(at_forward_end(&c), at_forward_end(&ckpt));
         assert_eq!(at_forward_end(&ckpt) - shards, total);
-        let work = |c: &Candidate| super::super::tape_work(&tape_of(&s, c)).0;
+        let work = |c: &Candidate| super::super::tape_work(&tape_of(&s, c)).flops;
         assert!(work(&ckpt) > work(&c));
         // fp32 weights: ZeRO keeps its own fp32 partition besides them.
         let fp32 = spec("deepspeed", "{ params = fp32 compute = fp32 }", 1);

@@ -208,6 +208,10 @@ pub struct MemoryReport {
     /// (`flash_attention` ops), which run at `Profile::fused_attention_efficiency`.
     #[serde(skip_serializing_if = "is_zero_f64")]
     pub step_fused_attention_flops: f64,
+    /// Of `step_flops`, those of the fused attention's `Rows` kernels on the CUDA cores
+    /// (`flash_attention_rows` ops), at `Profile::fused_attention_rows_efficiency`.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub step_fused_attention_rows_flops: f64,
     /// Bytes moved by memory-bound ops in one micro-step.
     pub step_bytes_moved: f64,
     /// Kernels launched by one micro-step (forward, recompute, backward).
@@ -618,7 +622,7 @@ fn evaluate_stage(
         };
         (p.bytes, location, categories(&p))
     });
-    let (flops, fused_flops, moved, kernels) = tape_work(&tape);
+    let work = tape_work(&tape);
     // The allocator's pool beyond the reported peak (CubeCL keeps the pages it grew): a
     // measured factor of the highest bytes in use at any op (transients included), larger
     // when layers are recomputed, minus what the reported peak already counts.
@@ -661,10 +665,11 @@ fn evaluate_stage(
         reserve_pool_bytes: pool,
         params_total: total,
         params_trainable: trainable_count,
-        step_flops: flops,
-        step_fused_attention_flops: fused_flops,
-        step_bytes_moved: moved,
-        step_kernels: kernels,
+        step_flops: work.flops,
+        step_fused_attention_flops: work.fused_flops,
+        step_fused_attention_rows_flops: work.fused_rows_flops,
+        step_bytes_moved: work.moved,
+        step_kernels: work.kernels,
         units: unit_bytes,
         resident_param_bytes: tape
             .tensors
@@ -943,13 +948,20 @@ fn param_counts(tape: &tape::Tape) -> (u64, u64) {
     (total, trainable)
 }
 
-/// FLOPs (forward, backward and recompute), bytes moved and kernels launched by one
-/// micro-step.
-fn tape_work(tape: &tape::Tape) -> (f64, f64, f64, u64) {
-    let mut flops = 0.0;
-    let mut fused = 0.0;
-    let mut moved = 0.0;
-    let mut kernels = 0u64;
+/// What one micro-step does (forward, backward and recompute), from its tape.
+#[derive(Default)]
+struct Work {
+    flops: f64,
+    /// Of `flops`, the fused attention's on tensor cores, and its `Rows` kernels'.
+    fused_flops: f64,
+    fused_rows_flops: f64,
+    /// Bytes moved by memory-bound ops.
+    moved: f64,
+    kernels: u64,
+}
+
+fn tape_work(tape: &tape::Tape) -> Work {
+    let mut w = Work::default();
     let kept = tape.kept_mask();
     for (i, op) in tape.ops.iter().enumerate() {
         // A kept output's op does not run again in the recompute (a kept gathered weight is
@@ -960,23 +972,25 @@ fn tape_work(tape: &tape::Tape) -> (f64, f64, f64, u64) {
                 .iter()
                 .any(|o| kept[o.0 as usize] && tape.tensor(*o).role != tape::Role::Gathered);
         let fwd_times = if recomputed { 2.0 } else { 1.0 };
-        kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
+        w.kernels += fwd_times as u64 + 2 * op.has_backward(tape) as u64;
         let op_flops = op.flops * fwd_times
             + if op.has_backward(tape) {
                 op.bwd_flops
             } else {
                 0.0
             };
-        flops += op_flops;
+        w.flops += op_flops;
         if op.name == build::FUSED_ATTENTION_OP {
-            fused += op_flops;
+            w.fused_flops += op_flops;
+        } else if op.name == build::FUSED_ATTENTION_ROWS_OP {
+            w.fused_rows_flops += op_flops;
         }
         if op.flops == 0.0 {
             // Forward (and recompute), and about as many bytes again in the backward.
-            moved += op.bytes_moved * (fwd_times + 1.0);
+            w.moved += op.bytes_moved * (fwd_times + 1.0);
         }
     }
-    (flops, fused, moved, kernels)
+    w
 }
 
 /// Keep one sample per run of (phase, layer): the highest.

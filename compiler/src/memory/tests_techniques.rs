@@ -298,20 +298,23 @@ fn flash_on_burn_keeps_nothing_quadratic() {
 }
 
 /// The executor's flash backward on tensor cores (16-bit compute, head dims in 16s up to
-/// 128) runs in one pass, adding dQ up in an fp32 `[b, h, s, d]` accumulator and reading the
-/// rows' fp32 D `[b, h, s]` while it runs (`backend/src/kernels/flash/scratch.rs`): backward
-/// scratch, 5 block products (2.5 x the forward's). In fp32 the `Rows` kernels run two
-/// atomics-free passes: no scratch, 7 products.
+/// 128, a block of the kernels within the GPU's shared memory) runs in one pass, adding dQ
+/// up in an fp32 `[b, h, s, d]` accumulator and reading the rows' fp32 D `[b, h, s]` while
+/// it runs (`backend/src/kernels/flash/scratch.rs`): backward scratch, 5 block products
+/// (2.5 x the forward's). Otherwise (fp32; head dim 128 on an L40S's 99 KiB) the `Rows`
+/// kernels run two atomics-free passes: no scratch, 7 products, under their own op name.
 #[test]
 fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
-    use crate::memory::build::{Builder, FUSED_ATTENTION_OP};
+    use crate::memory::build::{Builder, FUSED_ATTENTION_OP, FUSED_ATTENTION_ROWS_OP};
     use crate::spec::{Attention, Dtype};
-    let op = |compute: Dtype| {
+    let op = |compute: Dtype, gpu: &str, head_dim: u64| {
         let mut spec = SpecBuilder::new()
             .target(Target::Burn)
             .layers(2)
+            .head_dim(head_dim)
             .precision(Dtype::Fp32, compute, None)
             .build();
+        spec.hardware.gpu = crate::catalog::gpu(gpu).expect("a catalog GPU").spec();
         spec.train.attention = Attention::Flash;
         let c = cand(&[]);
         let tape = Builder::new(&spec, &Profile::burn(), &c)
@@ -320,19 +323,29 @@ fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
         let o = tape
             .ops
             .iter()
-            .find(|o| o.name == FUSED_ATTENTION_OP)
+            .find(|o| o.name == FUSED_ATTENTION_OP || o.name == FUSED_ATTENTION_ROWS_OP)
             .expect("a flash op")
             .clone();
         let m = &spec.model;
         let rows = c.micro_batch * m.heads * spec.train.seq_len;
         (o, rows * m.head_dim, rows)
     };
-    let (bf16, q_elems, rows) = op(Dtype::Bf16);
-    assert_eq!(bf16.bwd_workspace, 4 * q_elems + 4 * rows);
-    assert_eq!(bf16.bwd_flops, 2.5 * bf16.flops);
-    let (fp32, _, _) = op(Dtype::Fp32);
-    assert_eq!(fp32.bwd_workspace, 0);
-    assert_eq!(fp32.bwd_flops, 3.5 * fp32.flops);
+    for (gpu, d) in [("h100-80gb", 64), ("h100-80gb", 128), ("l40s-48gb", 64)] {
+        let (bf16, q_elems, rows) = op(Dtype::Bf16, gpu, d);
+        assert_eq!(bf16.name, FUSED_ATTENTION_OP, "{gpu} d{d}");
+        assert_eq!(bf16.bwd_workspace, 4 * q_elems + 4 * rows, "{gpu} d{d}");
+        assert_eq!(bf16.bwd_flops, 2.5 * bf16.flops);
+    }
+    for (compute, gpu, d) in [
+        (Dtype::Fp32, "h100-80gb", 64),
+        (Dtype::Bf16, "l40s-48gb", 128),
+        (Dtype::Fp16, "rtx6000-24gb", 64),
+    ] {
+        let (rows, _, _) = op(compute, gpu, d);
+        assert_eq!(rows.name, FUSED_ATTENTION_ROWS_OP, "{compute:?} {gpu} d{d}");
+        assert_eq!(rows.bwd_workspace, 0);
+        assert_eq!(rows.bwd_flops, 3.5 * rows.flops);
+    }
 }
 
 /// Attention dropout on Burn: the selective core saves its 1-byte mask per score in

@@ -163,6 +163,10 @@ pub struct Profile {
     /// (`attention = flash`) reach on their block products, when it differs from
     /// `matmul_efficiency`'s.
     pub fused_attention_efficiency: Option<f64>,
+    /// Fraction of the GPU's fp32 CUDA-core rate (`GpuSpec::cuda_core_tflops`) the
+    /// executor's `Rows` attention kernels reach, where its tensor-core kernels do not run
+    /// (`burn_flash_one_pass`); `None`: `fused_attention_efficiency`'s rate.
+    pub fused_attention_rows_efficiency: Option<f64>,
     /// Fraction of the memory bandwidth element-wise ops reach.
     pub bandwidth_efficiency: f64,
     /// Fixed time per step (optimizer launch, Python overhead), seconds.
@@ -279,6 +283,7 @@ impl Profile {
             // at 1.03 (range 0.67-1.38).
             matmul_efficiency: 0.42,
             fused_attention_efficiency: None,
+            fused_attention_rows_efficiency: None,
             bandwidth_efficiency: 0.8,
             step_overhead_s: 0.015,
             // Eager PyTorch dispatch + launch, ~10 us a kernel (groundtruth llama1b_b1_accum4:
@@ -393,6 +398,12 @@ impl Profile {
             // them 6.5 times too fast: the 350M flash plan predicted 0.227 s a step against
             // 0.314 s measured.
             fused_attention_efficiency: Some(0.020),
+            // The `Rows` kernels on an H200 (2026-11-28f, docs/flash-attention.md): 7.307 ms
+            // forward and 20.939 ms backward at the 350M shape, 34.4 GFLOP forward and 3.5
+            // times that backward as the model counts them, 5.48 TFLOP/s in all: 0.082 of
+            // the CUDA cores' 66.9 TFLOP/s. Scalar FMAs scale with those, not with the tensor
+            // cores (an L40S has 1.4 times an H100's, at 0.37 times its bf16 rate).
+            fused_attention_rows_efficiency: Some(0.082),
             bandwidth_efficiency: 1.0,
             step_overhead_s: 0.02,
             // CubeCL launches (fused element-wise kernels are fewer than PyTorch's).

@@ -73,12 +73,7 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<HardwareSpec> {
                 .require(cx, "bandwidth")
                 .and_then(|v| values::bandwidth(cx, v, "bandwidth"));
             Some((
-                GpuSpec {
-                    name: "custom".into(),
-                    memory_bytes: memory?,
-                    bf16_tflops: tflops?,
-                    bandwidth_bytes_per_s: bw?,
-                },
+                GpuSpec::custom("custom", memory?, tflops?, bw?),
                 CUSTOM_INTRA_NODE_BYTES_PER_S,
                 CUSTOM_INTER_NODE_BYTES_PER_S,
                 None,

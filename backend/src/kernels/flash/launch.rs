@@ -960,29 +960,52 @@ mod tests {
         assert!(!short.register_forward_runs() && !short.register_backward_runs());
     }
 
-    /// The memory model charges the one-pass backward's fp32 dQ
-    /// accumulator where the kernels run it (given fp32 atomic adds, which
-    /// CUDA has).
+    /// The memory model charges the one-pass backward's fp32 dQ accumulator where the
+    /// kernels run it (given fp32 atomic adds, which CUDA has): by type, head dim and each
+    /// catalog GPU's shared memory a block, whose need it tabulates.
     #[test]
     fn the_memory_model_knows_where_the_backward_runs_in_one_pass() {
-        use rcoa_compiler::memory::build::{burn_flash_one_pass, BURN_FLASH_TENSOR_CORE_HEAD_DIM};
-        use rcoa_compiler::spec::Dtype;
+        use rcoa_compiler::memory::build::{
+            burn_flash_one_pass, BURN_FLASH_TENSOR_CORE_HEAD_DIM,
+            BURN_FLASH_TENSOR_CORE_SHARED_BYTES,
+        };
+        use rcoa_compiler::spec::{Dtype, GpuSpec};
         assert_eq!(
             MAX_TENSOR_CORE_HEAD_DIM as u64,
             BURN_FLASH_TENSOR_CORE_HEAD_DIM
         );
+        for kind in [FloatKind::BF16, FloatKind::F16] {
+            let need: Vec<u64> = (16..=MAX_TENSOR_CORE_HEAD_DIM)
+                .step_by(16)
+                .map(|d| launch(d, kind).shared_need() as u64)
+                .collect();
+            assert_eq!(need, BURN_FLASH_TENSOR_CORE_SHARED_BYTES, "{kind:?}");
+        }
         let kinds = [
             (FloatKind::BF16, Dtype::Bf16),
             (FloatKind::F16, Dtype::Fp16),
             (FloatKind::F32, Dtype::Fp32),
         ];
-        for (kind, dtype) in kinds {
-            for d in [16, 24, 64, 100, 128, 144, 256] {
-                assert_eq!(
-                    launch(d, kind).one_pass(),
-                    burn_flash_one_pass(dtype, d as u64),
-                    "{kind:?} d{d}"
-                );
+        let catalog = &rcoa_compiler::catalog::catalog().gpus;
+        let gpus = catalog.iter().map(|g| g.spec());
+        let custom = GpuSpec::custom("custom", 1 << 30, 1.0, 1e10);
+        for gpu in gpus.chain([custom]) {
+            let max_shared = gpu
+                .shared_memory_per_block_bytes
+                .map_or(usize::MAX, |b| b as usize);
+            for (kind, dtype) in kinds {
+                for d in [16, 24, 64, 80, 96, 100, 128, 144, 256] {
+                    let cfg = FlashLaunch {
+                        max_shared,
+                        ..launch(d, kind)
+                    };
+                    assert_eq!(
+                        cfg.one_pass(),
+                        burn_flash_one_pass(dtype, d as u64, &gpu),
+                        "{} {kind:?} d{d}",
+                        gpu.name
+                    );
+                }
             }
         }
         let mut rows = launch(64, FloatKind::BF16);
