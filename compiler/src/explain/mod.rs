@@ -123,9 +123,30 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
     }
     if profile.fused(spec.train.attention) {
         let why = if profile.fused_attention {
-            "fused kernel: no [batch, heads, seq, seq] scores are kept (math backend when fp32 with grouped-query attention)"
+            "fused kernel: no [batch, heads, seq, seq] scores are kept (math backend when fp32 with grouped-query attention)".to_string()
         } else {
-            "rcoa's fused kernel: q, k, v, the output and an fp32 log-sum-exp are kept, no [batch, heads, seq, seq] scores"
+            let kept = "rcoa's fused kernel: q, k, v, the output and an fp32 log-sum-exp are kept, no [batch, heads, seq, seq] scores";
+            match crate::memory::build::burn_flash_rows_why(
+                spec.precision.compute,
+                spec.model.head_dim,
+                &spec.hardware.gpu,
+            ) {
+                None => format!(
+                    "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator"
+                ),
+                Some(why) => {
+                    let rate = profile
+                        .fused_attention_rows_efficiency
+                        .map(|e| {
+                            format!(
+                                ", priced at {:.1} TFLOP/s",
+                                e * spec.hardware.gpu.cuda_core_tflops()
+                            )
+                        })
+                        .unwrap_or_default();
+                    format!("{kept}; {why}, so its Rows kernels run on the CUDA cores: two passes, no dQ accumulator{rate}")
+                }
+            }
         };
         log.push(Decision::new(
             "model",
@@ -139,6 +160,18 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
             format!(
                 "{}: the [batch, heads, seq, seq] scores and softmax are saved per layer",
                 profile.name
+            ),
+        ));
+    }
+    let gpu = &spec.hardware.gpu;
+    if p.compute == crate::spec::Dtype::Bf16 && !gpu.bf16_tensor_cores {
+        log.push(Decision::new(
+            "model",
+            format!("bf16 matmuls at {:.1} TFLOP/s", gpu.dense_tflops(p.compute)),
+            format!(
+                "{} has no bf16 tensor cores, so bf16 runs on its CUDA cores; compute = fp16 runs on its tensor cores at {:.1} TFLOP/s",
+                gpu.name,
+                gpu.dense_tflops(crate::spec::Dtype::Fp16)
             ),
         ));
     }

@@ -128,13 +128,35 @@ pub const BURN_FLASH_TENSOR_CORE_SHARED_BYTES: [u64; 8] = [
 /// fits Turing's 64 KiB). Otherwise the `Rows` kernels run, in two passes,
 /// on the CUDA cores.
 pub fn burn_flash_one_pass(act: Dtype, head_dim: u64, gpu: &GpuSpec) -> bool {
-    let takes = matches!(act, Dtype::Bf16 | Dtype::Fp16)
-        && head_dim.is_multiple_of(16)
-        && (16..=BURN_FLASH_TENSOR_CORE_HEAD_DIM).contains(&head_dim);
-    takes
-        && gpu.shared_memory_per_block_bytes.is_none_or(|max| {
-            BURN_FLASH_TENSOR_CORE_SHARED_BYTES[(head_dim / 16 - 1) as usize] <= max
-        })
+    burn_flash_rows_why(act, head_dim, gpu).is_none()
+}
+
+/// Why the executor's flash attention runs its `Rows` kernels, not the tensor-core ones
+/// ([`burn_flash_one_pass`]); `None` where the tensor-core kernels run.
+pub fn burn_flash_rows_why(act: Dtype, head_dim: u64, gpu: &GpuSpec) -> Option<String> {
+    if !matches!(act, Dtype::Bf16 | Dtype::Fp16) {
+        return Some(format!(
+            "the tensor-core kernels take 16-bit inputs, not {}",
+            act.as_str()
+        ));
+    }
+    if !head_dim.is_multiple_of(16) || !(16..=BURN_FLASH_TENSOR_CORE_HEAD_DIM).contains(&head_dim) {
+        return Some(format!(
+            "the tensor-core kernels take head dims in 16s up to \
+             {BURN_FLASH_TENSOR_CORE_HEAD_DIM}, not {head_dim}"
+        ));
+    }
+    let need = BURN_FLASH_TENSOR_CORE_SHARED_BYTES[(head_dim / 16 - 1) as usize];
+    match gpu.shared_memory_per_block_bytes {
+        Some(max) if need > max => Some(format!(
+            "at head dim {head_dim} a block of the tensor-core kernels takes {} KiB of shared \
+             memory, more than the {} KiB {} gives one",
+            need.div_ceil(1024),
+            max / 1024,
+            gpu.name
+        )),
+        _ => None,
+    }
 }
 
 /// The op name of the executor's fused attention kernels on tensor cores
