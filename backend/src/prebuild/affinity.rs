@@ -35,6 +35,9 @@ struct State {
     holders: Vec<usize>,
     /// Per slot: the sets its worker holds a precompiled header for.
     held: Vec<Vec<usize>>,
+    /// Per set: whether some worker wrote its precompiled header, the worker
+    /// alive or not (the kernels it compiled read it).
+    written: Vec<bool>,
     /// Whether NVRTC writes precompiled headers at all (12.8 and later).
     precompile: bool,
     /// Precompiled headers asked for, over all workers.
@@ -65,6 +68,7 @@ impl HeaderAffinity {
                 queue: (0..sets.len()).collect(),
                 set,
                 holders: vec![0; left.len()],
+                written: vec![false; left.len()],
                 left,
                 held: vec![Vec::new(); slots.max(1)],
                 precompile,
@@ -97,6 +101,7 @@ impl HeaderAffinity {
         if write {
             s.held[slot].push(set);
             s.holders[set] += 1;
+            s.written[set] = true;
             s.writes += 1;
         }
         s.left[set] -= 1;
@@ -112,14 +117,12 @@ impl HeaderAffinity {
         }
     }
 
-    /// Distinct header sets some worker precompiled, and precompiled
-    /// headers asked for in all (a worker writes one per set it holds).
+    /// Distinct header sets some worker precompiled (one that died since
+    /// included), and precompiled headers asked for in all (a worker writes
+    /// one per set it holds).
     pub(super) fn headers(&self) -> (usize, usize) {
         let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut sets: Vec<usize> = s.held.iter().flatten().copied().collect();
-        sets.sort_unstable();
-        sets.dedup();
-        (sets.len(), s.writes)
+        (s.written.iter().filter(|&&w| w).count(), s.writes)
     }
 }
 
@@ -207,7 +210,8 @@ mod tests {
         let a = HeaderAffinity::new(&['x'; 8], 2, true);
         assert_eq!(a.next(0), Some((0, true)));
         a.lost(0);
-        assert_eq!(a.headers(), (0, 1));
+        // The set was precompiled, for the kernel the lost worker compiled.
+        assert_eq!(a.headers(), (1, 1));
         // Seven left, no holder: slot 0's new worker writes its own.
         assert_eq!(a.next(0), Some((1, true)));
         assert_eq!(a.headers(), (1, 2));
