@@ -52,6 +52,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 fn gpu_table(gpus: &[GpuEntry]) -> String {
     let header = [
         "NAME",
+        "SM",
         "MEMORY",
         "BYTES",
         "BF16 TFLOP/S",
@@ -70,6 +71,7 @@ fn gpu_table(gpus: &[GpuEntry]) -> String {
         .map(|g| {
             vec![
                 g.name.clone(),
+                g.sm.to_string(),
                 format!("{:.2} GiB", g.memory_bytes as f64 / GIB),
                 g.memory_bytes.to_string(),
                 format!("{:.1}", g.bf16_tflops),
@@ -86,7 +88,7 @@ fn gpu_table(gpus: &[GpuEntry]) -> String {
         })
         .collect();
     // Left-aligned: names and text; the rest are numbers.
-    table(&header, rows, &[0, 7, 12])
+    table(&header, rows, &[0, 8, 13])
 }
 
 fn model_table(models: &[ModelEntry]) -> String {

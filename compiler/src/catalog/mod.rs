@@ -27,6 +27,8 @@ pub struct GpuEntry {
     pub name: String,
     /// The product this entry stands for, e.g. `NVIDIA H100 80GB HBM3 (SXM5)`.
     pub product: String,
+    /// CUDA compute capability x 10 (`sm_90`: 90).
+    pub sm: u32,
     /// Device memory as PyTorch reports it (`total_memory`), bytes.
     pub memory_bytes: u64,
     /// Where `memory_bytes` comes from (measured, or as reported).
@@ -135,6 +137,7 @@ struct GpuFile {
 struct RawGpu {
     name: String,
     product: String,
+    sm: u32,
     memory_mib: u64,
     memory_source: String,
     bf16_tflops: f64,
@@ -191,6 +194,7 @@ fn parse(gpus: &str, models: &str) -> Result<Catalog, String> {
         .map(|g| GpuEntry {
             name: g.name,
             product: g.product,
+            sm: g.sm,
             memory_bytes: g.memory_mib * MIB,
             memory_source: g.memory_source,
             bf16_tflops: g.bf16_tflops,

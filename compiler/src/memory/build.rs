@@ -121,7 +121,8 @@ pub const BURN_FLASH_TENSOR_CORE_SHARED_BYTES: [u64; 8] = [
 
 /// Whether the executor's flash attention on CUDA runs its block-product
 /// kernels on tensor cores, whose backward is one pass with an fp32 dQ
-/// accumulator (`FlashLaunch::kernels`): 16-bit inputs, head dims in 16s up
+/// accumulator (`FlashLaunch::kernels`): 16-bit inputs the GPU's tensor
+/// cores take (bf16 from Ampere on), head dims in 16s up
 /// to [`BURN_FLASH_TENSOR_CORE_HEAD_DIM`], and a block of the kernels
 /// within `gpu`'s shared memory ([`BURN_FLASH_TENSOR_CORE_SHARED_BYTES`]:
 /// head dim 128 needs an A100's or an H100's, 64 fits Ada and Volta, none
@@ -139,6 +140,9 @@ pub fn burn_flash_rows_why(act: Dtype, head_dim: u64, gpu: &GpuSpec) -> Option<S
             "the tensor-core kernels take 16-bit inputs, not {}",
             act.as_str()
         ));
+    }
+    if act == Dtype::Bf16 && !gpu.bf16_tensor_cores {
+        return Some(format!("{} has no bf16 tensor cores", gpu.name));
     }
     if !head_dim.is_multiple_of(16) || !(16..=BURN_FLASH_TENSOR_CORE_HEAD_DIM).contains(&head_dim) {
         return Some(format!(

@@ -301,8 +301,9 @@ fn flash_on_burn_keeps_nothing_quadratic() {
 /// 128, a block of the kernels within the GPU's shared memory) runs in one pass, adding dQ
 /// up in an fp32 `[b, h, s, d]` accumulator and reading the rows' fp32 D `[b, h, s]` while
 /// it runs (`backend/src/kernels/flash/scratch.rs`): backward scratch, 5 block products
-/// (2.5 x the forward's). Otherwise (fp32; head dim 128 on an L40S's 99 KiB) the `Rows`
-/// kernels run two atomics-free passes: no scratch, 7 products, under their own op name.
+/// (2.5 x the forward's). Otherwise (fp32; head dim 128 on an L40S's 99 KiB; bf16 on a
+/// V100) the `Rows` kernels run two atomics-free passes: no scratch, 7 products, under
+/// their own op name.
 #[test]
 fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
     use crate::memory::build::{Builder, FUSED_ATTENTION_OP, FUSED_ATTENTION_ROWS_OP};
@@ -330,16 +331,23 @@ fn flash_on_burn_charges_the_one_pass_dq_accumulator_where_it_runs() {
         let rows = c.micro_batch * m.heads * spec.train.seq_len;
         (o, rows * m.head_dim, rows)
     };
-    for (gpu, d) in [("h100-80gb", 64), ("h100-80gb", 128), ("l40s-48gb", 64)] {
-        let (bf16, q_elems, rows) = op(Dtype::Bf16, gpu, d);
-        assert_eq!(bf16.name, FUSED_ATTENTION_OP, "{gpu} d{d}");
-        assert_eq!(bf16.bwd_workspace, 4 * q_elems + 4 * rows, "{gpu} d{d}");
-        assert_eq!(bf16.bwd_flops, 2.5 * bf16.flops);
+    for (compute, gpu, d) in [
+        (Dtype::Bf16, "h100-80gb", 64),
+        (Dtype::Bf16, "h100-80gb", 128),
+        (Dtype::Bf16, "l40s-48gb", 64),
+        (Dtype::Fp16, "v100-32gb", 64),
+    ] {
+        let (tc, q_elems, rows) = op(compute, gpu, d);
+        assert_eq!(tc.name, FUSED_ATTENTION_OP, "{gpu} d{d}");
+        assert_eq!(tc.bwd_workspace, 4 * q_elems + 4 * rows, "{gpu} d{d}");
+        assert_eq!(tc.bwd_flops, 2.5 * tc.flops);
     }
     for (compute, gpu, d) in [
         (Dtype::Fp32, "h100-80gb", 64),
         (Dtype::Bf16, "l40s-48gb", 128),
         (Dtype::Fp16, "rtx6000-24gb", 64),
+        // A V100's 96 KiB take head dim 64, but it has no bf16 tensor cores.
+        (Dtype::Bf16, "v100-32gb", 64),
     ] {
         let (rows, _, _) = op(compute, gpu, d);
         assert_eq!(rows.name, FUSED_ATTENTION_ROWS_OP, "{compute:?} {gpu} d{d}");

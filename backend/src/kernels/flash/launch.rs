@@ -320,21 +320,26 @@ impl FlashDims {
 /// Whether `client`'s device multiplies 16 × 16 × 16 tiles of `dtype` into
 /// fp32 on tensor cores (`cmma`).
 pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
-    let f32_ty = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-    let tile = TILE as u32;
     client
         .properties()
         .features
         .matmul
         .cmma
-        .contains(&cubecl::ir::features::MmaConfig {
-            a_type: dtype,
-            b_type: dtype,
-            cd_type: f32_ty,
-            m: tile,
-            n: tile,
-            k: tile,
-        })
+        .contains(&tensor_core_tile(dtype))
+}
+
+/// The `cmma` tile the tensor-core kernels multiply: `dtype` inputs, fp32
+/// accumulators, [`TILE`] on each side.
+pub(crate) fn tensor_core_tile(dtype: StorageType) -> cubecl::ir::features::MmaConfig {
+    let tile = TILE as u32;
+    cubecl::ir::features::MmaConfig {
+        a_type: dtype,
+        b_type: dtype,
+        cd_type: StorageType::Scalar(ElemType::Float(FloatKind::F32)),
+        m: tile,
+        n: tile,
+        k: tile,
+    }
 }
 
 /// Whether `client`'s device adds fp32 values to memory atomically, as the
@@ -960,16 +965,17 @@ mod tests {
         assert!(!short.register_forward_runs() && !short.register_backward_runs());
     }
 
-    /// The memory model charges the one-pass backward's fp32 dQ accumulator where the
-    /// kernels run it (given fp32 atomic adds, which CUDA has): by type, head dim and each
-    /// catalog GPU's shared memory a block, whose need it tabulates.
+    /// The memory model tabulates the shared memory a block of the tensor-core kernels
+    /// takes at each head dim, and charges the one-pass backward's fp32 dQ accumulator
+    /// where they run: by type and head dim on a GPU whose shared memory it does not know
+    /// (a custom one), where it assumes they fit.
     #[test]
     fn the_memory_model_knows_where_the_backward_runs_in_one_pass() {
         use rcoa_compiler::memory::build::{
             burn_flash_one_pass, BURN_FLASH_TENSOR_CORE_HEAD_DIM,
             BURN_FLASH_TENSOR_CORE_SHARED_BYTES,
         };
-        use rcoa_compiler::spec::{Dtype, GpuSpec};
+        use rcoa_compiler::spec::GpuSpec;
         assert_eq!(
             MAX_TENSOR_CORE_HEAD_DIM as u64,
             BURN_FLASH_TENSOR_CORE_HEAD_DIM
@@ -981,36 +987,72 @@ mod tests {
                 .collect();
             assert_eq!(need, BURN_FLASH_TENSOR_CORE_SHARED_BYTES, "{kind:?}");
         }
-        let kinds = [
-            (FloatKind::BF16, Dtype::Bf16),
-            (FloatKind::F16, Dtype::Fp16),
-            (FloatKind::F32, Dtype::Fp32),
-        ];
-        let catalog = &rcoa_compiler::catalog::catalog().gpus;
-        let gpus = catalog.iter().map(|g| g.spec());
         let custom = GpuSpec::custom("custom", 1 << 30, 1.0, 1e10);
-        for gpu in gpus.chain([custom]) {
-            let max_shared = gpu
-                .shared_memory_per_block_bytes
-                .map_or(usize::MAX, |b| b as usize);
-            for (kind, dtype) in kinds {
-                for d in [16, 24, 64, 80, 96, 100, 128, 144, 256] {
-                    let cfg = FlashLaunch {
-                        max_shared,
-                        ..launch(d, kind)
-                    };
-                    assert_eq!(
-                        cfg.one_pass(),
-                        burn_flash_one_pass(dtype, d as u64, &gpu),
-                        "{} {kind:?} d{d}",
-                        gpu.name
-                    );
-                }
+        for (kind, dtype) in KINDS {
+            for d in HEAD_DIMS {
+                let cfg = FlashLaunch {
+                    max_shared: usize::MAX,
+                    ..launch(d, kind)
+                };
+                assert_eq!(
+                    cfg.one_pass(),
+                    burn_flash_one_pass(dtype, d as u64, &custom),
+                    "{kind:?} d{d}"
+                );
             }
         }
         let mut rows = launch(64, FloatKind::BF16);
         rows.kernels = FlashKernels::Rows;
         assert!(!rows.one_pass(), "the Rows kernels have two passes only");
+    }
+
+    const KINDS: [(FloatKind, rcoa_compiler::spec::Dtype); 3] = [
+        (FloatKind::BF16, rcoa_compiler::spec::Dtype::Bf16),
+        (FloatKind::F16, rcoa_compiler::spec::Dtype::Fp16),
+        (FloatKind::F32, rcoa_compiler::spec::Dtype::Fp32),
+    ];
+    const HEAD_DIMS: [usize; 9] = [16, 24, 64, 80, 96, 100, 128, 144, 256];
+
+    /// On every catalog GPU the executor and the memory model pick the same flash kernels.
+    /// The executor's choice is made as on the device: tensor cores where CUDA's runtime
+    /// registers the type's `cmma` tile for the GPU's compute capability, within the
+    /// shared memory it reports (`fused::launch_config`, `FlashLaunch::kernels`). The
+    /// catalog's shared memory and bf16 tensor cores are checked against the same tables.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_memory_model_knows_which_flash_kernels_run_on_each_catalog_gpu() {
+        use cubecl::cuda::prebuild::{max_shared_memory, wmma_combinations};
+        use rcoa_compiler::memory::build::burn_flash_one_pass;
+        for g in &rcoa_compiler::catalog::catalog().gpus {
+            let shared = max_shared_memory(g.sm);
+            assert_eq!(shared as u64, g.shared_memory_per_block_bytes, "{}", g.name);
+            let wmma = wmma_combinations(g.sm);
+            let cmma = |kind| {
+                wmma.contains(&tensor_core_tile(StorageType::Scalar(ElemType::Float(
+                    kind,
+                ))))
+            };
+            assert_eq!(cmma(FloatKind::BF16), g.bf16_tensor_cores, "{}", g.name);
+            assert!(cmma(FloatKind::F16), "{}", g.name);
+            let spec = g.spec();
+            for (kind, dtype) in KINDS {
+                for d in HEAD_DIMS {
+                    let mut cfg = FlashLaunch {
+                        max_shared: shared,
+                        ..launch(d, kind)
+                    };
+                    if !cmma(kind) {
+                        cfg.kernels = FlashKernels::Rows;
+                    }
+                    assert_eq!(
+                        cfg.one_pass(),
+                        burn_flash_one_pass(dtype, d as u64, &spec),
+                        "{} {kind:?} d{d}",
+                        g.name
+                    );
+                }
+            }
+        }
     }
 
     #[test]

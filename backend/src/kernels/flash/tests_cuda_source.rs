@@ -641,3 +641,54 @@ fn the_rows_kernels_keep_their_rows_in_registers_where_they_fit() {
         }
     }
 }
+
+/// The `cmma` tiles CUDA's runtime registers for a GPU (`prebuild::wmma_combinations`,
+/// which the executor's choice of tensor cores reads) are the ones NVRTC compiles for its
+/// architecture: the tensor-core forward at head dim 64 compiles in fp16 from Volta on and
+/// in bf16 from Ampere on. CubeCL's own list claims bf16 on a V100 and a T4, where
+/// the same kernel failed to compile (`fragment<.., __nv_bfloat16, ..>` is incomplete).
+#[test]
+fn tensor_cores_are_registered_where_their_kernels_compile() {
+    let Some(client) = client() else { return };
+    for sm in [70u32, 75, 80, 89, 90] {
+        for kind in [FloatKind::F16, FloatKind::BF16] {
+            let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
+                settings((BLOCK * UNITS_PER_ROW) as u32),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                2,
+                64,
+                BLOCK,
+                UNITS_PER_ROW,
+                true,
+                false,
+                false,
+                true,
+                Products::TensorCores,
+                false,
+                false,
+                8,
+                float(kind),
+            );
+            let built = prebuild::lower_for(kernel, sm).and_then(|k| prebuild::compile(&k));
+            let registered = prebuild::wmma_combinations(sm)
+                .contains(&super::launch::tensor_core_tile(float(kind)));
+            assert_eq!(
+                built.is_ok(),
+                registered,
+                "sm_{sm} {kind:?}: registered {registered}, NVRTC: {}",
+                built.err().unwrap_or_default()
+            );
+        }
+    }
+}

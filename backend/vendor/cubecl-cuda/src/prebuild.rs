@@ -239,13 +239,38 @@ pub fn lower_for<K: cubecl_runtime::kernel::CubeKernel>(
     .lower()
 }
 
+/// The `wmma` shapes and types a GPU of compute capability `sm` compiles,
+/// which `CudaRuntime::client` registers as the device's `cmma` features.
+/// cubecl-cpp's list claims bf16 from 7.0 and 8-bit integers from 7.0, but
+/// CUDA's `mma.h` defines bf16 fragments from 8.0 (NVRTC for `sm_75`:
+/// incomplete type `fragment<matrix_a, 16, 16, 16, __nv_bfloat16, ..>`) and
+/// integer ones from 7.2. Claimed there, a kernel that picks tensor cores by
+/// the features (Burn's matmuls, rcoa's flash attention) fails to compile
+/// on a V100 or a T4 instead of taking its other path.
+pub fn wmma_combinations(sm: u32) -> cubecl_cpp::shared::SupportedMmaCombinations {
+    use cubecl_core::ir::{ElemType, FloatKind, StorageType};
+    use cubecl_cpp::DialectWmmaCompiler;
+    let arch = cubecl_cpp::cuda::arch::CudaArchitecture { version: sm };
+    let compiles = |t: StorageType| match t {
+        StorageType::Scalar(ElemType::Float(FloatKind::BF16)) => sm >= 80,
+        StorageType::Scalar(ElemType::Int(_) | ElemType::UInt(_)) => sm >= 72,
+        _ => true,
+    };
+    crate::WmmaCompiler::supported_wmma_combinations(&arch)
+        .into_iter()
+        .filter(|c| compiles(c.a_type) && compiles(c.b_type))
+        .collect()
+}
+
 /// The opt-in shared memory per block of compute capability `sm` (CUDA's
 /// programming guide, "Technical Specifications per Compute Capability").
-fn max_shared_memory(sm: u32) -> usize {
+pub fn max_shared_memory(sm: u32) -> usize {
     let kib = match sm {
         90.. => 227,
         80 | 87 => 163,
         86 | 89 => 99,
+        70 | 72 => 96,
+        75 => 64,
         _ => 48,
     };
     kib * 1024

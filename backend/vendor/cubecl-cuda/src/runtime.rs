@@ -147,7 +147,8 @@ impl DeviceService for CudaServer {
         let arch = CudaArchitecture {
             version: arch_version,
         };
-        let supported_wmma_combinations = WmmaCompiler::supported_wmma_combinations(&arch);
+        // rcoa patch: only the types CUDA's `mma.h` compiles for this architecture.
+        let supported_wmma_combinations = crate::prebuild::wmma_combinations(arch_version);
         let supported_mma_combinations = WmmaCompiler::supported_mma_combinations(&arch);
         let supported_scaled_mma_combinations =
             WmmaCompiler::supported_scaled_mma_combinations(&arch);
