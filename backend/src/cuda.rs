@@ -36,6 +36,8 @@ use std::path::PathBuf;
 #[derive(Clone, Debug)]
 pub struct CudaInfo {
     pub gpu: String,
+    /// GPU 0's memory, bytes (`cuDeviceTotalMem`, what PyTorch's `total_memory` reads).
+    pub memory_bytes: u64,
     /// e.g. 13000 for CUDA 13.0.
     pub driver_version: i32,
     pub include_dir: PathBuf,
@@ -64,11 +66,13 @@ pub fn preflight() -> Result<CudaInfo, RunError> {
     // Loading the library did not initialise CUDA; `query_driver` will.
     configure_driver_jit_cache();
     let include_dir = compiler()?;
-    let (gpu, driver_version) = unsafe { query_driver(&driver) }.map_err(unavailable)?;
+    let (gpu, memory_bytes, driver_version) =
+        unsafe { query_driver(&driver) }.map_err(unavailable)?;
     // Keep the driver loaded: cudarc opens it again by name.
     std::mem::forget(driver);
     Ok(CudaInfo {
         gpu,
+        memory_bytes,
         driver_version,
         include_dir,
     })
@@ -119,13 +123,15 @@ pub fn compiler() -> Result<PathBuf, RunError> {
     Ok(include_dir)
 }
 
-/// `cuInit`, `cuDriverGetVersion`, `cuDeviceGet(0)`, `cuDeviceGetName`.
-unsafe fn query_driver(lib: &libloading::Library) -> Result<(String, i32), String> {
+/// `cuInit`, `cuDriverGetVersion`, `cuDeviceGet(0)`, `cuDeviceGetName`,
+/// `cuDeviceTotalMem`: the name, memory and driver version.
+unsafe fn query_driver(lib: &libloading::Library) -> Result<(String, u64, i32), String> {
     type Init = unsafe extern "C" fn(u32) -> i32;
     type Version = unsafe extern "C" fn(*mut i32) -> i32;
     type Count = unsafe extern "C" fn(*mut i32) -> i32;
     type Get = unsafe extern "C" fn(*mut i32, i32) -> i32;
     type Name = unsafe extern "C" fn(*mut std::os::raw::c_char, i32, i32) -> i32;
+    type TotalMem = unsafe extern "C" fn(*mut usize, i32) -> i32;
     let sym = |name: &[u8]| {
         format!(
             "libcuda has no {}",
@@ -164,7 +170,12 @@ unsafe fn query_driver(lib: &libloading::Library) -> Result<(String, i32), Strin
     let name = std::ffi::CStr::from_ptr(buf.as_ptr())
         .to_string_lossy()
         .into_owned();
-    Ok((name, v))
+    let total: libloading::Symbol<TotalMem> = lib
+        .get(b"cuDeviceTotalMem_v2\0")
+        .map_err(|_| sym(b"cuDeviceTotalMem_v2\0"))?;
+    let mut bytes = 0usize;
+    total(&mut bytes, dev);
+    Ok((name, bytes as u64, v))
 }
 
 /// The persistent cache directory for this GPU and driver.
@@ -382,6 +393,11 @@ pub(crate) fn run_probed(
         crate::kernel_profile::one_rank(n).map_err(RunError::Unsupported)?;
     }
     let info = preflight()?;
+    if let Some(note) =
+        crate::device_check::plan_gpu_note(&plan.hardware.gpu, &info.gpu, info.memory_bytes)
+    {
+        eprintln!("note: {note}");
+    }
     let dir = cache_dir(&info);
     let cold = configure_cache(&dir)?;
     // CubeCL's pools are fixed when the device is first used: after the caches

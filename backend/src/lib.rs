@@ -26,6 +26,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod device_check;
 pub mod distributed;
 pub mod eval;
 pub mod kernel_cache;

@@ -96,6 +96,23 @@ impl Catalog {
     pub fn model(&self, name: &str) -> Option<&ModelEntry> {
         self.models.iter().find(|m| m.name == name)
     }
+    /// The entry of a GPU as CUDA names it (`cuDeviceGetName`: `NVIDIA H100 80GB
+    /// HBM3`, `Tesla V100-SXM2-32GB`): the one whose product starts with that name
+    /// and a word's end, `NVIDIA ` left off both (an `NVIDIA L40` is no L40S, an
+    /// `NVIDIA H100 PCIe` no SXM5 H100).
+    pub fn gpu_by_device_name(&self, name: &str) -> Option<&GpuEntry> {
+        let strip = |s: &str| s.trim().trim_start_matches("NVIDIA ").to_string();
+        let name = strip(name);
+        if name.is_empty() {
+            return None;
+        }
+        self.gpus.iter().find(|g| {
+            let product = strip(&g.product);
+            product
+                .strip_prefix(&name)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '(']))
+        })
+    }
     pub fn gpu_names(&self) -> impl Iterator<Item = &str> {
         self.gpus.iter().map(|g| g.name.as_str())
     }
@@ -250,6 +267,29 @@ fn parse(gpus: &str, models: &str) -> Result<Catalog, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_is_found_by_the_name_cuda_gives_it() {
+        let c = catalog();
+        let found = |name| c.gpu_by_device_name(name).map(|g| g.name.as_str());
+        assert_eq!(found("NVIDIA H100 80GB HBM3"), Some("h100-80gb"));
+        assert_eq!(found("NVIDIA H200"), Some("h200-141gb"));
+        assert_eq!(found("NVIDIA A100-SXM4-40GB"), Some("a100-40gb"));
+        assert_eq!(found("Tesla V100-SXM2-32GB"), Some("v100-32gb"));
+        assert_eq!(found("Quadro RTX 6000"), Some("rtx6000-24gb"));
+        assert_eq!(found("NVIDIA L40S"), Some("l40s-48gb"));
+        assert_eq!(found("NVIDIA GeForce RTX 4090"), Some("rtx4090-24gb"));
+        // Other products that share a prefix are not these.
+        for other in [
+            "NVIDIA L40",
+            "NVIDIA H100 PCIe",
+            "NVIDIA A100 80GB PCIe",
+            "NVIDIA",
+            "",
+        ] {
+            assert_eq!(found(other), None, "{other}");
+        }
+    }
     use std::collections::BTreeSet;
 
     #[test]
