@@ -297,6 +297,42 @@ fn blocks_estimate(v: &Variant) -> [usize; 3] {
     .blocks_shared_bytes(products)
 }
 
+/// The tensor-core forward kernel of `v`, as launched: 2 16-bit values (a bank) staged at
+/// a time, 16 bytes an asynchronous copy (`launch::async_copy_fits`).
+fn forward_blocks(
+    client: &ComputeClient<WgpuRuntime>,
+    v: &Variant,
+) -> FlashForwardBlocks<WgpuRuntime> {
+    FlashForwardBlocks::<WgpuRuntime>::new(
+        settings((BLOCK * v.units_per_row) as u32),
+        client.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        (),
+        (),
+        2,
+        v.head_dim,
+        BLOCK,
+        v.units_per_row,
+        v.causal,
+        v.padding,
+        v.dropout,
+        true,
+        Products::TensorCores,
+        v.tile_pairs,
+        v.async_copy,
+        8,
+        float(v.kind),
+    )
+}
+
 #[test]
 fn the_tensor_core_forward_compiles_for_an_h100() {
     let Some(client) = client() else { return };
@@ -304,46 +340,16 @@ fn the_tensor_core_forward_compiles_for_an_h100() {
         let Variant {
             kind,
             head_dim,
-            causal,
-            padding,
             dropout,
             units_per_row: split,
             tile_pairs,
             async_copy,
+            ..
         } = v;
         let what = format!(
             "flash_forward_blocks {kind:?} d{head_dim} dropout {dropout} {split} units a row, pairs {tile_pairs}, async {async_copy}"
         );
-        let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
-            settings((BLOCK * split) as u32),
-            client.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            (),
-            (),
-            (),
-            (),
-            // Staged 2 16-bit values (a bank) at a time, as launched.
-            2,
-            head_dim,
-            BLOCK,
-            split,
-            causal,
-            padding,
-            dropout,
-            true,
-            Products::TensorCores,
-            tile_pairs,
-            async_copy,
-            // 16 bytes a copy (`launch::async_copy_fits`).
-            8,
-            float(kind),
-        );
+        let kernel = forward_blocks(&client, &v);
         // Q, K, V and P, their rows padded; S (then P V), rows padded.
         let tiles16 = 3 * BLOCK * staged_ld(head_dim) + BLOCK * (BLOCK + PAD_HALF);
         let tiles32 = BLOCK * (BLOCK.max(head_dim) + PAD_F32);
@@ -652,33 +658,18 @@ fn tensor_cores_are_registered_where_their_kernels_compile() {
     let Some(client) = client() else { return };
     for sm in [70u32, 75, 80, 89, 90] {
         for kind in [FloatKind::F16, FloatKind::BF16] {
-            let kernel = FlashForwardBlocks::<WgpuRuntime>::new(
-                settings((BLOCK * UNITS_PER_ROW) as u32),
-                client.clone(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                (),
-                (),
-                (),
-                (),
-                2,
-                64,
-                BLOCK,
-                UNITS_PER_ROW,
-                true,
-                false,
-                false,
-                true,
-                Products::TensorCores,
-                false,
-                false,
-                8,
-                float(kind),
+            let kernel = forward_blocks(
+                &client,
+                &Variant {
+                    kind,
+                    head_dim: 64,
+                    causal: true,
+                    padding: false,
+                    dropout: false,
+                    units_per_row: UNITS_PER_ROW,
+                    tile_pairs: false,
+                    async_copy: false,
+                },
             );
             let built = prebuild::lower_for(kernel, sm).and_then(|k| prebuild::compile(&k));
             let registered = prebuild::wmma_combinations(sm)
