@@ -437,8 +437,15 @@ impl SyntaxError {
             }
             SyntaxError::UnknownUnit {
                 suggestion: Some(s),
+                word,
                 ..
-            } => format!("units are case-sensitive: did you mean `{s}`?"),
+            } if s.eq_ignore_ascii_case(word) => {
+                format!("units are case-sensitive: did you mean `{s}`?")
+            }
+            SyntaxError::UnknownUnit {
+                suggestion: Some(s),
+                ..
+            } => format!("did you mean `{s}`?"),
             SyntaxError::UnknownUnit { .. } => {
                 "units are K M B T (counts), B KB MB GB TB KiB MiB GiB TiB (sizes), % and Gbps Mbps Tbps GB/s MB/s TB/s".into()
             }

@@ -369,6 +369,9 @@ fn diagnose(source: &str, toks: &[Token], err: &pest::error::Error<Rule>) -> Syn
     let prev_is_number = prev.is_some_and(|t| t.tok == Tok::Number);
     let context = lex::enclosing(toks, found.start);
 
+    if let Some(e) = per_second_unit(source, toks, idx) {
+        return e;
+    }
     match tok_at(idx).map(|t| &t.tok) {
         Some(Tok::Other(ch)) => return SyntaxError::UnexpectedCharacter { at: found, ch: *ch },
         // pest stopped inside a number (`1_`), or a number is followed by
@@ -559,6 +562,34 @@ fn continues_number(word: &str) -> bool {
     let starts_odd = word.starts_with(['.', '_', '-']);
     let bare_exponent = matches!(word, "e" | "E");
     starts_odd || bare_exponent
+}
+
+/// `40 GiB/s`, `5 KB/s`, `10 gb/s`, `7 Mb/s`: a number, a word and `/s`
+/// where pest stopped at the `/` (the word taken as a size unit, or as the
+/// next key) or at the word. The rate is one unknown unit, not a stray `/`.
+fn per_second_unit(source: &str, toks: &[Token], idx: usize) -> Option<SyntaxError> {
+    let at_word = toks.get(idx + 1).is_some_and(|t| t.tok == Tok::Punct('/'));
+    let slash = if at_word { idx + 1 } else { idx };
+    let [number, word, slash, per] =
+        [slash.checked_sub(2)?, slash - 1, slash, slash + 1].map(|i| toks.get(i));
+    let (_, word, _, per) = (
+        number.filter(|t| t.tok == Tok::Number)?,
+        word.filter(|t| matches!(t.tok, Tok::Word { .. }))?,
+        slash.filter(|t| t.tok == Tok::Punct('/'))?,
+        per.filter(|t| matches!(t.tok, Tok::Word { .. }))?,
+    );
+    let at = Span::new(word.span.start, per.span.end);
+    let text = source.get(at.start..at.end)?.to_string();
+    // A lower-case `b` is a bit: `Gb/s` is `Gbps`, not `GB/s` (8 x more).
+    let bits = text
+        .strip_suffix("b/s")
+        .and_then(|prefix| unit_of(&format!("{prefix}bps")))
+        .map(|u| u.as_str());
+    Some(SyntaxError::UnknownUnit {
+        at,
+        suggestion: bits.or_else(|| unit_like(&text)),
+        word: text,
+    })
 }
 
 /// The unit a wrongly-cased word stands for (`gib` → `GiB`), if any.

@@ -44,6 +44,15 @@ golden!(
 golden!(unit_without_number, "fit { budget = GiB }\n");
 golden!(lowercase_unit, "fit { budget = 38 gib }\n");
 golden!(glued_unknown_unit, "hardware { host_memory = 512gigs }\n");
+golden!(
+    binary_bandwidth_unit,
+    "hardware { intra_node = 600 GiB/s }\n"
+);
+golden!(
+    lowercase_bandwidth_unit,
+    "hardware { intra_node = 600 gb/s }\n"
+);
+golden!(bits_per_second_unit, "hardware { inter_node = 400 Gb/s }\n");
 golden!(detached_count_suffix, "train { global_batch = 1 M }\n");
 golden!(uppercase_name, "precision BF16\n");
 golden!(
