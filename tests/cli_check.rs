@@ -228,6 +228,7 @@ fn catalog_gpus_table_and_json() {
         "rtx6000-24gb",
         "l40s-48gb",
         "rtx4090-24gb",
+        "t4-16gb",
     ] {
         assert!(t.lines().any(|l| l.starts_with(g)), "{g} missing:\n{t}");
     }

@@ -279,6 +279,7 @@ mod tests {
         assert_eq!(found("Quadro RTX 6000"), Some("rtx6000-24gb"));
         assert_eq!(found("NVIDIA L40S"), Some("l40s-48gb"));
         assert_eq!(found("NVIDIA GeForce RTX 4090"), Some("rtx4090-24gb"));
+        assert_eq!(found("Tesla T4"), Some("t4-16gb"));
         // Other products that share a prefix are not these.
         for other in [
             "NVIDIA L40",
@@ -324,6 +325,7 @@ mod tests {
             "rtx6000-24gb",
             "l40s-48gb",
             "rtx4090-24gb",
+            "t4-16gb",
         ] {
             assert!(gpu(g).is_some(), "missing GPU {g}");
         }
