@@ -71,6 +71,26 @@ fn presets_give_plans_that_check_and_compile() {
         text(&out.stdout).contains("seq_len      = 1024"),
         "gpt2 has 1024 positions"
     );
+    assert!(!text(&out.stdout).contains("no bf16 tensor cores"));
+    // A GPU without bf16 tensor cores: the plan says what its fp16 ones take.
+    let out = rcoa(&[
+        "init",
+        "--model",
+        "gpt2-small",
+        "--gpu",
+        "t4-16gb",
+        "--global-batch",
+        "8",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let plan = text(&out.stdout);
+    assert!(
+        plan.contains(
+            "# t4-16gb has no bf16 tensor cores: bf16 runs on its CUDA cores (8.1 TFLOP/s).\n\
+             # Its fp16 tensor cores (65.0 TFLOP/s)"
+        ) && plan.contains("\nprecision bf16\n"),
+        "{plan}"
+    );
 }
 
 #[test]

@@ -181,7 +181,25 @@ fn model_line(model: &str, plan_dir: &Path) -> Result<(String, Option<u64>), Str
     Ok((format!("model hf \"{shown}\""), None))
 }
 
+/// A comment above `precision bf16` on a GPU whose bf16 runs on the CUDA cores,
+/// naming its fp16 tensor cores; empty elsewhere.
+fn precision_note(gpu: &catalog::GpuEntry) -> String {
+    if gpu.bf16_tensor_cores {
+        return String::new();
+    }
+    format!(
+        "# {} has no bf16 tensor cores: bf16 runs on its CUDA cores ({:.1} TFLOP/s).\n\
+         # Its fp16 tensor cores ({:.1} TFLOP/s) take fp16 with fp32 weights under\n\
+         # PyTorch's autocast: `precision {{ params = fp32  compute = fp16  master = none }}`\n\
+         # with `target pytorch` (rcoa run has no fp16 loss scaling).\n",
+        gpu.name, gpu.bf16_tflops, gpu.fp16_tflops
+    )
+}
+
 fn plan_text(args: &Args, model_line: &str, seq_len: u64) -> String {
+    let note = catalog::gpu(&args.gpu)
+        .map(precision_note)
+        .unwrap_or_default();
     format!(
         "# Written by `rcoa init`: every choice the compiler can make is `auto`.\n\
          # `rcoa compile THIS.plan --explain` shows what it decides and why.\n\
@@ -189,7 +207,7 @@ fn plan_text(args: &Args, model_line: &str, seq_len: u64) -> String {
          \n\
          hardware {{\n  gpu           = {gpu}\n  gpus_per_node = {gpus}\n  nodes         = {nodes}\n}}\n\
          \n\
-         precision bf16\n\
+         {note}precision bf16\n\
          \n\
          optimizer adamw {{ lr = 2e-5 }}\n\
          \n\
