@@ -271,6 +271,29 @@ fn bf16_plans_run_in_fp32_on_the_cpu_with_a_note() {
     assert!(note.unwrap().contains("fp32"));
 }
 
+/// fp16 runs without loss scaling, and the run says so before it starts; bf16 needs no
+/// note.
+#[test]
+fn fp16_is_noted_for_its_missing_loss_scaling() {
+    let note = |params, compute| {
+        let mut plan = tiny_plan();
+        plan.precision = rcoa_compiler::spec::PrecisionSpec {
+            params,
+            compute,
+            master: Some(Dtype::Fp32),
+            grads: params,
+            autocast: false,
+        };
+        crate::train::Precision::for_plan(&plan, true).unwrap().1
+    };
+    for (params, compute) in [(Dtype::Fp16, Dtype::Fp16), (Dtype::Fp32, Dtype::Fp16)] {
+        let n = note(params, compute).expect("a note");
+        assert!(n.contains("without loss scaling"), "{n}");
+    }
+    assert_eq!(note(Dtype::Bf16, Dtype::Bf16), None);
+    assert_eq!(note(Dtype::Fp32, Dtype::Fp32), None);
+}
+
 #[test]
 fn lowered_plans_round_trip_through_json() {
     let p = tiny_plan();

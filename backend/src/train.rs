@@ -132,7 +132,14 @@ impl Precision {
                 Some(note),
             ));
         }
-        Ok((wanted, None))
+        // PyTorch pairs fp16 with a GradScaler; this executor has none.
+        let fp16 = params == FloatDType::F16 || compute == FloatDType::F16;
+        let note = fp16.then(|| {
+            "fp16 runs without loss scaling here: gradients below fp16's 6e-8 flush to zero and \
+             a loss past 65504 overflows (the run then stops as diverged); bf16 has fp32's range"
+                .to_string()
+        });
+        Ok((wanted, note))
     }
 }
 
