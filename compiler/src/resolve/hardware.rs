@@ -2,7 +2,8 @@
 //!
 //! `gpu` is a catalog name or a block `gpu { memory = .. bf16_tflops = ..
 //! bandwidth = .. }` (all three required: a custom GPU has nothing to
-//! default from). `gpus_per_node` and `nodes` default to 1. `intra_node`,
+//! default from; `fp16_tflops`, `bf16_tensor_cores` and `shared_memory`,
+//! what the catalog also knows, are optional). `gpus_per_node` and `nodes` default to 1. `intra_node`,
 //! `inter_node` and `host_memory` default to the catalog entry's typical
 //! node (see `catalog/gpus.toml`); for a custom GPU, to a PCIe 4.0 x16 link
 //! and a 100 Gb/s network, with no host memory assumed (CPU offload then
@@ -23,7 +24,14 @@ pub(crate) const KEYS: &[&str] = &[
     "intra_node",
     "inter_node",
 ];
-pub(crate) const GPU_KEYS: &[&str] = &["memory", "bf16_tflops", "bandwidth"];
+pub(crate) const GPU_KEYS: &[&str] = &[
+    "memory",
+    "bf16_tflops",
+    "bandwidth",
+    "fp16_tflops",
+    "bf16_tensor_cores",
+    "shared_memory",
+];
 
 /// Caps far above real machines (NVL72 racks, 100k-GPU clusters), so the
 /// GPU count stays below 2^30.
@@ -72,8 +80,22 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<HardwareSpec> {
             let bw = g
                 .require(cx, "bandwidth")
                 .and_then(|v| values::bandwidth(cx, v, "bandwidth"));
+            // Optional: `None` when absent, `Some(None)` when given and wrong.
+            let fp16 = g
+                .get("fp16_tflops")
+                .map(|v| values::number(cx, v, "fp16_tflops", Range::Positive));
+            let bf16_cores = g
+                .get("bf16_tensor_cores")
+                .map(|v| values::boolean(cx, v, "bf16_tensor_cores"));
+            let shared = g
+                .get("shared_memory")
+                .map(|v| values::size(cx, v, "shared_memory", 1));
+            let mut spec = GpuSpec::custom("custom", memory?, tflops?, bw?);
+            spec.fp16_tflops = fp16.map_or(Some(None), |r| r.map(Some))?;
+            spec.bf16_tensor_cores = bf16_cores.map_or(Some(true), |r| r)?;
+            spec.shared_memory_per_block_bytes = shared.map_or(Some(None), |r| r.map(Some))?;
             Some((
-                GpuSpec::custom("custom", memory?, tflops?, bw?),
+                spec,
                 CUSTOM_INTRA_NODE_BYTES_PER_S,
                 CUSTOM_INTER_NODE_BYTES_PER_S,
                 None,

@@ -257,6 +257,33 @@ train { seq_len = 32 global_batch = 4 }
     assert_eq!(s.hardware.host_memory_bytes, None);
     let e = errs("model \"tiny-decoder\"\nhardware { gpu = { memory = 48 GiB } }\ntrain { seq_len = 32 global_batch = 4 }\n");
     assert_eq!(e.codes(), vec!["rcoa::missing_key", "rcoa::missing_key"]);
+    // Without the optional keys: fp16 at the bf16 rate, bf16 tensor cores, shared
+    // memory unknown.
+    assert_eq!(s.hardware.gpu.fp16_tflops, None);
+    assert!(s.hardware.gpu.bf16_tensor_cores);
+    assert_eq!(s.hardware.gpu.shared_memory_per_block_bytes, None);
+}
+
+/// A custom GPU may say what the catalog knows of its own: a T4-like card.
+#[test]
+fn custom_gpu_block_with_its_tensor_cores_and_shared_memory() {
+    let s = ok(r#"
+model "tiny-decoder"
+hardware { gpu { memory = 15 GiB  bf16_tflops = 8.1  bandwidth = 320 GB/s
+                 fp16_tflops = 65  bf16_tensor_cores = false  shared_memory = 64 KiB } }
+train { seq_len = 32 global_batch = 4 }
+"#);
+    let g = &s.hardware.gpu;
+    assert_eq!(g.fp16_tflops, Some(65.0));
+    assert!(!g.bf16_tensor_cores);
+    assert_eq!(g.shared_memory_per_block_bytes, Some(64 << 10));
+    assert_eq!(g.dense_tflops(crate::spec::Dtype::Fp16), 65.0);
+    assert_eq!(g.dense_tflops(crate::spec::Dtype::Fp32), 8.1);
+    let src = "model \"tiny-decoder\"\nhardware { gpu { memory = 15 GiB  bf16_tflops = 8.1  bandwidth = 320 GB/s  bf16_tensor_cores = 1  shared_memory = 64 } }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    assert_eq!(
+        errs(src).codes(),
+        vec!["rcoa::wrong_kind", "rcoa::wrong_kind"]
+    );
 }
 
 #[test]
