@@ -7,24 +7,27 @@
 //! compares different things. The run says so before it starts.
 
 use rcoa_compiler::catalog::catalog;
+use rcoa_compiler::report::gib;
 use rcoa_compiler::spec::GpuSpec;
 
-const GIB: f64 = (1u64 << 30) as f64;
+/// Memory within this fraction of the plan's is the plan's (drivers and ECC move it
+/// by a few MiB).
+const SAME_MEMORY: f64 = 0.005;
 
 /// A note when the device (`name` as CUDA gives it, `memory_bytes` its total)
 /// is not the plan's GPU: a different catalog entry, or, where the catalog does
 /// not know it, different memory. `None` where they agree.
 pub fn plan_gpu_note(plan: &GpuSpec, name: &str, memory_bytes: u64) -> Option<String> {
     let entry = catalog().gpu_by_device_name(name);
-    let same_memory =
-        (memory_bytes as f64 - plan.memory_bytes as f64).abs() <= 0.005 * plan.memory_bytes as f64;
+    let ratio = memory_bytes as f64 / plan.memory_bytes as f64;
+    let same_memory = (ratio - 1.0).abs() <= SAME_MEMORY;
     match entry {
         Some(e) if e.name == plan.name => return None,
         None if same_memory => return None,
         _ => {}
     }
     let known = entry.map_or(String::new(), |e| format!(", `{}` in the catalog", e.name));
-    let less = if (memory_bytes as f64) < 0.995 * plan.memory_bytes as f64 {
+    let less = if ratio < 1.0 - SAME_MEMORY {
         " This GPU has less memory: the run may run out of memory where the plan fits."
     } else {
         ""
@@ -36,11 +39,11 @@ pub fn plan_gpu_note(plan: &GpuSpec, name: &str, memory_bytes: u64) -> Option<St
         )
     });
     Some(format!(
-        "the plan was compiled for {} ({:.2} GiB); this GPU is {name} ({:.2} GiB{known}): \
+        "the plan was compiled for {} ({}); this GPU is {name} ({}{known}): \
          the predicted peak, the `fits` verdict and the kernels' choice are for {}.{less}{compile}",
         plan.name,
-        plan.memory_bytes as f64 / GIB,
-        memory_bytes as f64 / GIB,
+        gib(plan.memory_bytes),
+        gib(memory_bytes),
         plan.name,
     ))
 }

@@ -568,16 +568,18 @@ fn continues_number(word: &str) -> bool {
 /// where pest stopped at the `/` (the word taken as a size unit, or as the
 /// next key) or at the word. The rate is one unknown unit, not a stray `/`.
 fn per_second_unit(source: &str, toks: &[Token], idx: usize) -> Option<SyntaxError> {
-    let at_word = toks.get(idx + 1).is_some_and(|t| t.tok == Tok::Punct('/'));
-    let slash = if at_word { idx + 1 } else { idx };
-    let [number, word, slash, per] =
-        [slash.checked_sub(2)?, slash - 1, slash, slash + 1].map(|i| toks.get(i));
-    let (_, word, _, per) = (
-        number.filter(|t| t.tok == Tok::Number)?,
-        word.filter(|t| matches!(t.tok, Tok::Word { .. }))?,
-        slash.filter(|t| t.tok == Tok::Punct('/'))?,
-        per.filter(|t| matches!(t.tok, Tok::Word { .. }))?,
-    );
+    let tok = |i: usize, is: fn(&Tok) -> bool| toks.get(i).filter(|t| is(&t.tok));
+    let is_slash = |t: &Tok| *t == Tok::Punct('/');
+    let is_word = |t: &Tok| matches!(t, Tok::Word { .. });
+    let slash = if tok(idx + 1, is_slash).is_some() {
+        idx + 1
+    } else {
+        idx
+    };
+    tok(slash, is_slash)?;
+    tok(slash.checked_sub(2)?, |t| *t == Tok::Number)?;
+    let word = tok(slash - 1, is_word)?;
+    let per = tok(slash + 1, is_word)?;
     let at = Span::new(word.span.start, per.span.end);
     let text = source.get(at.start..at.end)?.to_string();
     // A lower-case `b` is a bit: `Gb/s` is `Gbps`, not `GB/s` (8 x more).

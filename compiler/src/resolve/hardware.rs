@@ -3,11 +3,11 @@
 //! `gpu` is a catalog name or a block `gpu { memory = .. bf16_tflops = ..
 //! bandwidth = .. }` (all three required: a custom GPU has nothing to
 //! default from; `fp16_tflops`, `bf16_tensor_cores` and `shared_memory`,
-//! what the catalog also knows, are optional). `gpus_per_node` and `nodes` default to 1. `intra_node`,
-//! `inter_node` and `host_memory` default to the catalog entry's typical
-//! node (see `catalog/gpus.toml`); for a custom GPU, to a PCIe 4.0 x16 link
-//! and a 100 Gb/s network, with no host memory assumed (CPU offload then
-//! needs `host_memory`). `nvme` has no default: NVMe offload needs it.
+//! what the catalog also knows, are optional). `gpus_per_node` and `nodes`
+//! default to 1. `intra_node`, `inter_node` and `host_memory` default to
+//! the catalog entry's typical node (see `catalog/gpus.toml`); for a custom
+//! GPU, to a PCIe 4.0 x16 link and a 100 Gb/s network, with no host memory
+//! assumed (CPU offload then needs `host_memory`). `nvme` has no default: NVMe offload needs it.
 
 use super::problem::{Expected, NameKind, Problem, Range};
 use super::values::{self, Cx, Fields};
@@ -91,9 +91,15 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<HardwareSpec> {
                 .get("shared_memory")
                 .map(|v| values::size(cx, v, "shared_memory", 1));
             let mut spec = GpuSpec::custom("custom", memory?, tflops?, bw?);
-            spec.fp16_tflops = fp16.map_or(Some(None), |r| r.map(Some))?;
-            spec.bf16_tensor_cores = bf16_cores.map_or(Some(true), |r| r)?;
-            spec.shared_memory_per_block_bytes = shared.map_or(Some(None), |r| r.map(Some))?;
+            spec.fp16_tflops = match fp16 {
+                Some(t) => Some(t?),
+                None => None,
+            };
+            spec.bf16_tensor_cores = bf16_cores.unwrap_or(Some(true))?;
+            spec.shared_memory_per_block_bytes = match shared {
+                Some(b) => Some(b?),
+                None => None,
+            };
             Some((
                 spec,
                 CUSTOM_INTRA_NODE_BYTES_PER_S,

@@ -938,11 +938,12 @@ mod tests {
         assert!(!ada.one_pass(), "the Rows kernels run in two passes");
         assert_eq!(on(64, 64 * 1024).kernels(), FlashKernels::Rows);
         // The limit is the largest of the three cubes, to the byte.
-        let need = on(128, 0)
-            .blocks_shared_bytes(Products::TensorCores)
-            .into_iter()
-            .max()
-            .unwrap();
+        let need = on(128, 0).shared_need();
+        assert_eq!(
+            need.div_ceil(1024),
+            121,
+            "the key-block backward's, the largest"
+        );
         assert_eq!(on(128, need).kernels(), tc);
         assert_eq!(on(128, need - 1).kernels(), FlashKernels::Rows);
         // The register kernels (trials) run where the block kernels would and their own
