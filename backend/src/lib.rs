@@ -34,6 +34,7 @@ pub mod kernel_profile;
 pub mod kernels;
 pub mod loss;
 pub mod loss_chunked;
+pub mod loss_scale;
 pub mod memory;
 pub mod model;
 pub mod ops;
@@ -115,6 +116,12 @@ pub enum RunError {
         help("lower optimizer.lr, or use fp32/bf16 rather than fp16")
     )]
     Diverged { step: u64, loss: f64 },
+    #[error("the fp16 gradients are not finite at step {step} even at loss scale {scale}: training diverged")]
+    #[diagnostic(
+        code(rcoa::diverged),
+        help("an fp16 activation or gradient overflows whatever the scale: lower optimizer.lr, or use bf16 (fp32's range) where the GPU has it")
+    )]
+    GradientsNotFinite { step: u64, scale: f64 },
 }
 
 /// Refuse what this executor cannot carry out faithfully, run as one process.
@@ -376,6 +383,11 @@ pub struct Summary {
     /// `param_checksum` of every rank this process drove (`--devices`), in
     /// local order; `execute_ranks` refuses to finish unless they are equal.
     pub local_param_checksums: Vec<f64>,
+    /// fp16's loss scale at the last step (`loss_scale`); `None` without fp16.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Steps whose fp16 gradients overflowed, so the optimizer skipped them.
+    pub skipped_steps: u64,
     /// The held-out loss after the last step (`RunOptions::eval`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
@@ -786,6 +798,8 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
             f64::NAN
         },
         memory_measure: probe.what().to_string(),
+        loss_scale: reports.last().and_then(|r| r.loss_scale),
+        skipped_steps: reports.iter().filter(|r| r.skipped.is_some()).count() as u64,
         param_checksum: f64::NAN,
         local_param_checksums: Vec::new(),
         eval_loss: None,

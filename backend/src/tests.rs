@@ -7,6 +7,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::ElementConversion;
 use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, OptimizerKind, Proj};
 
+mod loss_scale;
+
 type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
 
 /// The ndarray backend's RNG is global to the process: tests running in
@@ -271,10 +273,10 @@ fn bf16_plans_run_in_fp32_on_the_cpu_with_a_note() {
     assert!(note.unwrap().contains("fp32"));
 }
 
-/// fp16 runs without loss scaling, and the run says so before it starts; bf16 needs no
-/// note.
+/// fp16 runs with dynamic loss scaling, and the run says so before it starts; bf16 needs
+/// none.
 #[test]
-fn fp16_is_noted_for_its_missing_loss_scaling() {
+fn fp16_is_noted_for_its_loss_scaling() {
     let note = |params, compute| {
         let mut plan = tiny_plan();
         plan.precision = rcoa_compiler::spec::PrecisionSpec {
@@ -288,7 +290,10 @@ fn fp16_is_noted_for_its_missing_loss_scaling() {
     };
     for (params, compute) in [(Dtype::Fp16, Dtype::Fp16), (Dtype::Fp32, Dtype::Fp16)] {
         let n = note(params, compute).expect("a note");
-        assert!(n.contains("without loss scaling"), "{n}");
+        assert!(
+            n.contains("dynamic loss scaling") && n.contains("65536"),
+            "{n}"
+        );
     }
     assert_eq!(note(Dtype::Bf16, Dtype::Bf16), None);
     assert_eq!(note(Dtype::Fp32, Dtype::Fp32), None);

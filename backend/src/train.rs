@@ -38,6 +38,7 @@
 use crate::data::{Batch, Batcher};
 use crate::loss::{contrastive_loss, lm_loss, ContrastiveLayout, TAU};
 use crate::loss_chunked::{chunked_lm_loss, DEFAULT_CHUNK};
+use crate::loss_scale::{LossScaler, Outcome};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Embed, Head, Layer, Model};
 use crate::ops::{ExecAutodiff, ExecBackend};
@@ -132,12 +133,14 @@ impl Precision {
                 Some(note),
             ));
         }
-        // PyTorch pairs fp16 with a GradScaler; this executor has none.
-        let fp16 = params == FloatDType::F16 || compute == FloatDType::F16;
-        let note = fp16.then(|| {
-            "fp16 runs without loss scaling here: gradients below fp16's 6e-8 flush to zero and \
-             a loss past 65504 overflows (the run then stops as diverged); bf16 has fp32's range"
-                .to_string()
+        let note = crate::loss_scale::LossScaler::for_precision(&wanted).map(|s| {
+            format!(
+                "fp16 with dynamic loss scaling, as PyTorch's GradScaler: the loss is scaled by {} \
+                 before the backward; a step whose gradients overflow is skipped and the scale halved, \
+                 and it doubles after {} steps without one",
+                s.scale(),
+                crate::loss_scale::GROWTH_INTERVAL
+            )
         });
         Ok((wanted, note))
     }
@@ -426,6 +429,11 @@ pub struct StepReport {
     pub tokens: u64,
     /// Highest memory sample during this step (see `MemoryProbe`).
     pub peak_bytes: u64,
+    /// fp16's loss scale this step ran with (`crate::loss_scale`).
+    pub loss_scale: Option<f64>,
+    /// The gradients overflowed at `loss_scale`: the optimizer did not step,
+    /// and the next step runs at this scale.
+    pub skipped: Option<f64>,
 }
 
 /// What the trainer needs besides the plan.
@@ -504,6 +512,8 @@ pub struct Trainer<B: ExecAutodiff> {
     export: Option<crate::weights::Export>,
     /// What a checkpoint of this run belongs to (`crate::checkpoint`).
     identity: crate::checkpoint::Identity,
+    /// fp16's dynamic loss scale (`None` without fp16).
+    scaler: Option<LossScaler>,
 }
 
 impl<B: ExecAutodiff> Trainer<B> {
@@ -591,7 +601,18 @@ impl<B: ExecAutodiff> Trainer<B> {
             collective: cfg.collective,
             zero,
             zero3,
+            scaler: LossScaler::for_precision(&precision),
         })
+    }
+
+    /// Scale the loss as `scaler` says whatever the precision (tests: fp32
+    /// on the CPU shows what the scaling does to a step), or not at all.
+    pub fn set_loss_scaler(&mut self, scaler: Option<LossScaler>) {
+        self.scaler = scaler;
+    }
+
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
     }
 
     /// The sharded optimizer, when the plan asks for ZeRO 1/2 or offload.
@@ -1011,7 +1032,11 @@ impl<B: ExecAutodiff> Trainer<B> {
         let start = std::time::Instant::now();
         probe.begin_step();
         let step = self.step;
-        let scale = 1.0 / self.grad_accum as f64;
+        let loss_scale = self.scaler.map(|s| s.scale());
+        let scale = loss_scale.unwrap_or(1.0) / self.grad_accum as f64;
+        // Each path divides its reduced gradients by the loss scale and
+        // checks them after the reduction, so every rank steps or skips alike.
+        let unscale = loss_scale.map(|s| 1.0 / s);
         let mut acc = GradientsParams::new();
         let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
         for micro in 0..self.grad_accum {
@@ -1035,12 +1060,15 @@ impl<B: ExecAutodiff> Trainer<B> {
                 None => l,
             });
         }
+        let stepped;
         if let Some(z) = &mut self.zero3 {
             // Each rank steps its shard; nothing is gathered afterwards.
             let loss = total.take().ok_or_else(|| {
                 RunError::Backend("a training step needs at least one micro-batch".into())
             })?;
-            total = Some(z.step(self.collective.as_ref(), self.lr, loss)?);
+            let (loss, finite) = z.step(self.collective.as_ref(), self.lr, loss, unscale)?;
+            stepped = finite;
+            total = Some(loss);
         } else if let Some(z) = &mut self.zero {
             // ZeRO 1/2 or the optimizer on the host: the sharded step
             // reduces, updates its shard and gathers the weights back.
@@ -1048,15 +1076,17 @@ impl<B: ExecAutodiff> Trainer<B> {
                 RunError::Backend("a training step needs at least one micro-batch".into())
             })?;
             let model = self.model.clone();
-            let (model, loss) = z.step::<B, _>(
+            let (model, loss, finite) = z.step::<B, _>(
                 self.collective.as_ref(),
                 self.lr,
                 model,
                 &mut acc,
                 loss,
+                unscale,
                 probe,
             )?;
             self.model = model;
+            stepped = finite;
             total = Some(loss);
         } else {
             // Data parallel: every rank steps with the mean gradient (the
@@ -1070,10 +1100,16 @@ impl<B: ExecAutodiff> Trainer<B> {
                 total = Some(c.mean_step::<B, _>(&self.model, &mut acc, loss)?);
                 self.mark(probe, false, &|| "all-reduce".into());
             }
-            let model = self.model.clone();
-            self.model = self.optim.step(self.lr, model, acc)?;
+            // After the all-reduce the gradients are equal on every rank, and
+            // so is whether they are finite.
+            stepped = unscale
+                .is_none_or(|inv| crate::loss_scale::unscale_grads(&self.model, &mut acc, inv));
+            if stepped {
+                let model = self.model.clone();
+                self.model = self.optim.step(self.lr, model, acc)?;
+            }
         }
-        if self.work.is_some() {
+        if self.work.is_some() && stepped {
             self.work = Some(
                 self.model
                     .clone()
@@ -1093,6 +1129,13 @@ impl<B: ExecAutodiff> Trainer<B> {
                 loss,
             });
         }
+        let skipped = match &mut self.scaler {
+            Some(s) => match s.update(stepped, step + 1)? {
+                Outcome::Stepped => None,
+                Outcome::Skipped { to, .. } => Some(to),
+            },
+            None => None,
+        };
         self.step += 1;
         // Tokens this rank trained on (the throughput of one device).
         let tokens = self.grad_accum * (self.batcher.rows() * self.batcher.seq) as u64;
@@ -1102,6 +1145,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             step_seconds: start.elapsed().as_secs_f64(),
             tokens,
             peak_bytes: probe.step_peak(),
+            loss_scale,
+            skipped,
         })
     }
 
@@ -1148,6 +1193,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         state["step"] = self.step.into();
         state["seed"] = self.seed.into();
         state["format"] = crate::checkpoint::FORMAT.into();
+        if let Some(s) = &self.scaler {
+            state["loss_scale"] = s.to_json();
+        }
         std::fs::write(tmp.join("state.json"), state.to_string())
             .map_err(|e| err("cannot write the state of", &e))?;
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
@@ -1200,6 +1248,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         if let Some(seed) = state["seed"].as_u64() {
             self.seed = seed;
             self.batcher.seed = seed;
+        }
+        if let Some(s) = &mut self.scaler {
+            s.load_json(&state["loss_scale"])?;
         }
         self.step = step;
         Ok(())

@@ -189,9 +189,9 @@ fn precision_note(gpu: &catalog::GpuEntry) -> String {
     }
     format!(
         "# {} has no bf16 tensor cores: bf16 runs on its CUDA cores ({:.1} TFLOP/s).\n\
-         # Its fp16 tensor cores ({:.1} TFLOP/s) take fp16 with fp32 weights under\n\
-         # PyTorch's autocast: `precision {{ params = fp32  compute = fp16  master = none }}`\n\
-         # with `target pytorch` (rcoa run has no fp16 loss scaling).\n",
+         # Its fp16 tensor cores ({:.1} TFLOP/s) take fp16 with fp32 weights, as\n\
+         # PyTorch's autocast runs it: `precision {{ params = fp32  compute = fp16  master = none }}`\n\
+         # (PyTorch and rcoa run both scale fp16's loss dynamically).\n",
         gpu.name, gpu.bf16_tflops, gpu.fp16_tflops
     )
 }

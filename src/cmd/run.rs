@@ -504,15 +504,20 @@ pub fn run(args: Args) -> ExitCode {
             });
             let tps = r.tokens as f64 / r.step_seconds.max(1e-9);
             if json {
-                println!(
-                    "{}",
-                    tag(serde_json::json!({
-                        "step": r.step, "loss": r.loss, "step_seconds": r.step_seconds,
-                        "tokens_per_second": tps, "peak_bytes": r.peak_bytes,
-                    }))
-                );
+                let mut v = serde_json::json!({
+                    "step": r.step, "loss": r.loss, "step_seconds": r.step_seconds,
+                    "tokens_per_second": tps, "peak_bytes": r.peak_bytes,
+                });
+                if let Some(s) = r.loss_scale {
+                    v["loss_scale"] = s.into();
+                    v["skipped"] = r.skipped.is_some().into();
+                }
+                println!("{}", tag(v));
                 let _ = std::io::stdout().flush();
             } else if let Some(b) = &bar {
+                if let (Some(from), Some(to)) = (r.loss_scale, r.skipped) {
+                    b.println(skipped_line(r.step, from, to));
+                }
                 b.set_position(r.step);
                 b.set_message(format!(
                     "loss {:.4}  {:.3} s/step  {:.0} tok/s  peak {}",
@@ -674,15 +679,23 @@ fn kernel_report(
     None
 }
 
+/// What a step skipped for fp16 overflow says (`rcoa_backend::loss_scale`).
+fn skipped_line(step: u64, from: f64, to: f64) -> String {
+    format!(
+        "step {step} skipped: the fp16 gradients overflowed at loss scale {from}; the weights are unchanged and the scale is now {to}"
+    )
+}
+
 /// Prints `e` and gives its exit status: 1 when the backend failed or
 /// training diverged, 2 for what the user can fix before starting (the
 /// plan, the files, the flags, no CUDA).
 pub(crate) fn failed(e: &RunError) -> ExitCode {
     print_diagnostic(e);
     match e {
-        RunError::Diverged { .. } | RunError::Backend(_) | RunError::Collective(_) => {
-            ExitCode::from(1)
-        }
+        RunError::Diverged { .. }
+        | RunError::GradientsNotFinite { .. }
+        | RunError::Backend(_)
+        | RunError::Collective(_) => ExitCode::from(1),
         _ => ExitCode::from(2),
     }
 }
@@ -691,6 +704,12 @@ pub(crate) fn failed(e: &RunError) -> ExitCode {
 fn report(s: &Summary, ranks: u64, devices: u32, device: Device) {
     println!("steps            {}", s.steps);
     println!("loss             {:.4} -> {:.4}", s.first_loss, s.last_loss);
+    if let Some(scale) = s.loss_scale {
+        println!(
+            "loss scale       {scale} at the last step; {} step(s) skipped for fp16 overflow",
+            s.skipped_steps
+        );
+    }
     if let Some(e) = s.eval_loss {
         println!("eval loss        {e:.4}");
     }

@@ -94,6 +94,32 @@ pub fn add(acc: &mut [f32], g: &[f32], threads: usize) {
     });
 }
 
+/// `v *= factor` (fp16's loss scale divided out, `crate::loss_scale`) over
+/// `threads`, as `add` splits them; whether every value is finite.
+pub fn unscale(v: &mut [f32], factor: f32, threads: usize) -> bool {
+    const PER_THREAD: usize = 1 << 16;
+    let threads = threads.clamp(1, v.len().div_ceil(PER_THREAD).max(1));
+    let chunk = v.len().div_ceil(threads).max(1);
+    let run = |v: &mut [f32]| {
+        let mut finite = true;
+        for x in v.iter_mut() {
+            *x *= factor;
+            finite &= x.is_finite();
+        }
+        finite
+    };
+    if threads == 1 {
+        return run(v);
+    }
+    std::thread::scope(|s| {
+        let parts: Vec<_> = v
+            .chunks_mut(chunk)
+            .map(|c| s.spawn(move || run(c)))
+            .collect();
+        parts.into_iter().all(|p| p.join().unwrap_or(false))
+    })
+}
+
 /// One host update over a chunk (the scalars of `step_device`, per element).
 #[derive(Clone, Copy)]
 struct Update {

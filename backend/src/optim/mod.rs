@@ -127,13 +127,15 @@ impl<B: Backend> FlatOptim<B> {
         self.time
     }
 
-    /// One update of `params` (the shard, fp32) with `grad`; returns the new
-    /// shard on `params`' device.
+    /// One update of `params` (the shard, fp32) with `grad` times `unscale`
+    /// (fp16's 1 / loss scale; `None`: 1); returns the new shard on
+    /// `params`' device.
     pub fn step(
         &mut self,
         lr: f64,
         params: Tensor<B, 1>,
         grad: Tensor<B, 1>,
+        unscale: Option<f64>,
     ) -> Result<Tensor<B, 1>, RunError> {
         let n = params.dims()[0];
         if n != self.len || grad.dims()[0] != n {
@@ -145,11 +147,19 @@ impl<B: Backend> FlatOptim<B> {
         }
         self.time += 1;
         match self.place {
-            Place::Device => Ok(self.step_device(lr, params, grad)),
+            Place::Device => {
+                // Inside the step, whose own temporaries are as large: no
+                // gradient-sized copy outlives it.
+                let grad = match unscale {
+                    Some(inv) => grad.mul_scalar(inv),
+                    None => grad,
+                };
+                Ok(self.step_device(lr, params, grad))
+            }
             Place::Host { threads } => {
                 let device = params.device();
                 let mut p = host(params)?;
-                let g = host(grad)?;
+                let g = host_unscaled(grad, unscale, threads)?;
                 self.step_host(lr, &mut p, &g, threads);
                 Ok(Tensor::from_data(TensorData::new(p, [n]), &device))
             }
@@ -157,13 +167,14 @@ impl<B: Backend> FlatOptim<B> {
     }
 
     /// One update of the host-resident fp32 shard `params` (offload) with
-    /// `grad` (brought down from the device); returns the updated shard on
-    /// `grad`'s device.
+    /// `grad` (brought down from the device) times `unscale`; returns the
+    /// updated shard on `grad`'s device.
     pub fn step_host_master(
         &mut self,
         lr: f64,
         params: &mut [f32],
         grad: Tensor<B, 1>,
+        unscale: Option<f64>,
     ) -> Result<Tensor<B, 1>, RunError> {
         let Place::Host { threads } = self.place else {
             return Err(RunError::Backend(
@@ -179,7 +190,7 @@ impl<B: Backend> FlatOptim<B> {
             )));
         }
         let device = grad.device();
-        let g = host(grad)?;
+        let g = host_unscaled(grad, unscale, threads)?;
         self.time += 1;
         self.step_host(lr, params, &g, threads);
         Ok(Tensor::from_data(
@@ -208,6 +219,13 @@ impl<B: Backend> FlatOptim<B> {
         self.time += 1;
         self.step_host(lr, params, grad, threads);
         Ok(())
+    }
+
+    /// A gradient accumulated in host memory divided by fp16's loss scale
+    /// (`acc *= unscale`) over the host optimizer's threads; whether every
+    /// value is finite.
+    pub fn unscale_host(&self, acc: &mut [f32], unscale: f64) -> Result<bool, RunError> {
+        Ok(host::unscale(acc, unscale as f32, self.host_threads()?))
     }
 
     /// `acc += g` element by element over the host optimizer's threads:
@@ -439,6 +457,19 @@ impl<'a> Reader<'a> {
 }
 
 /// A 1-D tensor's values in host memory.
+/// `grad` in host memory, times `unscale` there (no device copy).
+fn host_unscaled<B: Backend>(
+    grad: Tensor<B, 1>,
+    unscale: Option<f64>,
+    threads: usize,
+) -> Result<Vec<f32>, RunError> {
+    let mut g = host(grad)?;
+    if let Some(inv) = unscale {
+        host::unscale(&mut g, inv as f32, threads);
+    }
+    Ok(g)
+}
+
 pub fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
     host(t)
 }

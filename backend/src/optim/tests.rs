@@ -38,7 +38,7 @@ fn flat_steps(rule: Rule, place: Place, lr: f64, n: usize) -> Vec<f32> {
     let mut o = FlatOptim::<B>::new(rule, place, n);
     let mut t = tensor(&values(n, 1));
     for step in 0..4 {
-        t = o.step(lr, t, tensor(&values(n, 10 + step))).unwrap();
+        t = o.step(lr, t, tensor(&values(n, 10 + step)), None).unwrap();
     }
     t.into_data().to_vec::<f32>().unwrap()
 }
@@ -123,14 +123,18 @@ fn saved_state_resumes_the_same_steps() {
     let mut a = FlatOptim::<B>::new(rule, Place::Device, n);
     let mut t = tensor(&values(n, 1));
     for step in 0..2 {
-        t = a.step(1e-2, t, tensor(&values(n, 10 + step))).unwrap();
+        t = a
+            .step(1e-2, t, tensor(&values(n, 10 + step)), None)
+            .unwrap();
     }
     let bytes = a.save_state().unwrap();
     let mut b = FlatOptim::<B>::new(rule, Place::Host { threads: 2 }, n);
     b.load_state(&bytes, &Default::default()).unwrap();
     assert_eq!(b.steps(), 2);
     for step in 2..4 {
-        t = b.step(1e-2, t, tensor(&values(n, 10 + step))).unwrap();
+        t = b
+            .step(1e-2, t, tensor(&values(n, 10 + step)), None)
+            .unwrap();
     }
     close(&t.into_data().to_vec::<f32>().unwrap(), &want);
 
@@ -154,7 +158,7 @@ fn saved_state_resumes_the_same_steps() {
     assert!(c.load_state(b"junk", &Default::default()).is_err());
     // A shard of the wrong length is refused, not stepped.
     assert!(c
-        .step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2)))
+        .step(1e-2, tensor(&values(3, 1)), tensor(&values(3, 2)), None)
         .is_err());
 }
 
@@ -198,10 +202,48 @@ fn host_accumulated_gradient_steps_like_the_device_sum() {
         }
         a.step_host_grad(3e-2, &mut pa, &acc).unwrap();
         let sum = tensor(&parts[0]) + tensor(&parts[1]);
-        b.step_host_master(3e-2, &mut pb, sum).unwrap();
+        b.step_host_master(3e-2, &mut pb, sum, None).unwrap();
     }
     assert_eq!(pa, pb);
     assert!(a.accumulate_host(&mut [0.0; 2], &[1.0]).is_err());
     let mut d = FlatOptim::<B>::new(rule, Place::Device, 2);
     assert!(d.step_host_grad(1e-3, &mut [0.0; 2], &[1.0; 2]).is_err());
+}
+
+/// The loss scale divided out on the host: every value, over the threads,
+/// and a non-finite one anywhere is found (`crate::loss_scale`).
+#[test]
+fn host_unscaling_divides_every_value_and_finds_overflow() {
+    let n = 5 * (1 << 16) + 3;
+    let v = values(n, 7);
+    let mut scaled: Vec<f32> = v.iter().map(|x| x * 1024.0).collect();
+    assert!(host::unscale(&mut scaled, 1.0 / 1024.0, 4));
+    assert_eq!(scaled, v);
+    for at in [0, n / 2, n - 1] {
+        let mut w = v.clone();
+        w[at] = f32::INFINITY;
+        assert!(!host::unscale(&mut w, 0.5, 4), "an infinity at {at}");
+        w[at] = f32::NAN;
+        assert!(!host::unscale(&mut w, 0.5, 1), "a NaN at {at}");
+    }
+    let o = FlatOptim::<B>::new(
+        Rule::Sgd {
+            momentum: None,
+            penalty: None,
+        },
+        Place::Host { threads: 3 },
+        n,
+    );
+    let mut w = scaled.clone();
+    assert!(o.unscale_host(&mut w, 2.0).unwrap());
+    assert_eq!(w[5], v[5] * 2.0);
+    let d = FlatOptim::<B>::new(
+        Rule::Sgd {
+            momentum: None,
+            penalty: None,
+        },
+        Place::Device,
+        n,
+    );
+    assert!(d.unscale_host(&mut w, 2.0).is_err());
 }

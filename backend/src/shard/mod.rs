@@ -44,6 +44,7 @@ mod tests_memory;
 pub mod zero3;
 
 use crate::distributed::Collective;
+use crate::loss_scale::flag_finite;
 use crate::optim::{FlatOptim, Place, Rule};
 use crate::RunError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -232,6 +233,10 @@ impl<I: Backend> Zero<I> {
     /// `probe` is sampled where the exchange holds the most: a probe that
     /// reads the bytes in use at sample points (CUDA) would miss those
     /// transients between the backward's last sample and the optimizer's.
+    /// With `unscale` (fp16's 1 / loss scale) the optimizer multiplies the
+    /// reduced gradient by it, and where any rank's shard is not finite no
+    /// rank steps: the model comes back as it went in, and `false` says so.
+    #[allow(clippy::too_many_arguments)]
     pub fn step<B, M>(
         &mut self,
         collective: Option<&Collective<I>>,
@@ -239,8 +244,9 @@ impl<I: Backend> Zero<I> {
         model: M,
         grads: &mut GradientsParams,
         loss: Tensor<I, 1>,
+        unscale: Option<f64>,
         probe: &mut dyn crate::memory::MemoryProbe,
-    ) -> Result<(M, Tensor<I, 1>), RunError>
+    ) -> Result<(M, Tensor<I, 1>, bool), RunError>
     where
         B: AutodiffBackend<InnerBackend = I>,
         M: Module<B>,
@@ -271,14 +277,19 @@ impl<I: Backend> Zero<I> {
             )));
         }
         sample(probe, "exchange: flat gradients");
-        let (grad, loss) = match collective {
-            None => (flat.slice(range.clone()), loss),
+        let (grad, loss, finite) = match collective {
+            None => {
+                let grad = flat.slice(range.clone());
+                let finite = finite(&grad, unscale);
+                (grad, loss, finite)
+            }
             Some(c) if loss_rides => {
+                // The whole mean gradient is on every rank: each rank's check
+                // agrees with the others' without an exchange.
                 let all = c.mean(flat)?;
-                (
-                    all.clone().slice(range.clone()),
-                    all.slice(padded..padded + 1),
-                )
+                let grad = all.clone().slice(range.clone());
+                let finite = finite(&grad, unscale);
+                (grad, all.slice(padded..padded + 1), finite)
             }
             Some(c) => {
                 // Stages 1 and 2 both reduce-scatter: the gradients are
@@ -293,14 +304,17 @@ impl<I: Backend> Zero<I> {
                         self.index
                     )));
                 }
-                // A `ranks`-element vector: burn-collective's ring cannot
-                // reduce a single value over several nodes.
-                let ranks = c.ranks() as usize;
-                let losses = c.mean(loss.repeat_dim(0, ranks))?;
-                (grad, losses.slice(0..1))
+                // Each rank holds only its shard: whether all are finite
+                // rides the loss's all-reduce (a NaN flag makes the mean NaN).
+                let flag = unscale.map(|_| crate::loss_scale::finite_check(&grad));
+                let (loss, flag) = mean_loss_and_flag(c, loss, flag)?;
+                (grad, loss, flag.is_none_or(flag_finite))
             }
         };
         sample(probe, "exchange: reduced");
+        if !finite {
+            return Ok((model, loss, false));
+        }
         let master = match self.master.take() {
             Some(m) => m,
             None if self.master_kept() => {
@@ -322,13 +336,13 @@ impl<I: Backend> Zero<I> {
         };
         let updated = match master {
             Master::Device(m) => {
-                let updated = self.optim.step(lr, m, grad)?;
+                let updated = self.optim.step(lr, m, grad, unscale)?;
                 self.master = Some(Master::Device(updated.clone()));
                 updated
             }
             Master::Host(mut m) => {
                 // Gradients down, the update on the host, the weights up.
-                let updated = self.optim.step_host_master(lr, &mut m, grad)?;
+                let updated = self.optim.step_host_master(lr, &mut m, grad, unscale)?;
                 self.master = Some(Master::Host(m));
                 updated
             }
@@ -342,8 +356,36 @@ impl<I: Backend> Zero<I> {
             flat: full.slice(0..self.len),
             at: 0,
         });
-        Ok((model, loss))
+        Ok((model, loss, true))
     }
+}
+
+/// Whether a gradient vector the ranks hold alike is finite (`unscale`:
+/// fp16's loss scaling is on; without it nothing is checked).
+fn finite<I: Backend>(grad: &Tensor<I, 1>, unscale: Option<f64>) -> bool {
+    unscale.is_none() || flag_finite(crate::loss_scale::finite_check(grad))
+}
+
+/// The loss averaged over the ranks and, with `flag`, the ranks' flags
+/// summed in the same all-reduce: NaN on every rank where one rank's is.
+pub(crate) fn mean_loss_and_flag<I: Backend>(
+    c: &Collective<I>,
+    loss: Tensor<I, 1>,
+    flag: Option<Tensor<I, 1>>,
+) -> Result<(Tensor<I, 1>, Option<Tensor<I, 1>>), RunError> {
+    // A `ranks`-element vector at least: burn-collective's ring cannot reduce
+    // a single value over several nodes.
+    let ranks = c.ranks() as usize;
+    let with_flag = flag.is_some();
+    let one = match flag {
+        Some(f) => Tensor::cat(vec![loss, f], 0),
+        None => loss,
+    };
+    let mean = c.mean(one.repeat_dim(0, ranks))?;
+    Ok((
+        mean.clone().slice(0..1),
+        with_flag.then(|| mean.slice(1..2)),
+    ))
 }
 
 /// One memory sample at `at`, printed with `RCOA_MEMORY_TRACE=1` (every

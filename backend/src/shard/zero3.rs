@@ -1355,29 +1355,64 @@ impl<I: Backend> Zero3<I> {
     }
 
     /// The optimizer step of this rank's shard with the accumulated
-    /// gradient; returns the loss averaged over the ranks.
+    /// gradient; returns the loss averaged over the ranks, and whether the
+    /// optimizer stepped. With `unscale` (fp16's 1 / loss scale) the
+    /// gradient is multiplied by it first, and where any rank's shard is not
+    /// finite no rank steps (`crate::loss_scale`).
     pub fn step(
         &mut self,
         c: Option<&Collective<I>>,
         lr: f64,
         loss: Tensor<I, 1>,
-    ) -> Result<Tensor<I, 1>, RunError> {
+        unscale: Option<f64>,
+    ) -> Result<(Tensor<I, 1>, bool), RunError> {
         self.settle(c)?;
         self.ready = None;
         let loss = loss.cast(FloatDType::F32);
-        let loss = match c {
-            // A `ranks`-element vector: burn-collective's ring cannot reduce
-            // a single value over several nodes.
-            Some(c) if self.ranks > 1 => c.mean(loss.repeat_dim(0, self.ranks))?.slice(0..1),
-            _ => loss,
-        };
         let upload = |v: &[f32], device: &I::Device| {
             Tensor::<I, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
         };
         let device = self.device.clone();
-        let acc = match &mut self.acc {
-            Grads::Device(acc) => acc,
-            Grads::Host(g) => {
+        // The device gradient shard, and whether this rank's gradient is
+        // finite (a host accumulator is divided by the scale here, in place;
+        // a device one by the optimizer step).
+        let mut device_grad = None;
+        let flag = match &mut self.acc {
+            Grads::Host(g) => match unscale {
+                Some(inv) => {
+                    let finite = self.optim.unscale_host(g, inv)?;
+                    Some(crate::loss_scale::host_flag(finite, &device))
+                }
+                None => None,
+            },
+            Grads::Device(acc) => {
+                let parts: Vec<Tensor<I, 1>> = self
+                    .units
+                    .iter()
+                    .zip(acc.iter_mut())
+                    .filter(|(l, _)| l.t_os > 0)
+                    .map(|(l, a)| a.take().unwrap_or_else(|| Tensor::zeros([l.t_os], &device)))
+                    .collect();
+                let grad = super::cat_or_empty(parts, &device);
+                let flag = unscale.map(|_| crate::loss_scale::finite_check(&grad));
+                device_grad = Some(grad);
+                flag
+            }
+        };
+        let (loss, flag) = match c {
+            Some(c) if self.ranks > 1 => super::mean_loss_and_flag(c, loss, flag)?,
+            _ => (loss, flag),
+        };
+        if !flag.is_none_or(crate::loss_scale::flag_finite) {
+            // Skipped: the accumulated gradient goes, the weights stay.
+            if let Grads::Host(g) = &mut self.acc {
+                g.fill(0.0);
+            }
+            return Ok((self.finish_step(c, None, loss)?, false));
+        }
+        let grad = match (&mut self.acc, device_grad) {
+            (Grads::Device(_), Some(grad)) => grad,
+            (Grads::Host(g), _) => {
                 // The host optimizer reads the host accumulator: nothing
                 // comes down.
                 let updated = match (&mut self.master, &mut self.work) {
@@ -1396,43 +1431,43 @@ impl<I: Backend> Zero3<I> {
                     }
                 };
                 g.fill(0.0);
-                return self.finish_step(c, updated, loss);
+                return Ok((self.finish_step(c, updated, loss)?, true));
+            }
+            (Grads::Device(_), None) => {
+                return Err(RunError::Backend(
+                    "ZeRO-3: the device gradient accumulator gave no gradient".into(),
+                ))
             }
         };
-        let parts: Vec<Tensor<I, 1>> = self
-            .units
-            .iter()
-            .zip(acc.iter_mut())
-            .filter(|(l, _)| l.t_os > 0)
-            .map(|(l, a)| a.take().unwrap_or_else(|| Tensor::zeros([l.t_os], &device)))
-            .collect();
-        let grad = super::cat_or_empty(parts, &device);
         // The updated fp32 shard on the device; `None`: the host weights
         // were updated in place.
         let updated = match (&mut self.master, self.optim.place(), &mut self.work) {
             (Master::Work, Place::Host { .. }, Vals::Host(w)) => {
-                self.optim.step_host_master(lr, w, grad)?;
+                self.optim.step_host_master(lr, w, grad, unscale)?;
                 None
             }
             (Master::Work, Place::Device, Vals::Device(w)) => {
                 let w = w.make_whole(&device);
-                Some(self.optim.step(lr, w.cast(FloatDType::F32), grad)?)
+                Some(
+                    self.optim
+                        .step(lr, w.cast(FloatDType::F32), grad, unscale)?,
+                )
             }
             (Master::Work, Place::Device, Vals::Host(w)) => {
-                let u = self.optim.step(lr, upload(w, &device), grad)?;
+                let u = self.optim.step(lr, upload(w, &device), grad, unscale)?;
                 *w = to_host(u)?;
                 None
             }
             (Master::Device(m), Place::Device, _) => {
-                let u = self.optim.step(lr, m.make_whole(&device), grad)?;
+                let u = self.optim.step(lr, m.make_whole(&device), grad, unscale)?;
                 *m = Flat::whole(u.clone());
                 Some(u)
             }
             (Master::Host(m), Place::Host { .. }, _) => {
-                Some(self.optim.step_host_master(lr, m, grad)?)
+                Some(self.optim.step_host_master(lr, m, grad, unscale)?)
             }
             (Master::Host(m), Place::Device, _) => {
-                let u = self.optim.step(lr, upload(m, &device), grad)?;
+                let u = self.optim.step(lr, upload(m, &device), grad, unscale)?;
                 *m = to_host(u.clone())?;
                 Some(u)
             }
@@ -1442,7 +1477,7 @@ impl<I: Backend> Zero3<I> {
                 ))
             }
         };
-        self.finish_step(c, updated, loss)
+        Ok((self.finish_step(c, updated, loss)?, true))
     }
 
     /// After the optimizer: `updated` (this rank's new fp32 shard on the
