@@ -43,6 +43,7 @@ use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Embed, Head, Layer, Model};
 use crate::ops::{ExecAutodiff, ExecBackend};
 use crate::optim::adam8bit::Adam8bitOptimizer;
+use crate::optim::lion::LionOptimizer;
 use crate::RunError;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -212,6 +213,7 @@ pub enum Optim<B: ExecAutodiff> {
     Adam(OptimizerAdaptor<Adam, Model<B>, B>),
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, Model<B>, B>),
     Adam8bit(OptimizerAdaptor<Adam8bitOptimizer, Model<B>, B>),
+    Lion(OptimizerAdaptor<LionOptimizer, Model<B>, B>),
 }
 
 impl<B: ExecAutodiff> Optim<B> {
@@ -237,9 +239,14 @@ impl<B: ExecAutodiff> Optim<B> {
             OptimizerKind::Adam8bit => {
                 Optim::Adam8bit(OptimizerAdaptor::from(Adam8bitOptimizer::new(b1, b2, eps, o.weight_decay as f32)))
             }
+            OptimizerKind::Lion => Optim::Lion(OptimizerAdaptor::from(LionOptimizer {
+                beta_1: b1,
+                beta_2: b2,
+                weight_decay: o.weight_decay as f32,
+            })),
             other => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam and sgd are; Burn 0.21 has no {})",
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, lion and sgd are; Burn 0.21 has no {})",
                     other.as_str(),
                     other.as_str()
                 )))
@@ -257,6 +264,7 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::AdamW(o) => o.step(lr, model, grads),
             Optim::Adam(o) => o.step(lr, model, grads),
             Optim::Sgd(o) => o.step(lr, model, grads),
+            Optim::Lion(o) => o.step(lr, model, grads),
             Optim::Adam8bit(o) => {
                 let model = o.step(lr, model, grads);
                 if let Some(e) = o.optim().take_error() {
@@ -277,6 +285,7 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::Adam(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Sgd(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Adam8bit(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::Lion(o) => Recorder::<B>::record(rec, o.to_record(), path),
         };
         r.map_err(|e| RunError::Checkpoint(format!("cannot write the optimizer state: {e}")))
     }
@@ -302,6 +311,9 @@ impl<B: ExecAutodiff> Optim<B> {
             }
             Optim::Adam8bit(o) => {
                 Optim::Adam8bit(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
+            Optim::Lion(o) => {
+                Optim::Lion(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
             }
         })
     }

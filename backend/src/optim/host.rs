@@ -23,6 +23,12 @@ pub enum Rule {
         momentum: Option<f64>,
         penalty: Option<f32>,
     },
+    /// Decoupled weight decay as `AdamW`; one moment (`optim::lion`).
+    Lion {
+        beta_1: f32,
+        beta_2: f32,
+        weight_decay: f32,
+    },
 }
 
 impl Rule {
@@ -31,6 +37,7 @@ impl Rule {
         match self {
             Rule::AdamW { .. } | Rule::Adam { .. } => 2,
             Rule::Sgd { momentum, .. } => usize::from(momentum.is_some()),
+            Rule::Lion { .. } => 1,
         }
     }
 }
@@ -192,6 +199,33 @@ impl Update {
                     p[i] -= update * lr;
                 }
             }
+            Rule::Lion {
+                beta_1,
+                beta_2,
+                weight_decay,
+            } => {
+                let decay_rate = self.lr * (weight_decay as f64);
+                let keep = if decay_rate == 0.0 {
+                    1.0
+                } else {
+                    (1.0 - decay_rate) as f32
+                };
+                let (f1, f2) = (1.0 - beta_1, 1.0 - beta_2);
+                for i in 0..p.len() {
+                    // `optim::lion`'s device operations, one element at a time.
+                    let direction = if first {
+                        g[i] * f1
+                    } else {
+                        m1[i] * beta_1 + g[i] * f1
+                    };
+                    p[i] = p[i] * keep - sign(direction) * lr;
+                    m1[i] = if first {
+                        g[i] * f2
+                    } else {
+                        m1[i] * beta_2 + g[i] * f2
+                    };
+                }
+            }
             Rule::Sgd { momentum, penalty } => {
                 let mu = momentum.map(|m| m as f32);
                 for i in 0..p.len() {
@@ -208,6 +242,18 @@ impl Update {
                 }
             }
         }
+    }
+}
+
+/// −1, 0 or 1, as a tensor's `sign()` (and torch's): `f32::signum` gives 1
+/// for +0.
+fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        x
     }
 }
 

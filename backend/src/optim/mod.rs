@@ -20,6 +20,7 @@ use rcoa_compiler::spec::OptimizerKind;
 
 pub mod adam8bit;
 mod host;
+pub mod lion;
 pub use host::Rule;
 
 impl Rule {
@@ -47,6 +48,11 @@ impl Rule {
                 momentum: (o.momentum > 0.0).then_some(o.momentum),
                 penalty,
             },
+            OptimizerKind::Lion => Rule::Lion {
+                beta_1,
+                beta_2,
+                weight_decay: o.weight_decay as f32,
+            },
             OptimizerKind::Adam8bit => {
                 return Err(RunError::Unsupported(format!(
                     "optimizer adam8bit with zero = {} or an offloaded optimizer: its 8-bit moments are quantized per \
@@ -57,7 +63,7 @@ impl Rule {
             }
             other => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit and sgd are)",
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, lion and sgd are)",
                     other.as_str()
                 )))
             }
@@ -310,6 +316,20 @@ impl<B: Backend> FlatOptim<B> {
                     .div(m2.clone().unwrap().sqrt().add_scalar(epsilon * bc2));
                 t - update.mul_scalar(lr)
             }
+            Rule::Lion {
+                beta_1,
+                beta_2,
+                weight_decay,
+            } => {
+                let lion = lion::LionOptimizer {
+                    beta_1,
+                    beta_2,
+                    weight_decay,
+                };
+                let (t, m) = lion.update(lr, t, grad, m1.take());
+                *m1 = Some(m);
+                t
+            }
             Rule::Sgd { momentum, penalty } => {
                 if let Some(p) = penalty {
                     grad = t.clone().mul_scalar(p).add(grad);
@@ -431,6 +451,7 @@ impl<B: Backend> FlatOptim<B> {
             Rule::Adam { .. } => 2,
             Rule::Sgd { momentum: None, .. } => 3,
             Rule::Sgd { .. } => 4,
+            Rule::Lion { .. } => 5,
         }
     }
 }

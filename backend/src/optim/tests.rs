@@ -106,19 +106,46 @@ fn same_update_as_burn() {
         penalty: None,
     };
     close(&flat_steps(plain, Place::Host { threads: 2 }, lr, n), &want);
+    // Lion's update is ±lr per value: the host's arithmetic must match the
+    // device's exactly, or a value near a sign change would move by 2 lr.
+    let lion = lion::LionOptimizer {
+        beta_1: 0.9,
+        beta_2: 0.99,
+        weight_decay: 0.1,
+    };
+    let want = burn_steps(lion, lr, n);
+    for place in places {
+        let rule = Rule::Lion {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            weight_decay: 0.1,
+        };
+        assert_eq!(flat_steps(rule, place, lr, n), want, "{place:?}");
+    }
 }
 
 /// Two steps, save, a new optimizer loads the state (the other place), two
 /// more steps: the same as four steps without a break.
 #[test]
 fn saved_state_resumes_the_same_steps() {
-    let n = 257;
-    let rule = Rule::AdamW {
+    let adamw = Rule::AdamW {
         beta_1: 0.9,
         beta_2: 0.95,
         epsilon: 1e-8,
         weight_decay: 0.1,
     };
+    let lion = Rule::Lion {
+        beta_1: 0.9,
+        beta_2: 0.99,
+        weight_decay: 0.0,
+    };
+    for rule in [adamw, lion] {
+        resumes_the_same_steps(rule);
+    }
+}
+
+fn resumes_the_same_steps(rule: Rule) {
+    let n = 257;
     let want = flat_steps(rule, Place::Device, 1e-2, n);
     let mut a = FlatOptim::<B>::new(rule, Place::Device, n);
     let mut t = tensor(&values(n, 1));

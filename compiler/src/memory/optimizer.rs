@@ -183,6 +183,10 @@ pub fn model(
             temp = match implementation {
                 OptImpl::Foreach => state,
                 OptImpl::Fused | OptImpl::Paged => 0,
+                // The Burn executor's step (`optim::lion`) holds `β₁·m` and `(1−β₁)·g`
+                // at once, as Burn's Adam does for a moment; lion-pytorch's loop one
+                // clone of the moment.
+                OptImpl::Plain if profile.burn_ops => 2 * largest_full,
                 OptImpl::Plain => largest_full,
             };
         }
