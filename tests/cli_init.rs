@@ -20,8 +20,10 @@ fn presets_give_plans_that_check_and_compile() {
         ("llama-3.2-1b", "h100-80gb", "1", "32"),
         ("xlm-roberta-large", "rtx6000-24gb", "1", "64"),
         ("llama-3.1-8b", "a100-40gb", "4", "256"),
+        // `precision fp16` where bf16 has no tensor cores.
+        ("llama-3.2-1b", "t4-16gb", "1", "8"),
     ] {
-        let plan = dir.join(format!("{model}.plan"));
+        let plan = dir.join(format!("{model}-{gpu}.plan"));
         let out = rcoa(&[
             "init",
             "--model",
@@ -87,8 +89,8 @@ fn presets_give_plans_that_check_and_compile() {
     assert!(
         plan.contains(
             "# t4-16gb has no bf16 tensor cores: bf16 runs on its CUDA cores (8.1 TFLOP/s).\n\
-             # Its fp16 tensor cores (65.0 TFLOP/s)"
-        ) && plan.contains("\nprecision bf16\n"),
+             # Its fp16 tensor cores (65.0 TFLOP/s) take fp16"
+        ) && plan.contains("\nprecision fp16\n"),
         "{plan}"
     );
 }

@@ -96,10 +96,14 @@ pub fn run(args: Args) -> ExitCode {
             } else {
                 format!(", offload [{}]", r.offload_names().join(", "))
             };
+            // The budget holds the peak and the reserve (the allocator's pages and the
+            // context): both are shown, so the sum says why it fits or not.
+            let reserve = p.breakdown.get("reserved").copied().unwrap_or(0);
             println!(
-                "{}: peak {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}{offload}",
+                "{}: peak {:.2} GiB + reserve {:.2} GiB of {:.2} GiB budget ({}) at {}; {:.3} s/step, {:.0} tokens/s; micro_batch {} × grad_accum {}, checkpoint {}{offload}",
                 if fits { "fits" } else { "does not fit" },
                 gib(p.peak_bytes),
+                gib(reserve),
                 gib(p.budget_bytes),
                 compilation.profile.name,
                 p.peak_at,

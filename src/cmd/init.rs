@@ -181,25 +181,24 @@ fn model_line(model: &str, plan_dir: &Path) -> Result<(String, Option<u64>), Str
     Ok((format!("model hf \"{shown}\""), None))
 }
 
-/// A comment above `precision bf16` on a GPU whose bf16 runs on the CUDA cores,
-/// naming its fp16 tensor cores; empty elsewhere.
-fn precision_note(gpu: &catalog::GpuEntry) -> String {
-    if gpu.bf16_tensor_cores {
-        return String::new();
+/// The precision line: bf16 with an fp32 master, or on a GPU whose bf16 runs on the CUDA
+/// cores the same in fp16 (its tensor cores' type; fp16's loss is scaled, by PyTorch's
+/// GradScaler and by `rcoa run` alike), with a comment that says why.
+fn precision_lines(gpu: Option<&catalog::GpuEntry>) -> String {
+    match gpu {
+        Some(gpu) if !gpu.bf16_tensor_cores => format!(
+            "# {} has no bf16 tensor cores: bf16 runs on its CUDA cores ({:.1} TFLOP/s).\n\
+             # Its fp16 tensor cores ({:.1} TFLOP/s) take fp16: fp16 weights, an fp32 master\n\
+             # copy, and the loss scaled dynamically (PyTorch's GradScaler, and `rcoa run`).\n\
+             precision fp16\n",
+            gpu.name, gpu.bf16_tflops, gpu.fp16_tflops
+        ),
+        _ => "precision bf16\n".to_string(),
     }
-    format!(
-        "# {} has no bf16 tensor cores: bf16 runs on its CUDA cores ({:.1} TFLOP/s).\n\
-         # Its fp16 tensor cores ({:.1} TFLOP/s) take fp16 with fp32 weights, as\n\
-         # PyTorch's autocast runs it: `precision {{ params = fp32  compute = fp16  master = none }}`\n\
-         # (PyTorch and rcoa run both scale fp16's loss dynamically).\n",
-        gpu.name, gpu.bf16_tflops, gpu.fp16_tflops
-    )
 }
 
 fn plan_text(args: &Args, model_line: &str, seq_len: u64) -> String {
-    let note = catalog::gpu(&args.gpu)
-        .map(precision_note)
-        .unwrap_or_default();
+    let precision = precision_lines(catalog::gpu(&args.gpu));
     format!(
         "# Written by `rcoa init`: every choice the compiler can make is `auto`.\n\
          # `rcoa compile THIS.plan --explain` shows what it decides and why.\n\
@@ -207,7 +206,7 @@ fn plan_text(args: &Args, model_line: &str, seq_len: u64) -> String {
          \n\
          hardware {{\n  gpu           = {gpu}\n  gpus_per_node = {gpus}\n  nodes         = {nodes}\n}}\n\
          \n\
-         {note}precision bf16\n\
+         {precision}\
          \n\
          optimizer adamw {{ lr = 2e-5 }}\n\
          \n\

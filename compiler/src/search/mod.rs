@@ -108,8 +108,13 @@ pub struct Eval {
 }
 
 impl Eval {
+    /// What the budget is compared with: the peak and the reserve (which, with the Burn
+    /// executor's pool pages, differs between candidates of equal peak).
+    pub fn need_bytes(&self) -> u64 {
+        self.peak_bytes + self.reserve_bytes
+    }
     fn memory_fits(&self) -> bool {
-        self.peak_bytes + self.reserve_bytes <= self.budget_bytes
+        self.need_bytes() <= self.budget_bytes
     }
     fn host_fits(&self) -> bool {
         self.host_capacity.is_none_or(|c| self.host_bytes <= c)
@@ -134,7 +139,7 @@ pub struct SearchStats {
 pub struct Outcome {
     pub point: Point,
     pub eval: Eval,
-    /// Some candidate fits (else `point` is the smallest-peak candidate found).
+    /// Some candidate fits (else `point` is the candidate found that needs the least).
     pub fits: bool,
     pub rejected: Vec<Rejected>,
 }
@@ -270,9 +275,14 @@ fn better(obj: Objective, a: (&Point, &Eval), b: (&Point, &Eval)) -> bool {
             .step_seconds
             .total_cmp(&eb.step_seconds)
             .then(ea.peak_bytes.cmp(&eb.peak_bytes)),
-        _ => ea
+        (true, Objective::Memory) => ea
             .peak_bytes
             .cmp(&eb.peak_bytes)
+            .then(ea.step_seconds.total_cmp(&eb.step_seconds)),
+        // Nothing fits: the least memory asked of the budget ("the smallest plan needs").
+        (false, _) => ea
+            .need_bytes()
+            .cmp(&eb.need_bytes())
             .then(ea.step_seconds.total_cmp(&eb.step_seconds)),
     });
     o.then_with(|| pa.cmp(pb)) == Ordering::Less
@@ -502,7 +512,7 @@ pub fn search<'a>(
             }
         }
     }
-    // Nothing fits: the smallest peak, and among equal peaks the least recompute.
+    // Nothing fits: the least need, and among equal needs the least recompute.
     if let Some((bp, be)) = best.clone() {
         if !be.fits {
             let ks: Vec<Recompute> = match space.checkpoint {
@@ -517,7 +527,7 @@ pub fn search<'a>(
                 recompute: ks[i],
                 ..bp.clone()
             };
-            let i = first_true(0, last, |i| ev.eval(&at(i)).peak_bytes <= be.peak_bytes);
+            let i = first_true(0, last, |i| ev.eval(&at(i)).need_bytes() <= be.need_bytes());
             let p = at(i);
             let e = ev.eval(&p);
             consider(&mut best, p, e);
