@@ -23,6 +23,8 @@
 //! The order of candidates is total and deterministic: fitting first, then
 //! the objective (step time, or peak), then the other (peak, or step
 //! time), then the point itself — so both searches break ties the same way.
+//! Among candidates that do not fit, the least need (peak and reserve, what
+//! the budget holds) comes first: the plan a does-not-fit diagnostic names.
 //! The chosen candidate is re-evaluated with the full timeline by
 //! [`crate::compile`]; the search records, per setting, the best rejected
 //! alternatives and why they lost.
