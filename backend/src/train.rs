@@ -134,7 +134,7 @@ impl Precision {
                 Some(note),
             ));
         }
-        let note = crate::loss_scale::LossScaler::for_precision(&wanted).map(|s| {
+        let note = LossScaler::for_precision(&wanted).map(|s| {
             format!(
                 "fp16 with dynamic loss scaling, as PyTorch's GradScaler: the loss is scaled by {} \
                  before the backward; a step whose gradients overflow is skipped and the scale halved, \
