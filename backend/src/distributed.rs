@@ -602,12 +602,19 @@ impl<I: Backend> Collective<I> {
     /// parameter (DDP's buckets, taken to one); it also carries the 1-element
     /// loss, which burn-collective's ring cannot reduce alone (it slices the
     /// tensor into one part per rank).
+    ///
+    /// With `unscale` (fp16's 1 / loss scale, `crate::loss_scale`) the mean
+    /// vector is checked (one reduction; the same verdict on every rank, which
+    /// all hold it) and divided by the scale in place, before the gradients
+    /// become views of it: no second gradient-sized copy. `false`: a value is
+    /// not finite (the gradients are then left scaled, for no step to read).
     pub fn mean_step<B, M>(
         &self,
         model: &M,
         grads: &mut GradientsParams,
         loss: Tensor<I, 1>,
-    ) -> Result<Tensor<I, 1>, RunError>
+        unscale: Option<f64>,
+    ) -> Result<(Tensor<I, 1>, bool), RunError>
     where
         B: AutodiffBackend<InnerBackend = I>,
         M: burn::module::Module<B>,
@@ -629,6 +636,12 @@ impl<I: Backend> Collective<I> {
         let loss_dtype = loss.dtype();
         parts.push(loss.cast(FloatDType::F32));
         let flat = self.mean(Tensor::cat(parts, 0))?;
+        let finite = unscale
+            .is_none_or(|_| crate::loss_scale::flag_finite(crate::loss_scale::finite_check(&flat)));
+        let flat = match unscale {
+            Some(inv) if finite => flat.mul_scalar(inv),
+            _ => flat,
+        };
         let total = flat.dims()[0];
         let mut scatter = Scatter::<I> {
             grads,
@@ -638,7 +651,12 @@ impl<I: Backend> Collective<I> {
         };
         model.visit(&mut scatter);
         let loss = flat.slice(scatter.at..total);
-        Ok(crate::model::to_dtype(loss, loss_dtype.into()))
+        let loss = match unscale {
+            // The vector's division took the loss with it: back, exactly (a power of two).
+            Some(inv) if finite => loss.mul_scalar(1.0 / inv),
+            _ => loss,
+        };
+        Ok((crate::model::to_dtype(loss, loss_dtype.into()), finite))
     }
 
     /// Leave the collective (once, when the trainer is dropped), after a run

@@ -386,7 +386,8 @@ pub struct Summary {
     /// fp16's loss scale at the last step (`loss_scale`); `None` without fp16.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// Steps whose fp16 gradients overflowed, so the optimizer skipped them.
+    /// Steps of this process whose fp16 gradients overflowed, so the optimizer
+    /// skipped them (a resumed run counts from its resume).
     pub skipped_steps: u64,
     /// The held-out loss after the last step (`RunOptions::eval`).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -7,7 +7,7 @@
 //! backward, every gradient carries the factor, and it is divided out
 //! before the optimizer reads them. Powers of two make both exact in fp32
 //! and fp16 alike, short of overflow: a step trained with scaling equals one
-//! without wherever neither underflows nor overflows (tested below).
+//! without wherever neither underflows nor overflows (`tests/loss_scale.rs`).
 //!
 //! Where `S` is too large a gradient overflows to infinity. Then the step is
 //! skipped (no weight or optimizer state changes, the step still counts, as
@@ -159,7 +159,7 @@ pub fn host_flag<I: Backend>(finite: bool, device: &I::Device) -> Tensor<I, 1> {
     Tensor::from_data(burn::tensor::TensorData::new(vec![v], [1]), device)
 }
 
-/// Whether every gradient of `model`'s parameters in `grads` is finite and,
+/// One rank's gradients: whether every gradient of `model`'s parameters in `grads` is finite and,
 /// where they all are, each divided by the scale (`inverse` = 1 / scale).
 /// Where one is not, the optimizer skips the step and they are left as they
 /// are.
@@ -201,7 +201,9 @@ struct Unscale<'a> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Unscale<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        // Taken out and put back: the only handle, so the multiply may reuse
+        // Taken out and put back: on one rank (data parallelism unscales the
+        // all-reduced vector instead, `Collective::mean_step`) the gradient is
+        // the backward's own tensor, the only handle, so the multiply may reuse
         // its buffer rather than hold a second gradient-sized one.
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             self.grads

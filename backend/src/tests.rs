@@ -310,6 +310,15 @@ fn fp16_is_noted_for_its_loss_scaling() {
     }
     assert_eq!(note(Dtype::Bf16, Dtype::Bf16), None);
     assert_eq!(note(Dtype::Fp32, Dtype::Fp32), None);
+    // fp16 weights without a master would be unscaled in fp16: refused where fp16 runs,
+    // trained in fp32 where it does not.
+    let mut plan = tiny_plan();
+    plan.precision.params = Dtype::Fp16;
+    plan.precision.compute = Dtype::Fp16;
+    plan.precision.master = None;
+    let e = crate::train::Precision::for_plan(&plan, true).unwrap_err();
+    assert!(e.to_string().contains("`master = none`"), "{e}");
+    assert!(crate::train::Precision::for_plan(&plan, false).is_ok());
 }
 
 #[test]

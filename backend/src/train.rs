@@ -134,6 +134,11 @@ impl Precision {
                 Some(note),
             ));
         }
+        if params == FloatDType::F16 && !wanted.master {
+            // Their gradients would be fp16 when divided by the scale: what the scale kept
+            // from flushing would flush there (PyTorch's GradScaler refuses to unscale them).
+            return Err(RunError::Unsupported(FP16_WITHOUT_MASTER.into()));
+        }
         let note = LossScaler::for_precision(&wanted).map(|s| {
             format!(
                 "fp16 with dynamic loss scaling, as PyTorch's GradScaler: the loss is scaled by {} \
@@ -146,6 +151,13 @@ impl Precision {
         Ok((wanted, note))
     }
 }
+
+/// Why fp16 weights need an fp32 master here (`rcoa_compiler::executed` refuses such
+/// plans for `target burn` with the same words).
+pub const FP16_WITHOUT_MASTER: &str =
+    "fp16 weights without an fp32 master (`params = fp16`, `master = none`): their \
+     gradients would be fp16 when the loss scale is divided out, and flush to zero there; write \
+     `master = fp32`, or `params = fp32` with `compute = fp16`";
 
 /// Casts every float parameter to `dtype`, keeping ids and trainability.
 pub(crate) struct CastParams(pub(crate) FloatDType);
@@ -1109,13 +1121,15 @@ impl<B: ExecAutodiff> Trainer<B> {
                 let loss = total.take().ok_or_else(|| {
                     RunError::Backend("a data-parallel step needs at least one micro-batch".into())
                 })?;
-                total = Some(c.mean_step::<B, _>(&self.model, &mut acc, loss)?);
+                // The mean is the same on every rank, and so is whether it is finite.
+                let (loss, finite) = c.mean_step::<B, _>(&self.model, &mut acc, loss, unscale)?;
+                total = Some(loss);
+                stepped = finite;
                 self.mark(probe, false, &|| "all-reduce".into());
+            } else {
+                stepped = unscale
+                    .is_none_or(|inv| crate::loss_scale::unscale_grads(&self.model, &mut acc, inv));
             }
-            // After the all-reduce the gradients are equal on every rank, and
-            // so is whether they are finite.
-            stepped = unscale
-                .is_none_or(|inv| crate::loss_scale::unscale_grads(&self.model, &mut acc, inv));
             if stepped {
                 let model = self.model.clone();
                 self.model = self.optim.step(self.lr, model, acc)?;

@@ -12,7 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    CheckpointChoice, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, PrecisionSpec, Spec, Target,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, PrecisionSpec, Spec,
+    Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -66,6 +67,12 @@ fn carried(
     p: &PrecisionSpec,
     selective_op: bool,
 ) -> Option<(String, String)> {
+    if p.params == Dtype::Fp16 && p.master.is_none() {
+        return Some((
+            "fp16 weights without an fp32 master (`params = fp16`, `master = none`)".into(),
+            "it divides fp16's loss scale out of fp32 gradients (as PyTorch's GradScaler, which refuses fp16 ones): write `master = fp32`, or `params = fp32` with `compute = fp16`".into(),
+        ));
+    }
     if p.autocast && p.params.bytes() <= p.compute.bytes() {
         return Some((
             "autocast over 16-bit weights (`precision.autocast = true`)".into(),
@@ -159,6 +166,18 @@ mod tests {
 
         s.model.norm = Norm::Layernorm;
         assert!(refused(&s).contains("no biases"));
+
+        // fp16 weights need the fp32 master the loss scale is divided out in.
+        let mut s = burn();
+        s.precision.params = Dtype::Fp16;
+        s.precision.compute = Dtype::Fp16;
+        s.precision.master = None;
+        assert!(refused(&s).contains("`master = none`"), "{}", refused(&s));
+        s.precision.master = Some(Dtype::Fp32);
+        assert_eq!(check(&s), Ok(()));
+        s.precision.master = None;
+        s.target = Target::Pytorch;
+        assert_eq!(check(&s), Ok(()));
 
         let mut s = burn();
         s.precision.params = crate::spec::Dtype::Bf16;

@@ -245,8 +245,10 @@ impl Update {
     }
 }
 
-/// −1, 0 or 1, as a tensor's `sign()` (and torch's): `f32::signum` gives 1
-/// for +0.
+/// −1, 0 or 1 as a tensor's `sign()` (and torch's) for numbers: `f32::signum`
+/// gives 1 for +0. A NaN stays NaN here, where CubeCL's `sign` gives 0: a NaN
+/// gradient (which fp16's loss scaling skips, and bf16 or fp32 do not check)
+/// turns Lion's momentum NaN either way.
 fn sign(x: f32) -> f32 {
     if x > 0.0 {
         1.0

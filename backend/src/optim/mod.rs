@@ -477,7 +477,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// A 1-D tensor's values in host memory.
 /// `grad` in host memory, times `unscale` there (no device copy).
 fn host_unscaled<B: Backend>(
     grad: Tensor<B, 1>,
@@ -491,6 +490,7 @@ fn host_unscaled<B: Backend>(
     Ok(g)
 }
 
+/// A 1-D tensor's values in host memory.
 pub fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, RunError> {
     host(t)
 }

@@ -24,7 +24,10 @@
 //! the objective (step time, or peak), then the other (peak, or step
 //! time), then the point itself — so both searches break ties the same way.
 //! Among candidates that do not fit, the least need (peak and reserve, what
-//! the budget holds) comes first: the plan a does-not-fit diagnostic names.
+//! the budget holds) comes first: the plan a does-not-fit diagnostic names
+//! is the least need among each group's most-recompute candidate and the
+//! winning group's recompute scan (the exhaustive search agrees on the
+//! tested spaces).
 //! The chosen candidate is re-evaluated with the full timeline by
 //! [`crate::compile`]; the search records, per setting, the best rejected
 //! alternatives and why they lost.
