@@ -519,8 +519,12 @@ pub fn run(args: Args) -> ExitCode {
                     b.println(skipped_line(r.step, from, to));
                 }
                 b.set_position(r.step);
+                let scale = r
+                    .loss_scale
+                    .map(|s| format!("  loss scale {s}"))
+                    .unwrap_or_default();
                 b.set_message(format!(
-                    "loss {:.4}  {:.3} s/step  {:.0} tok/s  peak {}",
+                    "loss {:.4}  {:.3} s/step  {:.0} tok/s  peak {}{scale}",
                     r.loss,
                     r.step_seconds,
                     tps,
