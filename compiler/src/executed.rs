@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OptImpl, OptimizerSpec, PrecisionSpec, Spec,
-    Target,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OptImpl, OptimizerKind, OptimizerSpec,
+    PrecisionSpec, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -103,6 +103,12 @@ fn carried(
             "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
         ));
     }
+    if matches!(o.kind, OptimizerKind::Adafactor | OptimizerKind::AdamMini) {
+        return Some((
+            format!("`optimizer {}`", o.kind.as_str()),
+            "it steps adamw, adam, adam8bit, lion and sgd: write one of them".into(),
+        ));
+    }
     if o.implementation == OptImpl::Paged {
         return Some((
             "bitsandbytes' paged optimizers (`optimizer.impl = paged`)".into(),
@@ -166,6 +172,18 @@ mod tests {
 
         s.model.norm = Norm::Layernorm;
         assert!(refused(&s).contains("no biases"));
+
+        // Optimizers the executor has no update for.
+        for kind in [OptimizerKind::Adafactor, OptimizerKind::AdamMini] {
+            let mut s = burn();
+            s.optimizer.kind = kind;
+            assert!(refused(&s).contains(&format!("`optimizer {}`", kind.as_str())));
+            s.target = Target::Pytorch;
+            assert_eq!(check(&s), Ok(()));
+        }
+        let mut s = burn();
+        s.optimizer.kind = OptimizerKind::Lion;
+        assert_eq!(check(&s), Ok(()));
 
         // fp16 weights need the fp32 master the loss scale is divided out in.
         let mut s = burn();

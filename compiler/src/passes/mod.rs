@@ -177,13 +177,13 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
     };
     // Precision and adapter first: they fix the bytes per parameter that the later
     // passes quote (and nothing of the space depends on a later pass).
-    precision::Precision::new(
+    let precision = precision::Precision::new(
         &spec.precision,
         &spec.optimizer,
         &spec.model,
         spec.adapter.as_ref(),
-    )
-    .run(&mut plan, log)?;
+    );
+    precision.run(&mut plan, log)?;
     let adapter = adapter::Adapter::new(spec.adapter.as_ref(), &spec.model);
     adapter.run(&mut plan, log)?;
     // Sharding before batch: the data degree of each layout sets its per-rank batch.
@@ -200,6 +200,7 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
         .required(&spec.fit.must_offload)
         .run(&mut plan, log)?;
     adapter.narrow_executed(spec.target, &mut plan, log)?;
+    precision.narrow_executed(spec.target, &mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
     batch::Batch::new(spec).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.

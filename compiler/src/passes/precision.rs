@@ -10,7 +10,9 @@ use super::{decide, gib, Pass, Plan};
 use crate::compile::CompileError;
 use crate::explain::Decision;
 use crate::memory::parallel::model_params;
-use crate::spec::{AdapterSpec, Dtype, ModelSpec, OptimizerKind, OptimizerSpec, PrecisionSpec};
+use crate::spec::{
+    AdapterSpec, Dtype, ModelSpec, OptimizerKind, OptimizerSpec, PrecisionSpec, Target,
+};
 
 pub struct Precision<'a> {
     precision: &'a PrecisionSpec,
@@ -32,6 +34,57 @@ impl<'a> Precision<'a> {
             model,
             adapter,
         }
+    }
+
+    /// What the Burn executor steps 8-bit Adam with (`target burn`): Burn's optimizer over
+    /// each parameter, not the flat optimizer of ZeRO and of the host
+    /// (`backend/src/optim/adam8bit.rs`): bitsandbytes quantizes each parameter's moments
+    /// on their own, in blocks of 256 from its first value, which a flat shard would cut
+    /// across. So `zero = 0` and nothing offloaded but checkpointed activations; a plan
+    /// that requires more is refused, as `rcoa run` would refuse it.
+    pub fn narrow_executed(
+        &self,
+        target: Target,
+        plan: &mut Plan,
+        log: &mut Vec<Decision>,
+    ) -> Result<(), CompileError> {
+        if target != Target::Burn || self.optimizer.kind != OptimizerKind::Adam8bit {
+            return Ok(());
+        }
+        let refused = |what: String| {
+            CompileError::NotExecuted {
+            what: format!("`rcoa run` does not execute `optimizer adam8bit` with {what} (the plan is `target burn`)"),
+            help: "it steps 8-bit Adam per parameter, as bitsandbytes quantizes each parameter's moments (blocks of 256 \
+                   from its first value), which a flat ZeRO shard would cut across: write `zero = 0` and offload nothing \
+                   but activations, or `optimizer adamw` with ZeRO and offload; or `target pytorch` (`rcoa emit`)"
+                .into(),
+        }
+        };
+        let space = &mut plan.space;
+        if space.zero.iter().any(|z| *z > 0) {
+            if !space.zero.contains(&0) {
+                return Err(refused(format!("zero = {:?}", space.zero)));
+            }
+            space.zero.retain(|z| *z == 0);
+            decide(log, self, "zero = 0 for adam8bit",
+                "the Burn executor steps 8-bit Adam per parameter (its moments quantized in blocks of 256 within \
+                 each parameter, as bitsandbytes), which ZeRO's flat shards would cut across");
+        }
+        let moves_state = |set: &Vec<crate::spec::Offload>| {
+            set.iter()
+                .any(|o| o.what != crate::spec::OffloadWhat::Activations)
+        };
+        if space.offload.iter().any(moves_state) {
+            space.offload.retain(|set| !moves_state(set));
+            if space.offload.is_empty() {
+                return Err(refused(
+                    "the optimizer, parameters or gradients offloaded".into(),
+                ));
+            }
+            decide(log, self, "optimizer, params and grads offload not used for adam8bit",
+                "the Burn executor's host optimizer is the flat one of ZeRO; 8-bit Adam stays on the device");
+        }
+        Ok(())
     }
 
     /// Optimizer state tensors per trainable parameter, and their dtype.
