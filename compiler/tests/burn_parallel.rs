@@ -16,8 +16,18 @@ fn spec(gpus: u64, target: &str, parallel: &str) -> Spec {
         "model \"llama-3.2-1b\"\nhardware {{ gpu = h100-80gb  gpus_per_node = {gpus} }}\n\
          train {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\ntarget {target}\n"
     );
-    let file = rcoa_grammar::parse("t.plan", &src).unwrap();
-    resolve(&file, &ResolveContext::new("t.plan", src.as_str(), ".")).unwrap()
+    resolved(&src)
+}
+
+/// `src` parsed and resolved.
+fn resolved(src: &str) -> Spec {
+    let file = rcoa_grammar::parse("t.plan", src).unwrap();
+    resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap()
+}
+
+/// `src` compiled.
+fn compiled(src: &str) -> Result<Compilation, rcoa_compiler::CompileError> {
+    rcoa_compiler::compile(&resolved(src))
 }
 
 #[test]
@@ -59,13 +69,8 @@ fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
     let text = std::fs::read_to_string(path)
         .unwrap()
         .replace("target pytorch", "target burn");
-    let compile = |src: &str| {
-        let file = rcoa_grammar::parse("t.plan", src).unwrap();
-        let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
-        rcoa_compiler::compile(&spec)
-    };
     if BURN_RUNS_ZERO3 {
-        let c = compile(&text).unwrap();
+        let c = compiled(&text).unwrap();
         assert!(c.lowered.prediction.fits);
         assert_eq!(c.lowered.resolved.zero, 3);
         // Built one unit at a time, each sharded before the next is made: the start-up
@@ -74,13 +79,13 @@ fn burn_search_shards_or_offloads_what_does_not_fit_replicated() {
         assert!(setup < c.report.peak_bytes, "{:?}", c.report.phase_peaks);
         assert!(setup < 8 << 30, "{setup}");
     } else {
-        let e = compile(&text).map(|_| ()).unwrap_err().to_string();
+        let e = compiled(&text).map(|_| ()).unwrap_err().to_string();
         assert!(
             e.contains("zero = 3 is not executed by the Burn executor"),
             "{e}"
         );
     }
-    let c = compile(&text.replace("zero = 3", "zero = auto")).unwrap();
+    let c = compiled(&text.replace("zero = 3", "zero = auto")).unwrap();
     assert!(c.lowered.prediction.fits);
     let r = &c.lowered.resolved;
     assert!(BURN_RUNS_ZERO3 || r.zero <= 2, "zero {}", r.zero);
@@ -132,9 +137,7 @@ fn burn_zero2_counts_the_flat_vector_and_the_shards() {
         let src = "model \"llama-3.2-1b\"\nhardware { gpu = h100-80gb  gpus_per_node = 2 }\n\
                    precision fp32\ntrain { seq_len = 1024  global_batch = 16 }\n\
                    parallel { zero = 2 }\ntarget burn\n";
-        let file = rcoa_grammar::parse("t.plan", src).unwrap();
-        let spec = resolve(&file, &ResolveContext::new("t.plan", src, ".")).unwrap();
-        rcoa_compiler::compile(&spec).unwrap()
+        compiled(src).unwrap()
     };
     assert_eq!(fp32.lowered.prediction.breakdown["communication"], shard);
     assert_eq!(exchange_grads(&fp32), flat + shard);
@@ -193,11 +196,7 @@ fn burn_setup_of_an_unsharded_16_bit_model_is_its_storage_plus_one_tensor() {
              train {{ seq_len = 16  global_batch = 2  micro_batch = 2 }}\nfit {{ checkpoint = none }}\ntarget burn\n"
         )
     };
-    let setup = |text: &str| {
-        let file = rcoa_grammar::parse("t.plan", text).unwrap();
-        let spec = resolve(&file, &ResolveContext::new("t.plan", text, ".")).unwrap();
-        rcoa_compiler::compile(&spec).unwrap().report.phase_peaks["setup"]
-    };
+    let setup = |text: &str| compiled(text).unwrap().report.phase_peaks["setup"];
     // Every tensor is a multiple of the 512-byte allocation unit here.
     let (d, f, v) = (256u64, 1024u64, 4096u64);
     let layer = 4 * d * d + 3 * d * f + 2 * d;
@@ -225,9 +224,7 @@ fn burn_qlora_shards_its_base_but_never_offloads_it() {
              train {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\n\
              fit {{ {fit} }}\ntarget burn\n"
         );
-        let file = rcoa_grammar::parse("t.plan", &src).unwrap();
-        let spec = resolve(&file, &ResolveContext::new("t.plan", src.as_str(), ".")).unwrap();
-        rcoa_compiler::compile(&spec)
+        compiled(&src)
     };
     let c = qlora(
         "zero = auto",
@@ -277,9 +274,7 @@ fn burn_adam8bit_stays_unsharded_and_on_the_device() {
              optimizer adam8bit\ntrain {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\n\
              fit {{ {fit} }}\ntarget {target}\n"
         );
-        let file = rcoa_grammar::parse("t.plan", &src).unwrap();
-        let spec = resolve(&file, &ResolveContext::new("t.plan", src.as_str(), ".")).unwrap();
-        rcoa_compiler::compile(&spec)
+        compiled(&src)
     };
     let c = plan(
         "burn",
