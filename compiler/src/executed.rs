@@ -103,6 +103,14 @@ fn carried(
             "it recomputes whole layers: write `checkpoint = full`, `every N` or `auto`".into(),
         ));
     }
+    if o.kind != OptimizerKind::Adam8bit && o.state != Dtype::Fp32 {
+        return Some((
+            format!("`optimizer.state = {}`", o.state.as_str()),
+            "it keeps the moments in the gradients' dtype (fp32 with a master copy or under ZeRO and offload, the weights' \
+             dtype without): remove `state`, or write `precision { ... master = none }` for 16-bit moments without ZeRO"
+                .into(),
+        ));
+    }
     if matches!(o.kind, OptimizerKind::Adafactor | OptimizerKind::AdamMini) {
         return Some((
             format!("`optimizer {}`", o.kind.as_str()),
@@ -183,6 +191,15 @@ mod tests {
         }
         let mut s = burn();
         s.optimizer.kind = OptimizerKind::Lion;
+        assert_eq!(check(&s), Ok(()));
+        // A state dtype the executor does not keep: it would be predicted, not run.
+        s.optimizer.state = Dtype::Bf16;
+        assert!(
+            refused(&s).contains("`optimizer.state = bf16`"),
+            "{}",
+            refused(&s)
+        );
+        s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
 
         // fp16 weights need the fp32 master the loss scale is divided out in.

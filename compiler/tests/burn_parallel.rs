@@ -316,3 +316,32 @@ fn burn_adam8bit_stays_unsharded_and_on_the_device() {
     let c = plan("pytorch", "zero = 2", "checkpoint = auto").unwrap();
     assert_eq!(c.lowered.resolved.zero, 2);
 }
+
+/// 16-bit weights without `master = fp32` under the Burn executor's flat optimizer: its
+/// moments are fp32 whatever the weights' dtype, and ZeRO 1/2 keeps an fp32 master shard
+/// (16-bit weights cannot give it back), where ZeRO-3's weight shard is the master itself.
+/// Charged as bf16 moments (torch's `zeros_like(p)`), the prediction was 8 bytes a value
+/// per rank short under ZeRO 1/2.
+#[test]
+fn burn_flat_optimizer_keeps_fp32_moments_and_a_master_shard_of_16_bit_weights() {
+    let optimizer = |zero: u8| {
+        let c = compiled(&format!(
+            "model \"llama-3.2-1b\"\nhardware {{ gpu = h100-80gb  gpus_per_node = 2 }}\n\
+             precision {{ params = bf16  compute = bf16  master = none }}\n\
+             train {{ seq_len = 1024  global_batch = 8  micro_batch = 4 }}\nparallel {{ zero = {zero} }}\n\
+             fit {{ checkpoint = full }}\ntarget burn\n"
+        ))
+        .unwrap();
+        c.lowered.prediction.breakdown["optimizer"] as f64
+    };
+    // Zero 0: Burn's AdamW over each bf16 parameter, two bf16 moments (4 bytes a value).
+    let whole = optimizer(0);
+    // ZeRO 1/2 over two ranks: (2 × 4 + 4) bytes a value, halved.
+    for zero in [1, 2] {
+        let r = optimizer(zero) / whole;
+        assert!((r - 1.5).abs() < 1e-3, "zero {zero}: {r}");
+    }
+    // ZeRO-3: two fp32 moments, halved; no master beside the weight shard.
+    let r = optimizer(3) / whole;
+    assert!((r - 1.0).abs() < 1e-3, "zero 3: {r}");
+}

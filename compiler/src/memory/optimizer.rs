@@ -84,10 +84,23 @@ pub fn model(
     profile: &Profile,
     tape: &Tape,
     trainable: &[(TensorId, u64)],
-    _c: &Candidate,
+    c: &Candidate,
 ) -> OptimizerModel {
     let o = &spec.optimizer;
     let p = &spec.precision;
+    // The Burn executor's flat optimizer (ZeRO, offload: `backend/src/optim`) keeps fp32
+    // moments whatever the weights' dtype; under ZeRO 1/2 with whole weights it also keeps
+    // an fp32 master shard of 16-bit weights without `master = fp32` (16-bit weights cannot
+    // give it back), where ZeRO-3's shard of the weights is the master itself.
+    let burn_flat = profile.burn_ops
+        && o.kind != OptimizerKind::Adam8bit
+        && (super::burn_flat_zero(profile, c) || super::burn_units(profile, c));
+    let master = match p.master {
+        None if burn_flat && super::burn_flat_zero(profile, c) && p.params.bytes() < 4.0 => {
+            Some(Dtype::Fp32)
+        }
+        m => m,
+    };
     // torch.optim keeps state like the parameter (`zeros_like(p)`) unless a master copy is
     // kept; an explicitly smaller state dtype (bf16, int8) wins.
     let param_dtype = if p.params == Dtype::Tf32 {
@@ -95,8 +108,9 @@ pub fn model(
     } else {
         p.params
     };
-    let state_dtype = match (o.kind, p.master) {
+    let state_dtype = match (o.kind, master) {
         (OptimizerKind::Adam8bit, _) => Dtype::Int8,
+        _ if burn_flat => Dtype::Fp32,
         (_, Some(m)) => {
             if o.state.bytes() < m.bytes() {
                 o.state
@@ -125,7 +139,7 @@ pub fn model(
     // Without a master copy torch.optim's state is `zeros_like(p)`: each parameter's own dtype,
     // so PEFT's fp32 adapters over bf16 weights keep fp32 moments (groundtruth
     // llama8b_lora16_*: 2 x 4 bytes per adapter value).
-    let own_dtype = p.master.is_none() && o.kind != OptimizerKind::Adam8bit;
+    let own_dtype = master.is_none() && o.kind != OptimizerKind::Adam8bit && !burn_flat;
     let sb_of = |id: TensorId| -> f64 {
         if !own_dtype {
             return sb;
@@ -225,7 +239,7 @@ pub fn model(
             temp = 2 * largest_full;
         }
     }
-    if let Some(m) = p.master {
+    if let Some(m) = master {
         if m.bytes() > param_dtype.bytes() {
             // fp32 master copy of 16-bit weights, and the fp32 gradient cast for the update.
             master_bytes = alloc(total_elems as f64 * m.bytes());

@@ -219,11 +219,14 @@ pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<Bu
             (_, 1 | 2) => flat + (d - 1) * shard,
             _ => 2 * flat,
         };
-        let whole_step = if host_optimizer || super::burn_master_in_state(spec) {
-            0
-        } else {
-            shard
-        };
+        // 16-bit weights keep their fp32 master shard with the optimizer state, `master =
+        // none` too (`memory::optimizer`: the flat step needs it).
+        let whole_step =
+            if host_optimizer || super::build::storage(spec.precision.params).bytes() < 4.0 {
+                0
+            } else {
+                shard
+            };
         Some(BurnExchange {
             at_step_end: exchange,
             flat,
