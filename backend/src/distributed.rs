@@ -636,8 +636,8 @@ impl<I: Backend> Collective<I> {
         let loss_dtype = loss.dtype();
         parts.push(loss.cast(FloatDType::F32));
         let flat = self.mean(Tensor::cat(parts, 0))?;
-        let finite = unscale
-            .is_none_or(|_| crate::loss_scale::flag_finite(crate::loss_scale::finite_check(&flat)));
+        use crate::loss_scale::{may_step, scaled_check};
+        let finite = may_step(scaled_check(&flat, unscale));
         let flat = match unscale {
             Some(inv) if finite => flat.mul_scalar(inv),
             _ => flat,

@@ -153,6 +153,21 @@ pub fn flag_finite<I: Backend>(flag: Tensor<I, 1>) -> bool {
     flag.into_scalar().elem::<f64>().is_finite()
 }
 
+/// `t`'s `finite_check` while fp16's loss is scaled (`unscale`, 1 / the scale);
+/// nothing to check without.
+pub fn scaled_check<I: Backend, const D: usize>(
+    t: &Tensor<I, D>,
+    unscale: Option<f64>,
+) -> Option<Tensor<I, 1>> {
+    unscale.map(|_| finite_check(t))
+}
+
+/// Whether the optimizer may step on a `scaled_check` (after any exchange of it
+/// between the ranks): no check, or a finite one.
+pub fn may_step<I: Backend>(check: Option<Tensor<I, 1>>) -> bool {
+    check.is_none_or(flag_finite)
+}
+
 /// A host flag in `finite_check`'s terms: 0 or NaN.
 pub fn host_flag<I: Backend>(finite: bool, device: &I::Device) -> Tensor<I, 1> {
     let v = if finite { 0.0 } else { f32::NAN };
@@ -170,7 +185,7 @@ pub fn unscale_grads<B: AutodiffBackend, M: Module<B>>(
 ) -> bool {
     let mut check = Check::<B::InnerBackend> { grads, flag: None };
     model.visit(&mut check);
-    if !check.flag.is_none_or(flag_finite) {
+    if !may_step(check.flag) {
         return false;
     }
     model.visit(&mut Unscale { grads, inverse });

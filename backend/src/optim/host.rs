@@ -80,12 +80,18 @@ pub fn step(
     });
 }
 
+/// Threads and chunk length for an element-wise pass over `len` values: no
+/// more threads than pay for spawning (`1 << 16` values each).
+fn split(len: usize, threads: usize) -> (usize, usize) {
+    const PER_THREAD: usize = 1 << 16;
+    let threads = threads.clamp(1, len.div_ceil(PER_THREAD).max(1));
+    (threads, len.div_ceil(threads).max(1))
+}
+
 /// `acc += g`, split over `threads` when the slices are long enough to pay
 /// for spawning them. Each element is one fp32 addition, as a device `+`.
 pub fn add(acc: &mut [f32], g: &[f32], threads: usize) {
-    const PER_THREAD: usize = 1 << 16;
-    let threads = threads.clamp(1, acc.len().div_ceil(PER_THREAD).max(1));
-    let chunk = acc.len().div_ceil(threads).max(1);
+    let (threads, chunk) = split(acc.len(), threads);
     let run = |a: &mut [f32], g: &[f32]| {
         for (a, &g) in a.iter_mut().zip(g) {
             *a += g;
@@ -104,9 +110,7 @@ pub fn add(acc: &mut [f32], g: &[f32], threads: usize) {
 /// `v *= factor` (fp16's loss scale divided out, `crate::loss_scale`) over
 /// `threads`, as `add` splits them; whether every value is finite.
 pub fn unscale(v: &mut [f32], factor: f32, threads: usize) -> bool {
-    const PER_THREAD: usize = 1 << 16;
-    let threads = threads.clamp(1, v.len().div_ceil(PER_THREAD).max(1));
-    let chunk = v.len().div_ceil(threads).max(1);
+    let (threads, chunk) = split(v.len(), threads);
     let run = |v: &mut [f32]| {
         let mut finite = true;
         for x in v.iter_mut() {

@@ -44,7 +44,7 @@ mod tests_memory;
 pub mod zero3;
 
 use crate::distributed::Collective;
-use crate::loss_scale::flag_finite;
+use crate::loss_scale::{may_step, scaled_check};
 use crate::optim::{FlatOptim, Place, Rule};
 use crate::RunError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -280,7 +280,7 @@ impl<I: Backend> Zero<I> {
         let (grad, loss, finite) = match collective {
             None => {
                 let grad = flat.slice(range.clone());
-                let finite = finite(&grad, unscale);
+                let finite = may_step(scaled_check(&grad, unscale));
                 (grad, loss, finite)
             }
             Some(c) if loss_rides => {
@@ -288,7 +288,7 @@ impl<I: Backend> Zero<I> {
                 // agrees with the others' without an exchange.
                 let all = c.mean(flat)?;
                 let grad = all.clone().slice(range.clone());
-                let finite = finite(&grad, unscale);
+                let finite = may_step(scaled_check(&grad, unscale));
                 (grad, all.slice(padded..padded + 1), finite)
             }
             Some(c) => {
@@ -306,9 +306,8 @@ impl<I: Backend> Zero<I> {
                 }
                 // Each rank holds only its shard: whether all are finite
                 // rides the loss's all-reduce (a NaN flag makes the mean NaN).
-                let flag = unscale.map(|_| crate::loss_scale::finite_check(&grad));
-                let (loss, flag) = mean_loss_and_flag(c, loss, flag)?;
-                (grad, loss, flag.is_none_or(flag_finite))
+                let (loss, flag) = mean_loss_and_flag(c, loss, scaled_check(&grad, unscale))?;
+                (grad, loss, may_step(flag))
             }
         };
         sample(probe, "exchange: reduced");
@@ -358,12 +357,6 @@ impl<I: Backend> Zero<I> {
         });
         Ok((model, loss, true))
     }
-}
-
-/// Whether a gradient vector the ranks hold alike is finite (`unscale`:
-/// fp16's loss scaling is on; without it nothing is checked).
-fn finite<I: Backend>(grad: &Tensor<I, 1>, unscale: Option<f64>) -> bool {
-    unscale.is_none() || flag_finite(crate::loss_scale::finite_check(grad))
 }
 
 /// The loss averaged over the ranks and, with `flag`, the ranks' flags

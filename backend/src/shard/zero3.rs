@@ -1373,49 +1373,32 @@ impl<I: Backend> Zero3<I> {
             Tensor::<I, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
         };
         let device = self.device.clone();
-        // The device gradient shard, and whether this rank's gradient is
-        // finite (a host accumulator is divided by the scale here, in place;
-        // a device one by the optimizer step).
-        let mut device_grad = None;
-        let flag = match &mut self.acc {
-            Grads::Host(g) => match unscale {
-                Some(inv) => {
-                    let finite = self.optim.unscale_host(g, inv)?;
-                    Some(crate::loss_scale::host_flag(finite, &device))
-                }
-                None => None,
-            },
-            Grads::Device(acc) => {
-                let parts: Vec<Tensor<I, 1>> = self
-                    .units
-                    .iter()
-                    .zip(acc.iter_mut())
-                    .filter(|(l, _)| l.t_os > 0)
-                    .map(|(l, a)| a.take().unwrap_or_else(|| Tensor::zeros([l.t_os], &device)))
-                    .collect();
-                let grad = super::cat_or_empty(parts, &device);
-                let flag = unscale.map(|_| crate::loss_scale::finite_check(&grad));
-                device_grad = Some(grad);
-                flag
-            }
+        // The loss averaged over the ranks, and whether every rank's gradient is
+        // finite: a rank's check rides the loss's all-reduce.
+        let ranks = self.ranks;
+        let exchange = |loss, check| -> Result<(Tensor<I, 1>, bool), RunError> {
+            let (loss, check) = match c {
+                Some(c) if ranks > 1 => super::mean_loss_and_flag(c, loss, check)?,
+                _ => (loss, check),
+            };
+            Ok((loss, crate::loss_scale::may_step(check)))
         };
-        let (loss, flag) = match c {
-            Some(c) if self.ranks > 1 => super::mean_loss_and_flag(c, loss, flag)?,
-            _ => (loss, flag),
-        };
-        if !flag.is_none_or(crate::loss_scale::flag_finite) {
-            // Skipped: the accumulated gradient goes, the weights stay.
-            if let Grads::Host(g) = &mut self.acc {
-                g.fill(0.0);
-            }
-            return Ok((self.finish_step(c, None, loss)?, false));
-        }
-        let grad = match (&mut self.acc, device_grad) {
-            (Grads::Device(_), Some(grad)) => grad,
-            (Grads::Host(g), _) => {
+        let acc = match &mut self.acc {
+            Grads::Device(acc) => acc,
+            Grads::Host(g) => {
+                // Divided by the loss scale here, in place, and checked in the same pass.
+                let check = match unscale {
+                    Some(inv) => Some(crate::loss_scale::host_flag(
+                        self.optim.unscale_host(g, inv)?,
+                        &device,
+                    )),
+                    None => None,
+                };
+                let (loss, finite) = exchange(loss, check)?;
                 // The host optimizer reads the host accumulator: nothing
-                // comes down.
+                // comes down. Skipped, the weights stay.
                 let updated = match (&mut self.master, &mut self.work) {
+                    _ if !finite => None,
                     (Master::Work, Vals::Host(w)) => {
                         self.optim.step_host_grad(lr, w, g)?;
                         None
@@ -1431,14 +1414,23 @@ impl<I: Backend> Zero3<I> {
                     }
                 };
                 g.fill(0.0);
-                return Ok((self.finish_step(c, updated, loss)?, true));
-            }
-            (Grads::Device(_), None) => {
-                return Err(RunError::Backend(
-                    "ZeRO-3: the device gradient accumulator gave no gradient".into(),
-                ))
+                return Ok((self.finish_step(c, updated, loss)?, finite));
             }
         };
+        let parts: Vec<Tensor<I, 1>> = self
+            .units
+            .iter()
+            .zip(acc.iter_mut())
+            .filter(|(l, _)| l.t_os > 0)
+            .map(|(l, a)| a.take().unwrap_or_else(|| Tensor::zeros([l.t_os], &device)))
+            .collect();
+        let grad = super::cat_or_empty(parts, &device);
+        // The optimizer divides it by the loss scale.
+        let (loss, finite) = exchange(loss, crate::loss_scale::scaled_check(&grad, unscale))?;
+        if !finite {
+            // Skipped: the accumulated gradient goes, the weights stay.
+            return Ok((self.finish_step(c, None, loss)?, false));
+        }
         // The updated fp32 shard on the device; `None`: the host weights
         // were updated in place.
         let updated = match (&mut self.master, self.optim.place(), &mut self.work) {
