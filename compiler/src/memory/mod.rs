@@ -131,14 +131,6 @@ pub fn burn_flat_zero(profile: &Profile, cand: &Candidate) -> bool {
             || cand.offloads(OffloadWhat::Grads))
 }
 
-/// Is the fp32 master copy of 16-bit weights charged with the optimizer state
-/// ([`optimizer::OptimizerModel::master_bytes`])?
-pub fn burn_master_in_state(spec: &Spec) -> bool {
-    spec.precision
-        .master
-        .is_some_and(|m| m.bytes() > spec.precision.params.bytes())
-}
-
 /// Is the fp32 gradient-shard accumulator of the Burn executor's ZeRO-3 in host memory?
 pub fn burn_host_grad_accumulator(profile: &Profile, cand: &Candidate) -> bool {
     burn_units(profile, cand)
@@ -541,7 +533,7 @@ fn evaluate_stage(
         let oshards = if cand.zero >= 1 { dp } else { 1 };
         let stored = build::storage(spec.precision.params).bytes();
         let master_is_work = wshards == oshards
-            && (stored >= 4.0 || !burn_master_in_state(spec))
+            && (stored >= 4.0 || opt.master_bytes == 0)
             && (cand.offloads(OffloadWhat::Params) || opt_on_gpu);
         if !master_is_work {
             let bytes = |values: u64| profile.allocated((stored * values as f64).ceil() as u64);

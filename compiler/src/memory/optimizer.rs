@@ -92,13 +92,10 @@ pub fn model(
     // moments whatever the weights' dtype; under ZeRO 1/2 with whole weights it also keeps
     // an fp32 master shard of 16-bit weights without `master = fp32` (16-bit weights cannot
     // give it back), where ZeRO-3's shard of the weights is the master itself.
-    let burn_flat = profile.burn_ops
-        && o.kind != OptimizerKind::Adam8bit
-        && (super::burn_flat_zero(profile, c) || super::burn_units(profile, c));
+    let flat_zero = o.kind != OptimizerKind::Adam8bit && super::burn_flat_zero(profile, c);
+    let burn_flat = flat_zero || o.kind != OptimizerKind::Adam8bit && super::burn_units(profile, c);
     let master = match p.master {
-        None if burn_flat && super::burn_flat_zero(profile, c) && p.params.bytes() < 4.0 => {
-            Some(Dtype::Fp32)
-        }
+        None if flat_zero && p.params.bytes() < 4.0 => Some(Dtype::Fp32),
         m => m,
     };
     // torch.optim keeps state like the parameter (`zeros_like(p)`) unless a master copy is

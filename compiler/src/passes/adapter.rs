@@ -78,10 +78,7 @@ impl Adapter<'_> {
                      and the CPU measured the step above it: leave headroom");
             }
         }
-        let offloads_params =
-            |set: &Vec<crate::spec::Offload>| set.iter().any(|o| o.what == OffloadWhat::Params);
-        if space.offload.iter().any(offloads_params) {
-            space.offload.retain(|set| !offloads_params(set));
+        if space.drop_offload_sets(|o| o.what == OffloadWhat::Params) {
             if space.offload.is_empty() {
                 return Err(CompileError::NotExecuted {
                     what: "`rcoa run` does not execute QLoRA with the parameters offloaded (the plan is `target burn`)".into(),

@@ -103,6 +103,15 @@ pub struct SearchSpace {
 }
 
 impl SearchSpace {
+    /// Drop every offload set holding an item `drop` names (what the engine does not run
+    /// with the plan's other settings); whether any went. The caller refuses a space left
+    /// without a set.
+    pub fn drop_offload_sets(&mut self, drop: impl Fn(&Offload) -> bool) -> bool {
+        let before = self.offload.len();
+        self.offload.retain(|set| !set.iter().any(&drop));
+        self.offload.len() < before
+    }
+
     /// The space of a plan before any pass: everything fixed to the no-op value.
     pub fn new(spec: &Spec, profile: &Profile) -> Self {
         SearchSpace {
@@ -270,7 +279,7 @@ pub fn verify(spec: &Spec, plan: &Plan) -> Vec<String> {
                 ));
             }
             let e = &o.eval;
-            if o.fits && e.peak_bytes + e.reserve_bytes > e.budget_bytes {
+            if o.fits && e.need_bytes() > e.budget_bytes {
                 out.push("a fitting outcome is over its budget".to_string());
             }
         }

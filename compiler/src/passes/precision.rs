@@ -70,12 +70,7 @@ impl<'a> Precision<'a> {
                 "the Burn executor steps 8-bit Adam per parameter (its moments quantized in blocks of 256 within \
                  each parameter, as bitsandbytes), which ZeRO's flat shards would cut across");
         }
-        let moves_state = |set: &Vec<crate::spec::Offload>| {
-            set.iter()
-                .any(|o| o.what != crate::spec::OffloadWhat::Activations)
-        };
-        if space.offload.iter().any(moves_state) {
-            space.offload.retain(|set| !moves_state(set));
+        if space.drop_offload_sets(|o| o.what != crate::spec::OffloadWhat::Activations) {
             if space.offload.is_empty() {
                 return Err(refused(
                     "the optimizer, parameters or gradients offloaded".into(),

@@ -41,7 +41,7 @@ fn gib(b: u64) -> String {
 fn try_fit(spec: &Spec, profile: &Profile) -> Option<(bool, u64)> {
     let plan = passes::run(spec, profile, &mut Vec::new()).ok()?;
     let o = plan.outcome?;
-    Some((o.fits, o.eval.peak_bytes + o.eval.reserve_bytes))
+    Some((o.fits, o.eval.need_bytes()))
 }
 
 /// The diagnostic for a plan whose search found nothing that fits.
@@ -187,7 +187,7 @@ pub fn diagnose(spec: &Spec, profile: &Profile, outcome: &Outcome) -> DoesNotFit
         format!("smallest plan: {smallest}\n{}", suggestions.join("\n"))
     };
     DoesNotFit {
-        need: gib(e.peak_bytes + e.reserve_bytes),
+        need: gib(e.need_bytes()),
         budget: gib(e.budget_bytes),
         smallest,
         suggestions,

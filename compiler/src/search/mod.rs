@@ -619,7 +619,7 @@ pub fn rejected(
             let why = if !e.memory_fits() {
                 format!(
                     "{} > {} budget (peak {} + reserve {})",
-                    gib(e.peak_bytes + e.reserve_bytes),
+                    gib(e.need_bytes()),
                     gib(e.budget_bytes),
                     gib(e.peak_bytes),
                     gib(e.reserve_bytes)
