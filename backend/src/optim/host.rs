@@ -222,7 +222,7 @@ impl Update {
                     } else {
                         m1[i] * beta_1 + g[i] * f1
                     };
-                    p[i] = p[i] * keep - sign(direction) * lr;
+                    p[i] = p[i] * keep - (sign(direction) + direction * 0.0) * lr;
                     m1[i] = if first {
                         g[i] * f2
                     } else {
@@ -250,9 +250,9 @@ impl Update {
 }
 
 /// −1, 0 or 1 as a tensor's `sign()` (and torch's) for numbers: `f32::signum`
-/// gives 1 for +0. A NaN stays NaN here, where CubeCL's `sign` gives 0: a NaN
-/// gradient (which fp16's loss scaling skips, and bf16 or fp32 do not check)
-/// turns Lion's momentum NaN either way.
+/// gives 1 for +0. The Lion step adds `direction · 0` as `optim::lion` does,
+/// so a NaN or infinite direction makes the value NaN on the host as on the
+/// device, whatever `sign` gives it.
 fn sign(x: f32) -> f32 {
     if x > 0.0 {
         1.0

@@ -9,6 +9,10 @@
 //! m ← β₂ · m + (1 − β₂) · g                   one moment, zero at the start
 //! ```
 //!
+//! Unlike lion-pytorch, a NaN or infinite `β₁ · m + (1 − β₁) · g` makes the
+//! updated value NaN (`sign(d) + d · 0`): a step that went non-finite shows
+//! in the loss and stops the run, where `sign` alone would hide it.
+//!
 //! One state tensor per parameter, in the parameter's dtype, half of
 //! Adam's. The flat optimizer of ZeRO and the host (`Rule::Lion`) runs the
 //! same operations in the same order, so a sharded run ends with the same
@@ -63,7 +67,13 @@ impl LionOptimizer {
                 .add(grad.clone().mul_scalar(1.0 - b1)),
             None => grad.clone().mul_scalar(1.0 - b1),
         };
-        let param = decayed - direction.sign().mul_scalar(lr);
+        // `+ d·0` carries a NaN or infinite direction into the weights, where the next loss
+        // shows it and the run stops: `sign` alone gives 0 for NaN in CubeCL and ±1 in
+        // ndarray, so a NaN gradient would stall (or drift) those values silently.
+        // `d·0` is taken before `sign` consumes `d`, so the step still holds two
+        // temporaries of the parameter's size.
+        let poison = direction.clone().mul_scalar(0.0);
+        let param = decayed - direction.sign().add(poison).mul_scalar(lr);
         let m = match m {
             Some(m) => m.mul_scalar(b2).add(grad.mul_scalar(1.0 - b2)),
             None => grad.mul_scalar(1.0 - b2),
@@ -161,5 +171,27 @@ mod tests {
         // A zero gradient at the start moves nothing but the decay: sign(0) = 0.
         let (p0, _) = SimpleOptimizer::<B>::step(&o, lr, t(&[1.0]), t(&[0.0]), None);
         assert_eq!(v(p0), vec![(1.0 - lr * 0.1) as f32]);
+    }
+
+    #[test]
+    fn a_non_finite_direction_poisons_its_value_and_no_other() {
+        let o = LionOptimizer {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            weight_decay: 0.0,
+        };
+        let g = t(&[f32::NAN, f32::INFINITY, -0.5, f32::NEG_INFINITY]);
+        let (p, s) = SimpleOptimizer::<B>::step(&o, 0.1, t(&[1.0; 4]), g, None);
+        let p = v(p);
+        assert!(p[0].is_nan() && p[1].is_nan() && p[3].is_nan(), "{p:?}");
+        assert_eq!(p[2], 1.1);
+        // A NaN momentum from an earlier step poisons the next one's value, even under a
+        // finite gradient (ndarray's `sign(NaN)` is ±1, CubeCL's 0).
+        let mut s = s.unwrap();
+        s.momentum = t(&[f32::NAN, 0.0, 0.0, 0.0]);
+        let (p, _) = SimpleOptimizer::<B>::step(&o, 0.1, t(&[1.0; 4]), t(&[1.0; 4]), Some(s));
+        let p = v(p);
+        assert!(p[0].is_nan(), "{p:?}");
+        assert!(p[1..].iter().all(|x| (x - 0.9).abs() < 1e-7), "{p:?}");
     }
 }
