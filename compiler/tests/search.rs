@@ -76,9 +76,13 @@ fn variants() -> Vec<Spec> {
     // list of its own); ZeRO-3 and parameter offload by whole units; gradients beside the
     // optimizer; checkpointed inputs on the host.
     for &budget in &[40.0, 2.0, 0.9] {
-        for &gpus in &[1u64, 4] {
+        for (gpus, objective) in [1u64, 4]
+            .into_iter()
+            .flat_map(|g| [Objective::Throughput, Objective::Memory].map(|o| (g, o)))
+        {
             let mut s = spec(4, gpus, budget);
             s.target = Target::Burn;
+            s.fit.objective = objective;
             s.fit.offload = [
                 OffloadWhat::Optimizer,
                 OffloadWhat::Params,
@@ -92,6 +96,18 @@ fn variants() -> Vec<Spec> {
             .to_vec();
             out.push(s);
         }
+    }
+    // Short sequences under Burn: recomputing one layer saves less than the larger pool
+    // factor of a recomputed plan costs, so need rises from none recomputed to one, then
+    // stays (one sequence: 713, 766, 763, 763, 763 MiB for 0 … 4 layers).
+    for objective in [Objective::Throughput, Objective::Memory] {
+        let mut s = spec(4, 1, 40.0);
+        s.target = Target::Burn;
+        s.train.seq_len = 256;
+        // Fused attention: no selective recomputation, whose pool factor is none recomputed's.
+        s.train.attention = Attention::Flash;
+        s.fit.objective = objective;
+        out.push(s);
     }
     // Fixed settings narrow the space: a fixed grad_accum, a fixed checkpoint, longer sequences.
     let mut s = spec(6, 4, 1.0);
@@ -346,18 +362,13 @@ fn one_gpu_plans_get_exactly_the_single_gpu_models() {
 /// that peak need 34.1 GiB (what `rcoa compile` reported as "the smallest plan").
 #[test]
 fn nothing_fits_reports_the_least_need_not_the_least_peak() {
-    let src = "model \"llama-3.2-1b\"\n\
-               hardware { gpu = t4-16gb }\n\
-               precision fp16\n\
-               train { seq_len = 2048  global_batch = 8 }\n\
-               fit { checkpoint = auto }\n";
-    let file = rcoa_grammar::parse("t4.plan", src).unwrap();
-    let ctx = rcoa_compiler::resolve::ResolveContext::new(
-        "t4.plan".to_string(),
-        src.to_string(),
-        std::path::PathBuf::new(),
+    let s = resolved(
+        "model \"llama-3.2-1b\"\n\
+         hardware { gpu = t4-16gb }\n\
+         precision fp16\n\
+         train { seq_len = 2048  global_batch = 8 }\n\
+         fit { checkpoint = auto }\n",
     );
-    let s = rcoa_compiler::resolve::resolve(&file, &ctx).unwrap_or_else(|_| panic!("resolves"));
     let (plan, profile) = space(&s);
     let (best, _, _) = search(&s, &profile, &plan.space);
     let (bp, be) = best.expect("a candidate");
@@ -384,4 +395,65 @@ fn nothing_fits_reports_the_least_need_not_the_least_peak() {
             .any(|a| needs.iter().any(|b| a.1 == b.1 && a.2 != b.2)),
         "{needs:?}"
     );
+}
+
+/// `objective = memory` prefers, among fitting plans, the one that asks the least of the
+/// GPU: peak and reserve, whose pool pages differ between Burn candidates. Llama-3.2-1B on
+/// an H100 peaks at the optimizer step (23.66 GiB) whatever the micro-batch or the
+/// recomputation; the fastest of those equal peaks (four sequences, nothing recomputed)
+/// keeps more pool pages than two sequences with every layer recomputed.
+#[test]
+fn objective_memory_prefers_the_least_need_among_fitting_plans() {
+    let s = resolved(
+        "model \"llama-3.2-1b\"\n\
+         hardware { gpu = h100-80gb }\n\
+         train { seq_len = 2048  global_batch = 4 }\n\
+         fit { checkpoint = auto  objective = memory }\n",
+    );
+    let (plan, profile) = space(&s);
+    let (best, _, _) = search(&s, &profile, &plan.space);
+    let (bp, be) = best.expect("a candidate");
+    assert!(be.fits);
+    let mut points = vec![];
+    for micro_batch in [1u64, 2, 4] {
+        for k in 0..=s.model.layers {
+            points.push((micro_batch, passes::Recompute::Block(k)));
+        }
+        points.push((micro_batch, passes::Recompute::Selective));
+    }
+    let mut evals = vec![];
+    for (micro_batch, recompute) in points {
+        let p = rcoa_compiler::search::Point {
+            micro_batch,
+            grad_accum: 4 / micro_batch,
+            recompute,
+            ..bp.clone()
+        };
+        let (e, _) = rcoa_compiler::search::evaluate_point(&s, &profile, &plan.space, &p);
+        assert!(
+            !e.fits || e.need_bytes() >= be.need_bytes(),
+            "{p:?} needs {} < the chosen {bp:?}'s {}",
+            e.need_bytes(),
+            be.need_bytes()
+        );
+        evals.push(e);
+    }
+    // The case the rule is for: a faster plan of no higher peak that needs more.
+    assert!(
+        evals.iter().any(|e| e.fits
+            && e.peak_bytes <= be.peak_bytes
+            && e.step_seconds < be.step_seconds
+            && e.need_bytes() > be.need_bytes()),
+        "chosen {bp:?} {be:?}"
+    );
+}
+
+fn resolved(src: &str) -> Spec {
+    let file = rcoa_grammar::parse("test.plan", src).unwrap();
+    let ctx = rcoa_compiler::resolve::ResolveContext::new(
+        "test.plan".to_string(),
+        src.to_string(),
+        std::path::PathBuf::new(),
+    );
+    rcoa_compiler::resolve::resolve(&file, &ctx).unwrap_or_else(|_| panic!("resolves"))
 }

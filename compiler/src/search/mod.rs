@@ -280,12 +280,9 @@ fn better(obj: Objective, a: (&Point, &Eval), b: (&Point, &Eval)) -> bool {
             .step_seconds
             .total_cmp(&eb.step_seconds)
             .then(ea.peak_bytes.cmp(&eb.peak_bytes)),
-        (true, Objective::Memory) => ea
-            .peak_bytes
-            .cmp(&eb.peak_bytes)
-            .then(ea.step_seconds.total_cmp(&eb.step_seconds)),
-        // Nothing fits: the least memory asked of the budget ("the smallest plan needs").
-        (false, _) => ea
+        // The least memory asked of the budget: with the Burn executor's pool pages in the
+        // reserve, two plans of equal peak hold different amounts of the GPU.
+        (true, Objective::Memory) | (false, _) => ea
             .need_bytes()
             .cmp(&eb.need_bytes())
             .then(ea.step_seconds.total_cmp(&eb.step_seconds)),
@@ -444,6 +441,22 @@ fn first_true(mut lo: usize, mut hi: usize, mut ok: impl FnMut(usize) -> bool) -
     hi
 }
 
+/// The recompute options of a group (`at(0..=last)`, memory non-increasing) that may hold
+/// its least need: none recomputed, and the fewest recomputed that need no more than all
+/// of them. Need (peak + reserve) falls with the peak from one recomputed layer on, but
+/// not from none to one under the `burn` profile, whose pool takes a larger factor of the
+/// bytes in use once a layer is recomputed (`Profile::pool_factor_recompute`).
+fn least_need(ev: &mut Evaluator, at: &dyn Fn(usize) -> Point, last: usize) -> Vec<usize> {
+    if last == 0 {
+        return vec![0];
+    }
+    let floor = ev.eval(&at(last)).need_bytes();
+    vec![
+        0,
+        first_true(1, last, |i| ev.eval(&at(i)).need_bytes() <= floor),
+    ]
+}
+
 /// The best candidate of `space` (same answer as [`exhaustive`]), the evaluator
 /// (for the rejected alternatives) and counts of the work.
 pub fn search<'a>(
@@ -508,11 +521,11 @@ pub fn search<'a>(
                     consider(&mut best, p, e);
                 }
                 Objective::Memory => {
-                    // The least peak, and among equal peaks the least recompute.
-                    let i = first_true(0, last, |i| ev.eval(&at(i)).peak_bytes <= e_top.peak_bytes);
-                    let p = at(i);
-                    let e = ev.eval(&p);
-                    consider(&mut best, p, e);
+                    for i in least_need(&mut ev, &at, last) {
+                        let p = at(i);
+                        let e = ev.eval(&p);
+                        consider(&mut best, p, e);
+                    }
                 }
             }
         }
@@ -532,10 +545,11 @@ pub fn search<'a>(
                 recompute: ks[i],
                 ..bp.clone()
             };
-            let i = first_true(0, last, |i| ev.eval(&at(i)).need_bytes() <= be.need_bytes());
-            let p = at(i);
-            let e = ev.eval(&p);
-            consider(&mut best, p, e);
+            for i in least_need(&mut ev, &at, last) {
+                let p = at(i);
+                let e = ev.eval(&p);
+                consider(&mut best, p, e);
+            }
         }
     }
     let stats = SearchStats {
@@ -632,9 +646,9 @@ pub fn rejected(
                 )
             } else if obj == Objective::Memory {
                 format!(
-                    "peak {} vs {}",
-                    gib(e.peak_bytes),
-                    gib(chosen_eval.peak_bytes)
+                    "needs {} vs {} (peak + reserve)",
+                    gib(e.need_bytes()),
+                    gib(chosen_eval.need_bytes())
                 )
             } else {
                 format!(
