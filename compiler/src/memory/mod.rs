@@ -399,7 +399,7 @@ fn evaluate_stage(
     };
     let in_backward = spec.optimizer_in_backward;
     if in_backward {
-        charge_steps_in_backward(spec, profile, cand, &mut tape, &trainable);
+        persistent.step_at = steps_in_backward(spec, profile, cand, &mut tape, &trainable);
     }
     if units {
         persistent.unit_grads = true;
@@ -681,26 +681,61 @@ fn evaluate_stage(
     }
 }
 
-/// The optimizer step in the backward: each trainable parameter's step runs where its
-/// gradient is complete — the backward of the first op (in forward order) that reads it —
-/// and its temporaries are that op's backward scratch.
-fn charge_steps_in_backward(
+/// The optimizer step in the backward: each trainable parameter steps where its gradient is
+/// complete, the backward of the first op (in forward order) that reads it; under the Burn
+/// executor once the backward has left that op's unit (the embedding, a layer, the head
+/// with the loss: `backend/src/in_backward.rs`), whose first op that is. The step's
+/// temporaries are that op's backward scratch, the largest of the parameters stepping there
+/// (one steps after another). Returns [`tape::Persistent::step_at`].
+fn steps_in_backward(
     spec: &Spec,
     profile: &Profile,
     cand: &Candidate,
     tape: &mut tape::Tape,
     trainable: &[(tape::TensorId, u64)],
-) {
-    let mut pending: BTreeMap<u32, u64> = trainable.iter().map(|(id, n)| (id.0, *n)).collect();
-    for o in 0..tape.ops.len() {
-        let mut temp = 0;
-        for &inp in &tape.ops[o].inputs {
-            if let Some(n) = pending.remove(&inp.0) {
-                temp += optimizer::in_backward_step_temp(spec, profile, tape, (inp, n), cand);
-            }
+) -> Vec<u32> {
+    let mut first_reader = vec![u32::MAX; tape.tensors.len()];
+    for (o, op) in tape.ops.iter().enumerate() {
+        for inp in &op.inputs {
+            let r = &mut first_reader[inp.0 as usize];
+            *r = (*r).min(o as u32);
         }
-        tape.ops[o].bwd_workspace += temp;
     }
+    let unit_start = |o: u32| -> u32 {
+        let (Some(first), Some(last)) = (tape.layers.first(), tape.layers.last()) else {
+            return 0;
+        };
+        match tape.layer_of_op(o as usize) {
+            Some(l) => l.first_op,
+            None if o < first.first_op => 0,
+            None => last.end_op,
+        }
+    };
+    let mut step_at = vec![u32::MAX; tape.tensors.len()];
+    let mut temp: BTreeMap<u32, u64> = BTreeMap::new();
+    for &(id, n) in trainable {
+        let first = first_reader[id.0 as usize];
+        if first == u32::MAX {
+            continue;
+        }
+        // The unit's first op with a backward: the backward of a layer behind a frozen
+        // embedding leaves the layer at the first op that reads a trainable tensor.
+        let at = if profile.burn_ops {
+            (unit_start(first)..first)
+                .find(|&o| tape.ops[o as usize].has_backward(tape))
+                .unwrap_or(first)
+        } else {
+            first
+        };
+        step_at[id.0 as usize] = at;
+        let t = optimizer::in_backward_step_temp(spec, profile, tape, (id, n), cand);
+        let e = temp.entry(at).or_default();
+        *e = (*e).max(t);
+    }
+    for (at, t) in temp {
+        tape.ops[at as usize].bwd_workspace += t;
+    }
+    step_at
 }
 
 /// The highest point of the Burn executor's start-up (`backend/src/setup.rs`), per device,

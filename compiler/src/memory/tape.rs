@@ -299,6 +299,12 @@ pub struct Persistent {
     /// `Profile::recompute_holds_output`: a recomputed layer's output lives from its recompute
     /// to the start of the layer's backward.
     pub recompute_holds_output: bool,
+    /// The optimizer steps in the backward (`Spec::optimizer_in_backward`): per tensor id,
+    /// the op after whose backward a trainable parameter steps and its gradient is freed
+    /// (`u32::MAX`: none; empty: the step runs after the backward). A gradient that
+    /// arrives before that op (a tied matrix's first part, a Burn unit's parameters read
+    /// after its first op) lives whole until then.
+    pub step_at: Vec<u32>,
 }
 
 /// One allocation or release of the walk, in order ([`walk_traced`]): what an allocator
@@ -340,6 +346,8 @@ struct Walk<'a> {
     unit_grad_bytes: u64,
     /// The unit of each op (`usize::MAX` outside units).
     unit_of: Vec<usize>,
+    /// `step_at`: gradients waiting for their parameter's step, as (op, tensor).
+    waiting: Vec<(u32, u32)>,
     /// [`walk_traced`]: the events so far, and the scratch of the op running.
     events: Option<Vec<Event>>,
     scratch: Vec<Buffer>,
@@ -657,6 +665,12 @@ impl<'a> Walk<'a> {
                     self.live[Category::Grads as usize] += t.grad_bytes;
                     self.event_alloc(Buffer::Grad(inp), t.grad_bytes);
                 }
+            } else if let Some(at) = self.steps_later(i, op) {
+                // The step in the backward comes at a later op: the gradient waits whole.
+                self.param_grad[i] = true;
+                self.live[Category::Grads as usize] += t.grad_bytes;
+                self.event_alloc(Buffer::Grad(inp), t.grad_bytes);
+                self.waiting.push((at, i as u32));
             } else if t.role == Role::Param {
                 let g = t.grad_bytes / self.persistent.grad_divisor.max(1);
                 if self.param_grad[i] || self.persistent.grads_exist {
@@ -691,6 +705,7 @@ impl<'a> Walk<'a> {
         self.add_scratch(info.engine.backward[0] + info.engine.backward[1]);
         self.observe(Phase::Backward, info.name, info.layer, extra);
         self.end_scratch();
+        self.step_waiting(op);
         // The op's output gradients are consumed; its saved tensors released.
         for &out in &info.outputs {
             let i = out.0 as usize;
@@ -702,6 +717,29 @@ impl<'a> Walk<'a> {
         }
         for &s in &info.saved {
             self.release(s);
+        }
+    }
+
+    /// `step_at`: the op at which parameter `i`, whose first gradient comes at `op`, steps,
+    /// when that is a later op of the backward (a lower index).
+    fn steps_later(&self, i: usize, op: usize) -> Option<u32> {
+        let at = *self.persistent.step_at.get(i)?;
+        (at != u32::MAX && (at as usize) < op && !self.param_grad[i]).then_some(at)
+    }
+
+    /// The parameters that step after `op`'s backward: their waiting gradients are freed.
+    fn step_waiting(&mut self, op: usize) {
+        let tape = self.tape;
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let (at, t) = self.waiting[i];
+            if at as usize == op {
+                self.waiting.swap_remove(i);
+                self.live[Category::Grads as usize] -= tape.tensors[t as usize].grad_bytes;
+                self.event_free(Buffer::Grad(TensorId(t)));
+            } else {
+                i += 1;
+            }
         }
     }
 
@@ -771,6 +809,7 @@ fn walk_inner(
         unit_grad: vec![false; n],
         unit_grad_bytes: 0,
         unit_of: vec![usize::MAX; tape.ops.len()],
+        waiting: Vec::new(),
         events: trace.as_ref().map(|_| Vec::new()),
         scratch: Vec::new(),
         scratch_count: 0,

@@ -209,6 +209,43 @@ fn optimizer_in_backward_keeps_no_gradient_set() {
     );
 }
 
+/// With the step in the backward a gradient lives until its parameter steps. A tied
+/// embedding matrix's first part comes with the head's backward and waits, whole, for the
+/// embedding's (PyTorch's `AccumulateGrad` sums both before the hook; `rcoa run` steps the
+/// matrix with the embedding unit): every backward point between them holds it. Untied,
+/// the head's matrix has stepped before any layer's backward.
+#[test]
+fn a_tied_matrix_gradient_waits_for_its_step_in_the_backward() {
+    for target in [Target::Pytorch, Target::Burn] {
+        let p = Profile::for_target(target);
+        let mut s = SpecBuilder::new().build();
+        s.target = target;
+        s.optimizer_in_backward = true;
+        let matrix = (s.model.vocab * s.model.hidden) as f64 * s.precision.grads.bytes();
+        let grads_in_layers = |tied: bool| -> Vec<u64> {
+            let mut s = s.clone();
+            s.model.tie_embeddings = tied;
+            evaluate(&s, &cand(), &p, true)
+                .timeline
+                .iter()
+                .filter(|x| x.phase == crate::memory::Phase::Backward && x.layer.is_some())
+                .map(|x| x.by_category[Category::Grads as usize])
+                .collect()
+        };
+        let tied = grads_in_layers(true);
+        assert!(!tied.is_empty(), "{target:?}");
+        assert!(
+            tied.iter().all(|&g| g as f64 >= matrix),
+            "{target:?}: {tied:?} < {matrix}"
+        );
+        let untied = grads_in_layers(false);
+        assert!(
+            untied.iter().any(|&g| (g as f64) < matrix),
+            "{target:?}: {untied:?}"
+        );
+    }
+}
+
 /// Paged state counts on the device only while the budget has room: what the budget
 /// lacks is evicted (up to the whole state), then moves out and back over PCIe each step.
 #[test]
