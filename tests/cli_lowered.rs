@@ -102,8 +102,8 @@ fn an_unwritable_lowered_path_is_a_clear_error() {
 }
 
 /// The step's schedule travels in the lowered plan (`resolved.optimizer_in_backward`,
-/// `resolved.virtual_stages`): `rcoa run --lowered` refuses a plan whose prediction assumed
-/// a step in the backward, and a plan written before the fields existed still reads, as
+/// `resolved.virtual_stages`): `rcoa run --lowered` steps in the backward on one device and
+/// refuses it under ZeRO, and a plan written before the fields existed still reads, as
 /// the plain schedule.
 #[test]
 fn the_step_schedule_travels_in_the_lowered_plan() {
@@ -139,14 +139,39 @@ fn the_step_schedule_travels_in_the_lowered_plan() {
     assert_eq!(json["resolved"]["optimizer_in_backward"], true);
     assert_eq!(json["resolved"]["virtual_stages"], 1);
 
+    // One device, the optimizer on it: `rcoa run` steps in the backward.
+    let run = rcoa()
+        .args(["run", "--steps", "1", "--format", "json", "--lowered"])
+        .arg(&lowered)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let start = String::from_utf8_lossy(&run.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "start")
+        .expect("a start event");
+    assert_eq!(start["optimizer_in_backward"], true, "{start}");
+    // Under ZeRO (a plan for another engine) it does not.
+    let mut zero = json.clone();
+    zero["resolved"]["zero"] = 1.into();
+    let zero_file = dir.join("zero.json");
+    std::fs::write(&zero_file, serde_json::to_string(&zero).unwrap()).unwrap();
     let run = rcoa()
         .args(["run", "--steps", "1", "--lowered"])
-        .arg(&lowered)
+        .arg(&zero_file)
         .output()
         .unwrap();
     assert_eq!(run.status.code(), Some(2));
     let err = String::from_utf8_lossy(&run.stderr);
-    assert!(err.contains("`optimizer.in_backward = true`"), "{err}");
+    assert!(
+        err.contains("`optimizer.in_backward = true`) with ZeRO"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 
     // An older lowered plan, without the fields, reads as the plain schedule.

@@ -29,6 +29,7 @@ pub mod data;
 pub mod device_check;
 pub mod distributed;
 pub mod eval;
+mod in_backward;
 pub mod kernel_cache;
 pub mod kernel_profile;
 pub mod kernels;
@@ -356,6 +357,8 @@ pub struct Started {
     pub zero: u8,
     /// What is offloaded, as the plan writes it (`optimizer:cpu`).
     pub offload: Vec<String>,
+    /// The optimizer steps each unit as the backward leaves it (`optimizer.in_backward`).
+    pub in_backward: bool,
     /// The batch shapes this rank will compute, in the order they first
     /// run (`shapes::of_run`): each compiles kernels on CUDA the first time.
     pub shapes: Vec<shapes::Shape>,
@@ -560,6 +563,7 @@ fn execute<B: ExecAutodiff>(
         ),
         zero: shard::executed_stage(trainer.zero(), trainer.zero3()),
         offload: trainer.executed_offload(),
+        in_backward: trainer.steps_in_backward(),
         shapes: shapes::of_run(&trainer.batcher, eval_set.as_ref().filter(|_| writer)),
     }));
     let mut reports = Vec::new();

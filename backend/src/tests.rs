@@ -7,6 +7,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::ElementConversion;
 use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, OptimizerKind, Proj};
 
+mod in_backward;
 mod loss_scale;
 
 type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;

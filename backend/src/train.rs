@@ -194,10 +194,10 @@ fn cast_param<B: AutodiffBackend, const D: usize>(
 
 /// Moves the gradients of `from` into `into`, adding where both have one,
 /// and casting to `cast` (fp32 master gradients) when given.
-struct MergeGrads<'a> {
-    into: &'a mut GradientsParams,
-    from: &'a mut GradientsParams,
-    cast: Option<FloatDType>,
+pub(crate) struct MergeGrads<'a> {
+    pub(crate) into: &'a mut GradientsParams,
+    pub(crate) from: &'a mut GradientsParams,
+    pub(crate) cast: Option<FloatDType>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_> {
@@ -229,6 +229,12 @@ pub enum Optim<B: ExecAutodiff> {
 }
 
 impl<B: ExecAutodiff> Optim<B> {
+    /// An optimizer without state that holds `self`'s place while it is
+    /// lent out (`std::mem::replace`).
+    fn placeholder() -> Self {
+        Optim::Sgd(SgdConfig::new().init())
+    }
+
     pub fn for_plan(plan: &LoweredPlan) -> Result<Self, RunError> {
         let o = &plan.optimizer;
         let (b1, b2) = (o.betas.0 as f32, o.betas.1 as f32);
@@ -266,7 +272,7 @@ impl<B: ExecAutodiff> Optim<B> {
         })
     }
 
-    fn step(
+    pub(crate) fn step(
         &mut self,
         lr: f64,
         model: Model<B>,
@@ -538,6 +544,10 @@ pub struct Trainer<B: ExecAutodiff> {
     identity: crate::checkpoint::Identity,
     /// fp16's dynamic loss scale (`None` without fp16).
     scaler: Option<LossScaler>,
+    /// `optimizer.in_backward` (`crate::in_backward`): placeholders of the
+    /// model's parameters, which stand in for `model` while a micro-batch's
+    /// hooks own it and step it.
+    skeleton: Option<Model<B>>,
 }
 
 impl<B: ExecAutodiff> Trainer<B> {
@@ -550,6 +560,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         crate::check_plan_ranks(plan, ranks)?;
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
         let optim = Optim::for_plan(plan)?;
+        let scaler = LossScaler::for_precision(&precision);
+        if let Some(why) = crate::in_backward::refusal(plan, ranks, scaler.is_some()) {
+            return Err(RunError::Unsupported(why));
+        }
         B::seed(&device, cfg.seed);
         let lm_head = plan.train.loss != Loss::Contrastive;
         // One unit at a time, each loaded, cast or sharded before the next
@@ -561,6 +575,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         // the 16-bit weights, the master a shard of `zero`'s).
         let work = (zero3.is_none() && zero.is_none() && precision.master)
             .then(|| model.clone().map(&mut CastParams(precision.params)));
+        let skeleton = plan
+            .resolved
+            .optimizer_in_backward
+            .then(|| model.clone().map(&mut crate::shard::zero3::Placeholders));
         let seq = plan.train.seq_len as usize;
         let flash = plan.train.attention == rcoa_compiler::spec::Attention::Flash;
         let mut ctx = Ctx::new(
@@ -625,7 +643,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             collective: cfg.collective,
             zero,
             zero3,
-            scaler: LossScaler::for_precision(&precision),
+            scaler,
+            skeleton,
         })
     }
 
@@ -637,6 +656,19 @@ impl<B: ExecAutodiff> Trainer<B> {
 
     pub fn loss_scaler(&self) -> Option<&LossScaler> {
         self.scaler.as_ref()
+    }
+
+    /// An fp32 master beside an fp32 working copy: on the CPU, which has no
+    /// 16-bit floats, the steps that 16-bit weights with a master take.
+    #[cfg(test)]
+    pub(crate) fn with_fp32_master(&mut self) {
+        self.precision.master = true;
+        self.work = Some(self.model.clone().map(&mut CastParams(FloatDType::F32)));
+    }
+
+    /// Whether each unit steps as the backward leaves it (`optimizer.in_backward`).
+    pub fn steps_in_backward(&self) -> bool {
+        self.skeleton.is_some()
     }
 
     /// The sharded optimizer, when the plan asks for ZeRO 1/2 or offload.
@@ -880,6 +912,44 @@ impl<B: ExecAutodiff> Trainer<B> {
         }
     }
 
+    /// `micro_step` that steps each unit as the backward leaves it
+    /// (`crate::in_backward`): the hooks hold the model, its working copy and
+    /// the optimizer meanwhile, and the skeleton stands in for the model.
+    fn micro_step_in_backward(
+        &mut self,
+        batch: &Batch,
+        step: u64,
+        micro: u64,
+        scale: f64,
+        probe: &mut dyn MemoryProbe,
+    ) -> Result<Tensor<B::InnerBackend, 1>, RunError> {
+        let skeleton = self.skeleton.take().expect("only with a skeleton");
+        let model = std::mem::replace(&mut self.model, skeleton);
+        let mut optim = std::mem::replace(&mut self.optim, Optim::placeholder());
+        let mut hooks = crate::in_backward::InBackward {
+            model: Some(model),
+            work: self.work.take(),
+            optim: &mut optim,
+            lr: self.lr,
+            params: self.precision.params,
+            pending: GradientsParams::new(),
+        };
+        let loss = self.micro_step_with(batch, step, micro, scale, &mut hooks, probe);
+        let (model, work) = (hooks.model.take(), hooks.work.take());
+        self.optim = optim;
+        self.work = work;
+        match model {
+            Some(model) => {
+                self.skeleton = Some(std::mem::replace(&mut self.model, model));
+                loss
+            }
+            // A step failed with the model taken: the run ends with its error.
+            None => Err(loss.err().unwrap_or_else(|| {
+                RunError::Backend("a step in the backward lost the model".into())
+            })),
+        }
+    }
+
     /// `micro_step` with each unit's weights from `hooks`, and its gradients
     /// to them as the backward leaves it.
     pub fn micro_step_with<H: UnitHooks<B>>(
@@ -900,6 +970,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         // as autograd does (and the memory model walks).
         let first_input_grad = trains(&embed);
         let emb = embed.forward(self.tokens(batch), &ctx);
+        // Its lookup's backward needs the token ids only: a copy held on would
+        // keep the old matrix beside the new one where the embedding steps in
+        // the backward.
+        drop(embed);
         let input_grad = |i: usize| i > 0 || first_input_grad;
         let mut x = emb.clone().inner();
         // Kept for the embedding's backward only; frozen, its buffer lives on as the first
@@ -1077,6 +1151,9 @@ impl<B: ExecAutodiff> Trainer<B> {
                     self.zero3 = Some(z);
                     l?
                 }
+                None if self.skeleton.is_some() => {
+                    self.micro_step_in_backward(&batch, step, micro, scale, probe)?
+                }
                 None => self.micro_step(&batch, step, micro, scale, &mut acc, probe),
             };
             total = Some(match total {
@@ -1085,7 +1162,10 @@ impl<B: ExecAutodiff> Trainer<B> {
             });
         }
         let stepped;
-        if let Some(z) = &mut self.zero3 {
+        if self.skeleton.is_some() {
+            // Every unit stepped as the backward left it (`crate::in_backward`).
+            stepped = true;
+        } else if let Some(z) = &mut self.zero3 {
             // Each rank steps its shard; nothing is gathered afterwards.
             let loss = total.take().ok_or_else(|| {
                 RunError::Backend("a training step needs at least one micro-batch".into())
@@ -1135,7 +1215,7 @@ impl<B: ExecAutodiff> Trainer<B> {
                 self.model = self.optim.step(self.lr, model, acc)?;
             }
         }
-        if self.work.is_some() && stepped {
+        if self.work.is_some() && stepped && self.skeleton.is_none() {
             self.work = Some(
                 self.model
                     .clone()
@@ -1269,7 +1349,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         } else {
             self.load_whole(model);
         }
-        let optim = std::mem::replace(&mut self.optim, Optim::Sgd(SgdConfig::new().init()));
+        let optim = std::mem::replace(&mut self.optim, Optim::placeholder());
         self.optim = optim.load(&rec, dir.join("optimizer"), &self.device)?;
         if let Some(seed) = state["seed"].as_u64() {
             self.seed = seed;

@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OptImpl, OptimizerKind, OptimizerSpec,
-    PrecisionSpec, Spec, Target,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OffloadWhat, OptImpl, OptimizerKind,
+    OptimizerSpec, PrecisionSpec, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -39,17 +39,59 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
     if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
         return Some(r);
     }
-    scheduled(spec.optimizer_in_backward, spec.parallel.virtual_stages)
+    if spec.optimizer_in_backward {
+        if let Some(r) = in_backward(spec.gpu_count(), &spec.precision) {
+            return Some(r);
+        }
+    }
+    scheduled(spec.parallel.virtual_stages)
 }
 
-/// The step's schedule: the optimizer in the backward, interleaved pipeline stages.
-fn scheduled(in_backward: bool, virtual_stages: u64) -> Option<(String, String)> {
-    if in_backward {
+/// The optimizer step in the backward (`backend/src/in_backward.rs`) where `rcoa run` cannot
+/// take it: over data-parallel ranks, whose reduction comes after the backward, and under
+/// fp16's loss scale, which checks every gradient before any step. (ZeRO and offload of
+/// the optimizer, parameters or gradients are kept out of the search by
+/// `passes::precision`; a plan that requires them is refused there.)
+fn in_backward(ranks: u64, p: &PrecisionSpec) -> Option<(String, String)> {
+    let what = |on: &str| {
+        format!("the optimizer step in the backward (`optimizer.in_backward = true`) {on}")
+    };
+    if ranks > 1 {
         return Some((
-            "the optimizer step in the backward (`optimizer.in_backward = true`)".into(),
-            "it steps once after the backward: remove `in_backward`".into(),
+            what(&format!("on {ranks} GPUs")),
+            "it steps in the backward on one GPU (data parallelism reduces the gradients after the backward):              remove `in_backward`, or plan for one GPU"
+                .into(),
         ));
     }
+    if p.params == Dtype::Fp16 || p.compute == Dtype::Fp16 {
+        return Some((
+            what("with fp16"),
+            "fp16's loss scale is checked over every gradient before any step: remove `in_backward`, or use bf16".into(),
+        ));
+    }
+    None
+}
+
+/// [`in_backward`] for a lowered plan, which may come from another target with ZeRO or
+/// offload the search for `target burn` keeps out.
+fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
+    let r = &plan.resolved;
+    if !r.optimizer_in_backward {
+        return None;
+    }
+    let flat = r.zero > 0 || r.offload.iter().any(|o| o.what != OffloadWhat::Activations);
+    in_backward(r.data, &plan.precision).or_else(|| {
+        flat.then(|| {
+            (
+                "the optimizer step in the backward (`optimizer.in_backward = true`) with ZeRO or offload".into(),
+                "it steps in the backward with the whole optimizer on the device: write `zero = 0` and offload nothing but activations".into(),
+            )
+        })
+    })
+}
+
+/// The step's schedule: interleaved pipeline stages.
+fn scheduled(virtual_stages: u64) -> Option<(String, String)> {
     if virtual_stages > 1 {
         return Some((
             format!("interleaved pipeline stages (`parallel.virtual_stages = {virtual_stages}`)"),
@@ -134,7 +176,8 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let r = &plan.resolved;
     let selective_op = r.checkpoint == "selective_op";
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
-        .or_else(|| scheduled(r.optimizer_in_backward, r.virtual_stages));
+        .or_else(|| in_backward_lowered(plan))
+        .or_else(|| scheduled(r.virtual_stages));
     match refusal {
         None => Ok(()),
         Some((what, instead)) => Err(format!(

@@ -317,6 +317,80 @@ fn burn_adam8bit_stays_unsharded_and_on_the_device() {
     assert_eq!(c.lowered.resolved.zero, 2);
 }
 
+/// The optimizer step in the backward under `target burn` (`backend/src/in_backward.rs`):
+/// one GPU, the optimizer on the device (the search drops optimizer, parameter and gradient
+/// offload; a plan that requires them is refused), no fp16; and it holds less than the
+/// step after the backward, which holds every gradient (and, with a master, their fp32
+/// casts) at once.
+#[test]
+fn burn_steps_in_the_backward_on_one_gpu_with_the_optimizer_on_the_device() {
+    let plan = |gpus: u64, precision: &str, fit: &str, in_backward: bool| {
+        compiled(&format!(
+            "model \"llama-3.2-1b\"\nhardware {{ gpu = h100-80gb  gpus_per_node = {gpus} }}\n\
+             precision {precision}\noptimizer adamw {{ in_backward = {in_backward} }}\n\
+             train {{ seq_len = 1024  global_batch = 8 }}\nfit {{ {fit} }}\ntarget burn\n"
+        ))
+    };
+    let c = plan(
+        1,
+        "bf16",
+        "offload = [optimizer, params, grads]  checkpoint = auto",
+        true,
+    )
+    .unwrap();
+    assert!(c.lowered.resolved.optimizer_in_backward);
+    assert_eq!(c.lowered.resolved.grad_accum, 1);
+    assert!(
+        c.lowered.resolved.offload.is_empty(),
+        "{:?}",
+        c.lowered.resolved.offload
+    );
+    assert!(c
+        .explain
+        .decisions
+        .iter()
+        .any(|d| d.what
+            == "optimizer, params and grads offload not used for the step in the backward"));
+    let after = plan(1, "bf16", "checkpoint = full", false).unwrap();
+    let during = plan(1, "bf16", "checkpoint = full", true).unwrap();
+    let (a, d) = (
+        after.lowered.prediction.peak_bytes,
+        during.lowered.prediction.peak_bytes,
+    );
+    // The bf16 gradients and their fp32 casts of 1.24 B values, less what a unit keeps.
+    assert!(a > d + (4 << 30), "{a} vs {d}");
+
+    let e = |r: Result<_, rcoa_compiler::CompileError>| match r {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("not refused"),
+    };
+    let two = e(plan(2, "bf16", "checkpoint = auto", true));
+    assert!(
+        two.contains("`optimizer.in_backward = true`) on 2 GPUs"),
+        "{two}"
+    );
+    let fp16 = e(plan(1, "fp16", "checkpoint = auto", true));
+    assert!(fp16.contains("with fp16"), "{fp16}");
+    let host = e(plan(
+        1,
+        "bf16",
+        "must_offload = [optimizer]  checkpoint = auto",
+        true,
+    ));
+    assert!(
+        host.contains("the optimizer step in the backward (`optimizer.in_backward = true`) with the optimizer"),
+        "{host}"
+    );
+    // Checkpointed activations may still go to the host.
+    assert!(plan(
+        1,
+        "bf16",
+        "must_offload = [activations]  checkpoint = full",
+        true
+    )
+    .is_ok());
+}
+
 /// 16-bit weights without `master = fp32` under the Burn executor's flat optimizer: its
 /// moments are fp32 whatever the weights' dtype, and ZeRO 1/2 keeps an fp32 master shard
 /// (16-bit weights cannot give it back), where ZeRO-3's weight shard is the master itself.

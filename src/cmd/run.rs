@@ -443,7 +443,7 @@ pub fn run(args: Args) -> ExitCode {
                         "checkpointed_layers": s.checkpointed_layers, "layers": s.layers,
                         "micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "data": s.data,
                         "first_step": s.first_step, "memory_measure": s.memory_measure,
-                        "ranks": ranks, "zero": s.zero, "offload": s.offload,
+                        "ranks": ranks, "zero": s.zero, "offload": s.offload, "optimizer_in_backward": s.in_backward,
                         "weights": plan.model.weights,
                         "memory_pool": (args.device == Device::Cuda).then(|| memory_pool.as_str()),
                     }))
@@ -469,6 +469,9 @@ pub fn run(args: Args) -> ExitCode {
                 }
                 if !s.offload.is_empty() {
                     eprintln!("offload    [{}] in host memory", s.offload.join(", "));
+                }
+                if s.in_backward {
+                    eprintln!("optimizer  steps in the backward: each unit's parameters as the backward leaves it, so no whole set of gradients exists");
                 }
                 if let Some(n) = &s.precision_note {
                     eprintln!("note       {n}");

@@ -40,7 +40,7 @@
 pub mod checkpoint;
 pub mod layout;
 #[cfg(test)]
-mod tests_memory;
+pub(crate) mod tests_memory;
 pub mod zero3;
 
 use crate::distributed::Collective;

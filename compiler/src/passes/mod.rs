@@ -209,7 +209,7 @@ pub fn run(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) -> Result<Pl
         .required(&spec.fit.must_offload)
         .run(&mut plan, log)?;
     adapter.narrow_executed(spec.target, &mut plan, log)?;
-    precision.narrow_executed(spec.target, &mut plan, log)?;
+    precision.narrow_executed(spec.target, spec.optimizer_in_backward, &mut plan, log)?;
     // Batch after sharding: micro-batches must divide some layout's per-rank batch.
     batch::Batch::new(spec).run(&mut plan, log)?;
     // Fit last: it searches the product of every domain narrowed above.

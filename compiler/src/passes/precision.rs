@@ -36,28 +36,50 @@ impl<'a> Precision<'a> {
         }
     }
 
-    /// What the Burn executor steps 8-bit Adam with (`target burn`): Burn's optimizer over
-    /// each parameter, not the flat optimizer of ZeRO and of the host
-    /// (`backend/src/optim/adam8bit.rs`): bitsandbytes quantizes each parameter's moments
-    /// on their own, in blocks of 256 from its first value, which a flat shard would cut
-    /// across. So `zero = 0` and nothing offloaded but checkpointed activations; a plan
-    /// that requires more is refused, as `rcoa run` would refuse it.
+    /// What the Burn executor steps per parameter with Burn's optimizer on the device, not
+    /// with the flat optimizer of ZeRO and of the host (`target burn`): 8-bit Adam
+    /// (`backend/src/optim/adam8bit.rs`: bitsandbytes quantizes each parameter's moments on
+    /// their own, in blocks of 256 from its first value, which a flat shard would cut
+    /// across), and the step in the backward (`backend/src/in_backward.rs`: each unit steps
+    /// as the backward leaves it, where the flat shards step after the backward). So `zero =
+    /// 0` and nothing offloaded but checkpointed activations; a plan that requires more is
+    /// refused, as `rcoa run` would refuse it.
     pub fn narrow_executed(
         &self,
         target: Target,
+        in_backward: bool,
         plan: &mut Plan,
         log: &mut Vec<Decision>,
     ) -> Result<(), CompileError> {
-        if target != Target::Burn || self.optimizer.kind != OptimizerKind::Adam8bit {
+        if target != Target::Burn {
             return Ok(());
         }
+        // (what the error names, what the decisions name, why, what the plan may say instead)
+        let (subject, label, why, instead) = if self.optimizer.kind == OptimizerKind::Adam8bit {
+            (
+                "`optimizer adam8bit`",
+                "adam8bit",
+                "the Burn executor steps 8-bit Adam per parameter (its moments quantized in blocks of 256 within \
+                 each parameter, as bitsandbytes), which ZeRO's flat shards would cut across",
+                "`optimizer adamw` with ZeRO and offload",
+            )
+        } else if in_backward {
+            (
+                "the optimizer step in the backward (`optimizer.in_backward = true`)",
+                "the step in the backward",
+                "the Burn executor steps each unit as the backward leaves it with the optimizer on the device; \
+                 ZeRO's and the host optimizer's flat shards step after the backward",
+                "no `in_backward` with ZeRO and offload",
+            )
+        } else {
+            return Ok(());
+        };
         let refused = |what: String| {
             CompileError::NotExecuted {
-            what: format!("`rcoa run` does not execute `optimizer adam8bit` with {what} (the plan is `target burn`)"),
-            help: "it steps 8-bit Adam per parameter, as bitsandbytes quantizes each parameter's moments (blocks of 256 \
-                   from its first value), which a flat ZeRO shard would cut across: write `zero = 0` and offload nothing \
-                   but activations, or `optimizer adamw` with ZeRO and offload; or `target pytorch` (`rcoa emit`)"
-                .into(),
+            what: format!("`rcoa run` does not execute {subject} with {what} (the plan is `target burn`)"),
+            help: format!(
+                "{why}: write `zero = 0` and offload nothing but activations, or {instead}; or `target pytorch` (`rcoa emit`)"
+            ),
         }
         };
         let space = &mut plan.space;
@@ -66,9 +88,7 @@ impl<'a> Precision<'a> {
                 return Err(refused(format!("zero = {:?}", space.zero)));
             }
             space.zero.retain(|z| *z == 0);
-            decide(log, self, "zero = 0 for adam8bit",
-                "the Burn executor steps 8-bit Adam per parameter (its moments quantized in blocks of 256 within \
-                 each parameter, as bitsandbytes), which ZeRO's flat shards would cut across");
+            decide(log, self, format!("zero = 0 for {label}"), why);
         }
         if space.drop_offload_sets(|o| o.what != crate::spec::OffloadWhat::Activations) {
             if space.offload.is_empty() {
@@ -76,8 +96,12 @@ impl<'a> Precision<'a> {
                     "the optimizer, parameters or gradients offloaded".into(),
                 ));
             }
-            decide(log, self, "optimizer, params and grads offload not used for adam8bit",
-                "the Burn executor's host optimizer is the flat one of ZeRO; 8-bit Adam stays on the device");
+            decide(
+                log,
+                self,
+                format!("optimizer, params and grads offload not used for {label}"),
+                format!("{why}; the optimizer stays on the device"),
+            );
         }
         Ok(())
     }
