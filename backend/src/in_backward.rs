@@ -14,8 +14,9 @@
 //!
 //! **Tied embeddings.** The head's backward gives the embedding matrix a
 //! gradient that is not complete until the embedding's own backward, the
-//! last of the step: it waits there (in its own dtype, as PyTorch
-//! accumulates `.grad`) and the embedding steps on the sum.
+//! last of the step: it waits there in its own dtype, and the embedding
+//! steps on the sum of both parts, each cast to fp32 first for a master, as
+//! the step after the backward adds them.
 //!
 //! **16-bit weights with an fp32 master.** The master is stepped, each
 //! gradient cast to fp32 right before its parameter's step. The unit's
@@ -90,7 +91,9 @@ impl<B: ExecAutodiff> InBackward<'_, B> {
                 .model
                 .take()
                 .expect("the model is back after each step");
-            self.model = Some(self.optim.step(self.lr, model, single())?);
+            let (model, stepped) = self.optim.step(self.lr, model, single());
+            self.model = Some(model);
+            stepped?;
         }
         Ok(())
     }
@@ -175,13 +178,17 @@ impl<B: ExecAutodiff> UnitHooks<B> for InBackward<'_, B> {
                 let embed = self.reads().embed.clone();
                 let mut own = GradientsParams::from_module(&mut grads, &embed);
                 drop(grads);
-                // The head's part first, as the step after the backward adds them.
-                let mut g = std::mem::take(&mut self.pending);
-                embed.visit(&mut MergeGrads {
-                    into: &mut g,
-                    from: &mut own,
-                    cast: None,
-                });
+                // The head's part, then the embedding's, each cast for a master first: as
+                // the step after the backward adds them (`train::Whole`), bit for bit.
+                let cast = self.work.is_some().then_some(FloatDType::F32);
+                let mut g = GradientsParams::new();
+                for from in [&mut self.pending, &mut own] {
+                    embed.visit(&mut MergeGrads {
+                        into: &mut g,
+                        from,
+                        cast,
+                    });
+                }
                 self.singles(embed, g)
             }
         };

@@ -42,6 +42,7 @@ use crate::loss_scale::{LossScaler, Outcome};
 use crate::memory::MemoryProbe;
 use crate::model::{Ctx, Embed, Head, Layer, Model};
 use crate::ops::{ExecAutodiff, ExecBackend};
+use crate::optim::adafactor::AdafactorOptimizer;
 use crate::optim::adam8bit::Adam8bitOptimizer;
 use crate::optim::lion::LionOptimizer;
 use crate::RunError;
@@ -226,6 +227,7 @@ pub enum Optim<B: ExecAutodiff> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, Model<B>, B>),
     Adam8bit(OptimizerAdaptor<Adam8bitOptimizer, Model<B>, B>),
     Lion(OptimizerAdaptor<LionOptimizer, Model<B>, B>),
+    Adafactor(OptimizerAdaptor<AdafactorOptimizer, Model<B>, B>),
 }
 
 impl<B: ExecAutodiff> Optim<B> {
@@ -262,9 +264,13 @@ impl<B: ExecAutodiff> Optim<B> {
                 beta_2: b2,
                 weight_decay: o.weight_decay as f32,
             })),
+            OptimizerKind::Adafactor => Optim::Adafactor(OptimizerAdaptor::from(AdafactorOptimizer {
+                beta_1: (o.betas.0 > 0.0).then_some(o.betas.0),
+                weight_decay: o.weight_decay,
+            })),
             other => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, lion and sgd are; Burn 0.21 has no {})",
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, adafactor, lion and sgd are; Burn 0.21 has no {})",
                     other.as_str(),
                     other.as_str()
                 )))
@@ -272,25 +278,29 @@ impl<B: ExecAutodiff> Optim<B> {
         })
     }
 
+    /// The stepped model, and what went wrong in the step (8-bit Adam's
+    /// errors come after its update): the model comes back either way.
     pub(crate) fn step(
         &mut self,
         lr: f64,
         model: Model<B>,
         grads: GradientsParams,
-    ) -> Result<Model<B>, RunError> {
-        Ok(match self {
+    ) -> (Model<B>, Result<(), RunError>) {
+        let model = match self {
             Optim::AdamW(o) => o.step(lr, model, grads),
             Optim::Adam(o) => o.step(lr, model, grads),
             Optim::Sgd(o) => o.step(lr, model, grads),
             Optim::Lion(o) => o.step(lr, model, grads),
+            Optim::Adafactor(o) => o.step(lr, model, grads),
             Optim::Adam8bit(o) => {
                 let model = o.step(lr, model, grads);
                 if let Some(e) = o.optim().take_error() {
-                    return Err(RunError::Backend(format!("8-bit Adam: {e}")));
+                    return (model, Err(RunError::Backend(format!("8-bit Adam: {e}"))));
                 }
                 model
             }
-        })
+        };
+        (model, Ok(()))
     }
 
     fn save(
@@ -304,6 +314,7 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::Sgd(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Adam8bit(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Lion(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::Adafactor(o) => Recorder::<B>::record(rec, o.to_record(), path),
         };
         r.map_err(|e| RunError::Checkpoint(format!("cannot write the optimizer state: {e}")))
     }
@@ -333,6 +344,9 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::Lion(o) => {
                 Optim::Lion(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
             }
+            Optim::Adafactor(o) => Optim::Adafactor(
+                o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?),
+            ),
         })
     }
 }
@@ -938,16 +952,10 @@ impl<B: ExecAutodiff> Trainer<B> {
         let (model, work) = (hooks.model.take(), hooks.work.take());
         self.optim = optim;
         self.work = work;
-        match model {
-            Some(model) => {
-                self.skeleton = Some(std::mem::replace(&mut self.model, model));
-                loss
-            }
-            // A step failed with the model taken: the run ends with its error.
-            None => Err(loss.err().unwrap_or_else(|| {
-                RunError::Backend("a step in the backward lost the model".into())
-            })),
-        }
+        // Every step hands the model back, failed or not (`Optim::step`).
+        let model = model.expect("the hooks hand the model back");
+        self.skeleton = Some(std::mem::replace(&mut self.model, model));
+        loss
     }
 
     /// `micro_step` with each unit's weights from `hooks`, and its gradients
@@ -1212,7 +1220,9 @@ impl<B: ExecAutodiff> Trainer<B> {
             }
             if stepped {
                 let model = self.model.clone();
-                self.model = self.optim.step(self.lr, model, acc)?;
+                let (model, stepped) = self.optim.step(self.lr, model, acc);
+                self.model = model;
+                stepped?;
             }
         }
         if self.work.is_some() && stepped && self.skeleton.is_none() {
@@ -1374,6 +1384,15 @@ impl<B: ExecAutodiff> Trainer<B> {
             model = model.map(&mut CastFrozen(self.precision.params));
         }
         self.model = model;
+        if self.skeleton.is_some() {
+            // Placeholders of the resumed model: the old one's shared the NF4 bases
+            // it was built with, which would stay on the device beside the new.
+            self.skeleton = Some(
+                self.model
+                    .clone()
+                    .map(&mut crate::shard::zero3::Placeholders),
+            );
+        }
         if master_whole {
             self.work = Some(
                 self.model

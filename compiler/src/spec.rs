@@ -409,6 +409,14 @@ pub enum OptimizerKind {
 }
 
 impl OptimizerKind {
+    /// Whether the Burn executor steps it only with Burn's optimizer, a parameter at a
+    /// time, never over the flat shards of ZeRO and of the host optimizer: 8-bit Adam
+    /// quantizes each parameter's moments on their own, Adafactor factors each matrix's
+    /// second moment.
+    pub fn per_parameter_only(self) -> bool {
+        matches!(self, OptimizerKind::Adam8bit | OptimizerKind::Adafactor)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             OptimizerKind::Adamw => "adamw",

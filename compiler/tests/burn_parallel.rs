@@ -262,59 +262,68 @@ fn burn_qlora_shards_its_base_but_never_offloads_it() {
     assert!(e.contains("does not execute QLoRA"), "{e}");
 }
 
-/// 8-bit Adam is stepped per parameter by the Burn executor (its moments quantized within
-/// each parameter), never by ZeRO's flat optimizer: a search for `target burn` keeps to
-/// `zero = 0` and offloads nothing but activations, and a plan that fixes more is refused,
-/// as `rcoa run` would refuse it. The same plan for PyTorch engines may shard it.
+/// 8-bit Adam and Adafactor are stepped per parameter by the Burn executor (8-bit moments
+/// quantized within each parameter, a second moment factored per matrix), never by ZeRO's
+/// flat optimizer: a search for `target burn` keeps to `zero = 0` and offloads nothing but
+/// activations, and a plan that fixes more is refused, as `rcoa run` would refuse it. The
+/// same plan for PyTorch engines may shard them.
 #[test]
-fn burn_adam8bit_stays_unsharded_and_on_the_device() {
-    let plan = |target: &str, parallel: &str, fit: &str| {
-        let src = format!(
+fn burn_adam8bit_and_adafactor_stay_unsharded_and_on_the_device() {
+    for optimizer in ["adam8bit", "adafactor"] {
+        let plan = |target: &str, parallel: &str, fit: &str| {
+            let src = format!(
             "model \"llama-3.2-1b\"\nhardware {{ gpu = a100-40gb  gpus_per_node = 4 }}\nprecision bf16\n\
-             optimizer adam8bit\ntrain {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\n\
+             optimizer {optimizer}\ntrain {{ seq_len = 1024  global_batch = 16 }}\nparallel {{ {parallel} }}\n\
              fit {{ {fit} }}\ntarget {target}\n"
         );
-        compiled(&src)
-    };
-    let c = plan(
-        "burn",
-        "zero = auto",
-        "offload = [optimizer, params, grads]  checkpoint = auto",
-    )
-    .unwrap();
-    assert_eq!(c.lowered.resolved.zero, 0);
-    assert!(
-        c.lowered.resolved.offload.is_empty(),
-        "{:?}",
-        c.lowered.resolved.offload
-    );
-    assert!(c
-        .explain
-        .decisions
-        .iter()
-        .any(|d| d.what == "zero = 0 for adam8bit"));
-    let e = plan("burn", "zero = 2", "checkpoint = auto")
+            compiled(&src)
+        };
+        let c = plan(
+            "burn",
+            "zero = auto",
+            "offload = [optimizer, params, grads]  checkpoint = auto",
+        )
+        .unwrap();
+        assert_eq!(c.lowered.resolved.zero, 0);
+        assert!(
+            c.lowered.resolved.offload.is_empty(),
+            "{:?}",
+            c.lowered.resolved.offload
+        );
+        assert!(c
+            .explain
+            .decisions
+            .iter()
+            .any(|d| d.what == format!("zero = 0 for {optimizer}")));
+        let e = plan("burn", "zero = 2", "checkpoint = auto")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("`optimizer {optimizer}` with zero = [2]")),
+            "{e}"
+        );
+        let e = plan(
+            "burn",
+            "zero = auto",
+            "must_offload = [optimizer]  checkpoint = auto",
+        )
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`optimizer adam8bit` with zero = [2]"), "{e}");
-    let e = plan(
-        "burn",
-        "zero = auto",
-        "must_offload = [optimizer]  checkpoint = auto",
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("`optimizer adam8bit` with the optimizer"), "{e}");
-    // Activations may still go to the host.
-    assert!(plan(
-        "burn",
-        "zero = auto",
-        "must_offload = [activations]  checkpoint = full"
-    )
-    .is_ok());
-    // The executor's flat optimizer runs the others under ZeRO; PyTorch engines shard 8-bit Adam.
-    let c = plan("pytorch", "zero = 2", "checkpoint = auto").unwrap();
-    assert_eq!(c.lowered.resolved.zero, 2);
+        assert!(
+            e.contains(&format!("`optimizer {optimizer}` with the optimizer")),
+            "{e}"
+        );
+        // Activations may still go to the host.
+        assert!(plan(
+            "burn",
+            "zero = auto",
+            "must_offload = [activations]  checkpoint = full"
+        )
+        .is_ok());
+        // The executor's flat optimizer runs the others under ZeRO; PyTorch engines shard these.
+        let c = plan("pytorch", "zero = 2", "checkpoint = auto").unwrap();
+        assert_eq!(c.lowered.resolved.zero, 2);
+    }
 }
 
 /// The optimizer step in the backward under `target burn` (`backend/src/in_backward.rs`):

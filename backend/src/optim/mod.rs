@@ -18,6 +18,7 @@ use burn::tensor::{Tensor, TensorData};
 use rcoa_compiler::lowered::LoweredPlan;
 use rcoa_compiler::spec::OptimizerKind;
 
+pub mod adafactor;
 pub mod adam8bit;
 mod host;
 pub mod lion;
@@ -61,9 +62,17 @@ impl Rule {
                     plan.resolved.zero
                 )))
             }
+            OptimizerKind::Adafactor => {
+                return Err(RunError::Unsupported(format!(
+                    "optimizer adafactor with zero = {} or an offloaded optimizer: its second moment is factored per \
+                     matrix (a mean per row and per column), which a flat shard would cut across; run adafactor \
+                     with zero = 0 and nothing offloaded, or adamw with ZeRO",
+                    plan.resolved.zero
+                )))
+            }
             other => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, lion and sgd are)",
+                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, adafactor, lion and sgd are)",
                     other.as_str()
                 )))
             }

@@ -189,18 +189,20 @@ fn resumes_the_same_steps(rule: Rule) {
         .is_err());
 }
 
-/// 8-bit Adam is Burn-adaptor only: the flat (ZeRO, offload) path refuses
-/// it by name, saying what runs instead.
+/// 8-bit Adam and Adafactor are Burn-adaptor only: the flat (ZeRO, offload)
+/// path refuses them by name, saying what runs instead.
 #[test]
-fn adam8bit_is_refused_on_the_flat_path() {
-    let mut plan = crate::testing::tiny_plan();
-    plan.optimizer.kind = OptimizerKind::Adam8bit;
-    plan.resolved.zero = 2;
-    let e = Rule::for_plan(&plan).unwrap_err().to_string();
-    assert!(
-        e.contains("adam8bit with zero = 2") && e.contains("zero = 0"),
-        "{e}"
-    );
+fn per_parameter_optimizers_are_refused_on_the_flat_path() {
+    for kind in [OptimizerKind::Adam8bit, OptimizerKind::Adafactor] {
+        let mut plan = crate::testing::tiny_plan();
+        plan.optimizer.kind = kind;
+        plan.resolved.zero = 2;
+        let e = Rule::for_plan(&plan).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{} with zero = 2", kind.as_str())) && e.contains("zero = 0"),
+            "{e}"
+        );
+    }
 }
 
 /// A gradient accumulated in host memory (`accumulate_host`, over threads,

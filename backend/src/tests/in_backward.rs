@@ -18,6 +18,7 @@ use rcoa_compiler::spec::{
 /// with a master, which the CPU cannot compute in).
 fn three_steps(plan: &LoweredPlan, master: bool) -> (Vec<f64>, Vec<f32>) {
     let mut t: Trainer<Cpu> = trainer(plan);
+    assert_eq!(t.steps_in_backward(), plan.resolved.optimizer_in_backward);
     if master {
         t.with_fp32_master();
     }
@@ -57,12 +58,14 @@ fn steps_in_the_backward_equal_the_step_after_it() {
     cases.push(("tied".into(), tied.clone()));
     cases.push(("tied, layer 0 recomputed".into(), recomputed));
     cases.push(("LoRA".into(), lora(tiny_plan())));
+    cases.push(("QLoRA".into(), super::qlora_plan()));
     cases.push(("encoder".into(), tiny_encoder_plan(Loss::MaskedLm)));
     for (kind, momentum, decay) in [
         (OptimizerKind::Sgd, 0.9, 0.01),
         (OptimizerKind::Adam, 0.0, 0.01),
         (OptimizerKind::Lion, 0.0, 0.1),
         (OptimizerKind::Adam8bit, 0.0, 0.01),
+        (OptimizerKind::Adafactor, 0.0, 0.01),
     ] {
         let mut p = tied.clone();
         p.optimizer.kind = kind;
@@ -92,6 +95,11 @@ fn a_checkpoint_written_in_the_backward_resumes_after_it() {
     let mut plan = tiny_plan();
     plan.model.tie_embeddings = true;
     let dir = std::env::temp_dir().join(format!("rcoa-in-backward-{}", std::process::id()));
+    // QLoRA: the resumed model's NF4 bases replace those the skeleton was made beside.
+    let plan = LoweredPlan {
+        adapter: super::qlora_plan().adapter,
+        ..plan
+    };
     let mut t: Trainer<Cpu> = trainer(&in_backward(&plan));
     t.train_step(&mut RssProbe::new()).unwrap();
     t.save(&dir).unwrap();
@@ -159,10 +167,14 @@ const CHILD: &str = "RCOA_IN_BACKWARD_MEASURE_CHILD";
 /// A decoder of megabyte parameters and tiny activations on one rank (so the step's
 /// highest point is weights, gradients and optimizer state), fp32, nothing recomputed.
 fn measured_plan(in_backward: bool, tied: bool) -> String {
+    measured_plan_with("adamw", in_backward, tied)
+}
+
+fn measured_plan_with(optimizer: &str, in_backward: bool, tied: bool) -> String {
     format!(
         "model {{\n  arch = decoder\n  layers = 4\n  hidden = 256\n  heads = 4\n  ffn = 1024\n  \
          mlp = swiglu\n  norm = rmsnorm\n  tie_embeddings = {tied}\n  vocab = 4096\n  max_positions = 64\n}}\n\
-         precision fp32\noptimizer adamw {{ lr = 1e-3  in_backward = {in_backward} }}\n\
+         precision fp32\noptimizer {optimizer} {{ lr = 1e-3  in_backward = {in_backward} }}\n\
          train {{ seq_len = 16  global_batch = 2  micro_batch = 2  grad_accum = 1 }}\n\
          fit {{ checkpoint = none }}\nhardware {{ gpu = h100-80gb }}\ntarget burn\n"
     )
@@ -235,5 +247,42 @@ fn stepping_in_the_backward_measured_in_child() {
         }
         // The gradients the step after the backward holds, less one unit's.
         assert!(got[1] + 12_000_000 < got[0], "{got:?}");
+    }
+}
+
+const CHILD_ADAFACTOR: &str = "RCOA_ADAFACTOR_MEASURE_CHILD";
+
+#[test]
+fn adafactor_holds_what_the_burn_profile_predicts() {
+    crate::testing::run_ignored_in_child(
+        "tests::in_backward::adafactor_measured_in_child",
+        CHILD_ADAFACTOR,
+    );
+}
+
+/// Adafactor (`optim::adafactor`) after the backward and in it: its factored state (a
+/// row and a column per matrix) and its step's two fp32 temporaries of the parameter.
+#[test]
+#[ignore = "run in its own process by adafactor_holds_what_the_burn_profile_predicts"]
+fn adafactor_measured_in_child() {
+    assert!(
+        std::env::var_os(CHILD_ADAFACTOR).is_some(),
+        "run by its parent test"
+    );
+    let _g = serial();
+    measured_peak(&predicted_peak(&measured_plan_with("adafactor", false, false)).0);
+    for in_backward in [false, true] {
+        let (plan, predicted) =
+            predicted_peak(&measured_plan_with("adafactor", in_backward, false));
+        let measured = measured_peak(&plan);
+        let err = measured as f64 / predicted as f64 - 1.0;
+        println!("adafactor, in the backward {in_backward}: measured {measured} predicted {predicted} ({err:+.4})");
+        // In the backward the CPU holds 1.35 MB (+3.6 %) more than predicted at the head's
+        // step, 0.6 MB more than AdamW's there: not yet explained (docs/gpu-session.md,
+        // call 7, measures it on CUDA).
+        assert!(
+            (-0.05..0.04).contains(&err),
+            "in the backward {in_backward}: {err:+.4}"
+        );
     }
 }

@@ -225,8 +225,12 @@ fn a_tied_matrix_gradient_waits_for_its_step_in_the_backward() {
         let grads_in_layers = |tied: bool| -> Vec<u64> {
             let mut s = s.clone();
             s.model.tie_embeddings = tied;
-            evaluate(&s, &cand(), &p, true)
-                .timeline
+            let r = evaluate(&s, &cand(), &p, true);
+            // Once the embedding has stepped nothing waits: the step after holds no gradient.
+            let last = r.timeline.last().expect("a timeline");
+            assert_eq!(last.phase, crate::memory::Phase::Optimizer, "{target:?}");
+            assert_eq!(last.by_category[Category::Grads as usize], 0, "{target:?}");
+            r.timeline
                 .iter()
                 .filter(|x| x.phase == crate::memory::Phase::Backward && x.layer.is_some())
                 .map(|x| x.by_category[Category::Grads as usize])

@@ -63,6 +63,14 @@ impl<'a> Precision<'a> {
                  each parameter, as bitsandbytes), which ZeRO's flat shards would cut across",
                 "`optimizer adamw` with ZeRO and offload",
             )
+        } else if self.optimizer.kind == OptimizerKind::Adafactor {
+            (
+                "`optimizer adafactor`",
+                "adafactor",
+                "the Burn executor steps Adafactor per parameter (each matrix's second moment factored into a mean \
+                 per row and per column), which ZeRO's flat shards would cut across",
+                "`optimizer adamw` with ZeRO and offload",
+            )
         } else if in_backward {
             (
                 "the optimizer step in the backward (`optimizer.in_backward = true`)",
