@@ -748,17 +748,8 @@ fn zero3_with_tied_embeddings_and_frozen_weights_matches_one_rank() {
             (3, Off::Optimizer, vec![true, true]),
         ],
     );
-    let mut lora = tiny_plan();
-    lora.adapter = Some(AdapterSpec {
-        kind: AdapterKind::Lora,
-        rank: 4,
-        alpha: 8.0,
-        targets: vec![Proj::Q, Proj::V, Proj::Down],
-        dropout: 0.0,
-        base: Dtype::Fp32,
-    });
     sharded_matches_one_rank(
-        &two_rank_reference(lora),
+        &two_rank_reference(lora_plan()),
         &[
             (3, Off::None, vec![true, false]),
             (2, Off::Params, Vec::new()),
@@ -911,15 +902,25 @@ fn nf4_bases(model: &crate::model::Model<Cpu>) -> Vec<crate::quant::nf4::Nf4Weig
         .collect()
 }
 
+/// The tiny plan with LoRA adapters (rank 4) on Q, V and the down projection.
+pub(crate) fn lora_plan() -> LoweredPlan {
+    adapted(AdapterKind::Lora, Dtype::Fp32)
+}
+
+/// [`lora_plan`] over an NF4 base.
 pub(crate) fn qlora_plan() -> LoweredPlan {
+    adapted(AdapterKind::Qlora, Dtype::Nf4)
+}
+
+fn adapted(kind: AdapterKind, base: Dtype) -> LoweredPlan {
     let mut plan = tiny_plan();
     plan.adapter = Some(AdapterSpec {
-        kind: AdapterKind::Qlora,
+        kind,
         rank: 4,
         alpha: 8.0,
         targets: vec![Proj::Q, Proj::V, Proj::Down],
         dropout: 0.0,
-        base: Dtype::Nf4,
+        base,
     });
     plan
 }

@@ -9,9 +9,7 @@ use crate::testing::{tiny_encoder_plan, tiny_plan};
 use crate::train::Trainer;
 use crate::RunError;
 use rcoa_compiler::lowered::LoweredPlan;
-use rcoa_compiler::spec::{
-    AdapterKind, AdapterSpec, Dtype, Loss, Offload, OffloadTo, OffloadWhat, OptimizerKind, Proj,
-};
+use rcoa_compiler::spec::{Loss, Offload, OffloadTo, OffloadWhat, OptimizerKind};
 
 /// Losses of three steps and the weights after them; `master`: an fp32
 /// master beside an fp32 working copy (the control flow of 16-bit weights
@@ -34,18 +32,6 @@ fn in_backward(plan: &LoweredPlan) -> LoweredPlan {
     p
 }
 
-fn lora(mut plan: LoweredPlan) -> LoweredPlan {
-    plan.adapter = Some(AdapterSpec {
-        kind: AdapterKind::Lora,
-        rank: 4,
-        alpha: 8.0,
-        targets: vec![Proj::Q, Proj::V, Proj::Down],
-        dropout: 0.0,
-        base: Dtype::Fp32,
-    });
-    plan
-}
-
 #[test]
 fn steps_in_the_backward_equal_the_step_after_it() {
     let _g = serial();
@@ -57,7 +43,7 @@ fn steps_in_the_backward_equal_the_step_after_it() {
     cases.push(("untied".into(), tiny_plan()));
     cases.push(("tied".into(), tied.clone()));
     cases.push(("tied, layer 0 recomputed".into(), recomputed));
-    cases.push(("LoRA".into(), lora(tiny_plan())));
+    cases.push(("LoRA".into(), super::lora_plan()));
     cases.push(("QLoRA".into(), super::qlora_plan()));
     cases.push(("encoder".into(), tiny_encoder_plan(Loss::MaskedLm)));
     for (kind, momentum, decay) in [
