@@ -71,10 +71,18 @@ impl<B: ExecAutodiff> InBackward<'_, B> {
     }
 
     /// `grads` of the parameters of `unit` (a clone of a part of the working
-    /// copy), one [`Single`] each, in the unit's visit order. The clone is
-    /// dropped here: held through the steps, it would keep every old weight
-    /// of the unit beside its update.
+    /// copy) as the steps that take them: with a master one [`Single`] per
+    /// parameter, in the unit's visit order, each cast to fp32 only when its
+    /// step runs. The clone is dropped here: held through the steps, it would
+    /// keep every old weight of the unit beside its update.
     fn singles<M: AutodiffModule<B>>(&self, unit: M, mut grads: GradientsParams) -> Vec<Single> {
+        if self.work.is_none() {
+            // Nothing to cast: one step over the unit, whose update Burn's optimizer makes
+            // a parameter at a time anyway, so it holds no more than one at a time would,
+            // and the model is mapped once per unit, not once per parameter.
+            drop(unit);
+            return vec![Box::new(move || grads)];
+        }
         let mut one_by_one = Singles {
             from: &mut grads,
             cast: self.work.is_some().then_some(FloatDType::F32),

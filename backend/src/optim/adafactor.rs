@@ -141,10 +141,11 @@ impl<B: Backend> SimpleOptimizer<B> for AdafactorOptimizer {
             }
             None => (update, None),
         };
+        // p − p·wd·lr as one scaling: no second copy of the parameter.
         let p = if self.weight_decay == 0.0 {
             p
         } else {
-            p.clone().sub(p.mul_scalar(self.weight_decay * lr))
+            p.mul_scalar(1.0 - self.weight_decay * lr)
         };
         let p = p.sub(update).cast(dtype);
         let state = AdafactorState {
