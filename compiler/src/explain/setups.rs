@@ -22,15 +22,16 @@ pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
         }
     }
     if spec.optimizer_in_backward {
-        let engine = match spec.target {
-            crate::spec::Target::Fsdp => "; under FSDP2 the hooks sit on the sharded parameters and fire once a unit's reduced shard is set: the temporaries are a shard's (1/data), none on the device when CPUOffloadPolicy steps on the host",
-            _ => "",
+        let why = if spec.target == crate::spec::Target::Burn {
+            "`rcoa run` steps each unit (the head with the loss, each layer, the embedding) as the backward leaves it, its parameters one after another, and frees their gradients: no full set of gradients ever exists, the backward holds one unit's (and a tied embedding matrix's from the head until the embedding steps), the step's temporaries are one parameter's, charged where the unit's backward ends; one backward per step (grad_accum = 1)".to_string()
+        } else {
+            let engine = match spec.target {
+                crate::spec::Target::Fsdp => "; under FSDP2 the hooks sit on the sharded parameters and fire once a unit's reduced shard is set: the temporaries are a shard's (1/data), none on the device when CPUOffloadPolicy steps on the host",
+                _ => "",
+            };
+            format!("torchtune's `optimizer_in_bwd`: each parameter's step runs in a post-accumulate-grad hook as soon as its gradient is complete, then the gradient is freed; no full set of gradients ever exists (each lives only until its last backward op: a tied matrix's from the head's to the embedding's), the step's temporaries are one parameter's, charged to that op's backward; one backward per step (grad_accum = 1){engine}")
         };
-        log.push(Decision::new(
-            "given",
-            "optimizer.in_backward = true",
-            format!("torchtune's `optimizer_in_bwd`: each parameter's step runs in a post-accumulate-grad hook as soon as its gradient is complete, then the gradient is freed; no full set of gradients ever exists (each lives only during its own backward op), the step's temporaries are one parameter's, charged to that op's backward; one backward per step (grad_accum = 1){engine}"),
-        ));
+        log.push(Decision::new("given", "optimizer.in_backward = true", why));
     }
     if spec.optimizer.implementation == crate::spec::OptImpl::Paged {
         log.push(Decision::new(
