@@ -24,13 +24,18 @@
 //! it after, so the next forward reads the new weights and no unit is held
 //! twice.
 //!
+//! **Data parallelism** (DDP's `_apply_optimizer_in_backward`): each unit's
+//! gradients are averaged over the ranks, one all-reduce of the unit's flat
+//! vector, before the unit steps; every rank then makes the same update.
+//! The loss is averaged once the backward is done.
+//!
 //! What it does not do, refused where the plan is compiled
 //! (`rcoa_compiler::executed`) and again by `Trainer::new` for a lowered
-//! plan: data parallelism, ZeRO and the host optimizer (their reductions and
-//! shards step after the backward), fp16 (its loss scale is checked over
-//! every gradient before any step), and gradient accumulation (every
-//! backward is a step).
+//! plan: ZeRO and the host optimizer (their shards step after the
+//! backward), fp16 (its loss scale is checked over every gradient before
+//! any step), and gradient accumulation (every backward is a step).
 
+use crate::distributed::Collective;
 use crate::model::{Embed, Model};
 use crate::ops::ExecAutodiff;
 use crate::shard::zero3::Placeholders;
@@ -57,6 +62,10 @@ pub(crate) struct InBackward<'a, B: ExecAutodiff> {
     pub params: FloatDType,
     /// The tied embedding's gradient from the head, until the embedding's own.
     pub pending: GradientsParams,
+    /// Data parallelism: each unit's gradients are averaged over the ranks
+    /// (one all-reduce of the unit's flat vector) before it steps.
+    pub collective: Option<&'a Collective<B::InnerBackend>>,
+    pub device: B::Device,
 }
 
 impl<B: ExecAutodiff> InBackward<'_, B> {
@@ -90,6 +99,24 @@ impl<B: ExecAutodiff> InBackward<'_, B> {
         };
         unit.visit(&mut one_by_one);
         one_by_one.out
+    }
+
+    /// `grads` of `unit`, averaged over the ranks with data parallelism: every
+    /// rank reduces the same units in the same order (the backward's), and a
+    /// unit without a trainable parameter on any rank reduces nothing.
+    fn mean<M: AutodiffModule<B>>(
+        &self,
+        unit: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams, RunError> {
+        let Some(c) = self.collective.filter(|_| !grads.is_empty()) else {
+            return Ok(grads);
+        };
+        // `mean_step` carries a loss beside the gradients: a zero stands in (the
+        // step's loss is averaged once, after the backward).
+        let zero = Tensor::<B::InnerBackend, 1>::zeros([1], &self.device);
+        c.mean_step::<B, M>(unit, &mut grads, zero, None)?;
+        Ok(grads)
     }
 
     /// Steps each of `singles`, one parameter at a time.
@@ -168,6 +195,7 @@ impl<B: ExecAutodiff> UnitHooks<B> for InBackward<'_, B> {
                 let layer = self.reads().layers[i].clone();
                 let g = GradientsParams::from_module(&mut grads, &layer);
                 drop(grads);
+                let g = self.mean(&layer, g)?;
                 self.singles(layer, g)
             }
             Unit::Head => {
@@ -180,6 +208,7 @@ impl<B: ExecAutodiff> UnitHooks<B> for InBackward<'_, B> {
                 drop(embed);
                 let g = GradientsParams::from_module(&mut grads, &head);
                 drop(grads);
+                let g = self.mean(&head, g)?;
                 self.singles(head, g)
             }
             Unit::Embed => {
@@ -197,6 +226,7 @@ impl<B: ExecAutodiff> UnitHooks<B> for InBackward<'_, B> {
                         cast,
                     });
                 }
+                let g = self.mean(&embed, g)?;
                 self.singles(embed, g)
             }
         };
@@ -233,13 +263,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Singles<'_> {
     }
 }
 
-/// Why this executor cannot step `plan` in its backward on `ranks` ranks, or
-/// `None` (also when the plan does not ask it). `scaled`: fp16's loss scale.
-pub(crate) fn refusal(
-    plan: &rcoa_compiler::lowered::LoweredPlan,
-    ranks: u64,
-    scaled: bool,
-) -> Option<String> {
+/// Why this executor cannot step `plan` in its backward, or `None` (also
+/// when the plan does not ask it). `scaled`: fp16's loss scale.
+pub(crate) fn refusal(plan: &rcoa_compiler::lowered::LoweredPlan, scaled: bool) -> Option<String> {
     use rcoa_compiler::spec::OffloadWhat;
     let r = &plan.resolved;
     if !r.optimizer_in_backward {
@@ -252,9 +278,7 @@ pub(crate) fn refusal(
     ]
     .into_iter()
     .any(|w| crate::shard::layout::offloads(plan, w));
-    let why = if ranks > 1 || r.data > 1 {
-        "on one GPU: data parallelism reduces the gradients after the backward"
-    } else if r.zero > 0 || host {
+    let why = if r.zero > 0 || host {
         "with the whole optimizer on the device: ZeRO's and the host optimizer's flat shards step after the backward"
     } else if scaled {
         "without fp16's loss scale, which checks every gradient for an overflow before any step"

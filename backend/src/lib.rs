@@ -530,7 +530,7 @@ fn execute<B: ExecAutodiff>(
         // Rank 0 alone evaluates, and with the weights sharded at rest it
         // would need every rank's gather: refused rather than hung.
         return Err(RunError::Unsupported(
-            "--eval with ZeRO-3 or parameter offload: the weights are sharded at rest and rank 0 evaluates alone;              evaluate a saved checkpoint with `rcoa eval`, or train with zero = 2 and nothing offloaded but the optimizer"
+            "--eval with ZeRO-3 or parameter offload: the weights are sharded at rest and rank 0 evaluates alone; evaluate a saved checkpoint with `rcoa eval`, or train with zero = 2 and nothing offloaded but the optimizer"
                 .into(),
         ));
     }

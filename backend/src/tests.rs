@@ -502,7 +502,7 @@ fn unexecuted_zero_and_offload_are_refused() {
 
 /// What a sharded configuration offloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Off {
+pub(crate) enum Off {
     None,
     Optimizer,
     Params,
@@ -573,7 +573,7 @@ fn rank_trainer(
 /// each of `configs` (ZeRO stage, offload, checkpointed layers) on two ranks
 /// (threads of this process, micro-batch 2): after 10 steps every weight is
 /// within 1e-5 of one rank's, and the two ranks hold the same weights.
-fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)]) {
+pub(crate) fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)]) {
     let steps = 10;
     let mut t = trainer(one);
     for _ in 0..steps {
@@ -668,7 +668,7 @@ fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, Vec<bool>)])
     }
 }
 
-fn two_rank_reference(mut one: LoweredPlan) -> LoweredPlan {
+pub(crate) fn two_rank_reference(mut one: LoweredPlan) -> LoweredPlan {
     one.resolved.micro_batch = 4;
     one.resolved.grad_accum = 2;
     one.optimizer.weight_decay = 0.1;

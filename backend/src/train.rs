@@ -575,7 +575,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
         let optim = Optim::for_plan(plan)?;
         let scaler = LossScaler::for_precision(&precision);
-        if let Some(why) = crate::in_backward::refusal(plan, ranks, scaler.is_some()) {
+        if let Some(why) = crate::in_backward::refusal(plan, scaler.is_some()) {
             return Err(RunError::Unsupported(why));
         }
         B::seed(&device, cfg.seed);
@@ -947,6 +947,8 @@ impl<B: ExecAutodiff> Trainer<B> {
             lr: self.lr,
             params: self.precision.params,
             pending: GradientsParams::new(),
+            collective: self.collective.as_ref(),
+            device: self.device.clone(),
         };
         let loss = self.micro_step_with(batch, step, micro, scale, &mut hooks, probe);
         let (model, work) = (hooks.model.take(), hooks.work.take());
@@ -1171,8 +1173,15 @@ impl<B: ExecAutodiff> Trainer<B> {
         }
         let stepped;
         if self.skeleton.is_some() {
-            // Every unit stepped as the backward left it (`crate::in_backward`).
+            // Every unit stepped as the backward left it (`crate::in_backward`); with
+            // data parallelism the loss reported is the mean over the ranks, as below.
             stepped = true;
+            if let Some(c) = &self.collective {
+                let loss = total.take().ok_or_else(|| {
+                    RunError::Backend("a training step needs at least one micro-batch".into())
+                })?;
+                total = Some(crate::shard::mean_loss_and_flag(c, loss, None)?.0);
+            }
         } else if let Some(z) = &mut self.zero3 {
             // Each rank steps its shard; nothing is gathered afterwards.
             let loss = total.take().ok_or_else(|| {

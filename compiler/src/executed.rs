@@ -40,7 +40,7 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
         return Some(r);
     }
     if spec.optimizer_in_backward {
-        if let Some(r) = in_backward(spec.gpu_count(), &spec.precision) {
+        if let Some(r) = in_backward(&spec.precision) {
             return Some(r);
         }
     }
@@ -48,28 +48,16 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
 }
 
 /// The optimizer step in the backward (`backend/src/in_backward.rs`) where `rcoa run` cannot
-/// take it: over data-parallel ranks, whose reduction comes after the backward, and under
-/// fp16's loss scale, which checks every gradient before any step. (ZeRO and offload of
-/// the optimizer, parameters or gradients are kept out of the search by
+/// take it: under fp16's loss scale, which checks every gradient before any step. (ZeRO and
+/// offload of the optimizer, parameters or gradients are kept out of the search by
 /// `passes::precision`; a plan that requires them is refused there.)
-fn in_backward(ranks: u64, p: &PrecisionSpec) -> Option<(String, String)> {
-    let what = |on: &str| {
-        format!("the optimizer step in the backward (`optimizer.in_backward = true`) {on}")
-    };
-    if ranks > 1 {
-        return Some((
-            what(&format!("on {ranks} GPUs")),
-            "it steps in the backward on one GPU (data parallelism reduces the gradients after the backward):              remove `in_backward`, or plan for one GPU"
-                .into(),
-        ));
-    }
-    if p.params == Dtype::Fp16 || p.compute == Dtype::Fp16 {
-        return Some((
-            what("with fp16"),
+fn in_backward(p: &PrecisionSpec) -> Option<(String, String)> {
+    (p.params == Dtype::Fp16 || p.compute == Dtype::Fp16).then(|| {
+        (
+            "the optimizer step in the backward (`optimizer.in_backward = true`) with fp16".into(),
             "fp16's loss scale is checked over every gradient before any step: remove `in_backward`, or use bf16".into(),
-        ));
-    }
-    None
+        )
+    })
 }
 
 /// [`in_backward`] for a lowered plan, which may come from another target with ZeRO or
@@ -80,7 +68,7 @@ fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
         return None;
     }
     let flat = r.zero > 0 || r.offload.iter().any(|o| o.what != OffloadWhat::Activations);
-    in_backward(r.data, &plan.precision).or_else(|| {
+    in_backward(&plan.precision).or_else(|| {
         flat.then(|| {
             (
                 "the optimizer step in the backward (`optimizer.in_backward = true`) with ZeRO or offload".into(),

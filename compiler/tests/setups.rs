@@ -36,7 +36,10 @@ fn burn_refuses_every_setup_rcoa_run_does_not_execute() {
             "model \"tiny-decoder\" { layers = 4 }\nparallel { pipeline = 2  virtual_stages = 2 }",
             "virtual_stages = 2",
         ),
-        ("optimizer adamw { in_backward = true }", "in_backward"),
+        (
+            "precision fp16\noptimizer adamw { in_backward = true }",
+            "in_backward = true`) with fp16",
+        ),
         ("optimizer adamw { impl = paged }", "impl = paged"),
         ("fit { checkpoint = selective_op }", "selective_op"),
     ];

@@ -3,7 +3,7 @@
 //! model, the optimizer or the recomputation; and the plans it cannot run
 //! refused before anything is built.
 
-use super::{serial, trainer, Cpu};
+use super::{serial, sharded_matches_one_rank, trainer, two_rank_reference, Cpu, Off};
 use crate::memory::RssProbe;
 use crate::testing::{tiny_encoder_plan, tiny_plan};
 use crate::train::Trainer;
@@ -75,6 +75,32 @@ fn steps_in_the_backward_equal_the_step_after_it() {
     }
 }
 
+/// Data parallelism: two ranks (threads), each averaging a unit's gradients over both
+/// before the unit steps, end where one rank with both ranks' batch does (stepping in the
+/// backward too), with tied embeddings (the matrix reduced once, after its two parts are
+/// added), a recomputed layer, and LoRA (frozen units reduce nothing).
+#[test]
+fn two_ranks_stepping_in_the_backward_match_one_rank() {
+    let _g = serial();
+    let mut tied = tiny_plan();
+    tied.model.tie_embeddings = true;
+    // One rank takes both ranks' sequences in one micro-batch: every backward is a step.
+    let one = |plan: LoweredPlan| {
+        let mut p = in_backward(&two_rank_reference(plan));
+        p.resolved.micro_batch = 4;
+        p.resolved.grad_accum = 1;
+        p
+    };
+    sharded_matches_one_rank(
+        &one(tied),
+        &[
+            (0, Off::None, vec![true, false]),
+            (0, Off::None, Vec::new()),
+        ],
+    );
+    sharded_matches_one_rank(&one(super::lora_plan()), &[(0, Off::None, Vec::new())]);
+}
+
 #[test]
 fn a_checkpoint_written_in_the_backward_resumes_after_it() {
     let _g = serial();
@@ -124,14 +150,8 @@ fn what_it_cannot_step_in_the_backward_is_refused() {
         to: OffloadTo::Cpu,
     }];
     refused(p, "host optimizer");
-    let mut p = tiny_plan();
-    p.resolved.data = 2;
-    match crate::in_backward::refusal(&in_backward(&p), 2, false) {
-        Some(e) => assert!(e.contains("one GPU"), "{e}"),
-        None => panic!("data parallelism not refused"),
-    }
     assert!(
-        crate::in_backward::refusal(&in_backward(&tiny_plan()), 1, true)
+        crate::in_backward::refusal(&in_backward(&tiny_plan()), true)
             .is_some_and(|e| e.contains("fp16"))
     );
     // Activations on the host are the step's own business: accepted.

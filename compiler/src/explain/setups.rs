@@ -23,7 +23,7 @@ pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
     }
     if spec.optimizer_in_backward {
         let why = if spec.target == crate::spec::Target::Burn {
-            "`rcoa run` steps each unit (the head with the loss, each layer, the embedding) as the backward leaves it, its parameters one after another, and frees their gradients: no full set of gradients ever exists, the backward holds one unit's (and a tied embedding matrix's from the head until the embedding steps), the step's temporaries are one parameter's, charged where the unit's backward ends; one backward per step (grad_accum = 1)".to_string()
+            "`rcoa run` steps each unit (the head with the loss, each layer, the embedding) as the backward leaves it, its parameters one after another, and frees their gradients: no full set of gradients ever exists, the backward holds one unit's (and a tied embedding matrix's from the head until the embedding steps), the step's temporaries are one parameter's, charged where the unit's backward ends; with data parallelism the unit's gradients are all-reduced (one flat fp32 vector) before it steps; one backward per step (grad_accum = 1)".to_string()
         } else {
             let engine = match spec.target {
                 crate::spec::Target::Fsdp => "; under FSDP2 the hooks sit on the sharded parameters and fire once a unit's reduced shard is set: the temporaries are a shard's (1/data), none on the device when CPUOffloadPolicy steps on the host",

@@ -686,7 +686,8 @@ fn evaluate_stage(
 /// executor once the backward has left that op's unit (the embedding, a layer, the head
 /// with the loss: `backend/src/in_backward.rs`), whose first op that is. The step's
 /// temporaries are that op's backward scratch, the largest of the parameters stepping there
-/// (one steps after another). Returns [`tape::Persistent::step_at`].
+/// (one steps after another), and under Burn with data parallelism the unit's all-reduce.
+/// Returns [`tape::Persistent::step_at`].
 fn steps_in_backward(
     spec: &Spec,
     profile: &Profile,
@@ -713,6 +714,7 @@ fn steps_in_backward(
     };
     let mut step_at = vec![u32::MAX; tape.tensors.len()];
     let mut temp: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut values: BTreeMap<u32, u64> = BTreeMap::new();
     for &(id, n) in trainable {
         let first = first_reader[id.0 as usize];
         if first == u32::MAX {
@@ -731,9 +733,17 @@ fn steps_in_backward(
         let t = optimizer::in_backward_step_temp(spec, profile, tape, (id, n), cand);
         let e = temp.entry(at).or_default();
         *e = (*e).max(t);
+        *values.entry(at).or_default() += n;
     }
     for (at, t) in temp {
-        tape.ops[at as usize].bwd_workspace += t;
+        // Data parallelism under Burn: the unit's gradients, flattened to one fp32 vector,
+        // and its all-reduced mean, before the unit steps (`Collective::mean_step`).
+        let exchange = if profile.burn_ops && cand.data > 1 {
+            2 * profile.allocated(4 * values[&at])
+        } else {
+            0
+        };
+        tape.ops[at as usize].bwd_workspace += t + exchange;
     }
     step_at
 }

@@ -186,8 +186,9 @@ pub struct BurnExchange {
 }
 
 /// [`BurnExchange`] of `cand`, `None` where the Burn executor exchanges no flat vector
-/// (one rank without ZeRO or offload; ZeRO-3, parameter and gradient offload, which reduce
-/// each unit's gradient as the backward leaves it; other targets).
+/// (one rank without ZeRO or offload; ZeRO-3, parameter and gradient offload, and the step
+/// in the backward, which reduce each unit's gradient as the backward leaves it; other
+/// targets).
 ///
 /// - ZeRO 1/2 (or the optimizer offloaded): one flat fp32 gradient vector. Stages 1 and 2
 ///   reduce-scatter it: burn-collective's ring keeps the vector while it receives and sums
@@ -207,7 +208,13 @@ pub fn burn_exchange(spec: &Spec, cand: &Candidate, trainable: u64) -> Option<Bu
     let units = cand.zero >= 3
         || cand.offloads(crate::spec::OffloadWhat::Params)
         || cand.offloads(crate::spec::OffloadWhat::Grads);
-    if spec.target != crate::spec::Target::Burn || trainable == 0 || units {
+    // A step in the backward reduces each unit as the backward leaves it (`memory::
+    // steps_in_backward` charges it there): no whole-model vector.
+    if spec.target != crate::spec::Target::Burn
+        || trainable == 0
+        || units
+        || spec.optimizer_in_backward
+    {
         return None;
     }
     let flat = trainable * 4;

@@ -250,6 +250,38 @@ fn a_tied_matrix_gradient_waits_for_its_step_in_the_backward() {
     }
 }
 
+/// Data parallelism under Burn with the step in the backward: each unit's all-reduce (its
+/// gradients as one flat fp32 vector, and their mean) is charged where the unit steps, one
+/// op per unit, and nowhere else; one rank charges none.
+#[test]
+fn a_burn_unit_all_reduces_where_it_steps_in_the_backward() {
+    let p = Profile::for_target(Target::Burn);
+    let mut s = SpecBuilder::new().build();
+    s.target = Target::Burn;
+    s.optimizer_in_backward = true;
+    let charges = |data: u64| -> (Vec<u64>, u64) {
+        let mut c = cand();
+        c.data = data;
+        let b = Builder::new(&s, &p, &c).build(0..s.model.layers, true, true);
+        let values = b.trainable.iter().map(|(_, n)| n).sum();
+        let mut tape = b.tape;
+        super::steps_in_backward(&s, &p, &c, &mut tape, &b.trainable);
+        (tape.ops.iter().map(|o| o.bwd_workspace).collect(), values)
+    };
+    let ((one, values), (two, _)) = (charges(1), charges(2));
+    let extra: Vec<u64> = one.iter().zip(&two).map(|(a, b)| b - a).collect();
+    let at: Vec<usize> = (0..extra.len()).filter(|&o| extra[o] > 0).collect();
+    // The embedding, each layer, the head (untied: the embedding steps on its own).
+    assert_eq!(at.len() as u64, s.model.layers + 2, "{at:?}");
+    let total: u64 = extra.iter().sum();
+    // Every trainable value's fp32 twice, each unit's vectors their own allocations.
+    assert!(total >= 8 * values, "{total} < 8 × {values}");
+    assert!(
+        total <= 8 * values + 2 * at.len() as u64 * (2 << 20),
+        "{total} vs 8 × {values}"
+    );
+}
+
 /// Paged state counts on the device only while the budget has room: what the budget
 /// lacks is evicted (up to the whole state), then moves out and back over PCIe each step.
 #[test]
