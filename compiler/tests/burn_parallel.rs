@@ -30,6 +30,16 @@ fn compiled(src: &str) -> Result<Compilation, rcoa_compiler::CompileError> {
     rcoa_compiler::compile(&resolved(src))
 }
 
+/// `c` offloads nothing, and its decisions say why with `decision`.
+fn kept_on_device(c: &Compilation, decision: &str) {
+    let r = &c.lowered.resolved;
+    assert!(r.offload.is_empty(), "{:?}", r.offload);
+    assert!(
+        c.explain.decisions.iter().any(|d| d.what == decision),
+        "no decision `{decision}`"
+    );
+}
+
 #[test]
 fn burn_plans_stay_data_parallel_with_the_zero_stages_the_executor_runs() {
     let c = rcoa_compiler::compile(&spec(
@@ -285,16 +295,7 @@ fn burn_adam8bit_and_adafactor_stay_unsharded_and_on_the_device() {
         )
         .unwrap();
         assert_eq!(c.lowered.resolved.zero, 0);
-        assert!(
-            c.lowered.resolved.offload.is_empty(),
-            "{:?}",
-            c.lowered.resolved.offload
-        );
-        assert!(c
-            .explain
-            .decisions
-            .iter()
-            .any(|d| d.what == format!("zero = 0 for {optimizer}")));
+        kept_on_device(&c, &format!("zero = 0 for {optimizer}"));
         let e = plan("burn", "zero = 2", "checkpoint = auto")
             .unwrap_err()
             .to_string();
@@ -349,17 +350,10 @@ fn burn_steps_in_the_backward_with_the_optimizer_on_the_device() {
     .unwrap();
     assert!(c.lowered.resolved.optimizer_in_backward);
     assert_eq!(c.lowered.resolved.grad_accum, 1);
-    assert!(
-        c.lowered.resolved.offload.is_empty(),
-        "{:?}",
-        c.lowered.resolved.offload
+    kept_on_device(
+        &c,
+        "optimizer, params and grads offload not used for the step in the backward",
     );
-    assert!(c
-        .explain
-        .decisions
-        .iter()
-        .any(|d| d.what
-            == "optimizer, params and grads offload not used for the step in the backward"));
     let after = plan(1, "bf16", "checkpoint = full", false).unwrap();
     let during = plan(1, "bf16", "checkpoint = full", true).unwrap();
     let (a, d) = (
