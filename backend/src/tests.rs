@@ -609,6 +609,7 @@ pub(crate) fn sharded_matches_one_rank(one: &LoweredPlan, configs: &[(u8, Off, V
                     }
                     let stage = shard::executed_stage(t.zero(), t.zero3());
                     assert_eq!(stage, zero);
+                    assert_eq!(t.steps_in_backward(), plan.resolved.optimizer_in_backward);
                     let off = t.executed_offload();
                     assert_eq!(off.len(), plan.resolved.offload.len(), "{off:?}");
                     if let Some(z) = t.zero3() {

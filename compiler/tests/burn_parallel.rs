@@ -373,6 +373,19 @@ fn burn_steps_in_the_backward_with_the_optimizer_on_the_device() {
     let r = &two.lowered.resolved;
     assert_eq!((r.data, r.zero, r.micro_batch), (2, 0, 4));
     assert!(two.lowered.prediction.fits);
+    // Between the units' exchanges nothing of them lives on: between segments a rank holds
+    // what one GPU with its batch holds (no DDP bucket, which was 2.30 GiB here).
+    let one_rank = compiled(
+        "model \"llama-3.2-1b\"\nhardware { gpu = h100-80gb }\nprecision bf16\n\
+         optimizer adamw { in_backward = true }\ntrain { seq_len = 1024  global_batch = 4 }\n\
+         fit { checkpoint = full }\ntarget burn\n",
+    )
+    .unwrap();
+    let (a, b) = (
+        two.lowered.prediction.peak_bytes,
+        one_rank.lowered.prediction.peak_bytes,
+    );
+    assert!(a <= b + (64 << 20), "{a} vs {b}");
     let fp16 = e(plan(1, "fp16", "checkpoint = auto", true));
     assert!(fp16.contains("with fp16"), "{fp16}");
     let host = e(plan(

@@ -125,6 +125,9 @@ pub fn terms(
             let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
             t.staging_buffer = fp32.div_ceil(wshards);
         }
+    } else if burn && spec.optimizer_in_backward {
+        // Each unit's gradients are all-reduced as the backward leaves it, a transient of the
+        // tape where the unit steps (`memory::steps_in_backward`): no bucket lives on.
     } else if let Some(x) = burn_exchange(spec, cand, trainable) {
         // The exchange itself is a point at the step's end (`memory::evaluate_on`); only
         // the fp32 copy of the shard that fp32 weights keep lives through the step.

@@ -282,6 +282,29 @@ fn a_burn_unit_all_reduces_where_it_steps_in_the_backward() {
     );
 }
 
+/// Adafactor under Burn: its step holds one fp32 tensor of the parameter net (the update and
+/// its square, in place of the consumed gradient), one more where the gradients are views
+/// of the all-reduced flat vector (data parallelism), which consuming frees nothing of.
+#[test]
+fn burn_adafactor_step_holds_one_more_tensor_where_gradients_are_views() {
+    let p = Profile::for_target(Target::Burn);
+    let mut s = SpecBuilder::new().build();
+    s.target = Target::Burn;
+    s.optimizer.kind = crate::spec::OptimizerKind::Adafactor;
+    let temp = |data: u64| {
+        let mut c = cand();
+        c.data = data;
+        let b = Builder::new(&s, &p, &c).build(0..s.model.layers, true, true);
+        let largest = b.trainable.iter().map(|(_, n)| *n).max().unwrap();
+        let t = super::optimizer::model(&s, &p, &b.tape, &b.trainable, &c).temp_bytes;
+        (t, p.allocated(4 * largest))
+    };
+    let ((one, fp32), (two, _)) = (temp(1), temp(2));
+    // fp32 weights (no upcast) and no master: the step's own temporaries alone.
+    assert_eq!(one, fp32);
+    assert_eq!(two, 2 * fp32);
+}
+
 /// Paged state counts on the device only while the budget has room: what the budget
 /// lacks is evicted (up to the whole state), then moves out and back over PCIe each step.
 #[test]
