@@ -94,7 +94,6 @@ impl<B: ExecAutodiff> InBackward<'_, B> {
         }
         let mut one_by_one = Singles {
             from: &mut grads,
-            cast: self.work.is_some().then_some(FloatDType::F32),
             out: Vec::new(),
         };
         unit.visit(&mut one_by_one);
@@ -134,8 +133,8 @@ impl<B: ExecAutodiff> InBackward<'_, B> {
     }
 
     /// With a master: the unit's working copy, whose gradients are out,
-    /// gives its memory back before the master steps (`f` puts placeholders
-    /// in its place), and is cast again from the stepped master after.
+    /// gives its memory back before the master steps (placeholders take its
+    /// place), and is cast again from the stepped master after.
     fn with_working_unit_released(
         &mut self,
         unit: Unit,
@@ -234,14 +233,14 @@ impl<B: ExecAutodiff> UnitHooks<B> for InBackward<'_, B> {
     }
 }
 
-/// One parameter's gradient, made into the `GradientsParams` its step takes
-/// (cast for the master) only when that step runs.
+/// One step's gradients, made into the `GradientsParams` it takes (a
+/// parameter's cast to fp32 for the master) only when that step runs.
 type Single = Box<dyn FnOnce() -> GradientsParams>;
 
-/// Moves each gradient of `from` into its own [`Single`], in visit order.
+/// Moves each gradient of `from` into its own [`Single`], cast to fp32 for
+/// the master, in visit order.
 struct Singles<'a> {
     from: &'a mut GradientsParams,
-    cast: Option<FloatDType>,
     out: Vec<Single>,
 }
 
@@ -250,14 +249,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Singles<'_> {
         let Some(g) = self.from.remove::<B::InnerBackend, D>(param.id) else {
             return;
         };
-        let (id, cast) = (param.id, self.cast);
+        let id = param.id;
         self.out.push(Box::new(move || {
-            let g = match cast {
-                Some(dt) => crate::model::to_dtype(g, dt),
-                None => g,
-            };
             let mut one = GradientsParams::new();
-            one.register::<B::InnerBackend, D>(id, g);
+            one.register::<B::InnerBackend, D>(id, crate::model::to_dtype(g, FloatDType::F32));
             one
         }));
     }

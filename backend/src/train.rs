@@ -193,6 +193,13 @@ fn cast_param<B: AutodiffBackend, const D: usize>(
     Param::initialized(id, Tensor::from_inner(inner).set_require_grad(trainable))
 }
 
+/// The micro-batches' summed loss, taken for a step's reduction.
+fn summed_loss<I: Backend>(total: &mut Option<Tensor<I, 1>>) -> Result<Tensor<I, 1>, RunError> {
+    total
+        .take()
+        .ok_or_else(|| RunError::Backend("a training step needs at least one micro-batch".into()))
+}
+
 /// Moves the gradients of `from` into `into`, adding where both have one,
 /// and casting to `cast` (fp32 master gradients) when given.
 pub(crate) struct MergeGrads<'a> {
@@ -1177,25 +1184,19 @@ impl<B: ExecAutodiff> Trainer<B> {
             // data parallelism the loss reported is the mean over the ranks, as below.
             stepped = true;
             if let Some(c) = &self.collective {
-                let loss = total.take().ok_or_else(|| {
-                    RunError::Backend("a training step needs at least one micro-batch".into())
-                })?;
+                let loss = summed_loss(&mut total)?;
                 total = Some(crate::shard::mean_loss_and_flag(c, loss, None)?.0);
             }
         } else if let Some(z) = &mut self.zero3 {
             // Each rank steps its shard; nothing is gathered afterwards.
-            let loss = total.take().ok_or_else(|| {
-                RunError::Backend("a training step needs at least one micro-batch".into())
-            })?;
+            let loss = summed_loss(&mut total)?;
             let (loss, finite) = z.step(self.collective.as_ref(), self.lr, loss, unscale)?;
             stepped = finite;
             total = Some(loss);
         } else if let Some(z) = &mut self.zero {
             // ZeRO 1/2 or the optimizer on the host: the sharded step
             // reduces, updates its shard and gathers the weights back.
-            let loss = total.take().ok_or_else(|| {
-                RunError::Backend("a training step needs at least one micro-batch".into())
-            })?;
+            let loss = summed_loss(&mut total)?;
             let model = self.model.clone();
             let (model, loss, finite) = z.step::<B, _>(
                 self.collective.as_ref(),

@@ -125,14 +125,14 @@ pub fn terms(
             let fp32 = (largest as f64 * 4.0 / param_b.max(0.5)) as u64;
             t.staging_buffer = fp32.div_ceil(wshards);
         }
-    } else if burn && spec.optimizer_in_backward {
-        // Each unit's gradients are all-reduced as the backward leaves it, a transient of the
-        // tape where the unit steps (`memory::steps_in_backward`): no bucket lives on.
     } else if let Some(x) = burn_exchange(spec, cand, trainable) {
         // The exchange itself is a point at the step's end (`memory::evaluate_on`); only
         // the fp32 copy of the shard that fp32 weights keep lives through the step.
         t.reduce_bucket = x.whole_step;
-    } else if d > 1 && trainable > 0 {
+    } else if !burn && d > 1 && trainable > 0 {
+        // PyTorch engines' buckets (the Burn executor's exchanges are above, or transients of
+        // the tape: each unit's as the backward leaves it under ZeRO-3, parameter and
+        // gradient offload, and the step in the backward).
         // Full (unsharded) gradient bytes of this rank's stage.
         let full_grads = (trainable as f64 * grad_b) as u64;
         match cand.zero {
