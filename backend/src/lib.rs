@@ -43,6 +43,7 @@ pub mod optim;
 pub mod pool;
 pub mod prebuild;
 pub mod quant;
+pub mod rope;
 pub mod setup;
 pub mod shapes;
 pub mod shard;

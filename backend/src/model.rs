@@ -6,8 +6,9 @@
 //! - encoder: post-norm blocks (BERT / XLM-R), bidirectional attention,
 //!   learned positions and an embedding norm.
 //!
-//! Linear layers have biases exactly when the norm is LayerNorm (GPT-2, BERT
-//! style); RMSNorm models (LLaMA style) have none. Weights are stored
+//! Linear layers have the biases `ModelSpec::biases` says: by default all of
+//! them with LayerNorm (GPT-2, BERT style) and none with RMSNorm (LLaMA
+//! style); Qwen2's only on q, k and v. Weights are stored
 //! `[in, out]`. LoRA adapters sit on the targeted projections: the base weight
 //! is a frozen parameter (`require_grad = false`, so no gradient and no
 //! optimizer state exist for it), `A` is random and `B` is zero, so training
@@ -153,12 +154,11 @@ impl<B: Backend> Ctx<B> {
     ) -> Self {
         let head_dim = model.head_dim as usize;
         let rope = (model.positions == Positions::Rope).then(|| {
-            // theta_i = base^(-2i/d); angle[p, i] = p * theta_i (f32, as
-            // Hugging Face computes it).
+            // angle[p, i] = p * theta_i (f32, as Hugging Face computes it).
             let half = head_dim / 2;
-            let base = model.numerics.rope_theta;
-            let inv: Vec<f32> = (0..half)
-                .map(|i| (1.0 / base.powf(2.0 * i as f64 / head_dim as f64)) as f32)
+            let inv: Vec<f32> = crate::rope::inverse_frequencies(&model.numerics, head_dim)
+                .into_iter()
+                .map(|f| f as f32)
                 .collect();
             let mut cos = Vec::with_capacity(seq * half);
             let mut sin = Vec::with_capacity(seq * head_dim);
@@ -818,16 +818,15 @@ impl<B: ExecBackend> Layer<B> {
             m.head_dim as usize,
             m.ffn as usize,
         );
-        let bias = m.norm == Norm::Layernorm;
         let trainable = init.adapter.is_none();
         let dt = init.dtype_of(trainable);
-        let lin = |ids: &mut Ids, d_in, d_out, proj| {
+        let lin = |ids: &mut Ids, d_in, d_out, proj: Option<Proj>| {
             Linear::new(
                 ids,
                 LinearInit {
                     d_in,
                     d_out,
-                    bias,
+                    bias: proj.is_some_and(|p| m.bias_on(p)),
                     proj,
                     adapter: init.adapter,
                     base_dtype: dt,

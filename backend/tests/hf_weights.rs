@@ -118,6 +118,19 @@ fn gpt2_matches_transformers() {
     check_causal("gpt2");
 }
 
+/// Qwen2: biases on q, k and v only, tied embeddings, base 1e6.
+#[test]
+fn qwen2_matches_transformers() {
+    check_causal("qwen2");
+}
+
+/// Llama 3.1's RoPE rescaling (`rope_type = llama3`), with the head's frequencies in all
+/// three of its bands.
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check_causal("llama3-rope");
+}
+
 /// Mean-pooled, L2-normalised last hidden states of the padded rows in
 /// `r` (`input_ids`, `attention_mask`), as the fixture script pools them.
 fn pooled(model: &Model<B>, m: &ModelSpec, r: &serde_json::Value) -> Vec<Vec<f64>> {
@@ -255,23 +268,30 @@ fn a_config_path_and_its_folder_name_the_same_checkpoint() {
     assert_eq!(xlmr.numerics.position_offset, 2);
 }
 
+/// RoPE rescaling `rcoa run` does not compute is predicted for PyTorch targets and
+/// refused for `target burn` when the plan compiles, naming the type.
 #[test]
-fn llama3_rope_scaling_is_refused() {
+fn yarn_rope_scaling_is_refused_for_rcoa_run() {
     let dir = std::env::temp_dir().join(format!("rcoa-hf-rope-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = root().join("tests/fixtures/hf/llama/config.json");
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(cfg).unwrap()).unwrap();
-    json["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+    json["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
     std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
-    let text = format!(
-        "model hf \"{}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n}}\ntarget burn\n",
-        dir.display()
-    );
-    let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
-    let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
-    let e = format!("{:?}", resolve(&file, &ctx).expect_err("refused"));
-    assert!(e.contains("rope_scaling"), "{e}");
+    let compiled = |target: &str| {
+        let text = format!(
+            "model hf \"{}\"\nhardware {{ gpu = h100-80gb }}\nprecision fp32\noptimizer adamw {{ lr = 1e-3 }}\ntrain {{\n  seq_len = 16\n  global_batch = 4\n  micro_batch = 4\n}}\ntarget {target}\n",
+            dir.display()
+        );
+        let file = rcoa_grammar::parse("fixture.plan", &text).expect("plan parses");
+        let ctx = ResolveContext::new("fixture.plan", text.clone(), root());
+        let spec = resolve(&file, &ctx).expect("the config reads");
+        rcoa_compiler::compile(&spec).map(|_| ())
+    };
+    assert!(compiled("pytorch").is_ok());
+    let e = format!("{:?}", compiled("burn").expect_err("refused"));
+    assert!(e.contains("`yarn`"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -280,7 +300,7 @@ fn llama3_rope_scaling_is_refused() {
 #[test]
 fn saved_hf_tensors_equal_the_checkpoint_they_came_from() {
     use rcoa_backend::weights::{hf_tensors, write_model, DEFAULT_MAX_SHARD_BYTES};
-    for name in ["llama", "gpt2", "xlmr"] {
+    for name in ["llama", "gpt2", "xlmr", "qwen2"] {
         let lm = name != "xlmr";
         let m = spec(name, if lm { "causal_lm" } else { "contrastive" });
         let model = loaded(&m, lm).unwrap();
@@ -854,8 +874,9 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
 }
 
 /// What `transformers` and `peft` computed from rcoa's own saves
-/// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune,
-/// PEFT adapters for Llama, GPT-2 and XLM-R, a merged GPT-2 LoRA), rcoa
+/// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune, full
+/// fine-tunes of Qwen2 and of Llama 3.1's RoPE rescaling, PEFT adapters for Llama,
+/// GPT-2, Qwen2 and XLM-R, a merged GPT-2 LoRA), rcoa
 /// computes from the same files: the round trip, checked on every test run.
 #[test]
 fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
@@ -878,17 +899,27 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
     assert!(dir
         .join("llama-full/model.safetensors.index.json")
         .is_file());
-    let m = spec("roundtrip/llama-full", "causal_lm");
-    let model = loaded(&m, true).unwrap();
-    let want = losses(&cases["llama-full"]["transformers"]["window_losses"]);
-    check_windows(&model, &m, "llama", want, "llama-full, transformers");
+    for (case, fixture) in [
+        ("llama-full", "llama"),
+        ("qwen2-full", "qwen2"),
+        ("llama3-rope-full", "llama3-rope"),
+    ] {
+        let m = spec(&format!("roundtrip/{case}"), "causal_lm");
+        let model = loaded(&m, true).unwrap();
+        let want = losses(&cases[case]["transformers"]["window_losses"]);
+        check_windows(&model, &m, fixture, want, &format!("{case}, transformers"));
+    }
     // The merged GPT-2 LoRA (fused c_attn).
     let m = spec("roundtrip/gpt2-lora-merged", "causal_lm");
     let model = loaded(&m, true).unwrap();
     let want = losses(&cases["gpt2-lora"]["transformers_merged"]["window_losses"]);
     check_windows(&model, &m, "gpt2", want, "gpt2 merged, transformers");
     // Adapters: the base fixture with the PEFT files merged as PEFT merges.
-    for (case, fixture) in [("llama-lora", "llama"), ("gpt2-lora", "gpt2")] {
+    for (case, fixture) in [
+        ("llama-lora", "llama"),
+        ("gpt2-lora", "gpt2"),
+        ("qwen2-lora", "qwen2"),
+    ] {
         let m = spec(fixture, "causal_lm");
         let base = read_checkpoint(Path::new(m.weights.as_ref().unwrap())).unwrap();
         let merged = peft_merge(&base, &dir.join(case));
@@ -913,7 +944,7 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
 /// config reader as `model hf`, to the same model, whose weights load.
 #[test]
 fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
-    use rcoa_compiler::spec::{Loss, Mlp, Norm, Positions};
+    use rcoa_compiler::spec::{Biases, Loss, Mlp, Norm, Positions, RopeScaling};
     let llama = rcoa_backend::testing::tiny_plan();
     let mut gpt2 = rcoa_backend::testing::tiny_plan();
     gpt2.model.norm = Norm::Layernorm;
@@ -926,8 +957,23 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     let mut xlmr = bert.clone();
     xlmr.model.numerics.position_offset = 2;
     xlmr.model.max_positions = 18;
+    let mut qwen2 = llama.clone();
+    qwen2.model.numerics.linear_bias = Some(Biases::Qkv);
+    let mut biased = llama.clone();
+    biased.model.numerics.linear_bias = Some(Biases::All);
+    biased.model.numerics.rope_scaling = Some(RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_positions: 16,
+    });
+    let mut linear = llama.clone();
+    linear.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
+        ("qwen2", qwen2, "causal_lm"),
+        ("llama-biases-llama3-rope", biased, "causal_lm"),
+        ("llama-linear-rope", linear, "causal_lm"),
         ("gpt2", gpt2, "causal_lm"),
         ("bert", bert, "contrastive"),
         ("xlmr", xlmr, "contrastive"),

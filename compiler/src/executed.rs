@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    CheckpointChoice, Dtype, Mlp, ModelSpec, Norm, OffloadWhat, OptImpl, OptimizerKind,
-    OptimizerSpec, PrecisionSpec, Spec, Target,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind, OptimizerSpec,
+    PrecisionSpec, RopeScaling, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -115,16 +115,10 @@ fn carried(
             "its MLPs are SwiGLU or GELU: write `mlp = swiglu` or `mlp = gelu`".into(),
         ));
     }
-    let layernorm = m.norm == Norm::Layernorm;
-    if m.linear_bias() != layernorm {
-        let (bias, norm) = if layernorm {
-            ("no biases (`model.bias = false`)", "LayerNorm")
-        } else {
-            ("linear biases (`model.bias = true`)", "RMSNorm")
-        };
+    if let Some(RopeScaling::Other { name }) = &m.numerics.rope_scaling {
         return Some((
-            format!("{bias} with {norm}"),
-            "its projections have biases exactly when the norm is LayerNorm: remove `bias`".into(),
+            format!("RoPE scaling of type `{name}` (the config's `rope_scaling`)"),
+            "it rescales RoPE by `linear` and `llama3` only: train from a config with one of them or none".into(),
         ));
     }
     if selective_op {
@@ -178,6 +172,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::{Biases, Norm};
     use crate::testing::SpecBuilder;
 
     fn burn() -> Spec {
@@ -202,15 +197,30 @@ mod tests {
         s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
 
+        // Any biases with either norm are built.
+        for b in [Biases::None, Biases::Qkv, Biases::All] {
+            for norm in [Norm::Rmsnorm, Norm::Layernorm] {
+                let mut s = burn();
+                s.model.numerics.linear_bias = Some(b);
+                s.model.norm = norm;
+                assert_eq!(check(&s), Ok(()));
+            }
+        }
+        // RoPE rescaling the executor does not compute is refused, and predicted for PyTorch.
         let mut s = burn();
-        s.model.numerics.linear_bias = Some(true);
-        assert!(refused(&s).contains("`model.bias = true`"));
-        // Saying what the executor does anyway is no refusal.
-        s.model.numerics.linear_bias = Some(false);
+        s.model.numerics.rope_scaling = Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_positions: 8192,
+        });
         assert_eq!(check(&s), Ok(()));
-
-        s.model.norm = Norm::Layernorm;
-        assert!(refused(&s).contains("no biases"));
+        s.model.numerics.rope_scaling = Some(RopeScaling::Other {
+            name: "yarn".into(),
+        });
+        assert!(refused(&s).contains("`yarn`"), "{}", refused(&s));
+        s.target = Target::Pytorch;
+        assert_eq!(check(&s), Ok(()));
 
         // The optimizer the executor has no update for.
         let mut s = burn();

@@ -135,13 +135,83 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    /// Do the attention and MLP projections have biases? As the plan says, else as the
-    /// families rcoa knows: LayerNorm models (GPT-2, BERT, XLM-R) have them, RMSNorm
-    /// models (Llama, Mistral) do not — the rule rcoa's executor builds by.
-    pub fn linear_bias(&self) -> bool {
+    /// Which projections have biases: as the plan says, else as the families rcoa knows:
+    /// LayerNorm models (GPT-2, BERT, XLM-R) have them all, RMSNorm models (Llama,
+    /// Mistral) none.
+    pub fn biases(&self) -> Biases {
         self.numerics
             .linear_bias
-            .unwrap_or(self.norm == Norm::Layernorm)
+            .unwrap_or(if self.norm == Norm::Layernorm {
+                Biases::All
+            } else {
+                Biases::None
+            })
+    }
+
+    /// Does projection `p` have a bias?
+    pub fn bias_on(&self, p: Proj) -> bool {
+        match self.biases() {
+            Biases::None => false,
+            Biases::Qkv => matches!(p, Proj::Q | Proj::K | Proj::V),
+            Biases::All => true,
+        }
+    }
+}
+
+/// The linear projections that have a bias (`model { bias = .. }`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Biases {
+    /// `bias = false`: none (Llama, Mistral).
+    None,
+    /// `bias = qkv`: the query, key and value projections only (Qwen2).
+    Qkv,
+    /// `bias = true`: every attention and MLP projection (GPT-2, BERT; Megatron's
+    /// `add_bias_linear`).
+    All,
+}
+
+impl Biases {
+    /// As the plan writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Biases::None => "false",
+            Biases::Qkv => "qkv",
+            Biases::All => "true",
+        }
+    }
+}
+
+/// A rescaling of RoPE's frequencies for longer contexts, as Hugging Face configs say it
+/// (`rope_scaling`, or `rope_parameters` in transformers 5). It changes no tensor's size,
+/// so the memory model ignores it; `rcoa run` computes the types it knows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// `linear`: every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// `llama3` (Llama 3.1 and later): wavelengths longer than
+    /// `original_max_positions / low_freq_factor` divided by `factor`, those shorter than
+    /// `original_max_positions / high_freq_factor` kept, and a blend of the two between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_positions: u64,
+    },
+    /// A type `rcoa run` does not compute (`dynamic`, `yarn`, `longrope`, ...), by name:
+    /// PyTorch targets predict the plan, `target burn` refuses it.
+    Other { name: String },
+}
+
+impl RopeScaling {
+    /// The `rope_type` name.
+    pub fn name(&self) -> &str {
+        match self {
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+            RopeScaling::Other { name } => name,
+        }
     }
 }
 
@@ -157,10 +227,13 @@ pub struct Numerics {
     pub gelu_tanh: bool,
     /// First position id (XLM-R / RoBERTa: `pad_token_id + 1`).
     pub position_offset: u64,
-    /// Biases on every linear projection (`model { bias = .. }`, Megatron's
-    /// `add_bias_linear`); `None`: the family's, see [`ModelSpec::linear_bias`].
+    /// The projections with a bias (`model { bias = .. }`); `None`: the family's, see
+    /// [`ModelSpec::biases`].
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub linear_bias: Option<bool>,
+    pub linear_bias: Option<Biases>,
+    /// RoPE's frequencies rescaled (`rope_scaling`); `None`: as trained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
 }
 
 impl Default for Numerics {
@@ -171,6 +244,7 @@ impl Default for Numerics {
             gelu_tanh: false,
             position_offset: 0,
             linear_bias: None,
+            rope_scaling: None,
         }
     }
 }

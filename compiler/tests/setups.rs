@@ -29,10 +29,6 @@ fn burn_refuses_every_setup_rcoa_run_does_not_execute() {
             "squared-ReLU",
         ),
         (
-            "model \"tiny-decoder\" { bias = true }",
-            "`model.bias = true`",
-        ),
-        (
             "model \"tiny-decoder\" { layers = 4 }\nparallel { pipeline = 2  virtual_stages = 2 }",
             "virtual_stages = 2",
         ),
@@ -171,14 +167,20 @@ fn lowered_plans_for_other_engines_are_checked() {
     use rcoa_compiler::executed::check_lowered;
     let plain = rcoa_compiler::compile(&spec("")).unwrap();
     assert_eq!(check_lowered(&plain.lowered), Ok(()));
+    // Biases on any projections are built, for either norm.
+    for model in [
+        "model \"tiny-decoder\" { bias = true }",
+        "model \"tiny-decoder\" { bias = qkv }",
+        "model \"tiny-decoder\" { norm = layernorm bias = false }",
+    ] {
+        let src = BASE.replace("model \"tiny-decoder\"", model);
+        let c = rcoa_compiler::compile(&spec_of(&src)).unwrap_or_else(|e| panic!("{model}: {e}"));
+        assert_eq!(check_lowered(&c.lowered), Ok(()), "{model}");
+    }
     for (extra, names) in [
         (
             "model \"tiny-decoder\" { mlp = squared_relu }",
             "squared-ReLU",
-        ),
-        (
-            "model \"tiny-decoder\" { bias = true }",
-            "`model.bias = true`",
         ),
         (
             "model \"tiny-decoder\"\noptimizer adamw { impl = paged }",

@@ -2,7 +2,10 @@
 reference.json (losses / embeddings computed by `transformers`).
 
 Run with a Python that has torch, transformers, safetensors and tokenizers:
-    python tools/hf_fixtures/make_fixtures.py [OUT_DIR]   (default tests/fixtures/hf)
+    python tools/hf_fixtures/make_fixtures.py [OUT_DIR [NAME ...]]
+OUT_DIR defaults to tests/fixtures/hf; NAMEs (llama, mistral, gpt2, xlmr, qwen2,
+llama3-rope) build only those, each from its own seed, so adding a fixture leaves
+the others' files as they are.
 Not run in CI: the Rust tests read the committed output.
 """
 import json
@@ -16,7 +19,8 @@ import tokenizers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, processors, decoders
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, PreTrainedTokenizerFast, XLMRobertaConfig, XLMRobertaModel,
+    MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+    XLMRobertaConfig, XLMRobertaModel,
 )
 
 SEQ = 16
@@ -211,6 +215,8 @@ def encoder_fixture(out_root):
 
 def main():
     out_root = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf"
+    only = set(sys.argv[2:])
+    want = lambda name: not only or name in only
     print("torch", torch.__version__, "transformers", transformers.__version__,
           "tokenizers", tokenizers.__version__)
     probe, _ = causal_tokenizer(corpus(400, 1), "llama")
@@ -218,28 +224,49 @@ def main():
     common = dict(vocab_size=v, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   bos_token_id=probe.token_to_id("<s>"), eos_token_id=probe.token_to_id("</s>"))
-    llama = LlamaForCausalLM(LlamaConfig(**common, rms_norm_eps=1e-6, rope_theta=500000.0,
-                                         tie_word_embeddings=False))
-    causal_fixture("llama", llama, "llama", out_root, {})
-    mistral = MistralForCausalLM(MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0,
-                                               sliding_window=4096, tie_word_embeddings=True))
-    # bf16 on disk: the reference losses are those of the bf16-rounded weights.
-    mistral_out = os.path.join(out_root, "mistral")
-    causal_fixture("mistral", mistral, "mistral", out_root, {})
-    m16 = MistralForCausalLM.from_pretrained(mistral_out, dtype=torch.bfloat16)
-    m16.save_pretrained(mistral_out)
-    m32 = MistralForCausalLM.from_pretrained(mistral_out, dtype=torch.float32).eval()
-    ref = json.load(open(os.path.join(mistral_out, "reference.json")))
-    ref["losses"] = causal_loss(m32, ref["windows"])
-    ref["dtype_on_disk"] = "bfloat16"
-    json.dump(ref, open(os.path.join(mistral_out, "reference.json"), "w"), indent=1)
-    gtok, _ = causal_tokenizer(corpus(400, 1), "gpt2")
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=gtok.get_vocab_size(), n_embd=64, n_layer=2,
-                                      n_head=4, n_positions=64,
-                                      bos_token_id=gtok.token_to_id("<|endoftext|>"),
-                                      eos_token_id=gtok.token_to_id("<|endoftext|>")))
-    causal_fixture("gpt2", gpt2, "gpt2", out_root, {})
-    encoder_fixture(out_root)
+    if want("llama"):
+        llama = LlamaForCausalLM(LlamaConfig(**common, rms_norm_eps=1e-6, rope_theta=500000.0,
+                                             tie_word_embeddings=False))
+        causal_fixture("llama", llama, "llama", out_root, {})
+    if want("mistral"):
+        mistral = MistralForCausalLM(MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                                   sliding_window=4096, tie_word_embeddings=True))
+        # bf16 on disk: the reference losses are those of the bf16-rounded weights.
+        mistral_out = os.path.join(out_root, "mistral")
+        causal_fixture("mistral", mistral, "mistral", out_root, {})
+        m16 = MistralForCausalLM.from_pretrained(mistral_out, dtype=torch.bfloat16)
+        m16.save_pretrained(mistral_out)
+        m32 = MistralForCausalLM.from_pretrained(mistral_out, dtype=torch.float32).eval()
+        ref = json.load(open(os.path.join(mistral_out, "reference.json")))
+        ref["losses"] = causal_loss(m32, ref["windows"])
+        ref["dtype_on_disk"] = "bfloat16"
+        json.dump(ref, open(os.path.join(mistral_out, "reference.json"), "w"), indent=1)
+    if want("gpt2"):
+        gtok, _ = causal_tokenizer(corpus(400, 1), "gpt2")
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=gtok.get_vocab_size(), n_embd=64, n_layer=2,
+                                          n_head=4, n_positions=64,
+                                          bos_token_id=gtok.token_to_id("<|endoftext|>"),
+                                          eos_token_id=gtok.token_to_id("<|endoftext|>")))
+        causal_fixture("gpt2", gpt2, "gpt2", out_root, {})
+    if want("xlmr"):
+        encoder_fixture(out_root)
+    if want("qwen2"):
+        # Biases on q, k and v only; tied embeddings and base 1e6 as Qwen2.5-0.5B.
+        torch.manual_seed(11)
+        qwen2 = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                             tie_word_embeddings=True, use_sliding_window=False))
+        causal_fixture("qwen2", qwen2, "qwen2", out_root, {})
+    if want("llama3-rope"):
+        # Llama 3.1's RoPE rescaling, with a pretraining length (64) that puts the head's
+        # 8 frequencies in all three bands: 1 kept, 1 blended, 6 divided by the factor.
+        torch.manual_seed(12)
+        rope = dict(common, max_position_embeddings=512)
+        llama3 = LlamaForCausalLM(LlamaConfig(
+            **rope, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64}))
+        causal_fixture("llama3-rope", llama3, "llama", out_root, {})
 
 
 if __name__ == "__main__":

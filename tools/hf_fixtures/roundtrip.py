@@ -13,6 +13,9 @@ Run with a Python that has torch, transformers, peft, safetensors and
 tokenizers, from the repository root:
     python tools/hf_fixtures/roundtrip.py [--rcoa target/debug/rcoa] [--steps 20]
                                           [--record tests/fixtures/hf/roundtrip]
+                                          [--only CASE,CASE]
+`--only` runs those cases; recorded, they replace their own entries of an
+existing roundtrip.json and leave the others as they are.
 `--record` copies the Hugging Face files of each save (not rcoa's own
 model.bin / optimizer.bin) and roundtrip.json (what transformers and peft
 computed) into that folder; backend/tests/hf_weights.rs checks rcoa against it
@@ -43,6 +46,10 @@ CASES = [
     ("llama-lora", "llama", "causal_lm", "rank = 4 alpha = 8 targets = [q, k, v, o, gate, up, down]", []),
     ("gpt2-lora", "gpt2", "causal_lm", "rank = 4 alpha = 16 targets = [q, v, o]", []),
     ("xlmr-lora", "xlmr", "contrastive", "rank = 4 alpha = 8 targets = [q, v, down]", []),
+    # Qwen2's q, k and v biases (kept in the base under LoRA); Llama 3.1's RoPE rescaling.
+    ("qwen2-full", "qwen2", "causal_lm", None, []),
+    ("qwen2-lora", "qwen2", "causal_lm", "rank = 4 alpha = 8 targets = [q, k, v, o]", []),
+    ("llama3-rope-full", "llama3-rope", "causal_lm", None, []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -142,7 +149,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--work", default=None, help="keep the saves here (default: a temporary folder)")
     ap.add_argument("--record", default=None, help="copy the saves and roundtrip.json here")
+    ap.add_argument("--only", default=None, help="comma-separated case names")
     a = ap.parse_args()
+    cases = [c for c in CASES if a.only is None or c[0] in a.only.split(",")]
     work = a.work or tempfile.mkdtemp(prefix="rcoa-roundtrip-")
     os.makedirs(work, exist_ok=True)
     torch.manual_seed(0)
@@ -154,7 +163,7 @@ def main():
         "cases": {},
     }
     ok = True
-    for name, fixture, loss, adapter, extra in CASES:
+    for name, fixture, loss, adapter, extra in cases:
         ref = json.load(open(os.path.join(FIXTURES, fixture, "reference.json")))
         fixdir = os.path.join(FIXTURES, fixture)
         saved, plan, train_losses = train(a.rcoa, work, name, fixture, loss, adapter, extra, a.steps)
@@ -216,7 +225,7 @@ def main():
 
     if a.record:
         os.makedirs(a.record, exist_ok=True)
-        for name, fixture, loss, adapter, _ in CASES:
+        for name, fixture, loss, adapter, _ in cases:
             for suffix in ([""] if adapter is None else ["", "-merged"]):
                 src = os.path.join(work, name + suffix)
                 if suffix == "-merged" and fixture != "gpt2":
@@ -235,6 +244,13 @@ def main():
                     json.dump(c, open(cfg, "w"), indent=2)
         for case in results["cases"].values():
             case.pop("files", None)
+        record = os.path.join(a.record, "roundtrip.json")
+        if a.only is not None and os.path.exists(record):
+            old = json.load(open(record))
+            old["cases"].update(results["cases"])
+            old.setdefault("versions_by_case", {}).update(
+                {name: results["versions"] for name in results["cases"]})
+            results = old
         json.dump(results, open(os.path.join(a.record, "roundtrip.json"), "w"), indent=1)
         print("recorded in", a.record)
     print("round trip:", "ok" if ok else "MISMATCH")

@@ -77,7 +77,7 @@ pub fn unit_values(plan: &LoweredPlan) -> Vec<UnitValues> {
         if !quantized {
             layer.add(d_in * d_out, base);
         }
-        if m.norm == Norm::Layernorm {
+        if m.bias_on(proj) {
             layer.add(d_out, base);
         }
         if let Some(a) = a.filter(|a| a.targets.contains(&proj)) {
@@ -199,7 +199,7 @@ mod tests {
     use crate::testing::{tiny_encoder_plan, tiny_plan};
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::Tensor;
-    use rcoa_compiler::spec::{AdapterSpec, Dtype, Offload, Proj};
+    use rcoa_compiler::spec::{AdapterSpec, Biases, Dtype, Offload, Proj};
 
     type Cpu = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
 
@@ -261,9 +261,15 @@ mod tests {
         tied.model.norm = Norm::Layernorm;
         tied.model.mlp = Mlp::Gelu;
         plans.push(tied);
+        for biases in [Biases::Qkv, Biases::All] {
+            let mut p = tiny_plan();
+            p.model.numerics.linear_bias = Some(biases);
+            plans.push(p);
+        }
         for kind in [AdapterKind::Lora, AdapterKind::Qlora] {
             let mut p = tiny_plan();
             p.adapter = Some(adapter(kind));
+            p.model.numerics.linear_bias = Some(Biases::Qkv);
             plans.push(p);
         }
         for p in &plans {

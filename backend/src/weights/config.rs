@@ -6,7 +6,7 @@
 //! written under the family's names).
 
 use super::Family;
-use rcoa_compiler::spec::{Arch, Mlp, ModelSpec, Norm, Positions};
+use rcoa_compiler::spec::{Arch, Biases, Mlp, ModelSpec, Norm, Positions, RopeScaling};
 
 /// The config of `m` as its family's `transformers` class reads it, or
 /// `None` where no class computes what rcoa's model computes.
@@ -22,9 +22,38 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
             if (m.mlp, m.positions) != (Mlp::Swiglu, Positions::Rope) {
                 return None;
             }
-            serde_json::json!({
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
+            // Qwen2's class is Llama's with biases on q, k and v.
+            let (class, model_type) = match m.biases() {
+                Biases::Qkv => ("Qwen2ForCausalLM", "qwen2"),
+                Biases::None | Biases::All => ("LlamaForCausalLM", "llama"),
+            };
+            let all = m.biases() == Biases::All;
+            let mut rope =
+                serde_json::json!({ "rope_theta": n.rope_theta, "rope_type": "default" });
+            match &n.rope_scaling {
+                None => {}
+                Some(RopeScaling::Linear { factor }) => {
+                    rope["rope_type"] = "linear".into();
+                    rope["factor"] = (*factor).into();
+                }
+                Some(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_positions,
+                }) => {
+                    rope["rope_type"] = "llama3".into();
+                    rope["factor"] = (*factor).into();
+                    rope["low_freq_factor"] = (*low_freq_factor).into();
+                    rope["high_freq_factor"] = (*high_freq_factor).into();
+                    rope["original_max_position_embeddings"] = (*original_max_positions).into();
+                }
+                // `rcoa run` does not train such a model.
+                Some(RopeScaling::Other { .. }) => return None,
+            }
+            let mut c = serde_json::json!({
+                "architectures": [class],
+                "model_type": model_type,
                 "num_hidden_layers": m.layers,
                 "max_position_embeddings": m.max_positions,
                 "hidden_size": m.hidden,
@@ -34,16 +63,26 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 "head_dim": m.head_dim,
                 "hidden_act": "silu",
                 "rms_norm_eps": n.norm_eps,
-                // Where transformers 4 and 5 read it.
+                // Where transformers 4 and 5 read them.
                 "rope_theta": n.rope_theta,
-                "rope_parameters": { "rope_theta": n.rope_theta, "rope_type": "default" },
+                "rope_parameters": rope.clone(),
                 "attention_dropout": m.dropout,
-                "attention_bias": false,
-                "mlp_bias": false,
-            })
+            });
+            if model_type == "llama" {
+                c["attention_bias"] = all.into();
+                c["mlp_bias"] = all.into();
+            } else {
+                c["use_sliding_window"] = false.into();
+            }
+            if n.rope_scaling.is_some() {
+                rope.as_object_mut().map(|r| r.remove("rope_theta"));
+                c["rope_scaling"] = rope;
+            }
+            c
         }
         Family::Gpt2 => {
             let plain = m.mlp == Mlp::Gelu
+                && m.biases() == Biases::All
                 && m.positions == Positions::Learned
                 && m.kv_heads == m.heads
                 && m.heads * m.head_dim == m.hidden;
@@ -68,6 +107,7 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
         Family::Bert => {
             let plain = m.arch == Arch::Encoder
                 && m.norm == Norm::Layernorm
+                && m.biases() == Biases::All
                 && m.mlp == Mlp::Gelu
                 && m.positions == Positions::Learned
                 && m.kv_heads == m.heads

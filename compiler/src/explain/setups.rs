@@ -3,23 +3,34 @@
 //! with each, so a reader can check it against the engine's code.
 
 use super::Decision;
-use crate::spec::{Mlp, Norm, Spec};
+use crate::spec::{Biases, Mlp, Norm, Spec};
 
 pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
     let m = &spec.model;
     if let Some(b) = m.numerics.linear_bias {
-        let family = m.norm == Norm::Layernorm;
+        let family = if m.norm == Norm::Layernorm {
+            Biases::All
+        } else {
+            Biases::None
+        };
         if b != family {
             log.push(Decision::new(
                 "model",
-                format!("bias = {b}"),
-                if b {
-                    "every attention and MLP projection has a bias (Megatron's `add_bias_linear`): one vector per projection in the weights, gradients and optimizer state; `F.linear` saves its input and weight with or without one, so nothing more is saved"
-                } else {
-                    "no projection has a bias: the weights, gradients and optimizer state lose one vector per projection"
+                format!("bias = {}", b.as_str()),
+                match b {
+                    Biases::All => "every attention and MLP projection has a bias (Megatron's `add_bias_linear`): one vector per projection in the weights, gradients and optimizer state; `F.linear` saves its input and weight with or without one, so nothing more is saved",
+                    Biases::Qkv => "the query, key and value projections have biases (Qwen2): one vector each in the weights, gradients and optimizer state; `F.linear` saves its input and weight with or without one, so nothing more is saved",
+                    Biases::None => "no projection has a bias: the weights, gradients and optimizer state lose one vector per projection",
                 },
             ));
         }
+    }
+    if let Some(r) = &m.numerics.rope_scaling {
+        log.push(Decision::new(
+            "model",
+            format!("rope_scaling = {}", r.name()),
+            "RoPE's frequencies are rescaled as the config says: the same tensors, so no memory changes",
+        ));
     }
     if spec.optimizer_in_backward {
         let why = if spec.target == crate::spec::Target::Burn {

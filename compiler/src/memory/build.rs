@@ -743,7 +743,8 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// A projection, with a LoRA adapter when the plan targets it (PEFT's `lora.Linear`).
+    /// A projection, with its bias when the model has one there and a LoRA adapter when
+    /// the plan targets it (PEFT's `lora.Linear`).
     fn proj(
         &mut self,
         which: Proj,
@@ -751,8 +752,8 @@ impl<'a> Builder<'a> {
         x: TensorId,
         inf: u64,
         outf: u64,
-        bias: bool,
     ) -> TensorId {
+        let bias = self.spec.model.bias_on(which);
         let base_dtype = match &self.spec.adapter {
             Some(a) if a.kind == AdapterKind::Qlora => Dtype::Nf4,
             _ => self.param,
@@ -877,11 +878,10 @@ impl<'a> Builder<'a> {
         let (h, hd) = (m.hidden, m.head_dim);
         let heads = m.heads.div_ceil(t);
         let kv = m.kv_heads.div_ceil(t);
-        let bias = m.linear_bias();
         let rope = m.positions == Positions::Rope;
-        let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd, bias);
-        let k = self.proj(Proj::K, "k_proj", x, h, kv * hd, bias);
-        let v = self.proj(Proj::V, "v_proj", x, h, kv * hd, bias);
+        let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd);
+        let k = self.proj(Proj::K, "k_proj", x, h, kv * hd);
+        let v = self.proj(Proj::V, "v_proj", x, h, kv * hd);
         let (q, k) = if rope {
             (self.rope(q), self.rope(k))
         } else {
@@ -981,7 +981,7 @@ impl<'a> Builder<'a> {
             self.op("transpose", &[out], &[flat], &[]);
             flat
         };
-        let out = self.proj(Proj::O, "o_proj", out, heads * hd, h, bias);
+        let out = self.proj(Proj::O, "o_proj", out, heads * hd, h);
         self.dropout(out, m.dropout)
     }
 
@@ -1290,14 +1290,13 @@ impl<'a> Builder<'a> {
         let (h, ffn) = (m.hidden, m.ffn.div_ceil(self.cand.tensor.max(1)));
         // `F.linear` with a bias saves what it saves without one (its input and weight;
         // the bias' gradient is a sum of the output's): `tools/saved_tensors.py`.
-        let bias = m.linear_bias();
         let out = match m.mlp {
             Mlp::Swiglu if self.profile.burn_ops => {
                 // backend/src/model.rs: `silu(gate(x)) * up(x)`; Burn's silu is
                 // `x * sigmoid(x)` and its sigmoid op saves its output: the MLP keeps five
                 // `[tokens, ffn]` tensors (gate, sigmoid, silu, up, product) for the
                 // backward — 5 x 46.1 MB per 350M layer in the trace.
-                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, bias);
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn);
                 let dt = self.dtype(g);
                 let shape = self.shape(g);
                 let rg = self.rg(g);
@@ -1306,25 +1305,25 @@ impl<'a> Builder<'a> {
                 // CubeCL's sigmoid runs in fp32 (`cast`, exp, log, ...): scratch while it runs.
                 self.tape.ops[o].fwd_workspace = self.bytes(self.elems(g), Dtype::Fp32);
                 let a = self.pointwise("silu", &[g, sg], dt, &[g, sg]);
-                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn);
                 let mdt = promote(dt, self.dtype(u));
                 let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
-                self.proj(Proj::Down, "down_proj", p, ffn, h, bias)
+                self.proj(Proj::Down, "down_proj", p, ffn, h)
             }
             Mlp::Swiglu => {
-                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn, bias);
-                let u = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
+                let g = self.proj(Proj::Gate, "gate_proj", x, h, ffn);
+                let u = self.proj(Proj::Up, "up_proj", x, h, ffn);
                 let dt = self.dtype(g);
                 let a = self.pointwise("silu", &[g], dt, &[g]);
                 let mdt = promote(dt, self.dtype(u));
                 let p = self.pointwise("mul", &[a, u], mdt, &[a, u]);
-                self.proj(Proj::Down, "down_proj", p, ffn, h, bias)
+                self.proj(Proj::Down, "down_proj", p, ffn, h)
             }
             Mlp::SquaredRelu => {
                 // Megatron's `squared_relu`: `torch.pow(F.relu(x), 2)`. relu saves its output,
                 // pow its input (the same tensor), the down projection its input: two
                 // `[tokens, ffn]` tensors, as GELU; the matmul's output is not kept.
-                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
+                let i = self.proj(Proj::Up, "up_proj", x, h, ffn);
                 let dt = self.dtype(i);
                 let r = self.pointwise("relu", &[i], dt, &[]);
                 let op = self.tape.ops.len() - 1;
@@ -1332,17 +1331,17 @@ impl<'a> Builder<'a> {
                     self.tape.ops[op].saved = vec![r];
                 }
                 let a = self.pointwise("square", &[r], dt, &[r]);
-                self.proj(Proj::Down, "down_proj", a, ffn, h, bias)
+                self.proj(Proj::Down, "down_proj", a, ffn, h)
             }
             Mlp::Gelu => {
-                let i = self.proj(Proj::Up, "up_proj", x, h, ffn, bias);
+                let i = self.proj(Proj::Up, "up_proj", x, h, ffn);
                 let dt = self.dtype(i);
                 let a = self.pointwise("gelu", &[i], dt, &[i]);
                 // BERT-style layers call `self.output(intermediate_output, ...)`: the caller's
                 // frame keeps the activation until the output block (dense, dropout, residual,
                 // norm) returns.
                 self.frame_holds.push(a);
-                self.proj(Proj::Down, "down_proj", a, ffn, h, bias)
+                self.proj(Proj::Down, "down_proj", a, ffn, h)
             }
         };
         self.dropout(out, m.dropout)

@@ -7,7 +7,7 @@ use super::build::Builder;
 use super::tape::{self, Persistent};
 use super::{evaluate, Candidate, Category};
 use crate::profile::Profile;
-use crate::spec::{Mlp, Spec, Target};
+use crate::spec::{Biases, Mlp, Spec, Target};
 use crate::testing::{one_gpu, SpecBuilder};
 
 /// The setups' candidate: two sequences on one GPU.
@@ -24,28 +24,34 @@ fn saved_at_forward_end(spec: &Spec, c: &Candidate) -> u64 {
 }
 
 /// `bias = true` adds one vector per projection (q, k, v, o; gate, up, down) to the
-/// parameters and nothing to what is saved: `F.linear` saves its input and weight
-/// with or without a bias.
+/// parameters, `bias = qkv` one per query, key and value projection, and neither adds
+/// anything to what is saved: `F.linear` saves its input and weight with or without a
+/// bias.
 #[test]
 fn linear_biases_add_parameters_and_save_nothing_more() {
     let plain = SpecBuilder::new().build();
-    let mut biased = plain.clone();
-    biased.model.numerics.linear_bias = Some(true);
     let m = &plain.model;
     let (q, kv) = (m.heads * m.head_dim, m.kv_heads * m.head_dim);
-    let per_layer = q + 2 * kv + m.hidden + 2 * m.ffn + m.hidden;
-    let p = Profile::for_target(Target::Pytorch);
-    let r0 = evaluate(&plain, &cand(), &p, false);
-    let r1 = evaluate(&biased, &cand(), &p, false);
-    assert_eq!(r1.params_total - r0.params_total, m.layers * per_layer);
-    assert_eq!(
-        r1.params_trainable - r0.params_trainable,
-        m.layers * per_layer
-    );
-    assert_eq!(
-        saved_at_forward_end(&biased, &cand()),
-        saved_at_forward_end(&plain, &cand())
-    );
+    let qkv = q + 2 * kv;
+    for (biases, per_layer) in [
+        (Biases::All, qkv + m.hidden + 2 * m.ffn + m.hidden),
+        (Biases::Qkv, qkv),
+    ] {
+        let mut biased = plain.clone();
+        biased.model.numerics.linear_bias = Some(biases);
+        let p = Profile::for_target(Target::Pytorch);
+        let r0 = evaluate(&plain, &cand(), &p, false);
+        let r1 = evaluate(&biased, &cand(), &p, false);
+        assert_eq!(r1.params_total - r0.params_total, m.layers * per_layer);
+        assert_eq!(
+            r1.params_trainable - r0.params_trainable,
+            m.layers * per_layer
+        );
+        assert_eq!(
+            saved_at_forward_end(&biased, &cand()),
+            saved_at_forward_end(&plain, &cand())
+        );
+    }
 }
 
 /// A squared-ReLU MLP keeps relu's output and its square, two `[tokens, ffn]` tensors
@@ -412,7 +418,7 @@ fn selective_op_keeps_attention_and_every_other_matmul() {
     // kernel's outputs are kept.
     let kept_with_bias = |choice: CheckpointChoice| {
         let mut s = spec(choice);
-        s.model.numerics.linear_bias = Some(true);
+        s.model.numerics.linear_bias = Some(Biases::All);
         let c = Candidate {
             checkpoint_layers: (0..s.model.layers).collect(),
             ..c.clone()

@@ -8,10 +8,13 @@
 //! epsilon (`rms_norm_eps`, `layer_norm_epsilon`, `layer_norm_eps`),
 //! `rope_theta`, the activation (`hidden_act` / `activation_function`: exact
 //! `gelu`, tanh `gelu_new` / `gelu_pytorch_tanh`, `silu` for SwiGLU) and
-//! RoBERTa-style position ids starting at `pad_token_id + 1`. `rope_scaling`
-//! is refused rather than silently ignored. Mistral's `sliding_window` is
-//! ignored: it changes nothing while the sequence is no longer than the
-//! window (4096 in Mistral's configs).
+//! RoBERTa-style position ids starting at `pad_token_id + 1`, and RoPE's
+//! rescaling (`rope_scaling`, or transformers 5's `rope_parameters`): `linear`
+//! and `llama3` are computed by `rcoa run`; other types are kept by name,
+//! which PyTorch targets predict (the scaling changes no tensor's size) and
+//! `target burn` refuses. Mistral's `sliding_window` is ignored: it changes
+//! nothing while the sequence is no longer than the window (4096 in
+//! Mistral's configs); Qwen2's `use_sliding_window = true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
 //! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
@@ -19,6 +22,9 @@
 //!   `head_dim` (default: hidden/heads), `intermediate_size`, `vocab_size`,
 //!   `max_position_embeddings`, `tie_word_embeddings` (default false),
 //!   `attention_dropout` (default 0); SwiGLU, RMSNorm, RoPE, decoder.
+//!   Llama's `attention_bias` and `mlp_bias` together read as `bias = true`.
+//! - `qwen2`: Llama's keys, with biases on the query, key and value
+//!   projections (`bias = qkv`).
 //! - `gpt2`: `n_layer`, `n_embd`, `n_head`, `n_inner` (null: 4 × n_embd),
 //!   `vocab_size`, `n_positions`, `tie_word_embeddings` (default true),
 //!   `resid_pdrop` (default 0.1); GELU, LayerNorm, learned positions, decoder.
@@ -34,7 +40,7 @@
 
 use super::problem::{HfDetail, Problem};
 use super::values::Cx;
-use crate::spec::{Arch, Mlp, ModelSpec, Norm, Numerics, Positions};
+use crate::spec::{Arch, Biases, Mlp, ModelSpec, Norm, Numerics, Positions, RopeScaling};
 use rcoa_grammar::Span;
 use serde_json::{Map, Value as Json};
 
@@ -46,6 +52,7 @@ pub(crate) const MODEL_TYPES: &[&str] = &[
     "xlm-roberta-xl",
     "roberta",
     "bert",
+    "qwen2",
 ];
 
 pub(super) fn load(cx: &mut Cx, path: &str, span: Span) -> Option<ModelSpec> {
@@ -141,11 +148,22 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     let mut n = Numerics::default();
     let gpt2 = c.model_type == "gpt2";
     let (eps_key, eps_default) = match c.model_type {
-        "llama" | "mistral" => ("rms_norm_eps", 1e-6),
+        "llama" | "mistral" | "qwen2" => ("rms_norm_eps", 1e-6),
         "gpt2" => ("layer_norm_epsilon", 1e-5),
         _ => ("layer_norm_eps", 1e-12),
     };
     n.norm_eps = c.float(eps_key)?.unwrap_or(eps_default);
+    if c.model_type == "qwen2" {
+        // Qwen2Attention: `q_proj`, `k_proj` and `v_proj` with biases, `o_proj` and the MLP
+        // without; no config key changes it.
+        n.linear_bias = Some(Biases::Qkv);
+        if c.flag("use_sliding_window", false)? {
+            return Err(HfDetail::Unsupported {
+                key: "use_sliding_window",
+                value: "true (sliding-window attention)".into(),
+            });
+        }
+    }
     if c.model_type == "llama" {
         // LlamaConfig's `attention_bias` (q, k, v, o) and `mlp_bias` (gate, up, down):
         // the plan's `bias` says both at once.
@@ -162,37 +180,11 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
             });
         }
         if attention {
-            n.linear_bias = Some(true);
+            n.linear_bias = Some(Biases::All);
         }
     }
-    if matches!(c.model_type, "llama" | "mistral") {
-        n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
-        if let Some(v) = c.obj.get("rope_scaling").filter(|v| !v.is_null()) {
-            return Err(HfDetail::Unsupported {
-                key: "rope_scaling",
-                value: v.to_string(),
-            });
-        }
-        // transformers 5 writes `rope_parameters: {rope_theta, rope_type}`.
-        if let Some(Json::Object(rp)) = c.obj.get("rope_parameters") {
-            let inner = Config {
-                obj: rp,
-                model_type: c.model_type,
-            };
-            if let Some(t) = inner.float("rope_theta")? {
-                n.rope_theta = t;
-            }
-            match rp.get("rope_type") {
-                None | Some(Json::Null) => {}
-                Some(Json::String(t)) if t == "default" => {}
-                Some(v) => {
-                    return Err(HfDetail::Unsupported {
-                        key: "rope_parameters.rope_type",
-                        value: v.to_string(),
-                    })
-                }
-            }
-        }
+    if matches!(c.model_type, "llama" | "mistral" | "qwen2") {
+        rope(c, &mut n)?;
     }
     let act_key = if gpt2 {
         "activation_function"
@@ -200,7 +192,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         "hidden_act"
     };
     let act_default = match c.model_type {
-        "llama" | "mistral" => "silu",
+        "llama" | "mistral" | "qwen2" => "silu",
         "gpt2" => "gelu_new",
         _ => "gelu",
     };
@@ -240,9 +232,97 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     Ok(n)
 }
 
+/// RoPE's base and rescaling. transformers 4 writes `rope_theta` and `rope_scaling` at the
+/// top; transformers 5 both inside `rope_parameters`, and reads an old `rope_scaling` first.
+fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
+    n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
+    let mut params = None;
+    for key in ["rope_scaling", "rope_parameters"] {
+        match c.obj.get(key) {
+            None | Some(Json::Null) => {}
+            Some(Json::Object(o)) => {
+                params = Some(o);
+                break;
+            }
+            Some(_) => {
+                return Err(HfDetail::WrongType {
+                    key,
+                    expected: "an object",
+                })
+            }
+        }
+    }
+    let Some(rp) = params else {
+        return Ok(());
+    };
+    let p = Config {
+        obj: rp,
+        model_type: c.model_type,
+    };
+    if let Some(t) = p.float("rope_theta")? {
+        n.rope_theta = t;
+    }
+    if p.float("partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
+        return Err(HfDetail::Unsupported {
+            key: "partial_rotary_factor",
+            value: rp["partial_rotary_factor"].to_string(),
+        });
+    }
+    let name = match rp.get("rope_type").or_else(|| rp.get("type")) {
+        None | Some(Json::Null) => return Ok(()),
+        Some(Json::String(t)) => t.as_str(),
+        Some(_) => {
+            return Err(HfDetail::WrongType {
+                key: "rope_type",
+                expected: "a string",
+            })
+        }
+    };
+    let factor = || {
+        p.float("factor")?.ok_or(HfDetail::MissingKey {
+            model_type: format!("{} (rope_type {name})", c.model_type),
+            key: "factor",
+        })
+    };
+    n.rope_scaling = match name {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => {
+            let req = |key: &'static str| {
+                p.float(key)?.ok_or(HfDetail::MissingKey {
+                    model_type: format!("{} (rope_type llama3)", c.model_type),
+                    key,
+                })
+            };
+            let (low, high) = (req("low_freq_factor")?, req("high_freq_factor")?);
+            if low >= high {
+                return Err(HfDetail::Unsupported {
+                    key: "low_freq_factor",
+                    value: format!("{low} (not below high_freq_factor, {high})"),
+                });
+            }
+            // As transformers: the pretraining length, else `max_position_embeddings`.
+            let original = match p.opt("original_max_position_embeddings")? {
+                Some(o) => o,
+                None => c.req("max_position_embeddings")?,
+            };
+            Some(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_positions: original,
+            })
+        }
+        other => Some(RopeScaling::Other {
+            name: other.to_string(),
+        }),
+    };
+    Ok(())
+}
+
 fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
     match c.model_type {
-        "llama" | "mistral" => {
+        "llama" | "mistral" | "qwen2" => {
             let layers = c.req("num_hidden_layers")?;
             let hidden = c.req("hidden_size")?;
             let heads = c.req("num_attention_heads")?;

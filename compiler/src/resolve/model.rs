@@ -20,7 +20,7 @@ use super::hf;
 use super::problem::{Expected, NameKind, Problem, Range};
 use super::values::{self, Cx, Fields};
 use crate::catalog;
-use crate::spec::{Arch, Mlp, ModelSpec, Norm, Positions};
+use crate::spec::{Arch, Biases, Mlp, ModelSpec, Norm, Positions};
 use rcoa_grammar::{Section, Span, ValueKind};
 
 pub(crate) const KEYS: &[&str] = &[
@@ -63,6 +63,12 @@ const MLPS: &[(&str, Mlp)] = &[
     ("gelu", Mlp::Gelu),
     ("squared_relu", Mlp::SquaredRelu),
 ];
+/// `true` and `false` are booleans, not names; they are listed for the error's choices.
+const BIASES: &[(&str, Biases)] = &[
+    ("true", Biases::All),
+    ("false", Biases::None),
+    ("qkv", Biases::Qkv),
+];
 const NORMS: &[(&str, Norm)] = &[("rmsnorm", Norm::Rmsnorm), ("layernorm", Norm::Layernorm)];
 const POSITIONS: &[(&str, Positions)] =
     &[("rope", Positions::Rope), ("learned", Positions::Learned)];
@@ -86,8 +92,8 @@ struct Draft {
     experts: Option<u64>,
     experts_per_token: Option<u64>,
     dropout: Option<f64>,
-    /// Written `bias`, or the base's; `None`: the family's ([`ModelSpec::linear_bias`]).
-    bias: Option<bool>,
+    /// Written `bias`, or the base's; `None`: the family's ([`ModelSpec::biases`]).
+    bias: Option<Biases>,
 }
 
 impl Draft {
@@ -247,7 +253,17 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         d.dropout = values::number(cx, v, "dropout", Range::UnitInterval).or(d.dropout);
     }
     if let Some(v) = f.get("bias") {
-        d.bias = values::boolean(cx, v, "bias").or(d.bias);
+        d.bias = match &v.kind {
+            ValueKind::Bool(b) => Some(if *b { Biases::All } else { Biases::None }),
+            ValueKind::Ident(_) | ValueKind::Str(_) => {
+                values::pick(cx, v, "bias", NameKind::Value, BIASES)
+            }
+            _ => {
+                values::wrong_kind(cx, v, "bias", Expected::Bias);
+                None
+            }
+        }
+        .or(d.bias);
     }
     if !cx.clean_since(mark) {
         return None;

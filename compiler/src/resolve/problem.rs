@@ -51,6 +51,8 @@ pub(crate) enum Expected {
     Pair,
     /// `none`, `full`, `selective`, `auto` or `every N`.
     Checkpoint,
+    /// `true`, `false` or `qkv`.
+    Bias,
     /// A string (a path).
     Path,
 }

@@ -46,8 +46,8 @@ fn one(extra: &str) -> (String, String, String, String) {
 fn model_bias_and_squared_relu() {
     let s = ok("");
     assert_eq!(
-        (s.model.numerics.linear_bias, s.model.linear_bias()),
-        (None, false)
+        (s.model.numerics.linear_bias, s.model.biases()),
+        (None, Biases::None)
     );
     // The override is written into the preset.
     let s = BASE.replace(
@@ -55,19 +55,30 @@ fn model_bias_and_squared_relu() {
         "model \"llama-3.1-8b\" { bias = true mlp = squared_relu }",
     );
     let s = run(&s).unwrap();
-    assert_eq!(s.model.numerics.linear_bias, Some(true));
-    assert!(s.model.linear_bias());
+    assert_eq!(s.model.numerics.linear_bias, Some(Biases::All));
+    assert!(s.model.bias_on(Proj::Down));
     assert_eq!(s.model.mlp, Mlp::SquaredRelu);
+    // Qwen2's: the query, key and value projections only.
+    let s = run(&BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { bias = qkv }",
+    ))
+    .unwrap();
+    assert_eq!(s.model.biases(), Biases::Qkv);
+    assert!(s.model.bias_on(Proj::V) && !s.model.bias_on(Proj::O));
     // An explicit GPT block: LayerNorm has biases unless told otherwise.
     let gpt = "model { arch = decoder layers = 2 hidden = 64 heads = 4 ffn = 256 vocab = 100 \
                norm = layernorm mlp = squared_relu bias = false }\n\
                hardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
     let s = run(gpt).unwrap();
-    assert!(!s.model.linear_bias());
-    assert!(run(&gpt.replace(" bias = false", ""))
-        .unwrap()
-        .model
-        .linear_bias());
+    assert_eq!(s.model.biases(), Biases::None);
+    assert_eq!(
+        run(&gpt.replace(" bias = false", ""))
+            .unwrap()
+            .model
+            .biases(),
+        Biases::All
+    );
 
     let bad = BASE.replace(
         "model \"llama-3.1-8b\"",
@@ -75,6 +86,22 @@ fn model_bias_and_squared_relu() {
     );
     let e = run(&bad).unwrap_err();
     assert_eq!(e.codes(), vec!["rcoa::wrong_kind"]);
+    assert!(
+        format!("{:?}", e.errors()[0]).contains("`qkv`"),
+        "{:?}",
+        e.errors()[0]
+    );
+    let bad = BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { bias = qk }",
+    );
+    let e = run(&bad).unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::unknown_value"]);
+    assert!(
+        format!("{:?}", e.errors()[0]).contains("qkv"),
+        "{:?}",
+        e.errors()[0]
+    );
     let bad = BASE.replace(
         "model \"llama-3.1-8b\"",
         "model \"llama-3.1-8b\" { mlp = squared_rellu }",
@@ -246,7 +273,7 @@ fn hf_llama_biases() {
     let s = resolve_with("").unwrap();
     assert_eq!(s.model.numerics.linear_bias, None);
     let s = resolve_with(r#", "attention_bias": true, "mlp_bias": true"#).unwrap();
-    assert_eq!(s.model.numerics.linear_bias, Some(true));
+    assert_eq!(s.model.numerics.linear_bias, Some(Biases::All));
     let e = resolve_with(r#", "attention_bias": true"#).unwrap_err();
     assert_eq!(e.codes(), vec!["rcoa::hf_config"]);
     assert!(
@@ -254,5 +281,125 @@ fn hf_llama_biases() {
         "{:?}",
         e.errors()
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A `qwen2` config reads as Llama's shape with `bias = qkv`; sliding-window attention is
+/// refused. RoPE's rescaling is read from transformers 4's `rope_scaling` and 5's
+/// `rope_parameters`: `llama3` and `linear` by value, another type by name.
+#[test]
+fn hf_qwen2_and_rope_scaling() {
+    let dir = std::env::temp_dir().join(format!("rcoa-setups-qwen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = |model_type: &str, extra: &str| {
+        format!(
+            r#"{{"model_type": "{model_type}", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
+                "max_position_embeddings": 256{extra}}}"#
+        )
+    };
+    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let resolve_with = |model_type: &str, extra: &str| {
+        std::fs::write(dir.join("c.json"), config(model_type, extra)).unwrap();
+        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
+    };
+    let s = resolve_with(
+        "qwen2",
+        r#", "rope_theta": 1000000.0, "tie_word_embeddings": true, "use_sliding_window": false, "sliding_window": 4096"#,
+    )
+    .unwrap();
+    assert_eq!(s.model.biases(), Biases::Qkv);
+    assert_eq!((s.model.kv_heads, s.model.norm), (2, Norm::Rmsnorm));
+    assert!(s.model.tie_embeddings);
+    assert_eq!(s.model.numerics.rope_theta, 1e6);
+    assert_eq!(s.model.numerics.norm_eps, 1e-6);
+    let e = resolve_with("qwen2", r#", "use_sliding_window": true"#).unwrap_err();
+    assert!(
+        e.errors()[0].message().contains("use_sliding_window"),
+        "{:?}",
+        e.errors()
+    );
+
+    let llama3 = RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_positions: 8192,
+    };
+    // transformers 4 (Llama 3.2's config as published).
+    let s = resolve_with(
+        "llama",
+        r#", "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+    )
+    .unwrap();
+    assert_eq!(s.model.numerics.rope_scaling, Some(llama3.clone()));
+    assert_eq!(s.model.numerics.rope_theta, 500000.0);
+    // transformers 5; without `original_max_position_embeddings`, `max_position_embeddings`.
+    let s = resolve_with(
+        "llama",
+        r#", "rope_parameters": {"rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "rope_type": "llama3"}"#,
+    )
+    .unwrap();
+    let RopeScaling::Llama3 {
+        original_max_positions,
+        ..
+    } = s.model.numerics.rope_scaling.clone().unwrap()
+    else {
+        panic!("{:?}", s.model.numerics.rope_scaling)
+    };
+    assert_eq!(original_max_positions, 256);
+    assert_eq!(s.model.numerics.rope_theta, 500000.0);
+    // The old `type` key.
+    let s = resolve_with(
+        "qwen2",
+        r#", "rope_scaling": {"type": "linear", "factor": 2.0}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        s.model.numerics.rope_scaling,
+        Some(RopeScaling::Linear { factor: 2.0 })
+    );
+    // Kept by name: a PyTorch target predicts it (`executed` refuses it for `rcoa run`).
+    let s = resolve_with(
+        "mistral",
+        r#", "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        s.model.numerics.rope_scaling,
+        Some(RopeScaling::Other {
+            name: "yarn".into()
+        })
+    );
+    // Each bad value one diagnostic naming the key.
+    for (extra, key) in [
+        (
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}"#,
+            "low_freq_factor",
+        ),
+        (r#", "rope_scaling": {"rope_type": "linear"}"#, "factor"),
+        (
+            r#", "rope_scaling": {"rope_type": "linear", "factor": -1}"#,
+            "factor",
+        ),
+        (r#", "rope_scaling": {"rope_type": 3}"#, "rope_type"),
+        (r#", "rope_scaling": "llama3""#, "rope_scaling"),
+        (
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}"#,
+            "low_freq_factor",
+        ),
+        (
+            r#", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}"#,
+            "partial_rotary_factor",
+        ),
+    ] {
+        let e = resolve_with("llama", extra).unwrap_err();
+        assert_eq!(e.codes(), vec!["rcoa::hf_config"], "{extra}");
+        let text = format!("{} {:?}", e.errors()[0].message(), e.errors()[0].help());
+        assert!(text.contains(key), "{extra}: {text}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -141,7 +141,7 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn wrong_kind(cx: &mut Cx, v: &Value, slot: &'static str, expected: Expected) {
+pub(crate) fn wrong_kind(cx: &mut Cx, v: &Value, slot: &'static str, expected: Expected) {
     cx.report(Problem::WrongKind {
         slot,
         expected,

@@ -78,6 +78,7 @@ fn expected(e: Expected) -> &'static str {
         Expected::Pair => "a pair of numbers",
         Expected::Checkpoint => "`none`, `full`, `selective`, `auto` or `every N`",
         Expected::Path => "a path in quotes",
+        Expected::Bias => "`true`, `false` or `qkv`",
     }
 }
 
@@ -98,7 +99,7 @@ fn example(slot: &str, e: Expected) -> String {
         (_, Expected::IntegerOrAuto) => "auto",
         (_, Expected::Number) => "0.1",
         (_, Expected::Probability) => "0.05",
-        (_, Expected::Bool) | (_, Expected::BoolOrAuto) => "true",
+        (_, Expected::Bool) | (_, Expected::BoolOrAuto) | (_, Expected::Bias) => "true",
         (_, Expected::Size) => "40 GiB",
         (_, Expected::SizeOrPercent) => "95%",
         (_, Expected::Bandwidth) => "900 GB/s",

@@ -1,0 +1,113 @@
+//! RoPE's inverse frequencies `θ_i = base^(-2i/d)`, with the rescalings Hugging Face
+//! configs ask for (`rope_scaling`): `linear` divides every frequency by the factor;
+//! `llama3` (Llama 3.1 and later) divides only the low ones, keeps the high ones and
+//! blends the band between, as transformers' `_compute_llama3_parameters`. Both leave
+//! the attention unscaled (transformers' `attention_factor` 1).
+
+use rcoa_compiler::spec::{Numerics, RopeScaling};
+
+/// `θ_i` for `i` in `0..head_dim / 2`, in f64 (the executor rounds them to f32, as
+/// transformers computes them).
+pub fn inverse_frequencies(n: &Numerics, head_dim: usize) -> Vec<f64> {
+    let d = head_dim as f64;
+    let plain = (0..head_dim / 2).map(|i| 1.0 / n.rope_theta.powf(2.0 * i as f64 / d));
+    match &n.rope_scaling {
+        None => plain.collect(),
+        Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_positions,
+        }) => {
+            let old = *original_max_positions as f64;
+            let (low_wavelen, high_wavelen) = (old / low, old / high);
+            plain
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+        // `executed::check` refuses these before a model is built.
+        Some(RopeScaling::Other { name }) => {
+            panic!("`rcoa run` does not compute RoPE scaling of type `{name}`")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn numerics(scaling: Option<RopeScaling>) -> Numerics {
+        Numerics {
+            rope_theta: 500000.0,
+            rope_scaling: scaling,
+            ..Default::default()
+        }
+    }
+
+    fn close(got: f64, want: f64) -> bool {
+        (got / want - 1.0).abs() < 1e-6
+    }
+
+    /// Llama 3.1 8B's rescaling (head 128, base 500000, factor 8, low 1, high 4, 8192
+    /// positions) against transformers 5.23's `_compute_llama3_parameters` (fp32), at
+    /// frequencies of each band: kept, blended, divided.
+    #[test]
+    fn llama3_matches_transformers() {
+        let f = inverse_frequencies(
+            &numerics(Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 8192,
+            })),
+            128,
+        );
+        assert_eq!(f.len(), 64);
+        for (i, want) in LLAMA31 {
+            assert!(close(f[i], want), "θ_{i}: {} against {want}", f[i]);
+        }
+    }
+
+    #[test]
+    fn linear_divides_every_frequency() {
+        let plain = inverse_frequencies(&numerics(None), 16);
+        let linear = inverse_frequencies(&numerics(Some(RopeScaling::Linear { factor: 4.0 })), 16);
+        assert_eq!(plain[0], 1.0);
+        assert!(close(plain[1], 500000f64.powf(-2.0 / 16.0)));
+        for (p, l) in plain.iter().zip(&linear) {
+            assert!(close(*l, p / 4.0));
+        }
+    }
+
+    /// (index, θ) printed by transformers 5.23 for Llama 3.1's parameters; the comments
+    /// give the unscaled wavelength (kept below 2048 positions, divided above 8192).
+    const LLAMA31: [(usize, f64); 16] = [
+        (0, 1.000000000e+00),  // wavelength 6
+        (10, 1.286873817e-01), // wavelength 49
+        (20, 1.656044088e-02), // wavelength 379
+        (26, 4.839421250e-03), // wavelength 1298
+        (27, 3.942275885e-03), // wavelength 1594
+        (28, 3.211446106e-03), // wavelength 1956
+        (29, 2.166570630e-03), // wavelength 2402
+        (30, 1.371893683e-03), // wavelength 2948
+        (31, 8.567514597e-04), // wavelength 3619
+        (32, 5.248460220e-04), // wavelength 4443
+        (33, 3.126936499e-04), // wavelength 5454
+        (34, 1.785077911e-04), // wavelength 6695
+        (35, 9.556212171e-05), // wavelength 8219
+        (40, 3.428102355e-05), // wavelength 22911
+        (50, 4.411534519e-06), // wavelength 178033
+        (63, 3.068925878e-07), // wavelength 2559196
+    ];
+}
