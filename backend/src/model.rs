@@ -492,6 +492,9 @@ pub struct Attention<B: Backend> {
     k: Linear<B>,
     v: Linear<B>,
     o: Linear<B>,
+    /// `qk_norm` (Qwen3): the model's norm over each head of q and k, before RoPE.
+    q_norm: Option<NormLayer<B>>,
+    k_norm: Option<NormLayer<B>>,
 }
 
 /// Where a `[.., seq, .., head_dim]` tensor has its positions.
@@ -532,9 +535,17 @@ impl<B: ExecBackend> Attention<B> {
         let [b, s, _] = x.dims();
         let (h, kvh, hd) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
         let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, hd]);
+        let per_head = |t: Tensor<B, 4>, norm: &Option<NormLayer<B>>| match norm {
+            Some(n) => {
+                let dims = t.dims();
+                n.forward(t.reshape([b, s * dims[2], hd]), ctx)
+                    .reshape(dims)
+            }
+            None => t,
+        };
         let (q, k) = (
-            heads(self.q.forward(x.clone(), ctx), h),
-            heads(self.k.forward(x.clone(), ctx), kvh),
+            per_head(heads(self.q.forward(x.clone(), ctx), h), &self.q_norm),
+            per_head(heads(self.k.forward(x.clone(), ctx), kvh), &self.k_norm),
         );
         let mut v = heads(self.v.forward(x, ctx), kvh).swap_dims(1, 2);
         if ctx.flash {
@@ -835,6 +846,11 @@ impl<B: ExecBackend> Layer<B> {
                 device,
             )
         };
+        let qk_norm = |ids: &mut Ids| {
+            m.numerics
+                .qk_norm
+                .then(|| NormLayer::new(ids, m.norm, hd, dt, trainable, device))
+        };
         Layer {
             norm1: NormLayer::new(ids, m.norm, d, dt, trainable, device),
             attn: Attention {
@@ -842,6 +858,8 @@ impl<B: ExecBackend> Layer<B> {
                 k: lin(ids, d, kvh * hd, Some(Proj::K)),
                 v: lin(ids, d, kvh * hd, Some(Proj::V)),
                 o: lin(ids, h * hd, d, Some(Proj::O)),
+                q_norm: qk_norm(ids),
+                k_norm: qk_norm(ids),
             },
             norm2: NormLayer::new(ids, m.norm, d, dt, trainable, device),
             mlp: MlpLayer {
@@ -1033,6 +1051,12 @@ impl<B: Backend> Layer<B> {
         self.attn.k.load(&format!("{n}.attn.k"), src);
         self.attn.v.load(&format!("{n}.attn.v"), src);
         self.attn.o.load(&format!("{n}.attn.o"), src);
+        if let Some(q) = &mut self.attn.q_norm {
+            q.load(&format!("{n}.attn.q_norm"), src);
+        }
+        if let Some(k) = &mut self.attn.k_norm {
+            k.load(&format!("{n}.attn.k_norm"), src);
+        }
         self.norm2.load(&format!("{n}.norm2"), src);
         if let Some(g) = &mut self.mlp.gate {
             g.load(&format!("{n}.mlp.gate"), src);
@@ -1174,6 +1198,12 @@ impl<B: Backend> Model<B> {
             lin(&l.attn.k, &format!("{n}.attn.k"), sink);
             lin(&l.attn.v, &format!("{n}.attn.v"), sink);
             lin(&l.attn.o, &format!("{n}.attn.o"), sink);
+            if let Some(q) = &l.attn.q_norm {
+                norm(q, &format!("{n}.attn.q_norm"), sink);
+            }
+            if let Some(k) = &l.attn.k_norm {
+                norm(k, &format!("{n}.attn.k_norm"), sink);
+            }
             norm(&l.norm2, &format!("{n}.norm2"), sink);
             if let Some(g) = &l.mlp.gate {
                 lin(g, &format!("{n}.mlp.gate"), sink);

@@ -124,6 +124,13 @@ fn qwen2_matches_transformers() {
     check_causal("qwen2");
 }
 
+/// Qwen3: RMSNorm over each head of q and k, `head_dim` 32 with 4 heads of a 64-wide
+/// model.
+#[test]
+fn qwen3_matches_transformers() {
+    check_causal("qwen3");
+}
+
 /// Llama 3.1's RoPE rescaling (`rope_type = llama3`), with the head's frequencies in all
 /// three of its bands.
 #[test]
@@ -300,7 +307,7 @@ fn yarn_rope_scaling_is_refused_for_rcoa_run() {
 #[test]
 fn saved_hf_tensors_equal_the_checkpoint_they_came_from() {
     use rcoa_backend::weights::{hf_tensors, write_model, DEFAULT_MAX_SHARD_BYTES};
-    for name in ["llama", "gpt2", "xlmr", "qwen2"] {
+    for name in ["llama", "gpt2", "xlmr", "qwen2", "qwen3"] {
         let lm = name != "xlmr";
         let m = spec(name, if lm { "causal_lm" } else { "contrastive" });
         let model = loaded(&m, lm).unwrap();
@@ -875,8 +882,8 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
 
 /// What `transformers` and `peft` computed from rcoa's own saves
 /// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune, full
-/// fine-tunes of Qwen2 and of Llama 3.1's RoPE rescaling, PEFT adapters for Llama,
-/// GPT-2, Qwen2 and XLM-R, a merged GPT-2 LoRA), rcoa
+/// fine-tunes of Qwen2, Qwen3 and of Llama 3.1's RoPE rescaling, PEFT adapters for
+/// Llama, GPT-2, Qwen2, Qwen3 and XLM-R, a merged GPT-2 LoRA), rcoa
 /// computes from the same files: the round trip, checked on every test run.
 #[test]
 fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
@@ -902,6 +909,7 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
     for (case, fixture) in [
         ("llama-full", "llama"),
         ("qwen2-full", "qwen2"),
+        ("qwen3-full", "qwen3"),
         ("llama3-rope-full", "llama3-rope"),
     ] {
         let m = spec(&format!("roundtrip/{case}"), "causal_lm");
@@ -919,6 +927,7 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
         ("llama-lora", "llama"),
         ("gpt2-lora", "gpt2"),
         ("qwen2-lora", "qwen2"),
+        ("qwen3-lora", "qwen3"),
     ] {
         let m = spec(fixture, "causal_lm");
         let base = read_checkpoint(Path::new(m.weights.as_ref().unwrap())).unwrap();
@@ -969,11 +978,14 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     });
     let mut linear = llama.clone();
     linear.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+    let mut qwen3 = llama.clone();
+    qwen3.model.numerics.qk_norm = true;
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
         ("qwen2", qwen2, "causal_lm"),
         ("llama-biases-llama3-rope", biased, "causal_lm"),
         ("llama-linear-rope", linear, "causal_lm"),
+        ("qwen3", qwen3, "causal_lm"),
         ("gpt2", gpt2, "causal_lm"),
         ("bert", bert, "contrastive"),
         ("xlmr", xlmr, "contrastive"),

@@ -234,6 +234,10 @@ pub struct Numerics {
     /// RoPE's frequencies rescaled (`rope_scaling`); `None`: as trained.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    /// The model's norm over each head of the queries and keys, before RoPE
+    /// (`model { qk_norm = true }`; Qwen3's `q_norm` and `k_norm`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
 }
 
 impl Default for Numerics {
@@ -245,6 +249,7 @@ impl Default for Numerics {
             position_offset: 0,
             linear_bias: None,
             rope_scaling: None,
+            qk_norm: false,
         }
     }
 }

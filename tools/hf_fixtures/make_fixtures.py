@@ -4,7 +4,7 @@ reference.json (losses / embeddings computed by `transformers`).
 Run with a Python that has torch, transformers, safetensors and tokenizers:
     python tools/hf_fixtures/make_fixtures.py [OUT_DIR [NAME ...]]
 OUT_DIR defaults to tests/fixtures/hf; NAMEs (llama, mistral, gpt2, xlmr, qwen2,
-llama3-rope) build only those, each from its own seed, so adding a fixture leaves
+qwen3, llama3-rope) build only those, each from its own seed, so adding a fixture leaves
 the others' files as they are.
 Not run in CI: the Rust tests read the committed output.
 """
@@ -19,8 +19,8 @@ import tokenizers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, processors, decoders
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-    XLMRobertaConfig, XLMRobertaModel,
+    MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    Qwen3ForCausalLM, XLMRobertaConfig, XLMRobertaModel,
 )
 
 SEQ = 16
@@ -256,6 +256,14 @@ def main():
         qwen2 = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                              tie_word_embeddings=True, use_sliding_window=False))
         causal_fixture("qwen2", qwen2, "qwen2", out_root, {})
+    if want("qwen3"):
+        # Norms over each head of q and k; heads of 32 (4 x 32 = 128 ≠ hidden 64) as Qwen3's
+        # head_dim need not be hidden / heads; untied, base 1e6.
+        torch.manual_seed(13)
+        qwen3 = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6,
+                                             rope_theta=1000000.0, tie_word_embeddings=False,
+                                             use_sliding_window=False))
+        causal_fixture("qwen3", qwen3, "qwen3", out_root, {})
     if want("llama3-rope"):
         # Llama 3.1's RoPE rescaling, with a pretraining length (64) that puts the head's
         # 8 frequencies in all three bands: 1 kept, 1 blended, 6 divided by the factor.

@@ -50,6 +50,9 @@ CASES = [
     ("qwen2-full", "qwen2", "causal_lm", None, []),
     ("qwen2-lora", "qwen2", "causal_lm", "rank = 4 alpha = 8 targets = [q, k, v, o]", []),
     ("llama3-rope-full", "llama3-rope", "causal_lm", None, []),
+    # Qwen3's norms over each head of q and k (frozen in the base under LoRA).
+    ("qwen3-full", "qwen3", "causal_lm", None, []),
+    ("qwen3-lora", "qwen3", "causal_lm", "rank = 4 alpha = 8 targets = [q, k, v, o, gate, up, down]", []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

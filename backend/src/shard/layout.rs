@@ -72,6 +72,10 @@ pub fn unit_values(plan: &LoweredPlan) -> Vec<UnitValues> {
     let mut layer = UnitValues::default();
     norm(&mut layer);
     norm(&mut layer);
+    if m.numerics.qk_norm {
+        let per = if m.norm == Norm::Layernorm { 2 } else { 1 };
+        layer.add(2 * per * m.head_dim as usize, base);
+    }
     let quantized = a.is_some_and(|a| a.kind == AdapterKind::Qlora);
     for (proj, d_in, d_out) in projections {
         if !quantized {
@@ -266,10 +270,16 @@ mod tests {
             p.model.numerics.linear_bias = Some(biases);
             plans.push(p);
         }
+        let mut qk = tiny_plan();
+        qk.model.numerics.qk_norm = true;
+        plans.push(qk.clone());
+        qk.model.norm = Norm::Layernorm;
+        plans.push(qk);
         for kind in [AdapterKind::Lora, AdapterKind::Qlora] {
             let mut p = tiny_plan();
             p.adapter = Some(adapter(kind));
             p.model.numerics.linear_bias = Some(Biases::Qkv);
+            p.model.numerics.qk_norm = true;
             plans.push(p);
         }
         for p in &plans {

@@ -189,7 +189,7 @@ fn measured_plan_with(optimizer: &str, in_backward: bool, tied: bool) -> String 
 /// The highest live bytes of a steady-state step (the second: the first makes the
 /// optimizer state) above those before the model was built: the weights, the optimizer
 /// state and the step's tensors, transients included.
-fn measured_peak(plan: &LoweredPlan) -> u64 {
+pub(super) fn measured_peak(plan: &LoweredPlan) -> u64 {
     use crate::memory::{AllocProbe, MemoryProbe};
     let mut probe = AllocProbe::new().expect("the test binary counts");
     let mut t: Trainer<Cpu> = trainer(plan);
@@ -205,7 +205,7 @@ fn measured_peak(plan: &LoweredPlan) -> u64 {
 /// The lowered plan, and the `burn` profile's highest bytes in use with the transients
 /// inside segments (which the executor's samples between segments do not see, and the
 /// counting allocator does): an optimizer step in the backward is one.
-fn predicted_peak(text: &str) -> (LoweredPlan, u64) {
+pub(super) fn predicted_peak(text: &str) -> (LoweredPlan, u64) {
     let file = rcoa_grammar::parse("t.plan", text).expect("plan parses");
     let cx = rcoa_compiler::resolve::ResolveContext::new("t.plan", text, ".");
     let spec = rcoa_compiler::resolve::resolve(&file, &cx).expect("plan resolves");

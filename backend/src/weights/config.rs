@@ -22,10 +22,13 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
             if (m.mlp, m.positions) != (Mlp::Swiglu, Positions::Rope) {
                 return None;
             }
-            // Qwen2's class is Llama's with biases on q, k and v.
-            let (class, model_type) = match m.biases() {
-                Biases::Qkv => ("Qwen2ForCausalLM", "qwen2"),
-                Biases::None | Biases::All => ("LlamaForCausalLM", "llama"),
+            // Qwen2's class is Llama's with biases on q, k and v; Qwen3's with a norm over
+            // each head of q and k and no biases.
+            let (class, model_type) = match (m.biases(), n.qk_norm) {
+                (Biases::Qkv, false) => ("Qwen2ForCausalLM", "qwen2"),
+                (Biases::None | Biases::All, false) => ("LlamaForCausalLM", "llama"),
+                (Biases::None, true) if m.norm == Norm::Rmsnorm => ("Qwen3ForCausalLM", "qwen3"),
+                _ => return None,
             };
             let all = m.biases() == Biases::All;
             let mut rope =
@@ -73,6 +76,9 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 c["mlp_bias"] = all.into();
             } else {
                 c["use_sliding_window"] = false.into();
+            }
+            if model_type == "qwen3" {
+                c["attention_bias"] = false.into();
             }
             if n.rope_scaling.is_some() {
                 rope.as_object_mut().map(|r| r.remove("rope_theta"));

@@ -1,5 +1,5 @@
 //! Hugging Face safetensors checkpoints in and out: the tensor names of each family
-//! (Llama / Mistral / Qwen2, GPT-2, XLM-R / RoBERTa / BERT) mapped onto rcoa's
+//! (Llama / Mistral / Qwen2 / Qwen3, GPT-2, XLM-R / RoBERTa / BERT) mapped onto rcoa's
 //! parameters, with the layout changes between them (`nn.Linear` is
 //! `[out, in]`, rcoa and GPT-2's `Conv1D` are `[in, out]`; GPT-2's fused
 //! `c_attn` is split into q, k, v; XLM-R's `token_type_embeddings[0]`, added to
@@ -41,7 +41,7 @@ pub use write::{
 /// The naming scheme of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
-    /// Llama, Mistral and Qwen2 (same names).
+    /// Llama, Mistral, Qwen2 and Qwen3 (same names).
     Llama,
     Gpt2,
     /// XLM-R, RoBERTa and BERT (same names under their own prefix).
@@ -117,6 +117,10 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
                 p(&format!("layers.{i}.post_attention_layernorm.weight")),
                 false,
             ),
+            // Qwen3's norms over each head of q and k.
+            ["layers", i, "attn", qk @ ("q_norm" | "k_norm"), "weight"] => {
+                whole(p(&format!("layers.{i}.self_attn.{qk}.weight")), false)
+            }
             // Biases: Qwen2's q, k and v; Llama's with `attention_bias` and `mlp_bias`.
             ["layers", i, "attn", proj, wb @ ("weight" | "bias")] => whole(
                 p(&format!("layers.{i}.self_attn.{proj}_proj.{wb}")),

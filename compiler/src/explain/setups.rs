@@ -25,6 +25,13 @@ pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
             ));
         }
     }
+    if m.numerics.qk_norm {
+        log.push(Decision::new(
+            "model",
+            "qk_norm = true",
+            "the model's norm over each head of the queries and keys before RoPE (Qwen3's `q_norm` / `k_norm`): a weight of head_dim values each, and per layer what the norm keeps for the backward over q and k (in PyTorch its fp32 upcast input, the per-row rsqrt and its output)",
+        ));
+    }
     if let Some(r) = &m.numerics.rope_scaling {
         log.push(Decision::new(
             "model",

@@ -882,6 +882,12 @@ impl<'a> Builder<'a> {
         let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd);
         let k = self.proj(Proj::K, "k_proj", x, h, kv * hd);
         let v = self.proj(Proj::V, "v_proj", x, h, kv * hd);
+        // Qwen3's `q_norm` / `k_norm`: the model's norm over each head's `hd` values.
+        let (q, k) = if m.numerics.qk_norm {
+            (self.norm(q, hd), self.norm(k, hd))
+        } else {
+            (q, k)
+        };
         let (q, k) = if rope {
             (self.rope(q), self.rope(k))
         } else {

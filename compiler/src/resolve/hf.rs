@@ -14,7 +14,7 @@
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
 //! `target burn` refuses. Mistral's `sliding_window` is ignored: it changes
 //! nothing while the sequence is no longer than the window (4096 in
-//! Mistral's configs); Qwen2's `use_sliding_window = true` is refused.
+//! Mistral's configs); Qwen's `use_sliding_window = true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
 //! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
@@ -25,6 +25,9 @@
 //!   Llama's `attention_bias` and `mlp_bias` together read as `bias = true`.
 //! - `qwen2`: Llama's keys, with biases on the query, key and value
 //!   projections (`bias = qkv`).
+//! - `qwen3`: Llama's keys (`head_dim` default 128), RMSNorm over each head
+//!   of the queries and keys (`qk_norm = true`); `attention_bias = true` is
+//!   refused.
 //! - `gpt2`: `n_layer`, `n_embd`, `n_head`, `n_inner` (null: 4 × n_embd),
 //!   `vocab_size`, `n_positions`, `tie_word_embeddings` (default true),
 //!   `resid_pdrop` (default 0.1); GELU, LayerNorm, learned positions, decoder.
@@ -53,6 +56,7 @@ pub(crate) const MODEL_TYPES: &[&str] = &[
     "roberta",
     "bert",
     "qwen2",
+    "qwen3",
 ];
 
 pub(super) fn load(cx: &mut Cx, path: &str, span: Span) -> Option<ModelSpec> {
@@ -148,7 +152,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     let mut n = Numerics::default();
     let gpt2 = c.model_type == "gpt2";
     let (eps_key, eps_default) = match c.model_type {
-        "llama" | "mistral" | "qwen2" => ("rms_norm_eps", 1e-6),
+        "llama" | "mistral" | "qwen2" | "qwen3" => ("rms_norm_eps", 1e-6),
         "gpt2" => ("layer_norm_epsilon", 1e-5),
         _ => ("layer_norm_eps", 1e-12),
     };
@@ -157,12 +161,23 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         // Qwen2Attention: `q_proj`, `k_proj` and `v_proj` with biases, `o_proj` and the MLP
         // without; no config key changes it.
         n.linear_bias = Some(Biases::Qkv);
-        if c.flag("use_sliding_window", false)? {
+    }
+    if c.model_type == "qwen3" {
+        // Qwen3Attention: RMSNorm over each head of q and k; `attention_bias` would put
+        // biases on q, k, v and o but not the MLP, which no `bias` setting says.
+        n.qk_norm = true;
+        if c.flag("attention_bias", false)? {
             return Err(HfDetail::Unsupported {
-                key: "use_sliding_window",
-                value: "true (sliding-window attention)".into(),
+                key: "attention_bias",
+                value: "true (biases on the attention's projections only)".into(),
             });
         }
+    }
+    if matches!(c.model_type, "qwen2" | "qwen3") && c.flag("use_sliding_window", false)? {
+        return Err(HfDetail::Unsupported {
+            key: "use_sliding_window",
+            value: "true (sliding-window attention)".into(),
+        });
     }
     if c.model_type == "llama" {
         // LlamaConfig's `attention_bias` (q, k, v, o) and `mlp_bias` (gate, up, down):
@@ -183,7 +198,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
             n.linear_bias = Some(Biases::All);
         }
     }
-    if matches!(c.model_type, "llama" | "mistral" | "qwen2") {
+    if matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
         rope(c, &mut n)?;
     }
     let act_key = if gpt2 {
@@ -192,7 +207,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         "hidden_act"
     };
     let act_default = match c.model_type {
-        "llama" | "mistral" | "qwen2" => "silu",
+        "llama" | "mistral" | "qwen2" | "qwen3" => "silu",
         "gpt2" => "gelu_new",
         _ => "gelu",
     };
@@ -322,10 +337,16 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
 
 fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
     match c.model_type {
-        "llama" | "mistral" | "qwen2" => {
+        "llama" | "mistral" | "qwen2" | "qwen3" => {
             let layers = c.req("num_hidden_layers")?;
             let hidden = c.req("hidden_size")?;
             let heads = c.req("num_attention_heads")?;
+            // Qwen3Config's `head_dim` defaults to 128, not hidden / heads.
+            let head_dim_default = if c.model_type == "qwen3" {
+                128
+            } else {
+                default_head_dim(hidden, heads)
+            };
             Ok(ModelSpec {
                 name,
                 arch: Arch::Decoder,
@@ -333,9 +354,7 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
                 hidden,
                 heads,
                 kv_heads: c.opt("num_key_value_heads")?.unwrap_or(heads),
-                head_dim: c
-                    .opt("head_dim")?
-                    .unwrap_or(default_head_dim(hidden, heads)),
+                head_dim: c.opt("head_dim")?.unwrap_or(head_dim_default),
                 ffn: c.req("intermediate_size")?,
                 mlp: Mlp::Swiglu,
                 norm: Norm::Rmsnorm,

@@ -41,6 +41,7 @@ pub(crate) const KEYS: &[&str] = &[
     "experts_per_token",
     "dropout",
     "bias",
+    "qk_norm",
 ];
 
 /// Keys an explicit `model { ... }` must give. The others default from
@@ -94,6 +95,7 @@ struct Draft {
     dropout: Option<f64>,
     /// Written `bias`, or the base's; `None`: the family's ([`ModelSpec::biases`]).
     bias: Option<Biases>,
+    qk_norm: Option<bool>,
 }
 
 impl Draft {
@@ -116,6 +118,7 @@ impl Draft {
             experts_per_token: Some(m.experts_per_token),
             dropout: Some(m.dropout),
             bias: m.numerics.linear_bias,
+            qk_norm: Some(m.numerics.qk_norm),
         }
     }
 }
@@ -265,6 +268,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         }
         .or(d.bias);
     }
+    if let Some(v) = f.get("qk_norm") {
+        d.qk_norm = values::boolean(cx, v, "qk_norm").or(d.qk_norm);
+    }
     if !cx.clean_since(mark) {
         return None;
     }
@@ -364,6 +370,7 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section) -> Option<ModelSpec> {
         // of its shape then makes the checkpoint not fit, reported at load.
         numerics: crate::spec::Numerics {
             linear_bias: d.bias,
+            qk_norm: d.qk_norm.unwrap_or(false),
             ..base
                 .as_ref()
                 .map(|b| b.numerics.clone())

@@ -58,6 +58,20 @@ fn model_bias_and_squared_relu() {
     assert_eq!(s.model.numerics.linear_bias, Some(Biases::All));
     assert!(s.model.bias_on(Proj::Down));
     assert_eq!(s.model.mlp, Mlp::SquaredRelu);
+    // Qwen3's norm over each head of q and k.
+    let s = run(&BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { qk_norm = true }",
+    ))
+    .unwrap();
+    assert!(s.model.numerics.qk_norm);
+    assert!(!ok("").model.numerics.qk_norm);
+    let e = run(&BASE.replace(
+        "model \"llama-3.1-8b\"",
+        "model \"llama-3.1-8b\" { qk_norm = yes }",
+    ))
+    .unwrap_err();
+    assert_eq!(e.codes(), vec!["rcoa::wrong_kind"]);
     // Qwen2's: the query, key and value projections only.
     let s = run(&BASE.replace(
         "model \"llama-3.1-8b\"",
@@ -284,8 +298,8 @@ fn hf_llama_biases() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A `qwen2` config reads as Llama's shape with `bias = qkv`; sliding-window attention is
-/// refused. RoPE's rescaling is read from transformers 4's `rope_scaling` and 5's
+/// A `qwen2` config reads as Llama's shape with `bias = qkv`, a `qwen3` one with
+/// `qk_norm = true`; sliding-window attention is refused. RoPE's rescaling is read from transformers 4's `rope_scaling` and 5's
 /// `rope_parameters`: `llama3` and `linear` by value, another type by name.
 #[test]
 fn hf_qwen2_and_rope_scaling() {
@@ -314,6 +328,24 @@ fn hf_qwen2_and_rope_scaling() {
     assert!(s.model.tie_embeddings);
     assert_eq!(s.model.numerics.rope_theta, 1e6);
     assert_eq!(s.model.numerics.norm_eps, 1e-6);
+    // Qwen3: a norm over each head of q and k, `head_dim` 128 unless written, no biases.
+    let s = resolve_with("qwen3", r#", "rope_theta": 1000000.0"#).unwrap();
+    assert!(s.model.numerics.qk_norm);
+    assert_eq!((s.model.head_dim, s.model.biases()), (128, Biases::None));
+    let s = resolve_with("qwen3", r#", "head_dim": 16"#).unwrap();
+    assert_eq!(s.model.head_dim, 16);
+    let e = resolve_with("qwen3", r#", "attention_bias": true"#).unwrap_err();
+    assert!(
+        e.errors()[0].message().contains("attention_bias"),
+        "{:?}",
+        e.errors()
+    );
+    let e = resolve_with("qwen3", r#", "use_sliding_window": true"#).unwrap_err();
+    assert!(
+        e.errors()[0].message().contains("use_sliding_window"),
+        "{:?}",
+        e.errors()
+    );
     let e = resolve_with("qwen2", r#", "use_sliding_window": true"#).unwrap_err();
     assert!(
         e.errors()[0].message().contains("use_sliding_window"),
