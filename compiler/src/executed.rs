@@ -39,6 +39,9 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
     if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
         return Some(r);
     }
+    if let Some(r) = windowed(&spec.model, spec.train.seq_len) {
+        return Some(r);
+    }
     if spec.optimizer_in_backward {
         if let Some(r) = in_backward(&spec.precision) {
             return Some(r);
@@ -76,6 +79,16 @@ fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
             )
         })
     })
+}
+
+/// Sliding-window attention over sequences longer than the window: `rcoa run` attends to
+/// every earlier token, which equals the window only within it.
+fn windowed(m: &ModelSpec, seq_len: u64) -> Option<(String, String)> {
+    let w = m.numerics.sliding_window.filter(|w| seq_len > *w)?;
+    Some((
+        format!("sliding-window attention over {w} positions (the config's `sliding_window`) at `seq_len = {seq_len}`"),
+        format!("it attends to every earlier token, the same as the window up to {w} tokens: write `seq_len` ≤ {w}"),
+    ))
 }
 
 /// The step's schedule: interleaved pipeline stages.
@@ -158,6 +171,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let r = &plan.resolved;
     let selective_op = r.checkpoint == "selective_op";
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
+        .or_else(|| windowed(&plan.model, plan.train.seq_len))
         .or_else(|| in_backward_lowered(plan))
         .or_else(|| scheduled(r.virtual_stages));
     match refusal {
@@ -206,6 +220,14 @@ mod tests {
                 assert_eq!(check(&s), Ok(()));
             }
         }
+        // A window shorter than the sequence is refused; one as long is full attention.
+        let mut s = burn();
+        s.model.numerics.sliding_window = Some(s.train.seq_len);
+        assert_eq!(check(&s), Ok(()));
+        s.model.numerics.sliding_window = Some(s.train.seq_len - 1);
+        assert!(refused(&s).contains("sliding-window"), "{}", refused(&s));
+        s.target = Target::Pytorch;
+        assert_eq!(check(&s), Ok(()));
         // RoPE rescaling the executor does not compute is refused, and predicted for PyTorch.
         let mut s = burn();
         s.model.numerics.rope_scaling = Some(RopeScaling::Llama3 {

@@ -238,6 +238,10 @@ pub struct Numerics {
     /// (`model { qk_norm = true }`; Qwen3's `q_norm` and `k_norm`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
+    /// Each token attends to at most this many positions back (Mistral v0.1's
+    /// `sliding_window`); `None`: to every earlier one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
 }
 
 impl Default for Numerics {
@@ -250,6 +254,7 @@ impl Default for Numerics {
             linear_bias: None,
             rope_scaling: None,
             qk_norm: false,
+            sliding_window: None,
         }
     }
 }

@@ -12,9 +12,10 @@
 //! rescaling (`rope_scaling`, or transformers 5's `rope_parameters`): `linear`
 //! and `llama3` are computed by `rcoa run`; other types are kept by name,
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
-//! `target burn` refuses. Mistral's `sliding_window` is ignored: it changes
-//! nothing while the sequence is no longer than the window (4096 in
-//! Mistral's configs); Qwen's `use_sliding_window = true` is refused.
+//! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config,
+//! null later) changes nothing while the sequence is no longer than the
+//! window: `rcoa run` refuses longer sequences. Qwen's `use_sliding_window =
+//! true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
 //! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
@@ -197,6 +198,11 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         if attention {
             n.linear_bias = Some(Biases::All);
         }
+    }
+    if c.model_type == "mistral" {
+        // No different from full attention while the sequence fits in the window;
+        // `executed` refuses longer ones for `rcoa run`.
+        n.sliding_window = c.opt("sliding_window")?;
     }
     if matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
         rope(c, &mut n)?;

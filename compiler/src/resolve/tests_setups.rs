@@ -394,6 +394,14 @@ fn hf_qwen2_and_rope_scaling() {
         s.model.numerics.rope_scaling,
         Some(RopeScaling::Linear { factor: 2.0 })
     );
+    // Mistral v0.1's window is kept (`executed` compares it with `seq_len`); Qwen2's unused
+    // one is not.
+    let s = resolve_with("mistral", r#", "sliding_window": 4096"#).unwrap();
+    assert_eq!(s.model.numerics.sliding_window, Some(4096));
+    let s = resolve_with("mistral", r#", "sliding_window": null"#).unwrap();
+    assert_eq!(s.model.numerics.sliding_window, None);
+    let s = resolve_with("qwen2", r#", "sliding_window": 4096"#).unwrap();
+    assert_eq!(s.model.numerics.sliding_window, None);
     // Kept by name: a PyTorch target predicts it (`executed` refuses it for `rcoa run`).
     let s = resolve_with(
         "mistral",
