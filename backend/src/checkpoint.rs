@@ -67,6 +67,22 @@ impl Identity {
         put("model.max_positions", m.max_positions.to_string());
         put("model.tie_embeddings", m.tie_embeddings.to_string());
         put("model.experts", m.experts.to_string());
+        // Written only where they differ from the family's, so the identities of
+        // checkpoints saved before these entries existed stay the same.
+        let family = if m.norm == rcoa_compiler::spec::Norm::Layernorm {
+            rcoa_compiler::spec::Biases::All
+        } else {
+            rcoa_compiler::spec::Biases::None
+        };
+        if m.biases() != family {
+            put("model.bias", m.biases().as_str().into());
+        }
+        if m.numerics.qk_norm {
+            put("model.qk_norm", "true".into());
+        }
+        if let Some(r) = &m.numerics.rope_scaling {
+            put("model.rope_scaling", format!("{r:?}"));
+        }
         // Contrastive training builds no vocabulary head.
         put(
             "model.lm_head",
@@ -288,6 +304,38 @@ mod tests {
             e.contains("precision: master false in the checkpoint, true in this plan, params fp32 in the checkpoint, bf16 in this plan"),
             "{e}"
         );
+    }
+
+    /// Biases, q/k norms and RoPE's rescaling are the model's too (a `bias = qkv`
+    /// checkpoint resumed without them would drop its biases in silence); a plan that
+    /// writes its family's biases is the same model as one that does not.
+    #[test]
+    fn biases_qk_norms_and_rope_scaling_are_part_of_the_model() {
+        use rcoa_compiler::spec::{Biases, RopeScaling};
+        let plan = tiny_plan();
+        let mut state = Identity::of(&plan, &fp32()).to_json();
+        state["format"] = FORMAT.into();
+        let dir = Path::new("/nonexistent/ckpt");
+        let mut same = plan.clone();
+        same.model.numerics.linear_bias = Some(Biases::None);
+        Identity::of(&same, &fp32()).check(&state, dir).unwrap();
+        let mut qkv = plan.clone();
+        qkv.model.numerics.linear_bias = Some(Biases::Qkv);
+        let mut qk = plan.clone();
+        qk.model.numerics.qk_norm = true;
+        let mut rope = plan.clone();
+        rope.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+        for (other, key) in [
+            (qkv, "bias qkv"),
+            (qk, "qk_norm true"),
+            (rope, "rope_scaling Linear"),
+        ] {
+            let e = Identity::of(&other, &fp32())
+                .check(&state, dir)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 
     #[test]

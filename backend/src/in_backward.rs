@@ -261,21 +261,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Singles<'_> {
 /// Why this executor cannot step `plan` in its backward, or `None` (also
 /// when the plan does not ask it). `scaled`: fp16's loss scale.
 pub(crate) fn refusal(plan: &rcoa_compiler::lowered::LoweredPlan, scaled: bool) -> Option<String> {
-    use rcoa_compiler::spec::OffloadWhat;
+    // ZeRO and the host optimizer are refused with the other setups the executor does not
+    // build (`executed::check_lowered`, first in `Trainer::new`).
     let r = &plan.resolved;
     if !r.optimizer_in_backward {
         return None;
     }
-    let host = [
-        OffloadWhat::Optimizer,
-        OffloadWhat::Params,
-        OffloadWhat::Grads,
-    ]
-    .into_iter()
-    .any(|w| crate::shard::layout::offloads(plan, w));
-    let why = if r.zero > 0 || host {
-        "with the whole optimizer on the device: ZeRO's and the host optimizer's flat shards step after the backward"
-    } else if scaled {
+    let why = if scaled {
         "without fp16's loss scale, which checks every gradient for an overflow before any step"
     } else if r.grad_accum > 1 {
         "with `grad_accum = 1`: every backward is a step"

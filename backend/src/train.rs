@@ -577,6 +577,9 @@ impl<B: ExecAutodiff> Trainer<B> {
         cfg: TrainerConfig<B>,
         device: B::Device,
     ) -> Result<Self, RunError> {
+        // What the executor does not build, for a plan compiled for any engine (the
+        // compiler refuses it for `target burn` before lowering).
+        rcoa_compiler::executed::check_lowered(plan).map_err(RunError::Unsupported)?;
         let ranks = cfg.collective.as_ref().map_or(1, |c| c.ranks() as u64);
         crate::check_plan_ranks(plan, ranks)?;
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;

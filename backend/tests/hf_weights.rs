@@ -980,12 +980,15 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     linear.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
     let mut qwen3 = llama.clone();
     qwen3.model.numerics.qk_norm = true;
+    let mut mistral = llama.clone();
+    mistral.model.numerics.sliding_window = Some(16);
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
         ("qwen2", qwen2, "causal_lm"),
         ("llama-biases-llama3-rope", biased, "causal_lm"),
         ("llama-linear-rope", linear, "causal_lm"),
         ("qwen3", qwen3, "causal_lm"),
+        ("mistral-window", mistral, "causal_lm"),
         ("gpt2", gpt2, "causal_lm"),
         ("bert", bert, "contrastive"),
         ("xlmr", xlmr, "contrastive"),

@@ -160,7 +160,7 @@ impl ModelSpec {
 
 /// The linear projections that have a bias (`model { bias = .. }`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", from = "BiasesRead")]
 pub enum Biases {
     /// `bias = false`: none (Llama, Mistral).
     None,
@@ -169,6 +169,33 @@ pub enum Biases {
     /// `bias = true`: every attention and MLP projection (GPT-2, BERT; Megatron's
     /// `add_bias_linear`).
     All,
+}
+
+/// What a lowered plan's `linear_bias` reads from: a name, or the boolean of plans lowered
+/// before `qkv` existed.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum BiasesRead {
+    Bool(bool),
+    Name(BiasesName),
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum BiasesName {
+    None,
+    Qkv,
+    All,
+}
+
+impl From<BiasesRead> for Biases {
+    fn from(r: BiasesRead) -> Biases {
+        match r {
+            BiasesRead::Bool(true) | BiasesRead::Name(BiasesName::All) => Biases::All,
+            BiasesRead::Bool(false) | BiasesRead::Name(BiasesName::None) => Biases::None,
+            BiasesRead::Name(BiasesName::Qkv) => Biases::Qkv,
+        }
+    }
 }
 
 impl Biases {
@@ -767,5 +794,22 @@ impl Target {
     /// A PyTorch engine (every target but rcoa's Burn executor).
     pub fn is_pytorch_engine(self) -> bool {
         self != Target::Burn
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lowered plans written before `bias = qkv` said `"linear_bias": true`; they still read.
+    #[test]
+    fn biases_read_names_and_the_old_booleans() {
+        let read = |s: &str| serde_json::from_str::<Biases>(s).unwrap();
+        assert_eq!(read("true"), Biases::All);
+        assert_eq!(read("false"), Biases::None);
+        for b in [Biases::None, Biases::Qkv, Biases::All] {
+            assert_eq!(read(&serde_json::to_string(&b).unwrap()), b);
+        }
+        assert!(serde_json::from_str::<Biases>("\"qk\"").is_err());
     }
 }

@@ -43,16 +43,12 @@ pub fn hf_config_dir(plan_path: &Path, plan: &LoweredPlan) -> Option<PathBuf> {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let loaded = match super::common::load_spec(&args.plan) {
-        Ok(l) => l,
+    // The executor's forward, so the plan is compiled for it (`target burn`), which refuses
+    // what it does not compute (RoPE rescaling it does not know, a sliding window shorter
+    // than the sequence) as `rcoa run` does.
+    let plan = match super::run::lower_plan(&args.plan) {
+        Ok(p) => p,
         Err(code) => return code,
-    };
-    let plan = match rcoa_compiler::compile(&loaded.spec) {
-        Ok(c) => c.lowered,
-        Err(e) => {
-            eprint!("{}", super::common::render(&e));
-            return ExitCode::from(2);
-        }
     };
     let opts = EvalOptions {
         data: args.data.clone(),

@@ -149,7 +149,7 @@ fn what_it_cannot_step_in_the_backward_is_refused() {
         what: OffloadWhat::Optimizer,
         to: OffloadTo::Cpu,
     }];
-    refused(p, "host optimizer");
+    refused(p, "offload");
     assert!(
         crate::in_backward::refusal(&in_backward(&tiny_plan()), true)
             .is_some_and(|e| e.contains("fp16"))

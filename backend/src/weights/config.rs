@@ -25,6 +25,13 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
             // Qwen2's class is Llama's with biases on q, k and v; Qwen3's with a norm over
             // each head of q and k and no biases.
             let (class, model_type) = match (m.biases(), n.qk_norm) {
+                // Mistral's class is Llama's with a sliding window.
+                _ if n.sliding_window.is_some() => {
+                    if (m.biases(), n.qk_norm) != (Biases::None, false) {
+                        return None;
+                    }
+                    ("MistralForCausalLM", "mistral")
+                }
                 (Biases::Qkv, false) => ("Qwen2ForCausalLM", "qwen2"),
                 (Biases::None | Biases::All, false) => ("LlamaForCausalLM", "llama"),
                 (Biases::None, true) if m.norm == Norm::Rmsnorm => ("Qwen3ForCausalLM", "qwen3"),
@@ -71,11 +78,13 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 "rope_parameters": rope.clone(),
                 "attention_dropout": m.dropout,
             });
-            if model_type == "llama" {
-                c["attention_bias"] = all.into();
-                c["mlp_bias"] = all.into();
-            } else {
-                c["use_sliding_window"] = false.into();
+            match model_type {
+                "llama" => {
+                    c["attention_bias"] = all.into();
+                    c["mlp_bias"] = all.into();
+                }
+                "mistral" => c["sliding_window"] = n.sliding_window.into(),
+                _ => c["use_sliding_window"] = false.into(),
             }
             if model_type == "qwen3" {
                 c["attention_bias"] = false.into();

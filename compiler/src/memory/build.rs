@@ -901,15 +901,22 @@ impl<'a> Builder<'a> {
         // the memory-efficient kernel takes fp32 but not grouped-query attention; otherwise
         // it runs the math backend, which materialises the scores like eager attention.
         let sixteen_bit = self.act.bytes() <= 2.0;
+        // A sliding window (Mistral v0.1) as long as the sequence or shorter: transformers
+        // hands SDPA a `[b, 1, s, s]` boolean mask (it skips it only while the keys are
+        // fewer than the window), which SDPA turns into an additive one that the
+        // memory-efficient kernel keeps for its backward; with a mask, k and v are repeated
+        // to every head (`use_gqa_in_sdpa` is false).
+        let windowed = !self.profile.burn_ops && m.numerics.sliding_window.is_some_and(|w| s >= w);
+        let gqa_without_repeat = self.profile.gqa_without_repeat && !windowed;
         let fused = self.profile.fused_attention
             && self.spec.train.attention != Attention::Eager
-            && (sixteen_bit || kv == heads || !self.profile.gqa_without_repeat);
+            && (sixteen_bit || kv == heads || !gqa_without_repeat);
         let act = self.dtype(q);
         let burn_flash = self.profile.burn_ops && self.spec.train.attention == Attention::Flash;
         let out = if burn_flash {
             self.burn_flash_attention(q, k, v, heads * hd, score_flops)
         } else if fused {
-            let (k, v) = if kv < heads && !self.profile.gqa_without_repeat {
+            let (k, v) = if kv < heads && !gqa_without_repeat {
                 (self.repeat_kv(k, heads * hd), self.repeat_kv(v, heads * hd))
             } else {
                 (k, v)
@@ -917,7 +924,15 @@ impl<'a> Builder<'a> {
             let rg = self.rg(q) || self.rg(k) || self.rg(v);
             let out = self.tensor("attention", &[self.tokens, heads * hd], act, rg);
             let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
-            let o = self.op("attention", &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
+            let mut inputs = vec![q, k, v];
+            let mut saved = vec![q, k, v, out, lse];
+            if windowed {
+                let mask = self.tensor("window_mask", &[seqs, 1, s, s], act, false);
+                self.op("window_mask", &[], &[mask], &[]);
+                inputs.push(mask);
+                saved.push(mask);
+            }
+            let o = self.op("attention", &inputs, &[out, lse], &saved);
             self.keep_for_recompute(&[out, lse], false);
             // Flash backward accumulates dq in fp32.
             let dq = self.bytes(self.tokens * heads * hd, Dtype::Fp32);

@@ -148,14 +148,24 @@ pub fn buffers(
                         b,
                     );
                 }
-                if d > 1 && !cand.offloads(OffloadWhat::Params) && hidden < zs.persistence_threshold
-                {
-                    // `partition_parameters.py`: parameters under
-                    // `stage3_param_persistence_threshold` elements (every norm's scale) are
-                    // never partitioned: every rank keeps them whole.
-                    let layers = stage.end_layer.saturating_sub(stage.first_layer);
-                    let norms = (2 * layers + u64::from(stage.head)) * hidden;
-                    let b = bytes(norms - norms.div_ceil(d), param_b);
+                // `partition_parameters.py`: parameters under
+                // `stage3_param_persistence_threshold` elements (norms' scales, biases,
+                // Qwen3's q/k norms) are never partitioned: every rank keeps them whole.
+                let small = |n: &u64| *n < zs.persistence_threshold;
+                let per_layer: u64 = super::parallel::layer_vectors(m, t)
+                    .iter()
+                    .map(|(_, n)| *n)
+                    .filter(small)
+                    .sum();
+                let layers = stage.end_layer.saturating_sub(stage.first_layer);
+                let head_norm = if stage.head && small(&hidden) {
+                    hidden
+                } else {
+                    0
+                };
+                let persistent = layers * per_layer + head_norm;
+                if d > 1 && !cand.offloads(OffloadWhat::Params) && persistent > 0 {
+                    let b = bytes(persistent - persistent.div_ceil(d), param_b);
                     add(
                         format!(
                             "DeepSpeed ZeRO-3 persistent parameters {} (under stage3_param_persistence_threshold, whole on every rank)",

@@ -79,12 +79,57 @@ pub fn layer_params(m: &crate::spec::ModelSpec, tensor: u64) -> u64 {
         crate::spec::Mlp::Swiglu => 3 * m.hidden * ffn,
         crate::spec::Mlp::Gelu | crate::spec::Mlp::SquaredRelu => 2 * m.hidden * ffn,
     };
-    // Two norms a layer: an RMSNorm has a scale, a LayerNorm a scale and a bias.
-    let norms = match m.norm {
-        crate::spec::Norm::Rmsnorm => 2 * m.hidden,
-        crate::spec::Norm::Layernorm => 4 * m.hidden,
-    };
-    attn + mlp * m.experts.max(1) + norms
+    let mlp_biases: u64 = layer_vectors(m, tensor)
+        .iter()
+        .filter(|(what, _)| what.starts_with("mlp"))
+        .map(|(_, n)| n)
+        .sum();
+    let others: u64 = layer_vectors(m, tensor)
+        .iter()
+        .filter(|(what, _)| !what.starts_with("mlp"))
+        .map(|(_, n)| n)
+        .sum();
+    attn + (mlp + mlp_biases) * m.experts.max(1) + others
+}
+
+/// The one-dimensional parameters of one transformer layer on one tensor-parallel rank,
+/// with their lengths: the two norms' scales (and a LayerNorm's biases), the projections'
+/// biases (`mlp…`: one per expert), Qwen3's norms over each head of q and k.
+pub fn layer_vectors(m: &crate::spec::ModelSpec, tensor: u64) -> Vec<(&'static str, u64)> {
+    use crate::spec::{Mlp, Norm, Proj};
+    let t = tensor.max(1);
+    let (heads, kv, ffn) = (
+        m.heads.div_ceil(t),
+        m.kv_heads.div_ceil(t),
+        m.ffn.div_ceil(t),
+    );
+    let layernorm = m.norm == Norm::Layernorm;
+    let mut v = vec![("norm", m.hidden), ("norm", m.hidden)];
+    if layernorm {
+        v.extend([("norm_bias", m.hidden), ("norm_bias", m.hidden)]);
+    }
+    if m.numerics.qk_norm {
+        v.extend([("qk_norm", m.head_dim), ("qk_norm", m.head_dim)]);
+        if layernorm {
+            v.extend([("qk_norm_bias", m.head_dim), ("qk_norm_bias", m.head_dim)]);
+        }
+    }
+    let projections = [
+        (Proj::Q, "q_bias", heads * m.head_dim),
+        (Proj::K, "k_bias", kv * m.head_dim),
+        (Proj::V, "v_bias", kv * m.head_dim),
+        // The row-parallel projections' biases are whole on every rank.
+        (Proj::O, "o_bias", m.hidden),
+        (Proj::Gate, "mlp_gate_bias", ffn),
+        (Proj::Up, "mlp_up_bias", ffn),
+        (Proj::Down, "mlp_down_bias", m.hidden),
+    ];
+    for (p, what, n) in projections {
+        if m.bias_on(p) && (p != Proj::Gate || m.mlp == Mlp::Swiglu) {
+            v.push((what, n));
+        }
+    }
+    v
 }
 
 /// Parameters of the whole model (elements): layers, embeddings and an untied head.

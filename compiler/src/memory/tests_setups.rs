@@ -55,7 +55,7 @@ fn linear_biases_add_parameters_and_save_nothing_more() {
 }
 
 /// Qwen3's RMSNorm over each head of q and k adds a weight of `head_dim` values to each and
-/// keeps what HF's RMSNorm keeps, measured with `saved_tensors_hooks` on a Qwen3 layer
+/// keeps what HF's RMSNorm keeps, measured with `saved_tensors_hooks` (`tools/qk_norm_saved.py`) on a Qwen3 layer
 /// against a Llama layer of the same shape (transformers 5.23, bf16: 148,992 more bytes at
 /// 64 tokens, 4 heads of 64, 2 kv heads): per norm the fp32 upcast of its input, the
 /// per-row `rsqrt` (fp32) and the normalized values cast back to bf16.
@@ -460,4 +460,73 @@ fn selective_op_keeps_attention_and_every_other_matmul() {
         kept_with_bias(CheckpointChoice::SelectiveOp) - kept_with_bias(CheckpointChoice::Full),
         m.layers * attention
     );
+}
+
+/// The layer's parameter count (FSDP units, ZeRO-3 buckets, `--explain`) holds the
+/// projections' biases and Qwen3's q/k norms: q, k and v's biases are split over tensor
+/// ranks with their heads, o's and the norms are whole on each.
+#[test]
+fn layer_params_count_biases_and_qk_norms() {
+    use super::parallel::layer_params;
+    let plain = SpecBuilder::new().build().model;
+    let (hd, heads, kv) = (plain.head_dim, plain.heads, plain.kv_heads);
+    let mut qkv = plain.clone();
+    qkv.numerics.linear_bias = Some(Biases::Qkv);
+    let mut all = plain.clone();
+    all.numerics.linear_bias = Some(Biases::All);
+    let mut qk = plain.clone();
+    qk.numerics.qk_norm = true;
+    for t in [1, 2] {
+        let base = layer_params(&plain, t);
+        let qkv_bias = (heads / t + 2 * kv / t) * hd;
+        assert_eq!(layer_params(&qkv, t) - base, qkv_bias, "tensor {t}");
+        assert_eq!(
+            layer_params(&all, t) - base,
+            qkv_bias + plain.hidden + 2 * plain.ffn / t + plain.hidden,
+            "tensor {t}"
+        );
+        assert_eq!(layer_params(&qk, t) - base, 2 * hd, "tensor {t}");
+    }
+}
+
+/// Mistral v0.1's sliding window as long as the sequence: SDPA gets a `[b, 1, s, s]`
+/// mask, keeps its additive copy for the backward and repeats k and v to every head; a
+/// longer window changes nothing.
+#[test]
+fn a_sliding_window_within_the_sequence_keeps_a_mask_and_repeated_kv() {
+    let base = SpecBuilder::new()
+        .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+        .build();
+    let m = &base.model;
+    assert!(
+        m.kv_heads < m.heads,
+        "the test needs grouped-query attention"
+    );
+    let seq = base.train.seq_len;
+    let with = |w: u64| {
+        let mut s = base.clone();
+        s.model.numerics.sliding_window = Some(w);
+        saved_at_forward_end(&s, &cand())
+    };
+    let plain = saved_at_forward_end(&base, &cand());
+    assert_eq!(with(seq + 1), plain);
+    let p = Profile::for_target(Target::Pytorch);
+    let b = cand().micro_batch;
+    let tokens = b * seq;
+    let repeated = p.allocated(2 * tokens * m.heads * m.head_dim)
+        - p.allocated(2 * tokens * m.kv_heads * m.head_dim);
+    let mask = p.allocated(2 * b * seq * seq);
+    assert_eq!(with(seq) - plain, m.layers * (mask + 2 * repeated));
+    // Burn's executor refuses a window shorter than the sequence and equals full
+    // attention within it.
+    let burn = Profile::for_target(Target::Burn);
+    let c = cand();
+    let walk = |s: &Spec| {
+        let bld = Builder::new(s, &burn, &c).build(0..s.model.layers, true, true);
+        tape::walk(&bld.tape, &Persistent::default(), false).forward_end
+            [Category::Activations as usize]
+    };
+    let mut windowed = base.clone();
+    windowed.model.numerics.sliding_window = Some(seq);
+    assert_eq!(walk(&windowed), walk(&base));
 }

@@ -12,14 +12,15 @@
 //! rescaling (`rope_scaling`, or transformers 5's `rope_parameters`): `linear`
 //! and `llama3` are computed by `rcoa run`; other types are kept by name,
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
-//! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config,
-//! null later) changes nothing while the sequence is no longer than the
-//! window: `rcoa run` refuses longer sequences. Qwen's `use_sliding_window =
+//! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config
+//! and when missing, null later) is full attention while the sequence is no
+//! longer than the window: `rcoa run` refuses longer sequences. Qwen's `use_sliding_window =
 //! true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
 //! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
-//!   `num_attention_heads`, `num_key_value_heads` (default: heads),
+//!   `num_attention_heads`, `num_key_value_heads` (missing: Llama heads,
+//!   Mistral 8, Qwen 32, as their config classes; `null`: heads),
 //!   `head_dim` (default: hidden/heads), `intermediate_size`, `vocab_size`,
 //!   `max_position_embeddings`, `tie_word_embeddings` (default false),
 //!   `attention_dropout` (default 0); SwiGLU, RMSNorm, RoPE, decoder.
@@ -202,7 +203,11 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     if c.model_type == "mistral" {
         // No different from full attention while the sequence fits in the window;
         // `executed` refuses longer ones for `rcoa run`.
-        n.sliding_window = c.opt("sliding_window")?;
+        // MistralConfig's default is 4096; `null` is none.
+        n.sliding_window = match c.obj.get("sliding_window") {
+            None => Some(4096),
+            Some(_) => c.opt("sliding_window")?,
+        };
     }
     if matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
         rope(c, &mut n)?;
@@ -261,6 +266,8 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
     for key in ["rope_scaling", "rope_parameters"] {
         match c.obj.get(key) {
             None | Some(Json::Null) => {}
+            // transformers takes `rope_scaling or rope_parameters`: an empty one is absent.
+            Some(Json::Object(o)) if o.is_empty() => {}
             Some(Json::Object(o)) => {
                 params = Some(o);
                 break;
@@ -322,10 +329,15 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
                     value: format!("{low} (not below high_freq_factor, {high})"),
                 });
             }
-            // As transformers: the pretraining length, else `max_position_embeddings`.
-            let original = match p.opt("original_max_position_embeddings")? {
+            // As transformers' `standardize_rope_params`: the pretraining length written
+            // beside the config's other keys (Phi-3's place), else inside, else
+            // `max_position_embeddings`.
+            let original = match c.opt("original_max_position_embeddings")? {
                 Some(o) => o,
-                None => c.req("max_position_embeddings")?,
+                None => match p.opt("original_max_position_embeddings")? {
+                    Some(o) => o,
+                    None => c.req("max_position_embeddings")?,
+                },
             };
             Some(RopeScaling::Llama3 {
                 factor: factor()?,
@@ -359,7 +371,15 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
                 layers,
                 hidden,
                 heads,
-                kv_heads: c.opt("num_key_value_heads")?.unwrap_or(heads),
+                kv_heads: match c.obj.get("num_key_value_heads") {
+                    // The config class's default when the key is missing; `null` is `heads`.
+                    None => match c.model_type {
+                        "mistral" => 8,
+                        "qwen2" | "qwen3" => 32,
+                        _ => heads,
+                    },
+                    Some(_) => c.opt("num_key_value_heads")?.unwrap_or(heads),
+                },
                 head_dim: c.opt("head_dim")?.unwrap_or(head_dim_default),
                 ffn: c.req("intermediate_size")?,
                 mlp: Mlp::Swiglu,

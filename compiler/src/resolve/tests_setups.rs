@@ -384,6 +384,23 @@ fn hf_qwen2_and_rope_scaling() {
     };
     assert_eq!(original_max_positions, 256);
     assert_eq!(s.model.numerics.rope_theta, 500000.0);
+    // The length beside the other keys wins, as in transformers; an empty `rope_scaling`
+    // is absent.
+    let s = resolve_with(
+        "llama",
+        r#", "original_max_position_embeddings": 4096, "rope_scaling": {}, "rope_parameters":
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}"#,
+    )
+    .unwrap();
+    let Some(RopeScaling::Llama3 {
+        original_max_positions,
+        ..
+    }) = s.model.numerics.rope_scaling
+    else {
+        panic!("{:?}", s.model.numerics.rope_scaling)
+    };
+    assert_eq!(original_max_positions, 4096);
     // The old `type` key.
     let s = resolve_with(
         "qwen2",
@@ -400,6 +417,26 @@ fn hf_qwen2_and_rope_scaling() {
     assert_eq!(s.model.numerics.sliding_window, Some(4096));
     let s = resolve_with("mistral", r#", "sliding_window": null"#).unwrap();
     assert_eq!(s.model.numerics.sliding_window, None);
+    // Missing keys mean the config classes' defaults.
+    let bare = |model_type: &str| {
+        std::fs::write(
+            dir.join("c.json"),
+            format!(
+                r#"{{"model_type": "{model_type}", "num_hidden_layers": 2, "hidden_size": 512,
+                    "num_attention_heads": 64, "intermediate_size": 128, "vocab_size": 100,
+                    "max_position_embeddings": 256}}"#
+            ),
+        )
+        .unwrap();
+        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+        resolve(&file, &ResolveContext::new("t.plan", plan, &dir)).unwrap()
+    };
+    let m = bare("mistral").model;
+    assert_eq!((m.kv_heads, m.numerics.sliding_window), (8, Some(4096)));
+    assert_eq!(bare("qwen2").model.kv_heads, 32);
+    assert_eq!(bare("llama").model.kv_heads, 64);
+    let s = resolve_with("mistral", r#", "num_key_value_heads": null"#).unwrap();
+    assert_eq!(s.model.kv_heads, 4);
     let s = resolve_with("qwen2", r#", "sliding_window": 4096"#).unwrap();
     assert_eq!(s.model.numerics.sliding_window, None);
     // Kept by name: a PyTorch target predicts it (`executed` refuses it for `rcoa run`).
