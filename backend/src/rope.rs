@@ -36,7 +36,8 @@ pub fn inverse_frequencies(n: &Numerics, head_dim: usize) -> Vec<f64> {
                 })
                 .collect()
         }
-        // `executed::check` refuses these before a model is built.
+        // Refused before a model is built: `executed::check` when a plan compiles for
+        // `rcoa run` or `rcoa eval`, `executed::check_lowered` in `Trainer::new`.
         Some(RopeScaling::Other { name }) => {
             panic!("`rcoa run` does not compute RoPE scaling of type `{name}`")
         }
