@@ -69,12 +69,7 @@ impl Identity {
         put("model.experts", m.experts.to_string());
         // Written only where they differ from the family's, so the identities of
         // checkpoints saved before these entries existed stay the same.
-        let family = if m.norm == rcoa_compiler::spec::Norm::Layernorm {
-            rcoa_compiler::spec::Biases::All
-        } else {
-            rcoa_compiler::spec::Biases::None
-        };
-        if m.biases() != family {
+        if m.biases() != m.family_biases() {
             put("model.bias", m.biases().as_str().into());
         }
         if m.numerics.qk_norm {

@@ -29,8 +29,8 @@
 //! vector, before the unit steps; every rank then makes the same update.
 //! The loss is averaged once the backward is done.
 //!
-//! What it does not do, refused where the plan is compiled
-//! (`rcoa_compiler::executed`) and again by `Trainer::new` for a lowered
+//! What it does not do, refused by `rcoa_compiler::executed` where the plan
+//! is compiled, and by its `check_lowered` in `Trainer::new` for any lowered
 //! plan: ZeRO and the host optimizer (their shards step after the
 //! backward), fp16 (its loss scale is checked over every gradient before
 //! any step), and gradient accumulation (every backward is a step).
@@ -256,25 +256,4 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Singles<'_> {
             one
         }));
     }
-}
-
-/// Why this executor cannot step `plan` in its backward, or `None` (also
-/// when the plan does not ask it). `scaled`: fp16's loss scale.
-pub(crate) fn refusal(plan: &rcoa_compiler::lowered::LoweredPlan, scaled: bool) -> Option<String> {
-    // ZeRO and the host optimizer are refused with the other setups the executor does not
-    // build (`executed::check_lowered`, first in `Trainer::new`).
-    let r = &plan.resolved;
-    if !r.optimizer_in_backward {
-        return None;
-    }
-    let why = if scaled {
-        "without fp16's loss scale, which checks every gradient for an overflow before any step"
-    } else if r.grad_accum > 1 {
-        "with `grad_accum = 1`: every backward is a step"
-    } else {
-        return None;
-    };
-    Some(format!(
-        "`rcoa run` steps the optimizer in the backward (`optimizer.in_backward = true`) only {why}"
-    ))
 }

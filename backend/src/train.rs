@@ -585,9 +585,6 @@ impl<B: ExecAutodiff> Trainer<B> {
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
         let optim = Optim::for_plan(plan)?;
         let scaler = LossScaler::for_precision(&precision);
-        if let Some(why) = crate::in_backward::refusal(plan, scaler.is_some()) {
-            return Err(RunError::Unsupported(why));
-        }
         B::seed(&device, cfg.seed);
         let lm_head = plan.train.loss != Loss::Contrastive;
         // One unit at a time, each loaded, cast or sharded before the next

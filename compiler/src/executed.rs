@@ -71,14 +71,24 @@ fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
         return None;
     }
     let flat = r.zero > 0 || r.offload.iter().any(|o| o.what != OffloadWhat::Activations);
-    in_backward(&plan.precision).or_else(|| {
-        flat.then(|| {
-            (
-                "the optimizer step in the backward (`optimizer.in_backward = true`) with ZeRO or offload".into(),
-                "it steps in the backward with the whole optimizer on the device: write `zero = 0` and offload nothing but activations".into(),
-            )
+    in_backward(&plan.precision)
+        .or_else(|| {
+            flat.then(|| {
+                (
+                    "the optimizer step in the backward (`optimizer.in_backward = true`) with ZeRO or offload".into(),
+                    "it steps in the backward with the whole optimizer on the device: write `zero = 0` and offload nothing but activations".into(),
+                )
+            })
         })
-    })
+        // The language's rule for a plan; a lowered one may have been edited.
+        .or_else(|| {
+            (r.grad_accum > 1).then(|| {
+                (
+                    format!("the optimizer step in the backward (`optimizer.in_backward = true`) with `grad_accum = {}`", r.grad_accum),
+                    "every backward is a step: write `grad_accum = 1`".into(),
+                )
+            })
+        })
 }
 
 /// Sliding-window attention over sequences longer than the window: `rcoa run` attends to

@@ -139,13 +139,17 @@ impl ModelSpec {
     /// LayerNorm models (GPT-2, BERT, XLM-R) have them all, RMSNorm models (Llama,
     /// Mistral) none.
     pub fn biases(&self) -> Biases {
-        self.numerics
-            .linear_bias
-            .unwrap_or(if self.norm == Norm::Layernorm {
-                Biases::All
-            } else {
-                Biases::None
-            })
+        self.numerics.linear_bias.unwrap_or(self.family_biases())
+    }
+
+    /// The biases of the families rcoa knows by their norm: all with LayerNorm, none with
+    /// RMSNorm (what `bias` means when the plan and the config leave it out).
+    pub fn family_biases(&self) -> Biases {
+        if self.norm == Norm::Layernorm {
+            Biases::All
+        } else {
+            Biases::None
+        }
     }
 
     /// Does projection `p` have a bias?

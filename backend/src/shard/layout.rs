@@ -70,19 +70,15 @@ pub fn unit_values(plan: &LoweredPlan) -> Vec<UnitValues> {
     projections.push((rcoa_compiler::spec::Proj::Up, d, ffn));
     projections.push((rcoa_compiler::spec::Proj::Down, ffn, d));
     let mut layer = UnitValues::default();
-    norm(&mut layer);
-    norm(&mut layer);
-    if m.numerics.qk_norm {
-        let per = if m.norm == Norm::Layernorm { 2 } else { 1 };
-        layer.add(2 * per * m.head_dim as usize, base);
+    // The norms, Qwen3's q/k norms and the projections' biases: base parameters, whole
+    // (and not quantized under QLoRA), as the compiler counts them.
+    for (_, n) in rcoa_compiler::memory::parallel::layer_vectors(m, 1) {
+        layer.add(n as usize, base);
     }
     let quantized = a.is_some_and(|a| a.kind == AdapterKind::Qlora);
     for (proj, d_in, d_out) in projections {
         if !quantized {
             layer.add(d_in * d_out, base);
-        }
-        if m.bias_on(proj) {
-            layer.add(d_out, base);
         }
         if let Some(a) = a.filter(|a| a.targets.contains(&proj)) {
             let r = a.rank as usize;

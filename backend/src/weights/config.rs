@@ -24,17 +24,15 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
             }
             // Qwen2's class is Llama's with biases on q, k and v; Qwen3's with a norm over
             // each head of q and k and no biases.
-            let (class, model_type) = match (m.biases(), n.qk_norm) {
-                // Mistral's class is Llama's with a sliding window.
-                _ if n.sliding_window.is_some() => {
-                    if (m.biases(), n.qk_norm) != (Biases::None, false) {
-                        return None;
-                    }
-                    ("MistralForCausalLM", "mistral")
+            // Mistral's is Llama's with a sliding window.
+            let windowed = n.sliding_window.is_some();
+            let (class, model_type) = match (m.biases(), n.qk_norm, windowed) {
+                (Biases::None, false, true) => ("MistralForCausalLM", "mistral"),
+                (Biases::Qkv, false, false) => ("Qwen2ForCausalLM", "qwen2"),
+                (Biases::None | Biases::All, false, false) => ("LlamaForCausalLM", "llama"),
+                (Biases::None, true, false) if m.norm == Norm::Rmsnorm => {
+                    ("Qwen3ForCausalLM", "qwen3")
                 }
-                (Biases::Qkv, false) => ("Qwen2ForCausalLM", "qwen2"),
-                (Biases::None | Biases::All, false) => ("LlamaForCausalLM", "llama"),
-                (Biases::None, true) if m.norm == Norm::Rmsnorm => ("Qwen3ForCausalLM", "qwen3"),
                 _ => return None,
             };
             let all = m.biases() == Biases::All;
@@ -84,10 +82,11 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                     c["mlp_bias"] = all.into();
                 }
                 "mistral" => c["sliding_window"] = n.sliding_window.into(),
-                _ => c["use_sliding_window"] = false.into(),
-            }
-            if model_type == "qwen3" {
-                c["attention_bias"] = false.into();
+                "qwen2" => c["use_sliding_window"] = false.into(),
+                _ => {
+                    c["use_sliding_window"] = false.into();
+                    c["attention_bias"] = false.into();
+                }
             }
             if n.rope_scaling.is_some() {
                 rope.as_object_mut().map(|r| r.remove("rope_theta"));

@@ -3,17 +3,12 @@
 //! with each, so a reader can check it against the engine's code.
 
 use super::Decision;
-use crate::spec::{Biases, Mlp, Norm, Spec};
+use crate::spec::{Biases, Mlp, Spec};
 
 pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
     let m = &spec.model;
     if let Some(b) = m.numerics.linear_bias {
-        let family = if m.norm == Norm::Layernorm {
-            Biases::All
-        } else {
-            Biases::None
-        };
-        if b != family {
+        if b != m.family_biases() {
             log.push(Decision::new(
                 "model",
                 format!("bias = {}", b.as_str()),

@@ -79,16 +79,17 @@ pub fn layer_params(m: &crate::spec::ModelSpec, tensor: u64) -> u64 {
         crate::spec::Mlp::Swiglu => 3 * m.hidden * ffn,
         crate::spec::Mlp::Gelu | crate::spec::Mlp::SquaredRelu => 2 * m.hidden * ffn,
     };
-    let mlp_biases: u64 = layer_vectors(m, tensor)
-        .iter()
-        .filter(|(what, _)| what.starts_with("mlp"))
-        .map(|(_, n)| n)
-        .sum();
-    let others: u64 = layer_vectors(m, tensor)
-        .iter()
-        .filter(|(what, _)| !what.starts_with("mlp"))
-        .map(|(_, n)| n)
-        .sum();
+    // The MLP's biases are one set per expert.
+    let (mlp_biases, others) =
+        layer_vectors(m, tensor)
+            .into_iter()
+            .fold((0, 0), |(e, o), (what, n)| {
+                if what.starts_with("mlp") {
+                    (e + n, o)
+                } else {
+                    (e, o + n)
+                }
+            });
     attn + (mlp + mlp_biases) * m.experts.max(1) + others
 }
 
