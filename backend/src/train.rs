@@ -44,6 +44,7 @@ use crate::model::{Ctx, Embed, Head, Layer, Model};
 use crate::ops::{ExecAutodiff, ExecBackend};
 use crate::optim::adafactor::AdafactorOptimizer;
 use crate::optim::adam8bit::Adam8bitOptimizer;
+use crate::optim::adam_mini::AdamMiniOptimizer;
 use crate::optim::lion::LionOptimizer;
 use crate::RunError;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
@@ -235,6 +236,9 @@ pub enum Optim<B: ExecAutodiff> {
     Adam8bit(OptimizerAdaptor<Adam8bitOptimizer, Model<B>, B>),
     Lion(OptimizerAdaptor<LionOptimizer, Model<B>, B>),
     Adafactor(OptimizerAdaptor<AdafactorOptimizer, Model<B>, B>),
+    /// Each parameter's blocks are in its records before the first step
+    /// ([`Optim::with_model`]).
+    AdamMini(OptimizerAdaptor<AdamMiniOptimizer, Model<B>, B>),
 }
 
 impl<B: ExecAutodiff> Optim<B> {
@@ -254,34 +258,65 @@ impl<B: ExecAutodiff> Optim<B> {
         });
         Ok(match o.kind {
             OptimizerKind::Adamw => Optim::AdamW(
-                AdamWConfig::new().with_beta_1(b1).with_beta_2(b2).with_epsilon(eps).with_weight_decay(o.weight_decay as f32).init(),
+                AdamWConfig::new()
+                    .with_beta_1(b1)
+                    .with_beta_2(b2)
+                    .with_epsilon(eps)
+                    .with_weight_decay(o.weight_decay as f32)
+                    .init(),
             ),
-            OptimizerKind::Adam => {
-                Optim::Adam(AdamConfig::new().with_beta_1(b1).with_beta_2(b2).with_epsilon(eps).with_weight_decay(decay).init())
-            }
+            OptimizerKind::Adam => Optim::Adam(
+                AdamConfig::new()
+                    .with_beta_1(b1)
+                    .with_beta_2(b2)
+                    .with_epsilon(eps)
+                    .with_weight_decay(decay)
+                    .init(),
+            ),
             OptimizerKind::Sgd => {
-                let momentum = (o.momentum > 0.0).then_some(MomentumConfig { momentum: o.momentum, dampening: 0.0, nesterov: false });
-                Optim::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
+                let momentum = (o.momentum > 0.0).then_some(MomentumConfig {
+                    momentum: o.momentum,
+                    dampening: 0.0,
+                    nesterov: false,
+                });
+                Optim::Sgd(
+                    SgdConfig::new()
+                        .with_momentum(momentum)
+                        .with_weight_decay(decay)
+                        .init(),
+                )
             }
-            OptimizerKind::Adam8bit => {
-                Optim::Adam8bit(OptimizerAdaptor::from(Adam8bitOptimizer::new(b1, b2, eps, o.weight_decay as f32)))
-            }
+            OptimizerKind::Adam8bit => Optim::Adam8bit(OptimizerAdaptor::from(
+                Adam8bitOptimizer::new(b1, b2, eps, o.weight_decay as f32),
+            )),
             OptimizerKind::Lion => Optim::Lion(OptimizerAdaptor::from(LionOptimizer {
                 beta_1: b1,
                 beta_2: b2,
                 weight_decay: o.weight_decay as f32,
             })),
-            OptimizerKind::Adafactor => Optim::Adafactor(OptimizerAdaptor::from(AdafactorOptimizer {
-                beta_1: (o.betas.0 > 0.0).then_some(o.betas.0),
-                weight_decay: o.weight_decay,
-            })),
-            other => {
-                return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, adafactor, lion and sgd are; Burn 0.21 has no {})",
-                    other.as_str(),
-                    other.as_str()
-                )))
+            OptimizerKind::Adafactor => {
+                Optim::Adafactor(OptimizerAdaptor::from(AdafactorOptimizer {
+                    beta_1: (o.betas.0 > 0.0).then_some(o.betas.0),
+                    weight_decay: o.weight_decay,
+                }))
             }
+            OptimizerKind::AdamMini => Optim::AdamMini(OptimizerAdaptor::from(
+                AdamMiniOptimizer::new(o.betas.0, o.betas.1, eps as f64, o.weight_decay),
+            )),
+        })
+    }
+
+    /// `self` ready to step `model`: Adam-mini learns each parameter's blocks
+    /// from its module path (`optim::adam_mini::blocks`), which Burn's adaptor
+    /// does not hand a step.
+    fn with_model(self, plan: &LoweredPlan, model: &Model<B>) -> Result<Self, RunError> {
+        Ok(match self {
+            Optim::AdamMini(o) => {
+                let records = crate::optim::adam_mini::initial_records(model, &plan.model)
+                    .map_err(|e| RunError::Unsupported(format!("optimizer adam-mini: {e}")))?;
+                Optim::AdamMini(o.load_record(records.into_iter().collect()))
+            }
+            other => other,
         })
     }
 
@@ -306,6 +341,13 @@ impl<B: ExecAutodiff> Optim<B> {
                 }
                 model
             }
+            Optim::AdamMini(o) => {
+                let model = o.step(lr, model, grads);
+                if let Some(e) = o.optim().take_error() {
+                    return (model, Err(RunError::Backend(format!("Adam-mini: {e}"))));
+                }
+                model
+            }
         };
         (model, Ok(()))
     }
@@ -322,6 +364,7 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::Adam8bit(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Lion(o) => Recorder::<B>::record(rec, o.to_record(), path),
             Optim::Adafactor(o) => Recorder::<B>::record(rec, o.to_record(), path),
+            Optim::AdamMini(o) => Recorder::<B>::record(rec, o.to_record(), path),
         };
         r.map_err(|e| RunError::Checkpoint(format!("cannot write the optimizer state: {e}")))
     }
@@ -354,6 +397,9 @@ impl<B: ExecAutodiff> Optim<B> {
             Optim::Adafactor(o) => Optim::Adafactor(
                 o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?),
             ),
+            Optim::AdamMini(o) => {
+                Optim::AdamMini(o.load_record(Recorder::<B>::load(rec, path, device).map_err(err)?))
+            }
         })
     }
 }
@@ -592,6 +638,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         let built =
             crate::setup::build::<B>(plan, precision, lm_head, cfg.collective.as_ref(), &device)?;
         let (zero3, zero, model) = (built.zero3, built.zero, built.model);
+        let optim = optim.with_model(plan, &model)?;
         // The 16-bit working copy of the fp32 master (with ZeRO the model is
         // the 16-bit weights, the master a shard of `zero`'s).
         let work = (zero3.is_none() && zero.is_none() && precision.master)

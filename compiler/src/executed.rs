@@ -42,12 +42,30 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
     if let Some(r) = windowed(&spec.model, spec.train.seq_len) {
         return Some(r);
     }
+    if let Some(r) = partitioned(&spec.optimizer, spec.adapter.is_some()) {
+        return Some(r);
+    }
     if spec.optimizer_in_backward {
         if let Some(r) = in_backward(&spec.precision) {
             return Some(r);
         }
     }
     scheduled(spec.parallel.virtual_stages)
+}
+
+/// Adam-mini over LoRA's factors: its blocks are a model's heads, neurons and tokens
+/// (`backend/src/optim/adam_mini.rs`), which an adapter's `[in, rank]` and `[rank, out]`
+/// factors do not have (the authors' package fails on them).
+fn partitioned(o: &OptimizerSpec, adapted: bool) -> Option<(String, String)> {
+    (o.kind == OptimizerKind::AdamMini && adapted).then(|| {
+        (
+            "`optimizer adam-mini` over LoRA adapters".into(),
+            "its second moment is one value per attention head, neuron or token of the model's own weights, which \
+             adapter factors do not have: write `optimizer adamw` (or `adam8bit`) for adapters, or adam-mini for a \
+             full fine-tune"
+                .into(),
+        )
+    })
 }
 
 /// The optimizer step in the backward (`backend/src/in_backward.rs`) where `rcoa run` cannot
@@ -158,12 +176,6 @@ fn carried(
                 .into(),
         ));
     }
-    if o.kind == OptimizerKind::AdamMini {
-        return Some((
-            format!("`optimizer {}`", o.kind.as_str()),
-            "it steps adamw, adam, adam8bit, adafactor, lion and sgd: write one of them".into(),
-        ));
-    }
     if o.implementation == OptImpl::Paged {
         return Some((
             "bitsandbytes' paged optimizers (`optimizer.impl = paged`)".into(),
@@ -182,6 +194,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let selective_op = r.checkpoint == "selective_op";
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
         .or_else(|| windowed(&plan.model, plan.train.seq_len))
+        .or_else(|| partitioned(&plan.optimizer, plan.adapter.is_some()))
         .or_else(|| in_backward_lowered(plan))
         .or_else(|| scheduled(r.virtual_stages));
     match refusal {
@@ -254,10 +267,19 @@ mod tests {
         s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
 
-        // The optimizer the executor has no update for.
+        // Adam-mini partitions the model's own weights, not adapter factors.
         let mut s = burn();
         s.optimizer.kind = OptimizerKind::AdamMini;
-        assert!(refused(&s).contains("`optimizer adam-mini`"));
+        assert_eq!(check(&s), Ok(()));
+        s.adapter = Some(crate::spec::AdapterSpec {
+            kind: crate::spec::AdapterKind::Lora,
+            rank: 8,
+            alpha: 16.0,
+            targets: vec![crate::spec::Proj::Q, crate::spec::Proj::V],
+            dropout: 0.0,
+            base: Dtype::Bf16,
+        });
+        assert!(refused(&s).contains("`optimizer adam-mini` over LoRA adapters"));
         s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
         for kind in [OptimizerKind::Adafactor, OptimizerKind::Lion] {

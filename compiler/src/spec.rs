@@ -527,9 +527,12 @@ impl OptimizerKind {
     /// Whether the Burn executor steps it only with Burn's optimizer, a parameter at a
     /// time, never over the flat shards of ZeRO and of the host optimizer: 8-bit Adam
     /// quantizes each parameter's moments on their own, Adafactor factors each matrix's
-    /// second moment.
+    /// second moment, Adam-mini keeps one per block of a parameter (a head, a neuron).
     pub fn per_parameter_only(self) -> bool {
-        matches!(self, OptimizerKind::Adam8bit | OptimizerKind::Adafactor)
+        matches!(
+            self,
+            OptimizerKind::Adam8bit | OptimizerKind::Adafactor | OptimizerKind::AdamMini
+        )
     }
 
     pub fn as_str(self) -> &'static str {

@@ -272,14 +272,15 @@ fn burn_qlora_shards_its_base_but_never_offloads_it() {
     assert!(e.contains("does not execute QLoRA"), "{e}");
 }
 
-/// 8-bit Adam and Adafactor are stepped per parameter by the Burn executor (8-bit moments
-/// quantized within each parameter, a second moment factored per matrix), never by ZeRO's
+/// 8-bit Adam, Adafactor and Adam-mini are stepped per parameter by the Burn executor (8-bit
+/// moments quantized within each parameter, a second moment factored per matrix or kept per
+/// head and neuron), never by ZeRO's
 /// flat optimizer: a search for `target burn` keeps to `zero = 0` and offloads nothing but
 /// activations, and a plan that fixes more is refused, as `rcoa run` would refuse it. The
 /// same plan for PyTorch engines may shard them.
 #[test]
-fn burn_adam8bit_and_adafactor_stay_unsharded_and_on_the_device() {
-    for optimizer in ["adam8bit", "adafactor"] {
+fn burn_per_parameter_optimizers_stay_unsharded_and_on_the_device() {
+    for optimizer in ["adam8bit", "adafactor", "adam-mini"] {
         let plan = |target: &str, parallel: &str, fit: &str| {
             let src = format!(
             "model \"llama-3.2-1b\"\nhardware {{ gpu = a100-40gb  gpus_per_node = 4 }}\nprecision bf16\n\

@@ -20,6 +20,7 @@ use rcoa_compiler::spec::OptimizerKind;
 
 pub mod adafactor;
 pub mod adam8bit;
+pub mod adam_mini;
 mod host;
 pub mod lion;
 pub use host::Rule;
@@ -70,10 +71,12 @@ impl Rule {
                     plan.resolved.zero
                 )))
             }
-            other => {
+            OptimizerKind::AdamMini => {
                 return Err(RunError::Unsupported(format!(
-                    "optimizer `{}` is not executed by the Burn executor (adamw, adam, adam8bit, adafactor, lion and sgd are)",
-                    other.as_str()
+                    "optimizer adam-mini with zero = {} or an offloaded optimizer: its second moment is one value per \
+                     block of a parameter (an attention head, a neuron, a token), which a flat shard would cut \
+                     across; run adam-mini with zero = 0 and nothing offloaded, or adamw with ZeRO",
+                    plan.resolved.zero
                 )))
             }
         })

@@ -189,11 +189,15 @@ fn resumes_the_same_steps(rule: Rule) {
         .is_err());
 }
 
-/// 8-bit Adam and Adafactor are Burn-adaptor only: the flat (ZeRO, offload)
-/// path refuses them by name, saying what runs instead.
+/// 8-bit Adam, Adafactor and Adam-mini are Burn-adaptor only: the flat (ZeRO,
+/// offload) path refuses them by name, saying what runs instead.
 #[test]
 fn per_parameter_optimizers_are_refused_on_the_flat_path() {
-    for kind in [OptimizerKind::Adam8bit, OptimizerKind::Adafactor] {
+    for kind in [
+        OptimizerKind::Adam8bit,
+        OptimizerKind::Adafactor,
+        OptimizerKind::AdamMini,
+    ] {
         let mut plan = crate::testing::tiny_plan();
         plan.optimizer.kind = kind;
         plan.resolved.zero = 2;

@@ -257,7 +257,16 @@ pub fn model(
             name = "adam-mini";
             // First moment in full, second moment one value per block (head / neuron).
             state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
-            temp = 2 * largest_full;
+            temp = if profile.burn_ops {
+                // The Burn executor's step (`optim::adam_mini`) holds one temporary of
+                // the parameter at a time (`g²` before its block means, the moment's
+                // update, then `m` times the blocks' step sizes), the gradient consumed
+                // into `m`: measured on the CPU (`backend/src/tests/in_backward.rs`).
+                largest_full
+            } else {
+                // The package's step: `update = m * stepsize` beside `-update`.
+                2 * largest_full
+            };
         }
     }
     if let Some(m) = master {

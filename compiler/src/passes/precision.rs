@@ -40,7 +40,8 @@ impl<'a> Precision<'a> {
     /// with the flat optimizer of ZeRO and of the host (`target burn`): 8-bit Adam
     /// (`backend/src/optim/adam8bit.rs`: bitsandbytes quantizes each parameter's moments on
     /// their own, in blocks of 256 from its first value, which a flat shard would cut
-    /// across), and the step in the backward (`backend/src/in_backward.rs`: each unit steps
+    /// across), Adafactor and Adam-mini (a second moment per matrix row and column, per head
+    /// or neuron), and the step in the backward (`backend/src/in_backward.rs`: each unit steps
     /// as the backward leaves it, where the flat shards step after the backward). So `zero =
     /// 0` and nothing offloaded but checkpointed activations; a plan that requires more is
     /// refused, as `rcoa run` would refuse it.
@@ -69,6 +70,14 @@ impl<'a> Precision<'a> {
                 "adafactor",
                 "the Burn executor steps Adafactor per parameter (each matrix's second moment factored into a mean \
                  per row and per column), which ZeRO's flat shards would cut across",
+                "`optimizer adamw` with ZeRO and offload",
+            )
+        } else if self.optimizer.kind == OptimizerKind::AdamMini {
+            (
+                "`optimizer adam-mini`",
+                "adam-mini",
+                "the Burn executor steps Adam-mini per parameter (one second moment per attention head, neuron or \
+                 token), which ZeRO's flat shards would cut across",
                 "`optimizer adamw` with ZeRO and offload",
             )
         } else if in_backward {
