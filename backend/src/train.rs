@@ -301,7 +301,7 @@ impl<B: ExecAutodiff> Optim<B> {
                 }))
             }
             OptimizerKind::AdamMini => Optim::AdamMini(OptimizerAdaptor::from(
-                AdamMiniOptimizer::new(o.betas.0, o.betas.1, eps as f64, o.weight_decay),
+                AdamMiniOptimizer::new(o.betas.0, o.betas.1, 1e-8, o.weight_decay),
             )),
         })
     }

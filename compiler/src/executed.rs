@@ -55,7 +55,8 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
 
 /// Adam-mini over LoRA's factors: its blocks are a model's heads, neurons and tokens
 /// (`backend/src/optim/adam_mini.rs`), which an adapter's `[in, rank]` and `[rank, out]`
-/// factors do not have (the authors' package fails on them).
+/// factors do not have (the authors' package cuts q's and k's factors into `hidden²/heads`
+/// values, which fails unless the rank is a multiple of `head_dim`, and the others per row).
 fn partitioned(o: &OptimizerSpec, adapted: bool) -> Option<(String, String)> {
     (o.kind == OptimizerKind::AdamMini && adapted).then(|| {
         (

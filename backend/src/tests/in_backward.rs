@@ -312,7 +312,7 @@ fn adam_mini_holds_what_the_burn_profile_predicts() {
 
 /// Adam-mini (`optim::adam_mini`) after the backward and in it: a first moment per
 /// parameter, a second one per block, and its step's one temporary of the parameter.
-/// Measured: +0.3 % after the backward, +2.2 % in it (AdamW's +0.8 % there, and 0.7 MB
+/// Measured: +0.2 % after the backward, +2.1 % in it (AdamW's +0.8 % there, and 0.7 MB
 /// more at the head's step, as Adafactor's).
 #[test]
 #[ignore = "run in its own process by adam_mini_holds_what_the_burn_profile_predicts"]
@@ -321,5 +321,7 @@ fn adam_mini_measured_in_child() {
         std::env::var_os(CHILD_ADAM_MINI).is_some(),
         "run by its parent test"
     );
-    peaks_within("adam-mini", -0.03..0.03);
+    // Charging two temporaries of the largest parameter (the package's step) would put
+    // the step after the backward at -4.7 %.
+    peaks_within("adam-mini", -0.02..0.03);
 }

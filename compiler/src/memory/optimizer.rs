@@ -255,8 +255,16 @@ pub fn model(
         }
         OptimizerKind::AdamMini => {
             name = "adam-mini";
-            // First moment in full, second moment one value per block (head / neuron).
-            state = trainable.iter().map(|(id, n)| full(*id, *n)).sum();
+            // First moment in full; the second moment one value per block, each
+            // parameter's its own allocation.
+            let m = &spec.model;
+            state = trainable
+                .iter()
+                .map(|(id, n)| {
+                    let blocks = adam_mini_blocks(tape.tensor(*id), m.heads, m.kv_heads);
+                    full(*id, *n) + alloc(blocks as f64 * sb_of(*id))
+                })
+                .sum();
             temp = if profile.burn_ops {
                 // The Burn executor's step (`optim::adam_mini`) holds one temporary of
                 // the parameter at a time (`g²` before its block means, the moment's
@@ -282,6 +290,20 @@ pub fn model(
         state_bytes: state,
         master_bytes,
         temp_bytes: temp,
+    }
+}
+
+/// Adam-mini's blocks of one parameter (`backend/src/optim/adam_mini.rs`): one per
+/// attention head of q and k, one value each of a bias, one for a norm's weight, one per
+/// row of the others (`[out, in]`: an output neuron, a token).
+fn adam_mini_blocks(t: &super::tape::TensorInfo, heads: u64, kv_heads: u64) -> u64 {
+    let rows = t.shape.first().copied().unwrap_or(1);
+    match t.name {
+        "q_proj" => heads,
+        "k_proj" => kv_heads,
+        "norm" => 1,
+        n if n.ends_with("bias") => t.shape.iter().product(),
+        _ => rows,
     }
 }
 
