@@ -576,3 +576,48 @@ fn a_frozen_embedding_takes_no_gradient_from_the_first_layer() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `optimizer adam-mini` from a `.plan`: compiled for `target burn`, its loss falls;
+/// over LoRA adapters (whose factors have no heads or neurons) the plan is refused
+/// before anything runs, saying why and what to write instead.
+#[test]
+fn adam_mini_trains_a_full_fine_tune_and_refuses_adapters() {
+    let dir = temp("adam-mini");
+    let plan = tiny_variant(
+        &dir,
+        "adam-mini",
+        "optimizer adamw { lr = 1e-3  weight_decay = 0.0 }",
+        "optimizer adam-mini { lr = 3e-3  weight_decay = 0.1 }",
+    );
+    let plan_s = plan.to_str().unwrap();
+    let (steps, _) = run_json(&[plan_s, "--steps", "8", "--device", "cpu"]);
+    let l = losses(&steps);
+    assert!(l[7] < l[0] - 0.3, "loss should fall: {l:?}");
+    let lora = variant_of(
+        plan_s,
+        &dir,
+        "adam-mini-lora",
+        "target burn",
+        "adapter lora {\n  rank = 4\n  alpha = 8\n  targets = [q, v]\n}\n\ntarget burn",
+    );
+    let out = rcoa()
+        .args([
+            "run",
+            lora.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("`optimizer adam-mini` over LoRA adapters"),
+        "{err}"
+    );
+    assert!(err.contains("write `optimizer adamw`"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
