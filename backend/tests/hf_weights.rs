@@ -131,6 +131,13 @@ fn qwen3_matches_transformers() {
     check_causal("qwen3");
 }
 
+/// Phi-3: q, k and v read from row blocks of `qkv_proj` (4 query heads, 2 key/value
+/// heads), gate and up from the halves of `gate_up_proj`.
+#[test]
+fn phi3_matches_transformers() {
+    check_causal("phi3");
+}
+
 /// Llama 3.1's RoPE rescaling (`rope_type = llama3`), with the head's frequencies in all
 /// three of its bands.
 #[test]
@@ -882,8 +889,8 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
 
 /// What `transformers` and `peft` computed from rcoa's own saves
 /// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune, full
-/// fine-tunes of Qwen2, Qwen3 and of Llama 3.1's RoPE rescaling, PEFT adapters for
-/// Llama, GPT-2, Qwen2, Qwen3 and XLM-R, a merged GPT-2 LoRA), rcoa
+/// fine-tunes of Qwen2, Qwen3, Phi-3 and of Llama 3.1's RoPE rescaling, PEFT adapters
+/// for Llama, GPT-2, Qwen2, Qwen3, Phi-3 and XLM-R, merged GPT-2 and Phi-3 LoRAs), rcoa
 /// computes from the same files: the round trip, checked on every test run.
 #[test]
 fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
@@ -911,23 +918,33 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
         ("qwen2-full", "qwen2"),
         ("qwen3-full", "qwen3"),
         ("llama3-rope-full", "llama3-rope"),
+        ("phi3-full", "phi3"),
     ] {
         let m = spec(&format!("roundtrip/{case}"), "causal_lm");
         let model = loaded(&m, true).unwrap();
         let want = losses(&cases[case]["transformers"]["window_losses"]);
         check_windows(&model, &m, fixture, want, &format!("{case}, transformers"));
     }
-    // The merged GPT-2 LoRA (fused c_attn).
-    let m = spec("roundtrip/gpt2-lora-merged", "causal_lm");
-    let model = loaded(&m, true).unwrap();
-    let want = losses(&cases["gpt2-lora"]["transformers_merged"]["window_losses"]);
-    check_windows(&model, &m, "gpt2", want, "gpt2 merged, transformers");
+    // The merged LoRAs of fused modules (GPT-2's c_attn; Phi-3's qkv_proj, gate_up_proj).
+    for (case, fixture) in [("gpt2-lora", "gpt2"), ("phi3-lora", "phi3")] {
+        let m = spec(&format!("roundtrip/{case}-merged"), "causal_lm");
+        let model = loaded(&m, true).unwrap();
+        let want = losses(&cases[case]["transformers_merged"]["window_losses"]);
+        check_windows(
+            &model,
+            &m,
+            fixture,
+            want,
+            &format!("{case} merged, transformers"),
+        );
+    }
     // Adapters: the base fixture with the PEFT files merged as PEFT merges.
     for (case, fixture) in [
         ("llama-lora", "llama"),
         ("gpt2-lora", "gpt2"),
         ("qwen2-lora", "qwen2"),
         ("qwen3-lora", "qwen3"),
+        ("phi3-lora", "phi3"),
     ] {
         let m = spec(fixture, "causal_lm");
         let base = read_checkpoint(Path::new(m.weights.as_ref().unwrap())).unwrap();
@@ -982,6 +999,8 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     qwen3.model.numerics.qk_norm = true;
     let mut mistral = llama.clone();
     mistral.model.numerics.sliding_window = Some(16);
+    let mut phi3 = mistral.clone();
+    phi3.model.numerics.fused_projections = true;
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
         ("qwen2", qwen2, "causal_lm"),
@@ -989,6 +1008,7 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
         ("llama-linear-rope", linear, "causal_lm"),
         ("qwen3", qwen3, "causal_lm"),
         ("mistral-window", mistral, "causal_lm"),
+        ("phi3", phi3, "causal_lm"),
         ("gpt2", gpt2, "causal_lm"),
         ("bert", bert, "contrastive"),
         ("xlmr", xlmr, "contrastive"),

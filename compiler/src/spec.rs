@@ -273,6 +273,10 @@ pub struct Numerics {
     /// `sliding_window`); `None`: to every earlier one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<u64>,
+    /// The checkpoint keeps q, k and v as one `qkv_proj` and the MLP's gate and up as one
+    /// `gate_up_proj` (Phi-3): how its tensors are named and cut, not what is computed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub fused_projections: bool,
 }
 
 impl Default for Numerics {
@@ -286,6 +290,7 @@ impl Default for Numerics {
             rope_scaling: None,
             qk_norm: false,
             sliding_window: None,
+            fused_projections: false,
         }
     }
 }

@@ -4,7 +4,7 @@ reference.json (losses / embeddings computed by `transformers`).
 Run with a Python that has torch, transformers, safetensors and tokenizers:
     python tools/hf_fixtures/make_fixtures.py [OUT_DIR [NAME ...]]
 OUT_DIR defaults to tests/fixtures/hf; NAMEs (llama, mistral, gpt2, xlmr, qwen2,
-qwen3, llama3-rope) build only those, each from its own seed, so adding a fixture leaves
+qwen3, llama3-rope, phi3) build only those, each from its own seed, so adding a fixture leaves
 the others' files as they are.
 Not run in CI: the Rust tests read the committed output.
 """
@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, processors, decoders
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
     Qwen3ForCausalLM, XLMRobertaConfig, XLMRobertaModel,
 )
 
@@ -275,6 +275,15 @@ def main():
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 64}))
         causal_fixture("llama3-rope", llama3, "llama", out_root, {})
+    if want("phi3"):
+        # q, k and v fused into `qkv_proj` (4 query heads and 2 key/value heads of 16: rows
+        # of unequal parts), gate and up into `gate_up_proj`; Phi-3-mini-4k's window of
+        # 2047 (no window within the fixture's 16 tokens), eps 1e-5, untied.
+        torch.manual_seed(14)
+        phi3 = Phi3ForCausalLM(Phi3Config(**common, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                          tie_word_embeddings=False, sliding_window=2047,
+                                          pad_token_id=None))
+        causal_fixture("phi3", phi3, "phi3", out_root, {})
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ CASES = [
     # Qwen3's norms over each head of q and k (frozen in the base under LoRA).
     ("qwen3-full", "qwen3", "causal_lm", None, []),
     ("qwen3-lora", "qwen3", "causal_lm", "rank = 4 alpha = 8 targets = [q, k, v, o, gate, up, down]", []),
+    # Phi-3's fused `qkv_proj` and `gate_up_proj`: the adapters of q and v (k's rows of
+    # lora_B zero) and of gate (up's half zero) become one LoRA per fused module.
+    ("phi3-full", "phi3", "causal_lm", None, []),
+    ("phi3-lora", "phi3", "causal_lm", "rank = 4 alpha = 8 targets = [q, v, gate, down]", []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -231,8 +235,8 @@ def main():
         for name, fixture, loss, adapter, _ in cases:
             for suffix in ([""] if adapter is None else ["", "-merged"]):
                 src = os.path.join(work, name + suffix)
-                if suffix == "-merged" and fixture != "gpt2":
-                    continue  # one merged save (the fused c_attn) is enough in the repo
+                if suffix == "-merged" and fixture not in ("gpt2", "phi3"):
+                    continue  # the fused modules' merged saves are enough in the repo
                 dst = os.path.join(a.record, name + suffix)
                 shutil.rmtree(dst, ignore_errors=True)
                 os.makedirs(dst)

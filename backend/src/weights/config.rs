@@ -18,7 +18,7 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
         "dtype": "float32",
     });
     let mut c = match Family::of(m) {
-        Family::Llama => {
+        Family::Llama | Family::Phi3(_) => {
             if (m.mlp, m.positions) != (Mlp::Swiglu, Positions::Rope) {
                 return None;
             }
@@ -26,7 +26,10 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
             // each head of q and k and no biases.
             // Mistral's is Llama's with a sliding window.
             let windowed = n.sliding_window.is_some();
+            // Phi-3's is Llama's with q, k, v and gate, up fused in the checkpoint.
             let (class, model_type) = match (m.biases(), n.qk_norm, windowed) {
+                (Biases::None, false, _) if n.fused_projections => ("Phi3ForCausalLM", "phi3"),
+                _ if n.fused_projections => return None,
                 (Biases::None, false, true) => ("MistralForCausalLM", "mistral"),
                 (Biases::Qkv, false, false) => ("Qwen2ForCausalLM", "qwen2"),
                 (Biases::None | Biases::All, false, false) => ("LlamaForCausalLM", "llama"),
@@ -82,6 +85,14 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                     c["mlp_bias"] = all.into();
                 }
                 "mistral" => c["sliding_window"] = n.sliding_window.into(),
+                "phi3" => {
+                    c["sliding_window"] = n.sliding_window.into();
+                    // rcoa's one dropout after the embedding, the attention and the MLP.
+                    c["resid_pdrop"] = m.dropout.into();
+                    c["embd_pdrop"] = m.dropout.into();
+                    // Phi3Config's default (32000) is outside a smaller vocabulary.
+                    c["pad_token_id"] = serde_json::Value::Null;
+                }
                 "qwen2" => c["use_sliding_window"] = false.into(),
                 _ => {
                     c["use_sliding_window"] = false.into();

@@ -1,9 +1,10 @@
 //! Hugging Face safetensors checkpoints in and out: the tensor names of each family
-//! (Llama / Mistral / Qwen2 / Qwen3, GPT-2, XLM-R / RoBERTa / BERT) mapped onto rcoa's
-//! parameters, with the layout changes between them (`nn.Linear` is
+//! (Llama / Mistral / Qwen2 / Qwen3, Phi-3, GPT-2, XLM-R / RoBERTa / BERT) mapped onto
+//! rcoa's parameters, with the layout changes between them (`nn.Linear` is
 //! `[out, in]`, rcoa and GPT-2's `Conv1D` are `[in, out]`; GPT-2's fused
-//! `c_attn` is split into q, k, v; XLM-R's `token_type_embeddings[0]`, added to
-//! every token, is folded into the position table).
+//! `c_attn` is split into q, k, v, Phi-3's `qkv_proj` into row blocks of unequal
+//! sizes and its `gate_up_proj` into halves; XLM-R's `token_type_embeddings[0]`,
+//! added to every token, is folded into the position table).
 //!
 //! Every problem — a missing tensor, a mis-shaped one, one the plan cannot
 //! place — is collected and reported together as one `rcoa::weights` error.
@@ -39,13 +40,37 @@ pub use write::{
 };
 
 /// The naming scheme of a checkpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     /// Llama, Mistral, Qwen2 and Qwen3 (same names).
     Llama,
+    /// Phi-3: Llama's names, but q, k and v in one `qkv_proj` and the MLP's gate and up
+    /// in one `gate_up_proj`, whose row blocks have these sizes.
+    Phi3(Fused),
     Gpt2,
     /// XLM-R, RoBERTa and BERT (same names under their own prefix).
     Bert,
+}
+
+/// The output rows of Phi-3's fused projections: q's (`heads · head_dim`), k's and v's
+/// (`kv_heads · head_dim` each), gate's and up's (`ffn` each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fused {
+    pub q: usize,
+    pub kv: usize,
+    pub ffn: usize,
+}
+
+/// The family's name, as messages say it (`Phi3`'s sizes are not part of it).
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Family::Llama => "Llama",
+            Family::Phi3(_) => "Phi3",
+            Family::Gpt2 => "Gpt2",
+            Family::Bert => "Bert",
+        })
+    }
 }
 
 impl Family {
@@ -53,6 +78,11 @@ impl Family {
     pub fn of(m: &ModelSpec) -> Family {
         match (m.arch, m.norm) {
             (Arch::Encoder, _) => Family::Bert,
+            (Arch::Decoder, Norm::Rmsnorm) if m.numerics.fused_projections => Family::Phi3(Fused {
+                q: (m.heads * m.head_dim) as usize,
+                kv: (m.kv_heads * m.head_dim) as usize,
+                ffn: m.ffn as usize,
+            }),
             (Arch::Decoder, Norm::Rmsnorm) => Family::Llama,
             (Arch::Decoder, Norm::Layernorm) => Family::Gpt2,
         }
@@ -61,7 +91,7 @@ impl Family {
     /// The key of the token embedding, without prefix: it tells the prefix.
     fn embedding_key(self) -> &'static str {
         match self {
-            Family::Llama => "embed_tokens.weight",
+            Family::Llama | Family::Phi3(_) => "embed_tokens.weight",
             Family::Gpt2 => "wte.weight",
             Family::Bert => "embeddings.word_embeddings.weight",
         }
@@ -70,7 +100,7 @@ impl Family {
     /// Tensors the executor never needs.
     fn ignorable(self, key: &str) -> bool {
         match self {
-            Family::Llama => key.ends_with("rotary_emb.inv_freq"),
+            Family::Llama | Family::Phi3(_) => key.ends_with("rotary_emb.inv_freq"),
             Family::Gpt2 => key.ends_with(".attn.bias") || key.ends_with(".attn.masked_bias"),
             Family::Bert => {
                 key.starts_with("pooler.")
@@ -97,6 +127,14 @@ pub enum Origin {
     },
     /// The position table plus `token_type_embeddings[0]` (XLM-R, BERT).
     PositionsWithType { key: String, types: String },
+    /// Rows `start..start + len` of an `nn.Linear` weight of `total` rows, transposed
+    /// (Phi-3's `qkv_proj` and `gate_up_proj`).
+    Rows {
+        key: String,
+        start: usize,
+        len: usize,
+        total: usize,
+    },
 }
 
 /// Where rcoa's parameter `name` comes from in a `family` checkpoint whose
@@ -106,6 +144,45 @@ pub fn origin(family: Family, prefix: &str, name: &str) -> Option<Origin> {
     let whole = |k: String, transpose: bool| Origin::Whole { key: k, transpose };
     let p = |k: &str| format!("{prefix}{k}");
     match family {
+        Family::Phi3(f) => {
+            let rows = |key: String, start: usize, len: usize, total: usize| Origin::Rows {
+                key,
+                start,
+                len,
+                total,
+            };
+            let qkv = f.q + 2 * f.kv;
+            Some(match parts.as_slice() {
+                ["layers", i, "attn", "q", "weight"] => rows(
+                    p(&format!("layers.{i}.self_attn.qkv_proj.weight")),
+                    0,
+                    f.q,
+                    qkv,
+                ),
+                ["layers", i, "attn", "k", "weight"] => rows(
+                    p(&format!("layers.{i}.self_attn.qkv_proj.weight")),
+                    f.q,
+                    f.kv,
+                    qkv,
+                ),
+                ["layers", i, "attn", "v", "weight"] => rows(
+                    p(&format!("layers.{i}.self_attn.qkv_proj.weight")),
+                    f.q + f.kv,
+                    f.kv,
+                    qkv,
+                ),
+                // `gate, up = gate_up_proj(x).chunk(2)`.
+                ["layers", i, "mlp", gu @ ("gate" | "up"), "weight"] => rows(
+                    p(&format!("layers.{i}.mlp.gate_up_proj.weight")),
+                    if *gu == "gate" { 0 } else { f.ffn },
+                    f.ffn,
+                    2 * f.ffn,
+                ),
+                // Phi-3 has no biases; the rest is named as Llama's.
+                [.., "bias"] => return None,
+                _ => return origin(Family::Llama, prefix, name),
+            })
+        }
         Family::Llama => Some(match parts.as_slice() {
             ["embed", "tokens"] => whole(p("embed_tokens.weight"), false),
             ["head", "norm", "weight"] => whole(p("norm.weight"), false),
@@ -456,6 +533,27 @@ fn fetch(
             Ok(v.chunks(width)
                 .flat_map(|row| row[part * cols..(part + 1) * cols].iter().copied())
                 .collect())
+        }
+        Origin::Rows {
+            key,
+            start,
+            len,
+            total,
+        } => {
+            let (s, v) = get(key)?;
+            let (s, v) = (&s, v.as_ref());
+            used.insert(key.clone());
+            // rcoa's `[in, len]` comes from rows of the `[total, in]` weight.
+            let want = [*total, shape[0]];
+            if shape.len() != 2 || shape[1] != *len || s.as_slice() != want {
+                return Err(bad(key, s, format!("{want:?}")));
+            }
+            let d_in = shape[0];
+            Ok(transpose2(
+                &v[start * d_in..(start + len) * d_in],
+                *len,
+                d_in,
+            ))
         }
         Origin::PositionsWithType { key, types } => {
             let (s, v) = get(key)?;

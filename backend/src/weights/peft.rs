@@ -9,8 +9,9 @@
 //! `[in, r]` and `[r, out]` and scaled by alpha / rank, as PEFT scales
 //! without rsLoRA: the PEFT factors are their transposes.
 //!
-//! GPT-2 fuses q, k and v into one `Conv1D` (`c_attn`), where rcoa has one
-//! adapter per projection. Their sum is one LoRA of rank k·r (k targeted
+//! GPT-2 fuses q, k and v into one `Conv1D` (`c_attn`), Phi-3 into one
+//! `nn.Linear` (`qkv_proj`, and gate and up into `gate_up_proj`), where rcoa
+//! has one adapter per projection. Their sum is one LoRA of rank k·r (k targeted
 //! projections): `lora_A` stacks the k `A`s, `lora_B` is block-diagonal
 //! (each `B` in its projection's rows and its own columns, zeros elsewhere),
 //! and alpha becomes k·alpha so the scale stays alpha / r (`rank_pattern`
@@ -50,11 +51,18 @@ pub fn peft_adapter(
     if factors.is_empty() {
         return Err("the model has no LoRA adapter to save".into());
     }
-    // Adapted layers grouped by the HF module they live in.
+    // Adapted layers grouped by the HF module they live in, each with its first row in
+    // the module's output and the module's rows.
     let mut modules: BTreeMap<String, Vec<(usize, usize, &Factors)>> = BTreeMap::new();
     for (layer, f) in factors {
-        let (module, part, parts) = hf_module(info.family, layer)?;
-        modules.entry(module).or_default().push((part, parts, f));
+        let (module, block) = hf_module(info.family, layer)?;
+        let cols = f.b.0[1];
+        let (start, total) = match block {
+            Block::Whole => (0, cols),
+            Block::Part { part, parts } => (part * cols, parts * cols),
+            Block::Rows { start, total } => (start, total),
+        };
+        modules.entry(module).or_default().push((start, total, f));
     }
     let r = info.rank as usize;
     let mut tensors = BTreeMap::new();
@@ -106,7 +114,7 @@ pub fn peft_adapter(
     // The task picks the class `AutoPeftModel` loads the base with:
     // `AutoModelForCausalLM`, or `AutoModel` for the encoders.
     let task = match info.family {
-        Family::Llama | Family::Gpt2 => "CAUSAL_LM",
+        Family::Llama | Family::Phi3(_) | Family::Gpt2 => "CAUSAL_LM",
         Family::Bert => "FEATURE_EXTRACTION",
     };
     let config = serde_json::json!({
@@ -133,17 +141,30 @@ pub fn peft_adapter(
     Ok((tensors, config))
 }
 
+/// Which outputs of its HF module a linear layer computes.
+enum Block {
+    /// All of them.
+    Whole,
+    /// Equal column blocks (GPT-2's `c_attn`): block `part` of `parts`.
+    Part { part: usize, parts: usize },
+    /// Rows `start..` of a module of `total` outputs (Phi-3's `qkv_proj`, `gate_up_proj`).
+    Rows { start: usize, total: usize },
+}
+
 /// The HF module of rcoa's linear layer `layer` (`layers.0.attn.q`), and
-/// which of its equal column blocks the layer is (`part` of `parts`; 0 of 1
-/// unless fused).
-fn hf_module(family: Family, layer: &str) -> Result<(String, usize, usize), String> {
+/// which of its outputs the layer computes.
+fn hf_module(family: Family, layer: &str) -> Result<(String, Block), String> {
     let weight = format!("{layer}.weight");
     let no = || format!("a {family:?} checkpoint has no module for `{layer}`");
-    match origin(family, save_prefix(family), &weight).ok_or_else(no)? {
-        Origin::Whole { key, .. } => Ok((strip(&key).ok_or_else(no)?, 0, 1)),
-        Origin::Split { key, part, parts } => Ok((strip(&key).ok_or_else(no)?, part, parts)),
-        Origin::PositionsWithType { .. } => Err(no()),
-    }
+    let (key, block) = match origin(family, save_prefix(family), &weight).ok_or_else(no)? {
+        Origin::Whole { key, .. } => (key, Block::Whole),
+        Origin::Split { key, part, parts } => (key, Block::Part { part, parts }),
+        Origin::Rows {
+            key, start, total, ..
+        } => (key, Block::Rows { start, total }),
+        Origin::PositionsWithType { .. } => return Err(no()),
+    };
+    Ok((strip(&key).ok_or_else(no)?, block))
 }
 
 fn strip(key: &str) -> Option<String> {
@@ -154,25 +175,26 @@ fn strip(key: &str) -> Option<String> {
 /// match by suffix.
 fn extra_modules(family: Family) -> &'static [&'static str] {
     match family {
-        Family::Llama | Family::Gpt2 => &["lm_head"],
+        Family::Llama | Family::Phi3(_) | Family::Gpt2 => &["lm_head"],
         Family::Bert => &["pooler.dense"],
     }
 }
 
-/// PEFT's factors of one module: `(part, parts, factors)` sorted by part.
-/// One adapter: `A^T`, `B^T`. Several column blocks of a fused module:
-/// stacked `A^T`s and a block-diagonal `B^T`.
+/// PEFT's factors of one module: `(first row, the module's rows, factors)` sorted by
+/// first row. One adapter over the whole module: `A^T`, `B^T`. Several (a fused
+/// module): stacked `A^T`s and a block-diagonal `B^T`, each `B^T` in its layer's rows,
+/// zeros in the rows no adapter computes.
 fn fuse(parts: &[(usize, usize, &Factors)]) -> (HfTensor, HfTensor) {
     let (d_in, r) = (parts[0].2.a.0[0], parts[0].2.a.0[1]);
-    let cols = parts[0].2.b.0[1];
-    let n_parts = parts[0].1;
+    let total = parts[0].1;
     let k = parts.len();
     let rk = r * k;
     // lora_A: [k·r, in], block j = A_j^T.
     let mut a = vec![0f32; rk * d_in];
-    // lora_B: [parts·cols, k·r], B_j^T in rows of its part, columns of block j.
-    let mut b = vec![0f32; n_parts * cols * rk];
-    for (j, (part, _, f)) in parts.iter().enumerate() {
+    // lora_B: [total, k·r], B_j^T in its rows, columns of block j.
+    let mut b = vec![0f32; total * rk];
+    for (j, (start, _, f)) in parts.iter().enumerate() {
+        let cols = f.b.0[1];
         for i in 0..d_in {
             for q in 0..r {
                 a[(j * r + q) * d_in + i] = f.a.1[i * r + q];
@@ -180,11 +202,11 @@ fn fuse(parts: &[(usize, usize, &Factors)]) -> (HfTensor, HfTensor) {
         }
         for q in 0..r {
             for o in 0..cols {
-                b[(part * cols + o) * rk + j * r + q] = f.b.1[q * cols + o];
+                b[(start + o) * rk + j * r + q] = f.b.1[q * cols + o];
             }
         }
     }
-    ((vec![rk, d_in], a), (vec![n_parts * cols, rk], b))
+    ((vec![rk, d_in], a), (vec![total, rk], b))
 }
 
 /// For each adapted module, the shortest dotted suffix of its name that no

@@ -18,7 +18,7 @@ pub type HfTensor = (Vec<usize>, Vec<f32>);
 /// `LlamaForCausalLM`, `GPT2LMHeadModel`, `XLMRobertaModel`).
 pub fn save_prefix(family: Family) -> &'static str {
     match family {
-        Family::Llama => "model.",
+        Family::Llama | Family::Phi3(_) => "model.",
         Family::Gpt2 => "transformer.",
         Family::Bert => "",
     }
@@ -46,6 +46,9 @@ pub fn hf_tensors_of(
     let mut out: BTreeMap<String, HfTensor> = BTreeMap::new();
     // GPT-2's q, k, v columns, gathered per fused tensor.
     let mut fused: BTreeMap<String, Vec<Option<HfTensor>>> = BTreeMap::new();
+    // Phi-3's row blocks, per fused `nn.Linear` weight: its rows, and each block's
+    // first row with rcoa's `[in, len]`.
+    let mut blocks: BTreeMap<String, (usize, Vec<(usize, HfTensor)>)> = BTreeMap::new();
     let mut unmapped = vec![];
     for (name, shape, values) in params {
         match origin(family, prefix, &name) {
@@ -61,6 +64,12 @@ pub fn hf_tensors_of(
             Some(Origin::Split { key, part, parts }) => {
                 let slot = fused.entry(key).or_insert_with(|| vec![None; parts]);
                 slot[part] = Some((shape, values));
+            }
+            Some(Origin::Rows {
+                key, start, total, ..
+            }) => {
+                let slot = blocks.entry(key).or_insert_with(|| (total, vec![]));
+                slot.1.push((start, (shape, values)));
             }
             Some(Origin::PositionsWithType { key, types }) => {
                 let d = shape[1];
@@ -87,6 +96,26 @@ pub fn hf_tensors_of(
             *l = cols.iter().sum();
         }
         out.insert(key, (shape, v));
+    }
+    for (key, (total, mut parts)) in blocks {
+        parts.sort_by_key(|p| p.0);
+        let d_in = parts[0].1 .0[0];
+        let mut v = vec![0f32; total * d_in];
+        let mut next = 0;
+        for (start, (shape, values)) in &parts {
+            let len = shape[1];
+            if *start != next || shape[0] != d_in {
+                return Err(format!("`{key}`: its row blocks do not tile it"));
+            }
+            // `[in, len]` back to rows `start..start + len` of `[total, in]`.
+            v[start * d_in..(start + len) * d_in]
+                .copy_from_slice(&super::transpose2(values, d_in, len));
+            next = start + len;
+        }
+        if next != total {
+            return Err(format!("`{key}`: rows {next}..{total} have no parameter"));
+        }
+        out.insert(key, (vec![total, d_in], v));
     }
     Ok(out)
 }

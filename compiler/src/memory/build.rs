@@ -882,6 +882,17 @@ impl<'a> Builder<'a> {
         let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd);
         let k = self.proj(Proj::K, "k_proj", x, h, kv * hd);
         let v = self.proj(Proj::V, "v_proj", x, h, kv * hd);
+        if m.numerics.fused_projections && !self.profile.burn_ops {
+            // Phi-3's `qkv_proj`: q, k and v are slices of one output, and the attention
+            // saves `v`, a view, so the whole output stays for the backward where Llama's
+            // q and k projections die once RoPE has read them (`tools/phi3_saved.py`).
+            // The executor computes three projections.
+            let [qi, ki, vi] = [q, k, v].map(|t| t.0 as usize);
+            let fused = self.tape.tensors[qi].bytes + self.tape.tensors[ki].bytes;
+            self.tape.tensors[vi].bytes += fused;
+            self.tape.tensors[qi].bytes = 0;
+            self.tape.tensors[ki].bytes = 0;
+        }
         // Qwen3's `q_norm` / `k_norm`: the model's norm over each head's `hd` values.
         let (q, k) = if m.numerics.qk_norm {
             (self.norm(q, hd), self.norm(k, hd))

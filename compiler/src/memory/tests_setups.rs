@@ -82,6 +82,38 @@ fn qk_norm_keeps_what_hf_rmsnorm_keeps() {
     );
 }
 
+/// Phi-3's fused `qkv_proj` (`fused_projections`): its whole output stays for the
+/// backward through the saved view `v`, where a Llama layer keeps only its v projection:
+/// q's and k's outputs more per layer in the PyTorch profile (`tools/phi3_saved.py`,
+/// transformers 5.23: the same on the CPU, where SDPA's output is also copied once more
+/// for `o_proj`; on CUDA the fused kernels' output needs no copy). The executor computes
+/// three projections: nothing changes in the `burn` profile.
+#[test]
+fn phi3_keeps_the_fused_projection_output() {
+    let plain = SpecBuilder::new()
+        .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+        .build();
+    let mut fused = plain.clone();
+    fused.model.numerics.fused_projections = true;
+    let m = &plain.model;
+    let tokens = cand().micro_batch * plain.train.seq_len;
+    let p = Profile::for_target(Target::Pytorch);
+    let qk = p.allocated(2 * tokens * m.heads * m.head_dim)
+        + p.allocated(2 * tokens * m.kv_heads * m.head_dim);
+    assert_eq!(
+        saved_at_forward_end(&fused, &cand()) - saved_at_forward_end(&plain, &cand()),
+        m.layers * qk
+    );
+    let burn = Profile::for_target(Target::Burn);
+    let c = cand();
+    let saved = |s: &Spec| {
+        let b = Builder::new(s, &burn, &c).build(0..s.model.layers, true, true);
+        tape::walk(&b.tape, &Persistent::default(), false).forward_end
+            [Category::Activations as usize]
+    };
+    assert_eq!(saved(&fused), saved(&plain));
+}
+
 /// A squared-ReLU MLP keeps relu's output and its square, two `[tokens, ffn]` tensors
 /// in the compute dtype per layer (not the matmul's output): doubling `ffn` adds exactly
 /// two such tensors of the added width per layer.

@@ -30,6 +30,12 @@
 //! - `qwen3`: Llama's keys (`head_dim` default 128), RMSNorm over each head
 //!   of the queries and keys (`qk_norm = true`); `attention_bias = true` is
 //!   refused.
+//! - `phi3`: Llama's keys (`rms_norm_eps` default 1e-5), q, k and v fused
+//!   into `qkv_proj` and the MLP's gate and up into `gate_up_proj` in the
+//!   checkpoint (`fused_projections`), `sliding_window` (default none) as
+//!   Mistral's, `resid_pdrop` as the dropout (`attention_dropout` must equal
+//!   it; transformers 5 applies no `embd_pdrop`); a `partial_rotary_factor`
+//!   other than 1 (Phi-4-mini) and `longrope` for `rcoa run` are refused.
 //! - `gpt2`: `n_layer`, `n_embd`, `n_head`, `n_inner` (null: 4 × n_embd),
 //!   `vocab_size`, `n_positions`, `tie_word_embeddings` (default true),
 //!   `resid_pdrop` (default 0.1); GELU, LayerNorm, learned positions, decoder.
@@ -59,6 +65,7 @@ pub(crate) const MODEL_TYPES: &[&str] = &[
     "bert",
     "qwen2",
     "qwen3",
+    "phi3",
 ];
 
 pub(super) fn load(cx: &mut Cx, path: &str, span: Span) -> Option<ModelSpec> {
@@ -155,6 +162,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     let gpt2 = c.model_type == "gpt2";
     let (eps_key, eps_default) = match c.model_type {
         "llama" | "mistral" | "qwen2" | "qwen3" => ("rms_norm_eps", 1e-6),
+        "phi3" => ("rms_norm_eps", 1e-5),
         "gpt2" => ("layer_norm_epsilon", 1e-5),
         _ => ("layer_norm_eps", 1e-12),
     };
@@ -209,7 +217,15 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
             Some(_) => c.opt("sliding_window")?,
         };
     }
-    if matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3") {
+    if c.model_type == "phi3" {
+        // Phi3Config's default is none (Phi-3-mini-4k writes 2047).
+        n.sliding_window = c.opt("sliding_window")?;
+        n.fused_projections = true;
+    }
+    if matches!(
+        c.model_type,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    ) {
         rope(c, &mut n)?;
     }
     let act_key = if gpt2 {
@@ -218,7 +234,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         "hidden_act"
     };
     let act_default = match c.model_type {
-        "llama" | "mistral" | "qwen2" | "qwen3" => "silu",
+        "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" => "silu",
         "gpt2" => "gelu_new",
         _ => "gelu",
     };
@@ -262,6 +278,13 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
 /// top; transformers 5 both inside `rope_parameters`, and reads an old `rope_scaling` first.
 fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
     n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
+    // transformers 4's Phi configs write it beside the other keys (Phi-4-mini: 0.75).
+    if c.float("partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
+        return Err(HfDetail::Unsupported {
+            key: "partial_rotary_factor",
+            value: c.obj["partial_rotary_factor"].to_string(),
+        });
+    }
     let mut params = None;
     for key in ["rope_scaling", "rope_parameters"] {
         match c.obj.get(key) {
@@ -355,7 +378,7 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
 
 fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
     match c.model_type {
-        "llama" | "mistral" | "qwen2" | "qwen3" => {
+        "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" => {
             let layers = c.req("num_hidden_layers")?;
             let hidden = c.req("hidden_size")?;
             let heads = c.req("num_attention_heads")?;
@@ -390,7 +413,7 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
                 tie_embeddings: c.flag("tie_word_embeddings", false)?,
                 experts: 1,
                 experts_per_token: 1,
-                dropout: c.prob("attention_dropout", 0.0)?,
+                dropout: dropout(c)?,
                 numerics: Numerics::default(),
                 weights: None,
             })
@@ -452,6 +475,23 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
 }
 
 /// The OS error without the platform-specific `(os error N)` suffix.
+/// The one dropout probability of a Llama-like config: `attention_dropout`; Phi-3's
+/// `resid_pdrop` after the attention and the MLP as well, which must then be equal.
+fn dropout(c: &Config<'_>) -> Result<f64, HfDetail> {
+    let attention = c.prob("attention_dropout", 0.0)?;
+    if c.model_type != "phi3" {
+        return Ok(attention);
+    }
+    let resid = c.prob("resid_pdrop", 0.0)?;
+    if resid != attention {
+        return Err(HfDetail::Unsupported {
+            key: "resid_pdrop",
+            value: format!("{resid} (the plan has one dropout; attention_dropout is {attention})"),
+        });
+    }
+    Ok(resid)
+}
+
 fn io_error_text(e: &std::io::Error) -> String {
     match e.kind() {
         std::io::ErrorKind::NotFound => "no such file".into(),

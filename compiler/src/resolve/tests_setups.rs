@@ -480,3 +480,72 @@ fn hf_qwen2_and_rope_scaling() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A `phi3` config reads as Llama's shape whose checkpoint fuses q, k, v and gate, up
+/// (`fused_projections`), with its window, eps default and one dropout; a partial
+/// rotary factor (Phi-4-mini's 0.75, beside the keys or in `rope_parameters`) and
+/// unequal dropouts are refused; LongRoPE is kept by name.
+#[test]
+fn hf_phi3() {
+    let dir = std::env::temp_dir().join(format!("rcoa-setups-phi3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let resolve_with = |extra: &str| {
+        std::fs::write(
+            dir.join("c.json"),
+            format!(
+                r#"{{"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64,
+                    "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+                    "max_position_embeddings": 4096{extra}}}"#
+            ),
+        )
+        .unwrap();
+        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
+    };
+    let m = resolve_with("").unwrap().model;
+    assert!(m.numerics.fused_projections);
+    assert_eq!((m.kv_heads, m.head_dim, m.biases()), (4, 16, Biases::None));
+    assert_eq!(
+        (m.numerics.norm_eps, m.numerics.sliding_window, m.dropout),
+        (1e-5, None, 0.0)
+    );
+    let m = resolve_with(
+        r#", "sliding_window": 2047, "resid_pdrop": 0.1, "attention_dropout": 0.1, "embd_pdrop": 0.2"#,
+    )
+    .unwrap()
+    .model;
+    assert_eq!((m.numerics.sliding_window, m.dropout), (Some(2047), 0.1));
+    let s = resolve_with(
+        r#", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        s.model.numerics.rope_scaling,
+        Some(RopeScaling::Other {
+            name: "longrope".into()
+        })
+    );
+    for (extra, key) in [
+        (
+            r#", "partial_rotary_factor": 0.75"#,
+            "partial_rotary_factor",
+        ),
+        (
+            r#", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
+            "partial_rotary_factor",
+        ),
+        (r#", "resid_pdrop": 0.1"#, "resid_pdrop"),
+    ] {
+        let e = resolve_with(extra).unwrap_err();
+        assert_eq!(e.codes(), vec!["rcoa::hf_config"], "{extra}");
+        assert!(
+            e.errors()[0].message().contains(key),
+            "{extra}: {:?}",
+            e.errors()
+        );
+    }
+    // Phi-3's 1.0 rotates whole heads.
+    assert!(resolve_with(r#", "partial_rotary_factor": 1.0"#).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}
