@@ -87,11 +87,13 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 "mistral" => c["sliding_window"] = n.sliding_window.into(),
                 "phi3" => {
                     c["sliding_window"] = n.sliding_window.into();
-                    // rcoa's one dropout after the embedding, the attention and the MLP.
+                    // After the attention and the MLP (transformers 5 has no embedding
+                    // dropout; rcoa's drops the embeddings too).
                     c["resid_pdrop"] = m.dropout.into();
-                    c["embd_pdrop"] = m.dropout.into();
-                    // Phi3Config's default (32000) is outside a smaller vocabulary.
-                    c["pad_token_id"] = serde_json::Value::Null;
+                    // Phi3Config's token defaults (32000) lie outside a smaller vocabulary.
+                    for key in ["pad_token_id", "bos_token_id", "eos_token_id"] {
+                        c[key] = serde_json::Value::Null;
+                    }
                 }
                 "qwen2" => c["use_sliding_window"] = false.into(),
                 _ => {

@@ -370,7 +370,10 @@ impl<T: Tensors> Loader<T> {
                 None
             }
             Err(Problem::Shape(k)) => {
-                self.misshaped.push(k);
+                // A fused tensor is read once per block: name it once.
+                if !self.misshaped.contains(&k) {
+                    self.misshaped.push(k);
+                }
                 None
             }
             Err(Problem::Unreadable(why)) => {
@@ -491,6 +494,10 @@ fn fetch(
     used: &mut BTreeSet<String>,
 ) -> Result<Vec<f32>, Problem> {
     let get = |k: &str| match stored.tensor(k) {
+        // Integer and 8-bit tensors read as no values (`read::to_f32`).
+        Ok(Some((s, v))) if v.len() != s.iter().product::<usize>() => Err(Problem::Unreadable(
+            format!("`{k}` is not stored as f32, f16, bf16 or f64"),
+        )),
         Ok(Some(t)) => Ok(t),
         Ok(None) => Err(Problem::Missing(k.to_string())),
         Err(why) => Err(Problem::Unreadable(why)),

@@ -66,8 +66,16 @@ pub fn hf_tensors_of(
                 slot[part] = Some((shape, values));
             }
             Some(Origin::Rows {
-                key, start, total, ..
+                key,
+                start,
+                len,
+                total,
             }) => {
+                if shape.len() != 2 || shape[1] != len {
+                    return Err(format!(
+                        "`{name}` is {shape:?}, not a block of {len} rows of `{key}`"
+                    ));
+                }
                 let slot = blocks.entry(key).or_insert_with(|| (total, vec![]));
                 slot.1.push((start, (shape, values)));
             }

@@ -77,6 +77,10 @@ pub(crate) struct Builder<'a> {
     pending_gather: Option<TensorId>,
     /// Parameters with a kept gather already (a tied head reads the embedding's).
     kept_params: Vec<TensorId>,
+    /// Phi-3's fused projections under PEFT (`fused_projections`, PyTorch profiles): one
+    /// `lora.Linear` per fused module casts (and drops out) its input once, shared by the
+    /// adapters of its projections: the input, and that copy.
+    fused_lora_input: Option<(TensorId, TensorId)>,
 }
 
 /// The dtype a tensor of `d` is stored in (tf32 is an fp32 tensor computed in tf32).
@@ -231,6 +235,7 @@ impl<'a> Builder<'a> {
                 && super::engines::zero3_keeps_forward_gathers(profile, cand),
             pending_gather: None,
             kept_params: Vec::new(),
+            fused_lora_input: None,
         }
     }
 
@@ -775,8 +780,18 @@ impl<'a> Builder<'a> {
         };
         let a = self.param("lora_a", ad.rank, inf, true, ad_dtype);
         let bm = self.param("lora_b", outf, ad.rank, true, ad_dtype);
-        let xa = self.cast(x, ad_dtype);
-        let xd = self.dropout(xa, ad.dropout);
+        let shared = self.spec.model.numerics.fused_projections && !self.profile.burn_ops;
+        let (xa, xd) = match self.fused_lora_input {
+            Some((input, xd)) if shared && input == x => (None, xd),
+            _ => {
+                let xa = self.cast(x, ad_dtype);
+                let xd = self.dropout(xa, ad.dropout);
+                if shared {
+                    self.fused_lora_input = Some((x, xd));
+                }
+                (Some(xa), xd)
+            }
+        };
         let h = self.linear("lora_a", xd, a, None);
         let h = self.linear("lora_b", h, bm, None);
         let dt = self.dtype(h);
@@ -786,7 +801,9 @@ impl<'a> Builder<'a> {
         let out = self.dtype(base);
         let y = self.cast(y, out);
         // PEFT rebinds its local `x` to the fp32 copy: it lives until the forward returns.
-        self.hold_to_last_op(xa);
+        if let Some(xa) = xa {
+            self.hold_to_last_op(xa);
+        }
         y
     }
 
@@ -882,17 +899,12 @@ impl<'a> Builder<'a> {
         let q = self.proj(Proj::Q, "q_proj", x, h, heads * hd);
         let k = self.proj(Proj::K, "k_proj", x, h, kv * hd);
         let v = self.proj(Proj::V, "v_proj", x, h, kv * hd);
-        if m.numerics.fused_projections && !self.profile.burn_ops {
-            // Phi-3's `qkv_proj`: q, k and v are slices of one output, and the attention
-            // saves `v`, a view, so the whole output stays for the backward where Llama's
-            // q and k projections die once RoPE has read them (`tools/phi3_saved.py`).
-            // The executor computes three projections.
-            let [qi, ki, vi] = [q, k, v].map(|t| t.0 as usize);
-            let fused = self.tape.tensors[qi].bytes + self.tape.tensors[ki].bytes;
-            self.tape.tensors[vi].bytes += fused;
-            self.tape.tensors[qi].bytes = 0;
-            self.tape.tensors[ki].bytes = 0;
-        }
+        // Phi-3's `qkv_proj` (PyTorch profiles; the executor computes three projections):
+        // q, k and v are slices of one output, and an attention that saves `v` as given
+        // (not repeated to every head) saves a view of it, so q's and k's parts stay for
+        // the backward too, where Llama's q and k projections die once RoPE has read them
+        // (`q * cos` saves `cos`): `tools/phi3_saved.py`.
+        let fused_qk = (m.numerics.fused_projections && !self.profile.burn_ops).then_some([q, k]);
         // Qwen3's `q_norm` / `k_norm`: the model's norm over each head's `hd` values.
         let (q, k) = if m.numerics.qk_norm {
             (self.norm(q, hd), self.norm(k, hd))
@@ -932,11 +944,15 @@ impl<'a> Builder<'a> {
             } else {
                 (k, v)
             };
+            let repeated = kv < heads && !gqa_without_repeat;
             let rg = self.rg(q) || self.rg(k) || self.rg(v);
             let out = self.tensor("attention", &[self.tokens, heads * hd], act, rg);
             let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
             let mut inputs = vec![q, k, v];
             let mut saved = vec![q, k, v, out, lse];
+            if !repeated {
+                saved.extend(fused_qk.into_iter().flatten());
+            }
             if windowed {
                 let mask = self.tensor("window_mask", &[seqs, 1, s, s], act, false);
                 self.op("window_mask", &[], &[mask], &[]);
@@ -1001,7 +1017,11 @@ impl<'a> Builder<'a> {
             };
             let rg = self.rg(p) || self.rg(vr);
             let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
-            let o = self.op("probs_v", &[p, vr], &[out], &[p, vr]);
+            let mut saved = vec![p, vr];
+            if kv == heads {
+                saved.extend(fused_qk.into_iter().flatten());
+            }
+            let o = self.op("probs_v", &[p, vr], &[out], &saved);
             self.tape.ops[o].flops = score_flops / 2.0;
             self.tape.ops[o].bwd_flops = score_flops;
             // transpose(1, 2).reshape(...) of a non-contiguous tensor copies, back to the

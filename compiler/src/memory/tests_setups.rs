@@ -104,6 +104,29 @@ fn phi3_keeps_the_fused_projection_output() {
         saved_at_forward_end(&fused, &cand()) - saved_at_forward_end(&plain, &cand()),
         m.layers * qk
     );
+    // Under LoRA on q, k and v, PEFT's one `lora.Linear` over `qkv_proj` casts its input
+    // to fp32 once for the three adapters, where Llama's three modules keep a copy each.
+    let lora = |mut s: Spec| {
+        s.adapter = Some(crate::spec::AdapterSpec {
+            kind: crate::spec::AdapterKind::Lora,
+            rank: 8,
+            alpha: 16.0,
+            targets: vec![
+                crate::spec::Proj::Q,
+                crate::spec::Proj::K,
+                crate::spec::Proj::V,
+            ],
+            dropout: 0.0,
+            base: Dtype::Bf16,
+        });
+        s
+    };
+    let x_fp32 = p.allocated(4 * tokens * m.hidden);
+    assert_eq!(
+        saved_at_forward_end(&lora(fused.clone()), &cand()) as i64
+            - saved_at_forward_end(&lora(plain.clone()), &cand()) as i64,
+        (m.layers * qk) as i64 - (m.layers * 2 * x_fp32) as i64
+    );
     let burn = Profile::for_target(Target::Burn);
     let c = cand();
     let saved = |s: &Spec| {

@@ -335,6 +335,19 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
             key: "factor",
         })
     };
+    // Phi3Config takes `default` and `longrope` only, reading the older `su` and `yarn`
+    // as `longrope`.
+    let name = match (c.model_type, name) {
+        ("phi3", "su" | "yarn") => "longrope",
+        ("phi3", t @ ("default" | "longrope")) => t,
+        ("phi3", t) => {
+            return Err(HfDetail::Unsupported {
+                key: "rope_type",
+                value: format!("\"{t}\" (Phi-3 takes default and longrope)"),
+            })
+        }
+        (_, t) => t,
+    };
     n.rope_scaling = match name {
         "default" => None,
         "linear" => Some(RopeScaling::Linear { factor: factor()? }),
@@ -474,9 +487,10 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
     }
 }
 
-/// The OS error without the platform-specific `(os error N)` suffix.
 /// The one dropout probability of a Llama-like config: `attention_dropout`; Phi-3's
 /// `resid_pdrop` after the attention and the MLP as well, which must then be equal.
+/// (`rcoa run` also drops out the embeddings' output at that rate, which Phi-3 in
+/// transformers 5 does not: every published Phi-3 config says 0.)
 fn dropout(c: &Config<'_>) -> Result<f64, HfDetail> {
     let attention = c.prob("attention_dropout", 0.0)?;
     if c.model_type != "phi3" {
@@ -492,6 +506,7 @@ fn dropout(c: &Config<'_>) -> Result<f64, HfDetail> {
     Ok(resid)
 }
 
+/// The OS error without the platform-specific `(os error N)` suffix.
 fn io_error_text(e: &std::io::Error) -> String {
     match e.kind() {
         std::io::ErrorKind::NotFound => "no such file".into(),

@@ -526,7 +526,19 @@ fn hf_phi3() {
             name: "longrope".into()
         })
     );
+    // transformers 4's `su` is LongRoPE; Phi3Config refuses other types.
+    let s = resolve_with(r#", "rope_scaling": {"type": "su", "short_factor": [1.0]}"#).unwrap();
+    assert_eq!(
+        s.model.numerics.rope_scaling,
+        Some(RopeScaling::Other {
+            name: "longrope".into()
+        })
+    );
     for (extra, key) in [
+        (
+            r#", "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+            "rope_type",
+        ),
         (
             r#", "partial_rotary_factor": 0.75"#,
             "partial_rotary_factor",
