@@ -118,6 +118,9 @@ pub struct Ctx<B: Backend> {
     pub dropout: f64,
     /// Dropout masks are drawn only while training (never in a gradient check).
     pub train: bool,
+    /// A decoder's `padding_idx`: the token whose embedding row the lookup gives no
+    /// gradient (a tied head's gradient still reaches it, as in PyTorch).
+    pub padding_idx: Option<i64>,
     /// RoPE tables in the compute dtype, laid out for [`rope`]: the cosines `[seq, head_dim
     /// / 2]` (both halves use them) and the signed sines `[seq, head_dim]` (`[-s, s]`).
     pub rope: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
@@ -198,6 +201,11 @@ impl<B: Backend> Ctx<B> {
             lora_dropout: adapter.map(|a| a.dropout).unwrap_or(0.0),
             dropout: model.dropout,
             train: true,
+            padding_idx: model
+                .numerics
+                .padding_idx
+                .filter(|_| causal)
+                .map(|p| p as i64),
             rope,
             bias,
             padding: None,
@@ -225,6 +233,7 @@ impl<B: Backend> Ctx<B> {
             lora_dropout: self.lora_dropout,
             dropout: self.dropout,
             train: self.train,
+            padding_idx: self.padding_idx,
             rope: self
                 .rope
                 .as_ref()
@@ -695,7 +704,16 @@ impl<B: ExecBackend> Embed<B> {
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let [_, s] = tokens.dims();
         let table = to_dtype(self.tokens.val(), ctx.compute);
+        let pad_at = ctx.padding_idx.map(|pad| tokens.clone().equal_elem(pad));
         let mut x = crate::ops::embedding(table, tokens);
+        if let Some(pad_at) = pad_at {
+            // `nn.Embedding(padding_idx)`: the pad token's positions pass no gradient to
+            // its row (their values are the same, taken from a detached copy).
+            let dims = x.dims();
+            x = x
+                .clone()
+                .mask_where(pad_at.unsqueeze_dim::<3>(2).expand(dims), x.detach());
+        }
         if let Some(p) = &self.positions {
             x = x + to_dtype(p.val(), ctx.compute)
                 .narrow(0, ctx.position_offset, s)
@@ -1698,5 +1716,69 @@ mod ctx_tests {
             (inner.flash, inner.selective, inner.causal),
             (false, false, true)
         );
+    }
+}
+
+#[cfg(test)]
+mod padding_tests {
+    use super::*;
+
+    type Ad = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+    /// The rows of the token table's gradient: `(pad row, every other row used)`, each
+    /// as the largest magnitude in it, after one backward of a model whose lookup has
+    /// `padding_idx` 3 and whose batch holds token 3.
+    fn table_grad(tied: bool, padding: Option<u64>) -> (f32, f32) {
+        let mut spec = crate::testing::tiny_plan().model;
+        spec.tie_embeddings = tied;
+        spec.numerics.padding_idx = padding;
+        let device = Default::default();
+        let init = ModelInit {
+            model: &spec,
+            adapter: None,
+            lm_head: true,
+            dtype: FloatDType::F32,
+            frozen: FloatDType::F32,
+        };
+        let model = Model::<Ad>::new(&init, &device);
+        let ids = [5i64, 3, 9, 3, 7, 11];
+        let tokens = Tensor::<Ad, 2, Int>::from_data(
+            burn::tensor::TensorData::new(ids.to_vec(), [1, 6]),
+            &device,
+        );
+        let ctx = Ctx::<Ad>::new(&spec, None, 6, FloatDType::F32, false, &device);
+        let logits = model
+            .head
+            .logits(model.hidden(tokens, &ctx), &model.embed, &ctx);
+        let grads = logits.powi_scalar(2).mean().backward();
+        let g = model
+            .embed
+            .tokens
+            .val()
+            .grad(&grads)
+            .expect("the table has a gradient");
+        let d = spec.hidden as usize;
+        let g: Vec<f32> = g.into_data().to_vec().unwrap();
+        let row = |r: usize| {
+            g[r * d..(r + 1) * d]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()))
+        };
+        let others = [5, 9, 7, 11].into_iter().map(row).fold(f32::MAX, f32::min);
+        (row(3), others)
+    }
+
+    /// `nn.Embedding(padding_idx)`: the pad token's row gets no gradient from the lookup
+    /// (the rows of the other tokens in the batch do); a tied head still gives it one, as
+    /// PyTorch's tied weight gets the head's.
+    #[test]
+    fn the_padding_row_gets_no_gradient_from_the_lookup() {
+        let (pad, others) = table_grad(false, Some(3));
+        assert_eq!(pad, 0.0);
+        assert!(others > 0.0);
+        let (pad, _) = table_grad(false, None);
+        assert!(pad > 0.0, "without padding_idx the row trains");
+        let (pad, _) = table_grad(true, Some(3));
+        assert!(pad > 0.0, "a tied head's gradient reaches the row");
     }
 }

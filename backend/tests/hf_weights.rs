@@ -1001,6 +1001,7 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     mistral.model.numerics.sliding_window = Some(16);
     let mut phi3 = mistral.clone();
     phi3.model.numerics.fused_projections = true;
+    phi3.model.numerics.padding_idx = Some(3);
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
         ("qwen2", qwen2, "causal_lm"),

@@ -277,6 +277,10 @@ pub struct Numerics {
     /// `gate_up_proj` (Phi-3): how its tensors are named and cut, not what is computed.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub fused_projections: bool,
+    /// The token whose embedding row the lookup gives no gradient (`nn.Embedding`'s
+    /// `padding_idx`: a decoder config's `pad_token_id`, Phi-3's `<|endoftext|>`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub padding_idx: Option<u64>,
 }
 
 impl Default for Numerics {
@@ -291,6 +295,7 @@ impl Default for Numerics {
             qk_norm: false,
             sliding_window: None,
             fused_projections: false,
+            padding_idx: None,
         }
     }
 }

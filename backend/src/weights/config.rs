@@ -91,7 +91,7 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                     // dropout; rcoa's drops the embeddings too).
                     c["resid_pdrop"] = m.dropout.into();
                     // Phi3Config's token defaults (32000) lie outside a smaller vocabulary.
-                    for key in ["pad_token_id", "bos_token_id", "eos_token_id"] {
+                    for key in ["bos_token_id", "eos_token_id"] {
                         c[key] = serde_json::Value::Null;
                     }
                 }
@@ -105,6 +105,8 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 rope.as_object_mut().map(|r| r.remove("rope_theta"));
                 c["rope_scaling"] = rope;
             }
+            // The embedding's `padding_idx` (null: none).
+            c["pad_token_id"] = n.padding_idx.into();
             c
         }
         Family::Gpt2 => {

@@ -1484,7 +1484,15 @@ impl<'a> Builder<'a> {
                 let (table, _) = self.weight(embed);
                 let e = self.tensor("embedding", &[self.tokens, h], self.act, rg);
                 self.op("embedding", &[ids, table], &[e], &[table, ids]);
-                e
+                if m.arch == Arch::Decoder && m.numerics.padding_idx.is_some() {
+                    // `padding_idx`: the pad positions taken from a detached copy
+                    // (`mask_where`), which saves the `[tokens]` mask of them.
+                    let pad = self.tensor("pad_mask", &[self.tokens], Dtype::Int8, false);
+                    self.op("pad_mask", &[ids], &[pad], &[]);
+                    self.pointwise("pad_where", &[e, pad], self.act, &[pad])
+                } else {
+                    e
+                }
             } else {
                 // `gradient_checkpointing_enable` (and PEFT over a checkpointed model) calls
                 // `enable_input_require_grads`: a hook makes the embedding output require

@@ -18,7 +18,8 @@
 //! true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
-//! - `llama`, `mistral`: `num_hidden_layers`, `hidden_size`,
+//! - `llama`, `mistral` (and the three below): `pad_token_id` (the embedding row that
+//!   gets no gradient, as `nn.Embedding`'s `padding_idx`), `num_hidden_layers`, `hidden_size`,
 //!   `num_attention_heads`, `num_key_value_heads` (missing: Llama heads,
 //!   Mistral 8, Qwen 32, as their config classes; `null`: heads),
 //!   `head_dim` (default: hidden/heads), `intermediate_size`, `vocab_size`,
@@ -227,6 +228,18 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     ) {
         rope(c, &mut n)?;
+        // `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`: the pad token's row
+        // gets no gradient from the lookup (Phi-3: 32000, `<|endoftext|>`).
+        if let Some(pad) = c.opt("pad_token_id")? {
+            let vocab = c.req("vocab_size")?;
+            if pad >= vocab {
+                return Err(HfDetail::Unsupported {
+                    key: "pad_token_id",
+                    value: format!("{pad} (outside the vocabulary of {vocab})"),
+                });
+            }
+            n.padding_idx = Some(pad);
+        }
     }
     let act_key = if gpt2 {
         "activation_function"

@@ -557,6 +557,16 @@ fn hf_phi3() {
             e.errors()
         );
     }
+    // `pad_token_id` is the embedding's `padding_idx` (Phi-3's 32000 in its 32,064
+    // tokens); outside the vocabulary transformers cannot build the model.
+    let m = resolve_with(r#", "pad_token_id": 7"#).unwrap().model;
+    assert_eq!(m.numerics.padding_idx, Some(7));
+    let e = resolve_with(r#", "pad_token_id": 32000"#).unwrap_err();
+    assert!(
+        e.errors()[0].message().contains("pad_token_id"),
+        "{:?}",
+        e.errors()
+    );
     // Phi-3's 1.0 rotates whole heads.
     assert!(resolve_with(r#", "partial_rotary_factor": 1.0"#).is_ok());
     std::fs::remove_dir_all(&dir).ok();
