@@ -1,45 +1,26 @@
 """What Phi-3's fused projections change in what autograd keeps: a Phi-3
-decoder layer against a Llama layer of the same shape, saved bytes counted
-with `saved_tensors_hooks` (deduplicated by storage, whole storages counted,
-the layer's parameters and input left out). SDPA saves `v`, a view into the
-output of `qkv_proj`, so the whole `[tokens, (heads + 2·kv)·head_dim]`
-output stays for the backward, where Llama frees q's and k's projections
-once RoPE has read them (`q * cos` saves `cos`, not `q`). The memory model's
-test `phi3_keeps_the_fused_projection_output` (compiler/src/memory/
-tests_setups.rs) follows the bf16 line.
+decoder layer against a Llama layer of the same shape (`qk_norm_saved.
+saved_bytes`: storages deduplicated and counted whole, the layer's
+parameters and input left out).
+
+SDPA saves `v`, a view into the output of `qkv_proj`, so the whole
+`[tokens, (heads + 2·kv)·head_dim]` output stays for the backward, where
+Llama frees q's and k's projections once RoPE has read them (`q * cos`
+saves `cos`, not `q`): the "q and k outputs" column, which the memory
+model charges (`phi3_keeps_the_fused_projection_output`,
+compiler/src/memory/tests_setups.rs). The rest of the delta, one more
+`[tokens, heads·head_dim]` tensor, is CPU-only: Phi-3's RoPE ends in a
+`cat` that makes q contiguous, CPU SDPA then returns a `[b, h, s, d]`
+output, and `transpose(1, 2).contiguous()` copies it for `o_proj`; CUDA's
+fused kernels return `[b, s, h, d]` memory, which needs no copy.
 
     python tools/phi3_saved.py
 """
 import torch
+from qk_norm_saved import saved_bytes
 from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
-
-
-def saved_bytes(layer_cls, rope_cls, cfg, dtype, seq=64):
-    torch.manual_seed(0)
-    layer = layer_cls(cfg, 0).to(dtype)
-    layer.train()
-    rope = rope_cls(cfg)
-    x = torch.randn(1, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
-    pos = torch.arange(seq)[None]
-    cos, sin = rope(x, pos)
-    packed = []
-
-    def pack(t):
-        packed.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
-    seen = {}
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    for t in packed:
-        k = t.untyped_storage().data_ptr()
-        if k in params or k == x.untyped_storage().data_ptr():
-            continue
-        seen[k] = t.untyped_storage().nbytes()
-    return sum(seen.values()), len(seen)
 
 
 for kv in [4, 2]:

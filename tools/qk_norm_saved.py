@@ -33,9 +33,10 @@ def saved_bytes(layer_cls, rope_cls, cfg, dtype, seq=64):
         seen[k] = t.untyped_storage().nbytes()
     return sum(seen.values()), len(seen)
 
-for dtype in [torch.float32, torch.bfloat16]:
-    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-              rms_norm_eps=1e-6, attn_implementation="sdpa")
-    l = saved_bytes(LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaConfig(**kw), dtype)
-    q = saved_bytes(Qwen3DecoderLayer, Qwen3RotaryEmbedding, Qwen3Config(**kw), dtype)
-    print(dtype, "llama", l, "qwen3", q, "delta", q[0]-l[0], "tokens*q", 64*256, "tokens*kv", 64*128)
+if __name__ == "__main__":
+    for dtype in [torch.float32, torch.bfloat16]:
+        kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  rms_norm_eps=1e-6, attn_implementation="sdpa")
+        l = saved_bytes(LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaConfig(**kw), dtype)
+        q = saved_bytes(Qwen3DecoderLayer, Qwen3RotaryEmbedding, Qwen3Config(**kw), dtype)
+        print(dtype, "llama", l, "qwen3", q, "delta", q[0]-l[0], "tokens*q", 64*256, "tokens*kv", 64*128)
