@@ -319,6 +319,9 @@ pub struct Loader<T> {
     misshaped: Vec<String>,
     unmapped: Vec<String>,
     unreadable: Vec<String>,
+    /// The fused tensor read last (Phi-3's `qkv_proj`, `gate_up_proj`; GPT-2's
+    /// `c_attn`): its next blocks come from here, not from the files again.
+    fused: Stored,
 }
 
 /// A loader reading each tensor from the files when a unit asks for it.
@@ -352,6 +355,7 @@ impl<T: Tensors> Loader<T> {
             misshaped: vec![],
             unmapped: vec![],
             unreadable: vec![],
+            fused: Stored::new(),
         })
     }
 
@@ -363,7 +367,22 @@ impl<T: Tensors> Loader<T> {
             self.unmapped.push(name.to_string());
             return None;
         };
-        match fetch(&o, shape, &self.tensors, &mut self.used) {
+        let fused = match &o {
+            Origin::Rows { key, .. } | Origin::Split { key, .. } => Some(key),
+            _ => None,
+        };
+        if let Some(key) = fused.filter(|k| !self.fused.contains_key(*k)) {
+            self.fused.clear();
+            if let Ok(Some((s, v))) = self.tensors.tensor(key) {
+                self.fused.insert(key.clone(), (s, v.into_owned()));
+            }
+        }
+        let got = match fused.filter(|k| self.fused.contains_key(*k)) {
+            Some(_) => fetch(&o, shape, &self.fused, &mut self.used),
+            // Not fused, or unreadable: as any tensor, so the problem is reported.
+            None => fetch(&o, shape, &self.tensors, &mut self.used),
+        };
+        match got {
             Ok(v) => Some(v),
             Err(Problem::Missing(k)) => {
                 self.missing.push(k);
@@ -595,4 +614,70 @@ fn transpose2(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+
+    /// Tensors in memory that count how often each is read.
+    struct Counting {
+        stored: Stored,
+        reads: RefCell<BTreeMap<String, usize>>,
+    }
+
+    impl Tensors for Counting {
+        fn names(&self) -> Vec<&String> {
+            self.stored.keys().collect()
+        }
+        fn tensor(&self, key: &str) -> Result<Option<(Vec<usize>, Cow<'_, [f32]>)>, String> {
+            *self.reads.borrow_mut().entry(key.into()).or_default() += 1;
+            self.stored.tensor(key)
+        }
+    }
+
+    /// Phi-3's `qkv_proj` of 2 query heads and 1 key/value head of 2 over a hidden size
+    /// of 3: q, k and v are its row blocks (transposed to rcoa's `[in, out]`), read from
+    /// the checkpoint once for the three.
+    #[test]
+    fn fused_row_blocks_are_cut_from_one_read() {
+        let fused = Fused {
+            q: 4,
+            kv: 2,
+            ffn: 5,
+        };
+        let key = "model.layers.0.self_attn.qkv_proj.weight".to_string();
+        // Row r of the `[8, 3]` weight is [10r, 10r + 1, 10r + 2].
+        let rows: Vec<f32> = (0..8)
+            .flat_map(|r| (0..3).map(move |c| (10 * r + c) as f32))
+            .collect();
+        let mut stored = Stored::new();
+        stored.insert(key.clone(), (vec![8, 3], rows));
+        stored.insert(
+            "model.embed_tokens.weight".into(),
+            (vec![1, 3], vec![0.0; 3]),
+        );
+        let counting = Counting {
+            stored,
+            reads: RefCell::new(BTreeMap::new()),
+        };
+        let mut loader = Loader::new(&counting, Family::Phi3(fused)).unwrap();
+        let q = loader.values("layers.0.attn.q.weight", &[3, 4]).unwrap();
+        let k = loader.values("layers.0.attn.k.weight", &[3, 2]).unwrap();
+        let v = loader.values("layers.0.attn.v.weight", &[3, 2]).unwrap();
+        // `[in, out]`: element (i, o) is row `start + o`'s column i.
+        let block = |start: usize, len: usize| -> Vec<f32> {
+            (0..3)
+                .flat_map(|i| (0..len).map(move |o| (10 * (start + o) + i) as f32))
+                .collect()
+        };
+        assert_eq!((q, k, v), (block(0, 4), block(4, 2), block(6, 2)));
+        assert_eq!(counting.reads.borrow()[&key], 1);
+        // A block of the wrong width is named, once.
+        assert!(loader.values("layers.0.attn.k.weight", &[3, 3]).is_none());
+        assert!(loader.values("layers.0.attn.v.weight", &[3, 3]).is_none());
+        assert_eq!(loader.misshaped.len(), 1, "{:?}", loader.misshaped);
+    }
 }
