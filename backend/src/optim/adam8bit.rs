@@ -31,7 +31,6 @@ use burn::optim::SimpleOptimizer;
 use burn::record::Record;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use std::sync::{Arc, Mutex};
 
 /// The hyper-parameters, and the first error a step met (a step cannot
 /// return one through Burn's optimizer interface; the trainer asks
@@ -43,7 +42,7 @@ pub struct Adam8bitOptimizer {
     pub epsilon: f32,
     /// Decoupled (`p *= 1 - lr * wd`), as bitsandbytes applies it.
     pub weight_decay: f32,
-    error: Arc<Mutex<Option<String>>>,
+    error: super::StepError,
 }
 
 /// One parameter's 8-bit Adam state on the device.
@@ -92,7 +91,7 @@ impl Adam8bitOptimizer {
             beta_2,
             epsilon,
             weight_decay,
-            error: Arc::new(Mutex::new(None)),
+            error: super::StepError::default(),
         }
     }
 
@@ -109,14 +108,11 @@ impl Adam8bitOptimizer {
     /// The error of a step since the last call, if any: that step left its
     /// parameter and state unchanged.
     pub fn take_error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.error.take()
     }
 
     fn fail(&self, why: String) {
-        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
-        if e.is_none() {
-            *e = Some(why);
-        }
+        self.error.fail(why);
     }
 }
 

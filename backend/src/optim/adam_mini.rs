@@ -52,7 +52,6 @@ use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use rcoa_compiler::spec::ModelSpec;
-use std::sync::{Arc, Mutex};
 
 /// How one parameter is cut into blocks: a `rows × cols` grid over its
 /// `[rows·r, cols·c]` values (a vector is one column), each cell one block
@@ -120,7 +119,7 @@ pub struct AdamMiniOptimizer {
     pub epsilon: f64,
     /// Decoupled: `p *= 1 − lr · wd`, where the blocks allow it.
     pub weight_decay: f64,
-    error: Arc<Mutex<Option<String>>>,
+    error: super::StepError,
 }
 
 /// One parameter's state.
@@ -159,21 +158,18 @@ impl AdamMiniOptimizer {
             beta_2,
             epsilon,
             weight_decay,
-            error: Arc::new(Mutex::new(None)),
+            error: super::StepError::default(),
         }
     }
 
     /// The error of a step since the last call, if any: that step left its
     /// parameter unchanged.
     pub fn take_error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.error.take()
     }
 
     fn fail(&self, why: String) {
-        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
-        if e.is_none() {
-            *e = Some(why);
-        }
+        self.error.fail(why);
     }
 
     /// `param` after one step with `grad`, and the state after it.
@@ -455,6 +451,8 @@ mod tests {
     /// (learned positions, the embedding's norm, LayerNorm and projection biases).
     #[test]
     fn every_parameter_of_each_layout_has_blocks() {
+        // Models draw their weights from the backend's one generator.
+        let _serial = crate::tests::serial();
         use crate::model::ModelInit;
         use burn::module::{Module, ModuleVisitor, Param};
         use rcoa_compiler::spec::{Loss, Norm, Positions};

@@ -25,6 +25,27 @@ mod host;
 pub mod lion;
 pub use host::Rule;
 
+/// The first error a step met, for the optimizers whose steps cannot return one
+/// through Burn's `SimpleOptimizer::step` (8-bit Adam, Adam-mini): the step that met it
+/// left its parameter unchanged, and the trainer takes it after every step.
+#[derive(Clone, Debug, Default)]
+pub struct StepError(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl StepError {
+    /// Keep `why` unless an earlier error is still untaken.
+    pub fn fail(&self, why: String) {
+        let mut e = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if e.is_none() {
+            *e = Some(why);
+        }
+    }
+
+    /// The error since the last call, if any.
+    pub fn take(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
 impl Rule {
     /// The rule `train::Optim::for_plan` builds with Burn for `plan`.
     pub fn for_plan(plan: &LoweredPlan) -> Result<Rule, RunError> {
