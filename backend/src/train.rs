@@ -237,7 +237,7 @@ pub enum Optim<B: ExecAutodiff> {
     Lion(OptimizerAdaptor<LionOptimizer, Model<B>, B>),
     Adafactor(OptimizerAdaptor<AdafactorOptimizer, Model<B>, B>),
     /// Each parameter's blocks are in its records before the first step
-    /// ([`Optim::with_model`]).
+    /// ([`Optim::for_plan`]).
     AdamMini(OptimizerAdaptor<AdamMiniOptimizer, Model<B>, B>),
 }
 
@@ -248,7 +248,10 @@ impl<B: ExecAutodiff> Optim<B> {
         Optim::Sgd(SgdConfig::new().init())
     }
 
-    pub fn for_plan(plan: &LoweredPlan) -> Result<Self, RunError> {
+    /// The optimizer of `plan`, ready to step `model`: Adam-mini learns each
+    /// parameter's blocks from its module path (`optim::adam_mini::blocks`), which
+    /// Burn's adaptor does not hand a step.
+    pub fn for_plan(plan: &LoweredPlan, model: &Model<B>) -> Result<Self, RunError> {
         let o = &plan.optimizer;
         let (b1, b2) = (o.betas.0 as f32, o.betas.1 as f32);
         // PyTorch's default epsilon, so runs compare with the ground truth.
@@ -300,23 +303,14 @@ impl<B: ExecAutodiff> Optim<B> {
                     weight_decay: o.weight_decay,
                 }))
             }
-            OptimizerKind::AdamMini => Optim::AdamMini(OptimizerAdaptor::from(
-                AdamMiniOptimizer::new(o.betas.0, o.betas.1, 1e-8, o.weight_decay),
-            )),
-        })
-    }
-
-    /// `self` ready to step `model`: Adam-mini learns each parameter's blocks
-    /// from its module path (`optim::adam_mini::blocks`), which Burn's adaptor
-    /// does not hand a step.
-    fn with_model(self, plan: &LoweredPlan, model: &Model<B>) -> Result<Self, RunError> {
-        Ok(match self {
-            Optim::AdamMini(o) => {
+            OptimizerKind::AdamMini => {
                 let records = crate::optim::adam_mini::initial_records(model, &plan.model)
                     .map_err(|e| RunError::Unsupported(format!("optimizer adam-mini: {e}")))?;
-                Optim::AdamMini(o.load_record(records.into_iter().collect()))
+                let rule = AdamMiniOptimizer::new(o.betas.0, o.betas.1, 1e-8, o.weight_decay);
+                Optim::AdamMini(
+                    OptimizerAdaptor::from(rule).load_record(records.into_iter().collect()),
+                )
             }
-            other => other,
         })
     }
 
@@ -629,7 +623,6 @@ impl<B: ExecAutodiff> Trainer<B> {
         let ranks = cfg.collective.as_ref().map_or(1, |c| c.ranks() as u64);
         crate::check_plan_ranks(plan, ranks)?;
         let (precision, precision_note) = Precision::for_plan(plan, cfg.sixteen_bit)?;
-        let optim = Optim::for_plan(plan)?;
         let scaler = LossScaler::for_precision(&precision);
         B::seed(&device, cfg.seed);
         let lm_head = plan.train.loss != Loss::Contrastive;
@@ -638,7 +631,7 @@ impl<B: ExecAutodiff> Trainer<B> {
         let built =
             crate::setup::build::<B>(plan, precision, lm_head, cfg.collective.as_ref(), &device)?;
         let (zero3, zero, model) = (built.zero3, built.zero, built.model);
-        let optim = optim.with_model(plan, &model)?;
+        let optim = Optim::for_plan(plan, &model)?;
         // The 16-bit working copy of the fp32 master (with ZeRO the model is
         // the 16-bit weights, the master a shard of `zero`'s).
         let work = (zero3.is_none() && zero.is_none() && precision.master)

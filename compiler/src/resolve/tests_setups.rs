@@ -11,6 +11,14 @@ hardware { gpu = h100-80gb gpus_per_node = 8 }
 train { seq_len = 2048 global_batch = 64 }
 "#;
 
+/// `config` written as `c.json` into `dir`, read through `model hf "c.json"`.
+fn resolve_config(dir: &Path, config: &str) -> Result<Spec, ResolveErrors> {
+    std::fs::write(dir.join("c.json"), config).unwrap();
+    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
+    let file = rcoa_grammar::parse("t.plan", plan).unwrap();
+    resolve(&file, &ResolveContext::new("t.plan", plan, dir))
+}
+
 fn run(src: &str) -> Result<Spec, ResolveErrors> {
     let file = rcoa_grammar::parse("test.plan", src)
         .unwrap_or_else(|e| panic!("parse failed: {e:?}\n{src}"));
@@ -278,12 +286,7 @@ fn hf_llama_biases() {
                 "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256{extra}}}"#
         )
     };
-    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
-    let resolve_with = |extra: &str| {
-        std::fs::write(dir.join("c.json"), config(extra)).unwrap();
-        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
-        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
-    };
+    let resolve_with = |extra: &str| resolve_config(&dir, &config(extra));
     let s = resolve_with("").unwrap();
     assert_eq!(s.model.numerics.linear_bias, None);
     let s = resolve_with(r#", "attention_bias": true, "mlp_bias": true"#).unwrap();
@@ -312,12 +315,8 @@ fn hf_qwen2_and_rope_scaling() {
                 "max_position_embeddings": 256{extra}}}"#
         )
     };
-    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
-    let resolve_with = |model_type: &str, extra: &str| {
-        std::fs::write(dir.join("c.json"), config(model_type, extra)).unwrap();
-        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
-        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
-    };
+    let resolve_with =
+        |model_type: &str, extra: &str| resolve_config(&dir, &config(model_type, extra));
     let s = resolve_with(
         "qwen2",
         r#", "rope_theta": 1000000.0, "tie_word_embeddings": true, "use_sliding_window": false, "sliding_window": 4096"#,
@@ -419,17 +418,15 @@ fn hf_qwen2_and_rope_scaling() {
     assert_eq!(s.model.numerics.sliding_window, None);
     // Missing keys mean the config classes' defaults.
     let bare = |model_type: &str| {
-        std::fs::write(
-            dir.join("c.json"),
-            format!(
+        resolve_config(
+            &dir,
+            &format!(
                 r#"{{"model_type": "{model_type}", "num_hidden_layers": 2, "hidden_size": 512,
                     "num_attention_heads": 64, "intermediate_size": 128, "vocab_size": 100,
                     "max_position_embeddings": 256}}"#
             ),
         )
-        .unwrap();
-        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
-        resolve(&file, &ResolveContext::new("t.plan", plan, &dir)).unwrap()
+        .unwrap()
     };
     let m = bare("mistral").model;
     assert_eq!((m.kv_heads, m.numerics.sliding_window), (8, Some(4096)));
@@ -489,19 +486,15 @@ fn hf_qwen2_and_rope_scaling() {
 fn hf_phi3() {
     let dir = std::env::temp_dir().join(format!("rcoa-setups-phi3-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let plan = "model hf \"c.json\"\nhardware { gpu = h100-80gb }\ntrain { seq_len = 32 global_batch = 4 }\n";
     let resolve_with = |extra: &str| {
-        std::fs::write(
-            dir.join("c.json"),
-            format!(
+        resolve_config(
+            &dir,
+            &format!(
                 r#"{{"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64,
                     "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
                     "max_position_embeddings": 4096{extra}}}"#
             ),
         )
-        .unwrap();
-        let file = rcoa_grammar::parse("t.plan", plan).unwrap();
-        resolve(&file, &ResolveContext::new("t.plan", plan, &dir))
     };
     let m = resolve_with("").unwrap().model;
     assert!(m.numerics.fused_projections);
