@@ -407,14 +407,16 @@ fn lora(targets: &[Proj], rank: u64, alpha: f64) -> AdapterSpec {
     }
 }
 
-/// Sets every LoRA `b` (zero at initialisation) to values of a fixed
-/// sequence, so that the adapter changes what the model computes.
-struct NonzeroB {
+/// Sets both LoRA factors to values of a fixed sequence: `b` (zero at
+/// initialisation) so that the adapter changes what the model computes, and
+/// `a` (drawn from the backend's generator, which tests that train reseed
+/// concurrently) so that how much it changes is the same on every run.
+struct FixedLora {
     path: Vec<String>,
     state: u64,
 }
 
-impl<X: Backend> ModuleMapper<X> for NonzeroB {
+impl<X: Backend> ModuleMapper<X> for FixedLora {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -423,7 +425,7 @@ impl<X: Backend> ModuleMapper<X> for NonzeroB {
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<X, D>>) -> Param<Tensor<X, D>> {
         let n = self.path.len();
-        if n < 2 || self.path[n - 2] != "lora" || self.path[n - 1] != "b" {
+        if n < 2 || self.path[n - 2] != "lora" || !matches!(self.path[n - 1].as_str(), "a" | "b") {
             return param;
         }
         let (id, t, _) = param.consume();
@@ -455,7 +457,7 @@ fn adapted(m: &ModelSpec, a: &AdapterSpec, lm_head: bool) -> Model<B> {
     let mut model = Model::<B>::new(&init, &device);
     let dir = m.weights.as_ref().expect("a fixture");
     rcoa_backend::weights::load_into(&mut model, m, Path::new(dir)).unwrap();
-    model.map(&mut NonzeroB {
+    model.map(&mut FixedLora {
         path: vec![],
         state: 7,
     })
