@@ -78,6 +78,9 @@ impl Identity {
         if let Some(r) = &m.numerics.rope_scaling {
             put("model.rope_scaling", format!("{r:?}"));
         }
+        if let Some(r) = m.numerics.rotary_dims {
+            put("model.rotary_dims", r.to_string());
+        }
         // Contrastive training builds no vocabulary head.
         put(
             "model.lm_head",
@@ -301,11 +304,11 @@ mod tests {
         );
     }
 
-    /// Biases, q/k norms and RoPE's rescaling are the model's too (a `bias = qkv`
+    /// Biases, q/k norms, RoPE's rescaling and rotated share are the model's too (a `bias = qkv`
     /// checkpoint resumed without them would drop its biases in silence); a plan that
     /// writes its family's biases is the same model as one that does not.
     #[test]
-    fn biases_qk_norms_and_rope_scaling_are_part_of_the_model() {
+    fn biases_qk_norms_and_rope_are_part_of_the_model() {
         use rcoa_compiler::spec::{Biases, RopeScaling};
         let plan = tiny_plan();
         let mut state = Identity::of(&plan, &fp32()).to_json();
@@ -320,10 +323,13 @@ mod tests {
         qk.model.numerics.qk_norm = true;
         let mut rope = plan.clone();
         rope.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+        let mut partial = plan.clone();
+        partial.model.numerics.rotary_dims = Some(partial.model.head_dim / 2);
         for (other, key) in [
             (qkv, "bias qkv"),
             (qk, "qk_norm true"),
             (rope, "rope_scaling Linear"),
+            (partial, "rotary_dims"),
         ] {
             let e = Identity::of(&other, &fp32())
                 .check(&state, dir)

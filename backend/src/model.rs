@@ -121,9 +121,7 @@ pub struct Ctx<B: Backend> {
     /// A decoder's `padding_idx`: the token whose embedding row the lookup gives no
     /// gradient (a tied head's gradient still reaches it, as in PyTorch).
     pub padding_idx: Option<i64>,
-    /// RoPE tables in the compute dtype, laid out for [`rope`]: the cosines `[seq, head_dim
-    /// / 2]` (both halves use them) and the signed sines `[seq, head_dim]` (`[-s, s]`).
-    pub rope: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
+    pub rope: Option<RopeTables<B>>,
     /// `[1, 1, seq, seq]` additive causal mask in the compute dtype: 0, or a
     /// large negative number above the diagonal (future positions). Added
     /// rather than `mask_fill`ed so the backward keeps no `[b, h, s, s]` mask.
@@ -156,30 +154,8 @@ impl<B: Backend> Ctx<B> {
         device: &B::Device,
     ) -> Self {
         let head_dim = model.head_dim as usize;
-        let rope = (model.positions == Positions::Rope).then(|| {
-            // angle[p, i] = p * theta_i (f32, as Hugging Face computes it).
-            let half = head_dim / 2;
-            let inv: Vec<f32> = crate::rope::inverse_frequencies(&model.numerics, head_dim)
-                .into_iter()
-                .map(|f| f as f32)
-                .collect();
-            let mut cos = Vec::with_capacity(seq * half);
-            let mut sin = Vec::with_capacity(seq * head_dim);
-            for p in 0..seq {
-                let angles = inv.iter().map(|f| p as f32 * f);
-                cos.extend(angles.clone().map(f32::cos));
-                sin.extend(angles.clone().map(|a| -a.sin()));
-                sin.extend(angles.map(f32::sin));
-            }
-            let mk = |v: Vec<f32>| {
-                let cols = v.len() / seq;
-                to_dtype(
-                    Tensor::<B, 1>::from_floats(v.as_slice(), device).reshape([seq, cols]),
-                    compute,
-                )
-            };
-            (mk(cos), mk(sin))
-        });
+        let rope = (model.positions == Positions::Rope)
+            .then(|| RopeTables::new(&model.numerics, head_dim, seq, compute, device));
         let causal = model.arch == Arch::Decoder;
         let bias = (causal && !flash).then(|| {
             // Burn's masks are true where they mask: `tril_mask(_, 0)` is
@@ -234,10 +210,11 @@ impl<B: Backend> Ctx<B> {
             dropout: self.dropout,
             train: self.train,
             padding_idx: self.padding_idx,
-            rope: self
-                .rope
-                .as_ref()
-                .map(|(c, s)| (c.clone().inner(), s.clone().inner())),
+            rope: self.rope.as_ref().map(|r| RopeTables {
+                cos: r.cos.clone().inner(),
+                sin: r.sin.clone().inner(),
+                swap: r.swap.clone().map(|i| i.inner()),
+            }),
             bias: self.bias.clone().map(|b| b.inner()),
             padding: self.padding.clone().map(|p| p.inner()),
             selective: self.selective,
@@ -515,28 +492,101 @@ enum SeqAxis {
     Third,
 }
 
-fn rope<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 2>,
-    sin: &Tensor<B, 2>,
-    seq: SeqAxis,
-) -> Tensor<B, 4> {
+/// RoPE's tables in the compute dtype, laid out for [`rope`]. Whole heads rotated: the
+/// cosines `[seq, head_dim / 2]` (both halves use them) and the signed sines `[seq,
+/// head_dim]` (`[-s, s]`). Only the first `r` values of each head rotated (Phi-4-mini's
+/// `partial_rotary_factor`): `[seq, head_dim]` each, `[c, c, 1, ..]` and `[-s, s, 0, ..]`,
+/// and `swap`, the index that trades each rotated value for its partner (`i` and `i + r/2`)
+/// and keeps the rest in place. LongRoPE's attention factor is in both.
+#[derive(Clone, Debug)]
+pub struct RopeTables<B: Backend> {
+    pub cos: Tensor<B, 2>,
+    pub sin: Tensor<B, 2>,
+    pub swap: Option<Tensor<B, 1, Int>>,
+}
+
+impl<B: Backend> RopeTables<B> {
+    fn new(
+        n: &rcoa_compiler::spec::Numerics,
+        head_dim: usize,
+        seq: usize,
+        compute: FloatDType,
+        device: &B::Device,
+    ) -> Self {
+        let rotated = n.rotary_dims.map_or(head_dim, |r| r as usize);
+        let whole = rotated == head_dim;
+        // angle[p, i] = p * theta_i (f32, as Hugging Face computes it), and cos and sin
+        // scaled in f32 before the cast, as transformers' `attention_scaling`.
+        let (inv, scale) = crate::rope::frequencies(n, rotated, seq);
+        let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
+        let scale = scale as f32;
+        let cols = if whole { head_dim / 2 } else { head_dim };
+        let mut cos = Vec::with_capacity(seq * cols);
+        let mut sin = Vec::with_capacity(seq * head_dim);
+        for p in 0..seq {
+            let angles = inv.iter().map(|f| p as f32 * f);
+            let c: Vec<f32> = angles.clone().map(|a| a.cos() * scale).collect();
+            let sn: Vec<f32> = angles.map(|a| a.sin() * scale).collect();
+            cos.extend(&c);
+            sin.extend(sn.iter().map(|v| -v));
+            sin.extend(&sn);
+            if !whole {
+                cos.extend(&c);
+                cos.extend(std::iter::repeat_n(1.0, head_dim - rotated));
+                sin.extend(std::iter::repeat_n(0.0, head_dim - rotated));
+            }
+        }
+        let mk = |v: Vec<f32>| {
+            let cols = v.len() / seq;
+            to_dtype(
+                Tensor::<B, 1>::from_floats(v.as_slice(), device).reshape([seq, cols]),
+                compute,
+            )
+        };
+        let half = rotated / 2;
+        let swap = (!whole).then(|| {
+            let index: Vec<i64> = (half..rotated)
+                .chain(0..half)
+                .chain(rotated..head_dim)
+                .map(|i| i as i64)
+                .collect();
+            Tensor::<B, 1, Int>::from_data(burn::tensor::TensorData::new(index, [head_dim]), device)
+        });
+        RopeTables {
+            cos: mk(cos),
+            sin: mk(sin),
+            swap,
+        }
+    }
+}
+
+fn rope<B: Backend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Tensor<B, 4> {
+    let dims = x.dims();
+    let [a, b, c, d] = dims;
+    let rows = t.cos.dims()[0];
+    if let Some(swap) = &t.swap {
+        // Part of each head rotated: one gather swaps the rotated halves, and the tables'
+        // ones and zeros pass the rest through exactly.
+        let table = |t: &Tensor<B, 2>| match seq {
+            SeqAxis::Second => t.clone().reshape([1, rows, 1, d]),
+            SeqAxis::Third => t.clone().reshape([1, 1, rows, d]),
+        };
+        let swapped = x.clone().select(3, swap.clone());
+        return x * table(&t.cos) + swapped * table(&t.sin);
+    }
     // Rotate-half form (as in Hugging Face LLaMA), pairs (i, i + d/2):
     //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s].
     // Swapping the halves is a flip of the size-2 axis of a `[.., 2, d/2]` view: one
     // gather each way. `narrow` + `cat` launched two slices forward and, backward, two
     // slices, two slice-assigns and their zero fills, for each of q and k in each layer.
-    let dims = x.dims();
-    let [a, b, c, d] = dims;
     let halves = x.reshape([a, b, c, 2, d / 2]);
     // The flip first, so the products and the sum after it can fuse into one kernel.
     let swapped = halves.clone().flip([3]);
-    let rows = cos.dims()[0];
     let table = |t: &Tensor<B, 2>, pair: usize| match seq {
         SeqAxis::Second => t.clone().reshape([1, rows, 1, pair, d / 2]),
         SeqAxis::Third => t.clone().reshape([1, 1, rows, pair, d / 2]),
     };
-    (halves * table(cos, 1) + swapped * table(sin, 2)).reshape(dims)
+    (halves * table(&t.cos, 1) + swapped * table(&t.sin, 2)).reshape(dims)
 }
 
 impl<B: ExecBackend> Attention<B> {
@@ -562,10 +612,7 @@ impl<B: ExecBackend> Attention<B> {
             // that order too (`flash::fused` `heads_last`), so their way back to the
             // projections, RoPE's backward included, copies nothing.
             let (q, k) = match &ctx.rope {
-                Some((cos, sin)) => (
-                    rope(q, cos, sin, SeqAxis::Second),
-                    rope(k, cos, sin, SeqAxis::Second),
-                ),
+                Some(t) => (rope(q, t, SeqAxis::Second), rope(k, t, SeqAxis::Second)),
                 None => (q, k),
             };
             let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
@@ -582,9 +629,9 @@ impl<B: ExecBackend> Attention<B> {
                 .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
         }
         let (mut q, mut k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
-        if let Some((cos, sin)) = &ctx.rope {
-            q = rope(q, cos, sin, SeqAxis::Third);
-            k = rope(k, cos, sin, SeqAxis::Third);
+        if let Some(t) = &ctx.rope {
+            q = rope(q, t, SeqAxis::Third);
+            k = rope(k, t, SeqAxis::Third);
         }
         if kvh != h {
             // Grouped-query attention: each kv head serves h / kvh query heads.
@@ -1638,10 +1685,37 @@ mod ctx_tests {
     fn rope_rotates_each_pair_by_its_angle_forward_and_backward() {
         let mut spec = crate::testing::tiny_plan().model;
         spec.numerics.rope_theta = 500.0;
+        let d = spec.head_dim as usize;
+        // (rotated values, frequency divisor, factor on cos and sin): whole heads; the
+        // first half of each (Phi-4-mini's layout) under LongRoPE's short factors.
+        let half_rotated = spec.numerics.clone();
+        let longrope = rcoa_compiler::spec::Numerics {
+            rotary_dims: Some(d as u64 / 2),
+            rope_scaling: Some(rcoa_compiler::spec::RopeScaling::LongRope {
+                short_factor: vec![2.0; d / 4],
+                long_factor: vec![3.0; d / 4],
+                original_max_positions: 8,
+                attention_factor: 1.5,
+            }),
+            ..half_rotated
+        };
+        for (numerics, r, divisor, scale) in [
+            (spec.numerics.clone(), d, 1.0, 1.0),
+            (longrope, d / 2, 2.0, 1.5),
+        ] {
+            let spec = ModelSpec {
+                numerics,
+                ..spec.clone()
+            };
+            rope_matches(&spec, r, divisor, scale);
+        }
+    }
+
+    fn rope_matches(spec: &ModelSpec, r: usize, divisor: f64, scale: f64) {
         let (b, h, s, d) = (2, 3, 5, spec.head_dim as usize);
         let device = Default::default();
-        let ctx = Ctx::<Ad>::new(&spec, None, s, FloatDType::F32, false, &device);
-        let (cos, sin) = ctx.rope.clone().expect("a decoder has RoPE");
+        let ctx = Ctx::<Ad>::new(spec, None, s, FloatDType::F32, false, &device);
+        let tables = ctx.rope.clone().expect("a decoder has RoPE");
         let values: Vec<f32> = (0..b * h * s * d)
             .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 3.0)
             .collect();
@@ -1651,10 +1725,10 @@ mod ctx_tests {
         let up: Vec<f32> = (0..b * h * s * d)
             .map(|i| (i * 104_729 % 997) as f32 / 997.0 - 0.5)
             .collect();
-        let out = rope(x.clone(), &cos, &sin, SeqAxis::Third);
+        let out = rope(x.clone(), &tables, SeqAxis::Third);
         // The flash path's order, `[b, seq, heads, d]`, rotates the same pairs by the same
         // angles.
-        let second = rope(x.clone().swap_dims(1, 2), &cos, &sin, SeqAxis::Second).swap_dims(1, 2);
+        let second = rope(x.clone().swap_dims(1, 2), &tables, SeqAxis::Second).swap_dims(1, 2);
         assert_eq!(second.into_data(), out.clone().into_data());
         let grads = (out.clone()
             * Tensor::<Ad, 1>::from_floats(up.as_slice(), &device).reshape([b, h, s, d]))
@@ -1663,18 +1737,19 @@ mod ctx_tests {
         let out: Vec<f32> = out.into_data().to_vec().unwrap();
         let grad: Vec<f32> = x.grad(&grads).unwrap().into_data().to_vec().unwrap();
 
-        let half = d / 2;
+        let half = r / 2;
         let rotate = |v: &[f32], row: usize, sign: f64| -> Vec<f64> {
             let p = (row / d) % s;
-            let mut r = vec![0.0; d];
+            // The values past the rotated ones pass through, unscaled.
+            let mut out: Vec<f64> = v[row..row + d].iter().map(|&x| x as f64).collect();
             for i in 0..half {
-                let theta = 500f64.powf(-2.0 * i as f64 / d as f64);
+                let theta = 500f64.powf(-2.0 * i as f64 / r as f64) / divisor;
                 let (sn, c) = (p as f64 * theta).sin_cos();
                 let (x1, x2) = (v[row + i] as f64, v[row + half + i] as f64);
-                r[i] = x1 * c - sign * x2 * sn;
-                r[half + i] = x2 * c + sign * x1 * sn;
+                out[i] = scale * (x1 * c - sign * x2 * sn);
+                out[half + i] = scale * (x2 * c + sign * x1 * sn);
             }
-            r
+            out
         };
         for row in (0..values.len()).step_by(d) {
             let want = rotate(&values, row, 1.0);
@@ -1682,10 +1757,14 @@ mod ctx_tests {
             for j in 0..d {
                 assert!(
                     (out[row + j] as f64 - want[j]).abs() < 1e-5,
-                    "out[{}]",
+                    "rotating {r}: out[{}]",
                     row + j
                 );
-                assert!((grad[row + j] as f64 - want_grad[j]).abs() < 1e-5);
+                assert!(
+                    (grad[row + j] as f64 - want_grad[j]).abs() < 1e-5,
+                    "rotating {r}: grad[{}]",
+                    row + j
+                );
             }
         }
     }
@@ -1709,9 +1788,9 @@ mod ctx_tests {
         let values =
             |t: Tensor<burn::backend::NdArray<f32>, 4>| t.into_data().to_vec::<f32>().unwrap();
         assert_eq!(values(inner.bias.unwrap()), values(bias.inner()));
-        let ((c, s), (ic, is)) = (eager.rope.unwrap(), inner.rope.unwrap());
-        assert_eq!(c.inner().into_data(), ic.into_data());
-        assert_eq!(s.inner().into_data(), is.into_data());
+        let (t, it) = (eager.rope.unwrap(), inner.rope.unwrap());
+        assert_eq!(t.cos.inner().into_data(), it.cos.into_data());
+        assert_eq!(t.sin.inner().into_data(), it.sin.into_data());
         assert_eq!(
             (inner.flash, inner.selective, inner.causal),
             (false, false, true)

@@ -138,6 +138,27 @@ fn phi3_matches_transformers() {
     check_causal("phi3");
 }
 
+/// Phi-4-mini's RoPE in small: half of each head rotated, the rest passed through;
+/// LongRoPE's long factors on the 16-token windows (past the pretraining length of 8)
+/// and its short ones on their first 8 tokens; cos and sin scaled by sqrt 2.
+#[test]
+fn phi3_longrope_partial_rotary_matches_transformers() {
+    check_causal("phi3-longrope");
+    let m = spec("phi3-longrope", "causal_lm");
+    assert_eq!(m.numerics.rotary_dims, Some(m.head_dim / 2));
+    let model = loaded(&m, true).unwrap();
+    let r = reference("phi3-longrope");
+    let want: Vec<f64> = serde_json::from_value(r["short_losses"].clone()).unwrap();
+    for (w, want) in ids(&r["short_windows"]).iter().zip(want) {
+        assert_eq!(w.len(), 8);
+        let got = causal_loss(&model, &m, w);
+        assert!(
+            (got - want).abs() < 1e-4,
+            "8 tokens: loss {got} vs transformers {want}"
+        );
+    }
+}
+
 /// Llama 3.1's RoPE rescaling (`rope_type = llama3`), with the head's frequencies in all
 /// three of its bands.
 #[test]
@@ -891,7 +912,7 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
 
 /// What `transformers` and `peft` computed from rcoa's own saves
 /// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune, full
-/// fine-tunes of Qwen2, Qwen3, Phi-3 and of Llama 3.1's RoPE rescaling, PEFT adapters
+/// fine-tunes of Qwen2, Qwen3, Phi-3 and of Llama 3.1's and Phi-4-mini's RoPE, PEFT adapters
 /// for Llama, GPT-2, Qwen2, Qwen3, Phi-3 and XLM-R, merged GPT-2 and Phi-3 LoRAs), rcoa
 /// computes from the same files: the round trip, checked on every test run.
 #[test]
@@ -921,6 +942,7 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
         ("qwen3-full", "qwen3"),
         ("llama3-rope-full", "llama3-rope"),
         ("phi3-full", "phi3"),
+        ("phi3-longrope-full", "phi3-longrope"),
     ] {
         let m = spec(&format!("roundtrip/{case}"), "causal_lm");
         let model = loaded(&m, true).unwrap();
@@ -1004,6 +1026,16 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
     let mut phi3 = mistral.clone();
     phi3.model.numerics.fused_projections = true;
     phi3.model.numerics.padding_idx = Some(3);
+    // Phi-4-mini's RoPE: three quarters of each head rotated, LongRoPE.
+    let mut phi4 = phi3.clone();
+    let rotated = phi4.model.head_dim * 3 / 4;
+    phi4.model.numerics.rotary_dims = Some(rotated);
+    phi4.model.numerics.rope_scaling = Some(RopeScaling::LongRope {
+        short_factor: (0..rotated / 2).map(|i| 1.0 + i as f64 / 8.0).collect(),
+        long_factor: (0..rotated / 2).map(|i| 2.0 + i as f64).collect(),
+        original_max_positions: 8,
+        attention_factor: 1.3,
+    });
     for (what, plan, loss) in [
         ("llama", llama, "causal_lm"),
         ("qwen2", qwen2, "causal_lm"),
@@ -1012,6 +1044,7 @@ fn a_model_without_a_source_saves_a_config_that_reads_back_to_it() {
         ("qwen3", qwen3, "causal_lm"),
         ("mistral-window", mistral, "causal_lm"),
         ("phi3", phi3, "causal_lm"),
+        ("phi3-longrope-partial", phi4, "causal_lm"),
         ("gpt2", gpt2, "causal_lm"),
         ("bert", bert, "contrastive"),
         ("xlmr", xlmr, "contrastive"),

@@ -13,7 +13,7 @@ use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
     CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind, OptimizerSpec,
-    PrecisionSpec, RopeScaling, Spec, Target,
+    Positions, PrecisionSpec, RopeScaling, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -120,6 +120,30 @@ fn windowed(m: &ModelSpec, seq_len: u64) -> Option<(String, String)> {
     ))
 }
 
+/// A rotated share of each head (`partial_rotary_factor`) or LongRoPE factors that no longer
+/// fit the head: a Hugging Face base whose `head_dim` the plan overrides.
+fn rotary_mismatch(m: &ModelSpec) -> Option<(String, String)> {
+    let rotated = m.numerics.rotary_dims.unwrap_or(m.head_dim);
+    let factors = match &m.numerics.rope_scaling {
+        Some(RopeScaling::LongRope { short_factor, .. }) => Some(short_factor.len() as u64),
+        _ => None,
+    };
+    let fits = rotated >= 2
+        && rotated.is_multiple_of(2)
+        && rotated <= m.head_dim
+        && factors.is_none_or(|f| f * 2 == rotated);
+    (m.positions == Positions::Rope && !fits).then(|| {
+        (
+            format!(
+                "RoPE over {rotated} of each head's {} values{}",
+                m.head_dim,
+                factors.map_or(String::new(), |f| format!(" with {f} LongRoPE factors"))
+            ),
+            "it rotates an even number of values no larger than the head, one LongRoPE factor per pair: keep the config's `head_dim`".into(),
+        )
+    })
+}
+
 /// The step's schedule: interleaved pipeline stages.
 fn scheduled(virtual_stages: u64) -> Option<(String, String)> {
     if virtual_stages > 1 {
@@ -160,8 +184,11 @@ fn carried(
     if let Some(RopeScaling::Other { name }) = &m.numerics.rope_scaling {
         return Some((
             format!("RoPE scaling of type `{name}` (the config's `rope_scaling`)"),
-            "it rescales RoPE by `linear` and `llama3` only: train from a config with one of them or none".into(),
+            "it rescales RoPE by `linear`, `llama3` and `longrope` only: train from a config with one of them or none".into(),
         ));
+    }
+    if let Some(r) = rotary_mismatch(m) {
+        return Some(r);
     }
     if selective_op {
         return Some((
@@ -265,6 +292,35 @@ mod tests {
             name: "yarn".into(),
         });
         assert!(refused(&s).contains("`yarn`"), "{}", refused(&s));
+        s.target = Target::Pytorch;
+        assert_eq!(check(&s), Ok(()));
+        // LongRoPE and a rotated share of the head are computed while they fit the head.
+        let mut s = burn();
+        let hd = s.model.head_dim;
+        s.model.numerics.rotary_dims = Some(hd / 2);
+        s.model.numerics.rope_scaling = Some(RopeScaling::LongRope {
+            short_factor: vec![1.0; hd as usize / 4],
+            long_factor: vec![2.0; hd as usize / 4],
+            original_max_positions: 4096,
+            attention_factor: 1.2,
+        });
+        assert_eq!(check(&s), Ok(()));
+        s.model.numerics.rotary_dims = None;
+        assert!(
+            refused(&s).contains(&format!(
+                "RoPE over {hd} of each head's {hd} values with {} LongRoPE factors",
+                hd / 4
+            )),
+            "{}",
+            refused(&s)
+        );
+        s.model.numerics.rope_scaling = None;
+        s.model.numerics.rotary_dims = Some(hd + 2);
+        assert!(
+            refused(&s).contains("keep the config's `head_dim`"),
+            "{}",
+            refused(&s)
+        );
         s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
 

@@ -230,7 +230,20 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_positions: u64,
     },
-    /// A type `rcoa run` does not compute (`dynamic`, `yarn`, `longrope`, ...), by name:
+    /// `longrope` (Phi-3-128k, Phi-3.5, Phi-4-mini): each frequency divided by its own
+    /// factor, from `short_factor` while the sequence is no longer than
+    /// `original_max_positions` and from `long_factor` beyond, and cos and sin multiplied
+    /// by `attention_factor` (the config's, or `sqrt(1 + ln s / ln original)` with `s` the
+    /// ratio of `max_position_embeddings` to `original_max_positions`, as transformers'
+    /// `_compute_longrope_parameters`). One factor per rotated pair.
+    #[serde(rename = "longrope")]
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_positions: u64,
+        attention_factor: f64,
+    },
+    /// A type `rcoa run` does not compute (`dynamic`, `yarn`, ...), by name:
     /// PyTorch targets predict the plan, `target burn` refuses it.
     Other { name: String },
 }
@@ -241,6 +254,7 @@ impl RopeScaling {
         match self {
             RopeScaling::Linear { .. } => "linear",
             RopeScaling::Llama3 { .. } => "llama3",
+            RopeScaling::LongRope { .. } => "longrope",
             RopeScaling::Other { name } => name,
         }
     }
@@ -265,6 +279,10 @@ pub struct Numerics {
     /// RoPE's frequencies rescaled (`rope_scaling`); `None`: as trained.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    /// RoPE rotates the first this many values of each head and passes the rest through
+    /// (`partial_rotary_factor` × head size: Phi-4-mini's 96 of 128); `None`: all of them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rotary_dims: Option<u64>,
     /// The model's norm over each head of the queries and keys, before RoPE
     /// (`model { qk_norm = true }`; Qwen3's `q_norm` and `k_norm`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -292,6 +310,7 @@ impl Default for Numerics {
             position_offset: 0,
             linear_bias: None,
             rope_scaling: None,
+            rotary_dims: None,
             qk_norm: false,
             sliding_window: None,
             fused_projections: false,

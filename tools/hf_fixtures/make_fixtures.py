@@ -4,7 +4,7 @@ reference.json (losses / embeddings computed by `transformers`).
 Run with a Python that has torch, transformers, safetensors and tokenizers:
     python tools/hf_fixtures/make_fixtures.py [OUT_DIR [NAME ...]]
 OUT_DIR defaults to tests/fixtures/hf; NAMEs (llama, mistral, gpt2, xlmr, qwen2,
-qwen3, llama3-rope, phi3) build only those, each from its own seed, so adding a fixture leaves
+qwen3, llama3-rope, phi3, phi3-longrope) build only those, each from its own seed, so adding a fixture leaves
 the others' files as they are.
 Not run in CI: the Rust tests read the committed output.
 """
@@ -284,6 +284,26 @@ def main():
                                           tie_word_embeddings=False, sliding_window=2047,
                                           pad_token_id=None))
         causal_fixture("phi3", phi3, "phi3", out_root, {})
+    if want("phi3-longrope"):
+        # Phi-4-mini's RoPE in small: half of each 16-value head rotated (4 pairs), LongRoPE
+        # over a pretraining length of 8 of 64 positions (attention factor sqrt 2), tied as
+        # Phi-4-mini. The 16-token windows use the long factors; their first 8 tokens
+        # (`short_windows`) the short ones.
+        torch.manual_seed(15)
+        longrope = Phi3ForCausalLM(Phi3Config(
+            **common, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=None,
+            pad_token_id=None, original_max_position_embeddings=8,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5,
+                             "short_factor": [1.0, 1.3, 2.1, 3.7],
+                             "long_factor": [1.2, 2.5, 6.0, 15.0]}))
+        causal_fixture("phi3-longrope", longrope, "phi3", out_root, {})
+        out = os.path.join(out_root, "phi3-longrope")
+        saved = Phi3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        ref = json.load(open(os.path.join(out, "reference.json")))
+        ref["short_windows"] = [w[:8] for w in ref["windows"]]
+        ref["short_losses"] = causal_loss(saved, ref["short_windows"])
+        json.dump(ref, open(os.path.join(out, "reference.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

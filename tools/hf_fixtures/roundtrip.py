@@ -57,6 +57,8 @@ CASES = [
     # lora_B zero) and of gate (up's half zero) become one LoRA per fused module.
     ("phi3-full", "phi3", "causal_lm", None, []),
     ("phi3-lora", "phi3", "causal_lm", "rank = 4 alpha = 8 targets = [q, v, gate, down]", []),
+    # Phi-4-mini's RoPE: half of each head rotated, LongRoPE's factors and attention factor.
+    ("phi3-longrope-full", "phi3-longrope", "causal_lm", None, []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

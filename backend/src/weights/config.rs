@@ -59,8 +59,32 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                     rope["high_freq_factor"] = (*high_freq_factor).into();
                     rope["original_max_position_embeddings"] = (*original_max_positions).into();
                 }
+                Some(RopeScaling::LongRope {
+                    short_factor,
+                    long_factor,
+                    original_max_positions,
+                    attention_factor,
+                }) => {
+                    rope["rope_type"] = "longrope".into();
+                    rope["short_factor"] = short_factor.clone().into();
+                    rope["long_factor"] = long_factor.clone().into();
+                    rope["original_max_position_embeddings"] = (*original_max_positions).into();
+                    rope["attention_factor"] = (*attention_factor).into();
+                }
                 // `rcoa run` does not train such a model.
                 Some(RopeScaling::Other { .. }) => return None,
+            }
+            if let Some(r) = n.rotary_dims {
+                // Only Phi-3's attention rotates part of each head; transformers takes
+                // `int(head_dim * factor)` values, so the factor is rounded up to give `r`.
+                if model_type != "phi3" {
+                    return None;
+                }
+                let mut f = r as f64 / m.head_dim as f64;
+                if ((m.head_dim as f64 * f) as u64) < r {
+                    f = f.next_up();
+                }
+                rope["partial_rotary_factor"] = f.into();
             }
             let mut c = serde_json::json!({
                 "architectures": [class],
@@ -87,6 +111,17 @@ pub fn hf_config(m: &ModelSpec) -> Option<serde_json::Value> {
                 "mistral" => c["sliding_window"] = n.sliding_window.into(),
                 "phi3" => {
                     c["sliding_window"] = n.sliding_window.into();
+                    // Phi3Config's own default (4096) would replace the one inside.
+                    if let Some(RopeScaling::LongRope {
+                        original_max_positions,
+                        ..
+                    }) = &n.rope_scaling
+                    {
+                        c["original_max_position_embeddings"] = (*original_max_positions).into();
+                    }
+                    if let Some(f) = rope.get("partial_rotary_factor") {
+                        c["partial_rotary_factor"] = f.clone();
+                    }
                     // After the attention and the MLP (transformers 5 has no embedding
                     // dropout; rcoa's drops the embeddings too).
                     c["resid_pdrop"] = m.dropout.into();

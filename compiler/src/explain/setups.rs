@@ -34,6 +34,13 @@ pub(super) fn record(spec: &Spec, log: &mut Vec<Decision>) {
             "RoPE's frequencies are rescaled as the config says: the same tensors, so no memory changes",
         ));
     }
+    if let Some(r) = m.numerics.rotary_dims {
+        log.push(Decision::new(
+            "model",
+            format!("rotary_dims = {r} of {}", m.head_dim),
+            "RoPE turns the first values of each head and passes the rest through (the config's `partial_rotary_factor`): PyTorch's Phi-3 attention cuts q and k, rotates one part and concatenates, which keeps nothing more for the backward; `rcoa run` swaps the rotated halves with one gather, its tables each a whole head wide",
+        ));
+    }
     if spec.optimizer_in_backward {
         let why = if spec.target == crate::spec::Target::Burn {
             "`rcoa run` steps each unit (the head with the loss, each layer, the embedding) as the backward leaves it, its parameters one after another, and frees their gradients: no full set of gradients ever exists, the backward holds one unit's (and a tied embedding matrix's from the head until the embedding steps), the step's temporaries are one parameter's, charged where the unit's backward ends; with data parallelism the unit's gradients are all-reduced (one flat fp32 vector) before it steps; one backward per step (grad_accum = 1)".to_string()

@@ -241,7 +241,15 @@ pub fn burn_context_tensors(spec: &Spec, profile: &Profile) -> Vec<u64> {
     };
     let mut out = Vec::new();
     if m.positions == Positions::Rope {
-        out.extend([bytes(seq * (m.head_dim / 2)), bytes(seq * m.head_dim)]);
+        match m.numerics.rotary_dims.filter(|&r| r != m.head_dim) {
+            None => out.extend([bytes(seq * (m.head_dim / 2)), bytes(seq * m.head_dim)]),
+            // Part of each head rotated: whole-head tables and the swap index (i32).
+            Some(_) => out.extend([
+                bytes(seq * m.head_dim),
+                bytes(seq * m.head_dim),
+                profile.allocated(m.head_dim * 4),
+            ]),
+        }
     }
     if m.arch == Arch::Decoder && spec.train.attention != Attention::Flash {
         out.push(bytes(seq * seq));
@@ -1110,6 +1118,13 @@ mod tests {
         );
         s.train.attention = Attention::Flash;
         assert_eq!(burn_context_bytes(&s, &burn), rope);
+        // Phi-4-mini's partial rotation: whole-head cosines too, and the swap index.
+        let mut partial = s.clone();
+        partial.model.numerics.rotary_dims = Some(48);
+        assert_eq!(
+            burn_context_bytes(&partial, &burn),
+            2 * burn.allocated(128 * 64 * 2) + burn.allocated(64 * 4)
+        );
         let pytorch = Profile::for_target(Target::Pytorch);
         assert_eq!(burn_context_bytes(&s, &pytorch), 0);
     }

@@ -9,8 +9,8 @@
 //! `rope_theta`, the activation (`hidden_act` / `activation_function`: exact
 //! `gelu`, tanh `gelu_new` / `gelu_pytorch_tanh`, `silu` for SwiGLU) and
 //! RoBERTa-style position ids starting at `pad_token_id + 1`, and RoPE's
-//! rescaling (`rope_scaling`, or transformers 5's `rope_parameters`): `linear`
-//! and `llama3` are computed by `rcoa run`; other types are kept by name,
+//! rescaling (`rope_scaling`, or transformers 5's `rope_parameters`): `linear`,
+//! `llama3` and `longrope` are computed by `rcoa run`; other types are kept by name,
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
 //! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config
 //! and when missing, null later) is full attention while the sequence is no
@@ -35,8 +35,11 @@
 //!   into `qkv_proj` and the MLP's gate and up into `gate_up_proj` in the
 //!   checkpoint (`fused_projections`), `sliding_window` (default none) as
 //!   Mistral's, `resid_pdrop` as the dropout (`attention_dropout` must equal
-//!   it; transformers 5 applies no `embd_pdrop`); a `partial_rotary_factor`
-//!   other than 1 (Phi-4-mini) and `longrope` for `rcoa run` are refused.
+//!   it; transformers 5 applies no `embd_pdrop`); `partial_rotary_factor`
+//!   (Phi-4-mini's 0.75: RoPE turns that share of each head, `rotary_dims`),
+//!   and `longrope` with its `short_factor` and `long_factor` lists (one per
+//!   rotated pair) and `attention_factor` (or the one transformers derives from
+//!   `max_position_embeddings` over `original_max_position_embeddings`).
 //! - `gpt2`: `n_layer`, `n_embd`, `n_head`, `n_inner` (null: 4 × n_embd),
 //!   `vocab_size`, `n_positions`, `tie_word_embeddings` (default true),
 //!   `resid_pdrop` (default 0.1); GELU, LayerNorm, learned positions, decoder.
@@ -144,7 +147,7 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
     let weights = full.parent().and_then(checkpoint_dir);
     let mut spec = spec_of(&c, name)?;
     spec.weights = weights;
-    spec.numerics = numerics(&c)?;
+    spec.numerics = numerics(&c, spec.head_dim)?;
     Ok(spec)
 }
 
@@ -158,7 +161,7 @@ fn checkpoint_dir(dir: &std::path::Path) -> Option<String> {
     Some(abs.to_string_lossy().into_owned())
 }
 
-fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
+fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
     let mut n = Numerics::default();
     let gpt2 = c.model_type == "gpt2";
     let (eps_key, eps_default) = match c.model_type {
@@ -227,7 +230,7 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
         c.model_type,
         "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     ) {
-        rope(c, &mut n)?;
+        rope(c, &mut n, head_dim)?;
         // `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`: the pad token's row
         // gets no gradient from the lookup (Phi-3: 32000, `<|endoftext|>`).
         if let Some(pad) = c.opt("pad_token_id")? {
@@ -287,17 +290,12 @@ fn numerics(c: &Config<'_>) -> Result<Numerics, HfDetail> {
     Ok(n)
 }
 
-/// RoPE's base and rescaling. transformers 4 writes `rope_theta` and `rope_scaling` at the
-/// top; transformers 5 both inside `rope_parameters`, and reads an old `rope_scaling` first.
-fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
+/// RoPE's base, rescaling and rotated share of each head. transformers 4 writes
+/// `rope_theta`, `partial_rotary_factor` and `rope_scaling` at the top; transformers 5 all
+/// inside `rope_parameters`, and reads an old `rope_scaling` first.
+fn rope(c: &Config<'_>, n: &mut Numerics, head_dim: u64) -> Result<(), HfDetail> {
     n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
-    // transformers 4's Phi configs write it beside the other keys (Phi-4-mini: 0.75).
-    if c.float("partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
-        return Err(HfDetail::Unsupported {
-            key: "partial_rotary_factor",
-            value: c.obj["partial_rotary_factor"].to_string(),
-        });
-    }
+    let mut partial = partial_rotary(c)?;
     let mut params = None;
     for key in ["rope_scaling", "rope_parameters"] {
         match c.obj.get(key) {
@@ -316,23 +314,26 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
             }
         }
     }
-    let Some(rp) = params else {
-        return Ok(());
-    };
-    let p = Config {
+    let p = params.map(|rp| Config {
         obj: rp,
         model_type: c.model_type,
+    });
+    if let Some(p) = &p {
+        if let Some(t) = p.float("rope_theta")? {
+            n.rope_theta = t;
+        }
+        // `standardize_rope_params` moves the top-level factor in only where none is inside.
+        if let Some(f) = partial_rotary(p)? {
+            partial = Some(f);
+        }
+    }
+    if let Some(f) = partial.filter(|&f| f != 1.0) {
+        n.rotary_dims = Some(rotary_dims(c, f, head_dim)?);
+    }
+    let Some(p) = p else {
+        return Ok(());
     };
-    if let Some(t) = p.float("rope_theta")? {
-        n.rope_theta = t;
-    }
-    if p.float("partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
-        return Err(HfDetail::Unsupported {
-            key: "partial_rotary_factor",
-            value: rp["partial_rotary_factor"].to_string(),
-        });
-    }
-    let name = match rp.get("rope_type").or_else(|| rp.get("type")) {
+    let name = match p.obj.get("rope_type").or_else(|| p.obj.get("type")) {
         None | Some(Json::Null) => return Ok(()),
         Some(Json::String(t)) => t.as_str(),
         Some(_) => {
@@ -361,6 +362,17 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
         }
         (_, t) => t,
     };
+    // As transformers' `standardize_rope_params`: the pretraining length written beside
+    // the config's other keys (Phi-3's place), else inside, else `max_position_embeddings`.
+    let original = || -> Result<u64, HfDetail> {
+        match c.opt("original_max_position_embeddings")? {
+            Some(o) => Ok(o),
+            None => match p.opt("original_max_position_embeddings")? {
+                Some(o) => Ok(o),
+                None => c.req("max_position_embeddings"),
+            },
+        }
+    };
     n.rope_scaling = match name {
         "default" => None,
         "linear" => Some(RopeScaling::Linear { factor: factor()? }),
@@ -378,21 +390,36 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
                     value: format!("{low} (not below high_freq_factor, {high})"),
                 });
             }
-            // As transformers' `standardize_rope_params`: the pretraining length written
-            // beside the config's other keys (Phi-3's place), else inside, else
-            // `max_position_embeddings`.
-            let original = match c.opt("original_max_position_embeddings")? {
-                Some(o) => o,
-                None => match p.opt("original_max_position_embeddings")? {
-                    Some(o) => o,
-                    None => c.req("max_position_embeddings")?,
-                },
-            };
             Some(RopeScaling::Llama3 {
                 factor: factor()?,
                 low_freq_factor: low,
                 high_freq_factor: high,
+                original_max_positions: original()?,
+            })
+        }
+        "longrope" => {
+            let pairs = n.rotary_dims.unwrap_or(head_dim) / 2;
+            let (short_factor, long_factor) = (
+                pair_factors(&p, "short_factor", pairs)?,
+                pair_factors(&p, "long_factor", pairs)?,
+            );
+            let original = original()?;
+            // transformers' `_compute_longrope_parameters`: Phi-3 scales the attention by
+            // how far `max_position_embeddings` reaches past the pretraining length.
+            let scale = match p.float("factor")? {
+                Some(f) => f,
+                None => c.req("max_position_embeddings")? as f64 / original as f64,
+            };
+            let attention_factor = match p.float("attention_factor")? {
+                Some(a) => a,
+                None if scale <= 1.0 => 1.0,
+                None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+            };
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
                 original_max_positions: original,
+                attention_factor,
             })
         }
         other => Some(RopeScaling::Other {
@@ -400,6 +427,68 @@ fn rope(c: &Config<'_>, n: &mut Numerics) -> Result<(), HfDetail> {
         }),
     };
     Ok(())
+}
+
+/// `partial_rotary_factor` where the config writes one.
+fn partial_rotary(c: &Config<'_>) -> Result<Option<f64>, HfDetail> {
+    c.float("partial_rotary_factor")
+}
+
+/// How many of a head's values RoPE rotates: `int(head_dim * factor)`, as transformers,
+/// an even number (RoPE turns pairs). Only Phi-3's attention slices the rotated part off;
+/// Llama's and its kin's would fail on the shorter tables.
+fn rotary_dims(c: &Config<'_>, factor: f64, head_dim: u64) -> Result<u64, HfDetail> {
+    let bad = |why: &str| HfDetail::Unsupported {
+        key: "partial_rotary_factor",
+        value: format!("{factor} ({why})"),
+    };
+    if c.model_type != "phi3" {
+        return Err(bad(&format!(
+            "{}'s attention rotates whole heads",
+            c.model_type
+        )));
+    }
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(bad("not in (0, 1]"));
+    }
+    let dims = (head_dim as f64 * factor) as u64;
+    if dims < 2 || !dims.is_multiple_of(2) {
+        return Err(bad(&format!(
+            "{dims} of the head's {head_dim} values, not a positive even number"
+        )));
+    }
+    Ok(dims)
+}
+
+/// One LongRoPE factor per rotated pair, each positive.
+fn pair_factors(p: &Config<'_>, key: &'static str, pairs: u64) -> Result<Vec<f64>, HfDetail> {
+    let wrong = HfDetail::WrongType {
+        key,
+        expected: "a list of positive numbers",
+    };
+    let Some(Json::Array(list)) = p.obj.get(key) else {
+        return Err(match p.obj.get(key) {
+            None | Some(Json::Null) => HfDetail::MissingKey {
+                model_type: format!("{} (rope_type longrope)", p.model_type),
+                key,
+            },
+            Some(_) => wrong,
+        });
+    };
+    let values: Vec<f64> = list.iter().filter_map(Json::as_f64).collect();
+    if values.len() != list.len() || values.iter().any(|&v| !(v > 0.0 && v.is_finite())) {
+        return Err(wrong);
+    }
+    if values.len() as u64 != pairs {
+        return Err(HfDetail::Unsupported {
+            key,
+            value: format!(
+                "{} factors (one per rotated pair of each head: {pairs})",
+                values.len()
+            ),
+        });
+    }
+    Ok(values)
 }
 
 fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {

@@ -480,8 +480,10 @@ fn hf_qwen2_and_rope_scaling() {
 
 /// A `phi3` config reads as Llama's shape whose checkpoint fuses q, k, v and gate, up
 /// (`fused_projections`), with its window, eps default and one dropout; a partial
-/// rotary factor (Phi-4-mini's 0.75, beside the keys or in `rope_parameters`) and
-/// unequal dropouts are refused; LongRoPE is kept by name.
+/// rotary factor (Phi-4-mini's 0.75, beside the keys or in `rope_parameters`) is the
+/// share of each head RoPE turns; LongRoPE keeps its factors and attention factor;
+/// unequal dropouts, factor lists that do not fit the rotated pairs and odd shares are
+/// refused.
 #[test]
 fn hf_phi3() {
     let dir = std::env::temp_dir().join(format!("rcoa-setups-phi3-{}", std::process::id()));
@@ -509,35 +511,102 @@ fn hf_phi3() {
     .unwrap()
     .model;
     assert_eq!((m.numerics.sliding_window, m.dropout), (Some(2047), 0.1));
-    let s = resolve_with(
-        r#", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}"#,
+    // Phi-3.5-mini's layout: the pretraining length beside the keys, 4096 → 131072
+    // positions, so the attention factor is sqrt(1 + ln 32 / ln 4096).
+    let list = |v: f64, n: usize| format!("[{}]", vec![v.to_string(); n].join(", "));
+    let longrope = |extra: &str, pairs: usize| {
+        resolve_with(&format!(
+            r#", "original_max_position_embeddings": 4096, "max_position_embeddings": 131072,
+               "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": {}}}{extra}"#,
+            list(1.0, pairs),
+            list(2.5, pairs)
+        ))
+    };
+    let m = longrope("", 8).unwrap().model;
+    assert_eq!(m.numerics.rotary_dims, None);
+    let Some(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        original_max_positions,
+        attention_factor,
+    }) = &m.numerics.rope_scaling
+    else {
+        panic!("{:?}", m.numerics.rope_scaling)
+    };
+    assert_eq!((short_factor.len(), long_factor[7]), (8, 2.5));
+    assert_eq!(*original_max_positions, 4096);
+    assert!((attention_factor - 1.1902380714238083).abs() < 1e-12);
+    // Phi-4-mini's 0.75 of 16 values: 12 rotated, 6 pairs; its config's own factor wins.
+    let m = longrope(
+        r#", "partial_rotary_factor": 0.75, "rope_parameters": {"attention_factor": 1.0}"#,
+        6,
     )
-    .unwrap();
+    .unwrap()
+    .model;
+    assert_eq!(m.numerics.rotary_dims, Some(12));
+    // transformers 5 writes both inside `rope_parameters`.
+    let m = resolve_with(&format!(
+        r#", "rope_parameters": {{"rope_type": "longrope", "rope_theta": 250000.0,
+            "partial_rotary_factor": 0.5, "original_max_position_embeddings": 1024,
+            "short_factor": {}, "long_factor": {}, "attention_factor": 1.25}}"#,
+        list(1.0, 4),
+        list(2.0, 4)
+    ))
+    .unwrap()
+    .model;
     assert_eq!(
-        s.model.numerics.rope_scaling,
-        Some(RopeScaling::Other {
-            name: "longrope".into()
-        })
+        (m.numerics.rotary_dims, m.numerics.rope_theta),
+        (Some(8), 250000.0)
     );
-    // transformers 4's `su` is LongRoPE; Phi3Config refuses other types.
-    let s = resolve_with(r#", "rope_scaling": {"type": "su", "short_factor": [1.0]}"#).unwrap();
-    assert_eq!(
-        s.model.numerics.rope_scaling,
-        Some(RopeScaling::Other {
-            name: "longrope".into()
+    assert!(matches!(
+        m.numerics.rope_scaling,
+        Some(RopeScaling::LongRope {
+            original_max_positions: 1024,
+            attention_factor: 1.25,
+            ..
         })
-    );
+    ));
+    // transformers 4's `su` is LongRoPE.
+    let m = resolve_with(&format!(
+        r#", "rope_scaling": {{"type": "su", "short_factor": {}, "long_factor": {}}}"#,
+        list(1.0, 8),
+        list(1.0, 8)
+    ))
+    .unwrap()
+    .model;
+    assert_eq!(m.numerics.rope_scaling.as_ref().unwrap().name(), "longrope");
+    for (e, key) in [
+        (longrope("", 7).unwrap_err(), "7 factors (one per rotated pair of each head: 8)"),
+        (
+            longrope(r#", "partial_rotary_factor": 0.75"#, 8).unwrap_err(),
+            "short_factor",
+        ),
+        (
+            resolve_with(r#", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#)
+                .unwrap_err(),
+            "short_factor",
+        ),
+        (
+            resolve_with(&format!(
+                r#", "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": [1, "x", 1, 1, 1, 1, 1, 1]}}"#,
+                list(1.0, 8)
+            ))
+            .unwrap_err(),
+            "a list of positive numbers",
+        ),
+    ] {
+        let text = format!("{} {:?}", e.errors()[0].message(), e.errors()[0].help());
+        assert!(text.contains(key), "{key}: {text}");
+    }
     for (extra, key) in [
         (
             r#", "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
             "rope_type",
         ),
+        // 0.3 of 16 values: 4.8, cut to 4 by transformers, is fine; 0.2 is 3, odd.
+        (r#", "partial_rotary_factor": 0.2"#, "partial_rotary_factor"),
         (
-            r#", "partial_rotary_factor": 0.75"#,
-            "partial_rotary_factor",
-        ),
-        (
-            r#", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
+            r#", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}"#,
             "partial_rotary_factor",
         ),
         (r#", "resid_pdrop": 0.1"#, "resid_pdrop"),
@@ -562,5 +631,35 @@ fn hf_phi3() {
     );
     // Phi-3's 1.0 rotates whole heads.
     assert!(resolve_with(r#", "partial_rotary_factor": 1.0"#).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The published Phi-4-mini-instruct config (`plans/phi-4-mini-instruct`): 96 of each
+/// head's 128 values rotated, LongRoPE over 48 pairs with the attention factor of its
+/// 4096 → 131072 positions, tied embeddings, its pad token's row.
+#[test]
+fn published_phi4_mini_config() {
+    let dir = std::env::temp_dir().join(format!("rcoa-setups-phi4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let published =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../plans/phi-4-mini-instruct/config.json");
+    let m = resolve_config(&dir, &std::fs::read_to_string(published).unwrap())
+        .unwrap()
+        .model;
+    assert_eq!((m.head_dim, m.numerics.rotary_dims), (128, Some(96)));
+    assert_eq!((m.kv_heads, m.vocab, m.tie_embeddings), (8, 200064, true));
+    assert_eq!(m.numerics.padding_idx, Some(199999));
+    let Some(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        original_max_positions: 4096,
+        attention_factor,
+    }) = &m.numerics.rope_scaling
+    else {
+        panic!("{:?}", m.numerics.rope_scaling)
+    };
+    assert!(short_factor.iter().all(|&f| f == 1.0) && short_factor.len() == 48);
+    assert_eq!((long_factor[0], long_factor[47]), (1.0, 47.77));
+    assert!((attention_factor - 1.1902380714238083).abs() < 1e-12);
     std::fs::remove_dir_all(&dir).ok();
 }
