@@ -232,16 +232,19 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
     ) {
         rope(c, &mut n, head_dim)?;
         // `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`: the pad token's row
-        // gets no gradient from the lookup (Phi-3: 32000, `<|endoftext|>`).
-        if let Some(pad) = c.opt("pad_token_id")? {
+        // gets no gradient from the lookup (Phi-3: 32000, `<|endoftext|>`; many Llama
+        // fine-tunes: 0). PyTorch counts a negative index from the end (the first Llama
+        // conversions wrote -1: the last row).
+        if let Some(pad) = c.token_id("pad_token_id")? {
             let vocab = c.req("vocab_size")?;
-            if pad >= vocab {
+            let row = if pad < 0 { vocab as i64 + pad } else { pad };
+            if !(0..vocab as i64).contains(&row) {
                 return Err(HfDetail::Unsupported {
                     key: "pad_token_id",
                     value: format!("{pad} (outside the vocabulary of {vocab})"),
                 });
             }
-            n.padding_idx = Some(pad);
+            n.padding_idx = Some(row as u64);
         }
     }
     let act_key = if gpt2 {
@@ -278,12 +281,15 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
     };
     if matches!(c.model_type, "xlm-roberta" | "xlm-roberta-xl" | "roberta") {
         // RoBERTa's position ids count from `padding_idx + 1`.
-        let pad = match c.obj.get("pad_token_id") {
-            None | Some(Json::Null) => 1,
-            Some(v) => v.as_u64().ok_or(HfDetail::WrongType {
-                key: "pad_token_id",
-                expected: "a non-negative integer",
-            })?,
+        let pad = match c.token_id("pad_token_id")? {
+            None => 1,
+            Some(p) if p >= 0 => p as u64,
+            Some(_) => {
+                return Err(HfDetail::WrongType {
+                    key: "pad_token_id",
+                    expected: "a non-negative integer",
+                })
+            }
         };
         n.position_offset = pad + 1;
     }
@@ -413,6 +419,15 @@ fn rope(c: &Config<'_>, n: &mut Numerics, head_dim: u64) -> Result<(), HfDetail>
             let attention_factor = match p.float("attention_factor")? {
                 Some(a) => a,
                 None if scale <= 1.0 => 1.0,
+                // transformers divides by ln(original): a length of 1 raises there.
+                None if original < 2 => {
+                    return Err(HfDetail::Unsupported {
+                        key: "original_max_position_embeddings",
+                        value: format!(
+                            "{original} (LongRoPE's attention factor divides by its logarithm; write `attention_factor`)"
+                        ),
+                    })
+                }
                 None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
             };
             Some(RopeScaling::LongRope {
@@ -648,6 +663,21 @@ impl Config<'_> {
                 _ => Err(HfDetail::WrongType {
                     key,
                     expected: "a positive integer (at most 16777216)",
+                }),
+            },
+        }
+    }
+
+    /// A token id: an integer, zero and negative ones (counted from the vocabulary's end
+    /// by PyTorch) included, within the 16M the other keys are capped at.
+    fn token_id(&self, key: &'static str) -> Result<Option<i64>, HfDetail> {
+        match self.obj.get(key) {
+            None | Some(Json::Null) => Ok(None),
+            Some(v) => match v.as_i64() {
+                Some(n) if n.unsigned_abs() <= 1 << 24 => Ok(Some(n)),
+                _ => Err(HfDetail::WrongType {
+                    key,
+                    expected: "an integer (at most 16777216 either way)",
                 }),
             },
         }

@@ -588,6 +588,16 @@ fn hf_phi3() {
         ),
         (
             resolve_with(&format!(
+                r#", "original_max_position_embeddings": 1,
+                   "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": {}}}"#,
+                list(1.0, 8),
+                list(1.0, 8)
+            ))
+            .unwrap_err(),
+            "divides by its logarithm",
+        ),
+        (
+            resolve_with(&format!(
                 r#", "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": [1, "x", 1, 1, 1, 1, 1, 1]}}"#,
                 list(1.0, 8)
             ))
@@ -621,14 +631,22 @@ fn hf_phi3() {
     }
     // `pad_token_id` is the embedding's `padding_idx` (Phi-3's 32000 in its 32,064
     // tokens); outside the vocabulary transformers cannot build the model.
-    let m = resolve_with(r#", "pad_token_id": 7"#).unwrap().model;
-    assert_eq!(m.numerics.padding_idx, Some(7));
-    let e = resolve_with(r#", "pad_token_id": 32000"#).unwrap_err();
-    assert!(
-        e.errors()[0].message().contains("pad_token_id"),
-        "{:?}",
-        e.errors()
-    );
+    // Many Llama fine-tunes write 0; the first Llama conversions -1, which PyTorch's
+    // `nn.Embedding` counts from the end (the last of the 100 rows).
+    for (pad, row) in [("7", 7), ("0", 0), ("-1", 99), ("-100", 0)] {
+        let m = resolve_with(&format!(r#", "pad_token_id": {pad}"#))
+            .unwrap()
+            .model;
+        assert_eq!(m.numerics.padding_idx, Some(row), "{pad}");
+    }
+    for pad in ["32000", "100", "-101", "18446744073709551615", "1.5"] {
+        let e = resolve_with(&format!(r#", "pad_token_id": {pad}"#)).unwrap_err();
+        assert!(
+            e.errors()[0].message().contains("pad_token_id"),
+            "{pad}: {:?}",
+            e.errors()
+        );
+    }
     // Phi-3's 1.0 rotates whole heads.
     assert!(resolve_with(r#", "partial_rotary_factor": 1.0"#).is_ok());
     std::fs::remove_dir_all(&dir).ok();
