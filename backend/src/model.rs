@@ -161,8 +161,15 @@ impl<B: Backend> Ctx<B> {
             // Burn's masks are true where they mask: `tril_mask(_, 0)` is
             // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
             // used before, is true on and below it: the past was hidden.)
-            let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device).float();
-            to_dtype(future.mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
+            let mut masked = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device);
+            // A sliding window of `w` (Mistral v0.1, Phi-3): a query sees itself and the
+            // `w - 1` positions before it, as transformers' `sliding_window_overlay`
+            // (`kv > q - w`); `triu_mask(_, 1 - w)` is true where `kv - q < 1 - w`.
+            if let Some(w) = model.numerics.sliding_window.filter(|&w| (seq as u64) > w) {
+                let past = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1 - w as i64, device);
+                masked = masked.bool_or(past);
+            }
+            to_dtype(masked.float().mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
         });
         Ctx {
             compute,

@@ -64,10 +64,16 @@ fn ids(v: &serde_json::Value) -> Vec<Vec<i64>> {
 
 /// Mean next-token cross-entropy of one window, as `labels=input_ids` does.
 fn causal_loss(model: &Model<B>, m: &ModelSpec, window: &[i64]) -> f64 {
+    causal_loss_with(model, m, window, false)
+}
+
+/// [`causal_loss`] through the eager attention or the selective one (`ops::attention_core`).
+fn causal_loss_with(model: &Model<B>, m: &ModelSpec, window: &[i64], selective: bool) -> f64 {
     let device = Default::default();
     let s = window.len();
     let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, false, &device);
     ctx.train = false;
+    ctx.selective = selective;
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(window.to_vec(), [1, s]), &device);
     let h = model.hidden(tokens, &ctx);
     let logits = model.head.logits(h, &model.embed, &ctx);
@@ -136,6 +142,28 @@ fn qwen3_matches_transformers() {
 #[test]
 fn phi3_matches_transformers() {
     check_causal("phi3");
+}
+
+/// Mistral v0.1's sliding window in small: a window of 5 inside 16-token sequences, masked
+/// by the eager and the selective attentions' bias as transformers masks it; the same
+/// weights without the window compute other losses, so the window is what agrees.
+#[test]
+fn a_sliding_window_shorter_than_the_sequence_matches_transformers() {
+    check_causal("mistral-window");
+    let m = spec("mistral-window", "causal_lm");
+    assert_eq!(m.numerics.sliding_window, Some(5));
+    let model = loaded(&m, true).unwrap();
+    let r = reference("mistral-window");
+    let want: Vec<f64> = serde_json::from_value(r["losses"].clone()).unwrap();
+    let without: Vec<f64> = serde_json::from_value(r["losses_without_window"].clone()).unwrap();
+    for ((w, want), without) in ids(&r["windows"]).iter().zip(want).zip(without) {
+        assert!((want - without).abs() > 1e-2, "the window changes the loss");
+        let got = causal_loss_with(&model, &m, w, true);
+        assert!(
+            (got - want).abs() < 1e-4,
+            "selective: loss {got} vs transformers {want}"
+        );
+    }
 }
 
 /// Phi-4-mini's RoPE in small: half of each head rotated, the rest passed through;
@@ -912,7 +940,8 @@ fn a_lora_run_saves_a_peft_adapter_beside_its_state() {
 
 /// What `transformers` and `peft` computed from rcoa's own saves
 /// (`tools/hf_fixtures/roundtrip.py --record`: a sharded full fine-tune, full
-/// fine-tunes of Qwen2, Qwen3, Phi-3 and of Llama 3.1's and Phi-4-mini's RoPE, PEFT adapters
+/// fine-tunes of Qwen2, Qwen3, Phi-3, of Llama 3.1's and Phi-4-mini's RoPE and of a sliding
+/// window shorter than the sequence, PEFT adapters
 /// for Llama, GPT-2, Qwen2, Qwen3, Phi-3 and XLM-R, merged GPT-2 and Phi-3 LoRAs), rcoa
 /// computes from the same files: the round trip, checked on every test run.
 #[test]
@@ -943,6 +972,7 @@ fn transformers_and_peft_compute_on_rcoa_saves_what_rcoa_computes() {
         ("llama3-rope-full", "llama3-rope"),
         ("phi3-full", "phi3"),
         ("phi3-longrope-full", "phi3-longrope"),
+        ("mistral-window-full", "mistral-window"),
     ] {
         let m = spec(&format!("roundtrip/{case}"), "causal_lm");
         let model = loaded(&m, true).unwrap();

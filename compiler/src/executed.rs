@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind, OptimizerSpec,
-    Positions, PrecisionSpec, RopeScaling, Spec, Target,
+    Attention, CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind,
+    OptimizerSpec, Positions, PrecisionSpec, RopeScaling, Spec, Target, TrainSpec,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -39,7 +39,7 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
     if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
         return Some(r);
     }
-    if let Some(r) = windowed(&spec.model, spec.train.seq_len) {
+    if let Some(r) = windowed(&spec.model, &spec.train) {
         return Some(r);
     }
     if let Some(r) = partitioned(&spec.optimizer, spec.adapter.is_some()) {
@@ -110,13 +110,15 @@ fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
         })
 }
 
-/// Sliding-window attention over sequences longer than the window: `rcoa run` attends to
-/// every earlier token, which equals the window only within it.
-fn windowed(m: &ModelSpec, seq_len: u64) -> Option<(String, String)> {
+/// Sliding-window attention over sequences longer than the window under the fused
+/// attention: its kernels mask the future only (the eager and selective attentions mask
+/// the window in their bias).
+fn windowed(m: &ModelSpec, t: &TrainSpec) -> Option<(String, String)> {
+    let seq_len = t.seq_len;
     let w = m.numerics.sliding_window.filter(|w| seq_len > *w)?;
-    Some((
-        format!("sliding-window attention over {w} positions (the config's `sliding_window`) at `seq_len = {seq_len}`"),
-        format!("it attends to every earlier token, the same as the window up to {w} tokens: write `seq_len` ≤ {w}"),
+    (t.attention == Attention::Flash).then(|| (
+        format!("sliding-window attention over {w} positions (the config's `sliding_window`) at `seq_len = {seq_len}` with `attention = flash`"),
+        format!("its fused kernels attend to every earlier token, the same as the window up to {w} tokens: write `seq_len` ≤ {w}, or `attention = eager`"),
     ))
 }
 
@@ -221,7 +223,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let r = &plan.resolved;
     let selective_op = r.checkpoint == "selective_op";
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
-        .or_else(|| windowed(&plan.model, plan.train.seq_len))
+        .or_else(|| windowed(&plan.model, &plan.train))
         .or_else(|| partitioned(&plan.optimizer, plan.adapter.is_some()))
         .or_else(|| in_backward_lowered(plan))
         .or_else(|| scheduled(r.virtual_stages));
@@ -271,12 +273,18 @@ mod tests {
                 assert_eq!(check(&s), Ok(()));
             }
         }
-        // A window shorter than the sequence is refused; one as long is full attention.
+        // A window shorter than the sequence is masked by the eager and selective
+        // attentions' bias and refused under the fused kernels; one as long is full
+        // attention everywhere.
         let mut s = burn();
+        s.train.attention = Attention::Flash;
         s.model.numerics.sliding_window = Some(s.train.seq_len);
         assert_eq!(check(&s), Ok(()));
         s.model.numerics.sliding_window = Some(s.train.seq_len - 1);
         assert!(refused(&s).contains("sliding-window"), "{}", refused(&s));
+        s.train.attention = Attention::Eager;
+        assert_eq!(check(&s), Ok(()));
+        s.train.attention = Attention::Flash;
         s.target = Target::Pytorch;
         assert_eq!(check(&s), Ok(()));
         // RoPE rescaling the executor does not compute is refused, and predicted for PyTorch.

@@ -4,7 +4,7 @@ reference.json (losses / embeddings computed by `transformers`).
 Run with a Python that has torch, transformers, safetensors and tokenizers:
     python tools/hf_fixtures/make_fixtures.py [OUT_DIR [NAME ...]]
 OUT_DIR defaults to tests/fixtures/hf; NAMEs (llama, mistral, gpt2, xlmr, qwen2,
-qwen3, llama3-rope, phi3, phi3-longrope) build only those, each from its own seed, so adding a fixture leaves
+qwen3, llama3-rope, phi3, phi3-longrope, mistral-window) build only those, each from its own seed, so adding a fixture leaves
 the others' files as they are.
 Not run in CI: the Rust tests read the committed output.
 """
@@ -284,6 +284,20 @@ def main():
                                           tie_word_embeddings=False, sliding_window=2047,
                                           pad_token_id=None))
         causal_fixture("phi3", phi3, "phi3", out_root, {})
+    if want("mistral-window"):
+        # A sliding window of 5 inside the 16-token windows: each token attends to itself
+        # and the 4 before it (transformers' `kv > q - window`); `reference.json` adds the
+        # losses of the same weights with the window off, which must differ.
+        torch.manual_seed(16)
+        windowed = MistralForCausalLM(MistralConfig(**common, rms_norm_eps=1e-5,
+                                                    rope_theta=10000.0, sliding_window=5,
+                                                    tie_word_embeddings=False))
+        causal_fixture("mistral-window", windowed, "mistral", out_root, {})
+        out = os.path.join(out_root, "mistral-window")
+        ref = json.load(open(os.path.join(out, "reference.json")))
+        unwindowed = MistralForCausalLM.from_pretrained(out, sliding_window=None).eval()
+        ref["losses_without_window"] = causal_loss(unwindowed, ref["windows"])
+        json.dump(ref, open(os.path.join(out, "reference.json"), "w"), indent=1)
     if want("phi3-longrope"):
         # Phi-4-mini's RoPE in small: half of each 16-value head rotated (4 pairs), LongRoPE
         # over a pretraining length of 8 of 64 positions (attention factor sqrt 2), tied as

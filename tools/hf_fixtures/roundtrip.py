@@ -59,6 +59,8 @@ CASES = [
     ("phi3-lora", "phi3", "causal_lm", "rank = 4 alpha = 8 targets = [q, v, gate, down]", []),
     # Phi-4-mini's RoPE: half of each head rotated, LongRoPE's factors and attention factor.
     ("phi3-longrope-full", "phi3-longrope", "causal_lm", None, []),
+    # Mistral v0.1's sliding window, shorter than the sequence.
+    ("mistral-window-full", "mistral-window", "causal_lm", None, []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

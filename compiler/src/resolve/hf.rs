@@ -14,7 +14,9 @@
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
 //! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config
 //! and when missing, null later) is full attention while the sequence is no
-//! longer than the window: `rcoa run` refuses longer sequences. Qwen's `use_sliding_window =
+//! longer than the window; past it `rcoa run` masks the window in the eager and
+//! selective attentions' bias (a query sees itself and the `window - 1` positions before
+//! it) and refuses the fused kernels, which have no window. Qwen's `use_sliding_window =
 //! true` is refused.
 //!
 //! Supported `model_type`s and the keys read:
@@ -214,7 +216,7 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
     }
     if c.model_type == "mistral" {
         // No different from full attention while the sequence fits in the window;
-        // `executed` refuses longer ones for `rcoa run`.
+        // past it, `executed` refuses the fused attention for `rcoa run`.
         // MistralConfig's default is 4096; `null` is none.
         n.sliding_window = match c.obj.get("sliding_window") {
             None => Some(4096),
