@@ -245,3 +245,68 @@ fn llama_on_jsonl_evaluates_and_resumes_in_the_same_order() {
         );
     }
 }
+
+fn sft_reference_loss() -> f64 {
+    let p = root().join("tests/fixtures/hf/llama/sft_reference.json");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    r["loss"].as_f64().unwrap()
+}
+
+/// Supervised fine-tuning data (`{"prompt", "completion"}`): `rcoa eval` scores the
+/// completions only, as transformers does on the examples TRL's SFTTrainer prepares
+/// (tools/hf_fixtures/sft_reference.py: 4 of 6 examples keep a completion token within
+/// 32 tokens); `rcoa run` trains on them, its `--eval` at step 0 the same loss, and
+/// lowers it on the examples it trains on.
+#[test]
+fn prompt_completion_examples_are_scored_on_their_completions() {
+    let data = "tests/fixtures/hf/llama/sft.jsonl";
+    let plan = "tests/fixtures/eval/llama-sft.plan";
+    let out = rcoa(&["eval", plan, "--data", data, "--format", "json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v = &json_lines(&out)[0];
+    let (got, want) = (v["eval_loss"].as_f64().unwrap(), sft_reference_loss());
+    assert!(
+        (got - want).abs() < 1e-5,
+        "rcoa eval {got} vs transformers {want}"
+    );
+    assert_eq!(
+        (v["examples"].as_u64(), v["unit"].as_str()),
+        (Some(4), Some("examples"))
+    );
+
+    let out = rcoa(&[
+        "run",
+        plan,
+        "--data",
+        data,
+        "--eval",
+        data,
+        "--eval-every",
+        "6",
+        "--steps",
+        "6",
+        "--format",
+        "json",
+        "--seed",
+        "3",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines = json_lines(&out);
+    assert!(
+        lines[0]["data"]
+            .as_str()
+            .unwrap()
+            .contains("4 prompt-completion examples"),
+        "{}",
+        lines[0]
+    );
+    let e = evals(&lines);
+    assert_eq!(e.first().map(|e| e.0), Some(0));
+    assert!((e[0].1 - want).abs() < 1e-5, "--eval at step 0: {e:?}");
+    let last = e.last().unwrap();
+    assert!(
+        last.0 == 6 && last.1 < e[0].1,
+        "six steps on its examples lower the loss: {e:?}"
+    );
+    assert!(step_losses(&lines).iter().all(|l| l.is_finite()));
+}

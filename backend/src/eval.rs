@@ -8,6 +8,12 @@
 //!   the mean next-token cross-entropy over all windows with labels = inputs,
 //!   as `transformers` computes it with `labels=input_ids` (each window
 //!   predicts its tokens 1.. from 0..);
+//! - causal LM on prompt-completion examples (`{"prompt", "completion"}`, the
+//!   training data of supervised fine-tuning): each example tokenized as
+//!   training tokenizes it (TRL's `SFTTrainer`), cut to `seq_len` tokens (an
+//!   example left with no completion token is dropped, as TRL drops it); the
+//!   loss is the mean cross-entropy over every completion token of the set
+//!   (labels -100 on the prompt), whatever the batch size;
 //! - contrastive: consecutive batches of `micro_batch` pairs (the last
 //!   partial batch dropped), texts tokenized with the post-processor,
 //!   truncated to `seq_len`, right-padded; mean pooling over the attention
@@ -40,6 +46,14 @@ pub enum EvalSet {
         batch: usize,
         chunked: bool,
     },
+    /// Prompt-completion examples (`data::Completion`), batched in file order.
+    Completions {
+        examples: Vec<crate::data::Completion>,
+        pad: u32,
+        batch: usize,
+        seq: usize,
+        chunked: bool,
+    },
     /// (query, positive) ids, truncated to `seq_len`.
     Contrastive {
         pairs: Vec<(Vec<u32>, Vec<u32>)>,
@@ -59,8 +73,10 @@ pub struct EvalReport {
     /// Optimizer steps trained before it (0: the starting weights).
     pub step: u64,
     pub eval_loss: f64,
-    /// Windows (causal) or pairs (contrastive) scored.
+    /// Windows (causal), prompt-completion examples or pairs (contrastive) scored.
     pub examples: usize,
+    /// What `examples` counts: `windows`, `examples` or `pairs`.
+    pub unit: &'static str,
     pub batches: usize,
 }
 
@@ -75,6 +91,17 @@ impl EvalSet {
         let micro = plan.resolved.micro_batch.max(1) as usize;
         let vocab = plan.model.vocab;
         match plan.train.loss {
+            Loss::CausalLm if files::is_jsonl(path) && files::is_completions(path)? => {
+                let pairs = files::read_completions(path)?;
+                let (examples, pad) = files::scored_completions(path, &pairs, tok, vocab, seq)?;
+                Ok(EvalSet::Completions {
+                    examples,
+                    pad,
+                    batch: micro,
+                    seq,
+                    chunked: plan.train.chunked_loss_for(vocab),
+                })
+            }
             Loss::CausalLm => {
                 let texts = if files::is_jsonl(path) {
                     files::read_texts(path)?
@@ -142,9 +169,19 @@ impl EvalSet {
         }
     }
 
+    /// What [`EvalSet::examples`] counts.
+    pub fn unit(&self) -> &'static str {
+        match self {
+            EvalSet::Causal { .. } => "windows",
+            EvalSet::Completions { .. } => "examples",
+            EvalSet::Contrastive { .. } => "pairs",
+        }
+    }
+
     pub fn examples(&self) -> usize {
         match self {
             EvalSet::Causal { windows, .. } => windows.len(),
+            EvalSet::Completions { examples, .. } => examples.len(),
             EvalSet::Contrastive { pairs, batch, .. } => pairs.len() / batch * batch,
         }
     }
@@ -187,32 +224,70 @@ pub fn evaluate<B: ExecBackend>(
                     weights.extend(std::iter::repeat_n(1.0f32, s - 1));
                     weights.push(0.0);
                 }
-                let h = model.hidden(ints(inputs, rows, s), &ctx);
-                let targets = ints(targets, rows, s);
-                let weights =
-                    Tensor::<B, 2>::from_data(TensorData::new(weights, [rows, s]), device);
-                let mean = if *chunked {
-                    chunked_lm_loss(
-                        h,
-                        model.head.weight(&model.embed, &ctx),
-                        targets,
-                        Some(weights),
-                        DEFAULT_CHUNK,
-                    )
-                    .map_err(|e| RunError::Backend(e.to_string()))?
-                } else {
-                    lm_loss(
-                        model.head.logits(h, &model.embed, &ctx),
-                        targets,
-                        Some(weights),
-                    )
-                };
+                let mean = weighted_mean(
+                    model,
+                    &ctx,
+                    inputs,
+                    targets,
+                    weights,
+                    [rows, s],
+                    *chunked,
+                    device,
+                )?;
                 // Every window scores s - 1 positions: the batch mean times its
                 // windows sums window means.
-                total += mean.into_scalar().elem::<f64>() * rows as f64;
+                total += mean * rows as f64;
                 batches += 1;
             }
             Ok((total / windows.len() as f64, batches))
+        }
+        EvalSet::Completions {
+            examples,
+            pad,
+            batch,
+            seq,
+            chunked,
+        } => {
+            let s = *seq;
+            let (mut total, mut scored) = (0.0f64, 0usize);
+            let mut batches = 0;
+            for chunk in examples.chunks((*batch).max(1)) {
+                let rows = chunk.len();
+                let mut inputs = Vec::with_capacity(rows * s);
+                let mut targets = Vec::with_capacity(rows * s);
+                let mut weights = Vec::with_capacity(rows * s);
+                for e in chunk {
+                    let len = e.ids.len().min(s);
+                    for p in 0..s {
+                        inputs.push(if p < len { e.ids[p] } else { *pad } as i64);
+                        let next = p + 1;
+                        targets.push(if next < len { e.ids[next] } else { *pad } as i64);
+                        weights.push(if next < len && next >= e.prompt {
+                            1.0f32
+                        } else {
+                            0.0
+                        });
+                    }
+                }
+                let n = chunk.iter().map(|e| e.scored(s)).sum::<usize>();
+                if n == 0 {
+                    continue;
+                }
+                let mean = weighted_mean(
+                    model,
+                    &ctx,
+                    inputs,
+                    targets,
+                    weights,
+                    [rows, s],
+                    *chunked,
+                    device,
+                )?;
+                total += mean * n as f64;
+                scored += n;
+                batches += 1;
+            }
+            Ok((total / scored.max(1) as f64, batches))
         }
         EvalSet::Contrastive {
             pairs,
@@ -254,6 +329,46 @@ pub fn evaluate<B: ExecBackend>(
     }
 }
 
+/// The mean cross-entropy of `model` over the positions `weights` marks (`[rows, s]`).
+#[allow(clippy::too_many_arguments)]
+fn weighted_mean<B: ExecBackend>(
+    model: &Model<B>,
+    ctx: &Ctx<B>,
+    inputs: Vec<i64>,
+    targets: Vec<i64>,
+    weights: Vec<f32>,
+    [rows, s]: [usize; 2],
+    chunked: bool,
+    device: &B::Device,
+) -> Result<f64, RunError> {
+    let ints = |v: Vec<i64>| {
+        Tensor::<B, 2, Int>::from_data(
+            TensorData::new(v, [rows, s]).convert::<B::IntElem>(),
+            device,
+        )
+    };
+    let h = model.hidden(ints(inputs), ctx);
+    let targets = ints(targets);
+    let weights = Tensor::<B, 2>::from_data(TensorData::new(weights, [rows, s]), device);
+    let mean = if chunked {
+        chunked_lm_loss(
+            h,
+            model.head.weight(&model.embed, ctx),
+            targets,
+            Some(weights),
+            DEFAULT_CHUNK,
+        )
+        .map_err(|e| RunError::Backend(e.to_string()))?
+    } else {
+        lm_loss(
+            model.head.logits(h, &model.embed, ctx),
+            targets,
+            Some(weights),
+        )
+    };
+    Ok(mean.into_scalar().elem::<f64>())
+}
+
 /// Evaluate `trainer`'s current weights on `set`.
 pub(crate) fn report<B: crate::ops::ExecAutodiff>(
     trainer: &crate::train::Trainer<B>,
@@ -264,6 +379,7 @@ pub(crate) fn report<B: crate::ops::ExecAutodiff>(
         step: trainer.step,
         eval_loss: loss,
         examples: set.examples(),
+        unit: set.unit(),
         batches,
     })
 }

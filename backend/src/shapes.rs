@@ -85,6 +85,23 @@ pub fn of_eval(set: &EvalSet) -> Vec<Shape> {
             }
             out
         }
+        EvalSet::Completions {
+            examples,
+            batch,
+            seq,
+            ..
+        } => {
+            // Right-padded without a mask: causal attention hides the pads.
+            let (n, b) = (examples.len(), (*batch).max(1));
+            let mut out = Vec::new();
+            if n >= b {
+                out.push(eval(b, *seq, false));
+            }
+            if n % b != 0 {
+                out.push(eval(n % b, *seq, false));
+            }
+            out
+        }
         EvalSet::Contrastive {
             pairs, batch, seq, ..
         } => {

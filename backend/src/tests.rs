@@ -983,3 +983,45 @@ fn zero3_shards_the_qlora_base_and_matches_one_rank() {
         ],
     );
 }
+
+/// Prompt-completion training: a step over two examples whose completions score 9 and 3
+/// tokens is the same step whether they come as one micro-batch of two or as two of one
+/// (the step's loss is the mean over all its completion tokens, as transformers counts
+/// `num_items_in_batch`); a mean per micro-batch would weigh the short one 3 times as
+/// much per token. SGD, so the update follows the gradient's size.
+#[test]
+fn prompt_completion_steps_do_not_depend_on_the_micro_batch_split() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("rcoa-sft-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("sft.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"Q: a cat? A:\", \"completion\": \" it sat.\"}\n\
+         {\"prompt\": \"Q: the dog ran? A:\", \"completion\": \" a\"}\n",
+    )
+    .unwrap();
+    let run = |micro: u64, accum: u64| {
+        let mut plan = tiny_plan();
+        plan.optimizer.kind = OptimizerKind::Sgd;
+        plan.optimizer.lr = 0.5;
+        plan.optimizer.weight_decay = 0.0;
+        plan.train.seq_len = 24;
+        plan.train.global_batch = 2;
+        plan.resolved.micro_batch = micro;
+        plan.resolved.grad_accum = accum;
+        let mut o = opts(1);
+        o.data = Some(data.clone());
+        let mut t = crate::testing::trainer::<Cpu>(&plan, &o, 11).unwrap();
+        let loss = t.train_step(&mut RssProbe::new()).unwrap().loss;
+        (loss, t.param_checksum().unwrap())
+    };
+    let (one, one_sum) = run(2, 1);
+    let (two, two_sum) = run(1, 2);
+    assert!((one - two).abs() < 1e-5, "loss {one} vs {two}");
+    assert!(
+        (one_sum - two_sum).abs() <= 1e-6 * one_sum.abs().max(1.0),
+        "weights {one_sum} vs {two_sum}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -224,6 +224,36 @@ mod tests {
         check_causal("llama");
     }
 
+    /// Prompt-completion examples as TRL's `SFTTrainer` prepares them
+    /// (`tools/hf_fixtures/sft_reference.py`): the same ids and the same scored labels,
+    /// cut to 32 tokens, the examples with no completion token within them dropped.
+    #[test]
+    fn prompt_completion_examples_tokenize_as_trl() {
+        let dir = fixture("llama");
+        let tok = TextTokenizer::from_dir(Some(&dir), 1 << 20).unwrap();
+        let path = dir.join("sft.jsonl");
+        let pairs = crate::data::files::read_completions(&path).unwrap();
+        let (examples, _) =
+            crate::data::files::scored_completions(&path, &pairs, &tok, 1 << 20, 32).unwrap();
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("sft_reference.json")).unwrap())
+                .unwrap();
+        let ids: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
+        let labels: Vec<Vec<i64>> = serde_json::from_value(r["labels"].clone()).unwrap();
+        assert!(
+            pairs.len() > examples.len(),
+            "the reference drops an example"
+        );
+        assert_eq!(examples.len(), ids.len());
+        for ((e, want), labels) in examples.iter().zip(&ids).zip(&labels) {
+            let got = &e.ids[..e.ids.len().min(32)];
+            assert_eq!(got, want.as_slice());
+            let scored: Vec<bool> = (0..got.len()).map(|p| p >= e.prompt).collect();
+            let want: Vec<bool> = labels.iter().map(|&l| l != -100).collect();
+            assert_eq!(scored, want, "{want:?}");
+        }
+    }
+
     #[test]
     fn mistral_tokenizer_encodes_as_transformers() {
         check_causal("mistral");

@@ -925,18 +925,24 @@ impl<B: ExecAutodiff> Trainer<B> {
                 let targets = TensorData::new(batch.targets.clone(), [batch.rows, batch.seq])
                     .convert::<X::IntElem>();
                 let targets = Tensor::<X, 2, Int>::from_data(targets, device);
-                let weights = (self.loss == Loss::MaskedLm).then(|| {
+                // Masked LM's masked positions; prompt-completion rows' completion tokens.
+                let weights = (!batch.weights.is_empty()).then(|| {
                     Tensor::<X, 2>::from_data(
                         TensorData::new(batch.weights.clone(), [batch.rows, batch.seq]),
                         device,
                     )
                 });
-                if self.chunked_loss {
+                let loss = if self.chunked_loss {
                     // The shapes are the model's own: a mismatch is a bug here.
                     chunked_lm_loss(h, head.weight(embed, ctx), targets, weights, DEFAULT_CHUNK)
                         .unwrap_or_else(|e| panic!("chunked loss: {e}"))
                 } else {
                     lm_loss(head.logits(h, embed, ctx), targets, weights)
+                };
+                if batch.loss_weight == 1.0 {
+                    loss
+                } else {
+                    loss.mul_scalar(batch.loss_weight)
                 }
             }
             Loss::Contrastive => {

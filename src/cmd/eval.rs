@@ -58,10 +58,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     match rcoa_backend::eval::evaluate_plan_cpu(&plan, &opts) {
         Ok(r) => {
-            let unit = match plan.train.loss {
-                rcoa_compiler::spec::Loss::Contrastive => "pairs",
-                _ => "windows",
-            };
+            let unit = r.unit;
             if args.format == Format::Json {
                 let v = serde_json::json!({
                     "event": "eval", "eval_loss": r.eval_loss, "examples": r.examples,

@@ -1,5 +1,7 @@
 //! Data files: plain text (a token stream), JSONL documents `{"text": …}`
-//! (causal and masked LM, packed), and JSONL pairs or groups
+//! (causal and masked LM, packed), JSONL prompt-completion examples
+//! `{"prompt": …, "completion": …}` (causal LM, the loss on the completion), and
+//! JSONL pairs or groups
 //! `{"query", "positive"}` / `{"query", "positives": [..], "negatives": [..]}`
 //! (contrastive). A file is JSONL when its name ends in `.jsonl` or
 //! `.ndjson`. Every problem is a `RunError::Data` that names the file and,
@@ -134,6 +136,91 @@ pub fn read_texts(path: &Path) -> Result<Vec<String>, RunError> {
             })
         })
         .collect()
+}
+
+/// Does the file hold prompt-completion examples? Its first object says.
+pub fn is_completions(path: &Path) -> Result<bool, RunError> {
+    Ok(objects(path)?[0].1.contains_key("prompt"))
+}
+
+/// The `(prompt, completion)` pairs of a prompt-completion JSONL file.
+pub fn read_completions(path: &Path) -> Result<Vec<(String, String)>, RunError> {
+    objects(path)?
+        .into_iter()
+        .map(|(n, o)| {
+            let get = |key: &str| {
+                string(path, n, &o, key)?.ok_or_else(|| {
+                    data_err(
+                        path,
+                        format!(
+                            "line {n} has no \"{key}\"; supervised fine-tuning data is JSONL with one \
+                             {{\"prompt\": \"…\", \"completion\": \"…\"}} per example (the first line has a prompt)"
+                        ),
+                    )
+                })
+            };
+            Ok((get("prompt")?, get("completion")?))
+        })
+        .collect()
+}
+
+/// Prompt-completion examples tokenized as TRL's `SFTTrainer` (1.x) tokenizes them: the
+/// prompt and the completion as one text (so the tokens at the seam are those of the
+/// whole), EOS appended unless the ids already end with it, and the completion starting
+/// where the ids of the prompt alone (post-processor applied, BOS included) and of the
+/// whole first differ. Byte tokens: the bytes, `\n` as EOS.
+pub fn encode_completions(
+    path: &Path,
+    pairs: &[(String, String)],
+    tok: &TextTokenizer,
+    vocab: u64,
+) -> Result<(Vec<super::Completion>, u32), RunError> {
+    let mut texts: Vec<String> = Vec::with_capacity(2 * pairs.len());
+    for (prompt, completion) in pairs {
+        texts.push(prompt.clone());
+        texts.push(format!("{prompt}{completion}"));
+    }
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let enc = encode(path, &refs, tok, vocab)?;
+    let examples = enc
+        .ids
+        .chunks_exact(2)
+        .map(|c| {
+            let mut ids = c[1].clone();
+            if let Some(eos) = enc.eos.filter(|e| ids.last() != Some(e)) {
+                ids.push(eos);
+            }
+            // Merges across the seam make the prompt's ids no prefix of the whole's: the
+            // completion starts where they part (TRL's `common_prefix_length`).
+            let prompt = c[0].iter().zip(&ids).take_while(|(a, b)| a == b).count();
+            super::Completion { prompt, ids }
+        })
+        .collect();
+    Ok((examples, enc.pad))
+}
+
+/// [`encode_completions`] without the examples whose first `seq` tokens hold no
+/// completion token (a prompt as long as the sequence), which TRL drops too ("Dropping
+/// fully masked examples"); an error when none is left.
+pub fn scored_completions(
+    path: &Path,
+    pairs: &[(String, String)],
+    tok: &TextTokenizer,
+    vocab: u64,
+    seq: usize,
+) -> Result<(Vec<super::Completion>, u32), RunError> {
+    let (mut examples, pad) = encode_completions(path, pairs, tok, vocab)?;
+    examples.retain(|e| e.scored(seq) > 0);
+    if examples.is_empty() {
+        return Err(data_err(
+            path,
+            format!(
+                "no example has a completion token within its first {seq} tokens (seq_len): every prompt fills \
+                 the sequence; raise seq_len or shorten the prompts"
+            ),
+        ));
+    }
+    Ok((examples, pad))
 }
 
 /// One anchor and its texts, as the file gives them.
@@ -311,6 +398,34 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
         return Ok(Source::Pairs {
             examples,
             pad: enc.pad,
+            name,
+        });
+    }
+    if is_completions(path)? {
+        if spec.loss != Loss::CausalLm {
+            return Err(data_err(
+                path,
+                "holds prompt-completion examples, which train a causal LM (`train.loss = causal_lm`)",
+            ));
+        }
+        let pairs = read_completions(path)?;
+        let (examples, pad) = scored_completions(path, &pairs, tok, spec.vocab, spec.seq)?;
+        if examples.len() < spec.batch_examples {
+            return Err(data_err(
+                path,
+                format!(
+                    "has {} examples with a completion token within seq_len {} ({} lines); one micro-batch over \
+                     all ranks needs {}: add examples or lower micro_batch",
+                    examples.len(),
+                    spec.seq,
+                    pairs.len(),
+                    spec.batch_examples
+                ),
+            ));
+        }
+        return Ok(Source::Completions {
+            examples,
+            pad,
             name,
         });
     }

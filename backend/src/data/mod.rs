@@ -10,6 +10,12 @@
 //! falls) within a few steps. A text file is tokenized byte by byte when the
 //! model's vocabulary holds all 256 bytes, otherwise by a character table
 //! built from the bytes the file uses.
+//!
+//! Supervised fine-tuning files (`{"prompt": …, "completion": …}`, TRL's
+//! prompt-completion format) train one example per row, right-padded, with the
+//! loss on the completion's tokens only, normalised over every completion token of
+//! the step (all micro-batches and ranks), as `transformers`' Trainer does since it
+//! counts `num_items_in_batch`.
 
 pub mod files;
 pub mod order;
@@ -82,6 +88,30 @@ pub enum Source {
         pad: u32,
         name: String,
     },
+    /// JSONL prompt-completion examples, tokenized as TRL's `SFTTrainer` does: the
+    /// prompt and completion together (post-processor applied), EOS appended, the
+    /// prompt's own token count marking where the scored completion starts. Taken in a
+    /// seeded order, every example once per epoch, one per row.
+    Completions {
+        examples: Vec<Completion>,
+        pad: u32,
+        name: String,
+    },
+}
+
+/// One prompt-completion example: its ids and how many of them are the prompt's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    pub ids: Vec<u32>,
+    pub prompt: usize,
+}
+
+impl Completion {
+    /// Next-token predictions of the example cut to `seq` tokens that are scored: those
+    /// whose target is a completion token (TRL's `completion_mask` shifted by one).
+    pub fn scored(&self, seq: usize) -> usize {
+        self.ids.len().min(seq).saturating_sub(self.prompt.max(1))
+    }
 }
 
 /// Tokens one training row reads: causal LM predicts `seq` next tokens
@@ -114,6 +144,9 @@ impl Source {
             Source::Packed { tokens, name, docs } => {
                 format!("{name} ({docs} documents, {} tokens packed)", tokens.len())
             }
+            Source::Completions { examples, name, .. } => {
+                format!("{name} ({} prompt-completion examples)", examples.len())
+            }
             Source::Pairs { examples, name, .. } => {
                 let rows = examples.first().map_or(0, Vec::len);
                 if rows == 2 {
@@ -130,6 +163,7 @@ impl Source {
             Source::Synthetic { .. } => 0,
             Source::File { tokens, .. } | Source::Packed { tokens, .. } => tokens.len(),
             Source::Pairs { examples, .. } => examples.iter().flatten().map(Vec::len).sum(),
+            Source::Completions { examples, .. } => examples.iter().map(|e| e.ids.len()).sum(),
         }
     }
 
@@ -173,6 +207,9 @@ impl Source {
                 tokens[start..start + len].to_vec()
             }
             Source::Pairs { .. } => unreachable!("pairs are batched by `Batcher::pairs`"),
+            Source::Completions { .. } => {
+                unreachable!("completions are batched by `Batcher::completions`")
+            }
         }
     }
 
@@ -216,6 +253,9 @@ impl Source {
                 tokens[start + offset..start + offset + len].to_vec()
             }
             Source::Pairs { .. } => unreachable!("pairs are batched by `Batcher::pairs`"),
+            Source::Completions { .. } => {
+                unreachable!("completions train a causal LM (`files::load` refuses the rest)")
+            }
         }
     }
 }
@@ -234,6 +274,11 @@ pub struct Batch {
     /// tokens, `[rows, seq]`, as Hugging Face's `attention_mask`. `None`:
     /// every token is real (packed or synthetic sequences).
     pub keep: Option<Vec<bool>>,
+    /// Factor on the micro-batch's loss (its mean over its scored positions) that makes
+    /// the step's gradient the mean over every scored position of the step: 1, but for
+    /// prompt-completion examples, whose micro-batches score different numbers of
+    /// tokens (`scored × grad_accum × ranks / scored in the step`).
+    pub loss_weight: f64,
 }
 
 /// The shape of the batches a plan trains on.
@@ -312,6 +357,9 @@ impl Batcher {
         let mut keep = None;
         let base = self.rank * rows as u64;
         match self.loss {
+            Loss::CausalLm if matches!(self.source, Source::Completions { .. }) => {
+                (targets, weights) = self.completions(step, micro, &mut inputs);
+            }
             Loss::CausalLm => {
                 for r in 0..rows {
                     let mut rng = Rng::keyed(self.seed, step, micro, base + r as u64);
@@ -370,6 +418,19 @@ impl Batcher {
                 }
             }
         }
+        let loss_weight = match &self.source {
+            Source::Completions { .. } => {
+                let scored: f32 = weights.iter().sum();
+                let step_scored = self.scored_in_step(step);
+                if step_scored == 0 {
+                    0.0
+                } else {
+                    scored as f64 * (self.grad_accum.max(1) * self.ranks.max(1)) as f64
+                        / step_scored as f64
+                }
+            }
+            _ => 1.0,
+        };
         Batch {
             inputs,
             rows,
@@ -377,6 +438,7 @@ impl Batcher {
             targets,
             weights,
             keep,
+            loss_weight,
         }
     }
 
@@ -384,6 +446,49 @@ impl Batcher {
     /// the file's order (`[query, positives.., negatives..]`), right-padded;
     /// returns the attention mask. A leftover row (odd micro-batch with
     /// in-batch pairs) is padding, scored by nothing.
+    /// The example at `position` of the run's stream.
+    fn completion(&self, position: u64) -> &Completion {
+        let Source::Completions { examples, .. } = &self.source else {
+            unreachable!("called for prompt-completion files only")
+        };
+        &examples[order::example(position, examples.len() as u64, self.seed)]
+    }
+
+    /// Prompt-completion rows: each example cut to `seq` tokens (TRL's `max_length`) and
+    /// right-padded; the target of position `p` is token `p + 1`, weighted 1 where that
+    /// token is the completion's (EOS included). Padding needs no mask: causal attention
+    /// never shows a real position the pads after it. Returns the targets and weights.
+    fn completions(&self, step: u64, micro: u64, inputs: &mut Vec<i64>) -> (Vec<i64>, Vec<f32>) {
+        let Source::Completions { pad, .. } = &self.source else {
+            unreachable!("called for prompt-completion files only")
+        };
+        let (rows, s) = (self.rows(), self.seq);
+        let (mut targets, mut weights) =
+            (Vec::with_capacity(rows * s), Vec::with_capacity(rows * s));
+        for i in 0..rows {
+            let e = self.completion(self.position(step, micro, i));
+            let len = e.ids.len().min(s);
+            for p in 0..s {
+                inputs.push(e.ids.get(p).filter(|_| p < len).map_or(*pad, |&t| t) as i64);
+                let next = p + 1;
+                let scored = next < len && next >= e.prompt;
+                targets.push(if next < len { e.ids[next] } else { *pad } as i64);
+                weights.push(if scored { 1.0 } else { 0.0 });
+            }
+        }
+        (targets, weights)
+    }
+
+    /// Scored positions of step `step` over its micro-batches and every rank's rows.
+    fn scored_in_step(&self, step: u64) -> usize {
+        let per_rank = self.examples_per_rank() as u64;
+        let per_step = self.grad_accum.max(1) * self.ranks.max(1) * per_rank;
+        let first = step * per_step;
+        (first..first + per_step)
+            .map(|p| self.completion(p).scored(self.seq))
+            .sum()
+    }
+
     fn pairs(&self, step: u64, micro: u64, inputs: &mut Vec<i64>) -> Vec<bool> {
         let Source::Pairs { examples, pad, .. } = &self.source else {
             unreachable!("called for pairs files only")
@@ -721,5 +826,149 @@ mod tests {
             anchors.push(digit);
         }
         assert_ne!(anchors[0], anchors[1]);
+    }
+
+    fn completions_batcher(text: &str, seq: usize, micro_batch: usize, grad_accum: u64) -> Batcher {
+        let p = temp(&format!("sft-{seq}-{micro_batch}-{grad_accum}.jsonl"), text);
+        let source = load(&p, &spec(Loss::CausalLm, seq, 300, micro_batch)).unwrap();
+        Batcher {
+            source,
+            micro_batch,
+            seq,
+            vocab: 300,
+            grad_accum,
+            ..batcher(Loss::CausalLm)
+        }
+    }
+
+    /// TRL's prompt-completion rows: prompt and completion as one text, EOS (`\n` for
+    /// bytes) appended, right-padded; the loss on the predictions of completion tokens.
+    #[test]
+    fn prompt_completion_rows_score_the_completion_only() {
+        let b = completions_batcher("{\"prompt\": \"ab\", \"completion\": \"cd\"}\n", 8, 1, 1);
+        match &b.source {
+            Source::Completions { examples, pad, .. } => {
+                assert_eq!(examples[0].ids, b"abcd\n".map(u32::from).to_vec());
+                assert_eq!((examples[0].prompt, *pad), (2, 0));
+                assert_eq!(examples[0].scored(8), 3);
+            }
+            other => panic!("{other:?}"),
+        }
+        let batch = b.batch(0, 0);
+        let t = |s: &[u8]| s.iter().map(|&c| c as i64).collect::<Vec<_>>();
+        assert_eq!(batch.inputs, [t(b"abcd\n"), vec![0; 3]].concat());
+        assert_eq!(batch.targets, [t(b"bcd\n"), vec![0; 4]].concat());
+        // Position 0 predicts the prompt's `b`; 1..=3 predict `c`, `d` and EOS.
+        assert_eq!(batch.weights, vec![0., 1., 1., 1., 0., 0., 0., 0.]);
+        assert!(batch.keep.is_none());
+        assert_eq!(batch.loss_weight, 1.0);
+        // Cut to 3 tokens (TRL's `max_length`): `abc` scores only `c`.
+        let b = completions_batcher("{\"prompt\": \"ab\", \"completion\": \"cd\"}\n", 3, 1, 1);
+        let batch = b.batch(0, 0);
+        assert_eq!(batch.inputs, t(b"abc"));
+        assert_eq!(batch.weights, vec![0., 1., 0.]);
+    }
+
+    /// Micro-batches that score different numbers of tokens weigh by them: the step's
+    /// loss is the mean over every scored token of the step (transformers'
+    /// `num_items_in_batch`), so it does not depend on how the step is split.
+    #[test]
+    fn prompt_completion_micro_batches_weigh_by_their_scored_tokens() {
+        let text = "{\"prompt\": \"a\", \"completion\": \"bcdefg\"}\n\
+                    {\"prompt\": \"hijk\", \"completion\": \"l\"}\n\
+                    {\"prompt\": \"m\", \"completion\": \"nop\"}\n";
+        let b = completions_batcher(text, 8, 1, 3);
+        for step in 0..4 {
+            let scored: Vec<f64> = (0..3)
+                .map(|m| b.batch(step, m).weights.iter().sum::<f32>() as f64)
+                .collect();
+            let total: f64 = scored.iter().sum();
+            // An epoch is the three examples, scoring 7, 2 and 4 tokens (completion + EOS).
+            assert_eq!(total, 13.0, "step {step}");
+            for (m, n) in scored.iter().enumerate() {
+                let w = b.batch(step, m as u64).loss_weight;
+                assert!(
+                    (w - n * 3.0 / total).abs() < 1e-12,
+                    "step {step} micro {m}: {w}"
+                );
+            }
+        }
+        // Two data-parallel ranks: each rank's weight counts its share of the step's
+        // tokens (the ranks' mean gradient is then the step's token mean).
+        let ranks: Vec<Batcher> = (0..2)
+            .map(|rank| Batcher {
+                rank,
+                ranks: 2,
+                grad_accum: 1,
+                ..b.clone()
+            })
+            .collect();
+        for step in 0..3 {
+            let n: Vec<f64> = ranks
+                .iter()
+                .map(|r| r.batch(step, 0).weights.iter().sum::<f32>() as f64)
+                .collect();
+            for (r, b) in ranks.iter().enumerate() {
+                let w = b.batch(step, 0).loss_weight;
+                assert!(
+                    (w - n[r] * 2.0 / (n[0] + n[1])).abs() < 1e-12,
+                    "step {step} rank {r}"
+                );
+            }
+        }
+        // Every example once per epoch, in a seeded order.
+        let mut firsts: Vec<i64> = (0..3).map(|m| b.batch(0, m).inputs[0]).collect();
+        firsts.sort();
+        assert_eq!(firsts, vec![b'a' as i64, b'h' as i64, b'm' as i64]);
+    }
+
+    #[test]
+    fn prompt_completion_files_say_what_is_wrong() {
+        let bad = |name: &str, text: &str, loss: Loss| {
+            load(&temp(name, text), &spec(loss, 8, 300, 1))
+                .unwrap_err()
+                .to_string()
+        };
+        let m = bad(
+            "no-completion.jsonl",
+            "{\"prompt\": \"ab\"}\n",
+            Loss::CausalLm,
+        );
+        assert!(
+            m.contains("line 1 has no \"completion\"") && m.contains("supervised fine-tuning"),
+            "{m}"
+        );
+        let m = bad(
+            "mixed.jsonl",
+            "{\"prompt\": \"ab\", \"completion\": \"c\"}\n{\"text\": \"x\"}\n",
+            Loss::CausalLm,
+        );
+        assert!(m.contains("line 2 has no \"prompt\""), "{m}");
+        let m = bad(
+            "mlm.jsonl",
+            "{\"prompt\": \"ab\", \"completion\": \"c\"}\n",
+            Loss::MaskedLm,
+        );
+        assert!(m.contains("train a causal LM"), "{m}");
+        let m = load(
+            &temp("two.jsonl", "{\"prompt\": \"ab\", \"completion\": \"c\"}\n"),
+            &spec(Loss::CausalLm, 8, 300, 2),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            m.contains("has 1 examples with a completion token within seq_len 8 (1 lines); one micro-batch over all ranks needs 2"),
+            "{m}"
+        );
+        // A prompt that fills the sequence scores nothing: dropped, as TRL drops it.
+        let m = bad(
+            "long-prompt.jsonl",
+            "{\"prompt\": \"abcdefgh\", \"completion\": \"c\"}\n",
+            Loss::CausalLm,
+        );
+        assert!(
+            m.contains("no example has a completion token within its first 8 tokens"),
+            "{m}"
+        );
     }
 }
