@@ -24,6 +24,7 @@
 //! gradients or activations, offload to NVMe, mixture of experts, optimizers
 //! Burn lacks (8-bit Adam is rcoa's own: `optim::adam8bit`).
 
+pub mod chat;
 pub mod checkpoint;
 pub mod data;
 pub mod device_check;

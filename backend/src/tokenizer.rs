@@ -30,6 +30,8 @@ pub struct HfTokenizer {
     pub pad: u32,
     /// Masked LM's mask token.
     pub mask: Option<u32>,
+    /// The chat template (`crate::chat`), or why it could not be read.
+    chat: Result<Option<crate::chat::ChatTemplate>, String>,
 }
 
 impl TextTokenizer {
@@ -121,7 +123,30 @@ impl HfTokenizer {
             eos,
             pad,
             mask,
+            chat: crate::chat::ChatTemplate::load(dir),
         })
+    }
+
+    /// The ids of `text` without the post-processor's special tokens (a rendered chat
+    /// template has its own, as `apply_chat_template` tokenizes it).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tok
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// The chat template conversations are rendered with.
+    pub fn chat(&self) -> Result<&crate::chat::ChatTemplate, String> {
+        match &self.chat {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => Err(format!(
+                "holds conversations, but the tokenizer `{}` has no chat template (`chat_template` in \
+                 tokenizer_config.json, or chat_template.jinja)",
+                self.path.display()
+            )),
+            Err(e) => Err(format!("the tokenizer's chat template: {e}")),
+        }
     }
 
     /// The ids of `text` with the post-processor's special tokens.
@@ -224,33 +249,35 @@ mod tests {
         check_causal("llama");
     }
 
-    /// Prompt-completion examples as TRL's `SFTTrainer` prepares them
+    /// Supervised fine-tuning examples as TRL's `SFTTrainer` prepares them
     /// (`tools/hf_fixtures/sft_reference.py`): the same ids and the same scored labels,
-    /// cut to 32 tokens, the examples with no completion token within them dropped.
+    /// cut to the reference's length, the examples with no scored token within it
+    /// dropped. Text prompt-completion; conversations through the fixture's
+    /// `chat_template.jinja` (every token scored); conversational prompt-completion.
     #[test]
-    fn prompt_completion_examples_tokenize_as_trl() {
+    fn supervised_examples_tokenize_as_trl() {
         let dir = fixture("llama");
         let tok = TextTokenizer::from_dir(Some(&dir), 1 << 20).unwrap();
-        let path = dir.join("sft.jsonl");
-        let pairs = crate::data::files::read_completions(&path).unwrap();
-        let (examples, _) =
-            crate::data::files::scored_completions(&path, &pairs, &tok, 1 << 20, 32).unwrap();
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("sft_reference.json")).unwrap())
-                .unwrap();
-        let ids: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
-        let labels: Vec<Vec<i64>> = serde_json::from_value(r["labels"].clone()).unwrap();
-        assert!(
-            pairs.len() > examples.len(),
-            "the reference drops an example"
-        );
-        assert_eq!(examples.len(), ids.len());
-        for ((e, want), labels) in examples.iter().zip(&ids).zip(&labels) {
-            let got = &e.ids[..e.ids.len().min(32)];
-            assert_eq!(got, want.as_slice());
-            let scored: Vec<bool> = (0..got.len()).map(|p| p >= e.prompt).collect();
-            let want: Vec<bool> = labels.iter().map(|&l| l != -100).collect();
-            assert_eq!(scored, want, "{want:?}");
+        for name in ["sft", "sft_chat", "sft_chat_prompt"] {
+            let path = dir.join(format!("{name}.jsonl"));
+            let r: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join(format!("{name}_reference.json"))).unwrap(),
+            )
+            .unwrap();
+            let seq = r["seq_len"].as_u64().unwrap() as usize;
+            let read = crate::data::files::read_completions(&path).unwrap();
+            let (examples, _) =
+                crate::data::files::scored_completions(&path, &read, &tok, 1 << 20, seq).unwrap();
+            let ids: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
+            let labels: Vec<Vec<i64>> = serde_json::from_value(r["labels"].clone()).unwrap();
+            assert_eq!(examples.len(), ids.len(), "{name}");
+            for ((e, want), labels) in examples.iter().zip(&ids).zip(&labels) {
+                let got = &e.ids[..e.ids.len().min(seq)];
+                assert_eq!(got, want.as_slice(), "{name}");
+                let scored: Vec<bool> = (0..got.len()).map(|p| p >= e.prompt).collect();
+                let want: Vec<bool> = labels.iter().map(|&l| l != -100).collect();
+                assert_eq!(scored, want, "{name}");
+            }
         }
     }
 

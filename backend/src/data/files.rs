@@ -138,18 +138,64 @@ pub fn read_texts(path: &Path) -> Result<Vec<String>, RunError> {
         .collect()
 }
 
-/// Does the file hold prompt-completion examples? Its first object says.
+/// Does the file hold supervised fine-tuning examples (a `"prompt"` or `"messages"`)?
+/// Its first object says.
 pub fn is_completions(path: &Path) -> Result<bool, RunError> {
-    Ok(objects(path)?[0].1.contains_key("prompt"))
+    let first = &objects(path)?[0].1;
+    Ok(first.contains_key("prompt") || first.contains_key("messages"))
 }
 
-/// The `(prompt, completion)` pairs of a prompt-completion JSONL file.
-pub fn read_completions(path: &Path) -> Result<Vec<(String, String)>, RunError> {
-    objects(path)?
-        .into_iter()
+/// One supervised fine-tuning example, as TRL's dataset formats give it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SftExample {
+    /// `{"prompt": "…", "completion": "…"}`.
+    Text { prompt: String, completion: String },
+    /// Messages rendered by the chat template: `{"prompt": [..], "completion": [..]}`
+    /// (the loss on the completion's messages), or `{"messages": [..]}` (`prompt`
+    /// empty: the loss on the whole conversation, as TRL's default).
+    Chat {
+        prompt: Vec<serde_json::Value>,
+        completion: Vec<serde_json::Value>,
+    },
+}
+
+/// A list of message objects (`{"role": …, "content": …}`).
+fn messages(path: &Path, n: usize, o: &Obj, key: &str) -> Result<Vec<serde_json::Value>, RunError> {
+    match o.get(key) {
+        Some(serde_json::Value::Array(a)) if a.iter().all(|m| m.get("role").is_some()) => {
+            Ok(a.clone())
+        }
+        _ => Err(data_err(
+            path,
+            format!(
+                "line {n}: \"{key}\" must be a list of messages {{\"role\": …, \"content\": …}}"
+            ),
+        )),
+    }
+}
+
+/// The examples of a supervised fine-tuning JSONL file, each in the format of the first.
+pub fn read_completions(path: &Path) -> Result<Vec<SftExample>, RunError> {
+    let all = objects(path)?;
+    let first = &all[0].1;
+    let chat = first.contains_key("messages") || first.get("prompt").is_some_and(|p| p.is_array());
+    all.iter()
         .map(|(n, o)| {
+            let n = *n;
+            if first.contains_key("messages") {
+                return Ok(SftExample::Chat {
+                    prompt: Vec::new(),
+                    completion: messages(path, n, o, "messages")?,
+                });
+            }
+            if chat {
+                return Ok(SftExample::Chat {
+                    prompt: messages(path, n, o, "prompt")?,
+                    completion: messages(path, n, o, "completion")?,
+                });
+            }
             let get = |key: &str| {
-                string(path, n, &o, key)?.ok_or_else(|| {
+                string(path, n, o, key)?.ok_or_else(|| {
                     data_err(
                         path,
                         format!(
@@ -159,30 +205,76 @@ pub fn read_completions(path: &Path) -> Result<Vec<(String, String)>, RunError> 
                     )
                 })
             };
-            Ok((get("prompt")?, get("completion")?))
+            Ok(SftExample::Text {
+                prompt: get("prompt")?,
+                completion: get("completion")?,
+            })
         })
         .collect()
 }
 
-/// Prompt-completion examples tokenized as TRL's `SFTTrainer` (1.x) tokenizes them: the
-/// prompt and the completion as one text (so the tokens at the seam are those of the
-/// whole), EOS appended unless the ids already end with it, and the completion starting
-/// where the ids of the prompt alone (post-processor applied, BOS included) and of the
-/// whole first differ. Byte tokens: the bytes, `\n` as EOS.
+/// Supervised fine-tuning examples tokenized as TRL's `SFTTrainer` (1.x) tokenizes them.
+/// Text: the prompt and the completion as one text (so the tokens at the seam are
+/// those of the whole), EOS appended unless the ids already end with it, with the
+/// post-processor's special tokens. Messages: rendered by the tokenizer's chat template
+/// (the prompt alone with the assistant's turn opened) and tokenized without special
+/// tokens, as `apply_chat_template` does; no EOS added. Either way the completion
+/// starts where the ids of the prompt alone and of the whole first differ. Byte tokens:
+/// the bytes, `\n` as EOS.
 pub fn encode_completions(
     path: &Path,
-    pairs: &[(String, String)],
+    examples: &[SftExample],
     tok: &TextTokenizer,
     vocab: u64,
 ) -> Result<(Vec<super::Completion>, u32), RunError> {
-    let mut texts: Vec<String> = Vec::with_capacity(2 * pairs.len());
-    for (prompt, completion) in pairs {
+    if let Some(SftExample::Chat { .. }) = examples.first() {
+        let TextTokenizer::Hf(t) = tok else {
+            return Err(data_err(
+                path,
+                "holds conversations, which need the checkpoint's tokenizer and its chat template (no tokenizer.json here)",
+            ));
+        };
+        let template = t.chat().map_err(|e| data_err(path, e))?;
+        let encode = |text: &str| {
+            t.encode_plain(text)
+                .map_err(|e| data_err(path, format!("cannot tokenize: {e}")))
+        };
+        let out = examples
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let SftExample::Chat { prompt, completion } = e else {
+                    unreachable!("one format per file")
+                };
+                let render = |m: &[serde_json::Value], open: bool| {
+                    template
+                        .render(&serde_json::Value::Array(m.to_vec()), open)
+                        .map_err(|e| data_err(path, format!("example {}: {e}", i + 1)))
+                };
+                let whole: Vec<serde_json::Value> =
+                    prompt.iter().chain(completion).cloned().collect();
+                let ids = encode(&render(&whole, false)?)?;
+                let prompt = if prompt.is_empty() {
+                    0
+                } else {
+                    common_prefix(&encode(&render(prompt, true)?)?, &ids)
+                };
+                Ok(super::Completion { ids, prompt })
+            })
+            .collect::<Result<Vec<_>, RunError>>()?;
+        return Ok((out, t.pad));
+    }
+    let mut texts: Vec<String> = Vec::with_capacity(2 * examples.len());
+    for e in examples {
+        let SftExample::Text { prompt, completion } = e else {
+            unreachable!("one format per file")
+        };
         texts.push(prompt.clone());
         texts.push(format!("{prompt}{completion}"));
     }
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let enc = encode(path, &refs, tok, vocab)?;
-    let examples = enc
+    let out = enc
         .ids
         .chunks_exact(2)
         .map(|c| {
@@ -192,11 +284,17 @@ pub fn encode_completions(
             }
             // Merges across the seam make the prompt's ids no prefix of the whole's: the
             // completion starts where they part (TRL's `common_prefix_length`).
-            let prompt = c[0].iter().zip(&ids).take_while(|(a, b)| a == b).count();
-            super::Completion { prompt, ids }
+            super::Completion {
+                prompt: common_prefix(&c[0], &ids),
+                ids,
+            }
         })
         .collect();
-    Ok((examples, enc.pad))
+    Ok((out, enc.pad))
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// [`encode_completions`] without the examples whose first `seq` tokens hold no
@@ -204,7 +302,7 @@ pub fn encode_completions(
 /// fully masked examples"); an error when none is left.
 pub fn scored_completions(
     path: &Path,
-    pairs: &[(String, String)],
+    pairs: &[SftExample],
     tok: &TextTokenizer,
     vocab: u64,
     seq: usize,
