@@ -257,17 +257,7 @@ pub fn evaluate<B: ExecBackend>(
                 let mut targets = Vec::with_capacity(rows * s);
                 let mut weights = Vec::with_capacity(rows * s);
                 for e in chunk {
-                    let len = e.ids.len().min(s);
-                    for p in 0..s {
-                        inputs.push(if p < len { e.ids[p] } else { *pad } as i64);
-                        let next = p + 1;
-                        targets.push(if next < len { e.ids[next] } else { *pad } as i64);
-                        weights.push(if next < len && next >= e.prompt {
-                            1.0f32
-                        } else {
-                            0.0
-                        });
-                    }
+                    e.row(s, *pad, &mut inputs, &mut targets, &mut weights);
                 }
                 let n = chunk.iter().map(|e| e.scored(s)).sum::<usize>();
                 if n == 0 {

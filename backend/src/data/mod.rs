@@ -112,6 +112,30 @@ impl Completion {
     pub fn scored(&self, seq: usize) -> usize {
         self.ids.len().min(seq).saturating_sub(self.prompt.max(1))
     }
+
+    /// The example as one row of `seq` positions, appended to a batch: cut to `seq`
+    /// tokens (TRL's `max_length`) and right-padded with `pad`; the target of position
+    /// `p` is token `p + 1`, weighted 1 where that token is the completion's.
+    pub fn row(
+        &self,
+        seq: usize,
+        pad: u32,
+        inputs: &mut Vec<i64>,
+        targets: &mut Vec<i64>,
+        weights: &mut Vec<f32>,
+    ) {
+        let len = self.ids.len().min(seq);
+        let at = |p: usize| if p < len { self.ids[p] } else { pad } as i64;
+        for p in 0..seq {
+            inputs.push(at(p));
+            targets.push(at(p + 1));
+            weights.push(if p + 1 < len && p + 1 >= self.prompt {
+                1.0
+            } else {
+                0.0
+            });
+        }
+    }
 }
 
 /// Tokens one training row reads: causal LM predicts `seq` next tokens
@@ -454,10 +478,9 @@ impl Batcher {
         &examples[order::example(position, examples.len() as u64, self.seed)]
     }
 
-    /// Prompt-completion rows: each example cut to `seq` tokens (TRL's `max_length`) and
-    /// right-padded; the target of position `p` is token `p + 1`, weighted 1 where that
-    /// token is the completion's (EOS included). Padding needs no mask: causal attention
-    /// never shows a real position the pads after it. Returns the targets and weights.
+    /// Prompt-completion rows (`Completion::row`). Padding needs no mask: causal
+    /// attention never shows a real position the pads after it. Returns the targets and
+    /// weights.
     fn completions(&self, step: u64, micro: u64, inputs: &mut Vec<i64>) -> (Vec<i64>, Vec<f32>) {
         let Source::Completions { pad, .. } = &self.source else {
             unreachable!("called for prompt-completion files only")
@@ -466,15 +489,13 @@ impl Batcher {
         let (mut targets, mut weights) =
             (Vec::with_capacity(rows * s), Vec::with_capacity(rows * s));
         for i in 0..rows {
-            let e = self.completion(self.position(step, micro, i));
-            let len = e.ids.len().min(s);
-            for p in 0..s {
-                inputs.push(e.ids.get(p).filter(|_| p < len).map_or(*pad, |&t| t) as i64);
-                let next = p + 1;
-                let scored = next < len && next >= e.prompt;
-                targets.push(if next < len { e.ids[next] } else { *pad } as i64);
-                weights.push(if scored { 1.0 } else { 0.0 });
-            }
+            self.completion(self.position(step, micro, i)).row(
+                s,
+                *pad,
+                inputs,
+                &mut targets,
+                &mut weights,
+            );
         }
         (targets, weights)
     }
