@@ -334,6 +334,26 @@ fn conversations_are_rendered_by_the_chat_template() {
         );
         assert_eq!(v["examples"].as_u64(), Some(examples), "{name}");
     }
+    // Training on the conversations: every token of each scored, the loss finite.
+    let data = "tests/fixtures/hf/llama/sft_chat.jsonl";
+    let out = rcoa(&[
+        "run", plan, "--data", data, "--steps", "3", "--format", "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines = json_lines(&out);
+    assert!(
+        lines[0]["data"]
+            .as_str()
+            .unwrap()
+            .contains("3 conversations"),
+        "{}",
+        lines[0]
+    );
+    let losses = step_losses(&lines);
+    assert!(
+        losses.len() == 3 && losses.iter().all(|l| l.is_finite()),
+        "{losses:?}"
+    );
     // Conversations need a chat template: the tiny plan has byte tokens only.
     let dir = std::env::temp_dir().join(format!("rcoa-cli-chat-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -521,10 +521,16 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
                 ),
             ));
         }
+        let kind = match pairs.first() {
+            Some(SftExample::Chat { prompt, .. }) if prompt.is_empty() => "conversations",
+            Some(SftExample::Chat { .. }) => "conversational prompt-completion examples",
+            _ => "prompt-completion examples",
+        };
         return Ok(Source::Completions {
             examples,
             pad,
             name,
+            kind,
         });
     }
     let texts = read_texts(path)?;

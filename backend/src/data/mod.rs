@@ -96,6 +96,9 @@ pub enum Source {
         examples: Vec<Completion>,
         pad: u32,
         name: String,
+        /// What the file holds, for messages: "prompt-completion examples",
+        /// "conversations".
+        kind: &'static str,
     },
 }
 
@@ -168,9 +171,12 @@ impl Source {
             Source::Packed { tokens, name, docs } => {
                 format!("{name} ({docs} documents, {} tokens packed)", tokens.len())
             }
-            Source::Completions { examples, name, .. } => {
-                format!("{name} ({} prompt-completion examples)", examples.len())
-            }
+            Source::Completions {
+                examples,
+                name,
+                kind,
+                ..
+            } => format!("{name} ({} {kind})", examples.len()),
             Source::Pairs { examples, name, .. } => {
                 let rows = examples.first().map_or(0, Vec::len);
                 if rows == 2 {
