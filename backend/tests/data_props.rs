@@ -58,9 +58,9 @@ proptest! {
         let path = dir.join("d.jsonl");
         let text: Vec<&str> = lines.iter().map(|&i| LINES[i]).collect();
         std::fs::write(&path, text.join("\n")).unwrap();
+        // Contrastive in-batch pairs: two rows an example.
         let rows = if loss == Loss::Contrastive { 2 * micro } else { micro };
-        let examples = if loss == Loss::Contrastive { micro } else { micro };
-        match Source::from_file(&path, &spec(loss, seq, vocab, examples), &TextTokenizer::Bytes) {
+        match Source::from_file(&path, &spec(loss, seq, vocab, micro), &TextTokenizer::Bytes) {
             Err(e) => {
                 let m = e.to_string();
                 prop_assert!(m.contains("d.jsonl"), "{m}");
