@@ -81,6 +81,11 @@ impl Identity {
         if let Some(r) = m.numerics.rotary_dims {
             put("model.rotary_dims", r.to_string());
         }
+        // The row the lookup gives no gradient: resumed under another, that row's
+        // training would change in silence.
+        if let Some(p) = m.numerics.padding_idx {
+            put("model.padding_idx", p.to_string());
+        }
         // Contrastive training builds no vocabulary head.
         put(
             "model.lm_head",
@@ -304,7 +309,8 @@ mod tests {
         );
     }
 
-    /// Biases, q/k norms, RoPE's rescaling and rotated share are the model's too (a `bias = qkv`
+    /// Biases, q/k norms, RoPE's rescaling and rotated share, the pad token's row are the
+    /// model's too (a `bias = qkv`
     /// checkpoint resumed without them would drop its biases in silence); a plan that
     /// writes its family's biases is the same model as one that does not.
     #[test]
@@ -325,11 +331,14 @@ mod tests {
         rope.model.numerics.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
         let mut partial = plan.clone();
         partial.model.numerics.rotary_dims = Some(partial.model.head_dim / 2);
+        let mut padded = plan.clone();
+        padded.model.numerics.padding_idx = Some(0);
         for (other, key) in [
             (qkv, "bias qkv"),
             (qk, "qk_norm true"),
             (rope, "rope_scaling Linear"),
             (partial, "rotary_dims"),
+            (padded, "padding_idx"),
         ] {
             let e = Identity::of(&other, &fp32())
                 .check(&state, dir)
