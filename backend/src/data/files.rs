@@ -1,7 +1,8 @@
 //! Data files: plain text (a token stream), JSONL documents `{"text": …}`
-//! (causal and masked LM, packed), JSONL prompt-completion examples
-//! `{"prompt": …, "completion": …}` (causal LM, the loss on the completion), and
-//! JSONL pairs or groups
+//! (causal and masked LM, packed), JSONL supervised fine-tuning examples in TRL's
+//! formats — `{"prompt": …, "completion": …}` text, `{"messages": [..]}` conversations
+//! and conversational prompt-completion, rendered by the chat template (`crate::chat`)
+//! — (causal LM, the loss on the completion), and JSONL pairs or groups
 //! `{"query", "positive"}` / `{"query", "positives": [..], "negatives": [..]}`
 //! (contrastive). A file is JSONL when its name ends in `.jsonl` or
 //! `.ndjson`. Every problem is a `RunError::Data` that names the file and,

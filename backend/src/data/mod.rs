@@ -11,9 +11,10 @@
 //! model's vocabulary holds all 256 bytes, otherwise by a character table
 //! built from the bytes the file uses.
 //!
-//! Supervised fine-tuning files (`{"prompt": …, "completion": …}`, TRL's
-//! prompt-completion format) train one example per row, right-padded, with the
-//! loss on the completion's tokens only, normalised over every completion token of
+//! Supervised fine-tuning files (TRL's formats: `{"prompt": …, "completion": …}`,
+//! `{"messages": [..]}`, conversational prompt-completion) train one example per row,
+//! right-padded, with the loss on the completion's tokens only (every token of a
+//! conversation), normalised over every completion token of
 //! the step (all micro-batches and ranks), as `transformers`' Trainer does since it
 //! counts `num_items_in_batch`.
 
