@@ -61,6 +61,8 @@ fn a_lora_run_saves_peft_files_and_refuses_to_resume_under_another_adapter() {
         "adapter_config.json",
         "adapter_model.safetensors",
         "tokenizer.json",
+        // The fixture's chat template goes with the tokenizer.
+        "chat_template.jinja",
         "state.json",
     ] {
         assert!(ckpt.join(f).is_file(), "{f} missing");

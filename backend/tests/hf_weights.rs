@@ -428,6 +428,8 @@ fn a_full_fine_tune_saves_the_hf_layout_beside_its_state() {
     for f in [
         "config.json",
         "tokenizer.json",
+        // The fixture's chat template goes with the tokenizer.
+        "chat_template.jinja",
         "model.safetensors",
         "state.json",
     ] {

@@ -63,7 +63,7 @@ CASES = [
     ("mistral-window-full", "mistral-window", "causal_lm", None, []),
 ]
 # Files a recorded save keeps (rcoa's own record and state stay out).
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "special_tokens_map.json", "adapter_config.json", "adapter_model.safetensors",
             "model.safetensors", "model.safetensors.index.json")
 

@@ -26,13 +26,15 @@ use rcoa_compiler::spec::ModelSpec;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Files of the source checkpoint a full (or merged) save carries over.
+/// Files of the source checkpoint a full (or merged) save carries over
+/// (`chat_template.jinja`: where transformers 5 keeps the chat template).
 const MODEL_SIDE_FILES: &[&str] = &[
     "config.json",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 ];
 
 /// Those an adapter save carries over (its base has the config).
@@ -40,6 +42,7 @@ const ADAPTER_SIDE_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 ];
 
 /// How `--save` writes Hugging Face weights (`rcoa run --merge-lora
