@@ -31,16 +31,13 @@ const SPECIAL: [&str; 6] = [
 ];
 
 impl ChatTemplate {
-    /// The template of the tokenizer in `dir`, if it has one; `Err` for a file that
-    /// names one unreadably.
-    pub fn load(dir: &Path) -> Result<Option<ChatTemplate>, String> {
-        let config: serde_json::Value =
-            match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
-                Ok(t) => serde_json::from_str(&t).map_err(|e| {
-                    format!("`{}`: {e}", dir.join("tokenizer_config.json").display())
-                })?,
-                Err(_) => serde_json::Value::Null,
-            };
+    /// The template of the tokenizer in `dir`, whose `tokenizer_config.json` is `config`
+    /// (`Null` without one), if it has one; `Err` for one that cannot be used.
+    pub fn load(dir: &Path, config: &serde_json::Value) -> Result<Option<ChatTemplate>, String> {
+        let path = dir.join("tokenizer_config.json");
+        if config.is_null() && path.is_file() {
+            return Err(format!("`{}` is not a JSON object", path.display()));
+        }
         let jinja = dir.join("chat_template.jinja");
         let source = if jinja.is_file() {
             std::fs::read_to_string(&jinja).map_err(|e| format!("`{}`: {e}", jinja.display()))?
@@ -87,13 +84,8 @@ impl ChatTemplate {
         }
     }
 
-    /// `messages` (a JSON list of `{"role", "content", ...}`) rendered to text;
-    /// `add_generation_prompt` opens the assistant's turn, as for a prompt.
-    pub fn render(
-        &self,
-        messages: &serde_json::Value,
-        add_generation_prompt: bool,
-    ) -> Result<String, String> {
+    /// The template compiled once, for rendering a file's conversations.
+    pub fn renderer(&self) -> Result<Renderer<'_>, String> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -103,9 +95,29 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", tojson);
-        let template = env
-            .template_from_str(&self.source)
+        env.add_template("chat", &self.source)
             .map_err(|e| format!("the chat template does not parse: {e}"))?;
+        Ok(Renderer {
+            env,
+            tokens: &self.tokens,
+        })
+    }
+}
+
+/// A [`ChatTemplate`] compiled.
+pub struct Renderer<'a> {
+    env: Environment<'a>,
+    tokens: &'a [(&'static str, String)],
+}
+
+impl Renderer<'_> {
+    /// `messages` (a JSON list of `{"role", "content", ...}`) rendered to text;
+    /// `add_generation_prompt` opens the assistant's turn, as for a prompt.
+    pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let mut ctx: std::collections::BTreeMap<&str, Value> = self
             .tokens
             .iter()
@@ -113,8 +125,9 @@ impl ChatTemplate {
             .collect();
         ctx.insert("messages", Value::from_serialize(messages));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
-        template
-            .render(ctx)
+        self.env
+            .get_template("chat")
+            .and_then(|t| t.render(ctx))
             .map_err(|e| format!("the chat template failed: {e}"))
     }
 }
@@ -252,6 +265,7 @@ mod tests {
                 .into(),
             tokens: vec![("bos_token", "<s>".into())],
         };
+        let t = t.renderer().unwrap();
         let text = t.render(&messages(), false).unwrap();
         assert_eq!(
             text,
@@ -266,7 +280,7 @@ mod tests {
             "{{ messages[1].content.strip().upper() }}|{{ messages[0].get('name', 'x') }}|{{ {'a': [1, 'b']} | tojson }}",
         );
         assert_eq!(
-            py.render(&messages(), false).unwrap(),
+            py.renderer().unwrap().render(&messages(), false).unwrap(),
             "HI THERE|x|{\"a\": [1, \"b\"]}"
         );
     }
@@ -274,11 +288,16 @@ mod tests {
     #[test]
     fn template_errors_are_messages() {
         let t = ChatTemplate::from_source("{{ raise_exception('roles must alternate') }}");
-        let e = t.render(&messages(), false).unwrap_err();
-        assert!(e.contains("roles must alternate"), "{e}");
-        let e = ChatTemplate::from_source("{% for m in messages %}")
+        let e = t
+            .renderer()
+            .unwrap()
             .render(&messages(), false)
             .unwrap_err();
+        assert!(e.contains("roles must alternate"), "{e}");
+        let e = ChatTemplate::from_source("{% for m in messages %}")
+            .renderer()
+            .err()
+            .unwrap();
         assert!(e.contains("does not parse"), "{e}");
         let d = strftime_now("%d %b %Y");
         assert!(

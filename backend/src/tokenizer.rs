@@ -123,7 +123,7 @@ impl HfTokenizer {
             eos,
             pad,
             mask,
-            chat: crate::chat::ChatTemplate::load(dir),
+            chat: crate::chat::ChatTemplate::load(dir, &tcfg),
         })
     }
 

@@ -140,10 +140,24 @@ pub fn read_texts(path: &Path) -> Result<Vec<String>, RunError> {
 }
 
 /// Does the file hold supervised fine-tuning examples (a `"prompt"` or `"messages"`)?
-/// Its first object says.
+/// Its first object says: only the first non-blank line is read, so a file of documents
+/// is not parsed twice. A line that is no JSON object answers no, and the reader of
+/// documents reports it.
 pub fn is_completions(path: &Path) -> Result<bool, RunError> {
-    let first = &objects(path)?[0].1;
-    Ok(first.contains_key("prompt") || first.contains_key("messages"))
+    use std::io::BufRead;
+    let file = std::fs::File::open(path)
+        .map_err(|e| RunError::Data(format!("cannot read `{}`: {e}", path.display())))?;
+    for line in std::io::BufReader::new(file).lines() {
+        let Ok(line) = line else {
+            return Ok(false);
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let first: Option<Obj> = serde_json::from_str(&line).ok();
+        return Ok(first.is_some_and(|o| o.contains_key("prompt") || o.contains_key("messages")));
+    }
+    Ok(false)
 }
 
 /// One supervised fine-tuning example, as TRL's dataset formats give it.
@@ -179,11 +193,12 @@ fn messages(path: &Path, n: usize, o: &Obj, key: &str) -> Result<Vec<serde_json:
 pub fn read_completions(path: &Path) -> Result<Vec<SftExample>, RunError> {
     let all = objects(path)?;
     let first = &all[0].1;
-    let chat = first.contains_key("messages") || first.get("prompt").is_some_and(|p| p.is_array());
+    let conversations = first.contains_key("messages");
+    let chat = conversations || first.get("prompt").is_some_and(|p| p.is_array());
     all.iter()
         .map(|(n, o)| {
             let n = *n;
-            if first.contains_key("messages") {
+            if conversations {
                 return Ok(SftExample::Chat {
                     prompt: Vec::new(),
                     completion: messages(path, n, o, "messages")?,
@@ -235,7 +250,10 @@ pub fn encode_completions(
                 "holds conversations, which need the checkpoint's tokenizer and its chat template (no tokenizer.json here)",
             ));
         };
-        let template = t.chat().map_err(|e| data_err(path, e))?;
+        let template = t
+            .chat()
+            .and_then(|c| c.renderer())
+            .map_err(|e| data_err(path, e))?;
         let encode = |text: &str| {
             t.encode_plain(text)
                 .map_err(|e| data_err(path, format!("cannot tokenize: {e}")))
