@@ -303,7 +303,7 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
 /// inside `rope_parameters`, and reads an old `rope_scaling` first.
 fn rope(c: &Config<'_>, n: &mut Numerics, head_dim: u64) -> Result<(), HfDetail> {
     n.rope_theta = c.float("rope_theta")?.unwrap_or(10000.0);
-    let mut partial = partial_rotary(c)?;
+    let mut partial = c.float("partial_rotary_factor")?;
     let mut params = None;
     for key in ["rope_scaling", "rope_parameters"] {
         match c.obj.get(key) {
@@ -331,7 +331,7 @@ fn rope(c: &Config<'_>, n: &mut Numerics, head_dim: u64) -> Result<(), HfDetail>
             n.rope_theta = t;
         }
         // `standardize_rope_params` moves the top-level factor in only where none is inside.
-        if let Some(f) = partial_rotary(p)? {
+        if let Some(f) = p.float("partial_rotary_factor")? {
             partial = Some(f);
         }
     }
@@ -444,11 +444,6 @@ fn rope(c: &Config<'_>, n: &mut Numerics, head_dim: u64) -> Result<(), HfDetail>
         }),
     };
     Ok(())
-}
-
-/// `partial_rotary_factor` where the config writes one.
-fn partial_rotary(c: &Config<'_>) -> Result<Option<f64>, HfDetail> {
-    c.float("partial_rotary_factor")
 }
 
 /// How many of a head's values RoPE rotates: `int(head_dim * factor)`, as transformers,
