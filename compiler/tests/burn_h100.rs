@@ -92,6 +92,36 @@ const MEASURED_H200: &[(&str, &str)] = &[
         "mistral7b_qlora_burn.plan",
         "2026-11-27/call2/mistral7b_qlora_burn.jsonl",
     ),
+    // The techniques of 2026-11-30h's second call (`gpu_techniques_call.sh`), ten processes
+    // at once, cold: fp16 with loss scaling beside its bf16 plan, Qwen's layers, the 1B step
+    // in the backward and after it, Adafactor and Adam-mini over bf16 weights with an fp32
+    // master. The last four peak after the optimizer step, which the executor samples once
+    // its temporaries are gone (`memory::evaluate`).
+    ("llama125m_fp16.plan", "2026-11-30h/techniques/fp16.jsonl"),
+    (
+        "llama125m_base.plan",
+        "2026-11-30h/techniques/bf16-base.jsonl",
+    ),
+    (
+        "llama125m_qk_norm_qkv_bias.plan",
+        "2026-11-30h/techniques/qwen-layers.jsonl",
+    ),
+    (
+        "llama1b_in_backward.plan",
+        "2026-11-30h/techniques/in-backward.jsonl",
+    ),
+    (
+        "h100-results/2026-11-30h/llama1b_after_backward.plan",
+        "2026-11-30h/techniques/after-backward.jsonl",
+    ),
+    (
+        "llama125m_adafactor.plan",
+        "2026-11-30h/techniques/adafactor.jsonl",
+    ),
+    (
+        "llama125m_adam_mini.plan",
+        "2026-11-30h/techniques/adam-mini.jsonl",
+    ),
 ];
 
 fn json_lines(file: &str) -> Vec<serde_json::Value> {
@@ -220,13 +250,21 @@ const MEASURED_COMPACT: &[(&str, &str)] = &[
     // H200, warm cache, then cold with compact as the default (docs/burn-h100.md,
     // "2026-11-28f"): the same bytes reserved.
     ("speed350m_flash.plan", "2026-11-28f/pool-compact.jsonl"),
-    // Measured while the executor still copied the flash output before the output
-    // projection and kept the copy: one `[tokens, 1024]` bf16 tensor a layer (384 MiB) that
-    // the prediction no longer charges, so this row reads +2.5% until it is measured again
-    // (docs/burn-h100.md, "RoPE without slices").
+    // H200, 2026-11-30h: cold (the block kernels), then warm with the register kernels
+    // (`RCOA_FLASH_REGISTERS`), and the 1.24B decoder at seq 2048 (speed.py's `1b`), warm
+    // but for its 83 new kernels. (2026-11-28f's cold row, measured while the executor kept
+    // a copy of the flash output, read +2.5 %: this run measured the prediction within 0.01 %.)
     (
         "speed350m_flash.plan",
-        "2026-11-28f/call2/speed-350m-rcoa.jsonl",
+        "2026-11-30h/call0/speed-cold/speed-350m-rcoa.jsonl",
+    ),
+    (
+        "speed350m_flash.plan",
+        "2026-11-30h/speed-registers/speed-350m-rcoa.jsonl",
+    ),
+    (
+        "h100-results/2026-11-30h/speed-1b/speed-1b.plan",
+        "2026-11-30h/speed-1b/speed-1b-rcoa.jsonl",
     ),
     // H200, cold, beside the flash tests (issue 12's 8-bit Adam on its own): gpu_jobs.sh's
     // line for it, which is all of that run that came back (its summary's fields).

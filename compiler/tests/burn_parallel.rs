@@ -331,8 +331,7 @@ fn burn_per_parameter_optimizers_stay_unsharded_and_on_the_device() {
 /// The optimizer step in the backward under `target burn` (`backend/src/in_backward.rs`):
 /// the optimizer on the device (the search drops optimizer, parameter and gradient offload;
 /// a plan that requires them is refused), ZeRO 0 over data-parallel ranks, no fp16; and it
-/// holds less than the step after the backward, which holds every gradient (and, with a
-/// master, their fp32 casts) at once.
+/// holds less than the step after the backward, which holds every gradient at once.
 #[test]
 fn burn_steps_in_the_backward_with_the_optimizer_on_the_device() {
     let plan = |gpus: u64, precision: &str, fit: &str, in_backward: bool| {
@@ -361,8 +360,10 @@ fn burn_steps_in_the_backward_with_the_optimizer_on_the_device() {
         after.lowered.prediction.peak_bytes,
         during.lowered.prediction.peak_bytes,
     );
-    // The bf16 gradients and their fp32 casts of 1.24 B values, less what a unit keeps.
-    assert!(a > d + (4 << 30), "{a} vs {d}");
+    // The bf16 gradients of 1.24 B values (2.47 GB), less what a unit keeps. (The fp32
+    // casts the step makes of them, one parameter at a time, are gone when the executor
+    // samples after the step: 2026-11-30h on an H200, `burn_h100.rs`.)
+    assert!(a > d + (2 << 30), "{a} vs {d}");
 
     let e = |r: Result<_, rcoa_compiler::CompileError>| match r {
         Err(e) => e.to_string(),

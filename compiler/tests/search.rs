@@ -356,17 +356,17 @@ fn one_gpu_plans_get_exactly_the_single_gpu_models() {
 }
 
 /// Nothing fits: the plan reported is the one that asks the least of the budget. On the
-/// Burn executor the reserve holds the allocator's pages, which differ between candidates of
-/// equal peak: Llama-3.2-1B's full fine-tune on a T4 peaks at the optimizer step whatever
-/// is recomputed, and recomputing every layer needs 31.4 GiB where the fewest layers with
-/// that peak need 34.1 GiB (what `rcoa compile` reported as "the smallest plan").
+/// Burn executor the reserve holds the allocator's pages, which follow the highest bytes in
+/// use, transients included, not the sampled peak: Llama-3.2-1B's full fine-tune on a T4 at
+/// seq 512 needs the most where it peaks the least (every layer recomputed: the step's
+/// temporaries over the recompute's factor), and the least with nothing recomputed.
 #[test]
 fn nothing_fits_reports_the_least_need_not_the_least_peak() {
     let s = resolved(
         "model \"llama-3.2-1b\"\n\
          hardware { gpu = t4-16gb }\n\
          precision fp16\n\
-         train { seq_len = 2048  global_batch = 8 }\n\
+         train { seq_len = 512  global_batch = 8 }\n\
          fit { checkpoint = auto }\n",
     );
     let (plan, profile) = space(&s);
@@ -388,20 +388,15 @@ fn nothing_fits_reports_the_least_need_not_the_least_peak() {
         "chosen {bp:?} needs {}; {needs:?}",
         be.need_bytes()
     );
-    // The case the rule is for: equal peaks that need different amounts.
-    assert!(
-        needs
-            .iter()
-            .any(|a| needs.iter().any(|b| a.1 == b.1 && a.2 != b.2)),
-        "{needs:?}"
-    );
+    // The case the rule is for: the least peak is not the least need.
+    let least_peak = needs.iter().min_by_key(|n| n.1).unwrap();
+    assert!(least_peak.2 > least, "{needs:?}");
 }
 
 /// `objective = memory` prefers, among fitting plans, the one that asks the least of the
-/// GPU: peak and reserve, whose pool pages differ between Burn candidates. Llama-3.2-1B on
-/// an H100 peaks at the optimizer step (23.66 GiB) whatever the micro-batch or the
-/// recomputation; the fastest of those equal peaks (four sequences, nothing recomputed)
-/// keeps more pool pages than two sequences with every layer recomputed.
+/// GPU: peak and reserve, whose pool pages follow the highest bytes in use (the optimizer
+/// step's temporaries included), not the sampled peak. Llama-3.2-1B on an H100: some plans
+/// of lower peak than the chosen one need more.
 #[test]
 fn objective_memory_prefers_the_least_need_among_fitting_plans() {
     let s = resolved(
@@ -438,12 +433,11 @@ fn objective_memory_prefers_the_least_need_among_fitting_plans() {
         );
         evals.push(e);
     }
-    // The case the rule is for: a faster plan of no higher peak that needs more.
+    // The case the rule is for: a fitting plan of lower peak that needs more.
     assert!(
-        evals.iter().any(|e| e.fits
-            && e.peak_bytes <= be.peak_bytes
-            && e.step_seconds < be.step_seconds
-            && e.need_bytes() > be.need_bytes()),
+        evals
+            .iter()
+            .any(|e| e.fits && e.peak_bytes < be.peak_bytes && e.need_bytes() > be.need_bytes()),
         "chosen {bp:?} {be:?}"
     );
 }

@@ -191,6 +191,10 @@ pub struct MemoryReport {
     /// Of `reserve_bytes`, the allocator pool's pages beyond the reported peak.
     #[serde(skip_serializing_if = "is_zero")]
     pub reserve_pool_bytes: u64,
+    /// The highest bytes in use at any op, transients inside segments included (what the
+    /// pool term of the reserve covers; `peak_bytes` where the executor is not sampled).
+    #[serde(skip)]
+    pub in_use_max_bytes: u64,
     /// Parameter counts (all, trainable), per model (not per device).
     pub params_total: u64,
     pub params_trainable: u64,
@@ -509,10 +513,11 @@ fn evaluate_stage(
         at[Category::Grads as usize] += x.at_step_end;
         at
     });
+    let mut step_temp = 0;
     if opt_on_gpu && !in_backward {
-        at_opt[Category::Workspace as usize] +=
-            engines::step_temporaries(spec, profile, cand, &opt, &trainable_values)
-                .unwrap_or_else(|| opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 }));
+        step_temp = engines::step_temporaries(spec, profile, cand, &opt, &trainable_values)
+            .unwrap_or_else(|| opt.temp_bytes.div_ceil(if cand.zero >= 1 { dp } else { 1 }));
+        at_opt[Category::Workspace as usize] += step_temp;
     }
     if units && opt_on_gpu == cand.offloads(OffloadWhat::Params) {
         // The updated fp32 shard comes up from the host optimizer into the device weights,
@@ -554,6 +559,14 @@ fn evaluate_stage(
                 .unwrap_or(0);
             at_opt[Category::Workspace as usize] += per_unit;
         }
+    }
+    // An executor that samples between segments samples after the step, when the step's
+    // temporaries are gone: the 16-bit plans of 2026-11-30h on an H200 measured exactly the
+    // step's state without them (Adafactor, Adam-mini, a 1B AdamW: 9.5-12.8 % below a peak
+    // that counted them). They are still the highest bytes in use, which the pool covers.
+    if profile.peak_sampled_at_segments {
+        in_use_max = in_use_max.max(at_opt.iter().sum());
+        at_opt[Category::Workspace as usize] -= step_temp;
     }
     let mut before_setup: Option<tape::Peak> = None;
     // A point outside the walked tape (the optimizer step, the setup build): on the
@@ -623,7 +636,17 @@ fn evaluate_stage(
     } else {
         profile.pool_factor_recompute
     };
-    let mut pool = ((in_use_max as f64 * factor.max(1.0)).ceil() as u64).saturating_sub(peak.bytes);
+    let mut pooled = (in_use_max as f64 * factor.max(1.0)).ceil() as u64;
+    if profile.burn_ops {
+        // The compact pools keep tensors in whole pages (`parallel::compact_pool_page`: 8 MiB
+        // pages up to 1 MiB, 1 GiB pages up to 1 GiB), whose last is partly empty: a page of
+        // the largest tensors' kind above what is in use, which a small plan's factor falls
+        // short of (Adam-mini's 125M plan: 3.10 GiB reserved for 1.94 GiB in use, cold on an
+        // H200, 2026-11-30h).
+        let largest = tape.tensors.iter().map(|t| t.bytes).max().unwrap_or(0);
+        pooled = pooled.max(in_use_max + parallel::compact_pool_page(largest.min(1 << 30)));
+    }
+    let mut pool = pooled.saturating_sub(peak.bytes);
     if let Some(x) = exchange.filter(|_| cand.data > 1) {
         // The exchange comes after the step's other tensors, and its flat vector is the
         // largest tensor of the run: the pool may take a new page for it, and keeps it
@@ -655,6 +678,7 @@ fn evaluate_stage(
         timeline: compress(samples),
         reserve_bytes: reserve,
         reserve_pool_bytes: pool,
+        in_use_max_bytes: in_use_max,
         params_total: total,
         params_trainable: trainable_count,
         step_flops: work.flops,

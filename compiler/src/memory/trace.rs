@@ -269,19 +269,12 @@ mod tests {
             );
             assert!(between_steps[0] > c.report.resident_param_bytes);
             // The highest live bytes are the model's highest bytes in use at any op, which
-            // the pool term of its reserve multiplies: reserve = default + ⌈in use × factor⌉
-            // − the reported peak.
-            let factor = if ckpt == CheckpointChoice::None {
-                c.profile.pool_factor
-            } else {
-                c.profile.pool_factor_recompute
-            };
-            let pool = c.report.reserve_bytes - c.profile.default_reserve_bytes;
-            let in_use = (pool + c.report.peak_bytes) as f64 / factor;
+            // the pool term of its reserve covers.
             assert!(
-                (trace.peak_live as f64 - in_use).abs() <= 1.0,
-                "{ckpt:?}: trace {} against the model's {in_use}",
-                trace.peak_live
+                trace.peak_live == c.report.in_use_max_bytes,
+                "{ckpt:?}: trace {} against the model's {}",
+                trace.peak_live,
+                c.report.in_use_max_bytes
             );
         }
     }
