@@ -396,8 +396,10 @@ impl Profile {
             // backward): 20 TFLOP/s of the products the model counts, 0.020 of the dense
             // bf16 rate (an H100's SMs and clocks are the H200's). The 0.13 above prices
             // them 6.5 times too fast: the 350M flash plan predicted 0.227 s a step against
-            // 0.314 s measured.
-            fused_attention_efficiency: Some(0.020),
+            // 0.314 s measured. Since 2026-11-30h the register kernels run by default: 0.404
+            // ms forward and 1.053 ms backward (one pass) at that shape on an H200, 5.2 times
+            // the block kernels' 1.714 + 6.093 ms above (`docs/flash-attention.md`).
+            fused_attention_efficiency: Some(0.10),
             // The `Rows` kernels on an H200 (2026-11-28f, docs/flash-attention.md): 7.307 ms
             // forward and 20.939 ms backward at the 350M shape, 34.4 GFLOP forward and 3.5
             // times that backward as the model counts them, 5.48 TFLOP/s in all: 0.082 of

@@ -111,24 +111,38 @@ fn one_pass_asked() -> bool {
     *ASKED.get_or_init(|| std::env::var("RCOA_FLASH_ONE_PASS").as_deref() != Ok("0"))
 }
 
-/// Which directions run in FlashAttention-2's register structure (trials:
-/// `forward_registers`, `backward_registers`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which directions run in FlashAttention-2's register structure (`forward_registers`,
+/// `backward_registers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct RegistersAsked {
     forward: bool,
     backward: bool,
 }
 
-/// `RCOA_FLASH_REGISTERS`: `forward`, `backward`, both (`forward,backward`, or `1`). Any
-/// other word is refused once, on stderr, and neither runs.
+impl Default for RegistersAsked {
+    /// Both, wherever they take the launch (`FlashLaunch::register_forward_runs`): their
+    /// CUDA tests passed on an H200 (2026-11-30h), where they ran the 350M shape's
+    /// attention (forward and one-pass backward) in 1.51 ms against the block kernels'
+    /// 3.12 ms (`docs/flash-attention.md`), and the 350M step took 0.168 s against 0.202 s.
+    fn default() -> Self {
+        RegistersAsked {
+            forward: true,
+            backward: true,
+        }
+    }
+}
+
+/// `RCOA_FLASH_REGISTERS`: `forward`, `backward`, both (`forward,backward`, or `1`, the
+/// default), or `0` for neither (the block kernels both ways). Any other word is refused
+/// once, on stderr, and the default runs.
 fn registers_asked() -> RegistersAsked {
     static ASKED: std::sync::OnceLock<RegistersAsked> = std::sync::OnceLock::new();
     *ASKED.get_or_init(|| {
         let value = std::env::var("RCOA_FLASH_REGISTERS").unwrap_or_default();
         parse_registers(&value).unwrap_or_else(|word| {
             eprintln!(
-                "warning: RCOA_FLASH_REGISTERS={value}: `{word}` is not forward, backward or 1; \
-                 the block kernels run"
+                "warning: RCOA_FLASH_REGISTERS={value}: `{word}` is not forward, backward, 1 \
+                 or 0; the register kernels run both ways"
             );
             RegistersAsked::default()
         })
@@ -136,15 +150,25 @@ fn registers_asked() -> RegistersAsked {
 }
 
 fn parse_registers(value: &str) -> Result<RegistersAsked, &str> {
-    let mut asked = RegistersAsked::default();
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(RegistersAsked::default());
+    }
+    if value == "0" {
+        return Ok(RegistersAsked {
+            forward: false,
+            backward: false,
+        });
+    }
+    let mut asked = RegistersAsked {
+        forward: false,
+        backward: false,
+    };
     for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
         match word {
             "forward" => asked.forward = true,
             "backward" => asked.backward = true,
-            "1" => {
-                asked.forward = true;
-                asked.backward = true;
-            }
+            "1" => asked = RegistersAsked::default(),
             _ => return Err(word),
         }
     }
@@ -435,12 +459,13 @@ mod tests {
     use cubecl::ir::{ElemType, FloatKind};
 
     #[test]
-    fn the_register_trials_are_asked_for_by_direction() {
+    fn the_register_kernels_run_both_ways_unless_told_otherwise() {
         let both = RegistersAsked {
             forward: true,
             backward: true,
         };
-        assert_eq!(parse_registers(""), Ok(RegistersAsked::default()));
+        assert_eq!(parse_registers(""), Ok(both));
+        assert_eq!(RegistersAsked::default(), both);
         assert_eq!(parse_registers("1"), Ok(both));
         assert_eq!(parse_registers("forward, backward"), Ok(both));
         assert_eq!(
@@ -451,7 +476,14 @@ mod tests {
             })
         );
         assert_eq!(parse_registers("forward,bwd"), Err("bwd"));
-        assert_eq!(parse_registers("0"), Err("0"));
+        assert_eq!(
+            parse_registers(" 0 "),
+            Ok(RegistersAsked {
+                forward: false,
+                backward: false
+            })
+        );
+        assert_eq!(parse_registers("forward,0"), Err("0"));
     }
 
     fn cfg(head_dim: usize, kind: FloatKind) -> FlashLaunch {

@@ -81,12 +81,12 @@ pub struct FlashLaunch {
     /// second tiles ([`FlashLaunch::register_staging`]). A trial setting.
     pub async_copy: bool,
     /// The forward runs in FlashAttention-2's structure, each warp's scores and output in
-    /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. A
-    /// trial setting.
+    /// registers (`forward_registers`), where [`FlashLaunch::register_forward_runs`]. On by
+    /// default (`RCOA_FLASH_REGISTERS`).
     pub register_forward: bool,
     /// The backward runs in the same structure (`backward_registers`: its key kernel adds
     /// dQ up where [`FlashLaunch::one_pass`], else a query kernel computes it), where
-    /// [`FlashLaunch::register_backward_runs`]. A trial setting.
+    /// [`FlashLaunch::register_backward_runs`]. On by default.
     pub register_backward: bool,
     /// The shared memory a cube may take on the device, in bytes (CUDA's opt-in limit per
     /// block: 227 KiB on an H100, 163 KiB on an A100, 99 KiB on Ada and consumer Ampere).
