@@ -9,11 +9,12 @@
 #  1. The tensor-core flash tests and the block products alone (tests_mma), cuBLAS's
 #     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
 #     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
-#     If they fail, the speed run takes the Rows kernels. Then the trials, which decide
-#     nothing but step 4c: the register kernels (forward_registers, backward_registers) and
-#     the probes under them (manual MMA, ldmatrix), at most 60 s; the same copying blocks
-#     ahead, at most 35 s; the register backward in one pass, at most 45 s; the block
-#     kernels' trial settings (four units a row, 2 x 2 tiles), at most 30 s.
+#     If they fail, the speed run takes the Rows kernels. Then the register kernels
+#     (forward_registers, backward_registers; the default since 2026-11-30h, where steps 3
+#     and 4 run them in the directions whose tests pass) and the probes under them (manual
+#     MMA, ldmatrix), at most 60 s; the same copying blocks ahead, at most 60 s (35 s ran
+#     out compiling on 2026-11-30h); the register backward in one pass, at most 45 s; the
+#     block kernels' trial settings (four units a row, 2 x 2 tiles), at most 30 s.
 #  2. The kernels alone (.rcoa-bin/flash-bench.gz): Rows against tensor cores, whose
 #     backward runs in two passes and in one (dQ added atomically), and the register
 #     kernels (one block at a time, then copied ahead; the backward in two passes, then in
@@ -33,8 +34,8 @@
 #     cache), if step 1's cuBLAS tests passed: tokens/s and the cold start without CubeCL's
 #     matmul kernels to compile. At most 150 s.
 #  4. Where the warm step's time goes (--profile-kernels, 4 steps), CubeCL's matmuls then
-#     cuBLAS's, then (4c) with the register kernels (RCOA_FLASH_REGISTERS) whose tests
-#     passed. At most 40 s each.
+#     cuBLAS's, then (4c) the register kernels copying blocks ahead if those tests passed,
+#     and (4d) the block kernels (RCOA_FLASH_REGISTERS=0) for the ratio. At most 40 s each.
 #  5. Nsight Compute on each tensor-core flash kernel's first launch in the bench (speed of
 #     light, memory, occupancy, warp stalls), if `ncu` is there. At most 60 s each. (Its
 #     2026-11-28f run matched no kernel: it asked for the Rust type names.)
@@ -78,7 +79,7 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
     registers::tests::cuda::register_fragments --test-threads 1 > "$OUT/flash-trials.txt" 2>&1
   log "1 register kernels' tests rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | head -n 4
   # The same with the other side's blocks copied a block ahead (bf16; 12 kernels).
-  timeout "$(cap 35)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
+  timeout "$(cap 60)" /tmp/flash-tests registers::tests::cuda::copied_ahead --test-threads 1 \
     >> "$OUT/flash-trials.txt" 2>&1
   log "1 register kernels copied ahead rc=$?"; grep "test result\|panicked" "$OUT/flash-trials.txt" | tail -n 2
   # The register backward in one pass (dQ added atomically; one block at a time and copied
@@ -111,6 +112,23 @@ if [ -f .rcoa-bin/compile-phase-bench.gz ]; then
   timeout "$(cap 60)" /tmp/compile-phase-bench --kernels 48 > "$OUT/compile-phase-bench.txt" 2>&1
   log "2b compile phase bench rc=$?"; cat "$OUT/compile-phase-bench.txt"
 fi
+
+# The register kernels (the default since 2026-11-30h) run in steps 3 and 4 in the directions
+# whose CUDA tests passed in step 1 (RCOA_FLASH_REGISTERS=0: neither), their backward in one
+# pass if its test passed, else in two.
+REGS=""; AHEAD=0
+for dir in forward backward; do
+  if grep -q "${dir}_registers::tests::cuda::register_fragments_match_the_reference ... ok" \
+    "$OUT/flash-trials.txt" 2>/dev/null; then REGS="${REGS:+$REGS,}$dir"; fi
+  if grep -q "${dir}_registers::tests::cuda::copied_ahead_match_the_reference ... ok" \
+    "$OUT/flash-trials.txt" 2>/dev/null; then AHEAD=$((AHEAD + 1)); fi
+done
+export RCOA_FLASH_REGISTERS=${REGS:-0}
+case $REGS in *backward*)
+  grep -q "backward_registers::tests::cuda::one_pass_match_the_reference ... ok" \
+    "$OUT/flash-trials.txt" 2>/dev/null || export RCOA_FLASH_ONE_PASS=0 ;;
+esac
+log "register kernels: ${REGS:-none}, one pass: ${RCOA_FLASH_ONE_PASS:-1}"
 
 # 3. Cold 350M with fused attention (tensor cores if step 1 passed), default pools.
 export RCOA_CACHE_DIR=/tmp/cache-flash-call
@@ -181,31 +199,17 @@ if [ $BLAS = 1 ]; then
   profile_kernels 4b "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-cublas 6
   unset RCOA_MATMUL; export RCOA_CACHE_DIR=/tmp/cache-flash-call
 fi
-# 4c. The warm step with the register kernels whose CUDA tests passed in step 1, their
-# blocks copied ahead if both directions' tests of that passed too (RCOA_FLASH_ASYNC_COPY
-# then reaches no block kernel: both directions run the register kernels), the register
-# backward in one pass (the default) if its test passed, else in two.
-REGS=""; AHEAD=0
-for dir in forward backward; do
-  if grep -q "${dir}_registers::tests::cuda::register_fragments_match_the_reference ... ok" \
-    "$OUT/flash-trials.txt" 2>/dev/null; then REGS="${REGS:+$REGS,}$dir"; fi
-  if grep -q "${dir}_registers::tests::cuda::copied_ahead_match_the_reference ... ok" \
-    "$OUT/flash-trials.txt" 2>/dev/null; then AHEAD=$((AHEAD + 1)); fi
-done
-if [ -n "$REGS" ]; then
-  export RCOA_FLASH_REGISTERS=$REGS
-  if [ "$REGS" = forward,backward ] && [ $AHEAD = 2 ]; then export RCOA_FLASH_ASYNC_COPY=1; fi
-  case $REGS in *backward*)
-    grep -q "backward_registers::tests::cuda::one_pass_match_the_reference ... ok" \
-      "$OUT/flash-trials.txt" 2>/dev/null || export RCOA_FLASH_ONE_PASS=0 ;;
-  esac
-  log "4c register kernels: $REGS, copied ahead: ${RCOA_FLASH_ASYNC_COPY:-0}, one pass: ${RCOA_FLASH_ONE_PASS:-1}"
-  profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-registers 6
-  unset RCOA_FLASH_REGISTERS RCOA_FLASH_ASYNC_COPY RCOA_FLASH_ONE_PASS
-else
-  log "4c register kernels' run skipped (their tests did not pass or did not run)"
+# 4c. The warm step with the block kernels (RCOA_FLASH_REGISTERS=0), for the ratio to the
+# register kernels' above; or, where both directions' copied-ahead tests passed, the
+# register kernels copying the next block under this one's products (RCOA_FLASH_ASYNC_COPY).
+if [ "$REGS" = forward,backward ] && [ $AHEAD = 2 ]; then
+  export RCOA_FLASH_ASYNC_COPY=1
+  log "4c register kernels copying blocks ahead"
+  profile_kernels 4c "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-copied-ahead 6
+  unset RCOA_FLASH_ASYNC_COPY
 fi
-unset RCOA_FLASH_TENSOR_CORES
+RCOA_FLASH_REGISTERS=0 profile_kernels 4d "$OUT/speed-cold/speed-$SHAPE.plan" 40 profile-blocks 6
+unset RCOA_FLASH_TENSOR_CORES RCOA_FLASH_REGISTERS RCOA_FLASH_ONE_PASS
 
 # 5. Nsight Compute on each tensor-core kernel's first launch.
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
