@@ -94,8 +94,16 @@ fn cublas(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
 fn compare(x: Tensor<B, 2>, w: Tensor<B, 2>, dtype: FloatDType, what: &str) -> Result<(), String> {
     let ([n, k], [_, m]) = (x.dims(), w.dims());
     let want = reference(&host(x.clone()), &host(w.clone()), n, k, m);
+    // The same product read back through a CubeCL kernel on the stream: where only the
+    // direct read is wrong, the read did not wait for cuBLAS's write, not the product.
+    let through_kernel = host(cublas(x.clone(), w.clone()).mul_scalar(2.0));
     let got = host(cublas(x, w));
     let scale = want.iter().fold(1.0f64, |a, v| a.max(v.abs()));
+    let kernel_worst = through_kernel
+        .iter()
+        .zip(&want)
+        .map(|(g, r)| (g / 2.0 - r).abs())
+        .fold(0.0, f64::max);
     let (worst, at) = got
         .iter()
         .zip(&want)
@@ -111,7 +119,8 @@ fn compare(x: Tensor<B, 2>, w: Tensor<B, 2>, dtype: FloatDType, what: &str) -> R
     // Where and what: a transposed or shifted result shows in which values it took.
     Err(format!(
         "{what}: largest difference {worst:e} over {scale:e} ({dtype:?}) at C[{}, {}]: \
-         {} for {}; C's first values {:?}, wanted {:?}",
+         {} for {}; C's first values {:?}, wanted {:?}; read through a kernel, largest \
+         difference {kernel_worst:e}",
         at / m,
         at % m,
         got[at],
