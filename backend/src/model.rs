@@ -113,9 +113,12 @@ pub struct Ctx<B: Backend> {
     pub position_offset: usize,
     pub lora_scale: f64,
     pub lora_dropout: f64,
-    /// The model's dropout: the embedding output, each residual branch and
-    /// the attention probabilities (eager, the selective core and flash).
-    pub dropout: f64,
+    /// The model's dropout at the embeddings' output, on each residual branch and on
+    /// the attention probabilities (0 where the family drops nothing there:
+    /// `Numerics::dropout_sites`).
+    pub embedding_dropout: f64,
+    pub residual_dropout: f64,
+    pub attention_dropout: f64,
     /// Dropout masks are drawn only while training (never in a gradient check).
     pub train: bool,
     /// A decoder's `padding_idx`: the token whose embedding row the lookup gives no
@@ -182,7 +185,9 @@ impl<B: Backend> Ctx<B> {
             position_offset: model.numerics.position_offset as usize,
             lora_scale: adapter.map(|a| a.alpha / a.rank as f64).unwrap_or(0.0),
             lora_dropout: adapter.map(|a| a.dropout).unwrap_or(0.0),
-            dropout: model.dropout,
+            embedding_dropout: model.embedding_dropout(),
+            residual_dropout: model.residual_dropout(),
+            attention_dropout: model.attention_dropout(),
             train: true,
             padding_idx: model
                 .numerics
@@ -214,7 +219,9 @@ impl<B: Backend> Ctx<B> {
             position_offset: self.position_offset,
             lora_scale: self.lora_scale,
             lora_dropout: self.lora_dropout,
-            dropout: self.dropout,
+            embedding_dropout: self.embedding_dropout,
+            residual_dropout: self.residual_dropout,
+            attention_dropout: self.attention_dropout,
             train: self.train,
             padding_idx: self.padding_idx,
             rope: self.rope.as_ref().map(|r| RopeTables {
@@ -627,8 +634,8 @@ impl<B: ExecBackend> Attention<B> {
                 causal: ctx.causal,
                 key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
                 // A seed, not a mask: the kernels hash it with each score's place.
-                dropout: (ctx.train && ctx.dropout > 0.0)
-                    .then(|| FlashDropout::draw(ctx.dropout, &q.device())),
+                dropout: (ctx.train && ctx.attention_dropout > 0.0)
+                    .then(|| FlashDropout::draw(ctx.attention_dropout, &q.device())),
             };
             let out = crate::ops::flash_attention(q, k, v, &mask, 1.0 / (hd as f64).sqrt());
             return self
@@ -654,8 +661,13 @@ impl<B: ExecBackend> Attention<B> {
         if ctx.selective {
             let biases: Vec<Tensor<B, 4>> = ctx.bias.iter().chain(&ctx.padding).cloned().collect();
             let t = k.dims()[2];
-            let drop = dropped(Shape::new([b, h, s, t]), ctx.dropout, ctx, &q.device())
-                .map(|mask| (mask, ctx.dropout));
+            let drop = dropped(
+                Shape::new([b, h, s, t]),
+                ctx.attention_dropout,
+                ctx,
+                &q.device(),
+            )
+            .map(|mask| (mask, ctx.attention_dropout));
             let scale = 1.0 / (hd as f64).sqrt();
             let out = crate::ops::attention_core(q, k, v, &biases, drop, scale);
             return self
@@ -676,7 +688,7 @@ impl<B: ExecBackend> Attention<B> {
         if let Some(pad) = &ctx.padding {
             scores = scores + pad.clone();
         }
-        let probs = dropout(softmax_last(scores), ctx.dropout, ctx);
+        let probs = dropout(softmax_last(scores), ctx.attention_dropout, ctx);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * hd]);
         self.o.forward(out, ctx)
     }
@@ -721,23 +733,23 @@ impl<B: ExecBackend> Layer<B> {
             let h = x.clone()
                 + dropout(
                     self.attn.forward(self.norm1.forward(x, ctx), ctx),
-                    ctx.dropout,
+                    ctx.residual_dropout,
                     ctx,
                 );
             h.clone()
                 + dropout(
                     self.mlp.forward(self.norm2.forward(h, ctx), ctx),
-                    ctx.dropout,
+                    ctx.residual_dropout,
                     ctx,
                 )
         } else {
             // Post-norm (BERT, XLM-R).
             let h = self.norm1.forward(
-                x.clone() + dropout(self.attn.forward(x, ctx), ctx.dropout, ctx),
+                x.clone() + dropout(self.attn.forward(x, ctx), ctx.residual_dropout, ctx),
                 ctx,
             );
             self.norm2.forward(
-                h.clone() + dropout(self.mlp.forward(h, ctx), ctx.dropout, ctx),
+                h.clone() + dropout(self.mlp.forward(h, ctx), ctx.residual_dropout, ctx),
                 ctx,
             )
         }
@@ -776,7 +788,7 @@ impl<B: ExecBackend> Embed<B> {
         if let Some(n) = &self.norm {
             x = n.forward(x, ctx);
         }
-        dropout(x, ctx.dropout, ctx)
+        dropout(x, ctx.embedding_dropout, ctx)
     }
 }
 

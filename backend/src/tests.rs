@@ -828,6 +828,42 @@ fn selective_recomputation_gives_the_same_gradients() {
     }
 }
 
+/// Dropout drops where the model's family does (`Numerics::dropout_sites`): with no site
+/// the step is the step without dropout, to the bit, and each site alone changes it.
+#[test]
+fn dropout_drops_only_at_the_familys_sites() {
+    use rcoa_compiler::spec::DropoutSites;
+    let _serial = serial();
+    let loss = |p: f64, embedding: bool, residual: bool, attention: bool| {
+        let mut plan = tiny_plan();
+        plan.model.dropout = p;
+        plan.model.numerics.dropout_sites = DropoutSites {
+            embedding,
+            residual,
+            attention,
+        };
+        let t = trainer(&plan);
+        let batch = t.batcher.batch(0, 0);
+        let mut acc = GradientsParams::new();
+        t.micro_step(&batch, 0, 0, 1.0, &mut acc, &mut RssProbe::new())
+            .into_scalar()
+            .elem::<f64>()
+    };
+    let plain = loss(0.0, true, true, true);
+    assert_eq!(loss(0.3, false, false, false), plain);
+    for (e, r, a) in [
+        (true, false, false),
+        (false, true, false),
+        (false, false, true),
+    ] {
+        let dropped = loss(0.3, e, r, a);
+        assert!(
+            (dropped - plain).abs() > 1e-6,
+            "embedding {e}, residual {r}, attention {a}: {dropped} against {plain}"
+        );
+    }
+}
+
 /// Attention dropout while training: the selective core draws its mask
 /// where eager attention draws its own (the same draw of the generator), so
 /// the two give the same loss and gradients only if both drop the

@@ -135,6 +135,29 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The dropout probability at the embeddings' output (0 where the family has none).
+    pub fn embedding_dropout(&self) -> f64 {
+        self.dropout_where(self.numerics.dropout_sites.embedding)
+    }
+
+    /// The dropout probability on each residual branch.
+    pub fn residual_dropout(&self) -> f64 {
+        self.dropout_where(self.numerics.dropout_sites.residual)
+    }
+
+    /// The dropout probability on the attention probabilities.
+    pub fn attention_dropout(&self) -> f64 {
+        self.dropout_where(self.numerics.dropout_sites.attention)
+    }
+
+    fn dropout_where(&self, site: bool) -> f64 {
+        if site {
+            self.dropout
+        } else {
+            0.0
+        }
+    }
+
     /// Which projections have biases: as the plan says, else as the families rcoa knows:
     /// LayerNorm models (GPT-2, BERT, XLM-R) have them all, RMSNorm models (Llama,
     /// Mistral) none.
@@ -299,6 +322,41 @@ pub struct Numerics {
     /// `padding_idx`: a decoder config's `pad_token_id`, Phi-3's `<|endoftext|>`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub padding_idx: Option<u64>,
+    /// Where the model's dropout applies (`ModelSpec::dropout`): transformers' Llama,
+    /// Mistral and Qwen drop only the attention probabilities (`attention_dropout`), Phi-3
+    /// the residual branches as well (`resid_pdrop`); GPT-2, BERT and the DSL's models
+    /// everywhere.
+    #[serde(skip_serializing_if = "DropoutSites::everywhere")]
+    pub dropout_sites: DropoutSites,
+}
+
+/// The places dropout drops, each at the model's one probability.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DropoutSites {
+    /// The embeddings' output.
+    pub embedding: bool,
+    /// Each residual branch (the attention's and the MLP's output) before it is added.
+    pub residual: bool,
+    /// The attention probabilities.
+    pub attention: bool,
+}
+
+impl DropoutSites {
+    pub const ALL: DropoutSites = DropoutSites {
+        embedding: true,
+        residual: true,
+        attention: true,
+    };
+
+    fn everywhere(&self) -> bool {
+        *self == DropoutSites::ALL
+    }
+}
+
+impl Default for DropoutSites {
+    fn default() -> Self {
+        DropoutSites::ALL
+    }
 }
 
 impl Default for Numerics {
@@ -315,6 +373,7 @@ impl Default for Numerics {
             sliding_window: None,
             fused_projections: false,
             padding_idx: None,
+            dropout_sites: DropoutSites::ALL,
         }
     }
 }

@@ -1010,9 +1010,9 @@ impl<'a> Builder<'a> {
             self.tape.ops[op].saved = if self.rg(sc) { vec![p] } else { vec![] };
             let p = if decoder {
                 let p = self.cast(p, act);
-                self.dropout(p, m.dropout)
+                self.dropout(p, m.attention_dropout())
             } else {
-                let p = self.dropout(p, m.dropout);
+                let p = self.dropout(p, m.attention_dropout());
                 self.cast(p, act)
             };
             let rg = self.rg(p) || self.rg(vr);
@@ -1034,7 +1034,7 @@ impl<'a> Builder<'a> {
             flat
         };
         let out = self.proj(Proj::O, "o_proj", out, heads * hd, h);
-        self.dropout(out, m.dropout)
+        self.dropout(out, m.residual_dropout())
     }
 
     /// `checkpoint = selective`: Megatron's selective recomputation of the attention core.
@@ -1080,7 +1080,7 @@ impl<'a> Builder<'a> {
         let probs = self.bytes(seqs * heads * s * s, sm);
         let rg = self.rg(q) || self.rg(k) || self.rg(v);
         let mut inputs = vec![q, k, v];
-        if self.profile.burn_ops && m.dropout > 0.0 {
+        if self.profile.burn_ops && m.attention_dropout() > 0.0 {
             let shape = [seqs, heads, s, s];
             let mask = self.tensor("attn_dropout_mask", &shape, Dtype::Int8, false);
             let o = self.op("attn_dropout_draw", &[], &[mask], &[]);
@@ -1119,7 +1119,7 @@ impl<'a> Builder<'a> {
         let t = self.cand.tensor.max(1);
         let (heads, kv, hd) = (m.heads.div_ceil(t), m.kv_heads.div_ceil(t), m.head_dim);
         let decoder = m.arch == Arch::Decoder;
-        let dropout = m.dropout;
+        let dropout = m.attention_dropout();
         let seqs = self.tokens / self.spec.train.seq_len.max(1);
         let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
         // Grouped-query attention: `expand` + `reshape` copies k and v to all heads.
@@ -1396,7 +1396,7 @@ impl<'a> Builder<'a> {
                 self.proj(Proj::Down, "down_proj", a, ffn, h)
             }
         };
-        self.dropout(out, m.dropout)
+        self.dropout(out, m.residual_dropout())
     }
 
     fn residual(&mut self, x: TensorId, y: TensorId) -> TensorId {
@@ -1526,7 +1526,7 @@ impl<'a> Builder<'a> {
             if m.arch == Arch::Encoder {
                 e = self.norm(e, h);
             }
-            let e = self.dropout(e, m.dropout);
+            let e = self.dropout(e, m.embedding_dropout());
             self.end_unit();
             e
         } else {

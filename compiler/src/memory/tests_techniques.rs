@@ -386,6 +386,51 @@ fn attention_dropout_on_burn_keeps_a_byte_a_score_under_selective_only() {
     );
 }
 
+/// A family that drops only the attention probabilities (Llama, Mistral, Qwen:
+/// `Numerics::dropout_sites`) keeps one mask a layer, of the scores; dropping everywhere
+/// (the DSL's models, GPT-2) adds a mask on each residual branch and the embeddings'.
+#[test]
+fn dropout_masks_follow_the_familys_sites() {
+    use crate::spec::{Attention, DropoutSites};
+    let masks = |sites: DropoutSites| {
+        let mut spec = SpecBuilder::new().target(Target::Burn).layers(2).build();
+        spec.train.attention = Attention::Eager;
+        spec.model.dropout = 0.1;
+        spec.model.numerics.dropout_sites = sites;
+        let c = cand(&[]);
+        let tape = super::build::Builder::new(&spec, &Profile::burn(), &c)
+            .build(0..2, true, true)
+            .tape;
+        let mut shapes: Vec<Vec<u64>> = tape
+            .tensors
+            .iter()
+            .filter(|t| t.name == "dropout_mask")
+            .map(|t| t.shape.clone())
+            .collect();
+        shapes.sort();
+        (spec, shapes)
+    };
+    let (spec, attention_only) = masks(DropoutSites {
+        embedding: false,
+        residual: false,
+        attention: true,
+    });
+    let c = cand(&[]);
+    let (m, t) = (&spec.model, &spec.train);
+    let scores = vec![c.micro_batch, m.heads, t.seq_len, t.seq_len];
+    assert_eq!(attention_only, vec![scores.clone(); 2]);
+    let (_, everywhere) = masks(DropoutSites::ALL);
+    // Two residual branches a layer and the embeddings: [tokens, hidden] each.
+    assert_eq!(everywhere.len(), 2 + 2 * 2 + 1, "{everywhere:?}");
+    assert_eq!(everywhere.iter().filter(|s| **s == scores).count(), 2);
+    let (_, none) = masks(DropoutSites {
+        embedding: false,
+        residual: false,
+        attention: false,
+    });
+    assert!(none.is_empty(), "{none:?}");
+}
+
 /// Beside an fp32 master the executor keeps frozen weights (LoRA's dense base, the
 /// embedding, norms and head) once, in the storage dtype: the setup point holds the
 /// 16-bit weights, the fp32 master of the trainable ones and one frozen tensor's fp32

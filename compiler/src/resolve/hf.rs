@@ -57,7 +57,9 @@
 
 use super::problem::{HfDetail, Problem};
 use super::values::Cx;
-use crate::spec::{Arch, Biases, Mlp, ModelSpec, Norm, Numerics, Positions, RopeScaling};
+use crate::spec::{
+    Arch, Biases, DropoutSites, Mlp, ModelSpec, Norm, Numerics, Positions, RopeScaling,
+};
 use rcoa_grammar::Span;
 use serde_json::{Map, Value as Json};
 
@@ -227,6 +229,21 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
         // Phi3Config's default is none (Phi-3-mini-4k writes 2047).
         n.sliding_window = c.opt("sliding_window")?;
         n.fused_projections = true;
+    }
+    // Where the classes drop out (`dropout` below holds the one probability): Llama,
+    // Mistral and Qwen only the attention probabilities; Phi-3 the residual branches too
+    // (`resid_attn_dropout`, `resid_mlp_dropout`), not the embeddings; GPT-2 and the
+    // encoders everywhere. Said only where something drops: without dropout the sites
+    // change nothing, and the numerics stay the presets'.
+    let llama_like = matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3");
+    let drops = c.prob("attention_dropout", 0.0)? > 0.0
+        || (c.model_type == "phi3" && c.prob("resid_pdrop", 0.0)? > 0.0);
+    if drops && (llama_like || c.model_type == "phi3") {
+        n.dropout_sites = DropoutSites {
+            embedding: false,
+            residual: c.model_type == "phi3",
+            attention: true,
+        };
     }
     if matches!(
         c.model_type,
@@ -602,9 +619,8 @@ fn spec_of(c: &Config<'_>, name: String) -> Result<ModelSpec, HfDetail> {
 }
 
 /// The one dropout probability of a Llama-like config: `attention_dropout`; Phi-3's
-/// `resid_pdrop` after the attention and the MLP as well, which must then be equal.
-/// (`rcoa run` also drops out the embeddings' output at that rate, which Phi-3 in
-/// transformers 5 does not: every published Phi-3 config says 0.)
+/// `resid_pdrop` after the attention and the MLP as well, which must then be equal
+/// (`Numerics::dropout_sites` says where each family drops).
 fn dropout(c: &Config<'_>) -> Result<f64, HfDetail> {
     let attention = c.prob("attention_dropout", 0.0)?;
     if c.model_type != "phi3" {

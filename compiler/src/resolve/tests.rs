@@ -543,6 +543,15 @@ fn out_of_range_values() {
     );
     let s = ok(&BASE.replace("\"llama-3.1-8b\"", "\"llama-3.1-8b\" { dropout = 10% }"));
     assert_eq!(s.model.dropout, 0.1);
+    // The DSL's dropout drops everywhere: the embeddings, each residual branch, attention.
+    assert_eq!(
+        (
+            s.model.embedding_dropout(),
+            s.model.residual_dropout(),
+            s.model.attention_dropout()
+        ),
+        (0.1, 0.1, 0.1)
+    );
 }
 
 #[test]

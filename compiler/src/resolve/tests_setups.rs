@@ -298,6 +298,17 @@ fn hf_llama_biases() {
         "{:?}",
         e.errors()
     );
+    // LlamaAttention drops its probabilities at `attention_dropout`; no other module of
+    // the class drops anything.
+    let m = resolve_with(r#", "attention_dropout": 0.1"#).unwrap().model;
+    assert_eq!(
+        (
+            m.embedding_dropout(),
+            m.residual_dropout(),
+            m.attention_dropout()
+        ),
+        (0.0, 0.0, 0.1)
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -511,6 +522,16 @@ fn hf_phi3() {
     .unwrap()
     .model;
     assert_eq!((m.numerics.sliding_window, m.dropout), (Some(2047), 0.1));
+    // Phi3DecoderLayer drops its residual branches and the attention its probabilities;
+    // nothing drops the embeddings (`embd_pdrop` is read by no module).
+    assert_eq!(
+        (
+            m.embedding_dropout(),
+            m.residual_dropout(),
+            m.attention_dropout()
+        ),
+        (0.0, 0.1, 0.1)
+    );
     // Phi-3.5-mini's layout: the pretraining length beside the keys, 4096 → 131072
     // positions, so the attention factor is sqrt(1 + ln 32 / ln 4096).
     let list = |v: f64, n: usize| format!("[{}]", vec![v.to_string(); n].join(", "));
