@@ -151,7 +151,7 @@ fn read(cx: &Cx, path: &str) -> Result<ModelSpec, HfDetail> {
     let weights = full.parent().and_then(checkpoint_dir);
     let mut spec = spec_of(&c, name)?;
     spec.weights = weights;
-    spec.numerics = numerics(&c, spec.head_dim)?;
+    spec.numerics = numerics(&c, spec.head_dim, spec.dropout)?;
     Ok(spec)
 }
 
@@ -165,7 +165,8 @@ fn checkpoint_dir(dir: &std::path::Path) -> Option<String> {
     Some(abs.to_string_lossy().into_owned())
 }
 
-fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
+/// The family's numerics; `dropout` is the model's one probability (`ModelSpec::dropout`).
+fn numerics(c: &Config<'_>, head_dim: u64, dropout: f64) -> Result<Numerics, HfDetail> {
     let mut n = Numerics::default();
     let gpt2 = c.model_type == "gpt2";
     let (eps_key, eps_default) = match c.model_type {
@@ -230,25 +231,22 @@ fn numerics(c: &Config<'_>, head_dim: u64) -> Result<Numerics, HfDetail> {
         n.sliding_window = c.opt("sliding_window")?;
         n.fused_projections = true;
     }
-    // Where the classes drop out (`dropout` below holds the one probability): Llama,
-    // Mistral and Qwen only the attention probabilities; Phi-3 the residual branches too
-    // (`resid_attn_dropout`, `resid_mlp_dropout`), not the embeddings; GPT-2 and the
-    // encoders everywhere. Said only where something drops: without dropout the sites
-    // change nothing, and the numerics stay the presets'.
-    let llama_like = matches!(c.model_type, "llama" | "mistral" | "qwen2" | "qwen3");
-    let drops = c.prob("attention_dropout", 0.0)? > 0.0
-        || (c.model_type == "phi3" && c.prob("resid_pdrop", 0.0)? > 0.0);
-    if drops && (llama_like || c.model_type == "phi3") {
-        n.dropout_sites = DropoutSites {
-            embedding: false,
-            residual: c.model_type == "phi3",
-            attention: true,
-        };
-    }
     if matches!(
         c.model_type,
         "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     ) {
+        // Where these classes drop out at the model's one probability: Llama, Mistral and
+        // Qwen only the attention probabilities; Phi-3 the residual branches too
+        // (`resid_attn_dropout`, `resid_mlp_dropout`), not the embeddings (GPT-2 and the
+        // encoders drop everywhere, the default). Said only where something drops:
+        // without dropout the sites change nothing, and the numerics stay the presets'.
+        if dropout > 0.0 {
+            n.dropout_sites = DropoutSites {
+                embedding: false,
+                residual: c.model_type == "phi3",
+                attention: true,
+            };
+        }
         rope(c, &mut n, head_dim)?;
         // `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`: the pad token's row
         // gets no gradient from the lookup (Phi-3: 32000, `<|endoftext|>`; many Llama
