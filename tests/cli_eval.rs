@@ -31,6 +31,14 @@ fn json_lines(out: &Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The run's start event names its data as `what` says (the kind and how many).
+fn assert_data(start: &serde_json::Value, what: &str) {
+    assert!(
+        start["data"].as_str().is_some_and(|d| d.contains(what)),
+        "{start}"
+    );
+}
+
 fn reference_eval_loss(name: &str) -> f64 {
     let p = root().join(format!("tests/fixtures/hf/{name}/reference.json"));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
@@ -151,11 +159,7 @@ fn xlmr_lora_on_pairs_lowers_the_held_out_loss() {
     let summary = lines.last().unwrap();
     assert_eq!(summary["event"], "summary");
     assert_eq!(summary["eval_loss"].as_f64(), Some(last));
-    let start = &lines[0];
-    assert!(
-        start["data"].as_str().unwrap().contains("96 pairs"),
-        "{start}"
-    );
+    assert_data(&lines[0], "96 pairs");
 }
 
 /// plans/tiny-cpu-encoder-contrastive.plan's synthetic pairs are a task the
@@ -228,11 +232,7 @@ fn llama_on_jsonl_evaluates_and_resumes_in_the_same_order() {
         (e[0].1 - reference_eval_loss("llama")).abs() < 1e-5,
         "--eval at step 0: {e:?}"
     );
-    assert!(
-        full[0]["data"].as_str().unwrap().contains("12 documents"),
-        "{}",
-        full[0]
-    );
+    assert_data(&full[0], "12 documents");
     let first = run(&["--steps", "2", "--save", ckpt]);
     let rest = run(&["--steps", "4", "--resume", ckpt]);
     let _ = std::fs::remove_dir_all(&dir);
@@ -296,14 +296,7 @@ fn prompt_completion_examples_are_scored_on_their_completions() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let lines = json_lines(&out);
-    assert!(
-        lines[0]["data"]
-            .as_str()
-            .unwrap()
-            .contains("4 prompt-completion examples"),
-        "{}",
-        lines[0]
-    );
+    assert_data(&lines[0], "4 prompt-completion examples");
     let e = evals(&lines);
     assert_eq!(e.first().map(|e| e.0), Some(0));
     assert!((e[0].1 - want).abs() < 1e-5, "--eval at step 0: {e:?}");
@@ -341,14 +334,7 @@ fn conversations_are_rendered_by_the_chat_template() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let lines = json_lines(&out);
-    assert!(
-        lines[0]["data"]
-            .as_str()
-            .unwrap()
-            .contains("3 conversations"),
-        "{}",
-        lines[0]
-    );
+    assert_data(&lines[0], "3 conversations");
     let losses = step_losses(&lines);
     assert!(
         losses.len() == 3 && losses.iter().all(|l| l.is_finite()),
