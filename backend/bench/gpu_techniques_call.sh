@@ -1,5 +1,5 @@
 #!/bin/bash
-# Calls 6-10 of docs/gpu-session.md in one device call (about 5 minutes), for a session's
+# Calls 6-11 of docs/gpu-session.md in one device call (about 5 minutes), for a session's
 # second call, warm after gpu_flash_call.sh: the techniques finished on CPUs since the last
 # GPU session, run on CUDA for the first time. Each job is a process of its own, all at once
 # (their predicted peaks add up to about 70 GiB of the H200's 139), each with its own kernel
@@ -16,6 +16,8 @@
 #       with LongRoPE (phi3-longrope) and a sliding window past its length (mistral-window),
 #       4 steps each, with --eval on the fixture's eval.jsonl, whose loss before the first
 #       step is the CPU's and transformers' (reference.json's eval.loss).
+#   11. Head dim 96 (llama125m_head96.plan, eager and flash, 6 steps each): the peak
+#       against the prediction where CubeCL pads Burn's `[..., 96]` rows to 128 values.
 #
 # Then a summary of every job (steps, skipped steps, loss scale, first and last loss, eval
 # losses, peak against predicted) into $OUT/summary.txt. Device tool: carry [".rcoa-bin"];
@@ -64,6 +66,9 @@ if [ "$DEVICE" = cuda ]; then
   job adafactor 20 $B/llama125m_adafactor.plan
   job qwen-layers 6 $B/llama125m_qk_norm_qkv_bias.plan
   job adam-mini 20 $B/llama125m_adam_mini.plan
+  job head96 6 $B/llama125m_head96.plan
+  sed 's/attention = eager/attention = flash/' $B/llama125m_head96.plan > /tmp/head96-flash.plan
+  job head96-flash 6 /tmp/head96-flash.plan
 fi
 job sft 4 tests/fixtures/eval/llama-sft.plan --data tests/fixtures/hf/llama/sft.jsonl \
   --eval tests/fixtures/hf/llama/sft.jsonl

@@ -13,7 +13,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime};
 
-use super::layout::{Call, Operand};
+use super::layout::{Call, Op, Operand};
 use crate::kernels::fusion::{empty, register, resolve, Fused};
 
 /// The element type of all three matrices; products accumulate in f32.
@@ -79,22 +79,56 @@ pub fn blas_matmul<R: CubeRuntime, BT: BoolElement, G: Blas<R>>(
     if k != k2 {
         return Err(format!("inner dims {k} and {k2}"));
     }
-    let (xc, a) = operand(resolve::<R, BT>(x));
-    let (wc, b) = operand(resolve::<R, BT>(w));
-    let Some(call) = Call::new(n, k, m, a, b) else {
+    let x = resolve::<R, BT>(x);
+    let w = resolve::<R, BT>(w);
+    let out = empty(&x, Shape::new([n, m]), x.dtype);
+    let out = product_into::<R, G>(x, w, elem, out)?;
+    Ok(register::<R, BT>(out))
+}
+
+/// Writes `x · w` into `out`, an `[n, m]` stored row by row whose rows may
+/// start further apart than `m`: CubeCL's CUDA allocator pads a row to a
+/// multiple of up to 512 bytes (its pitched layout), so a `[64, 80]` f32
+/// output has rows 128 elements apart. BLAS is told that leading dimension;
+/// written as if contiguous, every row after the first landed where the
+/// tensor does not read it (2026-11-30h's wrong f32 `64×96×80` product).
+fn product_into<R: CubeRuntime, G: Blas<R>>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    elem: Elem,
+    out: CubeTensor<R>,
+) -> Result<CubeTensor<R>, String> {
+    let ([n, k], [_, m]) = (x.meta.shape().dims::<2>(), w.meta.shape().dims::<2>());
+    let (xc, a) = operand(x);
+    let (wc, b) = operand(w);
+    let Some(ldc) = out_rows(&out) else {
+        return Err(format!(
+            "an output stored with strides {:?}, not row by row",
+            out.meta.strides()
+        ));
+    };
+    let Some(call) = Call::new(n, k, m, a, b, ldc) else {
         return Err(format!(
             "{n} × {k} × {m} is empty or over BLAS's 32-bit sizes"
         ));
     };
-    let out = empty(&xc, Shape::new([n, m]), xc.dtype);
-    let out = G::gemm(&call, elem, &wc, &xc, out)?;
-    Ok(register::<R, BT>(out))
+    G::gemm(&call, elem, &wc, &xc, out)
+}
+
+/// The distance between an output's rows, where it is stored row by row.
+fn out_rows<R: CubeRuntime>(out: &CubeTensor<R>) -> Option<usize> {
+    let [rows, cols] = out.meta.shape().dims::<2>();
+    let strides = out.meta.strides();
+    match Operand::of(rows, cols, strides[0], strides[1])? {
+        Operand { op: Op::N, ld } => Some(ld),
+        Operand { op: Op::T, .. } => None,
+    }
 }
 
 #[cfg(all(test, feature = "wgpu-kernels"))]
 mod tests {
     use super::*;
-    use crate::kernels::gemm::layout::{reference_gemm, Op};
+    use crate::kernels::gemm::layout::reference_gemm;
     use burn::backend::wgpu::{Wgpu, WgpuDevice};
     use burn::tensor::{Tensor, TensorData, TensorPrimitive};
     use cubecl::wgpu::WgpuRuntime;
@@ -129,14 +163,16 @@ mod tests {
                     .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
                     .collect()
             };
+            // C's memory as BLAS leaves it, `ldc` apart, under the output's own layout (its
+            // gaps hold NaN, so a read of them shows).
             let c = reference_gemm(call, &raw(p), &raw(q));
             let c: Vec<u8> = c.iter().flat_map(|v| (*v as f32).to_le_bytes()).collect();
             let handle = out.client.create_from_slice(&c);
-            Ok(CubeTensor::new_contiguous(
+            Ok(CubeTensor::new(
                 out.client.clone(),
-                out.device.clone(),
-                out.meta.shape().clone(),
                 handle,
+                out.meta.as_ref().clone(),
+                out.device.clone(),
                 out.dtype,
             ))
         }
@@ -171,18 +207,22 @@ mod tests {
             w.into_primitive().tensor(),
         )
         .expect("the glue takes it");
+        assert_close(y, &want);
+        CALLS.with(|c| c.borrow_mut().pop()).expect("one BLAS call")
+    }
+
+    fn assert_close(y: FloatTensor<Fused<WgpuRuntime, u32>>, want: &[f32]) {
         let got = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y))
             .into_data()
             .to_vec::<f32>()
             .unwrap();
         assert_eq!(got.len(), want.len());
-        for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+        for (i, (g, r)) in got.iter().zip(want).enumerate() {
             assert!(
                 (g - r).abs() <= 1e-5 * (1.0 + r.abs()),
                 "[{i}]: {g} against {r}"
             );
         }
-        CALLS.with(|c| c.borrow_mut().pop()).expect("one BLAS call")
     }
 
     #[test]
@@ -211,6 +251,42 @@ mod tests {
         // And a slice's transpose (the chunked loss's `hᵀ` of one chunk).
         let dy = matrix(24, 16, 6, &dev);
         check(big.narrow(0, 8, 24).transpose(), dy);
+    }
+
+    #[test]
+    fn a_pitched_output_is_written_through_its_row_stride() {
+        // CUDA's allocator pads rows (a [64, 80] f32 output's start 128 elements apart);
+        // wgpu's does not, so the test makes such an output: 5 columns of a [12, 8].
+        let Some(dev) = device() else { return };
+        let (n, k, m, pitch) = (12, 7, 5, 8);
+        let x = matrix(n, k, 8, &dev);
+        let w = matrix(k, m, 9, &dev);
+        let want = x
+            .clone()
+            .matmul(w.clone())
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let cube = |t: Tensor<B, 2>| resolve::<WgpuRuntime, u32>(t.into_primitive().tensor());
+        let mut out = cube(Tensor::<B, 2>::zeros([n, pitch], &dev));
+        out.meta.shape_mut()[1] = m;
+        assert_eq!(out.meta.strides()[..], [pitch, 1]);
+        CALLS.with(|c| c.borrow_mut().clear());
+        let y = product_into::<WgpuRuntime, HostBlas>(cube(x), cube(w), Elem::F32, out)
+            .expect("the glue takes it");
+        let call = CALLS.with(|c| c.borrow_mut().pop()).expect("one BLAS call");
+        assert_eq!(call.ldc, pitch as i32);
+        assert_close(register::<WgpuRuntime, u32>(y), &want);
+    }
+
+    #[test]
+    fn an_output_stored_by_columns_is_refused() {
+        let Some(dev) = device() else { return };
+        let cube = |t: Tensor<B, 2>| resolve::<WgpuRuntime, u32>(t.into_primitive().tensor());
+        let out = cube(Tensor::<B, 2>::zeros([5, 12], &dev).transpose());
+        let (x, w) = (cube(matrix(12, 7, 1, &dev)), cube(matrix(7, 5, 2, &dev)));
+        let why = product_into::<WgpuRuntime, HostBlas>(x, w, Elem::F32, out).unwrap_err();
+        assert!(why.contains("not row by row"), "{why}");
     }
 
     #[test]

@@ -64,11 +64,13 @@ pub struct Call {
 }
 
 impl Call {
-    /// The call for the row-major `C [n, m] = A [n, k] · B [k, m]` into a
-    /// contiguous C. `None` where BLAS's 32-bit arguments cannot hold it or
-    /// a dimension is empty (the caller's own matmul takes those: nothing
-    /// to multiply, or a C of zeros).
-    pub fn new(n: usize, k: usize, m: usize, a: Operand, b: Operand) -> Option<Self> {
+    /// The call for the row-major `C [n, m] = A [n, k] · B [k, m]` into a C
+    /// whose rows start `ldc` elements apart (`m` for a contiguous C; more
+    /// where the allocator pads rows, as CubeCL's CUDA one does). `None`
+    /// where BLAS's 32-bit arguments cannot hold it, a dimension is empty
+    /// (the caller's own matmul takes those: nothing to multiply, or a C of
+    /// zeros), or `ldc` is below `m`.
+    pub fn new(n: usize, k: usize, m: usize, a: Operand, b: Operand, ldc: usize) -> Option<Self> {
         if n == 0 || k == 0 || m == 0 {
             return None;
         }
@@ -81,14 +83,15 @@ impl Call {
             k: int(k)?,
             ld_p: int(b.ld)?,
             ld_q: int(a.ld)?,
-            ldc: int(m)?,
+            ldc: int(ldc)?,
         };
         // BLAS refuses a leading dimension below the stored matrix's rows:
         // P is stored [m, k] (N) or [k, m] (T), Q [k, n] or [n, k].
         let rows = |op, r: i32, c: i32| if op == Op::N { r } else { c };
         (call.ld_p >= rows(call.trans_p, call.m, call.k)
-            && call.ld_q >= rows(call.trans_q, call.k, call.n))
-        .then_some(call)
+            && call.ld_q >= rows(call.trans_q, call.k, call.n)
+            && call.ldc >= call.m)
+            .then_some(call)
     }
 }
 
@@ -154,23 +157,25 @@ mod tests {
         }
     }
 
-    /// The call's C against the row-major product computed directly.
-    fn check(n: usize, k: usize, m: usize, a_order: Order, b_order: Order) {
+    /// The call's C, with `c_pad` elements after each row, against the
+    /// row-major product computed directly.
+    fn check(n: usize, k: usize, m: usize, a_order: Order, b_order: Order, c_pad: usize) {
         let a = |i: usize, l: usize| ((i * 7 + l * 3) % 11) as f64 - 5.0;
         let b = |l: usize, j: usize| ((l * 5 + j * 2) % 13) as f64 - 6.0;
         let (sa, sb) = (strides(n, k, a_order), strides(k, m, b_order));
         let a_op = Operand::of(n, k, sa.0, sa.1).expect("A's layout");
         let b_op = Operand::of(k, m, sb.0, sb.1).expect("B's layout");
-        let call = Call::new(n, k, m, a_op, b_op).expect("a valid call");
+        let ldc = m + c_pad;
+        let call = Call::new(n, k, m, a_op, b_op, ldc).expect("a valid call");
         let c = reference_gemm(&call, &store(k, m, sb, b), &store(n, k, sa, a));
         for i in 0..n {
             for j in 0..m {
                 let want: f64 = (0..k).map(|l| a(i, l) * b(l, j)).sum();
-                // C [n, m] row-major: C[i, j] at i·m + j.
+                // C [n, m] row-major: C[i, j] at i·ldc + j.
                 assert_eq!(
-                    c[i * m + j],
+                    c[i * ldc + j],
                     want,
-                    "C[{i}, {j}] for {n}×{k}×{m}, {a_order:?}, {b_order:?}"
+                    "C[{i}, {j}] for {n}×{k}×{m}, {a_order:?}, {b_order:?}, ldc {ldc}"
                 );
             }
         }
@@ -198,7 +203,8 @@ mod tests {
                     Order::Cols(0),
                     Order::Cols(2),
                 ] {
-                    check(n, k, m, a, b);
+                    check(n, k, m, a, b, 0);
+                    check(n, k, m, a, b, 3);
                 }
             }
         }
@@ -213,8 +219,8 @@ mod tests {
         let transposed = |r: usize, c: usize| Operand::of(r, c, 1, r).unwrap();
         assert_eq!(contiguous(n, k), Operand { op: Op::N, ld: k });
         assert_eq!(transposed(m, k), Operand { op: Op::T, ld: m });
-        check(n, m, k, Order::Rows(0), Order::Cols(0)); // dx = dy · wᵀ
-        check(k, n, m, Order::Cols(0), Order::Rows(0)); // dw = xᵀ · dy
+        check(n, m, k, Order::Rows(0), Order::Cols(0), 0); // dx = dy · wᵀ
+        check(k, n, m, Order::Cols(0), Order::Rows(0), 0); // dw = xᵀ · dy
     }
 
     #[test]
@@ -230,22 +236,26 @@ mod tests {
     #[test]
     fn empty_or_oversized_products_are_left_to_the_caller() {
         let op = Operand { op: Op::N, ld: 4 };
-        assert_eq!(Call::new(0, 4, 4, op, op), None);
-        assert_eq!(Call::new(4, 0, 4, op, op), None);
-        assert_eq!(Call::new(4, 4, 0, op, op), None);
+        assert_eq!(Call::new(0, 4, 4, op, op, 4), None);
+        assert_eq!(Call::new(4, 0, 4, op, op, 4), None);
+        assert_eq!(Call::new(4, 4, 0, op, op, 4), None);
         let wide = Operand {
             op: Op::N,
             ld: 1 << 31,
         };
-        assert_eq!(Call::new(4, 4, 1 << 31, op, wide), None);
+        assert_eq!(Call::new(4, 4, 1 << 31, op, wide, 1 << 31), None);
     }
 
     #[test]
     fn a_leading_dimension_below_the_rows_is_refused() {
         // P = B's memory must have ld ≥ m when read as it is.
         let a = Operand { op: Op::N, ld: 4 };
-        assert_eq!(Call::new(2, 4, 5, a, Operand { op: Op::N, ld: 4 }), None);
-        assert!(Call::new(2, 4, 5, a, Operand { op: Op::N, ld: 5 }).is_some());
+        assert_eq!(Call::new(2, 4, 5, a, Operand { op: Op::N, ld: 4 }, 5), None);
+        assert!(Call::new(2, 4, 5, a, Operand { op: Op::N, ld: 5 }, 5).is_some());
+        // And C's rows must not overlap.
+        let b = Operand { op: Op::N, ld: 5 };
+        assert_eq!(Call::new(2, 4, 5, a, b, 4), None);
+        assert_eq!(Call::new(2, 4, 5, a, b, 8).map(|c| c.ldc), Some(8));
     }
 
     proptest! {
@@ -253,10 +263,10 @@ mod tests {
         fn any_shape_and_padding(
             n in 1usize..7, k in 1usize..7, m in 1usize..7,
             a_cols in any::<bool>(), b_cols in any::<bool>(),
-            pa in 0usize..3, pb in 0usize..3,
+            pa in 0usize..3, pb in 0usize..3, pc in 0usize..3,
         ) {
             let order = |cols, pad| if cols { Order::Cols(pad) } else { Order::Rows(pad) };
-            check(n, k, m, order(a_cols, pa), order(b_cols, pb));
+            check(n, k, m, order(a_cols, pa), order(b_cols, pb), pc);
         }
     }
 }

@@ -96,6 +96,8 @@ fn compare(x: Tensor<B, 2>, w: Tensor<B, 2>, dtype: FloatDType, what: &str) -> R
     let want = reference(&host(x.clone()), &host(w.clone()), n, k, m);
     // The same product read back through a CubeCL kernel on the stream: where only the
     // direct read is wrong, the read did not wait for cuBLAS's write, not the product.
+    // (2026-11-30h's one wrong f32 product was read directly; the 16-bit ones are read
+    // through a cast. Its cause was the output's padded rows, `glue::product_into`.)
     let through_kernel = host(cublas(x.clone(), w.clone()).mul_scalar(2.0));
     let got = host(cublas(x, w));
     let scale = want.iter().fold(1.0f64, |a, v| a.max(v.abs()));
@@ -152,14 +154,37 @@ fn every_operand_order_and_type_matches_the_exact_product() {
             }
         }
     }
-    // Every case runs, so one GPU call shows which types and orders are wrong (2026-11-30h's
-    // stopped at the first, f32 64×96×80 with both operands by rows).
+    // Every case runs, so one GPU call shows which types and orders are wrong.
     assert!(
         failures.is_empty(),
         "{} of 48 products wrong:\n{}",
         failures.len(),
         failures.join("\n")
     );
+}
+
+#[test]
+fn outputs_are_contiguous_where_cubecl_would_pad_their_rows() {
+    // CubeCL's CUDA allocator pads a [64, 80] f32's 320-byte rows to 512 bytes
+    // (`empty_device_dtype`); cuBLAS writing such an output as contiguous was
+    // 2026-11-30h's wrong product. The kernels' outputs are contiguous, and
+    // the glue passes whatever row stride an output has (`glue` tests).
+    let Some(dev) = device() else { return };
+    let like = crate::kernels::fusion::resolve::<CudaRuntime, u8>(
+        matrix(2, 2, false, FloatDType::F32, 7, &dev)
+            .into_primitive()
+            .tensor(),
+    );
+    let shape = burn::tensor::Shape::new([64, 80]);
+    let padded = burn_cubecl::ops::numeric::empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.clone(),
+        burn::tensor::DType::F32,
+    );
+    assert_eq!(padded.meta.strides()[..], [128, 1], "CubeCL's own layout");
+    let ours = crate::kernels::fusion::empty(&like, shape, burn::tensor::DType::F32);
+    assert_eq!(ours.meta.strides()[..], [80, 1]);
 }
 
 #[test]
