@@ -379,6 +379,10 @@ pub struct Summary {
     pub measured_peak_bytes: u64,
     pub measured_reserved_bytes: Option<u64>,
     pub predicted_peak_bytes: u64,
+    /// The plan's highest bytes in use, transients inside the sampled segments included
+    /// (`Prediction::in_use_max_bytes`): what `measured_reserved_bytes` is held to, since
+    /// the sampled peak misses those transients. 0 where the plan does not say.
+    pub predicted_in_use_max_bytes: u64,
     /// (measured - predicted) / predicted.
     pub peak_error: f64,
     pub memory_measure: String,
@@ -799,6 +803,7 @@ fn summarize(plan: &LoweredPlan, reports: &[StepReport], probe: &dyn MemoryProbe
         measured_peak_bytes: measured,
         measured_reserved_bytes: probe.peak_reserved(),
         predicted_peak_bytes: predicted,
+        predicted_in_use_max_bytes: plan.prediction.in_use_max_bytes,
         peak_error: if predicted > 0 {
             (measured as f64 - predicted as f64) / predicted as f64
         } else {

@@ -96,6 +96,7 @@ pub fn tiny_plan() -> LoweredPlan {
             peak_at: String::new(),
             step_seconds: 0.0,
             tokens_per_second: 0.0,
+            in_use_max_bytes: 0,
         },
     }
 }

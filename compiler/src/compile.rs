@@ -194,6 +194,7 @@ pub fn compile(spec: &Spec) -> Result<Compilation, CompileError> {
         peak_at: report.peak.to_string(),
         step_seconds: time.step_seconds,
         tokens_per_second: time.tokens_per_second,
+        in_use_max_bytes: report.in_use_max_bytes,
     };
     let lowered = LoweredPlan::from_parts(spec, resolved, prediction);
     let does_not_fit = (!fits).then(|| crate::search::diagnose::diagnose(spec, &profile, &outcome));
@@ -241,5 +242,23 @@ mod tests {
         spec.train.micro_batch = Choice::Auto;
         let err = compile(&spec).unwrap_err();
         assert!(matches!(err, CompileError::TooLarge { .. }), "{err:?}");
+    }
+
+    /// The lowered plan carries the highest bytes in use beside the sampled peak, so a run
+    /// can hold its reserved bytes to what the pool covers: under `target burn` the loss's
+    /// fp32 log-softmax lives inside the loss segment, above the peak the run samples.
+    #[test]
+    fn the_prediction_carries_the_highest_bytes_in_use() {
+        let mut spec = tiny();
+        let torch = compile(&spec).unwrap().lowered.prediction;
+        assert!(torch.in_use_max_bytes >= torch.peak_bytes, "{torch:?}");
+        spec.target = crate::spec::Target::Burn;
+        let burn = compile(&spec).unwrap().lowered.prediction;
+        assert!(burn.in_use_max_bytes > burn.peak_bytes, "{burn:?}");
+        // A plan lowered before the field existed still reads, as 0.
+        let mut json = serde_json::to_value(&burn).unwrap();
+        json.as_object_mut().unwrap().remove("in_use_max_bytes");
+        let old: Prediction = serde_json::from_value(json).unwrap();
+        assert_eq!(old.in_use_max_bytes, 0);
     }
 }

@@ -74,6 +74,12 @@ pub struct Prediction {
     pub peak_at: String,
     pub step_seconds: f64,
     pub tokens_per_second: f64,
+    /// The highest bytes in use at any op, the transients inside the segments the executor
+    /// samples at included (`MemoryReport::in_use_max_bytes`): what the allocator's pages
+    /// grow to cover, beside `peak_bytes`, which `rcoa run` measures. 0 in a plan lowered
+    /// before it was recorded.
+    #[serde(default)]
+    pub in_use_max_bytes: u64,
 }
 
 /// Where a kind of persistent state lives between its uses.

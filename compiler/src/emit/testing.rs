@@ -252,6 +252,7 @@ impl PlanBuilder {
             peak_at: "backward: layer 0 attention".into(),
             step_seconds: self.step_seconds,
             tokens_per_second: tokens / self.step_seconds,
+            in_use_max_bytes: 60_000_000_000,
         };
         LoweredPlan::from_parts(&self.spec, resolved, prediction)
     }
