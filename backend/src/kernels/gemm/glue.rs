@@ -192,16 +192,21 @@ mod tests {
         Tensor::from_data(TensorData::new(v, [rows, cols]), dev).mul_scalar(0.5)
     }
 
+    /// Burn's own product, the reference.
+    fn burn_product(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Vec<f32> {
+        let y = x.clone().matmul(w.clone());
+        y.into_data().to_vec::<f32>().unwrap()
+    }
+
+    fn cube(t: Tensor<B, 2>) -> CubeTensor<WgpuRuntime> {
+        resolve::<WgpuRuntime, u32>(t.into_primitive().tensor())
+    }
+
     /// The glue's product against Burn's matmul of the same tensors, and
     /// the flags the BLAS was given.
     fn check(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Call {
         CALLS.with(|c| c.borrow_mut().clear());
-        let want = x
-            .clone()
-            .matmul(w.clone())
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
+        let want = burn_product(&x, &w);
         let y = blas_matmul::<WgpuRuntime, u32, HostBlas>(
             x.into_primitive().tensor(),
             w.into_primitive().tensor(),
@@ -261,13 +266,7 @@ mod tests {
         let (n, k, m, pitch) = (12, 7, 5, 8);
         let x = matrix(n, k, 8, &dev);
         let w = matrix(k, m, 9, &dev);
-        let want = x
-            .clone()
-            .matmul(w.clone())
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
-        let cube = |t: Tensor<B, 2>| resolve::<WgpuRuntime, u32>(t.into_primitive().tensor());
+        let want = burn_product(&x, &w);
         let mut out = cube(Tensor::<B, 2>::zeros([n, pitch], &dev));
         out.meta.shape_mut()[1] = m;
         assert_eq!(out.meta.strides()[..], [pitch, 1]);
@@ -282,7 +281,6 @@ mod tests {
     #[test]
     fn an_output_stored_by_columns_is_refused() {
         let Some(dev) = device() else { return };
-        let cube = |t: Tensor<B, 2>| resolve::<WgpuRuntime, u32>(t.into_primitive().tensor());
         let out = cube(Tensor::<B, 2>::zeros([5, 12], &dev).transpose());
         let (x, w) = (cube(matrix(12, 7, 1, &dev)), cube(matrix(7, 5, 2, &dev)));
         let why = product_into::<WgpuRuntime, HostBlas>(x, w, Elem::F32, out).unwrap_err();
