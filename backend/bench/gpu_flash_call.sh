@@ -7,8 +7,9 @@
 #     4 steps, cold), in the background from the start beside step 1 (which times nothing)
 #     and waited for before anything is timed. At most 150 s.
 #  1. The tensor-core flash tests and the block products alone (tests_mma), cuBLAS's
-#     products (kernels::gemm::tests_cuda) and the embedding gradient's kernel
-#     (kernels::embedding::fused::tests_cuda). At most 90 s, 30 s and 20 s.
+#     products (kernels::gemm::tests_cuda, a whole training step's gradients among them)
+#     and the embedding gradient's kernel (kernels::embedding::fused::tests_cuda). At most
+#     90 s, 75 s and 20 s.
 #     If they fail, the speed run takes the Rows kernels. Then the register kernels
 #     (forward_registers, backward_registers; the default since 2026-11-30h, where steps 3
 #     and 4 run them in the directions whose tests pass) and the probes under them (manual
@@ -62,8 +63,9 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   rc=$?
   log "1 tensor-core flash tests rc=$rc"; grep "test result" "$OUT/flash-tests.txt"
   if [ $rc = 0 ] && ! grep -q SKIPPED "$OUT/flash-tests.txt"; then TC=1; fi
-  # cuBLAS's products (RCOA_MATMUL=cublas): step 3b runs only if they pass.
-  RCOA_REQUIRE=cuda,cublas timeout "$(cap 30)" /tmp/flash-tests kernels::gemm::tests_cuda \
+  # cuBLAS's products (RCOA_MATMUL=cublas): step 3b runs only if they pass. The last test
+  # compiles a tiny model's kernels for a whole training step on each engine.
+  RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
     --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
   rc=$?
   log "1 cuBLAS tests rc=$rc"; grep "test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 4

@@ -59,9 +59,24 @@ fn note_once(why: String) {
     ONCE.call_once(|| eprintln!("note: {why}"));
 }
 
+thread_local! {
+    /// A test's engine for this thread's products, over `RCOA_MATMUL`'s.
+    static ENGINE_HERE: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's products on `engine` (the tests compare the two engines in
+/// one process, where `RCOA_MATMUL` is read once).
+#[cfg(test)]
+pub(crate) fn with_engine<T>(engine: Engine, f: impl FnOnce() -> T) -> T {
+    let before = ENGINE_HERE.replace(Some(engine));
+    let out = f();
+    ENGINE_HERE.set(before);
+    out
+}
+
 /// `x [n, k] · w [k, m]` by the engine `RCOA_MATMUL` asks for.
 pub fn matmul_2d(x: FloatTensor<Backend>, w: FloatTensor<Backend>) -> FloatTensor<Backend> {
-    if engine_asked() == Engine::Cublas {
+    if ENGINE_HERE.get().unwrap_or_else(engine_asked) == Engine::Cublas {
         if !cublas::available() {
             note_once(
                 "RCOA_MATMUL=cublas, but no cuBLAS library loads (libcublas.so.13 or .12 on \

@@ -216,3 +216,56 @@ fn later_cubecl_kernels_see_the_product() {
         );
     }
 }
+
+/// A whole training step's loss and gradients with every linear layer on cuBLAS (the
+/// forward's products and both of each backward's, `autodiff`) equal those on CubeCL's
+/// matmul, at widths CubeCL's allocator pads (rows of 48, 80 and 100 f32 values), so
+/// padded operands and outputs meet cuBLAS the way a model's do.
+#[test]
+fn whole_training_step_on_cublas_equals_cubecl() {
+    use super::fused::{with_engine, Engine};
+    let Some(_dev) = device() else { return };
+    let mut plan = crate::testing::tiny_plan();
+    let m = &mut plan.model;
+    (m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab) = (48, 4, 2, 12, 80, 100);
+    let opts = crate::RunOptions {
+        steps: 1,
+        seed: 11,
+        data: None,
+        tokenizer: None,
+        eval: None,
+        eval_every: None,
+        save: None,
+        save_every: None,
+        hf_save: Default::default(),
+        resume: None,
+        distributed: None,
+    };
+    let t = crate::testing::trainer::<crate::cuda::B>(&plan, &opts, 11).expect("a trainer");
+    let batch = t.batcher.batch(0, 0);
+    let step = |engine| {
+        with_engine(engine, || {
+            let (loss, grads) = t.reference_grads(&batch, 0, 0);
+            (loss, t.flatten(&grads))
+        })
+    };
+    let (want_loss, want) = step(Engine::CubeCl);
+    let (loss, got) = step(Engine::Cublas);
+    assert!(
+        (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+        "loss {loss} on cuBLAS against {want_loss}"
+    );
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let scale = w.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst <= 1e-4 * scale,
+            "parameter {i}: gradients differ by {worst:e} (largest {scale:e})"
+        );
+    }
+}
