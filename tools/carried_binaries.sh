@@ -7,16 +7,19 @@
 #
 #   sh tools/carried_binaries.sh                  # rcoa, flash tests, four benches
 #   sh tools/carried_binaries.sh --with-transport # and the CUDA transport bench (gpu_jobs.sh)
+#   sh tools/carried_binaries.sh --speed-only     # rcoa and the tests only (gpu_speed_call.sh)
 #
 # About 25 minutes on two cores from a cold target directory. No GPU, toolkit or NVRTC
 # is needed to build: cudarc loads CUDA at run time.
 set -eu
 out=.rcoa-bin
 transport=0
+benches="flash gemm embedding compile_phase"
 for a in "$@"; do
   case "$a" in
     --with-transport) transport=1 ;;
-    *) echo "usage: sh tools/carried_binaries.sh [--with-transport]" >&2; exit 2 ;;
+    --speed-only) benches="" ;;
+    *) echo "usage: sh tools/carried_binaries.sh [--with-transport | --speed-only]" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -56,7 +59,8 @@ pack "$(cat /tmp/carried-path)" rcoa
 cargo test --release -p rcoa-backend --features cuda --lib --no-run \
   --message-format=json-render-diagnostics | executable rcoa_backend lib > /tmp/carried-path
 pack "$(cat /tmp/carried-path)" flash-tests
-for bench in flash gemm embedding compile_phase; do
+rm -f "$out"/*-bench.gz
+for bench in $benches; do
   cargo bench -p rcoa-backend --features cuda --bench "$bench" --no-run \
     --message-format=json-render-diagnostics | executable "$bench" bench > /tmp/carried-path
   pack "$(cat /tmp/carried-path)" "$(echo "$bench" | tr _ -)-bench"
