@@ -231,15 +231,7 @@ fn whole_training_step_on_cublas_equals_cubecl() {
     let opts = crate::RunOptions {
         steps: 1,
         seed: 11,
-        data: None,
-        tokenizer: None,
-        eval: None,
-        eval_every: None,
-        save: None,
-        save_every: None,
-        hf_save: Default::default(),
-        resume: None,
-        distributed: None,
+        ..Default::default()
     };
     let t = crate::testing::trainer::<crate::cuda::B>(&plan, &opts, 11).expect("a trainer");
     let batch = t.batcher.batch(0, 0);
