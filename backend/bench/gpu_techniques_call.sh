@@ -1,5 +1,5 @@
 #!/bin/bash
-# Calls 6-11 of docs/gpu-session.md in one device call (about 5 minutes), for a session's
+# Calls 6-12 of docs/gpu-session.md in one device call (about 5 minutes), for a session's
 # second call, warm after gpu_flash_call.sh: the techniques finished on CPUs since the last
 # GPU session, run on CUDA for the first time. Each job is a process of its own, all at once
 # (their predicted peaks add up to about 70 GiB of the H200's 139), each with its own kernel
@@ -18,6 +18,10 @@
 #       step is the CPU's and transformers' (reference.json's eval.loss).
 #   11. Head dim 96 (llama125m_head96.plan, eager and flash, 6 steps each): the peak
 #       against the prediction where CubeCL pads Burn's `[..., 96]` rows to 128 values.
+#   12. Flash against eager over a whole run: llama125m_base.plan with `attention = flash`
+#       (30 steps) beside job 6's bf16 run of the same plan, same seed; the summary prints
+#       the largest difference of their losses (docs/flash-attention.md's last condition
+#       for flash as `target burn`'s default).
 #
 # Then a summary of every job (steps, skipped steps, loss scale, first and last loss, eval
 # losses, peak against predicted) into $OUT/summary.txt. Device tool: carry [".rcoa-bin"];
@@ -60,6 +64,8 @@ fixture_job() {
 if [ "$DEVICE" = cuda ]; then
   job fp16 30 $B/llama125m_fp16.plan
   job bf16-base 30 $B/llama125m_base.plan
+  sed 's/attention = eager/attention = flash/' $B/llama125m_base.plan > /tmp/base-flash.plan
+  job bf16-flash 30 /tmp/base-flash.plan
   job in-backward 6 $B/llama1b_in_backward.plan
   sed 's/  in_backward = true//' $B/llama1b_in_backward.plan > /tmp/after-backward.plan
   job after-backward 6 /tmp/after-backward.plan
@@ -80,6 +86,7 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu-after.t
 
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import glob, json, os, sys
+curves = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     name = os.path.basename(path)[:-6]
     steps, evals, start, summary = [], [], {}, {}
@@ -103,6 +110,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
               f"{start.get('optimizer_in_backward')}, device {start.get('device')}")
     if steps:
         losses = [s.get("loss") for s in steps]
+        curves[name] = losses
         print("   losses:", " ".join(f"{x:.4f}" if isinstance(x, float) else str(x) for x in losses))
         scales = [s.get("loss_scale") for s in steps if "loss_scale" in s]
         skipped = [s["step"] for s in steps if s.get("skipped")]
@@ -126,5 +134,11 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     tail = [l.rstrip() for l in open(err) if l.strip() and not l.startswith("[")][-4:] if os.path.exists(err) else []
     for l in tail:
         print("   err:", l[:300])
+a, b = curves.get("bf16-base"), curves.get("bf16-flash")
+if a and b:
+    n = min(len(a), len(b))
+    d = max(abs(x - y) for x, y in zip(a[:n], b[:n]))
+    print(f"== flash against eager, {n} steps of llama125m_base: largest loss difference {d:.4f}, "
+          f"last losses {a[n - 1]:.4f} and {b[n - 1]:.4f}")
 PY
 log "done"
