@@ -87,11 +87,11 @@ pub fn blas_matmul<R: CubeRuntime, BT: BoolElement, G: Blas<R>>(
 }
 
 /// Writes `x · w` into `out`, an `[n, m]` stored row by row whose rows may
-/// start further apart than `m`: CubeCL's CUDA allocator pads a row to a
-/// multiple of up to 512 bytes (its pitched layout), so a `[64, 80]` f32
-/// output has rows 128 elements apart. BLAS is told that leading dimension;
-/// written as if contiguous, every row after the first landed where the
-/// tensor does not read it (2026-11-30h's wrong f32 `64×96×80` product).
+/// start further apart than `m`; BLAS is told that leading dimension. The
+/// outputs `blas_matmul` makes are contiguous (`fusion::empty`), but Burn's
+/// own allocations on CUDA pad each row to a multiple of up to 512 bytes (a
+/// `[64, 80]` f32's rows start 128 elements apart), and such an output
+/// written as if contiguous was 2026-11-30h's wrong f32 `64×96×80` product.
 fn product_into<R: CubeRuntime, G: Blas<R>>(
     x: CubeTensor<R>,
     w: CubeTensor<R>,
