@@ -2,7 +2,7 @@
 # Calls 6-12 of docs/gpu-session.md in one device call (about 5 minutes), for a session's
 # second call, warm after gpu_flash_call.sh: the techniques finished on CPUs since the last
 # GPU session, run on CUDA for the first time. Each job is a process of its own, all at once
-# (their predicted peaks add up to about 70 GiB of the H200's 139), each with its own kernel
+# (their predicted peaks add up to about 90 GiB of the H200's 139), each with its own kernel
 # cache seeded from call 0's (/tmp/cache-flash-call, if this machine still has it), so none
 # waits on another's compile and no two append to one cache:
 #
