@@ -1,7 +1,8 @@
-# Sourced by gpu_one_call.sh and gpu_flash_call.sh: what a device call's script sets up first.
-# Expects LIMIT (seconds the whole call may take) and OUT; sets B, END, DEVICE, RCOA, SHAPE,
-# and cap, log, start_expandable_jobs, wait_expandable_jobs, profile_kernels. DRY=1: the
-# CPU, this machine's release build (BIN), tiny shapes.
+# Sourced by gpu_one_call.sh, gpu_flash_call.sh and gpu_speed_call.sh: what a device call's
+# script sets up first. Expects LIMIT (seconds the whole call may take) and OUT; sets B, END,
+# DEVICE, RCOA, SHAPE, and cap, log, start_expandable_jobs, wait_expandable_jobs,
+# profile_kernels, cublas_tests. DRY=1: the CPU, this machine's release build (BIN), tiny
+# shapes.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 END=$(( $(date +%s) + LIMIT ))
 B=backend/bench
@@ -63,4 +64,15 @@ for line in open(sys.argv[1]):
     for r in v["families"] + v["kernels"][:int(sys.argv[2])]:
         print(f"  {r['name'][:70]:<70} {r['seconds_per_step'] * 1e3:8.2f} ms {r['share']:6.1%} {r['launches_per_step']:7.1f}")
 PY
+}
+
+# cuBLAS's CUDA tests (kernels::gemm::tests_cuda, at most 75 s: the last compiles a tiny
+# model's kernels for a whole training step on each engine) into $OUT/gemm-tests.txt, from
+# /tmp/flash-tests (the caller unpacks it); logged as step $1. Sets BLAS=1 if they passed.
+cublas_tests() {
+  RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
+    --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
+  local rc=$?
+  log "$1 cuBLAS tests rc=$rc"; grep "^test \|test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 12
+  if [ $rc = 0 ]; then BLAS=1; fi
 }

@@ -63,13 +63,8 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   rc=$?
   log "1 tensor-core flash tests rc=$rc"; grep "test result" "$OUT/flash-tests.txt"
   if [ $rc = 0 ] && ! grep -q SKIPPED "$OUT/flash-tests.txt"; then TC=1; fi
-  # cuBLAS's products (RCOA_MATMUL=cublas): step 3b runs only if they pass. The last test
-  # compiles a tiny model's kernels for a whole training step on each engine.
-  RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
-    --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
-  rc=$?
-  log "1 cuBLAS tests rc=$rc"; grep "test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 4
-  if [ $rc = 0 ]; then BLAS=1; fi
+  # cuBLAS's products (RCOA_MATMUL=cublas): step 3b runs only if they pass.
+  cublas_tests 1
   # The embedding gradient's kernel against Burn's (the default on CUDA since 2026-11-29b).
   RCOA_REQUIRE=cuda timeout "$(cap 20)" /tmp/flash-tests kernels::embedding::fused::tests_cuda \
     --test-threads 1 > "$OUT/embedding-tests.txt" 2>&1

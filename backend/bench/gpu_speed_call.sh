@@ -28,11 +28,8 @@ source backend/bench/gpu_call_common.sh
 BLAS=0
 if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
-  RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
-    --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
-  rc=$?
-  log "1 cuBLAS tests rc=$rc"; grep "^test \|test result\|panicked" "$OUT/gemm-tests.txt" | head -n 12
-  if [ $rc = 0 ]; then BLAS=1; export RCOA_MATMUL=cublas; fi
+  cublas_tests 1
+  if [ $BLAS = 1 ]; then export RCOA_MATMUL=cublas; fi
 fi
 log "matmuls on ${RCOA_MATMUL:-cubecl}"
 

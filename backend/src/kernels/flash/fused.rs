@@ -119,6 +119,14 @@ struct RegistersAsked {
     backward: bool,
 }
 
+impl RegistersAsked {
+    /// Neither direction: the block kernels both ways.
+    const NEITHER: RegistersAsked = RegistersAsked {
+        forward: false,
+        backward: false,
+    };
+}
+
 impl Default for RegistersAsked {
     /// Both, wherever they take the launch (`FlashLaunch::register_forward_runs`): their
     /// CUDA tests passed on an H200 (2026-11-30h), where they ran the 350M shape's
@@ -155,15 +163,9 @@ fn parse_registers(value: &str) -> Result<RegistersAsked, &str> {
         return Ok(RegistersAsked::default());
     }
     if value == "0" {
-        return Ok(RegistersAsked {
-            forward: false,
-            backward: false,
-        });
+        return Ok(RegistersAsked::NEITHER);
     }
-    let mut asked = RegistersAsked {
-        forward: false,
-        backward: false,
-    };
+    let mut asked = RegistersAsked::NEITHER;
     for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
         match word {
             "forward" => asked.forward = true,
