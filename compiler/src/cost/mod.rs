@@ -2,8 +2,9 @@
 //!
 //! One micro-step's matmul FLOPs (forward, backward, recompute of
 //! checkpointed layers; a frozen weight's gradient is not computed) run at
-//! the GPU's dense bf16 rate times the profile's efficiency (fp32 compute runs
-//! TF32 at half that rate); memory-bound ops move their bytes at the
+//! the GPU's dense rate for the compute type (fp32 runs TF32 at half the bf16
+//! rate) times the profile's efficiency, which may differ for fp32, for eager
+//! attention's products and for fused attention; memory-bound ops move their bytes at the
 //! bandwidth times the profile's efficiency. The optimizer reads and writes
 //! parameters, gradients and state once. Data parallelism adds a gradient
 //! all-reduce (ring: 2(d-1)/d of the gradient bytes), overlapped with nothing
@@ -15,7 +16,7 @@ pub mod parallel;
 
 use crate::memory::{Candidate, MemoryReport};
 use crate::profile::Profile;
-use crate::spec::Spec;
+use crate::spec::{Dtype, Spec};
 use serde::Serialize;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -36,7 +37,17 @@ pub fn estimate(
 ) -> TimeEstimate {
     let gpu = &spec.hardware.gpu;
     let peak = gpu.dense_tflops(spec.precision.compute) * 1e12;
-    let flops_rate = peak * profile.matmul_efficiency;
+    let linear_efficiency = match spec.precision.compute {
+        Dtype::Fp32 | Dtype::Tf32 => profile
+            .fp32_matmul_efficiency
+            .unwrap_or(profile.matmul_efficiency),
+        _ => profile.matmul_efficiency,
+    };
+    let flops_rate = peak * linear_efficiency;
+    // Eager attention's products where the executor runs them at their own rate.
+    let attention_rate = profile
+        .attention_matmul_efficiency
+        .map_or(flops_rate, |e| peak * e);
     // The executor's fused attention kernels run at their own measured rate.
     let fused_rate = profile
         .fused_attention_efficiency
@@ -46,14 +57,16 @@ pub fn estimate(
         .map_or(fused_rate, |e| gpu.cuda_core_tflops() * 1e12 * e);
     let bw = gpu.bandwidth_bytes_per_s * profile.bandwidth_efficiency;
     let ga = cand.grad_accum.max(1) as f64;
-    let (fused, rows) = (
+    let (fused, rows, attention) = (
         report.step_fused_attention_flops,
         report.step_fused_attention_rows_flops,
+        report.step_attention_matmul_flops,
     );
     let compute_s = ga
-        * ((report.step_flops - fused - rows) / flops_rate.max(1.0)
+        * ((report.step_flops - fused - rows - attention) / flops_rate.max(1.0)
             + fused / fused_rate.max(1.0)
-            + rows / rows_rate.max(1.0));
+            + rows / rows_rate.max(1.0)
+            + attention / attention_rate.max(1.0));
     let launch_s = ga * report.step_kernels as f64 * profile.kernel_overhead_s;
     let memory_s = ga * report.step_bytes_moved / bw.max(1.0) + launch_s;
     let persistent: u64 = ["weights", "grads", "optimizer"]
@@ -139,12 +152,53 @@ mod tests {
         );
     }
 
+    /// Under `target burn` eager attention's two products run at their own rate and the
+    /// linear layers at the compute type's: fp32 at `fp32_matmul_efficiency` of the TF32
+    /// rate, bf16 at `matmul_efficiency` of the bf16 rate. Flash plans have no such FLOPs.
+    #[test]
+    fn eager_attention_and_fp32_products_run_at_their_own_rates() {
+        use crate::spec::Dtype;
+        let profile = Profile::for_target(Target::Burn);
+        let att_eff = profile
+            .attention_matmul_efficiency
+            .expect("burn's is fitted");
+        let c = one_gpu(4);
+        let compute_s = |compute: Dtype, attention: Attention| {
+            let mut spec = SpecBuilder::new()
+                .target(Target::Burn)
+                .precision(Dtype::Fp32, compute, None)
+                .build();
+            spec.train.attention = attention;
+            let r = evaluate(&spec, &c, &profile, false);
+            let t = estimate(&spec, &c, &profile, &r);
+            (
+                r,
+                t.compute_seconds,
+                spec.hardware.gpu.dense_tflops(compute) * 1e12,
+            )
+        };
+        for (compute, eff) in [
+            (Dtype::Bf16, profile.matmul_efficiency),
+            (Dtype::Fp32, profile.fp32_matmul_efficiency.expect("fitted")),
+        ] {
+            let (r, seconds, peak) = compute_s(compute, Attention::Eager);
+            let att = r.step_attention_matmul_flops;
+            assert!(att > 0.0 && att < r.step_flops, "{att} of {}", r.step_flops);
+            let expected = (r.step_flops - att) / (peak * eff) + att / (peak * att_eff);
+            assert!(
+                (seconds / expected - 1.0).abs() < 1e-9,
+                "{compute:?}: {seconds} {expected}"
+            );
+        }
+        let (flash, _, _) = compute_s(Dtype::Bf16, Attention::Flash);
+        assert_eq!(flash.step_attention_matmul_flops, 0.0);
+    }
+
     /// A step computes at its compute type's rate: fp16 on a V100's tensor cores is 8 x
     /// its bf16 (the CUDA cores'), fp32 there runs on the CUDA cores too, and on an H100
     /// fp32 is TF32 at half the bf16 rate.
     #[test]
     fn each_compute_type_runs_at_its_own_rate() {
-        use crate::spec::Dtype;
         let gpu = |name| crate::catalog::gpu(name).expect("a catalog GPU").spec();
         let (v100, h100) = (gpu("v100-32gb"), gpu("h100-80gb"));
         assert_eq!(v100.dense_tflops(Dtype::Fp16), 125.0);

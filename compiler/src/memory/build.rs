@@ -177,6 +177,11 @@ pub const FUSED_ATTENTION_OP: &str = "flash_attention";
 /// `Profile::fused_attention_rows_efficiency`.
 pub const FUSED_ATTENTION_ROWS_OP: &str = "flash_attention_rows";
 
+/// The op names of eager attention's two products, `q kᵀ` and `probs v` (unfused and
+/// selective alike), which the time model prices at `Profile::attention_matmul_rate`.
+pub const SCORES_OP: &str = "scores";
+pub const PROBS_V_OP: &str = "probs_v";
+
 impl<'a> Builder<'a> {
     pub fn new(spec: &'a Spec, profile: &'a Profile, cand: &'a Candidate) -> Self {
         let stored = storage(spec.precision.params);
@@ -986,7 +991,7 @@ impl<'a> Builder<'a> {
             let scores_shape = [seqs, heads, s, s];
             let rg = self.rg(q) || self.rg(kr);
             let sc = self.tensor("scores", &scores_shape, act, rg);
-            let o = self.op("scores", &[q, kr], &[sc], &[q, kr]);
+            let o = self.op(SCORES_OP, &[q, kr], &[sc], &[q, kr]);
             self.tape.ops[o].flops = score_flops / 2.0;
             self.tape.ops[o].bwd_flops = score_flops;
             let sc = self.pointwise("scale", &[sc], act, &[]);
@@ -1021,7 +1026,7 @@ impl<'a> Builder<'a> {
             if kv == heads {
                 saved.extend(fused_qk.into_iter().flatten());
             }
-            let o = self.op("probs_v", &[p, vr], &[out], &saved);
+            let o = self.op(PROBS_V_OP, &[p, vr], &[out], &saved);
             self.tape.ops[o].flops = score_flops / 2.0;
             self.tape.ops[o].bwd_flops = score_flops;
             // transpose(1, 2).reshape(...) of a non-contiguous tensor copies, back to the
@@ -1133,7 +1138,7 @@ impl<'a> Builder<'a> {
         let shape = [seqs, heads, s, s];
         let rg = self.rg(qs) || self.rg(k);
         let sc = self.tensor("scores", &shape, act, rg);
-        let o = self.op("scores", &[qs, k], &[sc], &[qs, k]);
+        let o = self.op(SCORES_OP, &[qs, k], &[sc], &[qs, k]);
         self.tape.ops[o].flops = score_flops / 2.0;
         self.tape.ops[o].bwd_flops = score_flops;
         let sc = if decoder {
@@ -1151,7 +1156,7 @@ impl<'a> Builder<'a> {
         let p = self.dropout(p, dropout);
         let rg = self.rg(p) || self.rg(v);
         let out = self.tensor("attn_out", &[seqs, heads, s, hd], act, rg);
-        let o = self.op("probs_v", &[p, v], &[out], &[p, v]);
+        let o = self.op(PROBS_V_OP, &[p, v], &[out], &[p, v]);
         self.tape.ops[o].flops = score_flops / 2.0;
         self.tape.ops[o].bwd_flops = score_flops;
         // `swap_dims(1, 2).reshape([b, s, h * d])` of a non-contiguous tensor copies.

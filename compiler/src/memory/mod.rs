@@ -208,6 +208,10 @@ pub struct MemoryReport {
     /// (`flash_attention_rows` ops), at `Profile::fused_attention_rows_efficiency`.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub step_fused_attention_rows_flops: f64,
+    /// Of `step_flops`, eager attention's score and value products (`scores`, `probs_v`),
+    /// at `Profile::attention_matmul_efficiency`.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub step_attention_matmul_flops: f64,
     /// Bytes moved by memory-bound ops in one micro-step.
     pub step_bytes_moved: f64,
     /// Kernels launched by one micro-step (forward, recompute, backward).
@@ -684,6 +688,7 @@ fn evaluate_stage(
         step_flops: work.flops,
         step_fused_attention_flops: work.fused_flops,
         step_fused_attention_rows_flops: work.fused_rows_flops,
+        step_attention_matmul_flops: work.attention_matmul_flops,
         step_bytes_moved: work.moved,
         step_kernels: work.kernels,
         units: unit_bytes,
@@ -1016,6 +1021,8 @@ struct Work {
     /// Of `flops`, the fused attention's on tensor cores, and its `Rows` kernels'.
     fused_flops: f64,
     fused_rows_flops: f64,
+    /// Of `flops`, eager attention's two products.
+    attention_matmul_flops: f64,
     /// Bytes moved by memory-bound ops.
     moved: f64,
     kernels: u64,
@@ -1045,6 +1052,8 @@ fn tape_work(tape: &tape::Tape) -> Work {
             w.fused_flops += op_flops;
         } else if op.name == build::FUSED_ATTENTION_ROWS_OP {
             w.fused_rows_flops += op_flops;
+        } else if op.name == build::SCORES_OP || op.name == build::PROBS_V_OP {
+            w.attention_matmul_flops += op_flops;
         }
         if op.flops == 0.0 {
             // Forward (and recompute), and about as many bytes again in the backward.

@@ -157,8 +157,16 @@ pub struct Profile {
     pub pool_factor: f64,
     /// The same when some layer is recomputed in the backward.
     pub pool_factor_recompute: f64,
-    /// Fraction of the GPU's dense bf16 rate a step's matmuls reach.
+    /// Fraction of the GPU's dense rate for the compute type a step's matmuls reach.
     pub matmul_efficiency: f64,
+    /// The same for fp32 compute (TF32 where the GPU has it), where the executor's
+    /// products reach a different fraction than its 16-bit ones; `None`: `matmul_efficiency`.
+    pub fp32_matmul_efficiency: Option<f64>,
+    /// Fraction of the dense rate eager attention's two products (`q kᵀ`, `probs v`)
+    /// reach, counted as the model counts them (half the square under a causal mask),
+    /// where the executor runs them apart from its linear layers; `None`:
+    /// `matmul_efficiency`.
+    pub attention_matmul_efficiency: Option<f64>,
     /// Fraction of the dense bf16 rate the executor's own fused attention kernels
     /// (`attention = flash`) reach on their block products, when it differs from
     /// `matmul_efficiency`'s.
@@ -282,6 +290,8 @@ impl Profile {
             // below) puts the median predicted/measured step time of the 45 measured rows
             // at 1.03 (range 0.67-1.38).
             matmul_efficiency: 0.42,
+            fp32_matmul_efficiency: None,
+            attention_matmul_efficiency: None,
             fused_attention_efficiency: None,
             fused_attention_rows_efficiency: None,
             bandwidth_efficiency: 0.8,
@@ -385,18 +395,29 @@ impl Profile {
             // × on an H100 and, by replay, up to 2.1 × on an H200, whose pages are larger.
             pool_factor: 1.15,
             pool_factor_recompute: 1.30,
-            // Fitted to the fused executor's steps on the H100 (docs/burn-h100.md: 350m eager
-            // 0.2125 s, 350m gc 0.288 s, 350m fp32 0.392 s, 125m fp32 0.147 s). Fusion merges
-            // the element-wise passes the tape counts one by one, so the tape's bytes at the
-            // full bandwidth stand for what is left of them.
-            matmul_efficiency: 0.13,
+            // The step's terms fitted together (2026-11-30j, `docs/burn-h100.md`) to the seven
+            // steps measured without per-layer GPU syncs: on an H100, 350m eager 0.2125 s, 350m
+            // gc 0.288 s, 350m fp32 0.392 s, 125m fp32 0.147 s and the GQA holdout 0.1625 s
+            // (2 micro-steps); on an H200 with the register flash kernels, 350M 0.1684 s and
+            // 1.24B 0.4165 s. Every row within 2.5 % (`compiler/tests/burn_step_time.rs`);
+            // leaving one out predicts it within 6 %, the 1.24B's within 12 %. One efficiency
+            // for all products (0.13 until then) could not hold them: it paid for eager
+            // attention's products, which Burn runs whole under a causal mask and at K = 64,
+            // so the flash plans, which have none, read 30 % and 45 % slow. CubeCL's 16-bit
+            // linear products: 0.21 of the dense rate (the 350M's kernel profile measured 0.18
+            // of its matmul kernels alone; the 1.24B's larger products run faster).
+            matmul_efficiency: 0.21,
+            // CubeCL's f32 products, of the TF32 rate.
+            fp32_matmul_efficiency: Some(0.18),
+            // Eager attention's scores and `probs v`, counted as the model counts them.
+            attention_matmul_efficiency: Some(0.0575),
             // rcoa's tensor-core flash kernels on an H200 (2026-11-28f, after the staged
             // tiles were padded): 20.0 TFLOP/s forward and 14.1 backward in FlashAttention's
             // count, i.e. 0.86 and 0.87 ms per block product of the 350M shape (2 forward, 7
             // backward): 20 TFLOP/s of the products the model counts, 0.020 of the dense
-            // bf16 rate (an H100's SMs and clocks are the H200's). The 0.13 above prices
-            // them 6.5 times too fast: the 350M flash plan predicted 0.227 s a step against
-            // 0.314 s measured. Since 2026-11-30h the register kernels run by default: 0.404
+            // bf16 rate (an H100's SMs and clocks are the H200's). The linear layers' 0.13
+            // of then priced them 6.5 times too fast: the 350M flash plan predicted 0.227 s
+            // a step against 0.314 s measured. Since 2026-11-30h the register kernels run by default: 0.404
             // ms forward and 1.053 ms backward (one pass) at that shape on an H200, 5.2 times
             // the block kernels' 1.714 + 6.093 ms above (`docs/flash-attention.md`).
             fused_attention_efficiency: Some(0.10),
@@ -406,10 +427,15 @@ impl Profile {
             // the CUDA cores' 66.9 TFLOP/s. Scalar FMAs scale with those, not with the tensor
             // cores (an L40S has 1.4 times an H100's, at 0.37 times its bf16 rate).
             fused_attention_rows_efficiency: Some(0.082),
-            bandwidth_efficiency: 1.0,
-            step_overhead_s: 0.02,
+            // Fitted with the rates above. The 350M flash step's kernel profile (H200) puts
+            // 37 ms in memory-bound kernels, which move about half the bytes the tape counts
+            // at the full bandwidth (12.9 ms): fusion joins passes the tape counts apart, and
+            // what is left runs well under the bandwidth. Its 2,254 launches and the host
+            // leave the GPU idle 12.6 ms a step.
+            bandwidth_efficiency: 0.45,
+            step_overhead_s: 0.0075,
             // CubeCL launches (fused element-wise kernels are fewer than PyTorch's).
-            kernel_overhead_s: 10e-6,
+            kernel_overhead_s: 6e-6,
         }
     }
 }
