@@ -1,11 +1,12 @@
 #!/bin/bash
-# Issue 13's bars in one device call (about 7 minutes), with the linear layers on cuBLAS
+# Issue 13's bars in one device call (about 9 minutes), with the linear layers on cuBLAS
 # where its CUDA tests pass:
 #
 #  1. cuBLAS's CUDA tests (kernels::gemm::tests_cuda: 48 products, padded rows, an offset
 #     operand, the stream order, and a whole training step's gradients against CubeCL's).
 #     At most 75 s. If they pass, every step below runs with RCOA_MATMUL=cublas; if not,
-#     on CubeCL's matmuls, and the log says so.
+#     on CubeCL's matmuls, and the log says so. Then the RoPE kernel's tests (at most 45 s);
+#     if they fail, the steps below use Burn's composition (RCOA_ROPE=composite).
 #  2. speed.py on the 350M and the 1.24B shapes at seq 2048, rcoa (flash attention) against
 #     PyTorch eager with SDPA and torch.compile, in one run: tokens/s, peak and reserved
 #     bytes (over the sampled peak and over the highest in use), MFU, and rcoa's first step
@@ -16,12 +17,12 @@
 #
 # Device tool: carry [".rcoa-bin"] (rcoa.gz and flash-tests.gz, built as docs/gpu-session.md
 # says); call it as
-#   OUT_DIR=$OUT; export OUT=/tmp/s; LIMIT=480 bash backend/bench/gpu_speed_call.sh;
+#   OUT_DIR=$OUT; export OUT=/tmp/s; LIMIT=530 bash backend/bench/gpu_speed_call.sh;
 #   tar czf $OUT_DIR/speed.tgz -C /tmp/s .; cp /tmp/s/steps.txt /tmp/s/speed.txt $OUT_DIR/
-# with timeout_s about 520. DRY=1 checks the script on a CPU with this machine's release
+# with timeout_s about 570. DRY=1 checks the script on a CPU with this machine's release
 # build (the tiny shape; no tests, no PyTorch needed beyond what speed.py's CPU check uses).
 set -u
-LIMIT=${LIMIT:-480}
+LIMIT=${LIMIT:-530}
 source backend/bench/gpu_call_common.sh
 
 # 1. cuBLAS's tests.
@@ -30,8 +31,9 @@ if [ -f .rcoa-bin/flash-tests.gz ] && [ "$DEVICE" = cuda ]; then
   gunzip -c .rcoa-bin/flash-tests.gz > /tmp/flash-tests && chmod +x /tmp/flash-tests
   cublas_tests 1
   if [ $BLAS = 1 ]; then export RCOA_MATMUL=cublas; fi
+  rope_tests 1b
 fi
-log "matmuls on ${RCOA_MATMUL:-cubecl}"
+log "matmuls on ${RCOA_MATMUL:-cubecl}, RoPE ${RCOA_ROPE:-kernel}"
 
 # 2. Both shapes, three engines, rcoa cold.
 export RCOA_CACHE_DIR=/tmp/cache-speed-call

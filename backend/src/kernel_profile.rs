@@ -120,6 +120,9 @@ pub fn family(name: &str) -> Family {
     } else if has(&[
         "unary",
         "binop",
+        // rcoa's RoPE: the rotation that replaced a flip (layout) and its fused products.
+        "rope_kernel",
+        "ropekernel",
         "kernel_cmp",
         "kernelcmp",
         "scalar",
@@ -437,6 +440,10 @@ mod tests {
         assert_eq!(
             family("rcoa_backend::kernels::embedding::fused::embedding_grad_kernel::EmbeddingGradKernel<R>"),
             Family::Layout
+        );
+        assert_eq!(
+            family("rcoa_backend::kernels::rope::fused::rope_kernel::RopeKernel<R>"),
+            Family::Elementwise
         );
         assert_eq!(family("some_crate::Mystery<u8>"), Family::Other);
         // `RCOA_MATMUL=cublas`: timed by `kernels::gemm::cublas` under this name.

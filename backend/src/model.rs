@@ -574,9 +574,8 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
-fn rope<B: Backend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Tensor<B, 4> {
-    let dims = x.dims();
-    let [a, b, c, d] = dims;
+fn rope<B: ExecBackend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Tensor<B, 4> {
+    let [_, _, _, d] = x.dims();
     let rows = t.cos.dims()[0];
     if let Some(swap) = &t.swap {
         // Part of each head rotated: one gather swaps the rotated halves, and the tables'
@@ -589,18 +588,13 @@ fn rope<B: Backend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Tensor<
         return x * table(&t.cos) + swapped * table(&t.sin);
     }
     // Rotate-half form (as in Hugging Face LLaMA), pairs (i, i + d/2):
-    //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s].
-    // Swapping the halves is a flip of the size-2 axis of a `[.., 2, d/2]` view: one
-    // gather each way. `narrow` + `cat` launched two slices forward and, backward, two
-    // slices, two slice-assigns and their zero fills, for each of q and k in each layer.
-    let halves = x.reshape([a, b, c, 2, d / 2]);
-    // The flip first, so the products and the sum after it can fuse into one kernel.
-    let swapped = halves.clone().flip([3]);
-    let table = |t: &Tensor<B, 2>, pair: usize| match seq {
-        SeqAxis::Second => t.clone().reshape([1, rows, 1, pair, d / 2]),
-        SeqAxis::Third => t.clone().reshape([1, 1, rows, pair, d / 2]),
+    //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s],
+    // one kernel each way on the fused CubeCL backends (`kernels::rope`).
+    let axis = match seq {
+        SeqAxis::Second => 1,
+        SeqAxis::Third => 2,
     };
-    (halves * table(&t.cos, 1) + swapped * table(&t.sin, 2)).reshape(dims)
+    crate::ops::rope(x, &t.cos, &t.sin, axis)
 }
 
 impl<B: ExecBackend> Attention<B> {

@@ -124,6 +124,23 @@ pub trait ExecBackend: Backend {
         Self::embedding_backward(table, dy, ids)
     }
 
+    /// RoPE on whole heads of `x [b, .., .., d]` whose positions are on axis `seq_axis` (1:
+    /// `[b, s, h, d]`, 2: `[b, h, s, d]`): each pair `(i, i + d/2)` rotated by its position's
+    /// angle, with the cosines `cos [s, d/2]` and signed sines `sin [s, d]` (`[-s, s]`) of
+    /// `model::RopeTables`; `inverse` rotates by minus the angle (the backward). Burn's ops
+    /// (`kernels::rope::rotate_plain`); on the fused CubeCL backends one kernel, whose output
+    /// is contiguous in `x`'s shape. Under autodiff it saves only the tables, which get no
+    /// gradient.
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        seq_axis: usize,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, seq_axis, inverse)
+    }
+
     /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
     /// [d, vocab]` against `targets [n]`, `chunk` rows of logits at a time
     /// (`loss_chunked`); under autodiff it saves the inputs only.
@@ -147,8 +164,9 @@ impl<B> ExecAutodiff for B where B: AutodiffBackend<InnerBackend: ExecBackend> +
 impl ExecBackend for burn::backend::NdArray<f32> {}
 
 /// The fused CubeCL backends (each with its runtime and bool element) run the flash kernels
-/// (`kernels::flash::fused`) and the embedding gradient's (`kernels::embedding::fused`); the
-/// rest is Burn's. CUDA for `rcoa run`; Wgpu so the tests run the same glue on lavapipe.
+/// (`kernels::flash::fused`), the embedding gradient's (`kernels::embedding::fused`) and
+/// RoPE's (`kernels::rope::fused`); the rest is Burn's. CUDA for `rcoa run`; Wgpu so the
+/// tests run the same glue on lavapipe.
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 macro_rules! fused_cube_exec_backend {
     ($backend:ty, $runtime:ty, $bool:ty $(, $more:item)*) => {
@@ -171,6 +189,19 @@ macro_rules! fused_cube_exec_backend {
                 ids: IntTensor<Self>,
             ) -> FloatTensor<Self> {
                 crate::kernels::embedding::fused::embedding_grad::<$runtime, $bool>(table, dy, ids)
+            }
+
+            fn rope(
+                x: FloatTensor<Self>,
+                cos: FloatTensor<Self>,
+                sin: FloatTensor<Self>,
+                seq_axis: usize,
+                inverse: bool,
+            ) -> FloatTensor<Self> {
+                if crate::kernels::rope::composite_asked() {
+                    return crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, seq_axis, inverse);
+                }
+                crate::kernels::rope::fused::rope::<$runtime, $bool>(x, cos, sin, seq_axis, inverse)
             }
 
             fn flash_attention_backward(
@@ -282,6 +313,16 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         crate::kernels::embedding::autodiff::embedding::<B, C>(table, ids)
     }
 
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        seq_axis: usize,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        crate::kernels::rope::autodiff::rope::<B, C>(x, cos, sin, seq_axis, inverse)
+    }
+
     fn chunked_lm_loss(
         hidden: FloatTensor<Self>,
         head: FloatTensor<Self>,
@@ -302,6 +343,25 @@ pub fn matmul_2d<B: ExecBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 
 /// `table [vocab, d]`'s rows for `ids [b, s]` ([`ExecBackend::embedding_lookup`]).
 pub fn embedding<B: ExecBackend>(table: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     let y = B::embedding_lookup(table.into_primitive().tensor(), ids.into_primitive());
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// `x` with each head rotated by RoPE's tables ([`ExecBackend::rope`]), its positions on axis
+/// `seq_axis` (1 or 2).
+pub fn rope<B: ExecBackend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    seq_axis: usize,
+) -> Tensor<B, 4> {
+    let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+    let y = B::rope(
+        x.into_primitive().tensor(),
+        prim(cos),
+        prim(sin),
+        seq_axis,
+        false,
+    );
     Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 

@@ -6,3 +6,4 @@ pub mod flash;
 #[cfg(any(feature = "cuda", feature = "wgpu-kernels"))]
 pub(crate) mod fusion;
 pub mod gemm;
+pub mod rope;

@@ -217,7 +217,8 @@ pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u6
 
 /// The Burn executor's per-run constants on the device (`backend/src/model.rs` `Ctx`), in the
 /// compute dtype, from the model's build to the end of the run: the RoPE cosines (`[seq,
-/// head_dim / 2]`) and signed sines (`[seq, head_dim]`, laid out so one flip rotates) and, for a decoder's attention unless it is fused (`flash`
+/// head_dim / 2]`) and signed sines (`[seq, head_dim]`, both halves of each head, as
+/// `kernels::rope` reads them) and, for a decoder's attention unless it is fused (`flash`
 /// masks the future itself), the additive causal bias `[seq, seq]`. Measured on CUDA: the 17
 /// MiB (two sets, before the executor shared one) by which QLoRA at 2,048 tokens was over
 /// its prediction through the whole step (docs/burn-h100.md, "2026-11-27").
