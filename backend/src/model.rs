@@ -575,26 +575,15 @@ impl<B: Backend> RopeTables<B> {
 }
 
 fn rope<B: ExecBackend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Tensor<B, 4> {
-    let [_, _, _, d] = x.dims();
-    let rows = t.cos.dims()[0];
-    if let Some(swap) = &t.swap {
-        // Part of each head rotated: one gather swaps the rotated halves, and the tables'
-        // ones and zeros pass the rest through exactly.
-        let table = |t: &Tensor<B, 2>| match seq {
-            SeqAxis::Second => t.clone().reshape([1, rows, 1, d]),
-            SeqAxis::Third => t.clone().reshape([1, 1, rows, d]),
-        };
-        let swapped = x.clone().select(3, swap.clone());
-        return x * table(&t.cos) + swapped * table(&t.sin);
-    }
     // Rotate-half form (as in Hugging Face LLaMA), pairs (i, i + d/2):
     //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s],
-    // one kernel each way on the fused CubeCL backends (`kernels::rope`).
+    // one kernel each way on the fused CubeCL backends for whole heads (`kernels::rope`);
+    // part of each head (`swap`) by one gather, in the same autodiff node.
     let axis = match seq {
         SeqAxis::Second => 1,
         SeqAxis::Third => 2,
     };
-    crate::ops::rope(x, &t.cos, &t.sin, axis)
+    crate::ops::rope(x, &t.cos, &t.sin, t.swap.as_ref(), axis)
 }
 
 impl<B: ExecBackend> Attention<B> {

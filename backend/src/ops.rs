@@ -124,21 +124,23 @@ pub trait ExecBackend: Backend {
         Self::embedding_backward(table, dy, ids)
     }
 
-    /// RoPE on whole heads of `x [b, .., .., d]` whose positions are on axis `seq_axis` (1:
+    /// RoPE on the heads of `x [b, .., .., d]` whose positions are on axis `seq_axis` (1:
     /// `[b, s, h, d]`, 2: `[b, h, s, d]`): each pair `(i, i + d/2)` rotated by its position's
     /// angle, with the cosines `cos [s, d/2]` and signed sines `sin [s, d]` (`[-s, s]`) of
-    /// `model::RopeTables`; `inverse` rotates by minus the angle (the backward). Burn's ops
-    /// (`kernels::rope::rotate_plain`); on the fused CubeCL backends one kernel, whose output
-    /// is contiguous in `x`'s shape. Under autodiff it saves only the tables, which get no
-    /// gradient.
+    /// `model::RopeTables`, or part of each head with `swap` (tables `[s, d]` each);
+    /// `inverse` rotates by minus the angle (the backward). Burn's ops
+    /// (`kernels::rope::rotate_plain`); on the fused CubeCL backends one kernel for whole
+    /// heads, whose output is contiguous in `x`'s shape. Under autodiff it saves only the
+    /// tables (and `swap`), which get no gradient.
     fn rope(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
+        swap: Option<IntTensor<Self>>,
         seq_axis: usize,
         inverse: bool,
     ) -> FloatTensor<Self> {
-        crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, seq_axis, inverse)
+        crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, swap, seq_axis, inverse)
     }
 
     /// Mean (or `weights`-weighted) cross-entropy of `hidden [n, d] · head
@@ -195,11 +197,14 @@ macro_rules! fused_cube_exec_backend {
                 x: FloatTensor<Self>,
                 cos: FloatTensor<Self>,
                 sin: FloatTensor<Self>,
+                swap: Option<IntTensor<Self>>,
                 seq_axis: usize,
                 inverse: bool,
             ) -> FloatTensor<Self> {
-                if crate::kernels::rope::composite_asked() {
-                    return crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, seq_axis, inverse);
+                if swap.is_some() || crate::kernels::rope::composite_asked() {
+                    return crate::kernels::rope::rotate_plain::<Self>(
+                        x, cos, sin, swap, seq_axis, inverse,
+                    );
                 }
                 crate::kernels::rope::fused::rope::<$runtime, $bool>(x, cos, sin, seq_axis, inverse)
             }
@@ -317,10 +322,11 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
+        swap: Option<IntTensor<Self>>,
         seq_axis: usize,
         inverse: bool,
     ) -> FloatTensor<Self> {
-        crate::kernels::rope::autodiff::rope::<B, C>(x, cos, sin, seq_axis, inverse)
+        crate::kernels::rope::autodiff::rope::<B, C>(x, cos, sin, swap, seq_axis, inverse)
     }
 
     fn chunked_lm_loss(
@@ -346,12 +352,13 @@ pub fn embedding<B: ExecBackend>(table: Tensor<B, 2>, ids: Tensor<B, 2, Int>) ->
     Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
-/// `x` with each head rotated by RoPE's tables ([`ExecBackend::rope`]), its positions on axis
-/// `seq_axis` (1 or 2).
+/// `x` with each head rotated by RoPE's tables ([`ExecBackend::rope`]; `swap` for part of
+/// each head), its positions on axis `seq_axis` (1 or 2).
 pub fn rope<B: ExecBackend>(
     x: Tensor<B, 4>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,
+    swap: Option<&Tensor<B, 1, Int>>,
     seq_axis: usize,
 ) -> Tensor<B, 4> {
     let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
@@ -359,6 +366,7 @@ pub fn rope<B: ExecBackend>(
         x.into_primitive().tensor(),
         prim(cos),
         prim(sin),
+        swap.map(|s| s.clone().into_primitive()),
         seq_axis,
         false,
     );

@@ -8,7 +8,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::ops::ExecBackend;
 
@@ -18,8 +18,8 @@ struct Rope {
 }
 
 impl<B: ExecBackend> Backward<B, 1> for Rope {
-    /// The cosines, the signed sines and the positions' axis.
-    type State = (FloatTensor<B>, FloatTensor<B>, usize);
+    /// The cosines, the signed sines, the partial rotation's swap and the positions' axis.
+    type State = (FloatTensor<B>, FloatTensor<B>, Option<IntTensor<B>>, usize);
 
     fn backward(
         self,
@@ -27,9 +27,9 @@ impl<B: ExecBackend> Backward<B, 1> for Rope {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let (cos, sin, seq_axis) = ops.state;
+        let (cos, sin, swap, seq_axis) = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |dy| {
-            B::rope(dy, cos, sin, seq_axis, !self.inverse)
+            B::rope(dy, cos, sin, swap, seq_axis, !self.inverse)
         });
     }
 }
@@ -40,6 +40,7 @@ pub fn rope<B: ExecBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     cos: FloatTensor<Autodiff<B, C>>,
     sin: FloatTensor<Autodiff<B, C>>,
+    swap: Option<IntTensor<B>>,
     seq_axis: usize,
     inverse: bool,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -54,10 +55,12 @@ pub fn rope<B: ExecBackend, C: CheckpointStrategy>(
         .stateful()
     {
         OpsKind::Tracked(prep) => prep.finish(
-            (cos.clone(), sin.clone(), seq_axis),
-            B::rope(x.primitive, cos, sin, seq_axis, inverse),
+            (cos.clone(), sin.clone(), swap.clone(), seq_axis),
+            B::rope(x.primitive, cos, sin, swap, seq_axis, inverse),
         ),
-        OpsKind::UnTracked(prep) => prep.finish(B::rope(x.primitive, cos, sin, seq_axis, inverse)),
+        OpsKind::UnTracked(prep) => {
+            prep.finish(B::rope(x.primitive, cos, sin, swap, seq_axis, inverse))
+        }
     }
 }
 

@@ -155,9 +155,9 @@ pub fn equals_composition<B: ExecBackend>(dev: &B::Device, tol: f64) {
                 };
                 let args = (prim(view.clone()), prim(cos.clone()), prim(sin.clone()));
                 let y = float4::<A<B>>(if ours {
-                    A::<B>::rope(args.0, args.1, args.2, c.seq_axis, inverse)
+                    A::<B>::rope(args.0, args.1, args.2, None, c.seq_axis, inverse)
                 } else {
-                    rotate_plain::<A<B>>(args.0, args.1, args.2, c.seq_axis, inverse)
+                    rotate_plain::<A<B>>(args.0, args.1, args.2, None, c.seq_axis, inverse)
                 });
                 let g = (y.clone() * up.clone()).sum().backward();
                 let grad = x.grad(&g).expect("x has a gradient");
@@ -220,10 +220,10 @@ pub fn sixteen_bit_within_rounding<B: ExecBackend>(dev: &B::Device, dtype: Float
             let what = format!("{dtype:?} {c:?} inverse {inverse}");
             let args = || (prim(view.clone()), prim(cos.clone()), prim(sin.clone()));
             let (xa, ca, sa) = args();
-            let ours = float4::<B>(B::rope(xa, ca, sa, c.seq_axis, inverse));
+            let ours = float4::<B>(B::rope(xa, ca, sa, None, c.seq_axis, inverse));
             assert_eq!(ours.dtype(), dtype.into(), "{what}: the output's type");
             let (xa, ca, sa) = args();
-            let theirs = float4::<B>(rotate_plain::<B>(xa, ca, sa, c.seq_axis, inverse));
+            let theirs = float4::<B>(rotate_plain::<B>(xa, ca, sa, None, c.seq_axis, inverse));
             let (want, scale) = reference(c, &x_h, &cos_h, &sin_h, inverse);
             let ours = host(ours);
             close(&ours, &want, &scale, eps, &format!("{what}: definition"));
@@ -261,7 +261,7 @@ pub fn output_is_contiguous<B: ExecBackend>(
                 "{c:?}: the input was copied"
             );
         }
-        let y = B::rope(x, prim(cos), prim(sin), c.seq_axis, false);
+        let y = B::rope(x, prim(cos), prim(sin), None, c.seq_axis, false);
         assert_eq!(strides(y), contiguous, "{c:?}: the output's strides");
     }
 }

@@ -29,16 +29,22 @@ mod checks;
 mod tests_cuda;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 /// `ExecBackend::rope` composed of Burn's ops: the default on backends without the kernel
-/// (ndarray), and the reference the kernel's tests compare with. Under autodiff its backward
-/// is Burn's, through the flip.
+/// (ndarray), the partial rotation everywhere, and the reference the kernel's tests compare
+/// with. Under autodiff its backward is Burn's, through the flip or the gather.
+///
+/// With `swap` (part of each head rotated, `model::RopeTables`), the tables are `[seq, d]`
+/// each and `swap` trades each rotated value for its partner and keeps the rest in place: one
+/// gather, and the tables' ones and zeros pass the rest through exactly. The gather is its
+/// own inverse, so the backward is `dy · c + swap(dy · s)`.
 pub fn rotate_plain<B: Backend>(
     x: FloatTensor<B>,
     cos: FloatTensor<B>,
     sin: FloatTensor<B>,
+    swap: Option<IntTensor<B>>,
     seq_axis: usize,
     inverse: bool,
 ) -> FloatTensor<B> {
@@ -47,6 +53,21 @@ pub fn rotate_plain<B: Backend>(
     let dims = x.dims();
     let [a, b, c, d] = dims;
     let rows = cos.dims()[0];
+    if let Some(swap) = swap {
+        let swap = Tensor::<B, 1, Int>::from_primitive(swap);
+        let table = |t: Tensor<B, 2>| match seq_axis {
+            1 => t.reshape([1, rows, 1, d]),
+            2 => t.reshape([1, 1, rows, d]),
+            _ => panic!("RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"),
+        };
+        let (cos, sin) = (table(cos), table(sin));
+        let y = if inverse {
+            x.clone() * cos + (x * sin).select(3, swap)
+        } else {
+            x.clone() * cos + x.select(3, swap) * sin
+        };
+        return y.into_primitive().tensor();
+    }
     // Swapping the halves is a flip of the size-2 axis of a `[.., 2, d/2]` view: one gather
     // each way. `narrow` + `cat` launched two slices forward and, backward, two slices, two
     // slice-assigns and their zero fills.
