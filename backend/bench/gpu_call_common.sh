@@ -1,8 +1,8 @@
 # Sourced by gpu_one_call.sh, gpu_flash_call.sh and gpu_speed_call.sh: what a device call's
 # script sets up first. Expects LIMIT (seconds the whole call may take) and OUT; sets B, END,
 # DEVICE, RCOA, SHAPE, and cap, log, start_expandable_jobs, wait_expandable_jobs,
-# profile_kernels, cublas_tests, rope_tests. DRY=1: the CPU, this machine's release build (BIN), tiny
-# shapes.
+# profile_kernels, cublas_tests, rope_tests. DRY=1: the CPU, this machine's release build
+# (BIN), tiny shapes.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 END=$(( $(date +%s) + LIMIT ))
 B=backend/bench
@@ -66,9 +66,6 @@ for line in open(sys.argv[1]):
 PY
 }
 
-# cuBLAS's CUDA tests (kernels::gemm::tests_cuda, at most 75 s: the last compiles a tiny
-# model's kernels for a whole training step on each engine) into $OUT/gemm-tests.txt, from
-# /tmp/flash-tests (the caller unpacks it); logged as step $1. Sets BLAS=1 if they passed.
 # The RoPE kernel's CUDA tests (kernels::rope::tests_cuda), at most 45 s, logged as step $1;
 # where they fail, every run after uses Burn's composition (RCOA_ROPE=composite).
 rope_tests() {
@@ -78,6 +75,10 @@ rope_tests() {
   log "$1 RoPE kernel tests rc=$rc"; grep "^test \|test result\|panicked" "$OUT/rope-tests.txt" | head -n 8
   if [ $rc != 0 ]; then export RCOA_ROPE=composite; fi
 }
+
+# cuBLAS's CUDA tests (kernels::gemm::tests_cuda, at most 75 s: the last compiles a tiny
+# model's kernels for a whole training step on each engine) into $OUT/gemm-tests.txt, from
+# /tmp/flash-tests (the caller unpacks it); logged as step $1. Sets BLAS=1 if they passed.
 cublas_tests() {
   RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
     --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1

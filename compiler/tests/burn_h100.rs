@@ -150,13 +150,19 @@ fn summary(file: &str) -> Option<(u64, u64)> {
         };
         return Some((after("measured"), after("reserved")));
     }
-    let lines = json_lines(file);
-    let s = lines.iter().find(|v| v["event"] == "summary")?;
+    let s = summary_line(file)?;
     let field = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{file}: no {k}"));
     Some((
         field("measured_peak_bytes"),
         field("measured_reserved_bytes"),
     ))
+}
+
+/// A `rcoa run --format json` output's summary line, if the run reached it.
+fn summary_line(file: &str) -> Option<serde_json::Value> {
+    json_lines(file)
+        .into_iter()
+        .find(|v| v["event"] == "summary")
 }
 
 /// The measured peak in use: the summary's, or the highest of the step lines' when the
@@ -297,10 +303,7 @@ fn burn_step_time_within_5_percent() {
     let mut worst: f64 = 0.0;
     let mut lines = Vec::new();
     for &(name, gpu, file) in TIMED {
-        let lines_of = json_lines(file);
-        let measured = lines_of
-            .iter()
-            .find(|v| v["event"] == "summary")
+        let measured = summary_line(file)
             .and_then(|s| s["steady_step_seconds"].as_f64())
             .unwrap_or_else(|| panic!("{file}: no steady_step_seconds"));
         let c = compile_on(name, None, Some(gpu));

@@ -4,8 +4,8 @@
 //! checkpointed layers; a frozen weight's gradient is not computed) run at
 //! the GPU's dense rate for the compute type (fp32 runs TF32 at half the bf16
 //! rate) times the profile's efficiency, which may differ for fp32, for eager
-//! attention's products and for fused attention; memory-bound ops move their bytes at the
-//! bandwidth times the profile's efficiency. The optimizer reads and writes
+//! attention's products and for fused attention; memory-bound ops move their
+//! bytes at the bandwidth times the profile's efficiency. The optimizer reads and writes
 //! parameters, gradients and state once. Data parallelism adds a gradient
 //! all-reduce (ring: 2(d-1)/d of the gradient bytes), overlapped with nothing
 //! (pessimistic). Invariant: the model is monotone — more FLOPs, bytes or
@@ -157,7 +157,6 @@ mod tests {
     /// rate, bf16 at `matmul_efficiency` of the bf16 rate. Flash plans have no such FLOPs.
     #[test]
     fn eager_attention_and_fp32_products_run_at_their_own_rates() {
-        use crate::spec::Dtype;
         let profile = Profile::for_target(Target::Burn);
         let att_eff = profile
             .attention_matmul_efficiency

@@ -178,7 +178,7 @@ pub const FUSED_ATTENTION_OP: &str = "flash_attention";
 pub const FUSED_ATTENTION_ROWS_OP: &str = "flash_attention_rows";
 
 /// The op names of eager attention's two products, `q kᵀ` and `probs v` (unfused and
-/// selective alike), which the time model prices at `Profile::attention_matmul_rate`.
+/// selective alike), which the time model prices at `Profile::attention_matmul_efficiency`.
 pub const SCORES_OP: &str = "scores";
 pub const PROBS_V_OP: &str = "probs_v";
 

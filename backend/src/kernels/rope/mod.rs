@@ -52,15 +52,16 @@ pub fn rotate_plain<B: Backend>(
     let (cos, sin) = (table::<B>(cos), table::<B>(sin));
     let dims = x.dims();
     let [a, b, c, d] = dims;
+    // The tables broadcast over every axis of x but the positions'.
     let rows = cos.dims()[0];
+    let (p1, p2) = match seq_axis {
+        1 => (rows, 1),
+        2 => (1, rows),
+        _ => panic!("RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"),
+    };
     if let Some(swap) = swap {
         let swap = Tensor::<B, 1, Int>::from_primitive(swap);
-        let table = |t: Tensor<B, 2>| match seq_axis {
-            1 => t.reshape([1, rows, 1, d]),
-            2 => t.reshape([1, 1, rows, d]),
-            _ => panic!("RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"),
-        };
-        let (cos, sin) = (table(cos), table(sin));
+        let (cos, sin) = (cos.reshape([1, p1, p2, d]), sin.reshape([1, p1, p2, d]));
         let y = if inverse {
             x.clone() * cos + (x * sin).select(3, swap)
         } else {
@@ -72,12 +73,10 @@ pub fn rotate_plain<B: Backend>(
     // each way. `narrow` + `cat` launched two slices forward and, backward, two slices, two
     // slice-assigns and their zero fills.
     let halves = x.reshape([a, b, c, 2, d / 2]);
-    let table = |t: Tensor<B, 2>, pair: usize| match seq_axis {
-        1 => t.reshape([1, rows, 1, pair, d / 2]),
-        2 => t.reshape([1, 1, rows, pair, d / 2]),
-        _ => panic!("RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"),
-    };
-    let (cos, sin) = (table(cos, 1), table(sin, 2));
+    let (cos, sin) = (
+        cos.reshape([1, p1, p2, 1, d / 2]),
+        sin.reshape([1, p1, p2, 2, d / 2]),
+    );
     let y = if inverse {
         // What Burn's backward of the forward below computes: the sines multiply before the
         // swap.
