@@ -363,3 +363,106 @@ fn conversations_are_rendered_by_the_chat_template() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `train { assistant_only_loss = true }` (TRL's `assistant_only_loss`): conversations
+/// scored on the tokens the template's `{% generation %}` blocks hold. Where each
+/// conversation ends with its only assistant turn, that is what the same conversations
+/// as prompt-completion examples score (the prompt rendered with the assistant's turn
+/// opened): two paths through the data (spans of the rendered text against a common
+/// prefix of ids) give the same loss. Training on them runs; data that cannot be scored
+/// this way is refused.
+#[test]
+fn assistant_only_loss_scores_the_template_s_generation_blocks() {
+    let dir = std::env::temp_dir().join(format!("rcoa-cli-assistant-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixture = |name: &str| root().join("tests/fixtures/hf").join(name);
+    // The fixture's plan without the key, and with it over the llama fixture's own
+    // template, which has no generation blocks.
+    let plan_text =
+        std::fs::read_to_string(root().join("tests/fixtures/eval/llama-sft-assistant.plan"))
+            .unwrap()
+            .replace(
+                "\"../hf/llama-marked\"",
+                &format!("{:?}", fixture("llama-marked")),
+            );
+    let without = dir.join("without.plan");
+    std::fs::write(
+        &without,
+        plan_text.replace("assistant_only_loss = true", ""),
+    )
+    .unwrap();
+    let unmarked = dir.join("unmarked.plan");
+    std::fs::write(
+        &unmarked,
+        plan_text.replace(
+            &format!("{:?}", fixture("llama-marked")),
+            &format!("{:?}", fixture("llama")),
+        ),
+    )
+    .unwrap();
+    let s = |p: &PathBuf| p.to_str().unwrap().to_string();
+
+    let conversations =
+        std::fs::read_to_string(fixture("llama-marked/conversations.jsonl")).unwrap();
+    let (mut last_turn, mut split) = (String::new(), String::new());
+    for line in conversations.lines().skip(1) {
+        let c: serde_json::Value = serde_json::from_str(line).unwrap();
+        let m = c["messages"].as_array().unwrap();
+        let (prompt, completion) = m.split_at(m.len() - 1);
+        last_turn += &format!("{line}\n");
+        split += &format!(
+            "{}\n",
+            serde_json::json!({"prompt": prompt, "completion": completion})
+        );
+    }
+    let (a, b) = (dir.join("last-turn.jsonl"), dir.join("split.jsonl"));
+    std::fs::write(&a, last_turn).unwrap();
+    std::fs::write(&b, split).unwrap();
+    let plan = "tests/fixtures/eval/llama-sft-assistant.plan";
+    let eval = |plan: &str, data: &PathBuf| {
+        let out = rcoa(&["eval", plan, "--data", &s(data), "--format", "json"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        json_lines(&out)[0]["eval_loss"].as_f64().unwrap()
+    };
+    let (assistant, completion) = (eval(plan, &a), eval(&s(&without), &b));
+    assert!(
+        (assistant - completion).abs() < 1e-9,
+        "assistant-only {assistant} vs prompt-completion {completion}"
+    );
+    // Scoring the user's turns too changes the loss.
+    let whole = eval(&s(&without), &a);
+    assert!((whole - assistant).abs() > 1e-3, "{whole} {assistant}");
+
+    let data = "tests/fixtures/hf/llama-marked/conversations.jsonl";
+    let out = rcoa(&[
+        "run", plan, "--data", data, "--steps", "3", "--format", "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let losses = step_losses(&json_lines(&out));
+    assert!(
+        losses.len() == 3 && losses.iter().all(|l| l.is_finite()),
+        "{losses:?}"
+    );
+
+    let refused = |plan: &str, data: &str, why: &str| {
+        for cmd in ["eval", "run"] {
+            let out = rcoa(
+                &[cmd, plan, "--data", data, "--steps", "1"][..if cmd == "eval" { 4 } else { 6 }],
+            );
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd} {data}: {err}");
+            assert!(
+                err.contains(why) && !err.contains("panicked"),
+                "{cmd} {data}: {err}"
+            );
+        }
+    };
+    refused(
+        &s(&unmarked),
+        "tests/fixtures/hf/llama/sft_chat.jsonl",
+        "{% generation %}",
+    );
+    refused(plan, "tests/fixtures/hf/llama/sft.jsonl", "holds none");
+    refused(plan, "tests/fixtures/hf/llama/eval.jsonl", "holds none");
+    let _ = std::fs::remove_dir_all(&dir);
+}

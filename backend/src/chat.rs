@@ -6,12 +6,18 @@
 //! `tojson` that writes Python's `json.dumps` (`", "` and `": "`, no HTML escaping),
 //! and the special tokens' strings (`bos_token`, `eos_token`, ...) as variables.
 //!
-//! Templates that mark the assistant's tokens with `{% generation %}` (TRL's
-//! `assistant_only_loss`) are refused with the reason: rcoa trains on the whole
-//! conversation, as TRL does by default.
+//! `{% generation %}` … `{% endgeneration %}` (transformers' `AssistantTracker`, which
+//! TRL's `assistant_only_loss` reads) renders its body unchanged, and
+//! [`Renderer::render_marked`] also says where each such body lies in the text: the
+//! tags become `with` blocks (a scope, as the extension's call block has, and the same
+//! whitespace control) around two marker characters, which the renderer removes and
+//! records. Where transformers' offsets are wrong (a block inside another, or inside a
+//! macro: it counts from where the enclosing output began), these are where the block's
+//! text lies.
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
+use std::ops::Range;
 use std::path::Path;
 
 /// A chat template and the special tokens it may print.
@@ -56,13 +62,6 @@ impl ChatTemplate {
                 Some(_) => return Err("`chat_template` is neither a string nor a list".into()),
             }
         };
-        if source.contains("{% generation %}") || source.contains("{%- generation %}") {
-            return Err(
-                "the chat template marks the assistant's tokens (`{% generation %}`, for TRL's assistant_only_loss); \
-                 rcoa trains on the whole conversation and does not render that tag"
-                    .into(),
-            );
-        }
         let tokens = SPECIAL
             .iter()
             .filter_map(|&name| {
@@ -84,9 +83,16 @@ impl ChatTemplate {
         }
     }
 
+    /// Does the template mark the assistant's turns (`{% generation %}`)?
+    pub fn marks_assistant(&self) -> bool {
+        generation_tags(&self.source).0 > 0
+    }
+
     /// The template compiled once, for rendering a file's conversations.
     pub fn renderer(&self) -> Result<Renderer<'_>, String> {
         let mut env = Environment::new();
+        env.add_global(OPEN_GLOBAL, Value::from(OPEN.to_string()));
+        env.add_global(CLOSE_GLOBAL, Value::from(CLOSE.to_string()));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -95,7 +101,7 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", tojson);
-        env.add_template("chat", &self.source)
+        env.add_template_owned("chat", generation_tags(&self.source).1)
             .map_err(|e| format!("the chat template does not parse: {e}"))?;
         Ok(Renderer {
             env,
@@ -118,6 +124,33 @@ impl Renderer<'_> {
         messages: &serde_json::Value,
         add_generation_prompt: bool,
     ) -> Result<String, String> {
+        self.render_marked(messages, add_generation_prompt)
+            .map(|(text, _)| text)
+    }
+
+    /// [`Self::render`], and the byte ranges of the text that `{% generation %}` blocks
+    /// rendered, in the order they closed (transformers' `generation_indices`, in bytes
+    /// where it counts characters).
+    pub fn render_marked(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<Range<usize>>), String> {
+        let raw = self.render_raw(messages, add_generation_prompt)?;
+        unmark(&raw)
+    }
+
+    fn render_raw(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
+        if messages.to_string().contains([OPEN, CLOSE]) {
+            return Err(format!(
+                "a message holds U+{:04X} or U+{:04X}, which rcoa reserves to find the template's `{{% generation %}}` blocks",
+                OPEN as u32, CLOSE as u32
+            ));
+        }
         let mut ctx: std::collections::BTreeMap<&str, Value> = self
             .tokens
             .iter()
@@ -130,6 +163,94 @@ impl Renderer<'_> {
             .and_then(|t| t.render(ctx))
             .map_err(|e| format!("the chat template failed: {e}"))
     }
+}
+
+// Unicode noncharacters: for a program's internal use, never in interchanged text.
+const OPEN: char = '\u{FDD0}';
+const CLOSE: char = '\u{FDD1}';
+const OPEN_GLOBAL: &str = "__rcoa_generation_open";
+const CLOSE_GLOBAL: &str = "__rcoa_generation_close";
+
+/// `source` with each `{% generation %}` / `{% endgeneration %}` (any whitespace
+/// control) rewritten to print a marker inside a `with` scope, and the number of
+/// generation blocks. `{%- generation +%}` becomes
+/// `{%- with %}{{ open }}{% with +%}`: the outer tag keeps the original's control over
+/// the text before it (`-`, and `lstrip_blocks` where it starts a line), the inner one
+/// its control over the text after (`-`, and `trim_blocks`' newline); between them
+/// there is no text for either to trim.
+fn generation_tags(source: &str) -> (usize, String) {
+    let mut out = String::with_capacity(source.len());
+    let mut blocks = 0;
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        match parse_generation_tag(tag) {
+            Some((len, before, end, after)) => {
+                let (word, marker) = if end {
+                    ("endwith", CLOSE_GLOBAL)
+                } else {
+                    blocks += 1;
+                    ("with", OPEN_GLOBAL)
+                };
+                out.push_str(&format!(
+                    "{{%{before} {word} %}}{{{{ {marker} }}}}{{% {word} {after}%}}"
+                ));
+                rest = &tag[len..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    (blocks, out)
+}
+
+/// `tag` (which starts with `{%`) as `(its length, the whitespace control after
+/// `{%`, whether it is `endgeneration`, the control before `%}`)` when it is a
+/// generation tag.
+fn parse_generation_tag(tag: &str) -> Option<(usize, &str, bool, &str)> {
+    let control = |s: &str| match s.as_bytes().first() {
+        Some(b'-' | b'+') => 1,
+        _ => 0,
+    };
+    let body = &tag[2..];
+    let before = &body[..control(body)];
+    let body = body[before.len()..].trim_start();
+    let (end, body) = if let Some(b) = body.strip_prefix("endgeneration") {
+        (true, b)
+    } else {
+        (false, body.strip_prefix("generation")?)
+    };
+    let body = body.trim_start();
+    let after = &body[..control(body)];
+    let close = body[after.len()..].strip_prefix("%}")?;
+    Some((tag.len() - close.len(), before, end, after))
+}
+
+/// The rendered text without its markers, and the ranges each open/close pair held.
+fn unmark(raw: &str) -> Result<(String, Vec<Range<usize>>), String> {
+    let mut text = String::with_capacity(raw.len());
+    let mut open = Vec::new();
+    let mut spans = Vec::new();
+    for c in raw.chars() {
+        match c {
+            OPEN => open.push(text.len()),
+            CLOSE => {
+                let start = open
+                    .pop()
+                    .ok_or("the chat template closed a `{% generation %}` block it did not open")?;
+                spans.push(start..text.len());
+            }
+            c => text.push(c),
+        }
+    }
+    if !open.is_empty() {
+        return Err("the chat template left a `{% generation %}` block open".into());
+    }
+    Ok((text, spans))
 }
 
 /// Python's `json.dumps(value, indent=indent, ensure_ascii=False)`, as transformers'
@@ -283,6 +404,67 @@ mod tests {
             py.renderer().unwrap().render(&messages(), false).unwrap(),
             "HI THERE|x|{\"a\": [1, \"b\"]}"
         );
+    }
+
+    /// `{% generation %}` renders as transformers' `AssistantTracker` renders it: the
+    /// same text (whitespace control, `trim_blocks`, `lstrip_blocks`, `+`; a `set`
+    /// inside stays inside) and the same spans, in bytes (transformers 5.23.0's
+    /// `render_jinja_template(..., return_assistant_tokens_mask=True)` gave these, in
+    /// characters: `yo é`'s 4 characters are 5 bytes).
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // each case lists its spans, one or more
+    fn generation_blocks_render_as_transformers_and_say_where_they_are() {
+        let msgs = serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo é"}
+        ]);
+        let cases: [(&str, &str, &[std::ops::Range<usize>]); 5] = [
+            (
+                "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}|{% endfor %}",
+                "hi|yo é|",
+                &[0..2, 3..8],
+            ),
+            (
+                "x\n  {% generation %}\nA{{ messages[0].content }}\n  {% endgeneration %}\nB",
+                "x\nAhi\nB",
+                &[2..6],
+            ),
+            ("a   {%- generation -%}   b   {%- endgeneration -%}   c", "abc", &[1..2]),
+            (
+                "{% set x = 1 %}{% generation %}{% set x = 2 %}{{ x }}{% endgeneration %}{{ x }}",
+                "21",
+                &[0..1],
+            ),
+            (
+                "  {%+ generation %}x{% endgeneration %}\n  {%generation%}y{%endgeneration%}.",
+                "  xy.",
+                &[2..3, 3..4],
+            ),
+        ];
+        for (source, text, spans) in cases {
+            let t = ChatTemplate::from_source(source);
+            assert!(t.marks_assistant(), "{source}");
+            let r = t.renderer().unwrap();
+            let (got, got_spans) = r.render_marked(&msgs, false).unwrap();
+            assert_eq!(
+                (got.as_str(), got_spans.as_slice()),
+                (text, spans),
+                "{source}"
+            );
+            assert_eq!(r.render(&msgs, false).unwrap(), text, "{source}");
+        }
+        // Names that only start like the tag are left to Jinja.
+        let t = ChatTemplate::from_source("{% set generations = 1 %}{{ generations }}");
+        assert!(!t.marks_assistant());
+        assert_eq!(t.renderer().unwrap().render(&msgs, false).unwrap(), "1");
+        // The markers cannot come from the data.
+        let bad = serde_json::json!([{"role": "user", "content": "a\u{FDD0}b"}]);
+        let e = ChatTemplate::from_source("{{ messages[0].content }}")
+            .renderer()
+            .unwrap()
+            .render(&bad, false)
+            .unwrap_err();
+        assert!(e.contains("U+FDD0"), "{e}");
     }
 
     #[test]

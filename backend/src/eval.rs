@@ -93,7 +93,14 @@ impl EvalSet {
         match plan.train.loss {
             Loss::CausalLm if files::is_jsonl(path) && files::is_completions(path)? => {
                 let pairs = files::read_completions(path)?;
-                let (examples, pad) = files::scored_completions(path, &pairs, tok, vocab, seq)?;
+                let (examples, pad) = files::scored_completions(
+                    path,
+                    &pairs,
+                    tok,
+                    vocab,
+                    seq,
+                    plan.train.assistant_only_loss,
+                )?;
                 Ok(EvalSet::Completions {
                     examples,
                     pad,
@@ -101,6 +108,9 @@ impl EvalSet {
                     seq,
                     chunked: plan.train.chunked_loss_for(vocab),
                 })
+            }
+            Loss::CausalLm if plan.train.assistant_only_loss => {
+                Err(files::assistant_only_needs_conversations(path))
             }
             Loss::CausalLm => {
                 let texts = if files::is_jsonl(path) {

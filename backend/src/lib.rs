@@ -451,6 +451,7 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
                 positives: plan.train.positives as usize,
                 negatives: plan.train.negatives as usize,
                 batch_examples: per_rank * ranks as usize,
+                assistant_only: plan.train.assistant_only_loss,
             };
             Source::from_file(p, &spec, &tok)?
         }

@@ -70,6 +70,7 @@ pub fn tiny_plan() -> LoweredPlan {
             positives: 0,
             negatives: 0,
             chunked_loss: None,
+            assistant_only_loss: false,
         },
         target: Target::Burn,
         resolved: Resolved {

@@ -136,6 +136,40 @@ impl HfTokenizer {
             .map_err(|e| e.to_string())
     }
 
+    /// The ids of a rendered conversation (as [`Self::encode_plain`]) and, for each, whether
+    /// it is the assistant's: in one of `spans` (byte ranges of `text`, the template's
+    /// `{% generation %}` blocks) as transformers' `assistant_masks` counts it, from the
+    /// token holding a span's first character to the one holding its last (to the end
+    /// when that character is in no token), stopping at a span whose first character is
+    /// in none.
+    pub fn encode_assistant(
+        &self,
+        text: &str,
+        spans: &[std::ops::Range<usize>],
+    ) -> Result<(Vec<u32>, Vec<bool>), String> {
+        // Byte offsets (`encode`, not `encode_char_offsets`): a character's first byte
+        // finds the token transformers finds for the character.
+        let enc = self.tok.encode(text, false).map_err(|e| e.to_string())?;
+        let ids = enc.get_ids().to_vec();
+        let mut assistant = vec![false; ids.len()];
+        for span in spans {
+            let Some((last, _)) = text[..span.end].char_indices().next_back() else {
+                continue;
+            };
+            let Some(first) = enc.char_to_token(span.start, 0) else {
+                break;
+            };
+            let end = match enc.char_to_token(last, 0) {
+                Some(t) if t > 0 => t + 1,
+                _ => ids.len(),
+            };
+            for a in assistant.iter_mut().take(end).skip(first) {
+                *a = true;
+            }
+        }
+        Ok((ids, assistant))
+    }
+
     /// The chat template conversations are rendered with.
     pub fn chat(&self) -> Result<&crate::chat::ChatTemplate, String> {
         match &self.chat {
@@ -267,7 +301,8 @@ mod tests {
             let seq = r["seq_len"].as_u64().unwrap() as usize;
             let read = crate::data::files::read_completions(&path).unwrap();
             let (examples, _) =
-                crate::data::files::scored_completions(&path, &read, &tok, 1 << 20, seq).unwrap();
+                crate::data::files::scored_completions(&path, &read, &tok, 1 << 20, seq, false)
+                    .unwrap();
             let ids: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
             let labels: Vec<Vec<i64>> = serde_json::from_value(r["labels"].clone()).unwrap();
             assert_eq!(examples.len(), ids.len(), "{name}");
@@ -278,6 +313,95 @@ mod tests {
                 let want: Vec<bool> = labels.iter().map(|&l| l != -100).collect();
                 assert_eq!(scored, want, "{name}");
             }
+        }
+    }
+
+    /// `train.assistant_only_loss` as TRL's `assistant_only_loss` scores conversations
+    /// (`tools/hf_fixtures/sft_assistant_reference.py`): the llama fixture's tokenizer
+    /// with a template whose assistant turns are `{% generation %}` blocks; the same ids,
+    /// transformers' `assistant_masks`, and TRL's labels (the prompt's tokens and every
+    /// token outside the blocks unscored). `variant`: blocks that end on a character of two
+    /// bytes, rendered and masked directly.
+    #[test]
+    fn assistant_only_examples_score_as_trl() {
+        let dir = fixture("llama-marked");
+        let tok = TextTokenizer::from_dir(Some(&dir), 1 << 20).unwrap();
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let want = |e: &serde_json::Value, key: &str| -> Vec<i64> {
+            serde_json::from_value(e[key].clone()).unwrap()
+        };
+        for name in ["conversations", "prompts"] {
+            let path = dir.join(format!("{name}.jsonl"));
+            let read = crate::data::files::read_completions(&path).unwrap();
+            let (examples, _) =
+                crate::data::files::scored_completions(&path, &read, &tok, 1 << 20, 1 << 20, true)
+                    .unwrap();
+            let refs = r[name].as_array().unwrap();
+            assert_eq!(examples.len(), refs.len(), "{name}");
+            for (e, r) in examples.iter().zip(refs) {
+                let ids: Vec<i64> = e.ids.iter().map(|&i| i as i64).collect();
+                assert_eq!(ids, want(r, "input_ids"), "{name}");
+                let mask: Vec<i64> = e
+                    .assistant
+                    .as_ref()
+                    .unwrap()
+                    .iter()
+                    .map(|&a| a as i64)
+                    .collect();
+                assert_eq!(mask, want(r, "assistant_masks"), "{name}");
+                let scored: Vec<bool> = (0..ids.len()).map(|t| e.scores(t)).collect();
+                let labels: Vec<bool> = want(r, "labels").iter().map(|&l| l != -100).collect();
+                assert_eq!(scored, labels, "{name}");
+            }
+            // Without the flag, the same file scores every token after the prompt: the
+            // conversations' user turns too.
+            let (whole, _) =
+                crate::data::files::scored_completions(&path, &read, &tok, 1 << 20, 1 << 20, false)
+                    .unwrap();
+            for (w, a) in whole.iter().zip(&examples) {
+                assert!(w.ids == a.ids && w.assistant.is_none(), "{name}");
+                let (w, a) = (w.scored(1 << 20), a.scored(1 << 20));
+                assert!(
+                    if name == "conversations" {
+                        w > a
+                    } else {
+                        w >= a
+                    },
+                    "{name}: {w} {a}"
+                );
+            }
+        }
+        let TextTokenizer::Hf(t) = &tok else {
+            panic!("a tokenizer")
+        };
+        // The variant beside the fixture's tokenizer_config.json (its special tokens).
+        let vdir = std::env::temp_dir().join(format!("rcoa-variant-{}", std::process::id()));
+        std::fs::create_dir_all(&vdir).unwrap();
+        std::fs::write(
+            vdir.join("chat_template.jinja"),
+            r["variant_template"].as_str().unwrap(),
+        )
+        .unwrap();
+        let tcfg = read_json(&dir.join("tokenizer_config.json"));
+        let variant = crate::chat::ChatTemplate::load(&vdir, &tcfg)
+            .unwrap()
+            .unwrap();
+        std::fs::remove_dir_all(&vdir).unwrap();
+        let variant = variant.renderer().unwrap();
+        let convs = std::fs::read_to_string(dir.join("conversations.jsonl")).unwrap();
+        for (line, r) in convs.lines().zip(r["variant"].as_array().unwrap()) {
+            let c: serde_json::Value = serde_json::from_str(line).unwrap();
+            let (text, spans) = variant.render_marked(&c["messages"], false).unwrap();
+            assert_eq!(text, r["text"].as_str().unwrap());
+            let (ids, mask) = t.encode_assistant(&text, &spans).unwrap();
+            let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+            let mask: Vec<i64> = mask.iter().map(|&a| a as i64).collect();
+            assert_eq!(
+                (ids, mask),
+                (want(r, "input_ids"), want(r, "assistant_masks"))
+            );
         }
     }
 

@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use rcoa_backend::data::files::FileSpec;
-use rcoa_backend::data::{Batcher, Source};
+use rcoa_backend::data::{Batcher, Completion, Source};
 use rcoa_backend::tokenizer::TextTokenizer;
 use rcoa_compiler::spec::Loss;
 
@@ -30,7 +30,7 @@ const LINES: &[&str] = &[
     r#"{"prompt": "ünïcødé ✓", "completion": "😀"}"#,
 ];
 
-fn spec(loss: Loss, seq: usize, vocab: u64, examples: usize) -> FileSpec {
+fn spec(loss: Loss, seq: usize, vocab: u64, examples: usize, assistant_only: bool) -> FileSpec {
     FileSpec {
         loss,
         seq,
@@ -38,6 +38,7 @@ fn spec(loss: Loss, seq: usize, vocab: u64, examples: usize) -> FileSpec {
         positives: 0,
         negatives: 0,
         batch_examples: examples,
+        assistant_only,
     }
 }
 
@@ -52,6 +53,7 @@ proptest! {
         accum in 1u64..3,
         loss in prop_oneof![Just(Loss::CausalLm), Just(Loss::MaskedLm), Just(Loss::Contrastive)],
         vocab in prop_oneof![Just(300u64), Just(40u64)],
+        assistant_only in any::<bool>(),
     ) {
         let dir = std::env::temp_dir().join(format!("rcoa-data-props-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -60,7 +62,7 @@ proptest! {
         std::fs::write(&path, text.join("\n")).unwrap();
         // Contrastive in-batch pairs: two rows an example.
         let rows = if loss == Loss::Contrastive { 2 * micro } else { micro };
-        match Source::from_file(&path, &spec(loss, seq, vocab, micro), &TextTokenizer::Bytes) {
+        match Source::from_file(&path, &spec(loss, seq, vocab, micro, assistant_only), &TextTokenizer::Bytes) {
             Err(e) => {
                 let m = e.to_string();
                 prop_assert!(m.contains("d.jsonl"), "{m}");
@@ -91,6 +93,33 @@ proptest! {
                     }
                 }
             }
+        }
+    }
+
+    /// A supervised example's row weights are 1 exactly where its target is scored:
+    /// after the prompt and, with an assistant mask, the assistant's; `scored` counts them.
+    #[test]
+    fn completion_rows_weigh_what_scored_counts(
+        len in 1usize..20,
+        prompt in 0usize..22,
+        mask in prop::option::of(prop::collection::vec(any::<bool>(), 20)),
+        seq in 1usize..24,
+    ) {
+        let c = Completion {
+            ids: (0..len as u32).collect(),
+            prompt,
+            assistant: mask.map(|m| m[..len].to_vec()),
+        };
+        let (mut inputs, mut targets, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+        c.row(seq, 99, &mut inputs, &mut targets, &mut weights);
+        prop_assert_eq!(weights.len(), seq);
+        prop_assert_eq!(weights.iter().filter(|&&w| w == 1.0).count(), c.scored(seq));
+        for (p, &w) in weights.iter().enumerate() {
+            let t = p + 1;
+            let want = t < len.min(seq)
+                && t >= prompt
+                && c.assistant.as_ref().is_none_or(|a| a[t]);
+            prop_assert_eq!(w == 1.0, want, "position {}", p);
         }
     }
 }

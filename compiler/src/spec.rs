@@ -697,6 +697,12 @@ pub struct TrainSpec {
     /// the engine's default (on for `target burn` above a 32,768-token vocabulary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunked_loss: Option<bool>,
+    /// Supervised fine-tuning on conversations: the loss only on the tokens the chat
+    /// template marks as the assistant's (`{% generation %}`), as TRL's
+    /// `assistant_only_loss` (`train { assistant_only_loss = true }`). It changes which
+    /// tokens are scored, not the step's shapes, so the memory model ignores it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub assistant_only_loss: bool,
 }
 
 /// Vocabularies above this get the chunked LM loss by default in rcoa's executor.

@@ -101,6 +101,7 @@ impl SpecBuilder {
                 positives: 0,
                 negatives: 0,
                 chunked_loss: None,
+                assistant_only_loss: false,
             },
             parallel: ParallelSpec {
                 data: Choice::Fixed(1),

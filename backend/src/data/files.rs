@@ -27,6 +27,8 @@ pub struct FileSpec {
     /// Examples one micro-batch takes over all data-parallel ranks: rows
     /// (language modelling) or anchors (contrastive).
     pub batch_examples: usize,
+    /// `train.assistant_only_loss`: conversations scored on the assistant's tokens only.
+    pub assistant_only: bool,
 }
 
 pub fn is_jsonl(path: &Path) -> bool {
@@ -236,13 +238,19 @@ pub fn read_completions(path: &Path) -> Result<Vec<SftExample>, RunError> {
 /// (the prompt alone with the assistant's turn opened) and tokenized without special
 /// tokens, as `apply_chat_template` does; no EOS added. Either way the completion
 /// starts where the ids of the prompt alone and of the whole first differ. Byte tokens:
-/// the bytes, `\n` as EOS.
+/// the bytes, `\n` as EOS. `assistant_only` (conversations only): each id also says
+/// whether the template's `{% generation %}` blocks hold it, as TRL's
+/// `assistant_only_loss` has transformers mark them.
 pub fn encode_completions(
     path: &Path,
     examples: &[SftExample],
     tok: &TextTokenizer,
     vocab: u64,
+    assistant_only: bool,
 ) -> Result<(Vec<super::Completion>, u32), RunError> {
+    if assistant_only && !matches!(examples.first(), Some(SftExample::Chat { .. })) {
+        return Err(assistant_only_needs_conversations(path));
+    }
     if let Some(SftExample::Chat { .. }) = examples.first() {
         let TextTokenizer::Hf(t) = tok else {
             return Err(data_err(
@@ -250,10 +258,16 @@ pub fn encode_completions(
                 "holds conversations, which need the checkpoint's tokenizer and its chat template (no tokenizer.json here)",
             ));
         };
-        let template = t
-            .chat()
-            .and_then(|c| c.renderer())
-            .map_err(|e| data_err(path, e))?;
+        let chat = t.chat().map_err(|e| data_err(path, e))?;
+        if assistant_only && !chat.marks_assistant() {
+            return Err(data_err(
+                path,
+                "`train.assistant_only_loss` scores the tokens the chat template marks as the assistant's, and this \
+                 template has no `{% generation %}` … `{% endgeneration %}` block: add one around the assistant's \
+                 turn in `chat_template.jinja` (TRL's training templates do), or remove `assistant_only_loss`",
+            ));
+        }
+        let template = chat.renderer().map_err(|e| data_err(path, e))?;
         let encode = |text: &str| {
             t.encode_plain(text)
                 .map_err(|e| data_err(path, format!("cannot tokenize: {e}")))
@@ -272,13 +286,37 @@ pub fn encode_completions(
                 };
                 let whole: Vec<serde_json::Value> =
                     prompt.iter().chain(completion).cloned().collect();
-                let ids = encode(&render(&whole, false)?)?;
+                let (ids, assistant) = if assistant_only {
+                    let (text, spans) = template
+                        .render_marked(&serde_json::Value::Array(whole), false)
+                        .map_err(|e| data_err(path, format!("example {}: {e}", i + 1)))?;
+                    let (ids, marked) = t
+                        .encode_assistant(&text, &spans)
+                        .map_err(|e| data_err(path, format!("cannot tokenize: {e}")))?;
+                    if !marked.contains(&true) {
+                        return Err(data_err(
+                            path,
+                            format!(
+                                "example {}: `train.assistant_only_loss`, but the chat template marked none of its \
+                                 tokens as the assistant's (no `{{% generation %}}` block rendered)",
+                                i + 1
+                            ),
+                        ));
+                    }
+                    (ids, Some(marked))
+                } else {
+                    (encode(&render(&whole, false)?)?, None)
+                };
                 let prompt = if prompt.is_empty() {
                     0
                 } else {
                     common_prefix(&encode(&render(prompt, true)?)?, &ids)
                 };
-                Ok(super::Completion { ids, prompt })
+                Ok(super::Completion {
+                    ids,
+                    prompt,
+                    assistant,
+                })
             })
             .collect::<Result<Vec<_>, RunError>>()?;
         return Ok((out, t.pad));
@@ -306,10 +344,21 @@ pub fn encode_completions(
             super::Completion {
                 prompt: common_prefix(&c[0], &ids),
                 ids,
+                assistant: None,
             }
         })
         .collect();
     Ok((out, enc.pad))
+}
+
+/// `train.assistant_only_loss` with data that is not conversations.
+pub fn assistant_only_needs_conversations(path: &Path) -> RunError {
+    data_err(
+        path,
+        "`train.assistant_only_loss` scores the assistant's turns of conversations, and this file holds none: it \
+         needs JSONL `{\"messages\": [..]}` or `{\"prompt\": [messages], \"completion\": [messages]}` (text \
+         prompt-completion examples are already scored on the completion only), or remove `assistant_only_loss`",
+    )
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -325,14 +374,20 @@ pub fn scored_completions(
     tok: &TextTokenizer,
     vocab: u64,
     seq: usize,
+    assistant_only: bool,
 ) -> Result<(Vec<super::Completion>, u32), RunError> {
-    let (mut examples, pad) = encode_completions(path, pairs, tok, vocab)?;
+    let (mut examples, pad) = encode_completions(path, pairs, tok, vocab, assistant_only)?;
     examples.retain(|e| e.scored(seq) > 0);
     if examples.is_empty() {
+        let what = if assistant_only {
+            "an assistant token after its prompt"
+        } else {
+            "a completion token"
+        };
         return Err(data_err(
             path,
             format!(
-                "no example has a completion token within its first {seq} tokens (seq_len): every prompt fills \
+                "no example has {what} within its first {seq} tokens (seq_len): every prompt fills \
                  the sequence; raise seq_len or shorten the prompts"
             ),
         ));
@@ -474,6 +529,9 @@ pub fn pack(docs: Vec<Vec<u32>>, eos: Option<u32>) -> Vec<u32> {
 /// The training source of `path` for a plan.
 pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source, RunError> {
     let name = path.display().to_string();
+    if spec.assistant_only && !(is_jsonl(path) && is_completions(path)?) {
+        return Err(assistant_only_needs_conversations(path));
+    }
     if !is_jsonl(path) {
         return plain_text(path, spec, tok);
     }
@@ -526,7 +584,8 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
             ));
         }
         let pairs = read_completions(path)?;
-        let (examples, pad) = scored_completions(path, &pairs, tok, spec.vocab, spec.seq)?;
+        let (examples, pad) =
+            scored_completions(path, &pairs, tok, spec.vocab, spec.seq, spec.assistant_only)?;
         if examples.len() < spec.batch_examples {
             return Err(data_err(
                 path,

@@ -103,18 +103,31 @@ pub enum Source {
     },
 }
 
-/// One prompt-completion example: its ids and how many of them are the prompt's.
+/// One prompt-completion example: its ids, how many of them are the prompt's and, under
+/// `train.assistant_only_loss`, which are the assistant's.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
     pub ids: Vec<u32>,
     pub prompt: usize,
+    /// One flag per id (transformers' `assistant_masks`): only the assistant's tokens are
+    /// scored. `None`: every token after the prompt is.
+    pub assistant: Option<Vec<bool>>,
 }
 
 impl Completion {
+    /// Is token `t` a target the loss scores (TRL's labels: not the prompt's, and the
+    /// assistant's where that is asked)?
+    pub(crate) fn scores(&self, t: usize) -> bool {
+        t >= self.prompt && self.assistant.as_ref().is_none_or(|a| a[t])
+    }
+
     /// Next-token predictions of the example cut to `seq` tokens that are scored: those
-    /// whose target is a completion token (TRL's `completion_mask` shifted by one).
+    /// whose target is a completion token (TRL's `completion_mask` shifted by one) and,
+    /// with `assistant`, the assistant's.
     pub fn scored(&self, seq: usize) -> usize {
-        self.ids.len().min(seq).saturating_sub(self.prompt.max(1))
+        (1..self.ids.len().min(seq))
+            .filter(|&t| self.scores(t))
+            .count()
     }
 
     /// The example as one row of `seq` positions, appended to a batch: cut to `seq`
@@ -133,7 +146,7 @@ impl Completion {
         for p in 0..seq {
             inputs.push(at(p));
             targets.push(at(p + 1));
-            weights.push(if p + 1 < len && p + 1 >= self.prompt {
+            weights.push(if p + 1 < len && self.scores(p + 1) {
                 1.0
             } else {
                 0.0
@@ -629,6 +642,7 @@ mod tests {
             positives: 0,
             negatives: 0,
             batch_examples,
+            assistant_only: false,
         }
     }
 

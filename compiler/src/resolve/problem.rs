@@ -331,6 +331,8 @@ pub(crate) enum Inapplicable {
     SgdHasNoBetas,
     /// `positives` / `negatives` need `loss = contrastive`.
     NeedsContrastive,
+    /// `assistant_only_loss` needs `loss = causal_lm`.
+    NeedsCausalLm,
     /// `base` is for QLoRA.
     BaseNeedsQlora,
     /// `virtual_stages` > 1 needs a fixed `pipeline` > 1.

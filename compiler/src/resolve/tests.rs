@@ -920,6 +920,27 @@ fn chunked_loss_key() {
 }
 
 #[test]
+fn assistant_only_loss_key_is_a_boolean_for_causal_lm_only() {
+    let plan = |v: &str, loss: &str| {
+        format!("model \"llama-3.1-8b\"\nhardware {{ gpu = h100-80gb }}\ntrain {{ seq_len = 2048 global_batch = 8 {loss} assistant_only_loss = {v} }}\n")
+    };
+    assert!(!ok(BASE).train.assistant_only_loss);
+    assert!(ok(&plan("true", "")).train.assistant_only_loss);
+    assert!(
+        !ok(&plan("false", "loss = causal_lm"))
+            .train
+            .assistant_only_loss
+    );
+    let src = plan("yes", "");
+    let e = one(&src, "rcoa::wrong_kind");
+    assert_eq!(text_at(&src, &e), "yes");
+    let src = plan("true", "loss = contrastive");
+    let e = one(&src, "rcoa::not_applicable");
+    assert_eq!(text_at(&src, &e), "true");
+    assert!(e.to_string().contains("causal_lm"), "{e}");
+}
+
+#[test]
 fn target_names_every_engine_and_sets_its_optimizer_default() {
     use crate::spec::OptImpl;
     for t in Target::ALL {

@@ -6,7 +6,8 @@
 //! `causal_lm` for decoders and `masked_lm` for encoders. `positives` and
 //! `negatives` (texts per anchor) default to 0 and apply only to
 //! `loss = contrastive`. `chunked_loss` (a boolean) turns the chunked LM loss
-//! on or off; unset, the engine's default holds. The batch arithmetic against the parallel degrees is
+//! on or off; unset, the engine's default holds. `assistant_only_loss` (a boolean,
+//! `causal_lm` only) scores only the assistant's tokens of chat conversations. The batch arithmetic against the parallel degrees is
 //! checked in [`super::constraints`].
 
 use super::problem::{Inapplicable, NameKind, Problem};
@@ -25,6 +26,7 @@ pub(crate) const KEYS: &[&str] = &[
     "positives",
     "negatives",
     "chunked_loss",
+    "assistant_only_loss",
 ];
 
 const ATTENTION: &[(&str, Attention)] = &[
@@ -84,6 +86,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
     let chunked_loss = f
         .get("chunked_loss")
         .map(|v| values::boolean(cx, v, "chunked_loss"));
+    let assistant_only_loss = f.get("assistant_only_loss").map_or(Some(false), |v| {
+        values::boolean(cx, v, "assistant_only_loss")
+    });
 
     // Without a written loss and without a resolved model, the default is unknown.
     let loss = match loss {
@@ -102,6 +107,15 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
                     span,
                 });
             }
+        }
+    }
+    if loss.is_some_and(|l| l != Loss::CausalLm) {
+        if let Some(span) = f.span("assistant_only_loss") {
+            cx.report(Problem::NotApplicable {
+                key: "assistant_only_loss",
+                because: Inapplicable::NeedsCausalLm,
+                span,
+            });
         }
     }
     if !cx.clean_since(mark) {
@@ -124,5 +138,6 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
             Some(c) => Some(c?),
             None => None,
         },
+        assistant_only_loss: assistant_only_loss?,
     })
 }

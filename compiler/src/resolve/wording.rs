@@ -528,6 +528,10 @@ pub(crate) fn word(p: Problem) -> ResolveError {
                     format!("`{key}` applies only to `loss = contrastive`"),
                     "set `loss = contrastive`, or remove it".to_string(),
                 ),
+                Inapplicable::NeedsCausalLm => (
+                    format!("`{key}` applies only to `loss = causal_lm`"),
+                    "it picks the assistant's tokens of chat conversations for a causal LM's loss; remove it, or train with `loss = causal_lm`".to_string(),
+                ),
                 Inapplicable::BaseNeedsQlora => (
                     format!("`{key}` applies only to `adapter qlora`"),
                     "a LoRA base keeps the params dtype; use `adapter qlora { base = nf4 ... }` for a 4-bit base".to_string(),
