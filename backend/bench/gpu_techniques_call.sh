@@ -13,8 +13,8 @@
 #   8.  Qwen's layers (llama125m_qk_norm_qkv_bias.plan, 6 steps).
 #   9.  Adam-mini (llama125m_adam_mini.plan, 20 steps).
 #   10. The fixtures on CUDA, fp32: prompt-completion rows (llama-sft.plan), partial rotary
-#       with LongRoPE (phi3-longrope) and a sliding window past its length (mistral-window),
-#       4 steps each, with --eval on the fixture's eval.jsonl, whose loss before the first
+#       with LongRoPE (phi3-longrope) and a sliding window past its length (mistral-window,
+#       eager and with the fused kernels' window: `Rows`, as the fixtures are fp32), 4 steps each, with --eval on the fixture's eval.jsonl, whose loss before the first
 #       step is the CPU's and transformers' (reference.json's eval.loss).
 #   11. Head dim 96 (llama125m_head96.plan, eager and flash, 6 steps each): the peak
 #       against the prediction where CubeCL pads Burn's `[..., 96]` rows to 128 values.
@@ -55,9 +55,13 @@ job() {
 # The fixtures: tests/fixtures/eval/llama.plan naming fixture $1 by its absolute path, trained
 # and evaluated on the fixture's eval.jsonl.
 fixture_job() {
-  local plan=/tmp/gpu-$1.plan
-  sed "s|\"../hf/llama\"|\"$PWD/tests/fixtures/hf/$1\"|" tests/fixtures/eval/llama.plan > "$plan"
-  job "fixture-$1" 4 "$plan" --data "tests/fixtures/hf/$1/eval.jsonl" \
+  local attention=${2:-sdpa}
+  local plan=/tmp/gpu-$1-$attention.plan
+  sed -e "s|\"../hf/llama\"|\"$PWD/tests/fixtures/hf/$1\"|" \
+    -e "s|^train {|train {\n  attention = $attention|" tests/fixtures/eval/llama.plan > "$plan"
+  local name="fixture-$1"
+  if [ "$attention" != sdpa ]; then name="$name-$attention"; fi
+  job "$name" 4 "$plan" --data "tests/fixtures/hf/$1/eval.jsonl" \
     --eval "tests/fixtures/hf/$1/eval.jsonl"
 }
 
@@ -80,6 +84,7 @@ job sft 4 tests/fixtures/eval/llama-sft.plan --data tests/fixtures/hf/llama/sft.
   --eval tests/fixtures/hf/llama/sft.jsonl
 fixture_job phi3-longrope
 fixture_job mistral-window
+fixture_job mistral-window flash
 log "started ${#PIDS[@]} jobs"
 wait "${PIDS[@]}"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu-after.txt" 2>&1

@@ -212,6 +212,7 @@ mod bench {
             let cfg = FlashLaunch {
                 dims,
                 causal,
+                window: 0,
                 padding: false,
                 scale: 1.0 / (dims.head_dim as f32).sqrt(),
                 dtype,

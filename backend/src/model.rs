@@ -105,6 +105,10 @@ pub struct Ctx<B: Backend> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub causal: bool,
+    /// A causal sliding window shorter than the sequence (`sliding_window`): a query sees
+    /// itself and the `window − 1` positions before it; 0 for none. The eager paths hold
+    /// it in `bias`, the fused attention masks it itself.
+    pub window: usize,
     /// Epsilon of every norm (from the config: `rms_norm_eps` etc.).
     pub norm_eps: f64,
     /// GELU with the tanh approximation (GPT-2) instead of the exact one.
@@ -160,6 +164,11 @@ impl<B: Backend> Ctx<B> {
         let rope = (model.positions == Positions::Rope)
             .then(|| RopeTables::new(&model.numerics, head_dim, seq, compute, device));
         let causal = model.arch == Arch::Decoder;
+        let window = model
+            .numerics
+            .sliding_window
+            .filter(|&w| causal && (seq as u64) > w)
+            .map_or(0, |w| w as usize);
         let bias = (causal && !flash).then(|| {
             // Burn's masks are true where they mask: `tril_mask(_, 0)` is
             // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
@@ -168,8 +177,8 @@ impl<B: Backend> Ctx<B> {
             // A sliding window of `w` (Mistral v0.1, Phi-3): a query sees itself and the
             // `w - 1` positions before it, as transformers' `sliding_window_overlay`
             // (`kv > q - w`); `triu_mask(_, 1 - w)` is true where `kv - q < 1 - w`.
-            if let Some(w) = model.numerics.sliding_window.filter(|&w| (seq as u64) > w) {
-                let past = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1 - w as i64, device);
+            if window > 0 {
+                let past = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1 - window as i64, device);
                 masked = masked.bool_or(past);
             }
             to_dtype(masked.float().mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
@@ -180,6 +189,7 @@ impl<B: Backend> Ctx<B> {
             kv_heads: model.kv_heads as usize,
             head_dim,
             causal,
+            window,
             norm_eps: model.numerics.norm_eps,
             gelu_tanh: model.numerics.gelu_tanh,
             position_offset: model.numerics.position_offset as usize,
@@ -214,6 +224,7 @@ impl<B: Backend> Ctx<B> {
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             causal: self.causal,
+            window: self.window,
             norm_eps: self.norm_eps,
             gelu_tanh: self.gelu_tanh,
             position_offset: self.position_offset,
@@ -615,6 +626,7 @@ impl<B: ExecBackend> Attention<B> {
             let (q, k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
             let mask = crate::kernels::flash::blocked::FlashMask {
                 causal: ctx.causal,
+                window: ctx.window,
                 key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
                 // A seed, not a mask: the kernels hash it with each score's place.
                 dropout: (ctx.train && ctx.attention_dropout > 0.0)

@@ -64,16 +64,26 @@ fn ids(v: &serde_json::Value) -> Vec<Vec<i64>> {
 
 /// Mean next-token cross-entropy of one window, as `labels=input_ids` does.
 fn causal_loss(model: &Model<B>, m: &ModelSpec, window: &[i64]) -> f64 {
-    causal_loss_with(model, m, window, false)
+    causal_loss_with(model, m, window, Attention::Eager)
 }
 
-/// [`causal_loss`] through the eager attention or the selective one (`ops::attention_core`).
-fn causal_loss_with(model: &Model<B>, m: &ModelSpec, window: &[i64], selective: bool) -> f64 {
+/// The executor's attentions: eager, selective (`ops::attention_core`), fused
+/// (`ops::flash_attention`, here its blocked CPU path).
+#[derive(Clone, Copy, Debug)]
+enum Attention {
+    Eager,
+    Selective,
+    Flash,
+}
+
+/// [`causal_loss`] through `attention`.
+fn causal_loss_with(model: &Model<B>, m: &ModelSpec, window: &[i64], attention: Attention) -> f64 {
     let device = Default::default();
     let s = window.len();
-    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, false, &device);
+    let flash = matches!(attention, Attention::Flash);
+    let mut ctx = Ctx::<B>::new(m, None, s, FloatDType::F32, flash, &device);
     ctx.train = false;
-    ctx.selective = selective;
+    ctx.selective = matches!(attention, Attention::Selective);
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(window.to_vec(), [1, s]), &device);
     let h = model.hidden(tokens, &ctx);
     let logits = model.head.logits(h, &model.embed, &ctx);
@@ -145,8 +155,9 @@ fn phi3_matches_transformers() {
 }
 
 /// Mistral v0.1's sliding window in small: a window of 5 inside 16-token sequences, masked
-/// by the eager and the selective attentions' bias as transformers masks it; the same
-/// weights without the window compute other losses, so the window is what agrees.
+/// by the eager and the selective attentions' bias and by the fused attention as
+/// transformers masks it; the same weights without the window compute other losses, so the
+/// window is what agrees.
 #[test]
 fn a_sliding_window_shorter_than_the_sequence_matches_transformers() {
     check_causal("mistral-window");
@@ -158,11 +169,13 @@ fn a_sliding_window_shorter_than_the_sequence_matches_transformers() {
     let without: Vec<f64> = serde_json::from_value(r["losses_without_window"].clone()).unwrap();
     for ((w, want), without) in ids(&r["windows"]).iter().zip(want).zip(without) {
         assert!((want - without).abs() > 1e-2, "the window changes the loss");
-        let got = causal_loss_with(&model, &m, w, true);
-        assert!(
-            (got - want).abs() < 1e-4,
-            "selective: loss {got} vs transformers {want}"
-        );
+        for attention in [Attention::Selective, Attention::Flash] {
+            let got = causal_loss_with(&model, &m, w, attention);
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{attention:?}: loss {got} vs transformers {want}"
+            );
+        }
     }
 }
 

@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    Attention, CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind,
-    OptimizerSpec, Positions, PrecisionSpec, RopeScaling, Spec, Target, TrainSpec,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind, OptimizerSpec,
+    Positions, PrecisionSpec, RopeScaling, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -37,9 +37,6 @@ pub fn check(spec: &Spec) -> Result<(), CompileError> {
 fn refusal(spec: &Spec) -> Option<(String, String)> {
     let selective_op = spec.fit.checkpoint == CheckpointChoice::SelectiveOp;
     if let Some(r) = carried(&spec.model, &spec.optimizer, &spec.precision, selective_op) {
-        return Some(r);
-    }
-    if let Some(r) = windowed(&spec.model, &spec.train) {
         return Some(r);
     }
     if let Some(r) = partitioned(&spec.optimizer, spec.adapter.is_some()) {
@@ -108,18 +105,6 @@ fn in_backward_lowered(plan: &LoweredPlan) -> Option<(String, String)> {
                 )
             })
         })
-}
-
-/// Sliding-window attention over sequences longer than the window under the fused
-/// attention: its kernels mask the future only (the eager and selective attentions mask
-/// the window in their bias).
-fn windowed(m: &ModelSpec, t: &TrainSpec) -> Option<(String, String)> {
-    let seq_len = t.seq_len;
-    let w = m.numerics.sliding_window.filter(|w| seq_len > *w)?;
-    (t.attention == Attention::Flash).then(|| (
-        format!("sliding-window attention over {w} positions (the config's `sliding_window`) at `seq_len = {seq_len}` with `attention = flash`"),
-        format!("its fused kernels attend to every earlier token, the same as the window up to {w} tokens: write `seq_len` ≤ {w}, or `attention = eager`"),
-    ))
 }
 
 /// A rotated share of each head (`partial_rotary_factor`) or LongRoPE factors that no longer
@@ -223,7 +208,6 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let r = &plan.resolved;
     let selective_op = r.checkpoint == "selective_op";
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
-        .or_else(|| windowed(&plan.model, &plan.train))
         .or_else(|| partitioned(&plan.optimizer, plan.adapter.is_some()))
         .or_else(|| in_backward_lowered(plan))
         .or_else(|| scheduled(r.virtual_stages));
@@ -239,7 +223,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Biases, Norm};
+    use crate::spec::{Attention, Biases, Norm};
     use crate::testing::SpecBuilder;
 
     fn burn() -> Spec {
@@ -274,19 +258,13 @@ mod tests {
             }
         }
         // A window shorter than the sequence is masked by the eager and selective
-        // attentions' bias and refused under the fused kernels; one as long is full
-        // attention everywhere.
-        let mut s = burn();
-        s.train.attention = Attention::Flash;
-        s.model.numerics.sliding_window = Some(s.train.seq_len);
-        assert_eq!(check(&s), Ok(()));
-        s.model.numerics.sliding_window = Some(s.train.seq_len - 1);
-        assert!(refused(&s).contains("sliding-window"), "{}", refused(&s));
-        s.train.attention = Attention::Eager;
-        assert_eq!(check(&s), Ok(()));
-        s.train.attention = Attention::Flash;
-        s.target = Target::Pytorch;
-        assert_eq!(check(&s), Ok(()));
+        // attentions' bias and by the fused kernels themselves.
+        for attention in [Attention::Flash, Attention::Eager, Attention::Sdpa] {
+            let mut s = burn();
+            s.train.attention = attention;
+            s.model.numerics.sliding_window = Some(s.train.seq_len - 1);
+            assert_eq!(check(&s), Ok(()));
+        }
         // RoPE rescaling the executor does not compute is refused, and predicted for PyTorch.
         let mut s = burn();
         s.model.numerics.rope_scaling = Some(RopeScaling::Llama3 {

@@ -131,9 +131,21 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
                 spec.model.head_dim,
                 &spec.hardware.gpu,
             ) {
-                None => format!(
-                    "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator"
-                ),
+                None => match spec
+                    .model
+                    .numerics
+                    .sliding_window
+                    .filter(|&w| w < spec.train.seq_len)
+                {
+                    None => format!(
+                        "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator"
+                    ),
+                    Some(w) => format!(
+                        "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator; \
+                         the sliding window of {w} keys runs the block-product kernels, which skip the \
+                         keys outside it (the register kernels take no window)"
+                    ),
+                },
                 Some(why) => {
                     let rate = profile
                         .fused_attention_rows_efficiency

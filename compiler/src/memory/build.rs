@@ -177,6 +177,11 @@ pub const FUSED_ATTENTION_OP: &str = "flash_attention";
 /// `Profile::fused_attention_rows_efficiency`.
 pub const FUSED_ATTENTION_ROWS_OP: &str = "flash_attention_rows";
 
+/// The op name of the executor's fused attention on tensor cores under a sliding window
+/// shorter than the sequence: the register kernels take no window, so the block-product
+/// kernels run, priced at `Profile::fused_attention_blocks_efficiency`.
+pub const FUSED_ATTENTION_BLOCKS_OP: &str = "flash_attention_blocks";
+
 /// The op names of eager attention's two products, `q kᵀ` and `probs v` (unfused and
 /// selective alike), which the time model prices at `Profile::attention_matmul_efficiency`.
 pub const SCORES_OP: &str = "scores";
@@ -923,7 +928,18 @@ impl<'a> Builder<'a> {
         };
         let seqs = self.tokens / self.spec.train.seq_len.max(1);
         let s = self.spec.train.seq_len.div_ceil(self.cand.context.max(1));
-        let causal = if m.arch == Arch::Decoder { 0.5 } else { 1.0 };
+        let burn_flash = self.profile.burn_ops && self.spec.train.attention == Attention::Flash;
+        // The share of the `s × s` scores computed: half for a causal decoder; under a
+        // sliding window shorter than the sequence, rcoa's fused kernels skip the key
+        // blocks outside each query's window (`Σ_i min(i + 1, w)` pairs), where the eager
+        // paths compute every score and mask.
+        let causal = match m.numerics.sliding_window.filter(|&w| w < s) {
+            Some(w) if burn_flash && m.arch == Arch::Decoder => {
+                (w * (w + 1) / 2 + (s - w) * w) as f64 / (s * s) as f64
+            }
+            _ if m.arch == Arch::Decoder => 0.5,
+            _ => 1.0,
+        };
         let score_flops = 2.0 * 2.0 * (seqs * heads) as f64 * (s * s) as f64 * hd as f64 * causal;
         // SDPA picks a fused kernel when one takes the inputs: flash needs 16-bit inputs,
         // the memory-efficient kernel takes fp32 but not grouped-query attention; otherwise
@@ -940,7 +956,6 @@ impl<'a> Builder<'a> {
             && self.spec.train.attention != Attention::Eager
             && (sixteen_bit || kv == heads || !gqa_without_repeat);
         let act = self.dtype(q);
-        let burn_flash = self.profile.burn_ops && self.spec.train.attention == Attention::Flash;
         let out = if burn_flash {
             self.burn_flash_attention(q, k, v, heads * hd, score_flops)
         } else if fused {
@@ -1201,10 +1216,11 @@ impl<'a> Builder<'a> {
         let out = self.tensor("attn_out", &[self.tokens, width], act, rg);
         let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
         let one_pass = burn_flash_one_pass(act, hd, &self.spec.hardware.gpu);
-        let name = if one_pass {
-            FUSED_ATTENTION_OP
-        } else {
-            FUSED_ATTENTION_ROWS_OP
+        let windowed = m.numerics.sliding_window.is_some_and(|w| w < s);
+        let name = match (one_pass, windowed) {
+            (true, false) => FUSED_ATTENTION_OP,
+            (true, true) => FUSED_ATTENTION_BLOCKS_OP,
+            (false, _) => FUSED_ATTENTION_ROWS_OP,
         };
         let o = self.op(name, &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
         let info = &mut self.tape.ops[o];

@@ -14,9 +14,9 @@
 //! which PyTorch targets predict (the scaling changes no tensor's size) and
 //! `target burn` refuses. Mistral's `sliding_window` (4096 in v0.1's config
 //! and when missing, null later) is full attention while the sequence is no
-//! longer than the window; past it `rcoa run` masks the window in the eager and
-//! selective attentions' bias (a query sees itself and the `window - 1` positions before
-//! it) and refuses the fused kernels, which have no window. Qwen's `use_sliding_window =
+//! longer than the window; past it `rcoa run` masks the window (a query sees itself and
+//! the `window - 1` positions before it) in the eager and selective attentions' bias, and
+//! the fused kernels skip and mask the keys outside it. Qwen's `use_sliding_window =
 //! true` is refused.
 //!
 //! Supported `model_type`s and the keys read:

@@ -62,6 +62,7 @@ pub fn forward<B: ExecBackend, C: CheckpointStrategy>(
 ) -> OutLse<Autodiff<B, C>> {
     let mask = FlashMask {
         causal: mask.causal,
+        window: mask.window,
         key_bias: mask.key_bias.as_ref().map(|t| t.clone().inner()),
         dropout: mask.dropout.as_ref().map(|d| FlashDropout {
             p: d.p,

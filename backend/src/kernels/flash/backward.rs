@@ -17,8 +17,8 @@
 use cubecl::prelude::*;
 
 use super::tile::{
-    dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias, row_dot,
-    stage_rows, unroll_rows, MASKED,
+    dropout_row, excluded, first_key_block, first_query_block, keep_factor, key_blocks, pad_bias,
+    query_blocks, row_dot, stage_rows, unroll_rows, MASKED,
 };
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
@@ -48,6 +48,7 @@ pub fn flash_backward_kv<F: Float>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
@@ -96,7 +97,7 @@ pub fn flash_backward_kv<F: Float>(
     // The block's query rows' dropout keys, hashed once per row, not per score.
     let mut keys = SharedMemory::<u32>::new(block);
 
-    let blocks = s.div_ceil(block);
+    let blocks = query_blocks(first, block, s, window);
     let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     for g in 0..group {
@@ -128,8 +129,9 @@ pub fn flash_backward_kv<F: Float>(
 
             for il in 0..min(block, s - i0) {
                 let i = i0 + il;
-                // A query past the end, or (causal) before this key: no term.
-                let skip = i >= s || excluded(jr, i, t, causal);
+                // A query past the end, (causal) before this key, or (window) too
+                // far after it: no term.
+                let skip = i >= s || excluded(jr, i, t, causal, window);
                 if !skip {
                     let x = row_dot(&kr, &qs, il * head_dim, head_dim, unroll) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
@@ -178,6 +180,7 @@ pub fn flash_backward_q<F: Float>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
@@ -222,14 +225,14 @@ pub fn flash_backward_q<F: Float>(
     let mut vs = SharedMemory::<f32>::new(block * head_dim);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    for kb in 0..key_blocks(first, block, s, t, causal) {
+    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
         for jl in 0..min(block, t - j0) {
             let j = j0 + jl;
-            if !excluded(j, r, t, causal) {
+            if !excluded(j, r, t, causal, window) {
                 let mut x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);

@@ -19,8 +19,8 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    copy_barrier, dropout_row, excluded, first_query_block, keep_factor, key_blocks, pad_bias,
-    stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
+    copy_barrier, dropout_row, excluded, first_key_block, first_query_block, keep_factor,
+    key_blocks, pad_bias, query_blocks, stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
@@ -101,6 +101,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
@@ -166,7 +167,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    let blocks = s.div_ceil(block);
+    let blocks = query_blocks(first, block, s, window);
     let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     // With `async_copy`: K's, V's and q's copies complete on `q_ready`,
@@ -274,7 +275,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             );
             sync_cube();
 
-            if unmasked(i0, first, block, s, t, causal, padding) {
+            if unmasked(i0, first, block, s, t, causal, padding, window) {
                 for ic in 0..cols {
                     let il = c0s + ic;
                     let p = (work[row * s_ld + il] * scale - ls[il]).exp();
@@ -290,7 +291,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                     // A query past the end, or (causal) before this key, or a
                     // key row past the end (it repeats key t − 1; one pass
                     // would add that key's term to dQ twice): no term.
-                    let skip = !live || i >= s || excluded(jr, i, t, causal);
+                    let skip = !live || i >= s || excluded(jr, i, t, causal, window);
                     let mut p = f32::new(0.0);
                     let mut ds = f32::new(0.0);
                     let mut z = f32::new(1.0);
@@ -406,6 +407,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
@@ -480,7 +482,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    for kb in 0..key_blocks(first, block, s, t, causal) {
+    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
         stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
@@ -509,7 +511,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         let n = min(block, t - j0);
-        if unmasked(first, j0, block, s, t, causal, padding) {
+        if unmasked(first, j0, block, s, t, causal, padding, window) {
             for jc in 0..cols {
                 let jl = c0s + jc;
                 let p = (work[lr * s_ld + jl] * scale - lse_r).exp();
@@ -522,7 +524,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
                 let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut ds = f32::new(0.0);
-                if jl < n && !excluded(j, r, t, causal) {
+                if jl < n && !excluded(j, r, t, causal, window) {
                     let mut x = work[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);

@@ -355,7 +355,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
             }
             // This block's rows of the tiles.
             let at = tile * BLOCK;
-            let open = unmasked(i0, first, BLOCK, s, t, causal, padding);
+            let open = unmasked(i0, first, BLOCK, s, t, causal, padding, 0u32);
             // A loop on the GPU too: only shared-memory offsets depend on `sub`, and unrolled
             // ptxas hoisted the next 16 rows' loads into registers dK and dV need.
             for sub in 0..comptime![BLOCK / 16] {
@@ -382,7 +382,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                         let mut x = st[c][e] * scale;
                         let mut masked = false;
                         if !open {
-                            masked = i >= s || excluded(key, i, t, causal);
+                            masked = i >= s || excluded(key, i, t, causal, 0u32);
                             x += bias[half];
                         }
                         let (lse_i, d_i) = (ls[at + ql], drow[at + ql]);
@@ -660,7 +660,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
         // This block's rows of the tiles.
         let at = tile * BLOCK;
 
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, 0u32);
         // Unrolled where q and dO are resident; past that ptxas hoisted the next 16 keys'
         // loads into registers dQ needs, as in the key kernel.
         #[unroll(unroll && resident)]
@@ -684,7 +684,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
                     let mut x = sc[c][e] * scale;
                     let mut masked = false;
                     if !open {
-                        masked = excluded(key, rows[half], t, causal);
+                        masked = excluded(key, rows[half], t, causal, 0u32);
                         if padding {
                             x += kbias[at + key - j0];
                         }

@@ -11,6 +11,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData};
+use std::ops::Range;
 
 use super::dropout::{self, FlashDropout};
 
@@ -25,6 +26,9 @@ pub const QUERY_BLOCK: usize = 64;
 pub struct FlashMask<B: Backend> {
     /// Key `j` is kept for query `i` only when `j ≤ i` (needs `s == t`).
     pub causal: bool,
+    /// A sliding window (with `causal`): key `j` is kept for query `i` only when
+    /// `i − window < j` as well; 0 for none.
+    pub window: usize,
     /// `[b, t]` additive bias of each key (0, or -1e9 for a pad), fp32 or
     /// the compute dtype.
     pub key_bias: Option<Tensor<B, 2>>,
@@ -51,23 +55,24 @@ impl HostDropout {
     }
 
     /// The keep factors (0, or `1 / (1 − p)`) of query rows `i0 .. i0 + n`
-    /// over keys `0 .. tv`, in the blocked layout `[b, kvh, g · n, tv]` and
+    /// over keys `keys`, in the blocked layout `[b, kvh, g · n, keys.len()]` and
     /// `of`'s dtype, built on the host from the hash the kernels use.
     fn factors<B: Backend>(
         &self,
         sh: &Shape,
         i0: usize,
         n: usize,
-        tv: usize,
+        keys: Range<usize>,
         of: &Tensor<B, 4>,
     ) -> Tensor<B, 4> {
         let h = sh.kvh * sh.g;
+        let tv = keys.len();
         let mut f = Vec::with_capacity(sh.b * h * n * tv);
         for bi in 0..sh.b {
             for head in 0..h {
                 for il in 0..n {
                     let row = dropout::row_key(self.seed, bi * h + head, i0 + il);
-                    f.extend((0..tv).map(|j| {
+                    f.extend(keys.clone().map(|j| {
                         if dropout::keeps(row, j, self.threshold) {
                             self.scale as f32
                         } else {
@@ -130,17 +135,23 @@ fn rows<B: Backend>(x: &Tensor<B, 4>, sh: &Shape, i0: usize, n: usize) -> Tensor
         .reshape([sh.b, sh.kvh, sh.g * n, w])
 }
 
-/// Keys a causal block of queries `i0 .. i0 + n` can see: `0 .. i0 + n`.
-fn visible(sh: &Shape, mask: &FlashMask<impl Backend>, i0: usize, n: usize) -> usize {
-    if mask.causal {
-        (i0 + n).min(sh.t)
-    } else {
-        sh.t
+/// Keys the block of queries `i0 .. i0 + n` can see: all, or causal `.. i0 + n`,
+/// and under a window from its first query's oldest key, `i0 + 1 − window`.
+fn visible(sh: &Shape, mask: &FlashMask<impl Backend>, i0: usize, n: usize) -> Range<usize> {
+    if !mask.causal {
+        return 0..sh.t;
     }
+    let end = (i0 + n).min(sh.t);
+    let start = if mask.window > 0 {
+        (i0 + 1).saturating_sub(mask.window)
+    } else {
+        0
+    };
+    start..end
 }
 
-/// `scale · q kᵀ + masks` for one query block over its `tv` visible keys:
-/// `[b, kvh, g · n, tv]`.
+/// `scale · q kᵀ + masks` for one query block over its visible `keys`:
+/// `[b, kvh, g · n, keys.len()]`.
 #[allow(clippy::too_many_arguments)]
 fn scores<B: Backend>(
     qb: Tensor<B, 4>,
@@ -149,19 +160,25 @@ fn scores<B: Backend>(
     mask: &FlashMask<B>,
     i0: usize,
     n: usize,
-    tv: usize,
+    keys: &Range<usize>,
     scale: f64,
 ) -> Tensor<B, 4> {
-    let kb = k.clone().narrow(2, 0, tv);
+    let (k0, tv) = (keys.start, keys.len());
+    let kb = k.clone().narrow(2, k0, tv);
     let mut sc = qb.mul_scalar(scale).matmul(kb.swap_dims(2, 3));
     let device = sc.device();
     if mask.causal {
-        // True where key j is after query i0 + r (strictly above the shifted
-        // diagonal), as `Ctx::new` builds the eager mask.
-        let future = Tensor::<B, 2, Bool>::tril_mask([n, tv], i0 as i64, &device)
-            .float()
-            .mul_scalar(MASK);
-        let future = like(future, &sc);
+        // True where key k0 + c is after query i0 + r (strictly above the shifted
+        // diagonal), as `Ctx::new` builds the eager mask; under a window also where it
+        // is `window` or more before it (`c − r < i0 − k0 + 1 − window`).
+        let off = (i0 - k0) as i64;
+        let mut masked = Tensor::<B, 2, Bool>::tril_mask([n, tv], off, &device);
+        if mask.window > 0 {
+            let past =
+                Tensor::<B, 2, Bool>::triu_mask([n, tv], off + 1 - mask.window as i64, &device);
+            masked = masked.bool_or(past);
+        }
+        let future = like(masked.float().mul_scalar(MASK), &sc);
         let future = future
             .reshape([1, 1, 1, n, tv])
             .expand([1, 1, sh.g, n, tv])
@@ -169,7 +186,7 @@ fn scores<B: Backend>(
         sc = sc + future;
     }
     if let Some(bias) = &mask.key_bias {
-        let bias = like(bias.clone().narrow(1, 0, tv), &sc);
+        let bias = like(bias.clone().narrow(1, k0, tv), &sc);
         sc = sc + bias.reshape([sh.b, 1, 1, tv]);
     }
     sc
@@ -189,17 +206,17 @@ pub fn forward<B: Backend>(
     let mut lses = Vec::new();
     for i0 in (0..sh.s).step_by(QUERY_BLOCK) {
         let n = QUERY_BLOCK.min(sh.s - i0);
-        let tv = visible(&sh, mask, i0, n);
-        let sc = scores(rows(&q, &sh, i0, n), &k, &sh, mask, i0, n, tv, scale);
+        let keys = visible(&sh, mask, i0, n);
+        let sc = scores(rows(&q, &sh, i0, n), &k, &sh, mask, i0, n, &keys, scale);
         let m = sc.clone().max_dim(3);
         let e = (sc - m.clone()).exp();
         let l = e.clone().sum_dim(3);
         // Dropout after the softmax: the sum (and the LSE) are undropped.
         let kept = match &drop {
-            Some(d) => e * d.factors(&sh, i0, n, tv, &m),
+            Some(d) => e * d.factors(&sh, i0, n, keys.clone(), &m),
             None => e,
         };
-        let o = kept.matmul(v.clone().narrow(2, 0, tv)) / l.clone();
+        let o = kept.matmul(v.clone().narrow(2, keys.start, keys.len())) / l.clone();
         let lse = m + l.log();
         outs.push(o.reshape([sh.b, sh.kvh, sh.g, n, sh.d]));
         lses.push(lse.reshape([sh.b, sh.kvh, sh.g, n]));
@@ -236,19 +253,20 @@ pub fn backward<B: Backend>(
     let mut d_qs = Vec::new();
     for i0 in (0..sh.s).step_by(QUERY_BLOCK) {
         let n = QUERY_BLOCK.min(sh.s - i0);
-        let tv = visible(&sh, mask, i0, n);
+        let keys = visible(&sh, mask, i0, n);
+        let (k0, tv) = (keys.start, keys.len());
         let qb = rows(&q, &sh, i0, n);
         let dob = rows(&d_o, &sh, i0, n);
         let group_rows = |x: &Tensor<B, 4>| rows(x, &sh, i0, n);
-        let sc = scores(qb.clone(), &k, &sh, mask, i0, n, tv, scale);
+        let sc = scores(qb.clone(), &k, &sh, mask, i0, n, &keys, scale);
         let p = (sc - group_rows(&lse)).exp();
-        let (kb, vb) = (k.clone().narrow(2, 0, tv), v.clone().narrow(2, 0, tv));
+        let (kb, vb) = (k.clone().narrow(2, k0, tv), v.clone().narrow(2, k0, tv));
         let dp = dob.clone().matmul(vb.swap_dims(2, 3));
         // With dropout, V's gradient takes the dropped probabilities, and
         // the probabilities' gradient is dP ∘ Z.
         let (dv, dp) = match &drop {
             Some(d) => {
-                let z = d.factors(&sh, i0, n, tv, &p);
+                let z = d.factors(&sh, i0, n, keys.clone(), &p);
                 let dv = (p.clone() * z.clone()).swap_dims(2, 3).matmul(dob);
                 (dv, dp * z)
             }
@@ -257,7 +275,7 @@ pub fn backward<B: Backend>(
         let ds = (p * (dp - group_rows(&big_d))).mul_scalar(scale);
         d_qs.push(ds.clone().matmul(kb).reshape([sh.b, sh.kvh, sh.g, n, sh.d]));
         let dk = ds.swap_dims(2, 3).matmul(qb);
-        let r = [0..sh.b, 0..sh.kvh, 0..tv, 0..sh.d];
+        let r = [0..sh.b, 0..sh.kvh, keys.clone(), 0..sh.d];
         d_k = d_k
             .clone()
             .slice_assign(r.clone(), d_k.slice(r.clone()) + dk);

@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use super::tile::{
-    dropout_row, excluded, keep_factor, key_blocks, pad_bias, row_dot, stage_rows, unroll_rows,
-    MASKED,
+    dropout_row, excluded, first_key_block, keep_factor, key_blocks, pad_bias, row_dot, stage_rows,
+    unroll_rows, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
@@ -24,7 +24,8 @@ use super::tile::{
 /// `key_bias [b, t]` (fp32, added to every query's score of key `j`: 0 or
 /// the executor's `-1e9` for a pad; read only when `padding`),
 /// `out [b, h, s, d]` and `lse [b, h, s]` (fp32). `causal` keeps key `j`
-/// for query `i` when `j ≤ i` (the host checks `s == t`). `dropout`
+/// for query `i` when `j ≤ i` (the host checks `s == t`), and a sliding
+/// `window` (0 for none) only the `window` keys up to `i`. `dropout`
 /// multiplies each probability by `keep_factor` before `P V`: 0 or
 /// `drop_scale`, as the hash of `dropout_seed [2]` and its place falls
 /// against `drop_threshold` (`super::dropout`).
@@ -42,6 +43,7 @@ pub fn flash_forward<F: Float>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] causal: bool,
@@ -83,7 +85,7 @@ pub fn flash_forward<F: Float>(
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
 
-    for kb in 0..key_blocks(first, block, s, t, causal) {
+    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
@@ -97,7 +99,7 @@ pub fn flash_forward<F: Float>(
         for jl in 0..n {
             let j = j0 + jl;
             let mut x = f32::new(MASKED);
-            if !excluded(j, r, t, causal) {
+            if !excluded(j, r, t, causal, window) {
                 x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);

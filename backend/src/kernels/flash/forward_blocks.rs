@@ -7,8 +7,8 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    copy_barrier, dropout_row, excluded, keep_factor, key_blocks, pad_bias, stage_tile,
-    stage_tile_async, staged_ld, unmasked, MASKED,
+    copy_barrier, dropout_row, excluded, first_key_block, keep_factor, key_blocks, pad_bias,
+    stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)` with
@@ -62,6 +62,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     group: u32,
     drop_threshold: u32,
     drop_scale: f32,
+    window: u32,
     #[comptime] head_dim: usize,
     #[comptime] block: usize,
     #[comptime] units_per_row: usize,
@@ -124,6 +125,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     let blocks = key_blocks(first, block, s, t, causal);
+    let start = first_key_block(first, block, window);
     // With `async_copy`: K's copies (and Q's, the first time) complete on
     // `k_ready`, V's on `v_ready`; every unit arrives on each once per key
     // block. Both start with block 0's copies in flight.
@@ -134,9 +136,14 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         stage_tile_async::<F, N>(
             q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units, copy,
         );
-        stage_tile_async::<F, N>(k, &mut ks, kbase, 0, t, block, head_dim, hd_ld, units, copy);
+        let j0 = start * block;
+        stage_tile_async::<F, N>(
+            k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units, copy,
+        );
         k_ready.unwrap().commit_copy_async();
-        stage_tile_async::<F, N>(v, &mut vs, vbase, 0, t, block, head_dim, hd_ld, units, copy);
+        stage_tile_async::<F, N>(
+            v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units, copy,
+        );
         v_ready.unwrap().commit_copy_async();
     } else {
         stage_tile::<F, N>(q, &mut qs, qbase, first, s, block, head_dim, hd_ld, units);
@@ -153,7 +160,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let mut l = f32::new(0.0);
     let dkey = dropout_row(dropout_seed, bh, r, dropout);
 
-    for kb in 0..blocks {
+    for kb in start..blocks {
         let j0 = kb * block;
         let next = j0 + block;
         if async_copy {
@@ -186,7 +193,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         // This unit's share of its row of S: scaled, masked, its maximum.
         let n = min(block, t - j0);
         let mut mine = f32::new(MASKED);
-        if unmasked(first, j0, block, s, t, causal, padding) {
+        if unmasked(first, j0, block, s, t, causal, padding, window) {
             for jc in 0..cols {
                 let jl = c0s + jc;
                 let x = s32[lr * s_ld + jl] * scale;
@@ -198,7 +205,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
                 let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut x = f32::new(MASKED);
-                if jl < n && !excluded(j, r, t, causal) {
+                if jl < n && !excluded(j, r, t, causal, window) {
                     x = s32[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);

@@ -174,7 +174,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
         }
 
         // Scaled and masked in place; each row's maximum over this lane's columns.
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, 0u32);
         let mut top = Array::<f32>::new(2usize);
         top[0] = f32::new(MASKED);
         top[1] = f32::new(MASKED);
@@ -188,7 +188,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
                     let key = j0 + j * 8 + quad * 2 + e;
                     let mut x = pair[e] * scale;
                     if !open {
-                        if excluded(key, rows[half], t, causal) {
+                        if excluded(key, rows[half], t, causal, 0u32) {
                             x = f32::new(MASKED);
                         } else if padding {
                             x += pad_bias(key_bias, bi, key);

@@ -33,12 +33,13 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         kv_len,
         head_dim,
     };
-    dims.check(mask.causal)?;
+    dims.check(mask.causal, mask.window)?;
     let dtype: StorageType = q.dtype.into();
     let registers = registers_asked();
     let mut cfg = FlashLaunch {
         dims,
         causal: mask.causal,
+        window: mask.window,
         padding: mask.key_bias.is_some(),
         scale: scale as f32,
         dtype,
@@ -490,6 +491,7 @@ mod tests {
 
     fn cfg(head_dim: usize, kind: FloatKind) -> FlashLaunch {
         FlashLaunch {
+            window: 0,
             dims: FlashDims {
                 batch: 1,
                 heads: 2,

@@ -45,6 +45,11 @@ pub enum FlashKernels {
 pub struct FlashLaunch {
     pub dims: FlashDims,
     pub causal: bool,
+    /// A sliding window (with `causal`): query `i` sees only the `window` keys up to
+    /// itself, `i − window < j ≤ i` (Mistral's and Phi-3's `sliding_window`); 0 for
+    /// none. The `Rows` and block-product kernels skip the key blocks outside every
+    /// row's window; the register kernels take no window ([`FlashLaunch::registers_take`]).
+    pub window: usize,
     /// A `key_bias [batch, kv_len]` fp32 tensor is passed (otherwise a
     /// 1-element placeholder is, and never read).
     pub padding: bool,
@@ -274,7 +279,7 @@ pub const UNITS_PER_ROW: usize = 2;
 
 impl FlashDims {
     /// Why the kernels cannot take these shapes, if they cannot.
-    pub fn check(&self, causal: bool) -> Result<(), String> {
+    pub fn check(&self, causal: bool, window: usize) -> Result<(), String> {
         let d = self;
         if d.batch == 0 || d.heads == 0 || d.q_len == 0 || d.kv_len == 0 || d.head_dim == 0 {
             return Err(format!("empty attention shape {d:?}"));
@@ -289,6 +294,11 @@ impl FlashDims {
             return Err(format!(
                 "head dim {} is above the fused kernel's {MAX_HEAD_DIM}",
                 d.head_dim
+            ));
+        }
+        if window > 0 && !causal {
+            return Err(format!(
+                "a sliding window of {window} needs causal attention"
             ));
         }
         if causal && d.q_len != d.kv_len {
@@ -494,7 +504,7 @@ macro_rules! launch_rows {
         let (count, dim) = grid($rows_of, block, block, $slices);
         $kernel::launch::<R>(
             $client, count, dim, $($t,)* cfg.scale, d.group(), cfg.drop_threshold(),
-            cfg.drop_scale(), d.head_dim, block, cfg.causal, cfg.padding,
+            cfg.drop_scale(), cfg.window as u32, d.head_dim, block, cfg.causal, cfg.padding,
             cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
         );
     }};
@@ -512,7 +522,8 @@ macro_rules! launch_blocks {
         let (count, dim) = grid($rows_of, block, block * split, $slices);
         $kernel::launch::<R>(
             $client, count, dim, $width, $($t,)* cfg.scale, d.group(),
-            cfg.drop_threshold(), cfg.drop_scale(), d.head_dim, block, split, cfg.causal,
+            cfg.drop_threshold(), cfg.drop_scale(), cfg.window as u32, d.head_dim, block, split,
+            cfg.causal,
             cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
             $($($f,)*)? cfg.dtype,
         );
@@ -626,13 +637,14 @@ impl FlashLaunch {
 
     /// The register kernels take this launch: tensor cores (16-bit inputs, head dims in
     /// 16s up to 128: the register products' shapes), without dropout (which they do not
-    /// draw).
+    /// draw) and without a sliding window (which they do not mask).
     fn registers_take(&self) -> bool {
         self.kernels()
             == FlashKernels::Blocks {
                 products: Products::TensorCores,
             }
             && self.dropout.is_none()
+            && self.window == 0
             && self.dims.head_dim <= super::forward_registers::MAX_HEAD_DIM
     }
 
@@ -831,6 +843,7 @@ mod tests {
 
     fn launch(head_dim: usize, kind: FloatKind) -> FlashLaunch {
         FlashLaunch {
+            window: 0,
             dims: FlashDims {
                 batch: 1,
                 heads: 4,

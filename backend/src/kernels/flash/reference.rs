@@ -14,6 +14,9 @@ pub struct Problem {
     pub t: usize,
     pub d: usize,
     pub causal: bool,
+    /// A sliding window (with `causal`): query `i` sees keys `i − window < j ≤ i`; 0 for
+    /// none.
+    pub window: usize,
     /// `[b, t]`: false for a padded key.
     pub keep: Option<Vec<bool>>,
     pub scale: f64,
@@ -76,6 +79,7 @@ impl Problem {
             t,
             d,
             causal,
+            window: 0,
             keep,
             scale: 1.0 / (d as f64).sqrt(),
             q: fill(b * h * s * d, seed),
@@ -84,6 +88,12 @@ impl Problem {
             d_o: fill(b * h * s * d, seed + 3),
             dropout: None,
         }
+    }
+
+    /// The same problem under a sliding window of `window` keys.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = window;
+        self
     }
 
     /// The same problem with dropout `p` under the seed words `seed`.
@@ -139,7 +149,7 @@ impl Problem {
                     // padding as an additive -1e9.
                     let sc: Vec<Option<f64>> = (0..t)
                         .map(|j| {
-                            if self.causal && j > i {
+                            if self.causal && j > i || self.window > 0 && i >= j + self.window {
                                 return None;
                             }
                             let dot: f64 =

@@ -28,6 +28,7 @@ fn values<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) ->
 fn mask<B: burn::tensor::backend::Backend>(p: &Problem) -> FlashMask<B> {
     FlashMask {
         causal: p.causal,
+        window: p.window,
         key_bias: p.key_bias().map(|b| tensor::<B, 2>(&b, [p.b, p.t])),
         dropout: p.dropout.map(|(prob, [w0, w1])| FlashDropout {
             p: prob,
@@ -103,6 +104,32 @@ fn flash_blocked_matches_reference() {
     check(
         Problem::new(2, 2, 2, 13, 30, 8, false, &[0, 7], 15),
         "cross lengths",
+    );
+}
+
+/// A sliding window: shorter than a query block, longer than one (the first block's
+/// keys seen by some rows of the next), of one key; with grouped queries, padding and
+/// dropout.
+#[test]
+fn flash_blocked_with_a_window_matches_reference() {
+    let s = QUERY_BLOCK * 2 + 5;
+    check(
+        Problem::new(1, 2, 2, s, s, 8, true, &[], 30).with_window(10),
+        "window 10, 3 blocks",
+    );
+    check(
+        Problem::new(2, 4, 2, s, s, 8, true, &[0, 9], 31).with_window(QUERY_BLOCK + 6),
+        "window past a block, gqa, padding",
+    );
+    check(
+        Problem::new(1, 2, 1, 20, 20, 8, true, &[], 32).with_window(1),
+        "window 1",
+    );
+    check(
+        Problem::new(1, 2, 2, s, s, 8, true, &[2], 33)
+            .with_window(40)
+            .with_dropout(0.2, [9, 4]),
+        "window 40 with dropout",
     );
 }
 

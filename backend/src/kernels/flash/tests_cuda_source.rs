@@ -271,6 +271,7 @@ const BLOCK: usize = 64;
 fn blocks_estimate(v: &Variant) -> [usize; 3] {
     let products = Products::TensorCores;
     FlashLaunch {
+        window: 0,
         dims: FlashDims {
             batch: 1,
             heads: 1,
@@ -313,6 +314,7 @@ fn forward_blocks(
         tensor(),
         tensor(),
         tensor(),
+        (),
         (),
         (),
         (),
@@ -400,6 +402,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
                 (),
                 (),
                 (),
+                (),
                 // Staged 2 16-bit values (a bank) at a time, as launched.
                 2,
                 head_dim,
@@ -443,6 +446,7 @@ fn the_tensor_core_backward_compiles_for_an_h100() {
             tensor(),
             tensor(),
             tensor(),
+            (),
             (),
             (),
             (),
@@ -541,6 +545,7 @@ fn rows_kernels(
         (),
         (),
         (),
+        (),
         head_dim,
         block,
         true,
@@ -566,6 +571,7 @@ fn rows_kernels(
         (),
         (),
         (),
+        (),
         head_dim,
         block,
         true,
@@ -586,6 +592,7 @@ fn rows_kernels(
         tensor(),
         tensor(),
         tensor(),
+        (),
         (),
         (),
         (),

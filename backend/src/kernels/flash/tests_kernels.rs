@@ -140,6 +140,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
     let cfg = FlashLaunch {
         dims,
         causal: p.causal,
+        window: p.window,
         padding: p.keep.is_some(),
         scale: p.scale as f32,
         dtype: ty.storage_type(),
@@ -212,10 +213,12 @@ fn run<R: Runtime, E: Elem>(
         return None;
     }
     let dims = dims(p);
-    dims.check(p.causal).expect("a shape the kernels take");
+    dims.check(p.causal, p.window)
+        .expect("a shape the kernels take");
     let cfg = FlashLaunch {
         dims,
         causal: p.causal,
+        window: p.window,
         padding: p.keep.is_some(),
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
@@ -396,6 +399,27 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn sliding_window() {
+            // Windows shorter than a block (whole key blocks skipped at both ends,
+            // rows whose first block is all outside their window), longer than one,
+            // of one key (each query sees itself only), with grouped queries and
+            // padded keys.
+            for (b, h, kvh, s, d, pads, window, seed) in [
+                (1, 2, 2, 100, 32, &[][..], 20, 20),
+                (2, 4, 2, 70, 64, &[0, 7][..], 33, 21),
+                (1, 2, 1, 40, 32, &[][..], 1, 22),
+                (1, 2, 2, 97, 32, &[][..], 64, 23),
+            ] {
+                check(
+                    client(),
+                    Problem::new(b, h, kvh, s, s, d, true, pads, seed).with_window(window),
+                    &format!("window {window} s{s} d{d}"),
+                    KERNELS,
+                );
+            }
+        }
+
+        #[test]
         fn head_dim_128_cross_lengths() {
             // d 128 (16-row blocks), more keys than queries (bidirectional only).
             check(
@@ -516,6 +540,14 @@ macro_rules! tiled_tests {
                 (
                     Problem::new(2, 4, 2, 33, 33, 32, true, &[3, 9], 15).with_dropout(0.3, [4, 44]),
                     "dropout padding causal gqa",
+                ),
+                (
+                    Problem::new(2, 4, 2, 70, 70, 64, true, &[0, 5], 24).with_window(20),
+                    "window 20 gqa padding d64",
+                ),
+                (
+                    Problem::new(1, 2, 2, 50, 50, 32, true, &[], 25).with_window(16),
+                    "window of a block d32",
                 ),
             ]
         }
@@ -661,6 +693,10 @@ mod wgpu {
                     Problem::new(1, 4, 2, 29, 29, 32, true, &[], 33).with_dropout(0.25, [6, 600]),
                     "dropout",
                 ),
+                (
+                    Problem::new(1, 4, 2, 45, 45, 32, true, &[0], 34).with_window(12),
+                    "window",
+                ),
             ]
         };
         // The device's choice here (the `Rows` kernels: no tensor cores).
@@ -740,6 +776,7 @@ mod wgpu {
             *super::super::fused::TEST_KERNELS.lock().unwrap() = k;
             let mask = FlashMask::<B> {
                 causal: true,
+                window: 0,
                 key_bias: None,
                 dropout: None,
             };
@@ -758,6 +795,7 @@ mod wgpu {
         // blocked path they fall back to stores its output in their order too.
         let mask = FlashMask::<B> {
             causal: true,
+            window: 0,
             key_bias: None,
             dropout: None,
         };
@@ -835,6 +873,26 @@ mod cuda {
                 Problem::new(1, 2, 1, 19, 40, 128, false, &[], 6),
                 Problem::new(1, 2, 2, 150, 150, 128, true, &[], 7),
             ]
+        }
+
+        /// Sliding windows shorter and longer than the 64-row blocks, at the executor's
+        /// head dims, under both backwards: the register kernels take no window, so these
+        /// run whenever a plan has one.
+        #[test]
+        fn sliding_window() {
+            let problems = || {
+                [
+                    Problem::new(2, 4, 2, 200, 200, 64, true, &[0, 7], 26).with_window(50),
+                    Problem::new(1, 4, 4, 200, 200, 128, true, &[], 27).with_window(100),
+                    Problem::new(1, 2, 2, 130, 130, 64, true, &[], 28).with_window(64),
+                ]
+            };
+            for under in BOTH {
+                for p in problems() {
+                    check_16bit_on::<_, burn::tensor::f16>(client(), p.clone(), 2e-3, under);
+                    check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, under);
+                }
+            }
         }
 
         /// Apart from the others: the speed runs (no dropout) may take the

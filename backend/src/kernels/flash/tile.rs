@@ -304,6 +304,20 @@ pub fn key_blocks(
     end
 }
 
+/// The first key block the query block starting at row `first` reads: 0, or
+/// under a sliding `window` (causal; 0 for none) the block holding its first
+/// row's oldest key, `first + 1 − window`, since older keys are outside every
+/// row's window.
+#[cube]
+pub fn first_key_block(first: usize, #[comptime] block: usize, window: u32) -> usize {
+    let w = window as usize;
+    let mut start = 0;
+    if w > 0 && first >= w {
+        start = (first + 1 - w) / block;
+    }
+    start
+}
+
 /// The first query block (of `block` queries, `s` in all) that sees the key
 /// block starting at key `first`: 0, or with `causal` the block holding
 /// query `first`, since queries before a key never see it.
@@ -321,13 +335,31 @@ pub fn first_query_block(
     start
 }
 
+/// The query blocks (of `block` queries, `s` in all) up to which the key
+/// block starting at key `first` is seen: all of them, or under a sliding
+/// `window` (0 for none) those up to the block holding its last key's
+/// newest query, `first + block − 2 + window`, since later queries' windows
+/// start past it.
+#[cube]
+pub fn query_blocks(first: usize, #[comptime] block: usize, s: usize, window: u32) -> usize {
+    let blocks = s.div_ceil(block);
+    let w = window as usize;
+    let mut end = blocks;
+    if w > 0 {
+        end = min((first + block + w - 2) / block + 1, blocks);
+    }
+    end
+}
+
 /// Every query of the block of `block` from `q0` sees every key of the
 /// block from `k0`, with no mask and no bias: both blocks are whole (`q0 +
-/// block ≤ s`, `k0 + block ≤ t`), no padding, and (causal) the last key
-/// comes no later than the first query. The same for the whole cube, so a
-/// kernel can branch on it and skip the per-score masks: in causal
-/// attention every block but those on the diagonal.
+/// block ≤ s`, `k0 + block ≤ t`), no padding, (causal) the last key
+/// comes no later than the first query, and (a sliding `window`, 0 for
+/// none) the first key is within the last query's window. The same for the
+/// whole cube, so a kernel can branch on it and skip the per-score masks: in
+/// causal attention every block but those on the diagonal.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn unmasked(
     q0: usize,
     k0: usize,
@@ -336,10 +368,15 @@ pub fn unmasked(
     t: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    window: u32,
 ) -> bool {
     let mut open = q0 + block <= s && k0 + block <= t;
     if causal {
         open = open && k0 + block <= q0 + 1;
+    }
+    let w = window as usize;
+    if w > 0 {
+        open = open && q0 + block <= k0 + w;
     }
     if padding {
         open = false;
@@ -347,13 +384,18 @@ pub fn unmasked(
     open
 }
 
-/// Key `j` takes no part in query `i`'s softmax: past the keys, or in the
-/// future of a causal query.
+/// Key `j` takes no part in query `i`'s softmax: past the keys, in the
+/// future of a causal query, or (a sliding `window`, 0 for none) `window`
+/// or more positions before it.
 #[cube]
-pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool) -> bool {
+pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool, window: u32) -> bool {
     let mut out = j >= t;
     if causal {
         out = out || j > i;
+    }
+    let w = window as usize;
+    if w > 0 {
+        out = out || i >= j + w;
     }
     out
 }
