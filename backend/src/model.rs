@@ -29,6 +29,7 @@
 //! (`ParamId::from(n)`), so a rebuilt model and a saved optimizer state agree.
 
 use crate::kernels::flash::dropout::FlashDropout;
+use crate::kernels::rope::SeqAxis;
 use crate::ops::{matmul_2d, softmax_last, ExecBackend};
 use crate::quant::base::{Nf4Base, Nf4Slot};
 use crate::quant::nf4::DeviceScales;
@@ -508,15 +509,6 @@ pub struct Attention<B: Backend> {
     k_norm: Option<NormLayer<B>>,
 }
 
-/// Where a `[.., seq, .., head_dim]` tensor has its positions.
-#[derive(Clone, Copy)]
-enum SeqAxis {
-    /// `[b, seq, heads, d]`: the projections' order.
-    Second,
-    /// `[b, heads, seq, d]`: the attention's order.
-    Third,
-}
-
 /// RoPE's tables in the compute dtype, laid out for [`rope`]. Whole heads rotated: the
 /// cosines `[seq, head_dim / 2]` (both halves use them) and the signed sines `[seq,
 /// head_dim]` (`[-s, s]`). Only the first `r` values of each head rotated (Phi-4-mini's
@@ -590,11 +582,7 @@ fn rope<B: ExecBackend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Ten
     //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s],
     // one kernel each way on the fused CubeCL backends for whole heads (`kernels::rope`);
     // part of each head (`swap`) by one gather, in the same autodiff node.
-    let axis = match seq {
-        SeqAxis::Second => 1,
-        SeqAxis::Third => 2,
-    };
-    crate::ops::rope(x, &t.cos, &t.sin, t.swap.as_ref(), axis)
+    crate::ops::rope(x, &t.cos, &t.sin, t.swap.as_ref(), seq)
 }
 
 impl<B: ExecBackend> Attention<B> {

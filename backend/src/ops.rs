@@ -124,8 +124,8 @@ pub trait ExecBackend: Backend {
         Self::embedding_backward(table, dy, ids)
     }
 
-    /// RoPE on the heads of `x [b, .., .., d]` whose positions are on axis `seq_axis` (1:
-    /// `[b, s, h, d]`, 2: `[b, h, s, d]`): each pair `(i, i + d/2)` rotated by its position's
+    /// RoPE on the heads of `x [b, .., .., d]` whose positions are on axis `seq_axis`
+    /// (`[b, s, h, d]` or `[b, h, s, d]`): each pair `(i, i + d/2)` rotated by its position's
     /// angle, with the cosines `cos [s, d/2]` and signed sines `sin [s, d]` (`[-s, s]`) of
     /// `model::RopeTables`, or part of each head with `swap` (tables `[s, d]` each);
     /// `inverse` rotates by minus the angle (the backward). Burn's ops
@@ -137,7 +137,7 @@ pub trait ExecBackend: Backend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         swap: Option<IntTensor<Self>>,
-        seq_axis: usize,
+        seq_axis: crate::kernels::rope::SeqAxis,
         inverse: bool,
     ) -> FloatTensor<Self> {
         crate::kernels::rope::rotate_plain::<Self>(x, cos, sin, swap, seq_axis, inverse)
@@ -198,7 +198,7 @@ macro_rules! fused_cube_exec_backend {
                 cos: FloatTensor<Self>,
                 sin: FloatTensor<Self>,
                 swap: Option<IntTensor<Self>>,
-                seq_axis: usize,
+                seq_axis: crate::kernels::rope::SeqAxis,
                 inverse: bool,
             ) -> FloatTensor<Self> {
                 if swap.is_some() || crate::kernels::rope::composite_asked() {
@@ -323,7 +323,7 @@ impl<B: ExecBackend, C: CheckpointStrategy> ExecBackend for Autodiff<B, C> {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         swap: Option<IntTensor<Self>>,
-        seq_axis: usize,
+        seq_axis: crate::kernels::rope::SeqAxis,
         inverse: bool,
     ) -> FloatTensor<Self> {
         crate::kernels::rope::autodiff::rope::<B, C>(x, cos, sin, swap, seq_axis, inverse)
@@ -353,13 +353,13 @@ pub fn embedding<B: ExecBackend>(table: Tensor<B, 2>, ids: Tensor<B, 2, Int>) ->
 }
 
 /// `x` with each head rotated by RoPE's tables ([`ExecBackend::rope`]; `swap` for part of
-/// each head), its positions on axis `seq_axis` (1 or 2).
+/// each head), its positions on axis `seq_axis`.
 pub fn rope<B: ExecBackend>(
     x: Tensor<B, 4>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,
     swap: Option<&Tensor<B, 1, Int>>,
-    seq_axis: usize,
+    seq_axis: crate::kernels::rope::SeqAxis,
 ) -> Tensor<B, 4> {
     let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
     let y = B::rope(

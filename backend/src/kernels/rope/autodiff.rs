@@ -19,7 +19,12 @@ struct Rope {
 
 impl<B: ExecBackend> Backward<B, 1> for Rope {
     /// The cosines, the signed sines, the partial rotation's swap and the positions' axis.
-    type State = (FloatTensor<B>, FloatTensor<B>, Option<IntTensor<B>>, usize);
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Option<IntTensor<B>>,
+        super::SeqAxis,
+    );
 
     fn backward(
         self,
@@ -41,7 +46,7 @@ pub fn rope<B: ExecBackend, C: CheckpointStrategy>(
     cos: FloatTensor<Autodiff<B, C>>,
     sin: FloatTensor<Autodiff<B, C>>,
     swap: Option<IntTensor<B>>,
-    seq_axis: usize,
+    seq_axis: super::SeqAxis,
     inverse: bool,
 ) -> FloatTensor<Autodiff<B, C>> {
     assert!(

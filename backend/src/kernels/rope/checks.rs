@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 
-use super::rotate_plain;
+use super::{rotate_plain, SeqAxis};
 use crate::ops::ExecBackend;
 
 /// One input: `x`'s logical shape `[a, b, c, d]`, its positions' axis, and whether it is a
@@ -15,11 +15,11 @@ use crate::ops::ExecBackend;
 #[derive(Clone, Copy, Debug)]
 struct Case {
     dims: [usize; 4],
-    seq_axis: usize,
+    seq_axis: SeqAxis,
     swapped: bool,
 }
 
-const fn case(dims: [usize; 4], seq_axis: usize, swapped: bool) -> Case {
+const fn case(dims: [usize; 4], seq_axis: SeqAxis, swapped: bool) -> Case {
     Case {
         dims,
         seq_axis,
@@ -31,14 +31,14 @@ const fn case(dims: [usize; 4], seq_axis: usize, swapped: bool) -> Case {
 /// sequences of 5, 7, 37 and 129 positions, which no block size divides; the last spans many
 /// cubes.
 const CASES: [Case; 8] = [
-    case([2, 3, 5, 8], 2, false),
-    case([2, 5, 3, 8], 1, false),
-    case([3, 4, 7, 2], 2, true),
-    case([3, 7, 4, 2], 1, true),
-    case([2, 37, 3, 96], 1, false),
-    case([2, 3, 37, 96], 2, true),
-    case([2, 37, 3, 96], 1, true),
-    case([1, 4, 129, 64], 2, false),
+    case([2, 3, 5, 8], SeqAxis::Third, false),
+    case([2, 5, 3, 8], SeqAxis::Second, false),
+    case([3, 4, 7, 2], SeqAxis::Third, true),
+    case([3, 7, 4, 2], SeqAxis::Second, true),
+    case([2, 37, 3, 96], SeqAxis::Second, false),
+    case([2, 3, 37, 96], SeqAxis::Third, true),
+    case([2, 37, 3, 96], SeqAxis::Second, true),
+    case([1, 4, 129, 64], SeqAxis::Third, false),
 ];
 
 /// Cosines `[seq, d/2]` and signed sines `[seq, d]` as `model::RopeTables` lays them out,
@@ -98,7 +98,7 @@ fn reference(c: Case, x: &[f32], cos: &[f32], sin: &[f32], inverse: bool) -> (Ve
     let h = d / 2;
     let (mut out, mut scale) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     for row in 0..x.len() / d {
-        let pos = if c.seq_axis == 1 {
+        let pos = if c.seq_axis == SeqAxis::Second {
             row / cc % b
         } else {
             row % cc
@@ -138,7 +138,7 @@ pub fn equals_composition<B: ExecBackend>(dev: &B::Device, tol: f64) {
     type A<B> = Autodiff<B>;
     for c in CASES {
         let [_, _, _, d] = c.dims;
-        let seq = c.dims[c.seq_axis];
+        let seq = c.dims[c.seq_axis.index()];
         let n = c.dims.iter().product::<usize>();
         let (cos, sin) = tables::<A<B>>(seq, d, dev);
         let up = Tensor::<A<B>, 4>::from_data(TensorData::new(values(n, 2), c.dims), dev);
@@ -207,7 +207,7 @@ pub fn sixteen_bit_within_rounding<B: ExecBackend>(dev: &B::Device, dtype: Float
     for c in CASES {
         let [_, _, _, d] = c.dims;
         let n = c.dims.iter().product::<usize>();
-        let (cos, sin) = tables::<B>(c.dims[c.seq_axis], d, dev);
+        let (cos, sin) = tables::<B>(c.dims[c.seq_axis.index()], d, dev);
         let (cos, sin) = (cos.cast(dtype), sin.cast(dtype));
         let (x, view) = input::<B>(c, values(n, 3), dev);
         let view = if c.swapped {
@@ -247,10 +247,13 @@ pub fn output_is_contiguous<B: ExecBackend>(
     dev: &B::Device,
     strides: impl Fn(FloatTensor<B>) -> Vec<usize>,
 ) {
-    for c in [case([2, 5, 3, 8], 1, false), case([2, 3, 37, 96], 2, true)] {
+    for c in [
+        case([2, 5, 3, 8], SeqAxis::Second, false),
+        case([2, 3, 37, 96], SeqAxis::Third, true),
+    ] {
         let [a, b, cc, d] = c.dims;
         let n = a * b * cc * d;
-        let (cos, sin) = tables::<B>(c.dims[c.seq_axis], d, dev);
+        let (cos, sin) = tables::<B>(c.dims[c.seq_axis.index()], d, dev);
         let (_, view) = input::<B>(c, values(n, 4), dev);
         let x = prim(view);
         let contiguous = vec![b * cc * d, cc * d, d, 1];

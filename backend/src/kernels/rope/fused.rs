@@ -68,7 +68,7 @@ pub fn rope<R: CubeRuntime, BT: BoolElement>(
     x: FloatTensor<Fused<R, BT>>,
     cos: FloatTensor<Fused<R, BT>>,
     sin: FloatTensor<Fused<R, BT>>,
-    seq_axis: usize,
+    seq_axis: super::SeqAxis,
     inverse: bool,
 ) -> FloatTensor<Fused<R, BT>> {
     let (x, cos, sin) = (
@@ -78,12 +78,8 @@ pub fn rope<R: CubeRuntime, BT: BoolElement>(
     );
     let dims = x.shape().dims::<4>();
     let d = dims[3];
-    assert!(
-        seq_axis == 1 || seq_axis == 2,
-        "RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"
-    );
     assert!(d % 2 == 0, "RoPE rotates pairs: head dim {d} is odd");
-    let seq = dims[seq_axis];
+    let seq = dims[seq_axis.index()];
     assert_eq!(
         cos.shape().dims::<2>(),
         [seq, d / 2],
@@ -115,7 +111,7 @@ pub fn rope<R: CubeRuntime, BT: BoolElement>(
         d / 2,
         dims[2],
         dims[1],
-        seq_axis,
+        seq_axis.index(),
         inverse,
         dtypes,
     );

@@ -32,6 +32,25 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
+/// Where a `[b, .., .., d]` tensor has its positions, along which RoPE's tables run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqAxis {
+    /// `[b, seq, heads, d]`: the projections' order.
+    Second,
+    /// `[b, heads, seq, d]`: the attention's order.
+    Third,
+}
+
+impl SeqAxis {
+    /// The axis's index in `[b, .., .., d]`.
+    pub const fn index(self) -> usize {
+        match self {
+            SeqAxis::Second => 1,
+            SeqAxis::Third => 2,
+        }
+    }
+}
+
 /// `ExecBackend::rope` composed of Burn's ops: the default on backends without the kernel
 /// (ndarray), the partial rotation everywhere, and the reference the kernel's tests compare
 /// with. Under autodiff its backward is Burn's, through the flip or the gather.
@@ -45,7 +64,7 @@ pub fn rotate_plain<B: Backend>(
     cos: FloatTensor<B>,
     sin: FloatTensor<B>,
     swap: Option<IntTensor<B>>,
-    seq_axis: usize,
+    seq_axis: SeqAxis,
     inverse: bool,
 ) -> FloatTensor<B> {
     let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
@@ -55,9 +74,8 @@ pub fn rotate_plain<B: Backend>(
     // The tables broadcast over every axis of x but the positions'.
     let rows = cos.dims()[0];
     let (p1, p2) = match seq_axis {
-        1 => (rows, 1),
-        2 => (1, rows),
-        _ => panic!("RoPE's positions are axis 1 or 2 of [b, .., .., d], not {seq_axis}"),
+        SeqAxis::Second => (rows, 1),
+        SeqAxis::Third => (1, rows),
     };
     if let Some(swap) = swap {
         let swap = Tensor::<B, 1, Int>::from_primitive(swap);
