@@ -438,7 +438,13 @@ fn assistant_only_loss_scores_the_template_s_generation_blocks() {
         "run", plan, "--data", data, "--steps", "3", "--format", "json",
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let losses = step_losses(&json_lines(&out));
+    let lines = json_lines(&out);
+    assert_data(&lines[0], "3 conversations, the assistant's tokens scored");
+    assert!(!lines[0]["data"]
+        .as_str()
+        .unwrap()
+        .contains("may not learn to stop"));
+    let losses = step_losses(&lines);
     assert!(
         losses.len() == 3 && losses.iter().all(|l| l.is_finite()),
         "{losses:?}"

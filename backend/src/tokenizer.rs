@@ -170,6 +170,17 @@ impl HfTokenizer {
         Ok((ids, assistant))
     }
 
+    /// Whether `id` is one of the tokenizer's special tokens (`</s>`, `<|im_end|>`), or its
+    /// end of sequence.
+    pub fn is_special(&self, id: u32) -> bool {
+        Some(id) == self.eos
+            || self
+                .tok
+                .get_added_tokens_decoder()
+                .get(&id)
+                .is_some_and(|t| t.special)
+    }
+
     /// The chat template conversations are rendered with.
     pub fn chat(&self) -> Result<&crate::chat::ChatTemplate, String> {
         match &self.chat {
@@ -388,6 +399,34 @@ mod tests {
         let variant = crate::chat::ChatTemplate::load(&vdir, &tcfg)
             .unwrap()
             .unwrap();
+        // Its blocks leave `</s>` out: the data's description says the model may not learn
+        // to stop (TRL's warning); the fixture's own template puts it in.
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(dir.join(f), vdir.join(f)).unwrap();
+        }
+        let describe = |tokenizer_dir: &Path| {
+            let tok = TextTokenizer::from_dir(Some(tokenizer_dir), 1 << 20).unwrap();
+            let spec = crate::data::files::FileSpec {
+                loss: rcoa_compiler::spec::Loss::CausalLm,
+                seq: 1 << 10,
+                vocab: 1 << 20,
+                positives: 0,
+                negatives: 0,
+                batch_examples: 1,
+                assistant_only: true,
+            };
+            let path = dir.join("conversations.jsonl");
+            crate::data::Source::from_file(&path, &spec, &tok)
+                .unwrap()
+                .describe()
+        };
+        let (own, left_out) = (describe(&dir), describe(&vdir));
+        assert!(
+            own.contains("3 conversations, the assistant's tokens scored"),
+            "{own}"
+        );
+        assert!(!own.contains("may not learn to stop"), "{own}");
+        assert!(left_out.contains("may not learn to stop"), "{left_out}");
         std::fs::remove_dir_all(&vdir).unwrap();
         let variant = variant.renderer().unwrap();
         let convs = std::fs::read_to_string(dir.join("conversations.jsonl")).unwrap();

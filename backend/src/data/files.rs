@@ -351,6 +351,20 @@ pub fn encode_completions(
     Ok((out, enc.pad))
 }
 
+/// Whether some assistant turn's last scored token is a special token (an end-of-turn
+/// token such as `</s>` or `<|im_end|>`): TRL warns when a template's `{% generation %}`
+/// blocks stop before it, as then no step teaches the model to end its turn.
+fn assistant_turns_end_on_a_special_token(
+    examples: &[super::Completion],
+    t: &crate::tokenizer::HfTokenizer,
+) -> bool {
+    examples.iter().any(|e| {
+        let Some(a) = &e.assistant else { return false };
+        (0..e.ids.len())
+            .any(|i| a[i] && !a.get(i + 1).copied().unwrap_or(false) && t.is_special(e.ids[i]))
+    })
+}
+
 /// `train.assistant_only_loss` with data that is not conversations.
 pub fn assistant_only_needs_conversations(path: &Path) -> RunError {
     data_err(
@@ -599,11 +613,22 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
                 ),
             ));
         }
-        let kind = match pairs.first() {
+        let mut kind = match pairs.first() {
             Some(SftExample::Chat { prompt, .. }) if prompt.is_empty() => "conversations",
             Some(SftExample::Chat { .. }) => "conversational prompt-completion examples",
             _ => "prompt-completion examples",
-        };
+        }
+        .to_string();
+        if spec.assistant_only {
+            kind += ", the assistant's tokens scored";
+            if let TextTokenizer::Hf(t) = tok {
+                if !assistant_turns_end_on_a_special_token(&examples, t) {
+                    kind += " (no assistant turn ends on a special token: the chat template's \
+                             `{% generation %}` blocks leave the end-of-turn token out of the loss, so the model \
+                             may not learn to stop)";
+                }
+            }
+        }
         return Ok(Source::Completions {
             examples,
             pad,

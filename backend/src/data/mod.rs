@@ -99,7 +99,7 @@ pub enum Source {
         name: String,
         /// What the file holds, for messages: "prompt-completion examples",
         /// "conversations".
-        kind: &'static str,
+        kind: String,
     },
 }
 
