@@ -170,15 +170,16 @@ impl HfTokenizer {
         Ok((ids, assistant))
     }
 
-    /// Whether `id` is one of the tokenizer's special tokens (`</s>`, `<|im_end|>`), or its
-    /// end of sequence.
-    pub fn is_special(&self, id: u32) -> bool {
-        Some(id) == self.eos
-            || self
-                .tok
-                .get_added_tokens_decoder()
-                .get(&id)
-                .is_some_and(|t| t.special)
+    /// The ids of the tokenizer's special tokens (`</s>`, `<|im_end|>`) and its end of
+    /// sequence.
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .chain(self.eos)
+            .collect()
     }
 
     /// The chat template conversations are rendered with.

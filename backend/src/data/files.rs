@@ -358,10 +358,11 @@ fn assistant_turns_end_on_a_special_token(
     examples: &[super::Completion],
     t: &crate::tokenizer::HfTokenizer,
 ) -> bool {
+    let special = t.special_ids();
     examples.iter().any(|e| {
         let Some(a) = &e.assistant else { return false };
         (0..e.ids.len())
-            .any(|i| a[i] && !a.get(i + 1).copied().unwrap_or(false) && t.is_special(e.ids[i]))
+            .any(|i| a[i] && !a.get(i + 1).copied().unwrap_or(false) && special.contains(&e.ids[i]))
     })
 }
 
