@@ -55,22 +55,17 @@ pub fn estimate(
     let rows_rate = profile
         .fused_attention_rows_efficiency
         .map_or(fused_rate, |e| gpu.cuda_core_tflops() * 1e12 * e);
-    let blocks_rate = profile
-        .fused_attention_blocks_efficiency
-        .map_or(fused_rate, |e| peak * e);
     let bw = gpu.bandwidth_bytes_per_s * profile.bandwidth_efficiency;
     let ga = cand.grad_accum.max(1) as f64;
-    let (fused, rows, blocks, attention) = (
+    let (fused, rows, attention) = (
         report.step_fused_attention_flops,
         report.step_fused_attention_rows_flops,
-        report.step_fused_attention_blocks_flops,
         report.step_attention_matmul_flops,
     );
     let compute_s = ga
-        * ((report.step_flops - fused - rows - blocks - attention) / flops_rate.max(1.0)
+        * ((report.step_flops - fused - rows - attention) / flops_rate.max(1.0)
             + fused / fused_rate.max(1.0)
             + rows / rows_rate.max(1.0)
-            + blocks / blocks_rate.max(1.0)
             + attention / attention_rate.max(1.0));
     let launch_s = ga * report.step_kernels as f64 * profile.kernel_overhead_s;
     let memory_s = ga * report.step_bytes_moved / bw.max(1.0) + launch_s;
@@ -158,10 +153,10 @@ mod tests {
     }
 
     /// A sliding window shorter than the sequence under `target burn`'s flash: the kernels
-    /// compute `Σ_i min(i + 1, w)` scores, not half the square, on the block-product
-    /// kernels (the register kernels take no window), at their own rate.
+    /// compute `Σ_i min(i + 1, w)` scores, not half the square, at the fused rate; one as
+    /// long as the sequence is full causal attention.
     #[test]
-    fn a_window_computes_its_scores_on_the_block_kernels() {
+    fn a_window_computes_only_its_scores() {
         let profile = Profile::for_target(Target::Burn);
         let mut spec = SpecBuilder::new().target(Target::Burn).build();
         spec.train.attention = Attention::Flash;
@@ -171,26 +166,21 @@ mod tests {
         let w = s / 4;
         spec.model.numerics.sliding_window = Some(w);
         let r = evaluate(&spec, &c, &profile, false);
-        assert_eq!(r.step_fused_attention_flops, 0.0);
         let share = (w * (w + 1) / 2 + (s - w) * w) as f64 / (s * s) as f64;
-        let ratio = r.step_fused_attention_blocks_flops / full.step_fused_attention_flops;
+        let ratio = r.step_fused_attention_flops / full.step_fused_attention_flops;
         assert!((ratio - share / 0.5).abs() < 1e-9, "{ratio} {share}");
-        let none = MemoryReport {
-            step_fused_attention_blocks_flops: 0.0,
-            step_flops: r.step_flops - r.step_fused_attention_blocks_flops,
-            ..r.clone()
-        };
-        let attention_s = estimate(&spec, &c, &profile, &r).compute_seconds
-            - estimate(&spec, &c, &profile, &none).compute_seconds;
+        let (t_full, t_win) = (
+            estimate(&spec, &c, &profile, &full).compute_seconds,
+            estimate(&spec, &c, &profile, &r).compute_seconds,
+        );
         let rate = spec.hardware.gpu.dense_tflops(spec.precision.compute)
             * 1e12
-            * profile.fused_attention_blocks_efficiency.expect("measured");
-        let expected = r.step_fused_attention_blocks_flops / rate;
+            * profile.fused_attention_efficiency.expect("measured");
+        let saved = (full.step_fused_attention_flops - r.step_fused_attention_flops) / rate;
         assert!(
-            (attention_s / expected - 1.0).abs() < 1e-9,
-            "{attention_s} {expected}"
+            ((t_full - t_win) / saved - 1.0).abs() < 1e-9,
+            "{t_full} {t_win} {saved}"
         );
-        // A window as long as the sequence is full attention: the register kernels.
         spec.model.numerics.sliding_window = Some(s);
         let same = evaluate(&spec, &c, &profile, false);
         assert_eq!(

@@ -142,8 +142,8 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
                     ),
                     Some(w) => format!(
                         "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator; \
-                         the sliding window of {w} keys runs the block-product kernels, which skip the \
-                         keys outside it (the register kernels take no window)"
+                         the kernels skip the key blocks outside the sliding window of {w} keys and \
+                         mask the rest"
                     ),
                 },
                 Some(why) => {

@@ -177,11 +177,6 @@ pub const FUSED_ATTENTION_OP: &str = "flash_attention";
 /// `Profile::fused_attention_rows_efficiency`.
 pub const FUSED_ATTENTION_ROWS_OP: &str = "flash_attention_rows";
 
-/// The op name of the executor's fused attention on tensor cores under a sliding window
-/// shorter than the sequence: the register kernels take no window, so the block-product
-/// kernels run, priced at `Profile::fused_attention_blocks_efficiency`.
-pub const FUSED_ATTENTION_BLOCKS_OP: &str = "flash_attention_blocks";
-
 /// The op names of eager attention's two products, `q kᵀ` and `probs v` (unfused and
 /// selective alike), which the time model prices at `Profile::attention_matmul_efficiency`.
 pub const SCORES_OP: &str = "scores";
@@ -1216,11 +1211,10 @@ impl<'a> Builder<'a> {
         let out = self.tensor("attn_out", &[self.tokens, width], act, rg);
         let lse = self.tensor("lse", &[seqs * heads * s], Dtype::Fp32, false);
         let one_pass = burn_flash_one_pass(act, hd, &self.spec.hardware.gpu);
-        let windowed = m.numerics.sliding_window.is_some_and(|w| w < s);
-        let name = match (one_pass, windowed) {
-            (true, false) => FUSED_ATTENTION_OP,
-            (true, true) => FUSED_ATTENTION_BLOCKS_OP,
-            (false, _) => FUSED_ATTENTION_ROWS_OP,
+        let name = if one_pass {
+            FUSED_ATTENTION_OP
+        } else {
+            FUSED_ATTENTION_ROWS_OP
         };
         let o = self.op(name, &[q, k, v], &[out, lse], &[q, k, v, out, lse]);
         let info = &mut self.tape.ops[o];

@@ -208,11 +208,6 @@ pub struct MemoryReport {
     /// (`flash_attention_rows` ops), at `Profile::fused_attention_rows_efficiency`.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub step_fused_attention_rows_flops: f64,
-    /// Of `step_flops`, those of the fused attention's block-product kernels on tensor
-    /// cores, which run in place of the register kernels under a sliding window
-    /// (`flash_attention_blocks` ops), at `Profile::fused_attention_blocks_efficiency`.
-    #[serde(default, skip_serializing_if = "is_zero_f64")]
-    pub step_fused_attention_blocks_flops: f64,
     /// Of `step_flops`, eager attention's score and value products (`scores`, `probs_v`),
     /// at `Profile::attention_matmul_efficiency`.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
@@ -693,7 +688,6 @@ fn evaluate_stage(
         step_flops: work.flops,
         step_fused_attention_flops: work.fused_flops,
         step_fused_attention_rows_flops: work.fused_rows_flops,
-        step_fused_attention_blocks_flops: work.fused_blocks_flops,
         step_attention_matmul_flops: work.attention_matmul_flops,
         step_bytes_moved: work.moved,
         step_kernels: work.kernels,
@@ -1024,11 +1018,9 @@ fn param_counts(tape: &tape::Tape) -> (u64, u64) {
 #[derive(Default)]
 struct Work {
     flops: f64,
-    /// Of `flops`, the fused attention's on tensor cores, its `Rows` kernels' and its
-    /// block-product kernels' (windowed).
+    /// Of `flops`, the fused attention's on tensor cores, and its `Rows` kernels'.
     fused_flops: f64,
     fused_rows_flops: f64,
-    fused_blocks_flops: f64,
     /// Of `flops`, eager attention's two products.
     attention_matmul_flops: f64,
     /// Bytes moved by memory-bound ops.
@@ -1060,8 +1052,6 @@ fn tape_work(tape: &tape::Tape) -> Work {
             w.fused_flops += op_flops;
         } else if op.name == build::FUSED_ATTENTION_ROWS_OP {
             w.fused_rows_flops += op_flops;
-        } else if op.name == build::FUSED_ATTENTION_BLOCKS_OP {
-            w.fused_blocks_flops += op_flops;
         } else if op.name == build::SCORES_OP || op.name == build::PROBS_V_OP {
             w.attention_matmul_flops += op_flops;
         }

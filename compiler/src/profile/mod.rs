@@ -175,10 +175,6 @@ pub struct Profile {
     /// executor's `Rows` attention kernels reach, where its tensor-core kernels do not run
     /// (`burn_flash_one_pass`); `None`: `fused_attention_efficiency`'s rate.
     pub fused_attention_rows_efficiency: Option<f64>,
-    /// Fraction of the dense bf16 rate the executor's block-product attention kernels
-    /// reach, where they run in place of the register kernels (a sliding window);
-    /// `None`: `fused_attention_efficiency`'s rate.
-    pub fused_attention_blocks_efficiency: Option<f64>,
     /// Fraction of the memory bandwidth element-wise ops reach.
     pub bandwidth_efficiency: f64,
     /// Fixed time per step (optimizer launch, Python overhead), seconds.
@@ -298,7 +294,6 @@ impl Profile {
             attention_matmul_efficiency: None,
             fused_attention_efficiency: None,
             fused_attention_rows_efficiency: None,
-            fused_attention_blocks_efficiency: None,
             bandwidth_efficiency: 0.8,
             step_overhead_s: 0.015,
             // Eager PyTorch dispatch + launch, ~10 us a kernel (groundtruth llama1b_b1_accum4:
@@ -432,11 +427,6 @@ impl Profile {
             // the CUDA cores' 66.9 TFLOP/s. Scalar FMAs scale with those, not with the tensor
             // cores (an L40S has 1.4 times an H100's, at 0.37 times its bf16 rate).
             fused_attention_rows_efficiency: Some(0.082),
-            // The block-product kernels (one-pass backward) at the 350M shape on an H200
-            // (2026-11-30h): 0.816 + 2.301 ms against the register kernels' 0.452 + 1.053,
-            // 2.07 times as long; measured without a window, which only changes how many
-            // blocks run.
-            fused_attention_blocks_efficiency: Some(0.10 / 2.07),
             // Fitted with the rates above. The 350M flash step's kernel profile (H200) puts
             // 37 ms in memory-bound kernels, which move about half the bytes the tape counts
             // at the full bandwidth (12.9 ms): fusion joins passes the tape counts apart, and

@@ -36,8 +36,8 @@ use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
 use super::tile::{
-    excluded, first_query_block, key_blocks, pad_bias, pad_bias_index, stage_tile, stage_tile_at,
-    staged_ld, unmasked,
+    excluded, first_key_block, first_query_block, key_blocks, pad_bias, pad_bias_index,
+    query_blocks, stage_tile, stage_tile_at, staged_ld, unmasked,
 };
 
 /// The largest head dim at which the key kernel holds K's and V's rows in registers beside
@@ -193,14 +193,22 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     d_q_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     group: u32,
+    window_len: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] windowed: bool,
     #[comptime] padding: bool,
     #[comptime] one_pass: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
 ) {
+    // Without a window its bound is the constant 0, which the compiler folds away: at head
+    // dim 128 the kernels have no register to spare.
+    let mut window = 0u32;
+    if windowed {
+        window = window_len;
+    }
     let unroll = comptime![frags == Fragments::Registers];
     let kv_heads = k.shape(1);
     let s = q.shape(2);
@@ -287,7 +295,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     // read so far): after block `qb` of head `g` comes the next block of the head, or the
     // next head's first.
     let group = group as usize;
-    let blocks = s.div_ceil(BLOCK);
+    let blocks = query_blocks(first, BLOCK, s, window);
     let start = first_query_block(first, BLOCK, s, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
@@ -355,7 +363,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
             }
             // This block's rows of the tiles.
             let at = tile * BLOCK;
-            let open = unmasked(i0, first, BLOCK, s, t, causal, padding, 0u32);
+            let open = unmasked(i0, first, BLOCK, s, t, causal, padding, window);
             // A loop on the GPU too: only shared-memory offsets depend on `sub`, and unrolled
             // ptxas hoisted the next 16 rows' loads into registers dK and dV need.
             for sub in 0..comptime![BLOCK / 16] {
@@ -382,7 +390,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                         let mut x = st[c][e] * scale;
                         let mut masked = false;
                         if !open {
-                            masked = i >= s || excluded(key, i, t, causal, 0u32);
+                            masked = i >= s || excluded(key, i, t, causal, window);
                             x += bias[half];
                         }
                         let (lse_i, d_i) = (ls[at + ql], drow[at + ql]);
@@ -533,13 +541,21 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
+    window_len: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] windowed: bool,
     #[comptime] padding: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
 ) {
+    // Without a window its bound is the constant 0, which the compiler folds away: at head
+    // dim 128 the kernels have no register to spare.
+    let mut window = 0u32;
+    if windowed {
+        window = window_len;
+    }
     let unroll = comptime![frags == Fragments::Registers];
     let heads = q.shape(1);
     let s = q.shape(2);
@@ -612,20 +628,34 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
+    let start = first_key_block(first, BLOCK, window);
     let blocks = key_blocks(first, BLOCK, s, t, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
-        if blocks > 0 {
+        if start < blocks {
             stage_keys::<F, N>(
-                k, v, key_bias, &mut ks, &mut vs, &mut kbias, 0, bi, kbase, vbase, 0, head_dim,
-                hd_ld, padding, staging,
+                k,
+                v,
+                key_bias,
+                &mut ks,
+                &mut vs,
+                &mut kbias,
+                0,
+                bi,
+                kbase,
+                vbase,
+                start * BLOCK,
+                head_dim,
+                hd_ld,
+                padding,
+                staging,
             );
             commit(&ready, staging);
         }
     }
-    for kb in 0..blocks {
+    for kb in start..blocks {
         let j0 = kb * BLOCK;
-        let tile = tile_of(kb, staging);
+        let tile = tile_of(kb - start, staging);
         if comptime![!staging.ahead()] {
             // Every warp is past the last block's reads (and the first fragments' loads).
             sync_cube();
@@ -660,7 +690,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
         // This block's rows of the tiles.
         let at = tile * BLOCK;
 
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, 0u32);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window);
         // Unrolled where q and dO are resident; past that ptxas hoisted the next 16 keys'
         // loads into registers dQ needs, as in the key kernel.
         #[unroll(unroll && resident)]
@@ -684,7 +714,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
                     let mut x = sc[c][e] * scale;
                     let mut masked = false;
                     if !open {
-                        masked = excluded(key, rows[half], t, causal, 0u32);
+                        masked = excluded(key, rows[half], t, causal, window);
                         if padding {
                             x += kbias[at + key - j0];
                         }
@@ -837,8 +867,10 @@ pub fn launch<R: Runtime>(
             out.d_q_acc,
             cfg.scale,
             d.group(),
+            cfg.window as u32,
             d.head_dim,
             cfg.causal,
+            cfg.window > 0,
             cfg.padding,
             one_pass,
             frags,
@@ -871,8 +903,10 @@ pub fn launch<R: Runtime>(
         d_q,
         cfg.scale,
         d.group(),
+        cfg.window as u32,
         d.head_dim,
         cfg.causal,
+        cfg.window > 0,
         cfg.padding,
         frags,
         staging,
@@ -1062,6 +1096,36 @@ mod tests {
             }
         }
 
+        /// Sliding windows shorter and longer than the 64-row blocks, both directions: one
+        /// block at a time with two passes (f32), and staged ahead (whose first block is
+        /// then the window's, not block 0) in one pass (f16). Two compiled variants, as
+        /// lavapipe takes minutes for each.
+        #[test]
+        fn emulated_fragments_with_a_window_match_the_reference() {
+            let Some(client) = client() else { return };
+            check::<_, f32>(
+                &client,
+                Fragments::Emulated,
+                Staging::Single,
+                Passes::Two,
+                Problem::new(1, 4, 2, 200, 200, 16, true, &[], 51).with_window(50),
+                1e-3,
+            );
+            for p in [
+                Problem::new(2, 2, 2, 200, 200, 16, true, &[0, 7], 52).with_window(100),
+                Problem::new(1, 2, 1, 150, 150, 16, true, &[], 53).with_window(64),
+            ] {
+                check::<_, burn::tensor::f16>(
+                    &client,
+                    Fragments::Emulated,
+                    Staging::Double,
+                    Passes::OnePass,
+                    p,
+                    2e-2,
+                );
+            }
+        }
+
         /// 16-bit inputs: P and dS rounded to the input type before their products, as on
         /// the tensor cores.
         #[test]
@@ -1138,6 +1202,9 @@ mod tests {
 
         /// One block at a time in both 16-bit types; copied ahead (`cp.async` into second
         /// tiles, completing on a barrier) in bf16; the key kernel in one pass too, in bf16.
+        /// The stack a windowed register backward may take (`the_register_backward_compiles_without_spills`).
+        const WINDOW_SPILL: usize = 8;
+
         #[test]
         fn the_register_backward_compiles_without_spills() {
             let Some(client) = client() else { return };
@@ -1145,20 +1212,46 @@ mod tests {
             for kind in [FloatKind::BF16, FloatKind::F16] {
                 for head_dim in [64, 128] {
                     for (causal, padding) in [(true, false), (false, true)] {
-                        variants.push((kind, Staging::Single, head_dim, causal, padding));
+                        variants.push((kind, Staging::Single, head_dim, causal, padding, false));
                         if kind == FloatKind::BF16 {
-                            variants.push((kind, Staging::Copies(8), head_dim, causal, padding));
+                            variants.push((
+                                kind,
+                                Staging::Copies(8),
+                                head_dim,
+                                causal,
+                                padding,
+                                false,
+                            ));
                         }
                     }
                 }
             }
+            // A sliding window's bounds and masks (its own compile-time variant).
+            for head_dim in [64, 128] {
+                variants.push((
+                    FloatKind::BF16,
+                    Staging::Single,
+                    head_dim,
+                    true,
+                    false,
+                    true,
+                ));
+            }
             let frags = Fragments::Registers;
-            for (kind, staging, head_dim, causal, padding) in variants {
-                // (`COPIES_SPILL` says why the copies may spill a little.)
-                let spill = if staging.copies() { COPIES_SPILL } else { 0 };
+            for (kind, staging, head_dim, causal, padding, windowed) in variants {
+                // (`COPIES_SPILL` says why the copies may spill a little. A window's bounds
+                // and masks push the key kernel at head dim 128, at 255 registers without
+                // them, into 8 bytes of spill: NVRTC 12.9, sm_90.)
+                let spill = if staging.copies() {
+                    COPIES_SPILL
+                } else if windowed {
+                    WINDOW_SPILL
+                } else {
+                    0
+                };
                 let what = |kernel: &str| {
                     format!(
-                        "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
+                        "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed}"
                     )
                 };
                 let passes: &[bool] = if kind == FloatKind::BF16 {
@@ -1184,10 +1277,12 @@ mod tests {
                             tensor(),
                             (),
                             (),
+                            (),
                             // Staged 2 16-bit values at a time, as launched.
                             2,
                             head_dim,
                             causal,
+                            windowed,
                             padding,
                             one_pass,
                             frags,
@@ -1214,9 +1309,11 @@ mod tests {
                     tensor(),
                     (),
                     (),
+                    (),
                     2,
                     head_dim,
                     causal,
+                    windowed,
                     padding,
                     frags,
                     staging,

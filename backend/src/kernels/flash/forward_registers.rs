@@ -32,7 +32,9 @@ pub use super::fragments::Fragments;
 use super::fragments::{a_fragments, accumulate, across_quad, scores, zeros, Pair};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
-use super::tile::{excluded, key_blocks, pad_bias, stage_tile_at, staged_ld, unmasked, MASKED};
+use super::tile::{
+    excluded, first_key_block, key_blocks, pad_bias, stage_tile_at, staged_ld, unmasked, MASKED,
+};
 
 /// The largest head dim: 16 output fragments (64 fp32 a lane) beside 16 of S.
 pub const MAX_HEAD_DIM: usize = 128;
@@ -55,8 +57,10 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     lse: &mut Tensor<f32>,
     scale: f32,
     group: u32,
+    window_len: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] windowed: bool,
     #[comptime] padding: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
@@ -65,6 +69,12 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     // Everything unrolls on CUDA, so the fragments stay in registers. The emulation keeps
     // the loops: lavapipe's shader compiler took more than 15 minutes on one unrolled
     // kernel at head dim 64.
+    // Without a window its bound is the constant 0, which the compiler folds away: at head
+    // dim 128 the kernels have no register to spare.
+    let mut window = 0u32;
+    if windowed {
+        window = window_len;
+    }
     let unroll = comptime![frags == Fragments::Registers];
     let heads = q.shape(1);
     let s = q.shape(2);
@@ -120,18 +130,20 @@ pub fn flash_forward_registers<F: Float, N: Size>(
         rows[half] = min(row0 + half * 8, s - 1);
     }
 
+    let start = first_key_block(first, BLOCK, window);
     let blocks = key_blocks(first, BLOCK, s, t, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
-        if blocks > 0 {
-            stage_block::<F, N>(k, &mut ks, 0, kbase, 0, t, head_dim, hd_ld, staging);
-            stage_block::<F, N>(v, &mut vs, 0, vbase, 0, t, head_dim, hd_ld, staging);
+        if start < blocks {
+            let j0 = start * BLOCK;
+            stage_block::<F, N>(k, &mut ks, 0, kbase, j0, t, head_dim, hd_ld, staging);
+            stage_block::<F, N>(v, &mut vs, 0, vbase, j0, t, head_dim, hd_ld, staging);
             commit(&ready, staging);
         }
     }
-    for kb in 0..blocks {
+    for kb in start..blocks {
         let j0 = kb * BLOCK;
-        let tile = tile_of(kb, staging);
+        let tile = tile_of(kb - start, staging);
         if comptime![!staging.ahead()] {
             // Every warp is past the last block's reads of K and V.
             sync_cube();
@@ -174,7 +186,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
         }
 
         // Scaled and masked in place; each row's maximum over this lane's columns.
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, 0u32);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window);
         let mut top = Array::<f32>::new(2usize);
         top[0] = f32::new(MASKED);
         top[1] = f32::new(MASKED);
@@ -188,7 +200,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
                     let key = j0 + j * 8 + quad * 2 + e;
                     let mut x = pair[e] * scale;
                     if !open {
-                        if excluded(key, rows[half], t, causal, 0u32) {
+                        if excluded(key, rows[half], t, causal, window) {
                             x = f32::new(MASKED);
                         } else if padding {
                             x += pad_bias(key_bias, bi, key);
@@ -331,8 +343,10 @@ pub fn launch<R: Runtime>(
         lse,
         cfg.scale,
         d.group(),
+        cfg.window as u32,
         d.head_dim,
         cfg.causal,
+        cfg.window > 0,
         cfg.padding,
         frags,
         staging,
@@ -554,7 +568,13 @@ mod tests {
                         continue;
                     }
                     for head_dim in [64, 128] {
-                        for (causal, padding) in [(true, false), (false, true)] {
+                        // The third: causal under a sliding window (its own compile-time
+                        // variant).
+                        for (causal, padding, windowed) in [
+                            (true, false, false),
+                            (false, true, false),
+                            (true, false, true),
+                        ] {
                             let kernel =
                                 flash_forward_registers::FlashForwardRegisters::<WgpuRuntime>::new(
                                     settings(UNITS as u32),
@@ -567,17 +587,19 @@ mod tests {
                                     tensor(),
                                     (),
                                     (),
+                                    (),
                                     // Staged 2 16-bit values at a time, as launched.
                                     2,
                                     head_dim,
                                     causal,
+                                    windowed,
                                     padding,
                                     Fragments::Registers,
                                     staging,
                                     float(kind),
                                 );
                             let what = format!(
-                                "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding}"
+                                "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed}"
                             );
                             let compiled = compiles(kernel, &what);
                             // (`COPIES_SPILL` says why the copies may spill a

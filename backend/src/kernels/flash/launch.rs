@@ -47,8 +47,8 @@ pub struct FlashLaunch {
     pub causal: bool,
     /// A sliding window (with `causal`): query `i` sees only the `window` keys up to
     /// itself, `i − window < j ≤ i` (Mistral's and Phi-3's `sliding_window`); 0 for
-    /// none. The `Rows` and block-product kernels skip the key blocks outside every
-    /// row's window; the register kernels take no window ([`FlashLaunch::registers_take`]).
+    /// none. Every kernel skips the key blocks outside every row's window and masks the
+    /// rest (`tile::first_key_block`, `query_blocks`, `excluded`).
     pub window: usize,
     /// A `key_bias [batch, kv_len]` fp32 tensor is passed (otherwise a
     /// 1-element placeholder is, and never read).
@@ -637,14 +637,13 @@ impl FlashLaunch {
 
     /// The register kernels take this launch: tensor cores (16-bit inputs, head dims in
     /// 16s up to 128: the register products' shapes), without dropout (which they do not
-    /// draw) and without a sliding window (which they do not mask).
+    /// draw).
     fn registers_take(&self) -> bool {
         self.kernels()
             == FlashKernels::Blocks {
                 products: Products::TensorCores,
             }
             && self.dropout.is_none()
-            && self.window == 0
             && self.dims.head_dim <= super::forward_registers::MAX_HEAD_DIM
     }
 

@@ -174,15 +174,20 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
 }
 
 /// The problems the register kernels' CUDA tests run: the executor's head dims (64, 128),
-/// causal with padded keys and bidirectional without, grouped queries, three blocks a side.
+/// causal with padded keys and bidirectional without, grouped queries, three blocks a side;
+/// and causal under a sliding window of 50 keys (shorter than a block).
 #[cfg(feature = "cuda")]
 pub(super) fn register_cuda_problems(seed: u64) -> impl Iterator<Item = Problem> {
     [64, 128].into_iter().flat_map(move |d| {
-        [(true, &[0usize, 5][..]), (false, &[][..])]
-            .into_iter()
-            .map(move |(causal, pads)| {
-                Problem::new(2, 8, 2, 150, 150, d, causal, pads, seed + d as u64)
-            })
+        [
+            (true, &[0usize, 5][..], 0),
+            (false, &[][..], 0),
+            (true, &[][..], 50),
+        ]
+        .into_iter()
+        .map(move |(causal, pads, window)| {
+            Problem::new(2, 8, 2, 150, 150, d, causal, pads, seed + d as u64).with_window(window)
+        })
     })
 }
 
@@ -876,8 +881,8 @@ mod cuda {
         }
 
         /// Sliding windows shorter and longer than the 64-row blocks, at the executor's
-        /// head dims, under both backwards: the register kernels take no window, so these
-        /// run whenever a plan has one.
+        /// head dims, under both backwards (the register kernels' windows are in
+        /// `register_cuda_problems`).
         #[test]
         fn sliding_window() {
             let problems = || {
