@@ -60,7 +60,7 @@ fixture_job() {
   sed -e "s|\"../hf/llama\"|\"$PWD/tests/fixtures/hf/$1\"|" \
     -e "s|^train {|train {\n  attention = $attention|" tests/fixtures/eval/llama.plan > "$plan"
   local name="fixture-$1"
-  if [ "$attention" != sdpa ]; then name="$name-$attention"; fi
+  if [ "$attention" != sdpa ]; then name="$name--$attention"; fi
   job "$name" 4 "$plan" --data "tests/fixtures/hf/$1/eval.jsonl" \
     --eval "tests/fixtures/hf/$1/eval.jsonl"
 }
@@ -123,8 +123,9 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
             print(f"   loss_scale first {scales[0]} last {scales[-1]}; skipped steps {skipped}")
     if evals:
         # What transformers computed on the CPU for the untrained fixture (the first eval).
+        # (`fixture-NAME--ATTENTION`: the fixture NAME under another attention.)
         ref = {"sft": "llama/sft_reference.json"}.get(name) or (
-            name.startswith("fixture-") and name[len("fixture-"):] + "/reference.json")
+            name.startswith("fixture-") and name[len("fixture-"):].split("--")[0] + "/reference.json")
         want = None
         if ref:
             r = json.load(open(os.path.join("tests/fixtures/hf", ref)))
