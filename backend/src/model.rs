@@ -86,6 +86,27 @@ fn normal<B: Backend, const D: usize>(
 }
 
 /// Cast `t` to `dtype` unless it already is (a cast is a copy and an autodiff node).
+/// True where query `offset + r` may not see key `c` of a `[rows, keys]` block (Burn's
+/// masks are true where they mask): `tril_mask(_, offset)` is true strictly above the
+/// shifted diagonal, the future. Under a sliding `window` (0 for none: Mistral v0.1,
+/// Phi-3) a query sees itself and the `window - 1` positions before it, as transformers'
+/// `sliding_window_overlay` (`kv > q - w`): `triu_mask(_, offset + 1 - w)` is true where
+/// `c - r < offset + 1 - w`. The eager bias (`Ctx::new`) and the blocked fused attention
+/// (`kernels::flash::blocked`) both mask with it.
+pub(crate) fn causal_mask<B: Backend>(
+    shape: [usize; 2],
+    offset: i64,
+    window: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Bool> {
+    let future = Tensor::<B, 2, Bool>::tril_mask(shape, offset, device);
+    if window == 0 {
+        return future;
+    }
+    let past = Tensor::<B, 2, Bool>::triu_mask(shape, offset + 1 - window as i64, device);
+    future.bool_or(past)
+}
+
 pub fn to_dtype<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: FloatDType) -> Tensor<B, D> {
     if t.dtype() == dtype.into() {
         t
@@ -167,21 +188,11 @@ impl<B: Backend> Ctx<B> {
         let causal = model.arch == Arch::Decoder;
         let window = model
             .numerics
-            .sliding_window
-            .filter(|&w| causal && (seq as u64) > w)
+            .window_within(seq as u64)
+            .filter(|_| causal)
             .map_or(0, |w| w as usize);
         let bias = (causal && !flash).then(|| {
-            // Burn's masks are true where they mask: `tril_mask(_, 0)` is
-            // true strictly above the diagonal (the future). (`triu_mask(_, 1)`,
-            // used before, is true on and below it: the past was hidden.)
-            let mut masked = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device);
-            // A sliding window of `w` (Mistral v0.1, Phi-3): a query sees itself and the
-            // `w - 1` positions before it, as transformers' `sliding_window_overlay`
-            // (`kv > q - w`); `triu_mask(_, 1 - w)` is true where `kv - q < 1 - w`.
-            if window > 0 {
-                let past = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1 - window as i64, device);
-                masked = masked.bool_or(past);
-            }
+            let masked = causal_mask::<B>([seq, seq], 0, window, device);
             to_dtype(masked.float().mul_scalar(MASK_VALUE), compute).unsqueeze::<4>()
         });
         Ctx {

@@ -382,6 +382,12 @@ impl Numerics {
     pub fn is_default(&self) -> bool {
         *self == Numerics::default()
     }
+
+    /// The sliding window where it masks anything at `seq` tokens: one as long as the
+    /// sequence or longer is full attention.
+    pub fn window_within(&self, seq: u64) -> Option<u64> {
+        self.sliding_window.filter(|&w| w < seq)
+    }
 }
 
 // ---------------------------------------------------------------- adapter

@@ -131,21 +131,22 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
                 spec.model.head_dim,
                 &spec.hardware.gpu,
             ) {
-                None => match spec
-                    .model
-                    .numerics
-                    .sliding_window
-                    .filter(|&w| w < spec.train.seq_len)
-                {
-                    None => format!(
-                        "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator"
-                    ),
-                    Some(w) => format!(
-                        "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator; \
-                         the kernels skip the key blocks outside the sliding window of {w} keys and \
-                         mask the rest"
-                    ),
-                },
+                None => {
+                    let window = spec
+                        .model
+                        .numerics
+                        .window_within(spec.train.seq_len)
+                        .map(|w| {
+                            format!(
+                                "; the kernels skip the key blocks outside the sliding window of {w} \
+                                 keys and mask the rest"
+                            )
+                        })
+                        .unwrap_or_default();
+                    format!(
+                        "{kept}; on tensor cores, the backward in one pass with an fp32 dQ accumulator{window}"
+                    )
+                }
                 Some(why) => {
                     let rate = profile
                         .fused_attention_rows_efficiency

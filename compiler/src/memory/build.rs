@@ -928,7 +928,7 @@ impl<'a> Builder<'a> {
         // sliding window shorter than the sequence, rcoa's fused kernels skip the key
         // blocks outside each query's window (`Σ_i min(i + 1, w)` pairs), where the eager
         // paths compute every score and mask.
-        let causal = match m.numerics.sliding_window.filter(|&w| w < s) {
+        let causal = match m.numerics.window_within(s) {
             Some(w) if burn_flash && m.arch == Arch::Decoder => {
                 (w * (w + 1) / 2 + (s - w) * w) as f64 / (s * s) as f64
             }

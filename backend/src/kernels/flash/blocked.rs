@@ -10,7 +10,7 @@
 //! follows the kernels' semantics (`super`).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use std::ops::Range;
 
 use super::dropout::{self, FlashDropout};
@@ -168,16 +168,9 @@ fn scores<B: Backend>(
     let mut sc = qb.mul_scalar(scale).matmul(kb.swap_dims(2, 3));
     let device = sc.device();
     if mask.causal {
-        // True where key k0 + c is after query i0 + r (strictly above the shifted
-        // diagonal), as `Ctx::new` builds the eager mask; under a window also where it
-        // is `window` or more before it (`c − r < i0 − k0 + 1 − window`).
-        let off = (i0 - k0) as i64;
-        let mut masked = Tensor::<B, 2, Bool>::tril_mask([n, tv], off, &device);
-        if mask.window > 0 {
-            let past =
-                Tensor::<B, 2, Bool>::triu_mask([n, tv], off + 1 - mask.window as i64, &device);
-            masked = masked.bool_or(past);
-        }
+        // Key k0 + c against query i0 + r, as the eager bias masks it.
+        let masked =
+            crate::model::causal_mask::<B>([n, tv], (i0 - k0) as i64, mask.window, &device);
         let future = like(masked.float().mul_scalar(MASK), &sc);
         let future = future
             .reshape([1, 1, 1, n, tv])
