@@ -101,11 +101,13 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", generation_tags(&self.source).1)
+        let (blocks, source) = generation_tags(&self.source);
+        env.add_template_owned("chat", source)
             .map_err(|e| format!("the chat template does not parse: {e}"))?;
         Ok(Renderer {
             env,
             tokens: &self.tokens,
+            marked: blocks > 0,
         })
     }
 }
@@ -114,6 +116,9 @@ impl ChatTemplate {
 pub struct Renderer<'a> {
     env: Environment<'a>,
     tokens: &'a [(&'static str, String)],
+    /// The template has `{% generation %}` blocks: its output holds markers (the data
+    /// never does: `render_raw` refuses them).
+    marked: bool,
 }
 
 impl Renderer<'_> {
@@ -137,6 +142,9 @@ impl Renderer<'_> {
         add_generation_prompt: bool,
     ) -> Result<(String, Vec<Range<usize>>), String> {
         let raw = self.render_raw(messages, add_generation_prompt)?;
+        if !self.marked {
+            return Ok((raw, Vec::new()));
+        }
         unmark(&raw)
     }
 
@@ -145,7 +153,7 @@ impl Renderer<'_> {
         messages: &serde_json::Value,
         add_generation_prompt: bool,
     ) -> Result<String, String> {
-        if messages.to_string().contains([OPEN, CLOSE]) {
+        if holds_marker(messages) {
             return Err(format!(
                 "a message holds U+{:04X} or U+{:04X}, which rcoa reserves to find the template's `{{% generation %}}` blocks",
                 OPEN as u32, CLOSE as u32
@@ -228,6 +236,19 @@ fn parse_generation_tag(tag: &str) -> Option<(usize, &str, bool, &str)> {
     let after = &body[..control(body)];
     let close = body[after.len()..].strip_prefix("%}")?;
     Some((tag.len() - close.len(), before, end, after))
+}
+
+/// Whether a string of `v` (a key or a value, at any depth) holds a marker.
+fn holds_marker(v: &serde_json::Value) -> bool {
+    use serde_json::Value as J;
+    match v {
+        J::String(s) => s.contains([OPEN, CLOSE]),
+        J::Array(items) => items.iter().any(holds_marker),
+        J::Object(map) => map
+            .iter()
+            .any(|(k, v)| k.contains([OPEN, CLOSE]) || holds_marker(v)),
+        _ => false,
+    }
 }
 
 /// The rendered text without its markers, and the ranges each open/close pair held.
