@@ -508,3 +508,114 @@ fn a_sliding_window_evaluates_as_transformers_under_every_attention() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `train { packing = true }`: examples binned whole into each sequence, attending only to
+/// themselves, with positions restarting at each. `rcoa eval` gives the loss of the
+/// examples one per row (for the llama fixture's examples, transformers' own) under
+/// RoPE (llama), learned positions (gpt2) and a sliding window (mistral-window), with the
+/// eager and the selective attention; `rcoa run` trains on fewer, fuller rows; JSONL
+/// documents pack whole too; the fused attention is refused with what to write instead.
+#[test]
+fn packed_examples_score_as_they_do_one_per_row() {
+    let dir = std::env::temp_dir().join(format!("rcoa-cli-packing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let eval = |plan: &PathBuf, data: &str| {
+        let out = rcoa(&["eval", &s(plan), "--data", data, "--format", "json"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        json_lines(&out)[0]["eval_loss"].as_f64().unwrap()
+    };
+    // The llama SFT plan at seq 32, rewritten for each fixture and setup.
+    let base = std::fs::read_to_string(root().join("tests/fixtures/eval/llama-sft.plan")).unwrap();
+    // `extra` goes into `train`; after a `|`, sections of its own.
+    let write = |name: &str, fixture: &str, extra: &str| {
+        let fixture = root().join("tests/fixtures/hf").join(fixture);
+        let plan = dir.join(format!("{name}.plan"));
+        let (train, sections) = extra.split_once('|').unwrap_or((extra, ""));
+        let text = base
+            .replace("\"../hf/llama\"", &format!("{fixture:?}"))
+            .replace("train {", &format!("train {{\n  {train}"))
+            + sections;
+        std::fs::write(&plan, text).unwrap();
+        plan
+    };
+    let sft = "tests/fixtures/hf/llama/sft.jsonl";
+    let want = sft_reference_loss();
+    for (name, extra) in [
+        ("packed", "packing = true"),
+        ("packed-eager", "packing = true attention = eager"),
+        (
+            "packed-selective",
+            "packing = true | fit { checkpoint = selective }",
+        ),
+    ] {
+        let got = eval(&write(name, "llama", extra), sft);
+        assert!(
+            (got - want).abs() < 1e-5,
+            "{name}: rcoa eval {got} vs transformers {want}"
+        );
+    }
+    for fixture in ["gpt2", "mistral-window"] {
+        let alone = eval(&write(&format!("{fixture}-rows"), fixture, ""), sft);
+        let packed = eval(&write(fixture, fixture, "packing = true"), sft);
+        assert!(
+            (packed - alone).abs() < 1e-5,
+            "{fixture}: packed {packed} vs one per row {alone}"
+        );
+    }
+
+    // Training at 64 tokens: the 6 examples pack into fewer sequences, and the loss falls.
+    let plan = write("train", "llama", "packing = true");
+    let at_64 = std::fs::read_to_string(&plan)
+        .unwrap()
+        .replace("seq_len = 32", "seq_len = 64");
+    std::fs::write(&plan, at_64).unwrap();
+    let out = rcoa(&[
+        "run",
+        &s(&plan),
+        "--data",
+        sft,
+        "--steps",
+        "4",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines = json_lines(&out);
+    assert_data(
+        &lines[0],
+        "6 prompt-completion examples, packed into 4 sequences",
+    );
+    let losses = step_losses(&lines);
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(losses.last() < losses.first(), "{losses:?}");
+
+    // JSONL documents pack whole, each with its EOS, instead of running together.
+    let docs = "tests/fixtures/hf/llama/eval.jsonl";
+    let out = rcoa(&[
+        "run",
+        &s(&plan),
+        "--data",
+        docs,
+        "--steps",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_data(
+        &json_lines(&out)[0],
+        "12 documents, packed into 8 sequences",
+    );
+
+    // The fused attention masks one window per row: refused at compile time.
+    let flash = write("flash", "llama", "packing = true attention = flash");
+    let out = rcoa(&["eval", &s(&flash), "--data", sft]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("`packing = true`") && err.contains("attention = sdpa"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

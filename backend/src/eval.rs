@@ -46,13 +46,16 @@ pub enum EvalSet {
         batch: usize,
         chunked: bool,
     },
-    /// Prompt-completion examples (`data::Completion`), batched in file order.
+    /// Prompt-completion examples (`data::Completion`), batched in file order: one per
+    /// row, or (`train.packing`) packed, a bin per row (`data::packing`), which gives the
+    /// same loss.
     Completions {
         examples: Vec<crate::data::Completion>,
         pad: u32,
         batch: usize,
         seq: usize,
         chunked: bool,
+        bins: Option<Vec<Vec<usize>>>,
     },
     /// (query, positive) ids, truncated to `seq_len`.
     Contrastive {
@@ -101,13 +104,7 @@ impl EvalSet {
                     seq,
                     plan.train.assistant_only_loss,
                 )?;
-                Ok(EvalSet::Completions {
-                    examples,
-                    pad,
-                    batch: micro,
-                    seq,
-                    chunked: plan.train.chunked_loss_for(vocab),
-                })
+                Ok(EvalSet::completions(plan, examples, pad))
             }
             Loss::CausalLm if plan.train.assistant_only_loss => {
                 Err(files::assistant_only_needs_conversations(path))
@@ -122,6 +119,15 @@ impl EvalSet {
                 };
                 let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
                 let enc = files::encode(path, &refs, tok, vocab)?;
+                if plan.train.packing && files::is_jsonl(path) {
+                    // Packed documents, as training packs them (`files::packed_documents`).
+                    let pad = enc.pad;
+                    let docs = files::documents_as_examples(enc, seq);
+                    if docs.is_empty() {
+                        return Err(data_err(path, "has no document of two tokens or more"));
+                    }
+                    return Ok(EvalSet::completions(plan, docs, pad));
+                }
                 let stream = files::pack(enc.ids, enc.eos);
                 let windows: Vec<Vec<u32>> = stream.chunks_exact(seq).map(<[u32]>::to_vec).collect();
                 if windows.is_empty() || seq < 2 {
@@ -176,6 +182,22 @@ impl EvalSet {
                  (their conventions are pinned in docs/data.md); masked LM has none yet"
                     .into(),
             )),
+        }
+    }
+
+    /// Supervised examples (or documents) for `plan`: packed as it packs them.
+    fn completions(plan: &LoweredPlan, examples: Vec<crate::data::Completion>, pad: u32) -> Self {
+        let seq = plan.train.seq_len as usize;
+        EvalSet::Completions {
+            bins: plan
+                .train
+                .packing
+                .then(|| crate::data::packing::bins(&examples, seq)),
+            examples,
+            pad,
+            batch: plan.resolved.micro_batch.max(1) as usize,
+            seq,
+            chunked: plan.train.chunked_loss_for(plan.model.vocab),
         }
     }
 
@@ -257,29 +279,56 @@ pub fn evaluate<B: ExecBackend>(
             batch,
             seq,
             chunked,
+            bins,
         } => {
             let s = *seq;
+            // Each row's examples: a bin when packed, else one example.
+            let rows: Vec<Vec<usize>> = match bins {
+                Some(b) => b.clone(),
+                None => (0..examples.len()).map(|e| vec![e]).collect(),
+            };
             let (mut total, mut scored) = (0.0f64, 0usize);
             let mut batches = 0;
-            for chunk in examples.chunks((*batch).max(1)) {
-                let rows = chunk.len();
-                let mut inputs = Vec::with_capacity(rows * s);
-                let mut targets = Vec::with_capacity(rows * s);
-                let mut weights = Vec::with_capacity(rows * s);
-                for e in chunk {
-                    e.row(s, *pad, &mut inputs, &mut targets, &mut weights);
+            for chunk in rows.chunks((*batch).max(1)) {
+                let n_rows = chunk.len();
+                let mut inputs = Vec::with_capacity(n_rows * s);
+                let mut targets = Vec::with_capacity(n_rows * s);
+                let mut weights = Vec::with_capacity(n_rows * s);
+                let mut positions = Vec::with_capacity(n_rows * s);
+                for row in chunk {
+                    if bins.is_some() {
+                        crate::data::packing::row(
+                            examples,
+                            row,
+                            s,
+                            *pad,
+                            &mut inputs,
+                            &mut targets,
+                            &mut weights,
+                            &mut positions,
+                        );
+                    } else {
+                        examples[row[0]].row(s, *pad, &mut inputs, &mut targets, &mut weights);
+                    }
                 }
-                let n = chunk.iter().map(|e| e.scored(s)).sum::<usize>();
+                let n = chunk
+                    .iter()
+                    .flatten()
+                    .map(|&e| examples[e].scored(s))
+                    .sum::<usize>();
                 if n == 0 {
                     continue;
                 }
+                let packed = bins
+                    .is_some()
+                    .then(|| ctx.with_documents(&positions, n_rows, s, device));
                 let mean = weighted_mean(
                     model,
-                    &ctx,
+                    packed.as_ref().unwrap_or(&ctx),
                     inputs,
                     targets,
                     weights,
-                    [rows, s],
+                    [n_rows, s],
                     *chunked,
                     device,
                 )?;

@@ -452,6 +452,7 @@ pub fn batcher(plan: &LoweredPlan, opts: &RunOptions) -> Result<Batcher, RunErro
                 negatives: plan.train.negatives as usize,
                 batch_examples: per_rank * ranks as usize,
                 assistant_only: plan.train.assistant_only_loss,
+                packing: plan.train.packing,
             };
             Source::from_file(p, &spec, &tok)?
         }

@@ -85,7 +85,6 @@ fn normal<B: Backend, const D: usize>(
     Tensor::<B, D>::random(shape, Distribution::Normal(0.0, INIT_STD), device).cast(dtype)
 }
 
-/// Cast `t` to `dtype` unless it already is (a cast is a copy and an autodiff node).
 /// True where query `offset + r` may not see key `c` of a `[rows, keys]` block (Burn's
 /// masks are true where they mask): `tril_mask(_, offset)` is true strictly above the
 /// shifted diagonal, the future. Under a sliding `window` (0 for none: Mistral v0.1,
@@ -107,6 +106,7 @@ pub(crate) fn causal_mask<B: Backend>(
     future.bool_or(past)
 }
 
+/// Cast `t` to `dtype` unless it already is (a cast is a copy and an autodiff node).
 pub fn to_dtype<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: FloatDType) -> Tensor<B, D> {
     if t.dtype() == dtype.into() {
         t
@@ -160,6 +160,11 @@ pub struct Ctx<B: Backend> {
     /// padding, so no query attends to a pad. `None`: every token is real
     /// (packed sequences). Set per batch with [`Ctx::with_padding`].
     pub padding: Option<Tensor<B, 4>>,
+    /// Packed rows (`train.packing`, [`Ctx::with_documents`]): each token's position in
+    /// its example, `[rows · seq]`, which learned positions read; RoPE's tables are then
+    /// gathered at them (`RopeTables::tokens`) and `bias` keeps attention within each
+    /// example. `None`: positions `0..seq` in every row.
+    pub positions: Option<Tensor<B, 1, Int>>,
     /// `checkpoint = selective`: the attention core is one node that keeps
     /// q, k, v and recomputes the scores and probabilities in the backward
     /// (`ops::attention_core`), instead of keeping the `[b, h, s, s]`
@@ -219,6 +224,7 @@ impl<B: Backend> Ctx<B> {
             rope,
             bias,
             padding: None,
+            positions: None,
             selective: false,
             flash,
         }
@@ -251,9 +257,11 @@ impl<B: Backend> Ctx<B> {
                 cos: r.cos.clone().inner(),
                 sin: r.sin.clone().inner(),
                 swap: r.swap.clone().map(|i| i.inner()),
+                tokens: r.tokens,
             }),
             bias: self.bias.clone().map(|b| b.inner()),
             padding: self.padding.clone().map(|p| p.inner()),
+            positions: self.positions.clone().map(|p| p.inner()),
             selective: self.selective,
             flash: self.flash,
         }
@@ -273,6 +281,59 @@ impl<B: Backend> Ctx<B> {
             let t = Tensor::<B, 1>::from_floats(bias.as_slice(), device).reshape([rows, 1, 1, seq]);
             to_dtype(t, self.compute)
         });
+        ctx
+    }
+}
+
+impl<B: Backend> Ctx<B> {
+    /// This context for one batch of packed rows (`train.packing`): `positions[row · seq +
+    /// p]` is token `p`'s position in its example, and an example starts where a position
+    /// is not its predecessor's plus one (`data::packing::documents`). Learned positions
+    /// and RoPE read each token's position, and a `[rows, 1, seq, seq]` bias keeps each
+    /// query to the keys of its own example (causal, and within a sliding window), so each
+    /// example's outputs are those it has alone. The fused attention masks one window per
+    /// row and cannot take it (the compiler refuses the pair for `target burn`).
+    pub fn with_documents(
+        &self,
+        positions: &[i64],
+        rows: usize,
+        seq: usize,
+        device: &B::Device,
+    ) -> Self {
+        assert_eq!(positions.len(), rows * seq, "one position per token");
+        assert!(
+            !self.flash,
+            "packed rows need the eager or selective attention (`executed::packed_flash`)"
+        );
+        let ints = |v: Vec<i64>| {
+            let data = burn::tensor::TensorData::new(v, [rows * seq]).convert::<B::IntElem>();
+            Tensor::<B, 1, Int>::from_data(data, device)
+        };
+        let pos = ints(positions.to_vec());
+        let mut ctx = self.clone();
+        ctx.rope = self.rope.as_ref().map(|t| RopeTables {
+            cos: t.cos.clone().select(0, pos.clone()),
+            sin: t.sin.clone().select(0, pos.clone()),
+            swap: t.swap.clone(),
+            tokens: true,
+        });
+        let shape = [rows, 1, seq, seq];
+        let docs = ints(crate::data::packing::documents(positions, seq));
+        let (q, k) = (
+            docs.clone().reshape([rows, 1, seq, 1]).expand(shape),
+            docs.reshape([rows, 1, 1, seq]).expand(shape),
+        );
+        let mut masked = q.not_equal(k);
+        if self.causal {
+            masked = masked.bool_or(
+                causal_mask::<B>([seq, seq], 0, self.window, device)
+                    .unsqueeze::<4>()
+                    .expand(shape),
+            );
+        }
+        let zeros = Tensor::<B, 4>::zeros(shape, (device, self.compute.into()));
+        ctx.bias = Some(zeros.mask_fill(masked, MASK_VALUE));
+        ctx.positions = Some(pos);
         ctx
     }
 }
@@ -531,6 +592,9 @@ pub struct RopeTables<B: Backend> {
     pub cos: Tensor<B, 2>,
     pub sin: Tensor<B, 2>,
     pub swap: Option<Tensor<B, 1, Int>>,
+    /// One row per token of the batch (`[rows · seq, ..]`, gathered at packed rows'
+    /// positions: [`Ctx::with_documents`]) rather than per position.
+    pub tokens: bool,
 }
 
 impl<B: Backend> RopeTables<B> {
@@ -584,6 +648,7 @@ impl<B: Backend> RopeTables<B> {
             cos: mk(cos),
             sin: mk(sin),
             swap,
+            tokens: false,
         }
     }
 }
@@ -593,6 +658,24 @@ fn rope<B: ExecBackend>(x: Tensor<B, 4>, t: &RopeTables<B>, seq: SeqAxis) -> Ten
     //   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] = [x1, x2] * c + [x2, x1] * [-s, s],
     // one kernel each way on the fused CubeCL backends for whole heads (`kernels::rope`);
     // part of each head (`swap`) by one gather, in the same autodiff node.
+    if t.tokens {
+        // A table row per token: the batch's `[b, s, ..]` read as one sequence of `b · s`
+        // tokens (a view of the projections' contiguous layout).
+        assert_eq!(
+            seq,
+            SeqAxis::Second,
+            "per-token tables rotate `[b, s, h, d]`"
+        );
+        let [b, s, h, d] = x.dims();
+        let y = crate::ops::rope(
+            x.reshape([1, b * s, h, d]),
+            &t.cos,
+            &t.sin,
+            t.swap.as_ref(),
+            seq,
+        );
+        return y.reshape([b, s, h, d]);
+    }
     crate::ops::rope(x, &t.cos, &t.sin, t.swap.as_ref(), seq)
 }
 
@@ -636,8 +719,13 @@ impl<B: ExecBackend> Attention<B> {
                 .o
                 .forward(out.swap_dims(1, 2).reshape([b, s, h * hd]), ctx);
         }
+        let (q, k) = match &ctx.rope {
+            // Packed rows' tables hold a row per token, read in the projections' order.
+            Some(t) if t.tokens => (rope(q, t, SeqAxis::Second), rope(k, t, SeqAxis::Second)),
+            _ => (q, k),
+        };
         let (mut q, mut k) = (q.swap_dims(1, 2), k.swap_dims(1, 2));
-        if let Some(t) = &ctx.rope {
+        if let Some(t) = ctx.rope.as_ref().filter(|t| !t.tokens) {
             q = rope(q, t, SeqAxis::Third);
             k = rope(k, t, SeqAxis::Third);
         }
@@ -775,9 +863,15 @@ impl<B: ExecBackend> Embed<B> {
                 .mask_where(pad_at.unsqueeze_dim::<3>(2).expand(dims), x.detach());
         }
         if let Some(p) = &self.positions {
-            x = x + to_dtype(p.val(), ctx.compute)
-                .narrow(0, ctx.position_offset, s)
-                .unsqueeze::<3>();
+            let table = to_dtype(p.val(), ctx.compute);
+            let [b, _, d] = x.dims();
+            x = x + match &ctx.positions {
+                // Packed rows: each token's own position.
+                Some(at) => table
+                    .select(0, at.clone().add_scalar(ctx.position_offset as i64))
+                    .reshape([b, s, d]),
+                None => table.narrow(0, ctx.position_offset, s).unsqueeze::<3>(),
+            };
         }
         if let Some(n) = &self.norm {
             x = n.forward(x, ctx);

@@ -71,6 +71,7 @@ pub fn tiny_plan() -> LoweredPlan {
             negatives: 0,
             chunked_loss: None,
             assistant_only_loss: false,
+            packing: false,
         },
         target: Target::Burn,
         resolved: Resolved {

@@ -9,6 +9,7 @@ use rcoa_compiler::spec::{AdapterKind, AdapterSpec, Dtype, OptimizerKind, Proj};
 
 mod in_backward;
 mod loss_scale;
+mod packing;
 mod partial_rope;
 mod qk_norm;
 

@@ -415,6 +415,7 @@ mod tests {
                 negatives: 0,
                 batch_examples: 1,
                 assistant_only: true,
+                packing: false,
             };
             let path = dir.join("conversations.jsonl");
             crate::data::Source::from_file(&path, &spec, &tok)

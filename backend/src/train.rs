@@ -869,7 +869,7 @@ impl<B: ExecAutodiff> Trainer<B> {
     }
 
     /// The contexts (autodiff, inner) for `batch`: with its key-padding
-    /// mask when its rows are right-padded.
+    /// mask when its rows are right-padded, its documents when they are packed.
     #[allow(clippy::type_complexity)]
     fn contexts(
         &self,
@@ -879,6 +879,14 @@ impl<B: ExecAutodiff> Trainer<B> {
         std::borrow::Cow<'_, Ctx<B::InnerBackend>>,
     ) {
         use std::borrow::Cow;
+        if let Some(p) = &batch.positions {
+            // Packed rows: one set of tensors, shared by both contexts.
+            let c = self
+                .ctx
+                .with_documents(p, batch.rows, batch.seq, &self.device);
+            let ic = c.inner();
+            return (Cow::Owned(c), Cow::Owned(ic));
+        }
         match &batch.keep {
             None => (Cow::Borrowed(&self.ctx), Cow::Borrowed(&self.ictx)),
             Some(k) => (

@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use rcoa_backend::data::files::FileSpec;
-use rcoa_backend::data::{Batcher, Completion, Source};
+use rcoa_backend::data::{packing, Batcher, Completion, Source};
 use rcoa_backend::tokenizer::TextTokenizer;
 use rcoa_compiler::spec::Loss;
 
@@ -30,7 +30,14 @@ const LINES: &[&str] = &[
     r#"{"prompt": "ünïcødé ✓", "completion": "😀"}"#,
 ];
 
-fn spec(loss: Loss, seq: usize, vocab: u64, examples: usize, assistant_only: bool) -> FileSpec {
+fn spec(
+    loss: Loss,
+    seq: usize,
+    vocab: u64,
+    examples: usize,
+    assistant_only: bool,
+    packing: bool,
+) -> FileSpec {
     FileSpec {
         loss,
         seq,
@@ -39,6 +46,7 @@ fn spec(loss: Loss, seq: usize, vocab: u64, examples: usize, assistant_only: boo
         negatives: 0,
         batch_examples: examples,
         assistant_only,
+        packing,
     }
 }
 
@@ -54,6 +62,7 @@ proptest! {
         loss in prop_oneof![Just(Loss::CausalLm), Just(Loss::MaskedLm), Just(Loss::Contrastive)],
         vocab in prop_oneof![Just(300u64), Just(40u64)],
         assistant_only in any::<bool>(),
+        packing in any::<bool>(),
     ) {
         let dir = std::env::temp_dir().join(format!("rcoa-data-props-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -62,7 +71,7 @@ proptest! {
         std::fs::write(&path, text.join("\n")).unwrap();
         // Contrastive in-batch pairs: two rows an example.
         let rows = if loss == Loss::Contrastive { 2 * micro } else { micro };
-        match Source::from_file(&path, &spec(loss, seq, vocab, micro, assistant_only), &TextTokenizer::Bytes) {
+        match Source::from_file(&path, &spec(loss, seq, vocab, micro, assistant_only, packing), &TextTokenizer::Bytes) {
             Err(e) => {
                 let m = e.to_string();
                 prop_assert!(m.contains("d.jsonl"), "{m}");
@@ -87,6 +96,10 @@ proptest! {
                     for m in 0..accum {
                         let batch = b.batch(step, m);
                         prop_assert_eq!(batch.inputs.len(), batch.rows * seq);
+                        if let Some(p) = &batch.positions {
+                            prop_assert_eq!(p.len(), batch.rows * seq);
+                            prop_assert!(p.iter().all(|&p| p >= 0 && (p as usize) < seq));
+                        }
                         prop_assert!(batch.weights.iter().all(|&w| w == 0.0 || w == 1.0));
                         prop_assert!(batch.loss_weight.is_finite() && batch.loss_weight >= 0.0);
                         prop_assert!(batch.inputs.iter().all(|&t| t >= 0 && (t as u64) < vocab.max(256)));
@@ -120,6 +133,47 @@ proptest! {
                 && t >= prompt
                 && c.assistant.as_ref().is_none_or(|a| a[t]);
             prop_assert_eq!(w == 1.0, want, "position {}", p);
+        }
+    }
+
+    /// Packed rows hold every example of their bins once, in order, each scored where
+    /// it is scored alone; positions count from 0 through each example, so the documents
+    /// read back from them are the bin's examples (and the padding after them).
+    #[test]
+    fn packed_rows_hold_their_examples_as_they_score_alone(
+        lens in prop::collection::vec((1usize..12, 0usize..6), 1..12),
+        seq in 1usize..16,
+    ) {
+        let examples: Vec<Completion> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(len, prompt))| Completion {
+                ids: (0..len as u32).map(|t| 100 * i as u32 + t).collect(),
+                prompt,
+                assistant: None,
+            })
+            .collect();
+        let bins = packing::bins(&examples, seq);
+        let (mut inputs, mut targets, mut weights, mut positions) = (vec![], vec![], vec![], vec![]);
+        for b in &bins {
+            packing::row(&examples, b, seq, 7, &mut inputs, &mut targets, &mut weights, &mut positions);
+        }
+        prop_assert_eq!(inputs.len(), bins.len() * seq);
+        prop_assert_eq!(positions.len(), inputs.len());
+        let scored: usize = examples.iter().map(|e| e.scored(seq)).sum();
+        prop_assert_eq!(weights.iter().filter(|&&w| w == 1.0).count(), scored);
+        let docs = packing::documents(&positions, seq);
+        for (r, b) in bins.iter().enumerate() {
+            let row = &inputs[r * seq..(r + 1) * seq];
+            let mut at = 0;
+            for (d, &e) in b.iter().enumerate() {
+                let len = examples[e].ids.len().min(seq);
+                let want: Vec<i64> = examples[e].ids[..len].iter().map(|&t| t as i64).collect();
+                prop_assert_eq!(&row[at..at + len], &want[..]);
+                prop_assert!(docs[r * seq + at..r * seq + at + len].iter().all(|&x| x == d as i64));
+                at += len;
+            }
+            prop_assert!(row[at..].iter().all(|&t| t == 7));
         }
     }
 }

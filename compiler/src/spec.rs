@@ -709,6 +709,13 @@ pub struct TrainSpec {
     /// tokens are scored, not the step's shapes, so the memory model ignores it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub assistant_only_loss: bool,
+    /// Supervised fine-tuning and JSONL documents: whole examples binned into each
+    /// sequence (best-fit decreasing, as TRL's `packing = True`), each attending only to
+    /// itself, with positions restarting at each (`train { packing = true }`). The Burn
+    /// executor's eager attention then adds a `[micro_batch, 1, seq, seq]` mask per
+    /// micro-batch, which the memory model charges.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub packing: bool,
 }
 
 /// Vocabularies above this get the chunked LM loss by default in rcoa's executor.

@@ -102,6 +102,7 @@ impl SpecBuilder {
                 negatives: 0,
                 chunked_loss: None,
                 assistant_only_loss: false,
+                packing: false,
             },
             parallel: ParallelSpec {
                 data: Choice::Fixed(1),

@@ -29,6 +29,9 @@ pub struct FileSpec {
     pub batch_examples: usize,
     /// `train.assistant_only_loss`: conversations scored on the assistant's tokens only.
     pub assistant_only: bool,
+    /// `train.packing`: supervised examples and JSONL documents binned whole into rows
+    /// (`super::packing`).
+    pub packing: bool,
 }
 
 pub fn is_jsonl(path: &Path) -> bool {
@@ -601,16 +604,25 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
         let pairs = read_completions(path)?;
         let (examples, pad) =
             scored_completions(path, &pairs, tok, spec.vocab, spec.seq, spec.assistant_only)?;
-        if examples.len() < spec.batch_examples {
+        let bins = spec
+            .packing
+            .then(|| super::packing::bins(&examples, spec.seq));
+        let rows = bins.as_ref().map_or(examples.len(), Vec::len);
+        if rows < spec.batch_examples {
+            let packed = match &bins {
+                Some(b) => format!(", packed into {} sequences", b.len()),
+                None => String::new(),
+            };
             return Err(data_err(
                 path,
                 format!(
-                    "has {} examples with a completion token within seq_len {} ({} lines); one micro-batch over \
-                     all ranks needs {}: add examples or lower micro_batch",
+                    "has {} examples with a completion token within seq_len {} ({} lines{packed}); one \
+                     micro-batch over all ranks needs {}{}: add examples or lower micro_batch",
                     examples.len(),
                     spec.seq,
                     pairs.len(),
-                    spec.batch_examples
+                    spec.batch_examples,
+                    if bins.is_some() { " sequences" } else { "" },
                 ),
             ));
         }
@@ -635,11 +647,15 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
             pad,
             name,
             kind,
+            bins,
         });
     }
     let texts = read_texts(path)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let enc = encode(path, &refs, tok, spec.vocab)?;
+    if spec.packing && spec.loss == Loss::CausalLm {
+        return packed_documents(path, enc, spec);
+    }
     let docs = enc.ids.len();
     let tokens = pack(enc.ids, enc.eos);
     let source = Source::Packed { tokens, name, docs };
@@ -657,6 +673,52 @@ pub fn load(path: &Path, spec: &FileSpec, tok: &TextTokenizer) -> Result<Source,
         ));
     }
     Ok(source)
+}
+
+/// `train.packing` over JSONL documents: each document with its EOS is an example scored
+/// on every token, cut to `seq_len` and binned whole (`super::packing`), instead of the
+/// documents run together and cut into windows.
+fn packed_documents(path: &Path, enc: Encoded, spec: &FileSpec) -> Result<Source, RunError> {
+    let pad = enc.pad;
+    let examples = documents_as_examples(enc, spec.seq);
+    let bins = super::packing::bins(&examples, spec.seq);
+    if bins.len() < spec.batch_examples {
+        return Err(data_err(
+            path,
+            format!(
+                "has {} documents of two tokens or more, packed into {} sequences of {} tokens; one \
+                 micro-batch over all ranks needs {}: add documents or lower micro_batch",
+                examples.len(),
+                bins.len(),
+                spec.seq,
+                spec.batch_examples
+            ),
+        ));
+    }
+    Ok(Source::Completions {
+        examples,
+        pad,
+        name: path.display().to_string(),
+        kind: "documents".into(),
+        bins: Some(bins),
+    })
+}
+
+/// Documents, each with its EOS, as examples scored on every token (those of two tokens or
+/// more within `seq`), for packing.
+pub fn documents_as_examples(enc: Encoded, seq: usize) -> Vec<super::Completion> {
+    enc.ids
+        .into_iter()
+        .map(|mut ids| {
+            ids.extend(enc.eos);
+            super::Completion {
+                ids,
+                prompt: 0,
+                assistant: None,
+            }
+        })
+        .filter(|e| e.scored(seq) > 0)
+        .collect()
 }
 
 /// Plain text: the whole file is one document (bytes, or the tokenizer's

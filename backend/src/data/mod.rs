@@ -20,6 +20,7 @@
 
 pub mod files;
 pub mod order;
+pub mod packing;
 
 use crate::RunError;
 use rcoa_compiler::spec::Loss;
@@ -100,6 +101,10 @@ pub enum Source {
         /// What the file holds, for messages: "prompt-completion examples",
         /// "conversations".
         kind: String,
+        /// `train.packing`: the examples binned into rows (`packing::bins`), each row one
+        /// bin, taken in a seeded order, every bin once per epoch. `None`: one example per
+        /// row.
+        bins: Option<Vec<Vec<usize>>>,
     },
 }
 
@@ -141,9 +146,23 @@ impl Completion {
         targets: &mut Vec<i64>,
         weights: &mut Vec<f32>,
     ) {
+        self.tokens(seq, seq, pad, inputs, targets, weights);
+    }
+
+    /// The first `width` positions of [`Completion::row`] (a packed row takes each
+    /// example's own length: `packing::row`).
+    pub(crate) fn tokens(
+        &self,
+        width: usize,
+        seq: usize,
+        pad: u32,
+        inputs: &mut Vec<i64>,
+        targets: &mut Vec<i64>,
+        weights: &mut Vec<f32>,
+    ) {
         let len = self.ids.len().min(seq);
         let at = |p: usize| if p < len { self.ids[p] } else { pad } as i64;
-        for p in 0..seq {
+        for p in 0..width {
             inputs.push(at(p));
             targets.push(at(p + 1));
             weights.push(if p + 1 < len && self.scores(p + 1) {
@@ -189,8 +208,16 @@ impl Source {
                 examples,
                 name,
                 kind,
+                bins,
                 ..
-            } => format!("{name} ({} {kind})", examples.len()),
+            } => match bins {
+                None => format!("{name} ({} {kind})", examples.len()),
+                Some(b) => format!(
+                    "{name} ({} {kind}, packed into {} sequences)",
+                    examples.len(),
+                    b.len()
+                ),
+            },
             Source::Pairs { examples, name, .. } => {
                 let rows = examples.first().map_or(0, Vec::len);
                 if rows == 2 {
@@ -314,6 +341,10 @@ pub struct Batch {
     pub targets: Vec<i64>,
     /// Masked LM: 1.0 where the position was masked and is scored, `[rows, seq]`.
     pub weights: Vec<f32>,
+    /// Packed rows (`train.packing`): each token's position in its example, `[rows,
+    /// seq]`, restarting at 0 with each (transformers' `position_ids`); attention stays
+    /// within each example. `None`: positions `0..seq` in every row.
+    pub positions: Option<Vec<i64>>,
     /// Right-padded rows (contrastive pairs from a file): true for real
     /// tokens, `[rows, seq]`, as Hugging Face's `attention_mask`. `None`:
     /// every token is real (packed or synthetic sequences).
@@ -399,10 +430,11 @@ impl Batcher {
         let mut targets = Vec::new();
         let mut weights = Vec::new();
         let mut keep = None;
+        let mut positions = None;
         let base = self.rank * rows as u64;
         match self.loss {
             Loss::CausalLm if matches!(self.source, Source::Completions { .. }) => {
-                (targets, weights) = self.completions(step, micro, &mut inputs);
+                (targets, weights, positions) = self.completions(step, micro, &mut inputs);
             }
             Loss::CausalLm => {
                 for r in 0..rows {
@@ -481,52 +513,77 @@ impl Batcher {
             seq: s,
             targets,
             weights,
+            positions,
             keep,
             loss_weight,
         }
     }
 
-    /// A contrastive micro-batch from a pairs file: each anchor's rows in
-    /// the file's order (`[query, positives.., negatives..]`), right-padded;
-    /// returns the attention mask. A leftover row (odd micro-batch with
-    /// in-batch pairs) is padding, scored by nothing.
-    /// The example at `position` of the run's stream.
-    fn completion(&self, position: u64) -> &Completion {
-        let Source::Completions { examples, .. } = &self.source else {
+    /// What the row at `position` of the run's stream holds: its examples (one, or a
+    /// packed row's bin) in the order the row takes them.
+    fn row_examples(&self, position: u64) -> std::borrow::Cow<'_, [usize]> {
+        let Source::Completions { examples, bins, .. } = &self.source else {
             unreachable!("called for prompt-completion files only")
         };
-        &examples[order::example(position, examples.len() as u64, self.seed)]
+        match bins {
+            Some(bins) => bins[order::example(position, bins.len() as u64, self.seed)][..].into(),
+            None => vec![order::example(position, examples.len() as u64, self.seed)].into(),
+        }
     }
 
-    /// Prompt-completion rows (`Completion::row`). Padding needs no mask: causal
-    /// attention never shows a real position the pads after it. Returns the targets and
-    /// weights.
-    fn completions(&self, step: u64, micro: u64, inputs: &mut Vec<i64>) -> (Vec<i64>, Vec<f32>) {
-        let Source::Completions { pad, .. } = &self.source else {
+    /// Prompt-completion rows (`Completion::row`, or `packing::row` for packed rows, which
+    /// also gives each token's position). Padding needs no mask: causal attention never
+    /// shows a real position the pads after it. Returns the targets, weights and positions.
+    #[allow(clippy::type_complexity)]
+    fn completions(
+        &self,
+        step: u64,
+        micro: u64,
+        inputs: &mut Vec<i64>,
+    ) -> (Vec<i64>, Vec<f32>, Option<Vec<i64>>) {
+        let Source::Completions {
+            examples,
+            pad,
+            bins,
+            ..
+        } = &self.source
+        else {
             unreachable!("called for prompt-completion files only")
         };
         let (rows, s) = (self.rows(), self.seq);
         let (mut targets, mut weights) =
             (Vec::with_capacity(rows * s), Vec::with_capacity(rows * s));
+        let mut positions = bins.as_ref().map(|_| Vec::with_capacity(rows * s));
         for i in 0..rows {
-            self.completion(self.position(step, micro, i)).row(
-                s,
-                *pad,
-                inputs,
-                &mut targets,
-                &mut weights,
-            );
+            let row = self.row_examples(self.position(step, micro, i));
+            match &mut positions {
+                Some(p) => packing::row(
+                    examples,
+                    &row,
+                    s,
+                    *pad,
+                    inputs,
+                    &mut targets,
+                    &mut weights,
+                    p,
+                ),
+                None => examples[row[0]].row(s, *pad, inputs, &mut targets, &mut weights),
+            }
         }
-        (targets, weights)
+        (targets, weights, positions)
     }
 
     /// Scored positions of step `step` over its micro-batches and every rank's rows.
     fn scored_in_step(&self, step: u64) -> usize {
+        let Source::Completions { examples, .. } = &self.source else {
+            unreachable!("called for prompt-completion files only")
+        };
         let per_rank = self.examples_per_rank() as u64;
         let per_step = self.grad_accum.max(1) * self.ranks.max(1) * per_rank;
         let first = step * per_step;
         (first..first + per_step)
-            .map(|p| self.completion(p).scored(self.seq))
+            .flat_map(|p| self.row_examples(p).into_owned())
+            .map(|e| examples[e].scored(self.seq))
             .sum()
     }
 
@@ -643,6 +700,7 @@ mod tests {
             negatives: 0,
             batch_examples,
             assistant_only: false,
+            packing: false,
         }
     }
 

@@ -176,6 +176,22 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
             ),
         ));
     }
+    if spec.train.packing {
+        let mask = if profile.burn_ops {
+            "each micro-batch adds its [micro_batch, 1, seq, seq] document mask in the compute dtype, with the tokens' positions and the RoPE rows gathered at them"
+        } else if spec.train.attention == crate::spec::Attention::Flash {
+            "flash-attention takes the documents as sequences of their own lengths: no mask"
+        } else {
+            "transformers reads the documents from the position ids and gives attention their [batch, 1, seq, seq] mask"
+        };
+        log.push(Decision::new(
+            "given",
+            "packing = true",
+            format!(
+                "whole examples binned into each sequence (best-fit decreasing), attending only to themselves, positions restarting at each; {mask}"
+            ),
+        ));
+    }
     let gpu = &spec.hardware.gpu;
     if p.compute == crate::spec::Dtype::Bf16 && !gpu.bf16_tensor_cores {
         log.push(Decision::new(

@@ -945,7 +945,12 @@ impl<'a> Builder<'a> {
         // fewer than the window), which SDPA turns into an additive one that the
         // memory-efficient kernel keeps for its backward; with a mask, k and v are repeated
         // to every head (`use_gqa_in_sdpa` is false).
-        let windowed = !self.profile.burn_ops && m.numerics.sliding_window.is_some_and(|w| s >= w);
+        // Packed sequences (`train.packing`) make the same kind of mask: transformers finds
+        // the documents in the position ids and hands SDPA their block-diagonal causal mask
+        // (flash-attention 2 takes them as variable-length sequences instead).
+        let packed = self.spec.train.packing && self.spec.train.attention != Attention::Flash;
+        let windowed =
+            !self.profile.burn_ops && (m.numerics.sliding_window.is_some_and(|w| s >= w) || packed);
         let gqa_without_repeat = self.profile.gqa_without_repeat && !windowed;
         let fused = self.profile.fused_attention
             && self.spec.train.attention != Attention::Eager

@@ -222,12 +222,20 @@ pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u6
 /// masks the future itself), the additive causal bias `[seq, seq]`. Measured on CUDA: the 17
 /// MiB (two sets, before the executor shared one) by which QLoRA at 2,048 tokens was over
 /// its prediction through the whole step (docs/burn-h100.md, "2026-11-27").
-pub fn burn_context_bytes(spec: &Spec, profile: &Profile) -> u64 {
-    burn_context_tensors(spec, profile).iter().sum()
+///
+/// With `train.packing` each micro-batch has its own bias too (`Ctx::with_documents`):
+/// `[micro_batch, 1, seq, seq]`, every document causal within itself, with the position of
+/// each token (`[micro_batch · seq]` ids, 4 bytes on CUDA) and the RoPE rows gathered at
+/// those positions (`[micro_batch · seq, ..]`), all alive through the micro-batch's forward
+/// and backward.
+pub fn burn_context_bytes(spec: &Spec, profile: &Profile, micro_batch: u64) -> u64 {
+    burn_context_tensors(spec, profile, micro_batch)
+        .iter()
+        .sum()
 }
 
 /// The tensors of [`burn_context_bytes`], each its own allocation (cosines, sines, bias).
-pub fn burn_context_tensors(spec: &Spec, profile: &Profile) -> Vec<u64> {
+pub fn burn_context_tensors(spec: &Spec, profile: &Profile, micro_batch: u64) -> Vec<u64> {
     use crate::spec::{Arch, Attention, Positions};
     if !profile.burn_ops {
         return Vec::new();
@@ -240,20 +248,30 @@ pub fn burn_context_tensors(spec: &Spec, profile: &Profile) -> Vec<u64> {
             .min(4.0);
         profile.allocated((elems as f64 * b).ceil() as u64)
     };
+    let packed = spec.train.packing && m.arch == Arch::Decoder;
+    let tokens = micro_batch.max(1) * seq;
     let mut out = Vec::new();
     if m.positions == Positions::Rope {
-        match m.numerics.rotary_dims.filter(|&r| r != m.head_dim) {
-            None => out.extend([bytes(seq * (m.head_dim / 2)), bytes(seq * m.head_dim)]),
-            // Part of each head rotated: whole-head tables and the swap index (i32).
-            Some(_) => out.extend([
-                bytes(seq * m.head_dim),
-                bytes(seq * m.head_dim),
-                profile.allocated(m.head_dim * 4),
-            ]),
+        let rows: &[u64] = if packed { &[seq, tokens] } else { &[seq] };
+        for &n in rows {
+            match m.numerics.rotary_dims.filter(|&r| r != m.head_dim) {
+                None => out.extend([bytes(n * (m.head_dim / 2)), bytes(n * m.head_dim)]),
+                // Part of each head rotated: whole-head tables (and, once, the swap index).
+                Some(_) => out.extend([bytes(n * m.head_dim), bytes(n * m.head_dim)]),
+            }
         }
+        if m.numerics.rotary_dims.is_some_and(|r| r != m.head_dim) {
+            out.push(profile.allocated(m.head_dim * 4));
+        }
+    }
+    if packed {
+        out.push(profile.allocated(tokens * 4));
     }
     if m.arch == Arch::Decoder && spec.train.attention != Attention::Flash {
         out.push(bytes(seq * seq));
+        if packed {
+            out.push(bytes(tokens * seq));
+        }
     }
     out
 }
@@ -1114,19 +1132,41 @@ mod tests {
         s.train.attention = Attention::Eager;
         let rope = burn.allocated(128 * 32 * 2) + burn.allocated(128 * 64 * 2);
         assert_eq!(
-            burn_context_bytes(&s, &burn),
+            burn_context_bytes(&s, &burn, 1),
             burn.allocated(128 * 128 * 2) + rope
         );
         s.train.attention = Attention::Flash;
-        assert_eq!(burn_context_bytes(&s, &burn), rope);
+        assert_eq!(burn_context_bytes(&s, &burn, 1), rope);
         // Phi-4-mini's partial rotation: whole-head cosines too, and the swap index.
         let mut partial = s.clone();
         partial.model.numerics.rotary_dims = Some(48);
         assert_eq!(
-            burn_context_bytes(&partial, &burn),
+            burn_context_bytes(&partial, &burn, 1),
             2 * burn.allocated(128 * 64 * 2) + burn.allocated(64 * 4)
         );
         let pytorch = Profile::for_target(Target::Pytorch);
-        assert_eq!(burn_context_bytes(&s, &pytorch), 0);
+        assert_eq!(burn_context_bytes(&s, &pytorch, 1), 0);
+    }
+
+    /// Packed sequences: each micro-batch's `[b, 1, seq, seq]` mask beside the run's causal
+    /// bias, with the token positions and the RoPE rows gathered at them.
+    #[test]
+    fn packing_charges_a_mask_per_sequence_of_the_micro_batch() {
+        use crate::spec::{Attention, Target};
+        let burn = Profile::for_target(Target::Burn);
+        let mut s = spec("burn", "bf16", 0);
+        s.train.attention = Attention::Eager;
+        s.train.packing = true;
+        let rope = |n: u64| burn.allocated(n * 32 * 2) + burn.allocated(n * 64 * 2);
+        let b = 3;
+        assert_eq!(
+            burn_context_bytes(&s, &burn, b),
+            burn.allocated(b * 128 * 128 * 2)
+                + burn.allocated(128 * 128 * 2)
+                + rope(128)
+                + rope(b * 128)
+                + burn.allocated(b * 128 * 4)
+        );
+        assert!(burn_context_bytes(&s, &burn, 4) > burn_context_bytes(&s, &burn, 3));
     }
 }

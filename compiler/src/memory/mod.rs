@@ -419,7 +419,8 @@ fn evaluate_stage(
         }
     }
     persistent.fixed[Category::Workspace as usize] = profile.workspace_bytes;
-    persistent.fixed[Category::Activations as usize] += engines::burn_context_bytes(spec, profile);
+    persistent.fixed[Category::Activations as usize] +=
+        engines::burn_context_bytes(spec, profile, cand.micro_batch);
     let trainable_values: Vec<u64> = trainable.iter().map(|(_, n)| *n).collect();
     let grad_buffer = engines::contiguous_grad_bytes(spec, profile, trainable_values.iter().sum())
         .or_else(|| {

@@ -544,6 +544,33 @@ fn layer_params_count_biases_and_qk_norms() {
     }
 }
 
+/// Packed sequences under SDPA: transformers gives it the documents' `[b, 1, s, s]` mask,
+/// as a sliding window within the sequence does (the mask kept, k and v repeated);
+/// flash-attention 2 takes them as variable-length sequences and keeps nothing more.
+#[test]
+fn packing_under_sdpa_keeps_the_documents_mask_and_flash_does_not() {
+    let base = SpecBuilder::new()
+        .precision(Dtype::Bf16, Dtype::Bf16, Some(Dtype::Fp32))
+        .build();
+    let mut window = base.clone();
+    window.model.numerics.sliding_window = Some(base.train.seq_len);
+    let mut packed = base.clone();
+    packed.train.packing = true;
+    assert!(saved_at_forward_end(&packed, &cand()) > saved_at_forward_end(&base, &cand()));
+    assert_eq!(
+        saved_at_forward_end(&packed, &cand()),
+        saved_at_forward_end(&window, &cand())
+    );
+    let mut flash = base.clone();
+    flash.train.attention = crate::spec::Attention::Flash;
+    let mut packed_flash = flash.clone();
+    packed_flash.train.packing = true;
+    assert_eq!(
+        saved_at_forward_end(&packed_flash, &cand()),
+        saved_at_forward_end(&flash, &cand())
+    );
+}
+
 /// Mistral v0.1's sliding window as long as the sequence: SDPA gets a `[b, 1, s, s]`
 /// mask, keeps its additive copy for the backward and repeats k and v to every head; a
 /// longer window changes nothing.

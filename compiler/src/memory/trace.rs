@@ -103,7 +103,7 @@ pub fn run_trace(
     if profile.workspace_bytes > 0 {
         t.alloc(profile.workspace_bytes, false);
     }
-    for bytes in engines::burn_context_tensors(spec, profile) {
+    for bytes in engines::burn_context_tensors(spec, profile, cand.micro_batch) {
         t.alloc(bytes, false);
     }
     // Moments per parameter: Adam's two, one otherwise.

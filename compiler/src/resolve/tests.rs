@@ -941,6 +941,24 @@ fn assistant_only_loss_key_is_a_boolean_for_causal_lm_only() {
 }
 
 #[test]
+fn packing_key_is_a_boolean_for_causal_lm_only() {
+    let plan = |v: &str, loss: &str| {
+        format!("model \"llama-3.1-8b\"\nhardware {{ gpu = h100-80gb }}\ntrain {{ seq_len = 2048 global_batch = 8 {loss} packing = {v} }}\n")
+    };
+    assert!(!ok(BASE).train.packing);
+    assert!(ok(&plan("true", "")).train.packing);
+    assert!(!ok(&plan("false", "loss = causal_lm")).train.packing);
+    let src = plan("1", "");
+    let e = one(&src, "rcoa::wrong_kind");
+    assert_eq!(text_at(&src, &e), "1");
+    let src = plan("true", "loss = masked_lm");
+    let e = one(&src, "rcoa::not_applicable");
+    assert_eq!(text_at(&src, &e), "true");
+    let help = format!("{:?}", miette::Report::new(e.clone()));
+    assert!(help.contains("bins whole examples"), "{help}");
+}
+
+#[test]
 fn target_names_every_engine_and_sets_its_optimizer_default() {
     use crate::spec::OptImpl;
     for t in Target::ALL {

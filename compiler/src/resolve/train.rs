@@ -7,7 +7,9 @@
 //! `negatives` (texts per anchor) default to 0 and apply only to
 //! `loss = contrastive`. `chunked_loss` (a boolean) turns the chunked LM loss
 //! on or off; unset, the engine's default holds. `assistant_only_loss` (a boolean,
-//! `causal_lm` only) scores only the assistant's tokens of chat conversations. The batch arithmetic against the parallel degrees is
+//! `causal_lm` only) scores only the assistant's tokens of chat conversations; `packing`
+//! (a boolean, `causal_lm` only) bins whole examples into each sequence with attention
+//! kept within each. The batch arithmetic against the parallel degrees is
 //! checked in [`super::constraints`].
 
 use super::problem::{Inapplicable, NameKind, Problem};
@@ -27,6 +29,7 @@ pub(crate) const KEYS: &[&str] = &[
     "negatives",
     "chunked_loss",
     "assistant_only_loss",
+    "packing",
 ];
 
 const ATTENTION: &[(&str, Attention)] = &[
@@ -89,6 +92,9 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
     let assistant_only_loss = f.get("assistant_only_loss").map_or(Some(false), |v| {
         values::boolean(cx, v, "assistant_only_loss")
     });
+    let packing = f
+        .get("packing")
+        .map_or(Some(false), |v| values::boolean(cx, v, "packing"));
 
     // Without a written loss and without a resolved model, the default is unknown.
     let loss = match loss {
@@ -110,12 +116,14 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
         }
     }
     if loss.is_some_and(|l| l != Loss::CausalLm) {
-        if let Some(span) = f.span("assistant_only_loss") {
-            cx.report(Problem::NotApplicable {
-                key: "assistant_only_loss",
-                because: Inapplicable::NeedsCausalLm,
-                span,
-            });
+        for key in ["assistant_only_loss", "packing"] {
+            if let Some(span) = f.span(key) {
+                cx.report(Problem::NotApplicable {
+                    key,
+                    because: Inapplicable::NeedsCausalLm,
+                    span,
+                });
+            }
         }
     }
     if !cx.clean_since(mark) {
@@ -139,5 +147,6 @@ pub(super) fn resolve(cx: &mut Cx, s: &Section, arch: Option<Arch>) -> Option<Tr
             None => None,
         },
         assistant_only_loss: assistant_only_loss?,
+        packing: packing?,
     })
 }

@@ -530,7 +530,12 @@ pub(crate) fn word(p: Problem) -> ResolveError {
                 ),
                 Inapplicable::NeedsCausalLm => (
                     format!("`{key}` applies only to `loss = causal_lm`"),
-                    "it picks the assistant's tokens of chat conversations for a causal LM's loss; remove it, or train with `loss = causal_lm`".to_string(),
+                    if key == "packing" {
+                        "it bins whole examples into a causal LM's sequences; remove it, or train with `loss = causal_lm`"
+                    } else {
+                        "it picks the assistant's tokens of chat conversations for a causal LM's loss; remove it, or train with `loss = causal_lm`"
+                    }
+                    .to_string(),
                 ),
                 Inapplicable::BaseNeedsQlora => (
                     format!("`{key}` applies only to `adapter qlora`"),
