@@ -513,8 +513,8 @@ fn a_sliding_window_evaluates_as_transformers_under_every_attention() {
 /// themselves, with positions restarting at each. `rcoa eval` gives the loss of the
 /// examples one per row (for the llama fixture's examples, transformers' own) under
 /// RoPE (llama), learned positions (gpt2) and a sliding window (mistral-window), with the
-/// eager and the selective attention; `rcoa run` trains on fewer, fuller rows; JSONL
-/// documents pack whole too; the fused attention is refused with what to write instead.
+/// eager, selective and fused attention; `rcoa run` trains on fewer, fuller rows; JSONL
+/// documents pack whole too.
 #[test]
 fn packed_examples_score_as_they_do_one_per_row() {
     let dir = std::env::temp_dir().join(format!("rcoa-cli-packing-{}", std::process::id()));
@@ -548,6 +548,7 @@ fn packed_examples_score_as_they_do_one_per_row() {
             "packed-selective",
             "packing = true | fit { checkpoint = selective }",
         ),
+        ("packed-flash", "packing = true attention = flash"),
     ] {
         let got = eval(&write(name, "llama", extra), sft);
         assert!(
@@ -557,11 +558,20 @@ fn packed_examples_score_as_they_do_one_per_row() {
     }
     for fixture in ["gpt2", "mistral-window"] {
         let alone = eval(&write(&format!("{fixture}-rows"), fixture, ""), sft);
-        let packed = eval(&write(fixture, fixture, "packing = true"), sft);
-        assert!(
-            (packed - alone).abs() < 1e-5,
-            "{fixture}: packed {packed} vs one per row {alone}"
-        );
+        for attention in ["sdpa", "flash"] {
+            let packed = eval(
+                &write(
+                    &format!("{fixture}-{attention}"),
+                    fixture,
+                    &format!("packing = true attention = {attention}"),
+                ),
+                sft,
+            );
+            assert!(
+                (packed - alone).abs() < 1e-5,
+                "{fixture} {attention}: packed {packed} vs one per row {alone}"
+            );
+        }
     }
 
     // Training at 64 tokens: the 6 examples pack into fewer sequences, and the loss falls.
@@ -608,14 +618,19 @@ fn packed_examples_score_as_they_do_one_per_row() {
         "12 documents, packed into 8 sequences",
     );
 
-    // The fused attention masks one window per row: refused at compile time.
-    let flash = write("flash", "llama", "packing = true attention = flash");
-    let out = rcoa(&["eval", &s(&flash), "--data", sft]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
-    let err = text(&out.stderr);
-    assert!(
-        err.contains("`packing = true`") && err.contains("attention = sdpa"),
-        "{err}"
-    );
+    // Under the fused attention too.
+    let flash = write("train-flash", "llama", "packing = true attention = flash");
+    let out = rcoa(&[
+        "run",
+        &s(&flash),
+        "--data",
+        sft,
+        "--steps",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(step_losses(&json_lines(&out)).iter().all(|l| l.is_finite()));
     let _ = std::fs::remove_dir_all(&dir);
 }

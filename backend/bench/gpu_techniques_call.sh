@@ -15,7 +15,9 @@
 #   10. The fixtures on CUDA, fp32: prompt-completion rows (llama-sft.plan), partial rotary
 #       with LongRoPE (phi3-longrope) and a sliding window past its length (mistral-window,
 #       eager and with the fused kernels' window: `Rows`, as the fixtures are fp32), 4 steps each, with --eval on the fixture's eval.jsonl, whose loss before the first
-#       step is the CPU's and transformers' (reference.json's eval.loss).
+#       step is the CPU's and transformers' (reference.json's eval.loss); and the prompt-completion
+#       rows packed (`packing = true`), eager and fused (the kernels' documents, `Rows` in fp32),
+#       whose eval before training is transformers' unpacked loss.
 #   11. Head dim 96 (llama125m_head96.plan, eager and flash, 6 steps each): the peak
 #       against the prediction where CubeCL pads Burn's `[..., 96]` rows to 128 values.
 #   12. Flash against eager over a whole run: llama125m_base.plan with `attention = flash`
@@ -82,6 +84,15 @@ if [ "$DEVICE" = cuda ]; then
 fi
 job sft 4 tests/fixtures/eval/llama-sft.plan --data tests/fixtures/hf/llama/sft.jsonl \
   --eval tests/fixtures/hf/llama/sft.jsonl
+# The same examples packed (`train { packing = true }`), eager and fused: the eval before the
+# first step is still transformers' unpacked loss.
+for attention in sdpa flash; do
+  sed -e "s|\"../hf/llama\"|\"$PWD/tests/fixtures/hf/llama\"|" \
+    -e "s|^train {|train {\n  packing = true\n  attention = $attention|" \
+    tests/fixtures/eval/llama-sft.plan > /tmp/gpu-sft-packed-$attention.plan
+  job "sft-packed--$attention" 4 /tmp/gpu-sft-packed-$attention.plan \
+    --data tests/fixtures/hf/llama/sft.jsonl --eval tests/fixtures/hf/llama/sft.jsonl
+done
 fixture_job phi3-longrope
 fixture_job mistral-window
 fixture_job mistral-window flash
@@ -124,7 +135,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     if evals:
         # What transformers computed on the CPU for the untrained fixture (the first eval).
         # (`fixture-NAME--ATTENTION`: the fixture NAME under another attention.)
-        ref = {"sft": "llama/sft_reference.json"}.get(name) or (
+        ref = {"sft": "llama/sft_reference.json"}.get(name.split("--")[0].replace("-packed", "")) or (
             name.startswith("fixture-") and name[len("fixture-"):].split("--")[0] + "/reference.json")
         want = None
         if ref:

@@ -188,6 +188,7 @@ mod bench {
                 d_o: &random(q_len, 4),
                 key_bias: None,
                 dropout_seed: None,
+                spans: None,
             },
         );
         let dtype = E::as_type_native_unchecked().storage_type();
@@ -214,6 +215,7 @@ mod bench {
                 causal,
                 window: 0,
                 padding: false,
+                documents: false,
                 scale: 1.0 / (dims.head_dim as f32).sqrt(),
                 dtype,
                 kernels,

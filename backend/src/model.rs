@@ -162,9 +162,13 @@ pub struct Ctx<B: Backend> {
     pub padding: Option<Tensor<B, 4>>,
     /// Packed rows (`train.packing`, [`Ctx::with_documents`]): each token's position in
     /// its example, `[rows · seq]`, which learned positions read; RoPE's tables are then
-    /// gathered at them (`RopeTables::tokens`) and `bias` keeps attention within each
-    /// example. `None`: positions `0..seq` in every row.
+    /// gathered at them (`RopeTables::tokens`) and `bias` (eager paths) or `spans` (the
+    /// fused attention) keeps attention within each example. `None`: positions `0..seq`
+    /// in every row.
     pub positions: Option<Tensor<B, 1, Int>>,
+    /// Packed rows under the fused attention: `[rows, seq, 2]` each token's example as
+    /// `[start, end)` in its row, which the kernels mask by (`FlashMask::documents`).
+    pub spans: Option<Tensor<B, 3, Int>>,
     /// `checkpoint = selective`: the attention core is one node that keeps
     /// q, k, v and recomputes the scores and probabilities in the backward
     /// (`ops::attention_core`), instead of keeping the `[b, h, s, s]`
@@ -225,6 +229,7 @@ impl<B: Backend> Ctx<B> {
             bias,
             padding: None,
             positions: None,
+            spans: None,
             selective: false,
             flash,
         }
@@ -262,6 +267,7 @@ impl<B: Backend> Ctx<B> {
             bias: self.bias.clone().map(|b| b.inner()),
             padding: self.padding.clone().map(|p| p.inner()),
             positions: self.positions.clone().map(|p| p.inner()),
+            spans: self.spans.clone().map(|p| p.inner()),
             selective: self.selective,
             flash: self.flash,
         }
@@ -289,10 +295,10 @@ impl<B: Backend> Ctx<B> {
     /// This context for one batch of packed rows (`train.packing`): `positions[row · seq +
     /// p]` is token `p`'s position in its example, and an example starts where a position
     /// is not its predecessor's plus one (`data::packing::documents`). Learned positions
-    /// and RoPE read each token's position, and a `[rows, 1, seq, seq]` bias keeps each
-    /// query to the keys of its own example (causal, and within a sliding window), so each
-    /// example's outputs are those it has alone. The fused attention masks one window per
-    /// row and cannot take it (the compiler refuses the pair for `target burn`).
+    /// and RoPE read each token's position, and each query sees only the keys of its own
+    /// example (causal, and within a sliding window), so each example's outputs are those
+    /// it has alone: the eager paths by a `[rows, 1, seq, seq]` bias, the fused attention
+    /// by each token's `[start, end)` (`spans`), which its kernels mask by.
     pub fn with_documents(
         &self,
         positions: &[i64],
@@ -301,10 +307,6 @@ impl<B: Backend> Ctx<B> {
         device: &B::Device,
     ) -> Self {
         assert_eq!(positions.len(), rows * seq, "one position per token");
-        assert!(
-            !self.flash,
-            "packed rows need the eager or selective attention (`executed::packed_flash`)"
-        );
         let ints = |v: Vec<i64>| {
             let data = burn::tensor::TensorData::new(v, [rows * seq]).convert::<B::IntElem>();
             Tensor::<B, 1, Int>::from_data(data, device)
@@ -317,6 +319,13 @@ impl<B: Backend> Ctx<B> {
             swap: t.swap.clone(),
             tokens: true,
         });
+        ctx.positions = Some(pos);
+        if self.flash {
+            let spans = crate::data::packing::spans(positions, seq);
+            let data = burn::tensor::TensorData::new(spans, [rows, seq, 2]).convert::<B::IntElem>();
+            ctx.spans = Some(Tensor::from_data(data, device));
+            return ctx;
+        }
         let shape = [rows, 1, seq, seq];
         let docs = ints(crate::data::packing::documents(positions, seq));
         let (q, k) = (
@@ -333,7 +342,6 @@ impl<B: Backend> Ctx<B> {
         }
         let zeros = Tensor::<B, 4>::zeros(shape, (device, self.compute.into()));
         ctx.bias = Some(zeros.mask_fill(masked, MASK_VALUE));
-        ctx.positions = Some(pos);
         ctx
     }
 }
@@ -710,6 +718,7 @@ impl<B: ExecBackend> Attention<B> {
                 causal: ctx.causal,
                 window: ctx.window,
                 key_bias: ctx.padding.as_ref().map(|p| p.clone().reshape([b, s])),
+                documents: ctx.spans.clone(),
                 // A seed, not a mask: the kernels hash it with each score's place.
                 dropout: (ctx.train && ctx.attention_dropout > 0.0)
                     .then(|| FlashDropout::draw(ctx.attention_dropout, &q.device())),

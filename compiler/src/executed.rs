@@ -12,8 +12,8 @@
 use crate::compile::CompileError;
 use crate::lowered::LoweredPlan;
 use crate::spec::{
-    Attention, CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind,
-    OptimizerSpec, Positions, PrecisionSpec, RopeScaling, Spec, Target, TrainSpec,
+    CheckpointChoice, Dtype, Mlp, ModelSpec, OffloadWhat, OptImpl, OptimizerKind, OptimizerSpec,
+    Positions, PrecisionSpec, RopeScaling, Spec, Target,
 };
 
 /// `Err` naming the first setup of `spec` that `rcoa run` does not execute, when the plan
@@ -47,25 +47,7 @@ fn refusal(spec: &Spec) -> Option<(String, String)> {
             return Some(r);
         }
     }
-    if let Some(r) = packed_flash(&spec.train) {
-        return Some(r);
-    }
     scheduled(spec.parallel.virtual_stages)
-}
-
-/// Packed sequences under the fused attention: rcoa's kernels mask one causal window per
-/// batch, not each document's own start; the eager and selective paths mask per document.
-fn packed_flash(t: &TrainSpec) -> Option<(String, String)> {
-    (t.packing && t.attention == Attention::Flash).then(|| {
-        (
-            "`attention = flash` with `packing = true` (its kernels keep each query to one causal \
-             window of the whole row, not to its own document)"
-                .into(),
-            "write `attention = sdpa` (the eager path with each micro-batch's document mask), \
-             or drop `packing` to train one example per row"
-                .into(),
-        )
-    })
 }
 
 /// Adam-mini over LoRA's factors: its blocks are a model's heads, neurons and tokens
@@ -228,7 +210,6 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
     let refusal = carried(&plan.model, &plan.optimizer, &plan.precision, selective_op)
         .or_else(|| partitioned(&plan.optimizer, plan.adapter.is_some()))
         .or_else(|| in_backward_lowered(plan))
-        .or_else(|| packed_flash(&plan.train))
         .or_else(|| scheduled(r.virtual_stages));
     match refusal {
         None => Ok(()),
@@ -242,7 +223,7 @@ pub fn check_lowered(plan: &LoweredPlan) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Biases, Norm};
+    use crate::spec::{Attention, Biases, Norm};
     use crate::testing::SpecBuilder;
 
     fn burn() -> Spec {
@@ -256,26 +237,6 @@ mod tests {
             Err(CompileError::NotExecuted { what, help }) => format!("{what} | {help}"),
             other => panic!("expected a refusal, got {other:?}"),
         }
-    }
-
-    /// Packing runs on the eager and selective paths, which mask each document; the fused
-    /// kernels do not, so the plan is refused before any pass (and predicted for PyTorch).
-    #[test]
-    fn burn_refuses_packing_under_the_fused_attention_only() {
-        let mut s = burn();
-        s.train.packing = true;
-        for a in [Attention::Sdpa, Attention::Eager] {
-            s.train.attention = a;
-            assert_eq!(check(&s), Ok(()), "{a:?}");
-        }
-        s.train.attention = Attention::Flash;
-        let r = refused(&s);
-        assert!(
-            r.contains("`packing = true`") && r.contains("attention = sdpa"),
-            "{r}"
-        );
-        s.target = Target::Pytorch;
-        assert_eq!(check(&s), Ok(()));
     }
 
     #[test]

@@ -104,6 +104,29 @@ pub fn documents(positions: &[i64], seq: usize) -> Vec<i64> {
     out
 }
 
+/// Each token's document in its row as `[start, end)`, `[rows, seq, 2]` flattened, from
+/// the positions of `[rows, seq]` tokens ([`documents`]): what the fused attention's
+/// kernels mask by.
+pub fn spans(positions: &[i64], seq: usize) -> Vec<i64> {
+    let docs = documents(positions, seq);
+    let mut out = Vec::with_capacity(2 * positions.len());
+    for row in docs.chunks(seq) {
+        let mut start = 0;
+        while start < row.len() {
+            let end = start
+                + row[start..]
+                    .iter()
+                    .take_while(|&&d| d == row[start])
+                    .count();
+            for _ in start..end {
+                out.extend([start as i64, end as i64]);
+            }
+            start = end;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +174,15 @@ mod tests {
         assert_eq!(
             documents(&positions, 8),
             [0, 0, 0, 1, 1, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn spans_are_each_token_s_document() {
+        let positions = [0, 1, 2, 0, 1, 0, /* row 2 */ 0, 1, 2, 3, 4, 5];
+        assert_eq!(
+            spans(&positions, 6),
+            [0, 3, 0, 3, 0, 3, 3, 5, 3, 5, 5, 6, 0, 6, 0, 6, 0, 6, 0, 6, 0, 6, 0, 6]
         );
     }
 

@@ -1,6 +1,7 @@
 //! Packed rows (`train.packing`): a row of several examples gives each example the hidden
 //! states and the gradients it gives alone, under RoPE (whole heads and part of each),
-//! learned positions, a sliding window, and the eager and selective attention.
+//! learned positions, a sliding window, and the eager, selective and fused attention (the
+//! last on the CPU's blocked path; its kernels are tested in `kernels::flash`).
 
 use super::serial;
 use crate::model::{Ctx, Model, ModelInit};
@@ -24,8 +25,12 @@ fn packed_and_alone(
     spec: &ModelSpec,
     docs: &[&[i64]],
     seq: usize,
-    selective: bool,
+    attention: Attention,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (selective, flash) = (
+        attention == Attention::Selective,
+        attention == Attention::Flash,
+    );
     let device = Default::default();
     let init = ModelInit {
         model: spec,
@@ -53,14 +58,14 @@ fn packed_and_alone(
         (v, g.into_data().to_vec::<f32>().unwrap())
     };
 
-    let mut ctx = Ctx::<Ad>::new(spec, None, seq, FloatDType::F32, false, &device);
+    let mut ctx = Ctx::<Ad>::new(spec, None, seq, FloatDType::F32, flash, &device);
     ctx.selective = selective;
     let packed_ctx = ctx.with_documents(&positions, 1, seq, &device);
     let (packed, packed_grad) = grad_of(model.hidden(tokens(&ids, 1), &packed_ctx), real);
 
     let (mut alone, mut alone_grad) = (Vec::new(), vec![0f32; packed_grad.len()]);
     for doc in docs {
-        let mut ctx = Ctx::<Ad>::new(spec, None, doc.len(), FloatDType::F32, false, &device);
+        let mut ctx = Ctx::<Ad>::new(spec, None, doc.len(), FloatDType::F32, flash, &device);
         ctx.selective = selective;
         let (v, g) = grad_of(model.hidden(tokens(doc, 1), &ctx), doc.len());
         alone.extend(v);
@@ -85,11 +90,18 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 
 const DOCS: [&[i64]; 3] = [&[5, 9, 2, 7, 3], &[11, 4, 8, 6], &[13, 12]];
 
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Attention {
+    Eager,
+    Selective,
+    Flash,
+}
+
 fn check(spec: &ModelSpec, what: &str) {
     let _g = serial();
-    for selective in [false, true] {
-        let (p, a, pg, ag) = packed_and_alone(spec, &DOCS, 14, selective);
-        let what = format!("{what}, selective {selective}");
+    for attention in [Attention::Eager, Attention::Selective, Attention::Flash] {
+        let (p, a, pg, ag) = packed_and_alone(spec, &DOCS, 14, attention);
+        let what = format!("{what}, {attention:?}");
         assert_close(&p, &a, &format!("{what}: states"));
         assert_close(&pg, &ag, &format!("{what}: token table gradient"));
     }

@@ -177,7 +177,9 @@ pub fn record_given(spec: &Spec, profile: &Profile, log: &mut Vec<Decision>) {
         ));
     }
     if spec.train.packing {
-        let mask = if profile.burn_ops {
+        let mask = if profile.burn_ops && spec.train.attention == crate::spec::Attention::Flash {
+            "the fused kernels read each token's document span and skip the key blocks of other documents; each micro-batch adds the spans, the tokens' positions and the RoPE rows gathered at them"
+        } else if profile.burn_ops {
             "each micro-batch adds its [micro_batch, 1, seq, seq] document mask in the compute dtype, with the tokens' positions and the RoPE rows gathered at them"
         } else if spec.train.attention == crate::spec::Attention::Flash {
             "flash-attention takes the documents as sequences of their own lengths: no mask"

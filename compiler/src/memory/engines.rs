@@ -223,11 +223,12 @@ pub fn in_backward_step_shards(profile: &Profile, cand: &Candidate) -> Option<u6
 /// MiB (two sets, before the executor shared one) by which QLoRA at 2,048 tokens was over
 /// its prediction through the whole step (docs/burn-h100.md, "2026-11-27").
 ///
-/// With `train.packing` each micro-batch has its own bias too (`Ctx::with_documents`):
-/// `[micro_batch, 1, seq, seq]`, every document causal within itself, with the position of
-/// each token (`[micro_batch · seq]` ids, 4 bytes on CUDA) and the RoPE rows gathered at
-/// those positions (`[micro_batch · seq, ..]`), all alive through the micro-batch's forward
-/// and backward.
+/// With `train.packing` each micro-batch has the position of each token (`[micro_batch ·
+/// seq]` ids, 4 bytes on CUDA) and the RoPE rows gathered at them (`[micro_batch · seq,
+/// ..]`), and its documents' mask (`Ctx::with_documents`): for the eager paths its own
+/// bias, `[micro_batch, 1, seq, seq]`, every document causal within itself; for the fused
+/// attention each token's document as `[start, end)` (`[micro_batch, seq, 2]` ids), which
+/// its kernels mask by. All alive through the micro-batch's forward and backward.
 pub fn burn_context_bytes(spec: &Spec, profile: &Profile, micro_batch: u64) -> u64 {
     burn_context_tensors(spec, profile, micro_batch)
         .iter()
@@ -264,10 +265,14 @@ pub fn burn_context_tensors(spec: &Spec, profile: &Profile, micro_batch: u64) ->
             out.push(profile.allocated(m.head_dim * 4));
         }
     }
+    let flash = spec.train.attention == Attention::Flash;
     if packed {
         out.push(profile.allocated(tokens * 4));
+        if flash {
+            out.push(profile.allocated(tokens * 2 * 4));
+        }
     }
-    if m.arch == Arch::Decoder && spec.train.attention != Attention::Flash {
+    if m.arch == Arch::Decoder && !flash {
         out.push(bytes(seq * seq));
         if packed {
             out.push(bytes(tokens * seq));
@@ -1168,5 +1173,11 @@ mod tests {
                 + burn.allocated(b * 128 * 4)
         );
         assert!(burn_context_bytes(&s, &burn, 4) > burn_context_bytes(&s, &burn, 3));
+        // The fused attention: each token's document span instead of a mask.
+        s.train.attention = Attention::Flash;
+        assert_eq!(
+            burn_context_bytes(&s, &burn, b),
+            rope(128) + rope(b * 128) + burn.allocated(b * 128 * 4) + burn.allocated(b * 128 * 8)
+        );
     }
 }

@@ -64,6 +64,7 @@ pub fn forward<B: ExecBackend, C: CheckpointStrategy>(
         causal: mask.causal,
         window: mask.window,
         key_bias: mask.key_bias.as_ref().map(|t| t.clone().inner()),
+        documents: mask.documents.as_ref().map(|t| t.clone().inner()),
         dropout: mask.dropout.as_ref().map(|d| FlashDropout {
             p: d.p,
             seed: d.seed.clone().inner(),

@@ -17,8 +17,8 @@
 use cubecl::prelude::*;
 
 use super::tile::{
-    dropout_row, excluded, first_key_block, first_query_block, keep_factor, key_blocks, pad_bias,
-    query_blocks, row_dot, stage_rows, unroll_rows, MASKED,
+    document_first, document_last, dropout_row, excluded, first_key_block, first_query_block,
+    keep_factor, key_blocks, pad_bias, query_blocks, row_dot, stage_rows, unroll_rows, MASKED,
 };
 
 /// dK and dV for `block` key rows of one `(batch, kv head)`; unit `u` owns
@@ -42,6 +42,7 @@ pub fn flash_backward_kv<F: Float>(
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
     scale: f32,
@@ -53,6 +54,7 @@ pub fn flash_backward_kv<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -97,7 +99,10 @@ pub fn flash_backward_kv<F: Float>(
     // The block's query rows' dropout keys, hashed once per row, not per score.
     let mut keys = SharedMemory::<u32>::new(block);
 
-    let blocks = query_blocks(first, block, s, window);
+    // The last query of this key's document, and of the block's last key's.
+    let doc_hi = document_last(spans, bi, jr, s, documents);
+    let hi_last = document_last(spans, bi, min(first + block, t) - 1, s, documents);
+    let blocks = query_blocks(first, block, s, window, hi_last);
     let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     for g in 0..group {
@@ -129,9 +134,9 @@ pub fn flash_backward_kv<F: Float>(
 
             for il in 0..min(block, s - i0) {
                 let i = i0 + il;
-                // A query past the end, (causal) before this key, or (window) too
-                // far after it: no term.
-                let skip = i >= s || excluded(jr, i, t, causal, window);
+                // A query past the end, (causal) before this key, (window) too
+                // far after it, or (packed rows) past its document: no term.
+                let skip = i >= s || excluded(jr, i, t, causal, window, 0, doc_hi, documents);
                 if !skip {
                     let x = row_dot(&kr, &qs, il * head_dim, head_dim, unroll) * scale + bias;
                     let p = select(x > f32::new(MASKED), (x - ls[il]).exp(), f32::new(0.0));
@@ -175,6 +180,7 @@ pub fn flash_backward_q<F: Float>(
     lse: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
@@ -185,6 +191,7 @@ pub fn flash_backward_q<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -225,14 +232,18 @@ pub fn flash_backward_q<F: Float>(
     let mut vs = SharedMemory::<f32>::new(block * head_dim);
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
+    let doc_lo = document_first(spans, bi, r, documents);
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    for kb in
+        first_key_block(first, block, window, lo_first)..key_blocks(first, block, s, t, causal)
+    {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
         sync_cube();
         for jl in 0..min(block, t - j0) {
             let j = j0 + jl;
-            if !excluded(j, r, t, causal, window) {
+            if !excluded(j, r, t, causal, window, doc_lo, r, documents) {
                 let mut x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);

@@ -19,8 +19,9 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    copy_barrier, dropout_row, excluded, first_key_block, first_query_block, keep_factor,
-    key_blocks, pad_bias, query_blocks, stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
+    copy_barrier, document_first, document_last, dropout_row, excluded, first_key_block,
+    first_query_block, keep_factor, key_blocks, pad_bias, query_blocks, stage_tile,
+    stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// Adds rows `i0 ..` (those below `s`) of head `hi` of batch row `bi`
@@ -94,6 +95,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
     d_q_acc: &mut Tensor<Atomic<f32>>,
@@ -107,6 +109,7 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
@@ -167,7 +170,11 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    let blocks = query_blocks(first, block, s, window);
+    // The last query of this unit's key's document, and of the block's last key's
+    // (packed rows; s − 1 otherwise).
+    let doc_hi = document_last(spans, bi, jr, s, documents);
+    let hi_last = document_last(spans, bi, min(first + block, t) - 1, s, documents);
+    let blocks = query_blocks(first, block, s, window, hi_last);
     let start = first_query_block(first, block, s, causal);
     let group = group as usize;
     // With `async_copy`: K's, V's and q's copies complete on `q_ready`,
@@ -275,7 +282,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
             );
             sync_cube();
 
-            if unmasked(i0, first, block, s, t, causal, padding, window) {
+            let lo_last = document_first(spans, bi, min(i0 + block, s) - 1, documents);
+            if unmasked(i0, first, block, s, t, causal, padding, window, lo_last) {
                 for ic in 0..cols {
                     let il = c0s + ic;
                     let p = (work[row * s_ld + il] * scale - ls[il]).exp();
@@ -291,7 +299,8 @@ pub fn flash_backward_kv_blocks<F: Float, N: Size>(
                     // A query past the end, or (causal) before this key, or a
                     // key row past the end (it repeats key t − 1; one pass
                     // would add that key's term to dQ twice): no term.
-                    let skip = !live || i >= s || excluded(jr, i, t, causal, window);
+                    let skip =
+                        !live || i >= s || excluded(jr, i, t, causal, window, 0, doc_hi, documents);
                     let mut p = f32::new(0.0);
                     let mut ds = f32::new(0.0);
                     let mut z = f32::new(1.0);
@@ -402,6 +411,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
@@ -413,6 +423,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
@@ -482,7 +493,12 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
+    let doc_lo = document_first(spans, bi, r, documents);
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    let lo_last = document_first(spans, bi, min(first + block, s) - 1, documents);
+    for kb in
+        first_key_block(first, block, window, lo_first)..key_blocks(first, block, s, t, causal)
+    {
         let j0 = kb * block;
         stage_tile::<F, N>(k, &mut ks, kbase, j0, t, block, head_dim, hd_ld, units);
         stage_tile::<F, N>(v, &mut vs, vbase, j0, t, block, head_dim, hd_ld, units);
@@ -511,7 +527,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
         sync_cube();
 
         let n = min(block, t - j0);
-        if unmasked(first, j0, block, s, t, causal, padding, window) {
+        if unmasked(first, j0, block, s, t, causal, padding, window, lo_last) {
             for jc in 0..cols {
                 let jl = c0s + jc;
                 let p = (work[lr * s_ld + jl] * scale - lse_r).exp();
@@ -524,7 +540,7 @@ pub fn flash_backward_q_blocks<F: Float, N: Size>(
                 let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut ds = f32::new(0.0);
-                if jl < n && !excluded(j, r, t, causal, window) {
+                if jl < n && !excluded(j, r, t, causal, window, doc_lo, r, documents) {
                     let mut x = work[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);

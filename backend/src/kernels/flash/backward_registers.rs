@@ -36,8 +36,8 @@ use super::launch::{BackwardInputs, BackwardOutputs, FlashLaunch};
 use super::stream::{check_shared, commit, ready_barrier, stage_block, stage_value, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
 use super::tile::{
-    excluded, first_key_block, first_query_block, key_blocks, pad_bias, pad_bias_index,
-    query_blocks, stage_tile, stage_tile_at, staged_ld, unmasked,
+    document_first, document_last, excluded, first_key_block, first_query_block, key_blocks,
+    pad_bias, pad_bias_index, query_blocks, stage_tile, stage_tile_at, staged_ld, unmasked,
 };
 
 /// The largest head dim at which the key kernel holds K's and V's rows in registers beside
@@ -188,6 +188,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     lse: &Tensor<f32>,
     d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    spans: &Tensor<u32>,
     d_k: &mut Tensor<F>,
     d_v: &mut Tensor<F>,
     d_q_acc: &mut Tensor<Atomic<f32>>,
@@ -198,6 +199,7 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] windowed: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] one_pass: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
@@ -283,19 +285,23 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
     // The two keys' padding biases (a key past the end reads the last one's; it is
     // masked anyway).
     let mut bias = Array::<f32>::new(2usize);
+    // Packed rows: the last query of each key's document (s − 1 otherwise).
+    let mut doc_hi = Array::<usize>::new(2usize);
     #[unroll]
     for half in 0..2usize {
         bias[half] = f32::new(0.0);
         if padding {
             bias[half] = pad_bias(key_bias, bi, min(key0 + half * 8, t - 1));
         }
+        doc_hi[half] = document_last(spans, bi, min(key0 + half * 8, t - 1), s, documents);
     }
 
     // The query blocks of every query head on this kv head, in one stream (`n` of them
     // read so far): after block `qb` of head `g` comes the next block of the head, or the
     // next head's first.
     let group = group as usize;
-    let blocks = query_blocks(first, BLOCK, s, window);
+    let hi_last = document_last(spans, bi, min(first + BLOCK, t) - 1, s, documents);
+    let blocks = query_blocks(first, BLOCK, s, window, hi_last);
     let start = first_query_block(first, BLOCK, s, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
@@ -363,7 +369,8 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
             }
             // This block's rows of the tiles.
             let at = tile * BLOCK;
-            let open = unmasked(i0, first, BLOCK, s, t, causal, padding, window);
+            let lo_last = document_first(spans, bi, min(i0 + BLOCK, s) - 1, documents);
+            let open = unmasked(i0, first, BLOCK, s, t, causal, padding, window, lo_last);
             // A loop on the GPU too: only shared-memory offsets depend on `sub`, and unrolled
             // ptxas hoisted the next 16 rows' loads into registers dK and dV need.
             for sub in 0..comptime![BLOCK / 16] {
@@ -390,7 +397,8 @@ pub fn flash_backward_kv_registers<F: Float, N: Size>(
                         let mut x = st[c][e] * scale;
                         let mut masked = false;
                         if !open {
-                            masked = i >= s || excluded(key, i, t, causal, window);
+                            masked = i >= s
+                                || excluded(key, i, t, causal, window, 0, doc_hi[half], documents);
                             x += bias[half];
                         }
                         let (lse_i, d_i) = (ls[at + ql], drow[at + ql]);
@@ -538,6 +546,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     lse: &Tensor<f32>,
     d_rows: &Tensor<f32>,
     key_bias: &Tensor<f32>,
+    spans: &Tensor<u32>,
     d_q: &mut Tensor<F>,
     scale: f32,
     group: u32,
@@ -546,6 +555,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] windowed: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
@@ -618,17 +628,22 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
     let mut rows = Array::<usize>::new(2usize);
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_d = Array::<f32>::new(2usize);
+    // Packed rows: where each query's document starts (0 otherwise, folded away).
+    let mut doc_lo = Array::<usize>::new(2usize);
     #[unroll]
     for half in 0..2usize {
         let r = min(row0 + half * 8, s - 1);
         rows[half] = r;
+        doc_lo[half] = document_first(spans, bi, r, documents);
         row_lse[half] = lse[bi * lse.stride(0) + hi * lse.stride(1) + r * lse.stride(2)];
         row_d[half] = d_rows[bi * d_rows.stride(0) + hi * d_rows.stride(1) + r * d_rows.stride(2)];
     }
 
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
-    let start = first_key_block(first, BLOCK, window);
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    let lo_last = document_first(spans, bi, min(first + BLOCK, s) - 1, documents);
+    let start = first_key_block(first, BLOCK, window, lo_first);
     let blocks = key_blocks(first, BLOCK, s, t, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
@@ -690,7 +705,7 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
         // This block's rows of the tiles.
         let at = tile * BLOCK;
 
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window, lo_last);
         // Unrolled where q and dO are resident; past that ptxas hoisted the next 16 keys'
         // loads into registers dQ needs, as in the key kernel.
         #[unroll(unroll && resident)]
@@ -714,7 +729,8 @@ pub fn flash_backward_q_registers<F: Float, N: Size>(
                     let mut x = sc[c][e] * scale;
                     let mut masked = false;
                     if !open {
-                        masked = excluded(key, rows[half], t, causal, window);
+                        let r = rows[half];
+                        masked = excluded(key, r, t, causal, window, doc_lo[half], r, documents);
                         if padding {
                             x += kbias[at + key - j0];
                         }
@@ -862,6 +878,7 @@ pub fn launch<R: Runtime>(
             x.lse,
             out.d_rows,
             x.key_bias,
+            x.spans,
             out.d_k,
             out.d_v,
             out.d_q_acc,
@@ -872,6 +889,7 @@ pub fn launch<R: Runtime>(
             cfg.causal,
             cfg.window > 0,
             cfg.padding,
+            cfg.documents,
             one_pass,
             frags,
             staging,
@@ -900,6 +918,7 @@ pub fn launch<R: Runtime>(
         x.lse,
         d_rows,
         x.key_bias,
+        x.spans,
         d_q,
         cfg.scale,
         d.group(),
@@ -908,6 +927,7 @@ pub fn launch<R: Runtime>(
         cfg.causal,
         cfg.window > 0,
         cfg.padding,
+        cfg.documents,
         frags,
         staging,
         cfg.dtype,
@@ -1126,6 +1146,31 @@ mod tests {
             }
         }
 
+        /// Packed documents shorter and longer than the 64-row blocks, one starting inside
+        /// a block, with grouped queries and a window: staged ahead (whose first block is
+        /// then the first row's document's), both kernels of the two passes, and the
+        /// register forward under them. One compiled variant (lavapipe takes minutes).
+        #[test]
+        fn emulated_fragments_with_documents_match_the_reference() {
+            let Some(client) = client() else { return };
+            for p in [
+                Problem::new(2, 4, 2, 200, 200, 16, true, &[], 54)
+                    .with_documents(&[&[30, 100, 1, 40], &[150, 20]]),
+                Problem::new(1, 2, 1, 150, 150, 16, true, &[], 55)
+                    .with_documents(&[&[70, 70]])
+                    .with_window(40),
+            ] {
+                check::<_, burn::tensor::f16>(
+                    &client,
+                    Fragments::Emulated,
+                    Staging::Double,
+                    Passes::Two,
+                    p,
+                    2e-2,
+                );
+            }
+        }
+
         /// 16-bit inputs: P and dS rounded to the input type before their products, as on
         /// the tensor cores.
         #[test]
@@ -1212,7 +1257,15 @@ mod tests {
             for kind in [FloatKind::BF16, FloatKind::F16] {
                 for head_dim in [64, 128] {
                     for (causal, padding) in [(true, false), (false, true)] {
-                        variants.push((kind, Staging::Single, head_dim, causal, padding, false));
+                        variants.push((
+                            kind,
+                            Staging::Single,
+                            head_dim,
+                            causal,
+                            padding,
+                            false,
+                            false,
+                        ));
                         if kind == FloatKind::BF16 {
                             variants.push((
                                 kind,
@@ -1221,37 +1274,42 @@ mod tests {
                                 causal,
                                 padding,
                                 false,
+                                false,
                             ));
                         }
                     }
                 }
             }
-            // A sliding window's bounds and masks (its own compile-time variant).
+            // A sliding window's bounds and masks, and packed documents' (each its own
+            // compile-time variant).
             for head_dim in [64, 128] {
-                variants.push((
-                    FloatKind::BF16,
-                    Staging::Single,
-                    head_dim,
-                    true,
-                    false,
-                    true,
-                ));
+                for (windowed, documents) in [(true, false), (false, true)] {
+                    variants.push((
+                        FloatKind::BF16,
+                        Staging::Single,
+                        head_dim,
+                        true,
+                        false,
+                        windowed,
+                        documents,
+                    ));
+                }
             }
             let frags = Fragments::Registers;
-            for (kind, staging, head_dim, causal, padding, windowed) in variants {
+            for (kind, staging, head_dim, causal, padding, windowed, documents) in variants {
                 // (`COPIES_SPILL` says why the copies may spill a little. A window's bounds
                 // and masks push the key kernel at head dim 128, at 255 registers without
-                // them, into 8 bytes of spill: NVRTC 12.9, sm_90.)
+                // them, into 8 bytes of spill: NVRTC 12.9, sm_90; documents' likewise.)
                 let spill = if staging.copies() {
                     COPIES_SPILL
-                } else if windowed {
+                } else if windowed || documents {
                     WINDOW_SPILL
                 } else {
                     0
                 };
                 let what = |kernel: &str| {
                     format!(
-                        "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed}"
+                        "register backward {kernel} {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed} documents {documents}"
                     )
                 };
                 let passes: &[bool] = if kind == FloatKind::BF16 {
@@ -1275,6 +1333,7 @@ mod tests {
                             tensor(),
                             tensor(),
                             tensor(),
+                            tensor(),
                             (),
                             (),
                             (),
@@ -1284,6 +1343,7 @@ mod tests {
                             causal,
                             windowed,
                             padding,
+                            documents,
                             one_pass,
                             frags,
                             staging,
@@ -1307,6 +1367,7 @@ mod tests {
                     tensor(),
                     tensor(),
                     tensor(),
+                    tensor(),
                     (),
                     (),
                     (),
@@ -1315,6 +1376,7 @@ mod tests {
                     causal,
                     windowed,
                     padding,
+                    documents,
                     frags,
                     staging,
                     float(kind),

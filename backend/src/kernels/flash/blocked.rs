@@ -10,7 +10,7 @@
 //! follows the kernels' semantics (`super`).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use std::ops::Range;
 
 use super::dropout::{self, FlashDropout};
@@ -32,6 +32,9 @@ pub struct FlashMask<B: Backend> {
     /// `[b, t]` additive bias of each key (0, or -1e9 for a pad), fp32 or
     /// the compute dtype.
     pub key_bias: Option<Tensor<B, 2>>,
+    /// Packed rows (with `causal`): `[b, s, 2]` each token's document as `[start, end)`;
+    /// a query sees only the keys of its own (`model::Ctx::with_documents`).
+    pub documents: Option<Tensor<B, 3, Int>>,
     /// Dropout of the probabilities (training only), its mask a hash of the
     /// seed and the score's place (`super::dropout`).
     pub dropout: Option<FlashDropout<B>>,
@@ -181,6 +184,24 @@ fn scores<B: Backend>(
     if let Some(bias) = &mask.key_bias {
         let bias = like(bias.clone().narrow(1, k0, tv), &sc);
         sc = sc + bias.reshape([sh.b, 1, 1, tv]);
+    }
+    if let Some(spans) = &mask.documents {
+        // Packed rows: key k0 + c is masked for query i0 + r before the start of the
+        // query's document (with `causal`, the keys after it are masked already).
+        let starts = spans
+            .clone()
+            .narrow(1, i0, n)
+            .narrow(2, 0, 1)
+            .reshape([sh.b, n, 1])
+            .expand([sh.b, n, tv]);
+        let keys = Tensor::<B, 1, Int>::arange(k0 as i64..(k0 + tv) as i64, &device)
+            .reshape([1, 1, tv])
+            .expand([sh.b, n, tv]);
+        let other = like(keys.lower(starts).float().mul_scalar(MASK), &sc)
+            .reshape([sh.b, 1, 1, n, tv])
+            .expand([sh.b, 1, sh.g, n, tv])
+            .reshape([sh.b, 1, sh.g * n, tv]);
+        sc = sc + other;
     }
     sc
 }

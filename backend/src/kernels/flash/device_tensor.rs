@@ -66,9 +66,15 @@ impl<R: Runtime> DeviceTensor<R> {
 
     /// 32-bit words, as they are (`[n]`).
     pub fn words(client: &ComputeClient<R>, words: &[u32]) -> Self {
+        Self::words_shaped(client, words, &[words.len()])
+    }
+
+    /// 32-bit integers laid out as `shape`.
+    pub fn words_shaped(client: &ComputeClient<R>, words: &[u32], shape: &[usize]) -> Self {
+        assert_eq!(words.len(), shape.iter().product::<usize>());
         DeviceTensor {
             handle: client.create_from_slice(u32::as_bytes(words)),
-            shape: vec![words.len()],
+            shape: shape.to_vec(),
             runtime: std::marker::PhantomData,
         }
     }
@@ -117,6 +123,9 @@ pub struct HostInputs<'a> {
     pub key_bias: Option<&'a [f32]>,
     /// The dropout's two seed words (None: no dropout).
     pub dropout_seed: Option<[u32; 2]>,
+    /// Packed rows: each token's document `[start, end)`, `[b, s, 2]` (None: one
+    /// sequence per row).
+    pub spans: Option<&'a [u32]>,
 }
 
 /// One attention call's tensors on the device, as the kernels take them:
@@ -132,6 +141,8 @@ pub struct AttentionTensors<R: Runtime> {
     pub key_bias: DeviceTensor<R>,
     /// `[2]` u32 seed words, or a 1-element placeholder.
     pub dropout_seed: DeviceTensor<R>,
+    /// `[b, s, 2]` u32 document spans, or a 1 × 1 × 2 placeholder.
+    pub spans: DeviceTensor<R>,
     pub o: DeviceTensor<R>,
     pub lse: DeviceTensor<R>,
     pub d_q: DeviceTensor<R>,
@@ -163,6 +174,10 @@ impl<R: Runtime> AttentionTensors<R> {
                 None => DeviceTensor::zeros(client, &[1, 1]),
             },
             dropout_seed: DeviceTensor::words(client, &host.dropout_seed.unwrap_or([0, 0])),
+            spans: match host.spans {
+                Some(sp) => DeviceTensor::words_shaped(client, sp, &[dims.batch, dims.q_len, 2]),
+                None => DeviceTensor::words_shaped(client, &[0, 1], &[1, 1, 2]),
+            },
             o: DeviceTensor::zeros_as::<E>(client, &qs),
             lse: DeviceTensor::zeros(client, &[dims.batch, dims.heads, dims.q_len]),
             d_q: DeviceTensor::zeros_as::<E>(client, &qs),
@@ -183,6 +198,7 @@ impl<R: Runtime> AttentionTensors<R> {
             self.v.arg(),
             self.key_bias.arg(),
             self.dropout_seed.arg(),
+            self.spans.arg(),
             self.o.arg(),
             self.lse.arg(),
         );
@@ -206,6 +222,7 @@ impl<R: Runtime> AttentionTensors<R> {
             lse: self.lse.arg(),
             key_bias: self.key_bias.arg(),
             dropout_seed: self.dropout_seed.arg(),
+            spans: self.spans.arg(),
         };
         let out = BackwardOutputs {
             d_q: self.d_q.arg(),

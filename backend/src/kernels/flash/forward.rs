@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use super::tile::{
-    dropout_row, excluded, first_key_block, keep_factor, key_blocks, pad_bias, row_dot, stage_rows,
-    unroll_rows, MASKED,
+    document_first, dropout_row, excluded, first_key_block, keep_factor, key_blocks, pad_bias,
+    row_dot, stage_rows, unroll_rows, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)`: unit `u` owns
@@ -25,7 +25,9 @@ use super::tile::{
 /// the executor's `-1e9` for a pad; read only when `padding`),
 /// `out [b, h, s, d]` and `lse [b, h, s]` (fp32). `causal` keeps key `j`
 /// for query `i` when `j ≤ i` (the host checks `s == t`), and a sliding
-/// `window` (0 for none) only the `window` keys up to `i`. `dropout`
+/// `window` (0 for none) only the `window` keys up to `i`; with `documents`
+/// (packed rows) only those of `i`'s own document, `spans [b, s, 2]`
+/// (`tile::document_first`; a placeholder otherwise). `dropout`
 /// multiplies each probability by `keep_factor` before `P V`: 0 or
 /// `drop_scale`, as the hash of `dropout_seed [2]` and its place falls
 /// against `drop_threshold` (`super::dropout`).
@@ -37,6 +39,7 @@ pub fn flash_forward<F: Float>(
     v: &Tensor<F>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -48,6 +51,7 @@ pub fn flash_forward<F: Float>(
     #[comptime] block: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -85,7 +89,12 @@ pub fn flash_forward<F: Float>(
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
 
-    for kb in first_key_block(first, block, window)..key_blocks(first, block, s, t, causal) {
+    // The first key of this row's document, and of the block's first row's.
+    let doc_lo = document_first(spans, bi, r, documents);
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    for kb in
+        first_key_block(first, block, window, lo_first)..key_blocks(first, block, s, t, causal)
+    {
         let j0 = kb * block;
         stage_rows::<F>(k, &mut ks, kbase, j0, t, block, head_dim);
         stage_rows::<F>(v, &mut vs, vbase, j0, t, block, head_dim);
@@ -99,7 +108,7 @@ pub fn flash_forward<F: Float>(
         for jl in 0..n {
             let j = j0 + jl;
             let mut x = f32::new(MASKED);
-            if !excluded(j, r, t, causal, window) {
+            if !excluded(j, r, t, causal, window, doc_lo, r, documents) {
                 x = row_dot(&qr, &ks, jl * head_dim, head_dim, unroll);
                 if padding {
                     x += pad_bias(key_bias, bi, j);

@@ -7,8 +7,8 @@ use cubecl::prelude::*;
 
 use super::mma::{block_product, pairs_fit, Products, PAD_F32, PAD_HALF};
 use super::tile::{
-    copy_barrier, dropout_row, excluded, first_key_block, keep_factor, key_blocks, pad_bias,
-    stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
+    copy_barrier, document_first, dropout_row, excluded, first_key_block, keep_factor, key_blocks,
+    pad_bias, stage_tile, stage_tile_async, staged_ld, unmasked, MASKED,
 };
 
 /// One cube computes `block` query rows of one `(batch, head)` with
@@ -56,6 +56,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     v: &Tensor<Vector<F, N>>,
     key_bias: &Tensor<f32>,
     dropout_seed: &Tensor<u32>,
+    spans: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -68,6 +69,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     #[comptime] units_per_row: usize,
     #[comptime] causal: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] dropout: bool,
     #[comptime] unroll: bool,
     #[comptime] products: Products,
@@ -125,7 +127,12 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
     let kbase = bi * k.stride(0) + kvh * k.stride(1);
     let vbase = bi * v.stride(0) + kvh * v.stride(1);
     let blocks = key_blocks(first, block, s, t, causal);
-    let start = first_key_block(first, block, window);
+    // The first key of this unit's row's document, and of the block's first and
+    // last rows' (packed rows; 0 otherwise).
+    let doc_lo = document_first(spans, bi, r, documents);
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    let lo_last = document_first(spans, bi, min(first + block, s) - 1, documents);
+    let start = first_key_block(first, block, window, lo_first);
     // With `async_copy`: K's copies (and Q's, the first time) complete on
     // `k_ready`, V's on `v_ready`; every unit arrives on each once per key
     // block. Both start with block 0's copies in flight.
@@ -193,7 +200,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
         // This unit's share of its row of S: scaled, masked, its maximum.
         let n = min(block, t - j0);
         let mut mine = f32::new(MASKED);
-        if unmasked(first, j0, block, s, t, causal, padding, window) {
+        if unmasked(first, j0, block, s, t, causal, padding, window, lo_last) {
             for jc in 0..cols {
                 let jl = c0s + jc;
                 let x = s32[lr * s_ld + jl] * scale;
@@ -205,7 +212,7 @@ pub fn flash_forward_blocks<F: Float, N: Size>(
                 let jl = c0s + jc;
                 let j = j0 + jl;
                 let mut x = f32::new(MASKED);
-                if jl < n && !excluded(j, r, t, causal, window) {
+                if jl < n && !excluded(j, r, t, causal, window, doc_lo, r, documents) {
                     x = s32[lr * s_ld + jl] * scale;
                     if padding {
                         x += pad_bias(key_bias, bi, j);

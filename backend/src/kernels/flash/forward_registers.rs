@@ -33,7 +33,8 @@ use super::fragments::{a_fragments, accumulate, across_quad, scores, zeros, Pair
 use super::stream::{check_shared, commit, ready_barrier, stage_block, tile_of, wait};
 pub use super::stream::{Staging, BLOCK, UNITS};
 use super::tile::{
-    excluded, first_key_block, key_blocks, pad_bias, stage_tile_at, staged_ld, unmasked, MASKED,
+    document_first, excluded, first_key_block, key_blocks, pad_bias, stage_tile_at, staged_ld,
+    unmasked, MASKED,
 };
 
 /// The largest head dim: 16 output fragments (64 fp32 a lane) beside 16 of S.
@@ -53,6 +54,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
     key_bias: &Tensor<f32>,
+    spans: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -62,6 +64,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] windowed: bool,
     #[comptime] padding: bool,
+    #[comptime] documents: bool,
     #[comptime] frags: Fragments,
     #[comptime] staging: Staging,
     #[define(F)] _dtype: StorageType,
@@ -123,14 +126,19 @@ pub fn flash_forward_registers<F: Float, N: Size>(
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
     let mut rows = Array::<usize>::new(2usize);
+    // Packed rows: where each row's document starts (0 otherwise, folded away).
+    let mut doc_lo = Array::<usize>::new(2usize);
     #[unroll]
     for half in 0..2usize {
         m[half] = f32::new(MASKED);
         l[half] = f32::new(0.0);
         rows[half] = min(row0 + half * 8, s - 1);
+        doc_lo[half] = document_first(spans, bi, rows[half], documents);
     }
+    let lo_first = document_first(spans, bi, min(first, s - 1), documents);
+    let lo_last = document_first(spans, bi, min(first + BLOCK, s) - 1, documents);
 
-    let start = first_key_block(first, BLOCK, window);
+    let start = first_key_block(first, BLOCK, window, lo_first);
     let blocks = key_blocks(first, BLOCK, s, t, causal);
     let ready = ready_barrier(staging);
     if comptime![staging.ahead()] {
@@ -186,7 +194,7 @@ pub fn flash_forward_registers<F: Float, N: Size>(
         }
 
         // Scaled and masked in place; each row's maximum over this lane's columns.
-        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window);
+        let open = unmasked(first, j0, BLOCK, s, t, causal, padding, window, lo_last);
         let mut top = Array::<f32>::new(2usize);
         top[0] = f32::new(MASKED);
         top[1] = f32::new(MASKED);
@@ -200,7 +208,8 @@ pub fn flash_forward_registers<F: Float, N: Size>(
                     let key = j0 + j * 8 + quad * 2 + e;
                     let mut x = pair[e] * scale;
                     if !open {
-                        if excluded(key, rows[half], t, causal, window) {
+                        let r = rows[half];
+                        if excluded(key, r, t, causal, window, doc_lo[half], r, documents) {
                             x = f32::new(MASKED);
                         } else if padding {
                             x += pad_bias(key_bias, bi, key);
@@ -309,6 +318,7 @@ pub fn launch<R: Runtime>(
     k: TensorArg<R>,
     v: TensorArg<R>,
     key_bias: TensorArg<R>,
+    spans: TensorArg<R>,
     out: TensorArg<R>,
     lse: TensorArg<R>,
 ) {
@@ -339,6 +349,7 @@ pub fn launch<R: Runtime>(
         k,
         v,
         key_bias,
+        spans,
         out,
         lse,
         cfg.scale,
@@ -348,6 +359,7 @@ pub fn launch<R: Runtime>(
         cfg.causal,
         cfg.window > 0,
         cfg.padding,
+        cfg.documents,
         frags,
         staging,
         cfg.dtype,
@@ -568,17 +580,19 @@ mod tests {
                         continue;
                     }
                     for head_dim in [64, 128] {
-                        // The third: causal under a sliding window (its own compile-time
-                        // variant).
-                        for (causal, padding, windowed) in [
-                            (true, false, false),
-                            (false, true, false),
-                            (true, false, true),
+                        // The third: causal under a sliding window, the fourth over packed
+                        // documents (each its own compile-time variant).
+                        for (causal, padding, windowed, documents) in [
+                            (true, false, false, false),
+                            (false, true, false, false),
+                            (true, false, true, false),
+                            (true, false, false, true),
                         ] {
                             let kernel =
                                 flash_forward_registers::FlashForwardRegisters::<WgpuRuntime>::new(
                                     settings(UNITS as u32),
                                     client.clone(),
+                                    tensor(),
                                     tensor(),
                                     tensor(),
                                     tensor(),
@@ -594,12 +608,13 @@ mod tests {
                                     causal,
                                     windowed,
                                     padding,
+                                    documents,
                                     Fragments::Registers,
                                     staging,
                                     float(kind),
                                 );
                             let what = format!(
-                                "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed}"
+                                "register forward {kind:?} {staging:?} d{head_dim} causal {causal} padding {padding} window {windowed} documents {documents}"
                             );
                             let compiled = compiles(kernel, &what);
                             // (`COPIES_SPILL` says why the copies may spill a

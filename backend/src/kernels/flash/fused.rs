@@ -33,7 +33,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         kv_len,
         head_dim,
     };
-    dims.check(mask.causal, mask.window)?;
+    dims.check(mask.causal, mask.window, mask.documents.is_some())?;
     let dtype: StorageType = q.dtype.into();
     let registers = registers_asked();
     let mut cfg = FlashLaunch {
@@ -41,6 +41,7 @@ fn settings<R: CubeRuntime, BT: BoolElement>(
         causal: mask.causal,
         window: mask.window,
         padding: mask.key_bias.is_some(),
+        documents: mask.documents.is_some(),
         scale: scale as f32,
         dtype,
         kernels: FlashKernels::Rows,
@@ -279,6 +280,22 @@ fn dropout_seed<R: CubeRuntime, BT: BoolElement>(
     }
 }
 
+/// The documents' spans as the kernels read them (32-bit integers: the backend's int
+/// type), or a placeholder.
+fn spans<R: CubeRuntime, BT: BoolElement>(
+    mask: &FlashMask<Fused<R, BT>>,
+    like: &CubeTensor<R>,
+) -> CubeTensor<R> {
+    match &mask.documents {
+        Some(d) => {
+            let spans = d.clone().into_primitive();
+            let client = spans.client.clone();
+            into_contiguous(client.resolve_tensor_int::<Inner<R, BT>>(spans))
+        }
+        None => empty(like, Shape::new([1, 1, 2]), DType::I32),
+    }
+}
+
 fn arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
     t.clone().into_tensor_arg()
 }
@@ -317,6 +334,7 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
     let d = cfg.dims;
     let bias = key_bias::<R, BT>(mask, &qc);
     let seed = dropout_seed::<R, BT>(mask, &qc);
+    let docs = spans::<R, BT>(mask, &qc);
     let o = heads_last(
         &qc,
         Shape::new([d.batch, d.heads, d.q_len, d.head_dim]),
@@ -332,6 +350,7 @@ pub fn forward<R: CubeRuntime, BT: BoolElement>(
         arg(&vc),
         arg(&bias),
         arg(&seed),
+        arg(&docs),
         arg(&o),
         arg(&lse),
     );
@@ -383,6 +402,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
     );
     let bias = key_bias::<R, BT>(mask, &qc);
     let seed = dropout_seed::<R, BT>(mask, &qc);
+    let docs = spans::<R, BT>(mask, &qc);
     let d_q = heads_last(&qc, qc.shape(), qc.dtype);
     let d_k = heads_last(&kc, kc.shape(), kc.dtype);
     let d_v = heads_last(&vc, vc.shape(), vc.dtype);
@@ -407,6 +427,7 @@ pub fn backward<R: CubeRuntime, BT: BoolElement>(
         lse: arg(&lsec),
         key_bias: arg(&bias),
         dropout_seed: arg(&seed),
+        spans: arg(&docs),
     };
     let out = BackwardOutputs {
         d_q: arg(&d_q),
@@ -492,6 +513,7 @@ mod tests {
     fn cfg(head_dim: usize, kind: FloatKind) -> FlashLaunch {
         FlashLaunch {
             window: 0,
+            documents: false,
             dims: FlashDims {
                 batch: 1,
                 heads: 2,

@@ -53,6 +53,12 @@ pub struct FlashLaunch {
     /// A `key_bias [batch, kv_len]` fp32 tensor is passed (otherwise a
     /// 1-element placeholder is, and never read).
     pub padding: bool,
+    /// Packed rows (with `causal`): a `spans [batch, q_len, 2]` tensor of 32-bit integers
+    /// gives each token's document as `[start, end)`, and a query sees only the keys of
+    /// its own. Every kernel skips the key blocks before the first row's document (and the
+    /// query blocks past the last key's) and masks the rest (`tile::document_first`,
+    /// `document_last`); otherwise a placeholder is passed, never read.
+    pub documents: bool,
     pub scale: f32,
     /// The element type of q, k, v, O, dO and the gradients; LSE and the key
     /// bias are fp32.
@@ -279,7 +285,7 @@ pub const UNITS_PER_ROW: usize = 2;
 
 impl FlashDims {
     /// Why the kernels cannot take these shapes, if they cannot.
-    pub fn check(&self, causal: bool, window: usize) -> Result<(), String> {
+    pub fn check(&self, causal: bool, window: usize, documents: bool) -> Result<(), String> {
         let d = self;
         if d.batch == 0 || d.heads == 0 || d.q_len == 0 || d.kv_len == 0 || d.head_dim == 0 {
             return Err(format!("empty attention shape {d:?}"));
@@ -300,6 +306,9 @@ impl FlashDims {
             return Err(format!(
                 "a sliding window of {window} needs causal attention"
             ));
+        }
+        if documents && !causal {
+            return Err("packed documents need causal attention".into());
         }
         if causal && d.q_len != d.kv_len {
             return Err(format!(
@@ -505,7 +514,7 @@ macro_rules! launch_rows {
         $kernel::launch::<R>(
             $client, count, dim, $($t,)* cfg.scale, d.group(), cfg.drop_threshold(),
             cfg.drop_scale(), cfg.window as u32, d.head_dim, block, cfg.causal, cfg.padding,
-            cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
+            cfg.documents, cfg.dropout.is_some(), cfg.unroll, cfg.dtype,
         );
     }};
 }
@@ -524,7 +533,7 @@ macro_rules! launch_blocks {
             $client, count, dim, $width, $($t,)* cfg.scale, d.group(),
             cfg.drop_threshold(), cfg.drop_scale(), cfg.window as u32, d.head_dim, block, split,
             cfg.causal,
-            cfg.padding, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
+            cfg.padding, cfg.documents, cfg.dropout.is_some(), cfg.unroll, products, cfg.tile_pairs,
             $($($f,)*)? cfg.dtype,
         );
     }};
@@ -542,6 +551,7 @@ pub fn forward<R: Runtime>(
     v: TensorArg<R>,
     key_bias: TensorArg<R>,
     dropout_seed: TensorArg<R>,
+    spans: TensorArg<R>,
     out: TensorArg<R>,
     lse: TensorArg<R>,
 ) {
@@ -553,7 +563,7 @@ pub fn forward<R: Runtime>(
             flash_forward,
             d.q_len,
             d.batch * d.heads,
-            [q, k, v, key_bias, dropout_seed, out, lse]
+            [q, k, v, key_bias, dropout_seed, spans, out, lse]
         ),
         FlashKernels::Blocks { .. } if cfg.register_forward_runs() => {
             let staging = cfg.register_staging(client, &[&q, &k, &v]);
@@ -566,6 +576,7 @@ pub fn forward<R: Runtime>(
                 k,
                 v,
                 key_bias,
+                spans,
                 out,
                 lse,
             )
@@ -580,7 +591,7 @@ pub fn forward<R: Runtime>(
                 d.q_len,
                 d.batch * d.heads,
                 width,
-                [q, k, v, key_bias, dropout_seed, out, lse],
+                [q, k, v, key_bias, dropout_seed, spans, out, lse],
                 flags: [copy.is_some(), copy.unwrap_or(1)]
             )
         }
@@ -598,6 +609,8 @@ pub struct BackwardInputs<R: Runtime> {
     pub key_bias: TensorArg<R>,
     /// As [`forward`]'s.
     pub dropout_seed: TensorArg<R>,
+    /// As [`forward`]'s.
+    pub spans: TensorArg<R>,
 }
 
 /// What the backward writes: the gradients, in the inputs' type and
@@ -714,6 +727,7 @@ pub fn backward<R: Runtime>(
                     x.lse,
                     x.key_bias,
                     x.dropout_seed,
+                    x.spans,
                     out.d_k,
                     out.d_v
                 ]
@@ -734,6 +748,7 @@ pub fn backward<R: Runtime>(
                     x.lse,
                     x.key_bias,
                     x.dropout_seed,
+                    x.spans,
                     out.d_q
                 ]
             );
@@ -770,7 +785,7 @@ pub fn backward<R: Runtime>(
             d.kv_len,
             d.batch * d.kv_heads,
             width,
-            [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, out.d_k, out.d_v, out.d_q_acc],
+            [x.q, x.k, x.v, x.d_o, x.lse, out.d_rows, x.key_bias, x.dropout_seed, x.spans, out.d_k, out.d_v, out.d_q_acc],
             flags: [one_pass, copy.is_some(), copy.unwrap_or(1)]
         )
     };
@@ -797,6 +812,7 @@ pub fn backward<R: Runtime>(
             d_rows,
             x.key_bias,
             x.dropout_seed,
+            x.spans,
             d_q
         ]
     );
@@ -832,6 +848,7 @@ impl<R: Runtime> Clone for BackwardInputs<R> {
             lse: clone_arg(&self.lse),
             key_bias: clone_arg(&self.key_bias),
             dropout_seed: clone_arg(&self.dropout_seed),
+            spans: clone_arg(&self.spans),
         }
     }
 }
@@ -843,6 +860,7 @@ mod tests {
     fn launch(head_dim: usize, kind: FloatKind) -> FlashLaunch {
         FlashLaunch {
             window: 0,
+            documents: false,
             dims: FlashDims {
                 batch: 1,
                 heads: 4,

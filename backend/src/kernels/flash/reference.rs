@@ -19,6 +19,9 @@ pub struct Problem {
     pub window: usize,
     /// `[b, t]`: false for a padded key.
     pub keep: Option<Vec<bool>>,
+    /// Packed rows (with `causal`): `[b, s, 2]` each token's document as `[start, end)`;
+    /// a query sees only the keys of its own.
+    pub spans: Option<Vec<u32>>,
     pub scale: f64,
     pub q: Vec<f32>,
     pub k: Vec<f32>,
@@ -81,6 +84,7 @@ impl Problem {
             causal,
             window: 0,
             keep,
+            spans: None,
             scale: 1.0 / (d as f64).sqrt(),
             q: fill(b * h * s * d, seed),
             k: fill(b * kvh * t * d, seed + 1),
@@ -93,6 +97,28 @@ impl Problem {
     /// The same problem under a sliding window of `window` keys.
     pub fn with_window(mut self, window: usize) -> Self {
         self.window = window;
+        self
+    }
+
+    /// The same problem over packed rows: row `bi` holds documents of `lengths[bi]`
+    /// tokens one after the other (the rest of the row one more document).
+    pub fn with_documents(mut self, lengths: &[&[usize]]) -> Self {
+        assert_eq!(lengths.len(), self.b, "one list of lengths per batch row");
+        let mut spans = Vec::with_capacity(self.b * self.s * 2);
+        for row in lengths {
+            let mut start = 0usize;
+            for &n in row.iter().chain(std::iter::once(&usize::MAX)) {
+                let end = start.saturating_add(n).min(self.s);
+                for _ in start..end {
+                    spans.extend([start as u32, end as u32]);
+                }
+                start = end;
+                if start == self.s {
+                    break;
+                }
+            }
+        }
+        self.spans = Some(spans);
         self
     }
 
@@ -151,6 +177,11 @@ impl Problem {
                         .map(|j| {
                             if self.causal && j > i || self.window > 0 && i >= j + self.window {
                                 return None;
+                            }
+                            if let Some(sp) = &self.spans {
+                                if j < sp[(bi * s + i) * 2] as usize {
+                                    return None;
+                                }
                             }
                             let dot: f64 =
                                 (0..d).map(|c| qa(i, c) * self.k[kv_at(j) + c] as f64).sum();

@@ -30,6 +30,10 @@ fn mask<B: burn::tensor::backend::Backend>(p: &Problem) -> FlashMask<B> {
         causal: p.causal,
         window: p.window,
         key_bias: p.key_bias().map(|b| tensor::<B, 2>(&b, [p.b, p.t])),
+        documents: p.spans.as_ref().map(|sp| {
+            let sp: Vec<i64> = sp.iter().map(|&x| x as i64).collect();
+            Tensor::from_data(TensorData::new(sp, [p.b, p.s, 2]), &Default::default())
+        }),
         dropout: p.dropout.map(|(prob, [w0, w1])| FlashDropout {
             p: prob,
             seed: Tensor::from_data(
@@ -130,6 +134,26 @@ fn flash_blocked_with_a_window_matches_reference() {
             .with_window(40)
             .with_dropout(0.2, [9, 4]),
         "window 40 with dropout",
+    );
+}
+
+/// Packed rows: each query sees only its own document's keys, with documents shorter
+/// and longer than a query block and one that crosses a block's edge, under grouped
+/// queries, a sliding window and dropout.
+#[test]
+fn flash_blocked_with_documents_matches_reference() {
+    let s = QUERY_BLOCK * 2 + 5;
+    check(
+        Problem::new(2, 4, 2, s, s, 8, true, &[], 40)
+            .with_documents(&[&[5, QUERY_BLOCK + 7, 1, 30], &[QUERY_BLOCK - 1, 2]]),
+        "documents, gqa",
+    );
+    check(
+        Problem::new(1, 2, 2, s, s, 8, true, &[], 41)
+            .with_documents(&[&[20, 50, 40]])
+            .with_window(12)
+            .with_dropout(0.2, [3, 8]),
+        "documents under a window, with dropout",
     );
 }
 

@@ -102,6 +102,7 @@ fn tensors<R: Runtime, E: Elem>(client: &ComputeClient<R>, p: &Problem) -> Atten
             d_o: &p.d_o,
             key_bias: bias.as_deref(),
             dropout_seed: p.dropout.map(|(_, seed)| seed),
+            spans: p.spans.as_deref(),
         },
     )
 }
@@ -142,6 +143,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
         causal: p.causal,
         window: p.window,
         padding: p.keep.is_some(),
+        documents: p.spans.is_some(),
         scale: p.scale as f32,
         dtype: ty.storage_type(),
         kernels: FlashKernels::Blocks {
@@ -167,6 +169,7 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
         t.k.arg(),
         t.v.arg(),
         t.key_bias.arg(),
+        t.spans.arg(),
         t.o.arg(),
         t.lse.arg(),
     );
@@ -175,7 +178,8 @@ pub(super) fn register_forward_on<R: Runtime, E: Elem>(
 
 /// The problems the register kernels' CUDA tests run: the executor's head dims (64, 128),
 /// causal with padded keys and bidirectional without, grouped queries, three blocks a side;
-/// and causal under a sliding window of 50 keys (shorter than a block).
+/// causal under a sliding window of 50 keys (shorter than a block); and causal over packed
+/// documents.
 #[cfg(feature = "cuda")]
 pub(super) fn register_cuda_problems(seed: u64) -> impl Iterator<Item = Problem> {
     [64, 128].into_iter().flat_map(move |d| {
@@ -188,6 +192,10 @@ pub(super) fn register_cuda_problems(seed: u64) -> impl Iterator<Item = Problem>
         .map(move |(causal, pads, window)| {
             Problem::new(2, 8, 2, 150, 150, d, causal, pads, seed + d as u64).with_window(window)
         })
+        .chain(std::iter::once(
+            Problem::new(2, 8, 2, 150, 150, d, true, &[], seed + 3 + d as u64)
+                .with_documents(&[&[20, 70, 1, 30], &[64, 64]]),
+        ))
     })
 }
 
@@ -218,13 +226,14 @@ fn run<R: Runtime, E: Elem>(
         return None;
     }
     let dims = dims(p);
-    dims.check(p.causal, p.window)
+    dims.check(p.causal, p.window, p.spans.is_some())
         .expect("a shape the kernels take");
     let cfg = FlashLaunch {
         dims,
         causal: p.causal,
         window: p.window,
         padding: p.keep.is_some(),
+        documents: p.spans.is_some(),
         scale: p.scale as f32,
         dtype: E::as_type_native_unchecked().storage_type(),
         kernels: under.kernels,
@@ -424,6 +433,36 @@ macro_rules! kernel_tests {
             }
         }
 
+        /// Packed rows: documents shorter than a block and longer than one, one that
+        /// starts inside a block and ends in the next, a one-token document, the row's
+        /// rest after them, with grouped queries, padded keys and a sliding window.
+        #[test]
+        fn documents() {
+            let cases: [(Problem, &str); 3] = [
+                (
+                    Problem::new(2, 4, 2, 70, 70, 32, true, &[], 60)
+                        .with_documents(&[&[5, 40, 1, 20], &[33, 2]]),
+                    "documents gqa",
+                ),
+                // (The padded keys end the last document: a row whose visible keys
+                // are all padding is averaged differently, `docs/flash-attention.md`.)
+                (
+                    Problem::new(1, 2, 2, 100, 100, 64, true, &[3], 61)
+                        .with_documents(&[&[17, 50]]),
+                    "documents padding d64",
+                ),
+                (
+                    Problem::new(1, 2, 1, 90, 90, 32, true, &[], 62)
+                        .with_documents(&[&[45, 44]])
+                        .with_window(20),
+                    "documents window 20",
+                ),
+            ];
+            for (p, what) in cases {
+                check(client(), p, what, KERNELS);
+            }
+        }
+
         #[test]
         fn head_dim_128_cross_lengths() {
             // d 128 (16-row blocks), more keys than queries (bidirectional only).
@@ -553,6 +592,11 @@ macro_rules! tiled_tests {
                 (
                     Problem::new(1, 2, 2, 50, 50, 32, true, &[], 25).with_window(16),
                     "window of a block d32",
+                ),
+                (
+                    Problem::new(2, 4, 2, 70, 70, 32, true, &[], 29)
+                        .with_documents(&[&[16, 20, 9], &[1, 50]]),
+                    "documents gqa d32",
                 ),
             ]
         }
@@ -702,6 +746,13 @@ mod wgpu {
                     Problem::new(1, 4, 2, 45, 45, 32, true, &[0], 34).with_window(12),
                     "window",
                 ),
+                // The spans as Burn holds them (the backend's 32-bit ints), resolved
+                // through the fusion layer.
+                (
+                    Problem::new(2, 4, 2, 45, 45, 32, true, &[], 35)
+                        .with_documents(&[&[10, 30], &[44]]),
+                    "documents",
+                ),
             ]
         };
         // The device's choice here (the `Rows` kernels: no tensor cores).
@@ -783,6 +834,7 @@ mod wgpu {
                 causal: true,
                 window: 0,
                 key_bias: None,
+                documents: None,
                 dropout: None,
             };
             let (q, kk, v) = (t(h), t(kvh), t(kvh));
@@ -802,6 +854,7 @@ mod wgpu {
             causal: true,
             window: 0,
             key_bias: None,
+            documents: None,
             dropout: None,
         };
         let short = |heads: usize| {
@@ -890,6 +943,28 @@ mod cuda {
                     Problem::new(2, 4, 2, 200, 200, 64, true, &[0, 7], 26).with_window(50),
                     Problem::new(1, 4, 4, 200, 200, 128, true, &[], 27).with_window(100),
                     Problem::new(1, 2, 2, 130, 130, 64, true, &[], 28).with_window(64),
+                ]
+            };
+            for under in BOTH {
+                for p in problems() {
+                    check_16bit_on::<_, burn::tensor::f16>(client(), p.clone(), 2e-3, under);
+                    check_16bit_on::<_, burn::tensor::bf16>(client(), p, 1.6e-2, under);
+                }
+            }
+        }
+
+        /// Packed rows at the executor's head dims, documents shorter and longer than
+        /// the 64-row blocks, under both backwards (the register kernels' are in
+        /// `register_cuda_problems`).
+        #[test]
+        fn documents() {
+            let problems = || {
+                [
+                    Problem::new(2, 4, 2, 200, 200, 64, true, &[], 36)
+                        .with_documents(&[&[30, 100, 1, 40], &[150]]),
+                    Problem::new(1, 4, 4, 200, 200, 128, true, &[0], 37)
+                        .with_documents(&[&[64, 64, 10]])
+                        .with_window(50),
                 ]
             };
             for under in BOTH {

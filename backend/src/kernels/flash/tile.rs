@@ -307,15 +307,52 @@ pub fn key_blocks(
 /// The first key block the query block starting at row `first` reads: 0, or
 /// under a sliding `window` (causal; 0 for none) the block holding its first
 /// row's oldest key, `first + 1 − window`, since older keys are outside every
-/// row's window.
+/// row's window; and not before the block holding `lo`, the first token of the
+/// first row's document (packed rows; 0 otherwise), since a document's rows see
+/// no earlier one.
 #[cube]
-pub fn first_key_block(first: usize, #[comptime] block: usize, window: u32) -> usize {
+pub fn first_key_block(first: usize, #[comptime] block: usize, window: u32, lo: usize) -> usize {
     let w = window as usize;
-    let mut start = 0;
+    let mut start = lo / block;
     if w > 0 && first >= w {
-        start = (first + 1 - w) / block;
+        start = max(start, (first + 1 - w) / block);
     }
     start
+}
+
+/// Packed rows (`documents`): `spans [b, s, 2]` holds each token's document as
+/// `[start, end)` (32-bit integers), and a query sees only the keys of its own.
+/// The first token of the document of row `i` of batch row `bi`: 0 without
+/// `documents`.
+#[cube]
+pub fn document_first(
+    spans: &Tensor<u32>,
+    bi: usize,
+    i: usize,
+    #[comptime] documents: bool,
+) -> usize {
+    let mut lo = 0;
+    if documents {
+        lo = spans[bi * spans.stride(0) + i * spans.stride(1)] as usize;
+    }
+    lo
+}
+
+/// The last token of the document of key `j` of batch row `bi` (the newest query
+/// that may see it): `s − 1` without `documents`.
+#[cube]
+pub fn document_last(
+    spans: &Tensor<u32>,
+    bi: usize,
+    j: usize,
+    s: usize,
+    #[comptime] documents: bool,
+) -> usize {
+    let mut hi = s - 1;
+    if documents {
+        hi = spans[bi * spans.stride(0) + j * spans.stride(1) + spans.stride(2)] as usize - 1;
+    }
+    hi
 }
 
 /// The first query block (of `block` queries, `s` in all) that sees the key
@@ -339,14 +376,21 @@ pub fn first_query_block(
 /// block starting at key `first` is seen: all of them, or under a sliding
 /// `window` (0 for none) those up to the block holding its last key's
 /// newest query, `first + block − 2 + window`, since later queries' windows
-/// start past it.
+/// start past it; and no later than the block holding `hi`, the last token of
+/// the document of the block's last key (packed rows; `s − 1` otherwise).
 #[cube]
-pub fn query_blocks(first: usize, #[comptime] block: usize, s: usize, window: u32) -> usize {
+pub fn query_blocks(
+    first: usize,
+    #[comptime] block: usize,
+    s: usize,
+    window: u32,
+    hi: usize,
+) -> usize {
     let blocks = s.div_ceil(block);
     let w = window as usize;
-    let mut end = blocks;
+    let mut end = min(hi / block + 1, blocks);
     if w > 0 {
-        end = min((first + block + w - 2) / block + 1, blocks);
+        end = min((first + block + w - 2) / block + 1, end);
     }
     end
 }
@@ -354,10 +398,11 @@ pub fn query_blocks(first: usize, #[comptime] block: usize, s: usize, window: u3
 /// Every query of the block of `block` from `q0` sees every key of the
 /// block from `k0`, with no mask and no bias: both blocks are whole (`q0 +
 /// block ≤ s`, `k0 + block ≤ t`), no padding, (causal) the last key
-/// comes no later than the first query, and (a sliding `window`, 0 for
-/// none) the first key is within the last query's window. The same for the
-/// whole cube, so a kernel can branch on it and skip the per-score masks: in
-/// causal attention every block but those on the diagonal.
+/// comes no later than the first query, (a sliding `window`, 0 for
+/// none) the first key is within the last query's window, and (packed rows)
+/// the document of the last query, which starts at `lo`, holds the first
+/// key. The same for the whole cube, so a kernel can branch on it and skip the
+/// per-score masks: in causal attention every block but those on the diagonal.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn unmasked(
@@ -369,8 +414,9 @@ pub fn unmasked(
     #[comptime] causal: bool,
     #[comptime] padding: bool,
     window: u32,
+    lo: usize,
 ) -> bool {
-    let mut open = q0 + block <= s && k0 + block <= t;
+    let mut open = q0 + block <= s && k0 + block <= t && lo <= k0;
     if causal {
         open = open && k0 + block <= q0 + 1;
     }
@@ -385,10 +431,23 @@ pub fn unmasked(
 }
 
 /// Key `j` takes no part in query `i`'s softmax: past the keys, in the
-/// future of a causal query, or (a sliding `window`, 0 for none) `window`
-/// or more positions before it.
+/// future of a causal query, (a sliding `window`, 0 for none) `window`
+/// or more positions before it, or (packed rows, `documents`) in another
+/// document: before `lo`, the first token of `i`'s, or with `i` past `hi`,
+/// the last token of `j`'s. A kernel passes the bound its loop holds fixed and
+/// a bound that excludes nothing for the other (`lo = 0`, `hi = i`).
 #[cube]
-pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool, window: u32) -> bool {
+#[allow(clippy::too_many_arguments)]
+pub fn excluded(
+    j: usize,
+    i: usize,
+    t: usize,
+    #[comptime] causal: bool,
+    window: u32,
+    lo: usize,
+    hi: usize,
+    #[comptime] documents: bool,
+) -> bool {
     let mut out = j >= t;
     if causal {
         out = out || j > i;
@@ -396,6 +455,9 @@ pub fn excluded(j: usize, i: usize, t: usize, #[comptime] causal: bool, window: 
     let w = window as usize;
     if w > 0 {
         out = out || i >= j + w;
+    }
+    if documents {
+        out = out || j < lo || i > hi;
     }
     out
 }
