@@ -190,9 +190,14 @@ fn measured_plan_with(optimizer: &str, in_backward: bool, tied: bool) -> String 
 /// optimizer state) above those before the model was built: the weights, the optimizer
 /// state and the step's tensors, transients included.
 pub(super) fn measured_peak(plan: &LoweredPlan) -> u64 {
+    measured_peak_with(plan, &super::opts(1))
+}
+
+/// [`measured_peak`] under `opts` (its data file, say).
+pub(super) fn measured_peak_with(plan: &LoweredPlan, opts: &crate::RunOptions) -> u64 {
     use crate::memory::{AllocProbe, MemoryProbe};
     let mut probe = AllocProbe::new().expect("the test binary counts");
-    let mut t: Trainer<Cpu> = trainer(plan);
+    let mut t: Trainer<Cpu> = crate::testing::trainer(plan, opts, 11).unwrap();
     let quiet = &mut crate::shard::tests_memory::Quiet;
     t.train_step(quiet).unwrap();
     probe.begin_step();

@@ -189,23 +189,13 @@ fn measured_plan(packing: bool) -> String {
     )
 }
 
-/// The highest live bytes of a steady-state step on `data` (`in_backward::measured_peak`
-/// with a data file).
+/// The highest live bytes of a steady-state step on `data` (`in_backward::measured_peak`).
 fn measured_peak(plan: &rcoa_compiler::lowered::LoweredPlan, data: &std::path::Path) -> u64 {
-    use crate::memory::{AllocProbe, MemoryProbe};
     let opts = crate::RunOptions {
         data: Some(data.to_path_buf()),
         ..super::opts(2)
     };
-    let mut probe = AllocProbe::new().expect("the test binary counts");
-    let mut t = crate::testing::trainer::<Ad>(plan, &opts, 11).unwrap();
-    let quiet = &mut crate::shard::tests_memory::Quiet;
-    t.train_step(quiet).unwrap();
-    probe.begin_step();
-    t.train_step(quiet).unwrap();
-    probe.sample();
-    drop(t);
-    probe.step_peak()
+    super::in_backward::measured_peak_with(plan, &opts)
 }
 
 #[test]

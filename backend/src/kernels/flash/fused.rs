@@ -264,36 +264,41 @@ fn key_bias<R: CubeRuntime, BT: BoolElement>(
     }
 }
 
-/// The dropout's two seed words as the kernels read them (32-bit integers:
-/// the backend's int type), or a 1-element placeholder.
+/// An int tensor of the mask as the kernels read it (32-bit integers: the backend's int
+/// type), or a placeholder of `placeholder`'s shape, never read.
+fn ints<R: CubeRuntime, BT: BoolElement, const D: usize>(
+    t: Option<&burn::tensor::Tensor<Fused<R, BT>, D, burn::tensor::Int>>,
+    like: &CubeTensor<R>,
+    placeholder: Shape,
+) -> CubeTensor<R> {
+    match t {
+        Some(t) => {
+            let t = t.clone().into_primitive();
+            let client = t.client.clone();
+            into_contiguous(client.resolve_tensor_int::<Inner<R, BT>>(t))
+        }
+        None => empty(like, placeholder, DType::I32),
+    }
+}
+
+/// The dropout's two seed words (`[2]`), or a placeholder.
 fn dropout_seed<R: CubeRuntime, BT: BoolElement>(
     mask: &FlashMask<Fused<R, BT>>,
     like: &CubeTensor<R>,
 ) -> CubeTensor<R> {
-    match &mask.dropout {
-        Some(d) => {
-            let seed = d.seed.clone().into_primitive();
-            let client = seed.client.clone();
-            into_contiguous(client.resolve_tensor_int::<Inner<R, BT>>(seed))
-        }
-        None => empty(like, Shape::new([1]), DType::I32),
-    }
+    ints(
+        mask.dropout.as_ref().map(|d| &d.seed),
+        like,
+        Shape::new([1]),
+    )
 }
 
-/// The documents' spans as the kernels read them (32-bit integers: the backend's int
-/// type), or a placeholder.
+/// The documents' spans (`[b, s, 2]`), or a placeholder.
 fn spans<R: CubeRuntime, BT: BoolElement>(
     mask: &FlashMask<Fused<R, BT>>,
     like: &CubeTensor<R>,
 ) -> CubeTensor<R> {
-    match &mask.documents {
-        Some(d) => {
-            let spans = d.clone().into_primitive();
-            let client = spans.client.clone();
-            into_contiguous(client.resolve_tensor_int::<Inner<R, BT>>(spans))
-        }
-        None => empty(like, Shape::new([1, 1, 2]), DType::I32),
-    }
+    ints(mask.documents.as_ref(), like, Shape::new([1, 1, 2]))
 }
 
 fn arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
