@@ -432,6 +432,37 @@ fn assistant_only_loss_scores_the_template_s_generation_blocks() {
     // Scoring the user's turns too changes the loss.
     let whole = eval(&s(&without), &a);
     assert!((whole - assistant).abs() > 1e-3, "{whole} {assistant}");
+    // Packed (`packing = true`, at 256 tokens: the conversations share rows), each
+    // conversation keeps its own assistant mask.
+    let at_256 = plan_text.replace("seq_len = 64", "seq_len = 256");
+    let (rows, packed) = (dir.join("rows-256.plan"), dir.join("packed-256.plan"));
+    std::fs::write(&rows, &at_256).unwrap();
+    std::fs::write(
+        &packed,
+        at_256.replace(
+            "assistant_only_loss = true",
+            "assistant_only_loss = true\n  packing = true",
+        ),
+    )
+    .unwrap();
+    let (one_per_row, packed_loss) = (eval(&s(&rows), &a), eval(&s(&packed), &a));
+    assert!(
+        (packed_loss - one_per_row).abs() < 1e-6,
+        "packed {packed_loss} vs one per row {one_per_row}"
+    );
+    let data = "tests/fixtures/hf/llama-marked/conversations.jsonl";
+    let out = rcoa(&[
+        "run",
+        &s(&packed),
+        "--data",
+        data,
+        "--steps",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_data(&json_lines(&out)[0], "packed into 1 sequence)");
 
     let data = "tests/fixtures/hf/llama-marked/conversations.jsonl";
     let out = rcoa(&[

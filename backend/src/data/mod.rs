@@ -213,9 +213,10 @@ impl Source {
             } => match bins {
                 None => format!("{name} ({} {kind})", examples.len()),
                 Some(b) => format!(
-                    "{name} ({} {kind}, packed into {} sequences)",
+                    "{name} ({} {kind}, packed into {} sequence{})",
                     examples.len(),
-                    b.len()
+                    b.len(),
+                    if b.len() == 1 { "" } else { "s" }
                 ),
             },
             Source::Pairs { examples, name, .. } => {
