@@ -593,11 +593,6 @@ macro_rules! tiled_tests {
                     Problem::new(1, 2, 2, 50, 50, 32, true, &[], 25).with_window(16),
                     "window of a block d32",
                 ),
-                (
-                    Problem::new(2, 4, 2, 70, 70, 32, true, &[], 29)
-                        .with_documents(&[&[16, 20, 9], &[1, 50]]),
-                    "documents gqa d32",
-                ),
             ]
         }
 
