@@ -283,51 +283,40 @@ pub fn evaluate<B: ExecBackend>(
         } => {
             let s = *seq;
             // Each row's examples: a bin when packed, else one example.
-            let rows: Vec<Vec<usize>> = match bins {
-                Some(b) => b.clone(),
-                None => (0..examples.len()).map(|e| vec![e]).collect(),
+            let singles: Vec<usize>;
+            let rows: Vec<&[usize]> = match bins {
+                Some(b) => b.iter().map(Vec::as_slice).collect(),
+                None => {
+                    singles = (0..examples.len()).collect();
+                    singles.chunks(1).collect()
+                }
             };
             let (mut total, mut scored) = (0.0f64, 0usize);
             let mut batches = 0;
             for chunk in rows.chunks((*batch).max(1)) {
                 let n_rows = chunk.len();
-                let mut inputs = Vec::with_capacity(n_rows * s);
-                let mut targets = Vec::with_capacity(n_rows * s);
-                let mut weights = Vec::with_capacity(n_rows * s);
-                let mut positions = Vec::with_capacity(n_rows * s);
+                let mut out = crate::data::SftRows::new(bins.is_some());
                 for row in chunk {
-                    if bins.is_some() {
-                        crate::data::packing::row(
-                            examples,
-                            row,
-                            s,
-                            *pad,
-                            &mut inputs,
-                            &mut targets,
-                            &mut weights,
-                            &mut positions,
-                        );
-                    } else {
-                        examples[row[0]].row(s, *pad, &mut inputs, &mut targets, &mut weights);
-                    }
+                    out.push(examples, row, s, *pad);
                 }
                 let n = chunk
                     .iter()
-                    .flatten()
+                    .flat_map(|r| r.iter())
                     .map(|&e| examples[e].scored(s))
                     .sum::<usize>();
                 if n == 0 {
                     continue;
                 }
-                let packed = bins
-                    .is_some()
-                    .then(|| ctx.with_documents(&positions, n_rows, s, device));
+                let packed = out
+                    .positions
+                    .as_ref()
+                    .map(|p| ctx.with_documents(p, n_rows, s, device));
                 let mean = weighted_mean(
                     model,
                     packed.as_ref().unwrap_or(&ctx),
-                    inputs,
-                    targets,
-                    weights,
+                    out.inputs,
+                    out.targets,
+                    out.weights,
                     [n_rows, s],
                     *chunked,
                     device,

@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use rcoa_backend::data::files::FileSpec;
-use rcoa_backend::data::{packing, Batcher, Completion, Source};
+use rcoa_backend::data::{packing, Batcher, Completion, SftRows, Source};
 use rcoa_backend::tokenizer::TextTokenizer;
 use rcoa_compiler::spec::Loss;
 
@@ -154,10 +154,12 @@ proptest! {
             })
             .collect();
         let bins = packing::bins(&examples, seq);
-        let (mut inputs, mut targets, mut weights, mut positions) = (vec![], vec![], vec![], vec![]);
+        let mut out = SftRows::new(true);
         for b in &bins {
-            packing::row(&examples, b, seq, 7, &mut inputs, &mut targets, &mut weights, &mut positions);
+            packing::row(&examples, b, seq, 7, &mut out);
         }
+        let (inputs, weights) = (out.inputs, out.weights);
+        let positions = out.positions.expect("packed rows carry positions");
         prop_assert_eq!(inputs.len(), bins.len() * seq);
         prop_assert_eq!(positions.len(), inputs.len());
         let scored: usize = examples.iter().map(|e| e.scored(seq)).sum();

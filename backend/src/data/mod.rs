@@ -174,6 +174,42 @@ impl Completion {
     }
 }
 
+/// Supervised rows as a batch holds them, `[rows, seq]` each: one example per row, or
+/// (packed) a bin of examples per row with each token's position.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SftRows {
+    pub inputs: Vec<i64>,
+    pub targets: Vec<i64>,
+    pub weights: Vec<f32>,
+    /// Packed rows: each token's position in its example ([`Batch::positions`]).
+    pub positions: Option<Vec<i64>>,
+}
+
+impl SftRows {
+    pub fn new(packed: bool) -> Self {
+        SftRows {
+            positions: packed.then(Vec::new),
+            ..Default::default()
+        }
+    }
+
+    /// Appends the row of `seq` positions holding `row` of `examples`: its one example
+    /// right-padded ([`Completion::row`]), or a packed bin ([`packing::row`]).
+    pub fn push(&mut self, examples: &[Completion], row: &[usize], seq: usize, pad: u32) {
+        if self.positions.is_some() {
+            packing::row(examples, row, seq, pad, self);
+        } else {
+            examples[row[0]].row(
+                seq,
+                pad,
+                &mut self.inputs,
+                &mut self.targets,
+                &mut self.weights,
+            );
+        }
+    }
+}
+
 /// Tokens one training row reads: causal LM predicts `seq` next tokens
 /// from `seq + 1`.
 pub fn window_len(loss: Loss, seq: usize) -> usize {
@@ -435,7 +471,9 @@ impl Batcher {
         let base = self.rank * rows as u64;
         match self.loss {
             Loss::CausalLm if matches!(self.source, Source::Completions { .. }) => {
-                (targets, weights, positions) = self.completions(step, micro, &mut inputs);
+                let r = self.completions(step, micro);
+                (inputs, targets, weights, positions) =
+                    (r.inputs, r.targets, r.weights, r.positions);
             }
             Loss::CausalLm => {
                 for r in 0..rows {
@@ -532,16 +570,9 @@ impl Batcher {
         }
     }
 
-    /// Prompt-completion rows (`Completion::row`, or `packing::row` for packed rows, which
-    /// also gives each token's position). Padding needs no mask: causal attention never
-    /// shows a real position the pads after it. Returns the targets, weights and positions.
-    #[allow(clippy::type_complexity)]
-    fn completions(
-        &self,
-        step: u64,
-        micro: u64,
-        inputs: &mut Vec<i64>,
-    ) -> (Vec<i64>, Vec<f32>, Option<Vec<i64>>) {
+    /// Prompt-completion rows ([`SftRows::push`]). Padding needs no mask: causal attention
+    /// never shows a real position the pads after it.
+    fn completions(&self, step: u64, micro: u64) -> SftRows {
         let Source::Completions {
             examples,
             pad,
@@ -551,27 +582,12 @@ impl Batcher {
         else {
             unreachable!("called for prompt-completion files only")
         };
-        let (rows, s) = (self.rows(), self.seq);
-        let (mut targets, mut weights) =
-            (Vec::with_capacity(rows * s), Vec::with_capacity(rows * s));
-        let mut positions = bins.as_ref().map(|_| Vec::with_capacity(rows * s));
-        for i in 0..rows {
+        let mut out = SftRows::new(bins.is_some());
+        for i in 0..self.rows() {
             let row = self.row_examples(self.position(step, micro, i));
-            match &mut positions {
-                Some(p) => packing::row(
-                    examples,
-                    &row,
-                    s,
-                    *pad,
-                    inputs,
-                    &mut targets,
-                    &mut weights,
-                    p,
-                ),
-                None => examples[row[0]].row(s, *pad, inputs, &mut targets, &mut weights),
-            }
+            out.push(examples, &row, self.seq, *pad);
         }
-        (targets, weights, positions)
+        out
     }
 
     /// Scored positions of step `step` over its micro-batches and every rank's rows.
@@ -583,8 +599,12 @@ impl Batcher {
         let per_step = self.grad_accum.max(1) * self.ranks.max(1) * per_rank;
         let first = step * per_step;
         (first..first + per_step)
-            .flat_map(|p| self.row_examples(p).into_owned())
-            .map(|e| examples[e].scored(self.seq))
+            .map(|p| {
+                let row = self.row_examples(p);
+                row.iter()
+                    .map(|&e| examples[e].scored(self.seq))
+                    .sum::<usize>()
+            })
             .sum()
     }
 

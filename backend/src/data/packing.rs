@@ -12,7 +12,7 @@
 //!   the loss is the unpacked examples' loss, and each step's mean is over its scored
 //!   tokens as before.
 
-use super::Completion;
+use super::{Completion, SftRows};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Best-fit decreasing bins of items of `lengths` (each at most `capacity`), as TRL's
@@ -60,20 +60,18 @@ pub fn bins(examples: &[Completion], seq: usize) -> Vec<Vec<usize>> {
     best_fit_decreasing(&lengths, seq)
 }
 
-/// One packed row of `seq` positions, appended to a batch: the examples of `bin` one after
-/// the other (each cut to `seq` tokens, its last position scoring nothing), then `pad` to
-/// the end; `positions` restart at 0 with each example and with the padding.
-#[allow(clippy::too_many_arguments)]
-pub fn row(
-    examples: &[Completion],
-    bin: &[usize],
-    seq: usize,
-    pad: u32,
-    inputs: &mut Vec<i64>,
-    targets: &mut Vec<i64>,
-    weights: &mut Vec<f32>,
-    positions: &mut Vec<i64>,
-) {
+/// One packed row of `seq` positions, appended to `out` (whose rows are packed): the
+/// examples of `bin` one after the other (each cut to `seq` tokens, its last position
+/// scoring nothing), then `pad` to the end; positions restart at 0 with each example and
+/// with the padding.
+pub fn row(examples: &[Completion], bin: &[usize], seq: usize, pad: u32, out: &mut SftRows) {
+    let SftRows {
+        inputs,
+        targets,
+        weights,
+        positions,
+    } = out;
+    let positions = positions.as_mut().expect("packed rows carry positions");
     let start = inputs.len();
     for &e in bin {
         let len = examples[e].ids.len().min(seq);
@@ -196,13 +194,13 @@ mod tests {
             assistant: None,
         };
         let examples = [ex(&[10, 11, 12], 1), ex(&[20, 21, 22, 23], 2)];
-        let (mut i, mut t, mut w, mut p) = (vec![], vec![], vec![], vec![]);
-        row(&examples, &[1, 0], 9, 0, &mut i, &mut t, &mut w, &mut p);
-        assert_eq!(i, [20, 21, 22, 23, 10, 11, 12, 0, 0]);
-        assert_eq!(&t[..7], [21, 22, 23, 0, 11, 12, 0]);
-        assert_eq!(w, [0., 1., 1., 0., 1., 1., 0., 0., 0.]);
-        assert_eq!(p, [0, 1, 2, 3, 0, 1, 2, 0, 1]);
+        let mut out = SftRows::new(true);
+        row(&examples, &[1, 0], 9, 0, &mut out);
+        assert_eq!(out.inputs, [20, 21, 22, 23, 10, 11, 12, 0, 0]);
+        assert_eq!(&out.targets[..7], [21, 22, 23, 0, 11, 12, 0]);
+        assert_eq!(out.weights, [0., 1., 1., 0., 1., 1., 0., 0., 0.]);
+        assert_eq!(out.positions.unwrap(), [0, 1, 2, 3, 0, 1, 2, 0, 1]);
         let scored: usize = examples.iter().map(|e| e.scored(9)).sum();
-        assert_eq!(w.iter().sum::<f32>() as usize, scored);
+        assert_eq!(out.weights.iter().sum::<f32>() as usize, scored);
     }
 }

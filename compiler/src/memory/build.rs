@@ -949,9 +949,9 @@ impl<'a> Builder<'a> {
         // the documents in the position ids and hands SDPA their block-diagonal causal mask
         // (flash-attention 2 takes them as variable-length sequences instead).
         let packed = self.spec.train.packing && self.spec.train.attention != Attention::Flash;
-        let windowed =
+        let masked =
             !self.profile.burn_ops && (m.numerics.sliding_window.is_some_and(|w| s >= w) || packed);
-        let gqa_without_repeat = self.profile.gqa_without_repeat && !windowed;
+        let gqa_without_repeat = self.profile.gqa_without_repeat && !masked;
         let fused = self.profile.fused_attention
             && self.spec.train.attention != Attention::Eager
             && (sixteen_bit || kv == heads || !gqa_without_repeat);
@@ -973,7 +973,7 @@ impl<'a> Builder<'a> {
             if !repeated {
                 saved.extend(fused_qk.into_iter().flatten());
             }
-            if windowed {
+            if masked {
                 let mask = self.tensor("window_mask", &[seqs, 1, s, s], act, false);
                 self.op("window_mask", &[], &[mask], &[]);
                 inputs.push(mask);

@@ -253,15 +253,14 @@ pub fn burn_context_tensors(spec: &Spec, profile: &Profile, micro_batch: u64) ->
     let tokens = micro_batch.max(1) * seq;
     let mut out = Vec::new();
     if m.positions == Positions::Rope {
+        // Part of each head rotated: whole-head cosines too, and the swap index (i32).
+        let partial = m.numerics.rotary_dims.is_some_and(|r| r != m.head_dim);
+        let cos_cols = if partial { m.head_dim } else { m.head_dim / 2 };
         let rows: &[u64] = if packed { &[seq, tokens] } else { &[seq] };
         for &n in rows {
-            match m.numerics.rotary_dims.filter(|&r| r != m.head_dim) {
-                None => out.extend([bytes(n * (m.head_dim / 2)), bytes(n * m.head_dim)]),
-                // Part of each head rotated: whole-head tables (and, once, the swap index).
-                Some(_) => out.extend([bytes(n * m.head_dim), bytes(n * m.head_dim)]),
-            }
+            out.extend([bytes(n * cos_cols), bytes(n * m.head_dim)]);
         }
-        if m.numerics.rotary_dims.is_some_and(|r| r != m.head_dim) {
+        if partial {
             out.push(profile.allocated(m.head_dim * 4));
         }
     }
