@@ -959,7 +959,18 @@ pub struct ModelInit<'a> {
     pub frozen: FloatDType,
 }
 
-impl ModelInit<'_> {
+impl<'a> ModelInit<'a> {
+    /// Everything stored in fp32: the CPU's and the tests' model.
+    pub fn f32(model: &'a ModelSpec, adapter: Option<&'a AdapterSpec>, lm_head: bool) -> Self {
+        Self {
+            model,
+            adapter,
+            lm_head,
+            dtype: FloatDType::F32,
+            frozen: FloatDType::F32,
+        }
+    }
+
     fn dtype_of(&self, trainable: bool) -> FloatDType {
         if trainable {
             self.dtype
@@ -1477,17 +1488,7 @@ mod qlora_tests {
         let spec = tiny_plan().model;
         let init = |a: &AdapterSpec, device: &_| {
             <Ad as Backend>::seed(device, 7);
-            Model::<Ad>::new(
-                &ModelInit {
-                    model: &spec,
-                    adapter: Some(a),
-                    lm_head: true,
-                    dtype: FloatDType::F32,
-                    frozen: FloatDType::F32,
-                },
-                device,
-            )
-            .map(&mut Fill)
+            Model::<Ad>::new(&ModelInit::f32(&spec, Some(a), true), device).map(&mut Fill)
         };
         let qa = adapter(AdapterKind::Qlora);
         let q = init(&qa, &device);
@@ -1559,16 +1560,7 @@ mod qlora_tests {
         let dir = std::path::PathBuf::from(spec.weights.clone().unwrap());
         let device = Default::default();
         let build = |a: Option<&AdapterSpec>| {
-            let mut m = Model::<Ad>::new(
-                &ModelInit {
-                    model: &spec,
-                    adapter: a,
-                    lm_head: true,
-                    dtype: FloatDType::F32,
-                    frozen: FloatDType::F32,
-                },
-                &device,
-            );
+            let mut m = Model::<Ad>::new(&ModelInit::f32(&spec, a, true), &device);
             crate::weights::load_into(&mut m, &spec, &dir).unwrap();
             m
         };
@@ -1609,16 +1601,7 @@ mod qlora_tests {
         let spec = tiny_plan().model;
         let build = |a: &AdapterSpec, seed: u64| {
             <Ad as Backend>::seed(&device, seed);
-            Model::<Ad>::new(
-                &ModelInit {
-                    model: &spec,
-                    adapter: Some(a),
-                    lm_head: true,
-                    dtype: FloatDType::F32,
-                    frozen: FloatDType::F32,
-                },
-                &device,
-            )
+            Model::<Ad>::new(&ModelInit::f32(&spec, Some(a), true), &device)
         };
         let qa = adapter(AdapterKind::Qlora);
         let bases = |m: &Model<Ad>| -> Vec<crate::quant::nf4::Nf4Weight> {
@@ -1930,13 +1913,7 @@ mod padding_tests {
         spec.tie_embeddings = tied;
         spec.numerics.padding_idx = padding;
         let device = Default::default();
-        let init = ModelInit {
-            model: &spec,
-            adapter: None,
-            lm_head: true,
-            dtype: FloatDType::F32,
-            frozen: FloatDType::F32,
-        };
+        let init = ModelInit::f32(&spec, None, true);
         let model = Model::<Ad>::new(&init, &device);
         let ids = [5i64, 3, 9, 3, 7, 11];
         let tokens = Tensor::<Ad, 2, Int>::from_data(

@@ -359,13 +359,7 @@ fn padding_hides_pad_tokens_from_real_tokens() {
     let _serial = serial();
     let plan = tiny_encoder_plan(rcoa_compiler::spec::Loss::Contrastive);
     let device = Default::default();
-    let init = ModelInit {
-        model: &plan.model,
-        adapter: None,
-        lm_head: false,
-        dtype: burn::tensor::FloatDType::F32,
-        frozen: burn::tensor::FloatDType::F32,
-    };
+    let init = ModelInit::f32(&plan.model, None, false);
     let model = Model::<Inner>::new(&init, &device);
     let mut ctx = Ctx::<Inner>::new(
         &plan.model,

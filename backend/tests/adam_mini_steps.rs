@@ -64,13 +64,7 @@ fn three_steps_of_a_checkpoint_match_transformers_with_the_package() {
     let f = |v: &serde_json::Value| v.as_f64().unwrap();
     let m = llama();
     let device = Default::default();
-    let init = ModelInit {
-        model: &m,
-        adapter: None,
-        lm_head: true,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(&m, None, true);
     let mut model = Model::<B>::new(&init, &device);
     rcoa_backend::weights::load_into(&mut model, &m, &root().join("tests/fixtures/hf/llama"))
         .unwrap();

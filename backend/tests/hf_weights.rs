@@ -45,13 +45,7 @@ fn reference(name: &str) -> serde_json::Value {
 
 fn loaded(m: &ModelSpec, lm_head: bool) -> Result<Model<B>, rcoa_backend::RunError> {
     let device = Default::default();
-    let init = ModelInit {
-        model: m,
-        adapter: None,
-        lm_head,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(m, None, lm_head);
     let mut model = Model::<B>::new(&init, &device);
     let dir = m.weights.as_ref().expect("the spec names the checkpoint");
     rcoa_backend::weights::load_into(&mut model, m, Path::new(dir))?;
@@ -511,13 +505,7 @@ impl<X: Backend> ModuleMapper<X> for FixedLora {
 /// The fixture's weights with the adapter `a` on top, its `b`s nonzero.
 fn adapted(m: &ModelSpec, a: &AdapterSpec, lm_head: bool) -> Model<B> {
     let device = Default::default();
-    let init = ModelInit {
-        model: m,
-        adapter: Some(a),
-        lm_head,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(m, Some(a), lm_head);
     let mut model = Model::<B>::new(&init, &device);
     let dir = m.weights.as_ref().expect("a fixture");
     rcoa_backend::weights::load_into(&mut model, m, Path::new(dir)).unwrap();
@@ -529,13 +517,7 @@ fn adapted(m: &ModelSpec, a: &AdapterSpec, lm_head: bool) -> Model<B> {
 
 /// A plain model (no adapter) with the weights in `stored`.
 fn plain_from(m: &ModelSpec, stored: &Stored, lm_head: bool) -> Model<B> {
-    let init = ModelInit {
-        model: m,
-        adapter: None,
-        lm_head,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(m, None, lm_head);
     let mut model = Model::<B>::new(&init, &Default::default());
     load_from(&mut model, Family::of(m), stored).unwrap_or_else(|e| panic!("{e}"));
     model

@@ -491,13 +491,7 @@ mod tests {
             .iter()
             .zip(wanted)
         {
-            let init = ModelInit {
-                model: &plan.model,
-                adapter: None,
-                lm_head: true,
-                dtype: burn::tensor::FloatDType::F32,
-                frozen: burn::tensor::FloatDType::F32,
-            };
+            let init = ModelInit::f32(&plan.model, None, true);
             let model = crate::model::Model::<A>::new(&init, &Default::default());
             let mut paths = Paths(Vec::new(), Vec::new());
             model.visit(&mut paths);

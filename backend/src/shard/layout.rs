@@ -211,13 +211,11 @@ mod tests {
                 self.0.add(p.shape().num_elements(), p.is_require_grad());
             }
         }
-        let init = ModelInit {
-            model: &plan.model,
-            adapter: plan.adapter.as_ref(),
-            lm_head: plan.train.loss != Loss::Contrastive,
-            dtype: burn::tensor::FloatDType::F32,
-            frozen: burn::tensor::FloatDType::F32,
-        };
+        let init = ModelInit::f32(
+            &plan.model,
+            plan.adapter.as_ref(),
+            plan.train.loss != Loss::Contrastive,
+        );
         let mut out = Vec::new();
         Model::<Cpu>::build_parts(&init, &Default::default(), &mut |part| {
             let mut c = Count(UnitValues::default());

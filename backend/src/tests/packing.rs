@@ -32,13 +32,7 @@ fn packed_and_alone(
         attention == Attention::Flash,
     );
     let device = Default::default();
-    let init = ModelInit {
-        model: spec,
-        adapter: None,
-        lm_head: true,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(spec, None, true);
     let model = Model::<Ad>::new(&init, &device);
     let d = spec.hidden as usize;
     let real: usize = docs.iter().map(|d| d.len()).sum();
@@ -139,13 +133,7 @@ fn a_row_read_as_one_sequence_differs() {
     let _g = serial();
     let spec = crate::testing::tiny_plan().model;
     let device = Default::default();
-    let init = ModelInit {
-        model: &spec,
-        adapter: None,
-        lm_head: true,
-        dtype: FloatDType::F32,
-        frozen: FloatDType::F32,
-    };
+    let init = ModelInit::f32(&spec, None, true);
     let model = Model::<Ad>::new(&init, &device);
     let ids: Vec<i64> = DOCS.concat();
     let s = ids.len();
