@@ -404,6 +404,9 @@ pub(crate) fn run_probed(
     // (the pool setter is cubecl-cuda's own, not `CubeClRuntimeConfig`), before
     // the first kernel.
     crate::pool::configure(crate::pool::selected())?;
+    crate::kernels::gemm::cublas::set_tf32(
+        plan.precision.compute == rcoa_compiler::spec::Dtype::Tf32,
+    );
     on_event(Event::Compiling {
         cold,
         entries: crate::kernel_cache::count_entries(&dir),

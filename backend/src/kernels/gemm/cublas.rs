@@ -10,6 +10,7 @@
 
 use std::cell::RefCell;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use cubecl::cuda::CudaRuntime;
@@ -31,6 +32,30 @@ pub fn available() -> bool {
     // SAFETY: opening the library runs its initialisers, which have no
     // preconditions; the handle is closed again.
     *PRESENT.get_or_init(|| unsafe { cb::is_culib_present() })
+}
+
+/// Whether fp32 products read their operands as TF32 on tensor cores: a plan
+/// that computes in `tf32`. A plan in `fp32` gets exact fp32 products, as
+/// PyTorch's default (`allow_tf32 = False`). Set once per run, before its
+/// first product ([`set_tf32`]).
+static TF32: AtomicBool = AtomicBool::new(false);
+
+/// fp32 products as TF32 (`precision { compute = tf32 }`) or exact.
+pub fn set_tf32(on: bool) {
+    TF32.store(on, Ordering::Relaxed);
+}
+
+pub fn tf32() -> bool {
+    TF32.load(Ordering::Relaxed)
+}
+
+/// What cuBLAS accumulates and rounds in: f32 always; for fp32 matrices,
+/// operands rounded to TF32 where asked.
+fn compute_type(elem: Elem, tf32: bool) -> cb::cublasComputeType_t {
+    match elem {
+        Elem::F32 if tf32 => cb::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        _ => cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    }
 }
 
 fn data_type(elem: Elem) -> cb::cudaDataType_t {
@@ -151,7 +176,8 @@ fn op(op: Op) -> cb::cublasOperation_t {
 }
 
 /// Queues `C = op(P) · op(Q)` on `stream`, all matrices `elem`, accumulated
-/// in f32 on tensor cores where the type has them. Returns once queued.
+/// in f32 on tensor cores where the type has them (fp32 ones only as TF32,
+/// [`set_tf32`]). Returns once queued.
 ///
 /// # Safety
 ///
@@ -168,10 +194,10 @@ pub unsafe fn gemm(
     let context = enter_context(stream)?;
     with_handle(client, context, stream, |handle| {
         let (one, zero) = (1.0f32, 0.0f32);
-        let ty = data_type(elem);
+        let (ty, compute) = (data_type(elem), compute_type(elem, tf32()));
         let s = cubecl::cuda::kernel_timing::time_external("cublas_gemm", stream, || {
             // SAFETY: the caller's pointers; alpha and beta are f32 as
-            // CUBLAS_COMPUTE_32F requires; `Call::new` checked the sizes.
+            // both 32F compute types require; `Call::new` checked the sizes.
             unsafe {
                 cb::cublasGemmEx(
                     handle,
@@ -191,11 +217,28 @@ pub unsafe fn gemm(
                     ptrs.c as *mut c_void,
                     ty,
                     call.ldc,
-                    cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    compute,
                     cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
         });
         status("cublasGemmEx", s)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_fp32_products_of_a_tf32_plan_round_to_tf32() {
+        use cb::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
+        assert_eq!(compute_type(Elem::F32, false), CUBLAS_COMPUTE_32F);
+        assert_eq!(compute_type(Elem::F32, true), CUBLAS_COMPUTE_32F_FAST_TF32);
+        for elem in [Elem::F16, Elem::Bf16] {
+            for tf32 in [false, true] {
+                assert_eq!(compute_type(elem, tf32), CUBLAS_COMPUTE_32F);
+            }
+        }
+    }
 }

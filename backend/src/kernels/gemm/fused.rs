@@ -48,6 +48,9 @@ fn parse_engine(var: Option<&str>) -> Result<Engine, String> {
 /// Which library multiplies, for the run's device line.
 pub fn engine_in_use() -> &'static str {
     match engine_asked() {
+        Engine::Cublas if cublas::available() && cublas::tf32() => {
+            "matmuls on cuBLAS, fp32 ones as TF32"
+        }
         Engine::Cublas if cublas::available() => "matmuls on cuBLAS",
         Engine::Cublas => "matmuls on CubeCL (RCOA_MATMUL=cublas, but no cuBLAS loads)",
         Engine::CubeCl => "matmuls on CubeCL",

@@ -75,6 +75,10 @@ fn reference(x: &[f64], w: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
     y
 }
 
+/// The largest difference, over the largest value, between a step whose products
+/// read TF32 operands (10 bits of mantissa, as fp16) and one computed in fp32.
+const TF32_TOLERANCE: f64 = 1e-2;
+
 fn tolerance(dtype: FloatDType) -> f64 {
     match dtype {
         FloatDType::F32 => 1e-5,
@@ -221,6 +225,12 @@ fn later_cubecl_kernels_see_the_product() {
 /// forward's products and both of each backward's, `autodiff`) equal those on CubeCL's
 /// matmul, at widths CubeCL's allocator pads (rows of 48, 80 and 100 f32 values), so
 /// padded operands and outputs meet cuBLAS the way a model's do.
+///
+/// Equal within TF32's rounding, not fp32's: CubeCL's f32 matmuls on tensor cores read
+/// their operands as TF32 (cubek-matmul's `adjust_dtypes`; the `burn` profile's fp32
+/// rate, 0.18 of TF32's, is above the H100's plain fp32 peak), where cuBLAS computes an
+/// fp32 plan exactly. A wrong layout is off by the values' own size (2026-11-30h: 17.9
+/// where the largest was 15.4), far outside this.
 #[test]
 fn whole_training_step_on_cublas_equals_cubecl() {
     use super::fused::{with_engine, Engine};
@@ -244,7 +254,7 @@ fn whole_training_step_on_cublas_equals_cubecl() {
     let (want_loss, want) = step(Engine::CubeCl);
     let (loss, got) = step(Engine::Cublas);
     assert!(
-        (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+        (loss - want_loss).abs() <= TF32_TOLERANCE * want_loss.abs(),
         "loss {loss} on cuBLAS against {want_loss}"
     );
     assert_eq!(got.len(), want.len());
@@ -256,7 +266,7 @@ fn whole_training_step_on_cublas_equals_cubecl() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
         assert!(
-            worst <= 1e-4 * scale,
+            worst <= TF32_TOLERANCE as f32 * scale,
             "parameter {i}: gradients differ by {worst:e} (largest {scale:e})"
         );
     }
